@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+TORCH   := torch==2.13.0
+
+.PHONY: demo test bench setup clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first so pip takes the local CPU build, never a CUDA download.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]' $(TORCH)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m sbpflow demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=10
+
+bench: $(STAMP)
+	$(PY) benchmarks/boxing.py
+
+clean:
+	rm -rf .venv build *.egg-info

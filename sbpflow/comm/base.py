@@ -1,0 +1,285 @@
+"""The Communicator protocol and its byte counters.
+
+A `Communicator` is one rank's handle on the world. Every collective runs over a *group*: a
+tuple of global ranks, in the order that defines piece indices (``pieces[i]`` goes to
+``group[i]``). Uneven piece sizes are allowed everywhere. Callers that know the shapes of what
+they will receive pass them (``shapes=``), so no backend needs a size exchange.
+
+Byte accounting is defined here, once, for every backend: the bytes that a bandwidth-optimal
+algorithm moves (ring all-gather / all-reduce, pairwise reduce-scatter / all-to-all). Summed over
+the ranks of a group of ``p`` holding a tensor of ``|T|`` bytes:
+
+=================  ===========================  =======================================
+kind               per rank ``i`` sends           sum over ranks
+=================  ===========================  =======================================
+all_gather         ``(p-1)·|piece_i|``            ``(p-1)·|T|``  (T = all pieces)
+reduce_scatter     ``Σ_{j≠i} |piece_j|``          ``(p-1)·|T|``  (T = one rank's input)
+all_reduce         RS + AG over balanced chunks   ``2(p-1)·|T|``
+all_to_all         ``Σ_{j≠i} |piece_j|``          every byte that changes rank
+broadcast          src: ``(p-1)·|T|``             ``(p-1)·|T|``
+p2p                ``|T|`` per message            ``|T|`` per message
+=================  ===========================  =======================================
+Received bytes mirror these, so Σ sent == Σ received over a group.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..sbp import part
+
+__all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
+           "nbytes"]
+
+REDUCE_OPS = ("sum", "max", "min")
+Assemble = Callable[[list], object]  # receives the pieces (valid only during the call)
+
+_REDUCERS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce ``tensors`` in the given order into a new tensor (same order on every rank, so
+    every rank computes bit-identical results)."""
+    fn = _REDUCERS[op]
+    out = tensors[0].clone() if len(tensors) == 1 else fn(tensors[0], tensors[1])
+    for t in tensors[2:]:
+        out = fn(out, t, out=out)
+    return out
+
+
+def nbytes(t: torch.Tensor | tuple, dtype: torch.dtype | None = None) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    numel = 1
+    for s in t:
+        numel *= int(s)
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def _clone_all(pieces: list) -> list:
+    return [p.clone() for p in pieces]
+
+
+@dataclass
+class KindStats:
+    sent: int = 0
+    recv: int = 0
+    calls: int = 0
+
+
+@dataclass
+class CommStats:
+    """Bytes sent and received by one rank, per kind of communication, since the last reset."""
+
+    rank: int
+    kinds: dict = field(default_factory=dict)
+
+    @property
+    def sent(self) -> int:
+        return sum(k.sent for k in self.kinds.values())
+
+    @property
+    def recv(self) -> int:
+        return sum(k.recv for k in self.kinds.values())
+
+    def __getitem__(self, kind: str) -> KindStats:
+        return self.kinds.get(kind, KindStats())
+
+    def copy(self) -> "CommStats":
+        return CommStats(self.rank, {k: KindStats(v.sent, v.recv, v.calls)
+                                     for k, v in self.kinds.items()})
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}: sent={v.sent} recv={v.recv} calls={v.calls}"
+                         for k, v in sorted(self.kinds.items()))
+        return f"CommStats(rank={self.rank}, sent={self.sent}, recv={self.recv}; {body})"
+
+
+class Communicator:
+    """One rank's communication with the others. Subclasses implement the ``_`` methods.
+
+    Public methods validate, count bytes, skip single-member groups, then call the backend.
+    All methods are blocking and return new tensors (never views of another rank's memory).
+    """
+
+    backend: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._stats = CommStats(rank)
+        self._stats_lock = threading.Lock()
+        self.state: dict = {}  # per-rank state of the layers above (e.g. RNG seed counters)
+
+    # -- accounting -------------------------------------------------------------------------
+    def _count(self, kind: str, sent: int, recv: int) -> None:
+        with self._stats_lock:
+            k = self._stats.kinds.setdefault(kind, KindStats())
+            k.sent += sent
+            k.recv += recv
+            k.calls += 1
+
+    def stats(self) -> CommStats:
+        with self._stats_lock:
+            return self._stats.copy()
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._stats = CommStats(self.rank)
+
+    def _index(self, group: Sequence[int], kind: str) -> int:
+        try:
+            return list(group).index(self.rank)
+        except ValueError:
+            from ..errors import CommError
+            raise CommError(f"{kind}: rank {self.rank} is not in the group {tuple(group)}") from None
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_gather(self, tensor: torch.Tensor, group: Sequence[int], shapes=None,
+                   assemble: Assemble | None = None):
+        """Every member gets every member's tensor. ``shapes[j]``: shape of member j's tensor.
+
+        Returns ``assemble(pieces)`` (default: a list of copies, in group order).
+        """
+        group = tuple(group)
+        i = self._index(group, "all_gather")
+        assemble = assemble or _clone_all
+        if len(group) == 1:
+            return assemble([tensor])
+        if shapes is None:
+            shapes = self._exchange_shapes(tensor, group)
+        sizes = [nbytes(tuple(s), tensor.dtype) for s in shapes]
+        self._count("all_gather", (len(group) - 1) * nbytes(tensor), sum(sizes) - sizes[i])
+        return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble)
+
+    def all_to_all(self, pieces: Sequence[torch.Tensor], group: Sequence[int], shapes=None,
+                   assemble: Assemble | None = None):
+        """``pieces[j]`` goes to ``group[j]``; returns ``assemble(received)`` in group order.
+
+        ``shapes[j]``: shape of the piece this rank receives from ``group[j]``.
+        """
+        group = tuple(group)
+        i = self._index(group, "all_to_all")
+        assemble = assemble or _clone_all
+        if len(pieces) != len(group):
+            raise ValueError(f"all_to_all: {len(pieces)} pieces for a group of {len(group)}")
+        if len(group) == 1:
+            return assemble(list(pieces))
+        if shapes is None:
+            shapes = self._exchange_a2a_shapes(pieces, group)
+        shapes = [tuple(s) for s in shapes]
+        dtype = pieces[0].dtype
+        sent = sum(nbytes(p) for j, p in enumerate(pieces) if j != i)
+        recv = sum(nbytes(s, dtype) for j, s in enumerate(shapes) if j != i)
+        self._count("all_to_all", sent, recv)
+        return self._all_to_all(list(pieces), group, shapes, assemble)
+
+    def reduce_scatter(self, pieces: Sequence[torch.Tensor], group: Sequence[int],
+                       op: str = "sum") -> torch.Tensor:
+        """Member j receives the ``op``-reduction over members of their ``pieces[j]``."""
+        group = tuple(group)
+        i = self._index(group, "reduce_scatter")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        if len(group) == 1:
+            return pieces[0].clone()
+        sent = sum(nbytes(p) for j, p in enumerate(pieces) if j != i)
+        self._count("reduce_scatter", sent, (len(group) - 1) * nbytes(pieces[i]))
+        return self._reduce_scatter(list(pieces), group, op)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], op: str = "sum") -> torch.Tensor:
+        """Every member gets the ``op``-reduction of all members' tensors (same shape)."""
+        group = tuple(group)
+        i = self._index(group, "all_reduce")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        if len(group) == 1:
+            return tensor.clone()
+        p, n = len(group), tensor.numel()
+        chunk = part(n, p, i)[1]
+        moved = (n - chunk + (p - 1) * chunk) * tensor.element_size()
+        self._count("all_reduce", moved, moved)
+        return self._all_reduce(tensor, group, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int]) -> torch.Tensor:
+        """Every member gets ``src``'s tensor; the others pass a tensor of the same shape/dtype."""
+        group = tuple(group)
+        self._index(group, "broadcast")
+        if len(group) == 1:
+            return tensor.clone()
+        b = nbytes(tensor)
+        if self.rank == src:
+            self._count("broadcast", (len(group) - 1) * b, 0)
+        else:
+            self._count("broadcast", 0, b)
+        return self._broadcast(tensor, src, group)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._count("p2p", nbytes(tensor), 0)
+        self._exchange([(dst, tensor)], [])
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+        self._count("p2p", 0, nbytes(tuple(shape), dtype))
+        return self._exchange([], [(src, tuple(shape), dtype, torch.device(device))])[0]
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple]) -> list[torch.Tensor]:
+        """Batched point-to-point: ``sends`` are ``(dst, tensor)``, ``recvs`` are
+        ``(src, shape, dtype[, device])``; messages between a pair arrive in order.
+        Returns the received tensors in the order of ``recvs``. Never deadlocks on ordering."""
+        recvs = [(r[0], tuple(r[1]), r[2], torch.device(r[3] if len(r) > 3 else "cpu"))
+                 for r in recvs]
+        if sends or recvs:
+            self._count("p2p", sum(nbytes(t) for _, t in sends),
+                        sum(nbytes(s, d) for _, s, d, _ in recvs))
+        return self._exchange(list(sends), recvs)
+
+    def barrier(self, group: Sequence[int] | None = None) -> None:
+        group = tuple(group) if group is not None else tuple(range(self.world_size))
+        if len(group) > 1:
+            self._barrier(group)
+
+    # -- shape exchange for callers that do not know them (counted as "meta") -----------------
+    def _exchange_shapes(self, tensor: torch.Tensor, group: tuple) -> list[tuple]:
+        dims = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        out = self.all_gather(dims, group, shapes=[dims.shape] * len(group))
+        return [tuple(int(v) for v in t) for t in out]
+
+    def _exchange_a2a_shapes(self, pieces, group: tuple) -> list[tuple]:
+        dims = [torch.tensor(list(p.shape), dtype=torch.int64) for p in pieces]
+        out = self.all_to_all(dims, group, shapes=[dims[0].shape] * len(group))
+        return [tuple(int(v) for v in t) for t in out]
+
+    # -- backend hooks ------------------------------------------------------------------------
+    def _all_gather(self, tensor, group, shapes, assemble):
+        raise NotImplementedError
+
+    def _all_to_all(self, pieces, group, shapes, assemble):
+        raise NotImplementedError
+
+    def _reduce_scatter(self, pieces, group, op):
+        raise NotImplementedError
+
+    def _all_reduce(self, tensor, group, op):
+        raise NotImplementedError
+
+    def _broadcast(self, tensor, src, group):
+        raise NotImplementedError
+
+    def _exchange(self, sends, recvs):
+        raise NotImplementedError
+
+    def _barrier(self, group):
+        raise NotImplementedError
+
+    def device(self, device_type: str) -> torch.device:
+        """The torch device this rank uses for ``device_type`` placements."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

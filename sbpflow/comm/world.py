@@ -1,0 +1,137 @@
+"""Which communicator the calling rank uses, and ``launch`` / ``init`` to get one.
+
+Inside ``launch(..., backend="threads")`` each rank thread has its own communicator
+(thread-local). Under torchrun, ``init()`` sets one for the process. Outside both, a
+single-rank world is created on first use, so sbpflow also works as plain single-device code.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+from ..errors import CommAborted, SbpError
+from .base import Communicator, CommStats
+from .threads import ThreadCommunicator, ThreadWorld
+
+__all__ = ["current", "rank", "world_size", "launch", "init", "stats", "reset_stats",
+           "is_initialized", "set_current"]
+
+_local = threading.local()
+_process: Communicator | None = None
+_process_lock = threading.Lock()
+
+
+def set_current(comm: Communicator | None, *, process_wide: bool = False) -> None:
+    """Make ``comm`` the calling thread's (or the whole process's) communicator."""
+    global _process
+    if process_wide:
+        _process = comm
+    else:
+        _local.comm = comm
+
+
+def is_initialized() -> bool:
+    return getattr(_local, "comm", None) is not None or _process is not None
+
+
+def current() -> Communicator:
+    """The calling rank's communicator (a single-rank world if none was set up)."""
+    global _process
+    comm = getattr(_local, "comm", None)
+    if comm is not None:
+        return comm
+    if _process is None:
+        with _process_lock:
+            if _process is None:
+                _process = ThreadCommunicator(ThreadWorld(1), 0)
+    return _process
+
+
+def rank() -> int:
+    """This rank's global id."""
+    return current().rank
+
+
+def world_size() -> int:
+    """Number of ranks in the world."""
+    return current().world_size
+
+
+def stats() -> CommStats:
+    """Bytes this rank sent and received, per kind, since the last `reset_stats`."""
+    return current().stats()
+
+
+def reset_stats() -> None:
+    current().reset_stats()
+
+
+def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
+           args: Sequence[Any] = (), kwargs: dict | None = None,
+           timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank of a new world; return the per-rank results.
+
+    ``backend="threads"`` runs one thread a rank in this process; ``backend="torch"`` spawns
+    ``world_size`` processes joined by torch.distributed (gloo on localhost); ``fn`` and its
+    arguments must then be picklable. If a rank raises, the others stop within about a second
+    and the first rank's original exception is re-raised here, with a note naming its rank.
+    ``timeout`` (seconds, default ``SBPFLOW_TIMEOUT`` or 300) bounds every collective's wait.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SbpError(f"world_size must be a positive int, got {world_size!r}")
+    kwargs = kwargs or {}
+    if backend == "threads":
+        return _launch_threads(fn, world_size, tuple(args), kwargs, timeout)
+    if backend == "torch":
+        from .torch_backend import launch_processes
+        return launch_processes(fn, world_size, tuple(args), kwargs, timeout)
+    raise SbpError(f"unknown backend {backend!r}; use 'threads' or 'torch'")
+
+
+def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
+    world = ThreadWorld(world_size, timeout)
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []
+    errors_lock = threading.Lock()
+
+    def body(r: int) -> None:
+        _local.comm = ThreadCommunicator(world, r)
+        try:
+            results[r] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller
+            with errors_lock:
+                errors.append((r, exc))
+            world.abort(r, exc)
+        finally:
+            world.finish(r)
+            _local.comm = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"sbpflow-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        # The root cause is the first error that is not another rank's abort.
+        r, exc = next(((r, e) for r, e in errors if not isinstance(e, CommAborted)), errors[0])
+        _add_note(exc, f"raised on rank {r} of {world_size} (sbpflow threads backend)")
+        raise exc
+    return results
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def init(backend: str | None = None) -> Communicator:
+    """Join the torch.distributed world described by the environment (torchrun).
+
+    Uses gloo, or nccl when ``backend="nccl"`` / CUDA is the intended device. Idempotent.
+    """
+    from .torch_backend import init_from_env
+    comm = init_from_env(backend)
+    set_current(comm, process_wide=True)
+    return comm
