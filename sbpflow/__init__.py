@@ -1,0 +1,29 @@
+"""sbpflow: write the program once, as for one device; say how each tensor is laid out over a
+mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the communication.
+
+    import sbpflow as sf
+    mesh = sf.placement("cpu", ranks=[[0, 1], [2, 3]])
+    x = sf.randn(6, 10, placement=mesh, sbp=(sf.S(0), sf.S(1)), seed=0)
+    y = x.to_global(sbp=(sf.B, sf.S(0)))
+"""
+
+from . import boxing, comm, sbp
+from .comm import init, launch, rank, world_size
+from .errors import (BoxingError, CommAborted, CommError, CommTimeout, PlacementError,
+                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
+                     SplitAxisError)
+from .placement import Placement, placement
+from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
+from .tensor import (GlobalTensor, arange, from_local, full, manual_seed, ones, rand, randn,
+                     tensor, zeros)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "boxing", "comm", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
+    "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
+    "GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
+    "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
+    "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
+    "CommAborted", "CommTimeout",
+]

@@ -177,7 +177,8 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def format_nd_sbp(nd_sbp: Sequence[Sbp]) -> str:
-    return "(" + ", ".join(repr(s) for s in nd_sbp) + ")"
+    inner = ", ".join(repr(s) for s in nd_sbp)
+    return f"({inner},)" if len(nd_sbp) == 1 else f"({inner})"
 
 
 def dual(s: Sbp) -> Sbp:

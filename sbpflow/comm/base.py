@@ -140,10 +140,11 @@ class Communicator:
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, tensor: torch.Tensor, group: Sequence[int], shapes=None,
-                   assemble: Assemble | None = None):
+                   assemble: Assemble | None = None, count_as: str = "all_gather"):
         """Every member gets every member's tensor. ``shapes[j]``: shape of member j's tensor.
 
-        Returns ``assemble(pieces)`` (default: a list of copies, in group order).
+        Returns ``assemble(pieces)`` (default: a list of copies, in group order). ``count_as``
+        names the kind the bytes are counted under (e.g. "meta" for shape exchanges).
         """
         group = tuple(group)
         i = self._index(group, "all_gather")
@@ -153,7 +154,7 @@ class Communicator:
         if shapes is None:
             shapes = self._exchange_shapes(tensor, group)
         sizes = [nbytes(tuple(s), tensor.dtype) for s in shapes]
-        self._count("all_gather", (len(group) - 1) * nbytes(tensor), sum(sizes) - sizes[i])
+        self._count(count_as, (len(group) - 1) * nbytes(tensor), sum(sizes) - sizes[i])
         return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble)
 
     def all_to_all(self, pieces: Sequence[torch.Tensor], group: Sequence[int], shapes=None,
@@ -247,7 +248,7 @@ class Communicator:
     # -- shape exchange for callers that do not know them (counted as "meta") -----------------
     def _exchange_shapes(self, tensor: torch.Tensor, group: tuple) -> list[tuple]:
         dims = torch.tensor(list(tensor.shape), dtype=torch.int64)
-        out = self.all_gather(dims, group, shapes=[dims.shape] * len(group))
+        out = self.all_gather(dims, group, shapes=[dims.shape] * len(group), count_as="meta")
         return [tuple(int(v) for v in t) for t in out]
 
     def _exchange_a2a_shapes(self, pieces, group: tuple) -> list[tuple]:

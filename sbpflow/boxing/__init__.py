@@ -1,0 +1,28 @@
+"""Boxing: plan and run the redistribution of a global tensor between two layouts.
+
+``plan(shape, dtype, src=(placement, sbp), dst=(placement, sbp))`` shows the steps and their
+bytes without running anything; ``run_plan`` applies a plan to this rank's local shard, each step
+an autograd Function whose backward is the dual step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator, current
+from .executor import apply_step, empty_local, identity_value, run_step
+from .planner import BoxingPlan, plan, plan_layouts
+from .steps import Step, dual_step
+
+__all__ = ["BoxingPlan", "Step", "plan", "plan_layouts", "run_plan", "run_step", "apply_step",
+           "dual_step", "empty_local", "identity_value"]
+
+
+def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,
+             comm: Communicator | None = None) -> torch.Tensor:
+    """This rank's shard after running ``boxing_plan`` on its shard ``local`` (every rank of the
+    world calls it; ranks outside both placements pass through)."""
+    comm = comm or current()
+    for step in boxing_plan.steps:
+        local = apply_step(step, local, comm)
+    return local

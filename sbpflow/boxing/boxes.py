@@ -1,0 +1,42 @@
+"""Boxes: axis-aligned regions of a logical tensor, as ``((start, size), ...)`` per axis.
+
+Every shard is a box (see `sbpflow.sbp.shard_box`); boxing moves the intersections of boxes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+Box = tuple  # tuple[tuple[int, int], ...]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(size for _, size in box)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(size for _, size in box)
+
+
+def intersect(a: Box, b: Box) -> Box:
+    """The common region of two boxes (sizes may be 0)."""
+    out = []
+    for (s1, n1), (s2, n2) in zip(a, b):
+        lo, hi = max(s1, s2), min(s1 + n1, s2 + n2)
+        out.append((lo, max(hi - lo, 0)))
+    return tuple(out)
+
+
+def relative(box: Box, origin: Box) -> tuple[slice, ...]:
+    """Slices that select ``box`` inside a tensor holding region ``origin``."""
+    return tuple(slice(s - o, s - o + n) for (s, n), (o, _) in zip(box, origin))
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(o <= s and s + n <= o + m for (s, n), (o, m) in zip(inner, outer)) or \
+        box_numel(inner) == 0
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)

@@ -1,0 +1,185 @@
+"""Run boxing steps on this rank's local shard; each step is an autograd Function whose
+backward runs the dual step (DESIGN.md, gradient layout)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..comm import Communicator
+from ..sbp import Partial, Split, shard_box
+from .boxes import box_shape, contains, intersect, relative
+from .steps import Step, dual_step, member_boxes
+
+__all__ = ["run_step", "apply_step", "identity_value", "empty_local"]
+
+
+def identity_value(op: str, dtype: torch.dtype):
+    """The value that leaves an ``op``-reduction unchanged (0 for sum, -inf/min for max, ...)."""
+    if op == "sum":
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    info = torch.finfo(dtype) if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype)
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    return info.min if op == "max" else info.max
+
+
+def empty_local(dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
+    """The shard of a rank outside a tensor's placement."""
+    return torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def _holder_and_op(dst: tuple, src: tuple, coord: tuple, dims) -> tuple[bool, str]:
+    """Whether this rank keeps its data when ``dims`` turn partial, and the reduction used.
+
+    Turning a replicated (``B``) dim into ``P(sum)``, only the group's first rank keeps the
+    value (the others hold zeros); for max/min every rank keeps it (the reduction of equal
+    values is the value). Turning ``S`` into ``P`` every rank keeps its own shard.
+    """
+    holder, op = True, "sum"
+    for d in dims:
+        t = dst[d]
+        if isinstance(t, Partial) and src[d] != t:
+            op = t.op
+            if t.op == "sum" and coord[d] != 0 and not isinstance(src[d], Split):
+                holder = False
+    return holder, op
+
+
+# -- one function per kind; each returns this rank's new local shard ------------------------
+def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+    pl = step.src_placement
+    sbox = shard_box(step.shape, pl.shape, step.src, coord)
+    dbox = shard_box(step.shape, pl.shape, step.dst, coord)
+    holder, op = _holder_and_op(step.dst, step.src, coord, step.dims)
+    if holder and contains(sbox, dbox):
+        return x[relative(dbox, sbox)].clone()
+    # S -> P: my shard goes into an identity-filled region (holder), or nothing does.
+    out = torch.full(box_shape(dbox), identity_value(op, x.dtype), dtype=x.dtype, device=x.device)
+    if holder:
+        inter = intersect(sbox, dbox)
+        out[relative(inter, dbox)] = x[relative(inter, sbox)]
+    return out
+
+
+def _group_boxes(step: Step, coord: tuple):
+    pl = step.src_placement
+    group = pl.group(step.dims, coord)
+    src = member_boxes(step.shape, pl, step.src)
+    dst = member_boxes(step.shape, pl, step.dst)
+    return group, src, dst
+
+
+def _all_gather(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+    group, src, dst = _group_boxes(step, coord)
+    mine = dst[comm.rank]
+
+    def assemble(pieces):
+        out = torch.empty(box_shape(mine), dtype=x.dtype, device=x.device)
+        for r, piece in zip(group, pieces):
+            out[relative(src[r], mine)] = piece
+        return out
+
+    return comm.all_gather(x.contiguous(), group, [box_shape(src[r]) for r in group], assemble)
+
+
+def _all_to_all(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+    group, src, dst = _group_boxes(step, coord)
+    me_src, me_dst = src[comm.rank], dst[comm.rank]
+    pieces = [x[relative(intersect(me_src, dst[r]), me_src)].contiguous() for r in group]
+    incoming = [intersect(src[r], me_dst) for r in group]
+
+    def assemble(received):
+        out = torch.empty(box_shape(me_dst), dtype=x.dtype, device=x.device)
+        for box, piece in zip(incoming, received):
+            out[relative(box, me_dst)] = piece
+        return out
+
+    return comm.all_to_all(pieces, group, [box_shape(b) for b in incoming], assemble)
+
+
+def _reduce_scatter(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+    group, src, dst = _group_boxes(step, coord)
+    me_src = src[comm.rank]
+    pieces = [x[relative(dst[r], me_src)].contiguous() for r in group]
+    return comm.reduce_scatter(pieces, group, step.op)
+
+
+def _all_reduce(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+    group = step.src_placement.group(step.dims, coord)
+    return comm.all_reduce(x.contiguous(), group, step.op)
+
+
+_KINDS: dict[str, Callable] = {
+    "local": _local, "all_gather": _all_gather, "all_to_all": _all_to_all,
+    "reduce_scatter": _reduce_scatter, "all_reduce": _all_reduce,
+}
+
+
+def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    me = comm.rank
+    spl, dpl = step.src_placement, step.dst_placement
+    in_dst = me in dpl
+    device = comm.device(dpl.device_type) if in_dst else x.device
+    sbox = member_boxes(step.shape, spl, step.src).get(me)
+    sends, recvs, local = [], [], []
+    for s, d, box in step.routes:
+        if s == me:
+            piece = x[relative(box, sbox)]
+            if d == me:
+                local.append((box, piece))
+            else:
+                sends.append((d, piece.contiguous()))
+        elif d == me:
+            recvs.append((s, box_shape(box), x.dtype, device))
+    received = iter(comm.exchange(sends, recvs)) if sends or recvs else iter(())
+    if not in_dst:
+        return empty_local(x.dtype, x.device)
+    coord = dpl.coord_of(me)
+    dbox = member_boxes(step.shape, dpl, step.dst)[me]
+    holder, op = _holder_and_op(step.dst, (None,) * dpl.ndim, coord, range(dpl.ndim))
+    fill = 0 if holder else identity_value(op, x.dtype)
+    out = torch.full(box_shape(dbox), fill, dtype=x.dtype, device=device)
+    # Forward routes cover each element once; the dual's routes may overlap and accumulate.
+    for box, piece in local:
+        out[relative(box, dbox)] += piece.to(device)
+    for s, d, box in step.routes:
+        if d == me and s != me:
+            out[relative(box, dbox)] += next(received)
+    return out
+
+
+def run_step(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's local shard after ``step`` (ranks outside the step pass ``x`` through)."""
+    if step.kind == "transfer":
+        if comm.rank not in step.src_placement and comm.rank not in step.dst_placement:
+            return x
+        return _transfer(step, x, comm)
+    pl = step.src_placement
+    if comm.rank not in pl:
+        return x
+    return _KINDS[step.kind](step, x, comm, pl.coord_of(comm.rank))
+
+
+class _StepFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, step: Step, comm: Communicator) -> torch.Tensor:
+        ctx.step, ctx.comm = step, comm
+        out = run_step(step, x, comm)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return run_step(dual_step(ctx.step), grad.contiguous(), ctx.comm), None, None
+
+
+def apply_step(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """``run_step`` recorded by autograd when ``x`` requires grad and the step has a gradient
+    (steps into or out of ``P(max)``/``P(min)`` are forward-only: their output is detached)."""
+    if x.requires_grad and step.differentiable and torch.is_grad_enabled():
+        return _StepFunction.apply(x, step, comm)
+    with torch.no_grad():
+        return run_step(step, x, comm)

@@ -1,0 +1,177 @@
+"""Boxing steps as data: what one step changes, which collective it is, and what it moves.
+
+A *same-placement* step changes the sbp of the mesh dims ``dims`` (all at once, inside the
+sub-groups of ranks that differ only along those dims); its kind follows from the sbps:
+
+==================  ==============================  ====================================
+src on ``dims``      dst on ``dims``                  kind
+==================  ==============================  ====================================
+all ``P(op)``        all ``B``                        ``all_reduce``
+all ``P(op)``        all ``S(·)``                     ``reduce_scatter``
+all ``S(·)``         all ``B``                        ``all_gather``
+all ``S(·)``         all ``S(·)`` (each changed)      ``all_to_all``
+``B``                ``S(a)`` / ``P``                 ``local`` (slice / first rank keeps)
+``S(a)``             ``P``                            ``local`` (shard into identity-filled)
+==================  ==============================  ====================================
+
+A move on ``dims`` is valid only if no mesh dim outside ``dims`` that comes after the first of
+them splits an axis the move touches (otherwise the group's pieces are not one region).
+
+A *transfer* step moves data between any two placements point to point: ``routes`` lists
+``(src_rank, dst_rank, box)``; each destination element arrives exactly once. Its dual is the
+transposed routes with accumulation (the adjoint), which is what backward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+from ..placement import Placement
+from ..sbp import Broadcast, Partial, Sbp, Split, dual_nd, format_nd_sbp, shard_box
+from .boxes import Box, box_numel, intersect
+
+__all__ = ["Step", "classify", "is_valid_move", "step_bytes", "dual_step", "member_boxes",
+           "COLLECTIVE_KINDS"]
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One boxing step. ``nbytes`` is the total moved, summed over ranks."""
+
+    kind: str
+    shape: tuple
+    src_placement: Placement
+    src: tuple
+    dst_placement: Placement
+    dst: tuple
+    dims: tuple = ()
+    op: str = "sum"
+    routes: tuple = ()
+    itemsize: int = 4
+    nbytes: int = field(default=0, compare=False)
+
+    @property
+    def same_placement(self) -> bool:
+        return self.kind != "transfer"
+
+    @property
+    def differentiable(self) -> bool:
+        return all(not (isinstance(s, Partial) and s.op != "sum") for s in self.src + self.dst)
+
+    def describe(self) -> str:
+        if self.kind == "transfer":
+            n = sum(1 for s, d, _ in self.routes if s != d)
+            where = f"{self.src_placement} -> {self.dst_placement}, {n} message(s)"
+            return (f"{'transfer':<15}{where}  {format_nd_sbp(self.src)} -> "
+                    f"{format_nd_sbp(self.dst)}")
+        kind = self.kind + (f"({self.op})" if self.kind in ("all_reduce", "reduce_scatter")
+                            and self.op != "sum" else "")
+        return (f"{kind:<15}mesh dims {self.dims}  {format_nd_sbp(self.src)} -> "
+                f"{format_nd_sbp(self.dst)}")
+
+
+def classify(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -> tuple[str, str] | None:
+    """(kind, op) of changing ``src`` to ``dst`` on ``dims``; None if no single step does it."""
+    a = [src[d] for d in dims]
+    b = [dst[d] for d in dims]
+    if all(isinstance(s, Partial) for s in a) and len({s.op for s in a}) == 1:
+        op = a[0].op
+        if all(isinstance(s, Broadcast) for s in b):
+            return "all_reduce", op
+        if all(isinstance(s, Split) for s in b):
+            return "reduce_scatter", op
+    if all(isinstance(s, Split) for s in a):
+        if all(isinstance(s, Broadcast) for s in b):
+            return "all_gather", "sum"
+        if all(isinstance(s, Split) and s != t for s, t in zip(b, a)):
+            return "all_to_all", "sum"
+    if all(_local_ok(s, t) for s, t in zip(a, b)):
+        ops = {t.op for s, t in zip(a, b) if isinstance(t, Partial) and s != t}
+        return "local", (ops.pop() if len(ops) == 1 else "sum")
+    return None
+
+
+def _local_ok(s: Sbp, t: Sbp) -> bool:
+    if s == t:
+        return True
+    if isinstance(s, Broadcast):
+        return isinstance(t, (Split, Partial))
+    return isinstance(s, Split) and isinstance(t, Partial)
+
+
+def is_valid_move(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -> bool:
+    """No mesh dim outside ``dims`` after ``min(dims)`` splits an axis the move touches."""
+    touched = {s.axis for d in dims for s in (src[d], dst[d]) if isinstance(s, Split)}
+    first = min(dims)
+    return not any(e not in dims and e > first and isinstance(src[e], Split)
+                   and src[e].axis in touched for e in range(len(src)))
+
+
+@lru_cache(maxsize=65536)
+def member_boxes(shape: tuple, placement: Placement, nd_sbp: tuple) -> dict[int, Box]:
+    """Box of every rank of ``placement`` under ``nd_sbp``."""
+    return {placement.rank_at(c): shard_box(shape, placement.shape, nd_sbp, c)
+            for c in placement.coords()}
+
+
+@lru_cache(maxsize=4096)
+def _groups(placement: Placement, dims: tuple) -> list[tuple[int, ...]]:
+    """The disjoint sub-groups of ranks that differ only along ``dims``."""
+    seen, out = set(), []
+    for c in placement.coords():
+        g = placement.group(dims, c)
+        if g not in seen:
+            seen.add(g)
+            out.append(g)
+    return out
+
+
+def step_bytes(step: Step) -> int:
+    """Bytes the step moves, summed over ranks (exact, uneven shards included)."""
+    if step.kind == "transfer":
+        return step.itemsize * sum(box_numel(b) for s, d, b in step.routes if s != d)
+    if step.kind == "local":
+        return 0
+    pl = step.src_placement
+    src = member_boxes(step.shape, pl, step.src)
+    dst = member_boxes(step.shape, pl, step.dst)
+    total = 0
+    for g in _groups(pl, step.dims):
+        p = len(g)
+        if step.kind == "all_gather":
+            total += (p - 1) * sum(box_numel(src[r]) for r in g)
+        elif step.kind == "reduce_scatter":
+            total += (p - 1) * sum(box_numel(dst[r]) for r in g)
+        elif step.kind == "all_reduce":
+            total += 2 * (p - 1) * box_numel(src[g[0]])
+        elif step.kind == "all_to_all":
+            total += sum(box_numel(intersect(src[i], dst[j])) for i in g for j in g if i != j)
+    return total * step.itemsize
+
+
+@lru_cache(maxsize=1 << 16)
+def make_step(shape: tuple, placement: Placement, src: tuple, dst: tuple, dims: tuple,
+              itemsize: int) -> Step:
+    kind, op = classify(src, dst, dims)
+    step = Step(kind, shape, placement, src, placement, dst, dims, op, (), itemsize)
+    return _with_bytes(step)
+
+
+def _with_bytes(step: Step) -> Step:
+    object.__setattr__(step, "nbytes", step_bytes(step))
+    return step
+
+
+@lru_cache(maxsize=4096)
+def dual_step(step: Step) -> Step:
+    """The step backward runs: ``dual(dst) -> dual(src)`` (transfers: routes transposed)."""
+    src, dst = dual_nd(step.dst), dual_nd(step.src)
+    if step.kind == "transfer":
+        routes = tuple((d, s, b) for s, d, b in step.routes)
+        return _with_bytes(Step("transfer", step.shape, step.dst_placement, src,
+                                step.src_placement, dst, (), "sum", routes, step.itemsize))
+    return make_step(step.shape, step.src_placement, src, dst, step.dims, step.itemsize)

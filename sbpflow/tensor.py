@@ -1,0 +1,412 @@
+"""GlobalTensor: a logical tensor laid out over a placement by an nd-sbp.
+
+Each rank holds its local shard (DESIGN.md: the one definition of a local shard); a rank outside
+the placement holds an empty tensor. Autograd runs on the local shards; boxing steps are
+autograd Functions with dual backward, so ``x.grad`` of a tensor laid out as ``s`` is laid out
+as ``dual(s)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from . import comm as _comm
+from .boxing import empty_local, identity_value, plan_layouts, run_plan
+from .errors import PlacementError, SbpError, ShapeError
+from .placement import Placement
+from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, local_shape,
+                  parse_nd_sbp, shard_box)
+from .utils import generate_region, mix_seed
+
+__all__ = ["GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full",
+           "arange", "manual_seed"]
+
+
+def _norm_shape(shape) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    out = tuple(int(s) for s in shape)
+    if any(s < 0 for s in out):
+        raise ShapeError(f"negative dimension in shape {out}")
+    return out
+
+
+def _layout(placement: Placement | None, sbp: SbpLike | None, ndim: int,
+            shape: tuple) -> tuple[Placement, tuple]:
+    """Fill defaults (all ranks, 1-D; broadcast), parse the sbp and check it."""
+    world = _comm.world_size()
+    if placement is None:
+        placement = Placement("cpu", list(range(world)))
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"expected an sf.placement, got {placement!r}")
+    placement.check_world(world)
+    nd = (B,) * placement.ndim if sbp is None else parse_nd_sbp(sbp, placement.ndim)
+    check_axes(nd, ndim, shape=shape, placement=placement)
+    return placement, nd
+
+
+def _holds_value(nd_sbp: tuple, coord: tuple) -> bool:
+    """Whether the rank at ``coord`` holds the value (not the zeros) under P(sum) dims."""
+    return all(not (isinstance(s, Partial) and s.op == "sum" and c != 0)
+               for s, c in zip(nd_sbp, coord))
+
+
+class GlobalTensor:
+    """A logical tensor: ``shape``, ``dtype``, ``placement``, ``sbp`` (tuple), and ``local``.
+
+    Create one with `randn`, `zeros`, `tensor`, `from_local`, ...; change its layout with
+    `to_global`; read it whole with `full_tensor`.
+    """
+
+    __slots__ = ("_local", "_shape", "_placement", "_sbp", "__weakref__")
+
+    def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
+                 sbp: tuple, dtype: torch.dtype | None = None) -> None:
+        self._local = local
+        self._shape = tuple(int(s) for s in shape)
+        self._placement = placement
+        self._sbp = tuple(sbp)
+
+    # -- metadata ----------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self._shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self._sbp
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard (empty on a rank outside the placement)."""
+        return self._local
+
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+    @property
+    def is_local_rank(self) -> bool:
+        """Whether this rank is in the placement."""
+        return _comm.rank() in self._placement
+
+    # -- layout ------------------------------------------------------------------------------
+    def to_global(self, placement: Placement | None = None,
+                  sbp: SbpLike | None = None) -> "GlobalTensor":
+        """The same logical tensor in another layout (boxing: least communication, planned
+        then run; differentiable). Omitted arguments keep the current ones."""
+        dst_pl = self._placement if placement is None else placement
+        if not isinstance(dst_pl, Placement):
+            raise PlacementError(f"to_global: expected an sf.placement, got {dst_pl!r}")
+        if sbp is None:
+            if dst_pl.ndim != self._placement.ndim:
+                raise SbpError(f"to_global: {dst_pl} has {dst_pl.ndim} mesh dims but the tensor's "
+                               f"sbp {format_nd_sbp(self._sbp)} has {len(self._sbp)}; give sbp=")
+            sbp = self._sbp
+        dst_pl.check_world(_comm.world_size())
+        dst_sbp = parse_nd_sbp(sbp, dst_pl.ndim)
+        check_axes(dst_sbp, self.ndim, shape=self._shape, placement=dst_pl)
+        if dst_pl == self._placement and dst_sbp == self._sbp:
+            return self
+        plan = plan_layouts(self._shape, self.dtype, self._placement, self._sbp, dst_pl, dst_sbp)
+        local = run_plan(plan, self._local)
+        return GlobalTensor(local, self._shape, dst_pl, dst_sbp)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The logical value, as a plain torch tensor, on every rank of the world."""
+        world = _comm.world_size()
+        pl = self._placement
+        if sorted(pl.flat_ranks) == list(range(world)):
+            return self.to_global(sbp=(B,) * pl.ndim)._local
+        everyone = Placement(pl.device_type, list(range(world)))
+        return self.to_global(everyone, B)._local
+
+    # -- autograd ----------------------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._local.requires_grad
+
+    def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
+        self._local.requires_grad_(requires_grad)
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._local.is_leaf
+
+    @property
+    def grad(self) -> "GlobalTensor | None":
+        """The gradient, laid out as ``dual(sbp)`` (a B tensor's gradient is P, and so on)."""
+        g = self._local.grad
+        if g is None:
+            return None
+        return GlobalTensor(g, self._shape, self._placement, dual_nd(self._sbp))
+
+    @grad.setter
+    def grad(self, value: "GlobalTensor | None") -> None:
+        self._local.grad = None if value is None else value._local
+
+    def retain_grad(self) -> None:
+        self._local.retain_grad()
+
+    def detach(self) -> "GlobalTensor":
+        return GlobalTensor(self._local.detach(), self._shape, self._placement, self._sbp)
+
+    def backward(self, gradient: "GlobalTensor | None" = None, retain_graph: bool = False) -> None:
+        """Backpropagate from this tensor; every rank of the world must call it.
+
+        Without ``gradient`` the tensor must be a scalar; the seed is the logical value 1 in
+        layout ``dual(sbp)``: for a P loss every rank seeds 1, for a B loss the first rank of
+        each group seeds 1 and the others 0.
+        """
+        dual = dual_nd(self._sbp)
+        if gradient is None:
+            if self._shape != ():
+                raise ShapeError(f"backward() without a gradient needs a scalar; this tensor has "
+                                 f"shape {self._shape}, placement {self._placement}, sbp "
+                                 f"{format_nd_sbp(self._sbp)}")
+            seed = ones((), placement=self._placement, sbp=dual, dtype=self.dtype)._local
+        else:
+            if gradient.shape != self.shape:
+                raise ShapeError(f"backward: gradient shape {tuple(gradient.shape)} != tensor "
+                                 f"shape {self._shape}")
+            seed = gradient.to_global(self._placement, dual)._local
+        if not self._local.requires_grad:
+            raise SbpError(f"backward: tensor of shape {self._shape} on {self._placement} "
+                           f"does not require grad")
+        torch.autograd.backward(self._local, seed.to(self._local.device),
+                                retain_graph=retain_graph)
+
+    # -- display -----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"GlobalTensor(shape={self._shape}, dtype={dt}, placement={self._placement}, "
+                f"sbp={format_nd_sbp(self._sbp)}, local_shape={tuple(self._local.shape)}{grad})")
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d global tensor")
+        return self._shape[0]
+
+
+# -- creation ------------------------------------------------------------------------------------
+def _device(placement: Placement) -> torch.device:
+    return _comm.current().device(placement.device_type)
+
+
+def _create(shape: tuple, placement, sbp, dtype, requires_grad: bool, make) -> GlobalTensor:
+    """Build a tensor whose holding ranks get ``make(box, coord)`` for their region."""
+    placement, nd = _layout(placement, sbp, len(shape), shape)
+    dtype = dtype or torch.get_default_dtype()
+    device = _device(placement)
+    me = _comm.rank()
+    if me in placement:
+        coord = placement.coord_of(me)
+        box = shard_box(shape, placement.shape, nd, coord)
+        if _holds_value(nd, coord):
+            local = make(box).to(dtype=dtype, device=device)
+        else:
+            op = next(s.op for s in nd if isinstance(s, Partial))
+            local = torch.full(tuple(n for _, n in box), identity_value(op, dtype), dtype=dtype,
+                               device=device)
+    else:
+        local = empty_local(dtype, device)
+    return GlobalTensor(local.requires_grad_(requires_grad), shape, placement, nd)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed this rank's stream of default seeds for creation ops (call it on every rank)."""
+    state = _comm.current().state
+    state["seed"] = int(seed)
+    state["seed_counter"] = 0
+
+
+def _next_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    if seed is not None:
+        return int(seed)
+    if generator is not None:
+        # Every rank's generator must be in the same state for the same logical tensor.
+        return int(torch.randint(0, 1 << 62, (1,), generator=generator))
+    state = _comm.current().state
+    k = state.get("seed_counter", 0)
+    state["seed_counter"] = k + 1
+    return mix_seed(state.get("seed", 0), k)
+
+
+def _random(kind: str, shape, placement, sbp, dtype, seed, generator, requires_grad):
+    shape = _norm_shape(shape)
+    s = _next_seed(seed, generator)
+    dt = dtype or torch.get_default_dtype()
+    return _create(shape, placement, sbp, dt, requires_grad,
+                   lambda box: generate_region(kind, shape, box, s, dt))
+
+
+def randn(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
+          dtype: torch.dtype | None = None, seed: int | None = None,
+          generator: torch.Generator | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """Standard normal values; the same ``seed`` gives the same logical tensor in any layout.
+
+    Without ``seed``/``generator`` the seed comes from this rank's stream (`manual_seed`), which
+    agrees across ranks as long as they create tensors in the same order.
+    """
+    return _random("randn", shape, placement, sbp, dtype, seed, generator, requires_grad)
+
+
+def rand(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
+         dtype: torch.dtype | None = None, seed: int | None = None,
+         generator: torch.Generator | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """Uniform values in [0, 1); same seeding rules as `randn`."""
+    return _random("rand", shape, placement, sbp, dtype, seed, generator, requires_grad)
+
+
+def full(shape, fill_value, *, placement: Placement | None = None, sbp: SbpLike | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """A tensor filled with ``fill_value`` (a P layout: the first rank holds it, others 0)."""
+    shape = _norm_shape((shape,))
+    if dtype is None and isinstance(fill_value, bool):
+        dtype = torch.bool
+    elif dtype is None and isinstance(fill_value, int):
+        dtype = torch.int64
+    return _create(shape, placement, sbp, dtype, requires_grad,
+                   lambda box: torch.full(tuple(n for _, n in box), fill_value))
+
+
+def zeros(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    return full(_norm_shape(shape), 0.0, placement=placement, sbp=sbp,
+                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+
+
+def ones(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    return full(_norm_shape(shape), 1.0, placement=placement, sbp=sbp,
+                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+
+
+def arange(start, end=None, step=1, *, placement: Placement | None = None,
+           sbp: SbpLike | None = None, dtype: torch.dtype | None = None,
+           requires_grad: bool = False) -> GlobalTensor:
+    """``torch.arange`` as a 1-D global tensor; each rank computes only its part."""
+    if end is None:
+        start, end = 0, start
+    n = len(range(0, math.ceil((end - start) / step))) if step else 0
+    ref = torch.arange(start, start + step, step, dtype=dtype)  # torch's dtype inference
+    acc = torch.float64 if ref.dtype.is_floating_point else torch.int64
+
+    def make(box):  # value i is start + i * step, computed as torch.arange does
+        first, size = box[0]
+        return start + step * torch.arange(first, first + size, dtype=acc)
+
+    return _create((n,), placement, sbp, ref.dtype, requires_grad, make)
+
+
+def tensor(data, placement: Placement | None = None, sbp: SbpLike | None = None, *,
+           dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """A global tensor whose logical value is ``data`` (given on every rank); each rank keeps
+    its shard."""
+    full_value = torch.as_tensor(data, dtype=dtype)
+    shape = tuple(full_value.shape)
+    return _create(shape, placement, sbp, full_value.dtype, requires_grad,
+                   lambda box: full_value[tuple(slice(s, s + n) for s, n in box)].clone())
+
+
+def from_local(local: torch.Tensor, placement: Placement | None = None,
+               sbp: SbpLike | None = None, shape: Sequence[int] | None = None, *,
+               check: bool = False) -> GlobalTensor:
+    """A global tensor from this rank's shard ``local`` (autograd flows through ``local``).
+
+    Without ``shape`` the logical shape is inferred from all shards (one small all-gather of
+    shapes among the placement's ranks), and shards that do not fit together raise
+    `ShapeError`. With ``shape`` only this rank's shard is checked, unless ``check=True``.
+    """
+    if not isinstance(local, torch.Tensor):
+        raise ShapeError(f"from_local needs a torch.Tensor, got {type(local).__name__}")
+    ndim = len(shape) if shape is not None else local.dim()
+    placement, nd = _layout(placement, sbp, ndim, tuple(local.shape))
+    comm = _comm.current()
+    me = comm.rank
+    if me not in placement:
+        out_shape = tuple(shape) if shape is not None else None
+        if out_shape is None:
+            raise ShapeError(f"from_local on rank {me}, outside {placement}: give shape=")
+        return GlobalTensor(empty_local(local.dtype, local.device, local.requires_grad),
+                            out_shape, placement, nd)
+    coord = placement.coord_of(me)
+    if shape is None or check:
+        shapes = comm.all_gather(torch.tensor(list(local.shape), dtype=torch.int64),
+                                 placement.flat_ranks, [(local.dim(),)] * placement.size,
+                                 count_as="meta")
+        shapes = [tuple(int(v) for v in s) for s in shapes]
+        inferred = _infer_shape(shapes, placement, nd)
+        if shape is not None and tuple(shape) != inferred:
+            raise ShapeError(f"from_local: shards on {placement} with sbp {format_nd_sbp(nd)} "
+                             f"make a tensor of shape {inferred}, not the given {tuple(shape)}")
+        shape = inferred
+        for c in placement.coords():
+            want = local_shape(shape, placement.shape, nd, c)
+            got = shapes[placement.flat_ranks.index(placement.rank_at(c))]
+            if want != got:
+                raise ShapeError(
+                    f"from_local: shards do not fit together: on {placement} with sbp "
+                    f"{format_nd_sbp(nd)}, a tensor of shape {shape} gives rank "
+                    f"{placement.rank_at(c)} a shard of shape {want}, but it has {got} (all "
+                    f"shards: {shapes})")
+    shape = tuple(int(s) for s in shape)
+    want = local_shape(shape, placement.shape, nd, coord)
+    if tuple(local.shape) != want:
+        raise ShapeError(f"from_local: rank {me}'s shard has shape {tuple(local.shape)} but a "
+                         f"tensor of shape {shape} on {placement} with sbp {format_nd_sbp(nd)} "
+                         f"gives it {want}")
+    return GlobalTensor(local.to(_device(placement)), shape, placement, nd)
+
+
+def _infer_shape(shapes: list[tuple], placement: Placement, nd: tuple) -> tuple[int, ...]:
+    """Logical shape from every rank's shard shape: along a split axis, sum the sizes of the
+    ranks that differ only along the dims splitting it (taken at coordinate 0 elsewhere)."""
+    ndim = len(shapes[0])
+    if any(len(s) != ndim for s in shapes):
+        raise ShapeError(f"from_local: shards have different numbers of dims: {shapes}")
+    origin = (0,) * placement.ndim
+    out = []
+    for a in range(ndim):
+        dims = [d for d, s in enumerate(nd) if getattr(s, "axis", None) == a]
+        if not dims:
+            out.append(shapes[0][a])
+            continue
+        # nested splits: walk the dims in order, summing the parts of the first piece
+        group = placement.group(dims, origin)
+        seen_boxes = {}
+        for r in group:
+            c = placement.coord_of(r)
+            key = tuple(c[d] for d in dims)
+            seen_boxes[key] = shapes[placement.flat_ranks.index(r)][a]
+        out.append(sum(seen_boxes.values()))
+    return tuple(out)

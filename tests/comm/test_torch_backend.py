@@ -1,0 +1,89 @@
+"""The torch.distributed backend on 4 real gloo processes, against values computed in plain torch.
+
+The launched functions are in `gloo_fns` (each rank imports their module by name).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, sleep_fn, timeout_fn,
+                      unpicklable_exc_fn)
+from sbpflow.comm import launch
+from sbpflow.errors import CommError, CommTimeout, SbpError
+
+
+@pytest.mark.gloo
+def test_collectives_values_and_bytes():
+    res = launch(collectives_fn, P, backend="torch")
+    assert len(res) == P
+    # all ranks hold bit-identical all-reduce results
+    for key in [k for k in res[0] if k.startswith("all_reduce_sum")]:
+        holders = [o[key] for o in res if key in o]
+        assert all(torch.equal(h, holders[0]) for h in holders), key
+    # subgroups were created for the non-world groups only
+    assert res[1]["subgroups"] == [(1, 3)]
+    assert res[0]["subgroups"] == [(0, 2, 3)]
+    assert res[3]["subgroups"] == [(0, 2, 3), (1, 3)]
+    # Σ sent == Σ received over the world
+    assert sum(o["sent"] for o in res) == sum(o["recv"] for o in res)
+
+
+@pytest.mark.gloo
+def test_rank_exception_is_reraised_promptly():
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="boom on rank 2") as info:
+        launch(fail_fn, P, backend="torch", timeout=120)
+    assert time.monotonic() - t0 < 30
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised on rank 2 of 4 (sbpflow torch backend)" in notes
+    assert "fail_fn" in notes  # the child's traceback
+
+
+@pytest.mark.gloo
+def test_dead_rank_and_unpicklable_exception_give_comm_errors():
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match=r"rank 1 of 4 died with exit code 7"):
+        launch(crash_fn, P, backend="torch", timeout=120)
+    with pytest.raises(CommError, match="_Unpicklable") as info:
+        launch(unpicklable_exc_fn, P, backend="torch", timeout=120)
+    assert "unpicklable_exc_fn" in "\n".join(getattr(info.value, "__notes__", []))
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.gloo
+def test_overall_bound(monkeypatch):
+    monkeypatch.setenv("SBPFLOW_LAUNCH_TIMEOUT", "3")
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="SBPFLOW_LAUNCH_TIMEOUT"):
+        launch(sleep_fn, P, backend="torch")
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.gloo
+def test_unpicklable_function_is_refused():
+    with pytest.raises(SbpError, match="module-level"):
+        launch(lambda: 1, P, backend="torch")
+
+
+@pytest.mark.gloo
+def test_init_from_env_needs_torchrun_env(monkeypatch):
+    from sbpflow.comm.torch_backend import init_from_env
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already initialized in this process")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(CommError, match="torchrun"):
+        init_from_env(None)
+
+
+@pytest.mark.gloo
+def test_collective_timeout_is_a_comm_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="SBPFLOW_TIMEOUT"):
+        launch(timeout_fn, 3, backend="torch", timeout=3)
+    assert time.monotonic() - t0 < 30
