@@ -50,6 +50,7 @@ __all__ = ["TorchCommunicator", "init_from_env", "launch_processes"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_GRACE = 2.0  # s to wait for a root cause after a rank reports a CommError
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -308,12 +309,13 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
             raise CommError(f"the result of rank {rank} cannot be pickled: {exc!r}") from None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        kind = "comm_error" if isinstance(exc, CommError) else "error"  # maybe a consequence
         try:
-            msg = pickle.dumps(("error", exc, tb))
+            msg = pickle.dumps((kind, exc, tb))
             pickle.loads(msg)
         except Exception:  # noqa: BLE001
-            msg = pickle.dumps(("error", CommError(f"{type(exc).__name__}: {exc} (unpicklable "
-                                                   f"exception; traceback below)"), tb))
+            msg = pickle.dumps((kind, CommError(f"{type(exc).__name__}: {exc} (unpicklable "
+                                                f"exception; traceback below)"), tb))
         conn.send_bytes(msg)
         _exit(1)  # the parent stops the other ranks; skip teardown that could block
     conn.send_bytes(msg)
@@ -415,42 +417,49 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
 
 
 def _collect(procs: list, conns: list, n: int, deadline: float) -> list[Any]:
+    """Receive every rank's report. On failure raise the root cause: an exception a rank
+    raised, else a rank that died, else (after waiting up to ``_GRACE`` s for one of those) a
+    rank's `CommError`, which is often just the effect of another rank's failure."""
     results: list[Any] = [None] * n
     pending = set(range(n))
-    while pending:
-        left = deadline - time.monotonic()
+    failures: list[tuple[int, int, BaseException, str]] = []  # (priority, rank, exc, traceback)
+    give_up = deadline
+    while pending and not (failures and (failures[0][0] < 2 or time.monotonic() >= give_up)):
+        left = give_up - time.monotonic()
         if left <= 0:
             raise CommError(f"launch(backend='torch'): rank(s) {sorted(pending)} of {n} still "
                             f"running after SBPFLOW_LAUNCH_TIMEOUT={_launch_timeout():g} s; "
                             f"terminated")
         mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                            timeout=min(left, 1.0))
-        errors = []
         for r in sorted(pending):
             alive = procs[r].is_alive()  # before poll(): a dead rank has written all it will
             if conns[r].poll():
                 try:
                     kind, payload, tb = pickle.loads(conns[r].recv_bytes())
-                except EOFError:  # the rank's end closed without a report: it died
+                except EOFError:  # the rank's end closed without a report
                     kind, payload, tb = "dead", None, ""
-                if kind == "ok":
-                    results[r] = payload
-                    pending.discard(r)
-                elif kind == "error":
-                    errors.append((r, payload, tb))
             else:
-                kind = "alive" if alive else "dead"
-            if kind == "dead":
+                kind, payload, tb = ("alive" if alive else "dead"), None, ""
+            if kind == "ok":
+                results[r] = payload
+            elif kind == "dead":
                 procs[r].join()
-                errors.append((r, CommError(
+                failures.append((1, r, CommError(
                     f"rank {r} of {n} died with exit code {procs[r].exitcode} without reporting "
                     f"a result or an exception (crashed or killed)"), ""))
-        if errors:
-            # A root cause rather than another rank's broken collective, if there is one.
-            r, exc, tb = next((e for e in errors if not isinstance(e[1], CommError)), errors[0])
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"raised on rank {r} of {n} (sbpflow torch backend)")
-                if tb:
-                    exc.add_note(f"traceback on rank {r}:\n{tb.rstrip()}")
-            raise exc
+            elif kind != "alive":
+                failures.append((0 if kind == "error" else 2, r, payload, tb))
+            if kind != "alive":
+                pending.discard(r)
+        if failures:
+            failures.sort(key=lambda f: f[0])  # stable: earliest report first within a priority
+            give_up = min(give_up, time.monotonic() + _GRACE)
+    if failures:
+        _, r, exc, tb = failures[0]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"raised on rank {r} of {n} (sbpflow torch backend)")
+            if tb:
+                exc.add_note(f"traceback on rank {r}:\n{tb.rstrip()}")
+        raise exc
     return results
