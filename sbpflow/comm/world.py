@@ -129,8 +129,15 @@ def _add_note(exc: BaseException, note: str) -> None:
 def init(backend: str | None = None) -> Communicator:
     """Join the torch.distributed world described by the environment (torchrun).
 
-    Uses gloo, or nccl when ``backend="nccl"`` / CUDA is the intended device. Idempotent.
+    Uses gloo, or nccl when ``backend="nccl"``. Idempotent. Inside `launch` it returns the
+    rank's communicator; without torchrun's environment it is a single-rank world.
     """
+    import os
+    existing = getattr(_local, "comm", None)
+    if existing is not None:
+        return existing  # already a rank of a launched world (e.g. `sbpflow run`)
+    if "WORLD_SIZE" not in os.environ and backend is None:
+        return current()  # plain `python script.py`: a single-rank world
     from .torch_backend import init_from_env
     comm = init_from_env(backend)
     set_current(comm, process_wide=True)
