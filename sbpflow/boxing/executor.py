@@ -56,7 +56,7 @@ def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> tor
     dbox = shard_box(step.shape, pl.shape, step.dst, coord)
     holder, op = _holder_and_op(step.dst, step.src, coord, step.dims)
     if holder and contains(sbox, dbox):
-        return x[relative(dbox, sbox)].clone()
+        return x[relative(dbox, sbox)]  # a view, as torch's narrow / chunk give
     # S -> P: my shard goes into an identity-filled region (holder), or nothing does.
     out = torch.full(box_shape(dbox), identity_value(op, x.dtype), dtype=x.dtype, device=x.device)
     if holder:
