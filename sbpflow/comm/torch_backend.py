@@ -63,7 +63,11 @@ def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch
 
 
 class TorchCommunicator(Communicator):
-    """This process's rank of the default torch.distributed process group."""
+    """This process's rank of the default torch.distributed process group.
+
+    Make one per default group (`init_from_env` does): subgroups are rendezvoused under fixed
+    store keys, so a second communicator on the same world must not create them again.
+    """
 
     backend = "torch"
 
@@ -75,7 +79,7 @@ class TorchCommunicator(Communicator):
         self.timeout = datetime.timedelta(seconds=timeout or default_timeout())
         self.world_pg = dist.group.WORLD
         self.nccl = "nccl" in str(dist.get_backend()).lower()
-        self._groups: dict[tuple, Any] = {}
+        self._groups: dict[tuple, Any] = {}  # never re-created: their store keys stay
         self._loopback: deque[torch.Tensor] = deque()  # messages this rank sent to itself
 
     # -- process groups and devices --------------------------------------------------------
@@ -201,7 +205,10 @@ class TorchCommunicator(Communicator):
         self._run("barrier", group, lambda: pg.barrier())
 
     def _exchange(self, sends, recvs):
-        """Point-to-point on the default group, all posted at once (``batch_isend_irecv``)."""
+        """Point-to-point on the default group, all posted at once (``batch_isend_irecv``).
+        Messages travel through host memory (gloo), or all through the GPU (NCCL) when the
+        default group has NCCL, whatever device each side's tensor is on."""
+        wire = self.device("cuda") if self.nccl else torch.device("cpu")
         ops: list[dist.P2POp] = []
         for dst, t in sends:
             if t.numel() == 0:
@@ -209,7 +216,7 @@ class TorchCommunicator(Communicator):
             if dst == self.rank:
                 self._loopback.append(t.detach().clone())
                 continue
-            ops.append(dist.P2POp(dist.isend, _bytes(t.to(self._wire(t.device)[0])), dst))
+            ops.append(dist.P2POp(dist.isend, _bytes(t.to(wire)), dst))
         out: list[Any] = []  # a tensor, or (uint8 buffer, recv) for a network receive
         for rv in recvs:
             src, shape, dtype, device = rv
@@ -224,21 +231,14 @@ class TorchCommunicator(Communicator):
                                     f"{tuple(shape)} from itself, got {t.dtype} {tuple(t.shape)}")
                 out.append(t.to(device))
             else:
-                buf = torch.empty(nbytes(shape, dtype), dtype=torch.uint8,
-                                  device=self._wire(device)[0])
+                buf = torch.empty(nbytes(shape, dtype), dtype=torch.uint8, device=wire)
                 ops.append(dist.P2POp(dist.irecv, buf, src))
                 out.append((buf, rv))
-        if ops:  # one batch per device kind (NCCL and gloo), all posted before any wait
-            kinds = {op.tensor.device.type for op in ops}
-            batches = [[op for op in ops if op.tensor.device.type == k] for k in sorted(kinds)]
+        if ops:
             self._run("exchange", sorted({op.peer for op in ops}),
-                      lambda: [w for b in batches for w in dist.batch_isend_irecv(b)])
+                      lambda: dist.batch_isend_irecv(ops))
         return [_typed(o[0], o[1][2], o[1][1]).to(o[1][3]) if isinstance(o, tuple) else o
                 for o in out]
-
-    def close(self) -> None:
-        """Forget the subgroups (their process groups are freed when unreferenced)."""
-        self._groups.clear()
 
 
 # -- init under torchrun ---------------------------------------------------------------------
@@ -279,7 +279,7 @@ def init_from_env(backend: str | None = None) -> TorchCommunicator:
     return _comm
 
 
-# -- launch: one spawned process a rank ------------------------------------------------------
+# -- launch: one new process a rank ------------------------------------------------------------
 def _threads_per_rank(world_size: int) -> int:
     env = os.environ.get("SBPFLOW_THREADS_PER_RANK")
     if env:
@@ -290,8 +290,8 @@ def _threads_per_rank(world_size: int) -> int:
 
 def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple,
            kwargs: dict, conn: multiprocessing.connection.Connection) -> None:
-    """Body of a spawned rank: init gloo, run ``fn``, report ``("ok", result)`` or
-    ``("error", exception, traceback text)`` on ``conn``."""
+    """Body of a launched rank: init gloo, run ``fn``, send ``("ok", result, "")`` or
+    ``("error" | "comm_error", exception, traceback text)`` on ``conn``, exit."""
     os.environ.clear()  # the parent's environment at launch (a forkserver child has the server's)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -319,7 +319,6 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
         conn.send_bytes(msg)
         _exit(1)  # the parent stops the other ranks; skip teardown that could block
     conn.send_bytes(msg)
-    comm.close()
     dist.destroy_process_group()
     _exit(0)
 
@@ -339,9 +338,11 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _launch_timeout() -> float:
-    """Bound on a whole ``launch(backend="torch")`` run: ``SBPFLOW_LAUNCH_TIMEOUT`` (s)."""
-    return float(os.environ.get("SBPFLOW_LAUNCH_TIMEOUT", max(3600.0, 4 * default_timeout())))
+def _launch_timeout(timeout: float | None) -> float:
+    """Bound on a whole ``launch(backend="torch")`` run: ``SBPFLOW_LAUNCH_TIMEOUT`` seconds,
+    default max(1 hour, 4 × the collective timeout)."""
+    default = max(3600.0, 4 * (timeout or default_timeout()))
+    return float(os.environ.get("SBPFLOW_LAUNCH_TIMEOUT", default))
 
 
 def _mp_context() -> Any:
@@ -364,8 +365,8 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
     Returns the results in rank order. The first exception a rank raises is re-raised here
     (with notes naming the rank and holding its traceback) as soon as it is reported, and the
     other ranks are terminated. A rank that dies without reporting raises `CommError` with its
-    exit code; so does a run longer than ``SBPFLOW_LAUNCH_TIMEOUT`` (default max(1 h, 4 ×
-    collective timeout)). ``timeout`` bounds each collective (default ``SBPFLOW_TIMEOUT``).
+    exit code; so does a run longer than `_launch_timeout`. ``timeout`` bounds each
+    collective (default ``SBPFLOW_TIMEOUT``).
     Each rank uses ``SBPFLOW_THREADS_PER_RANK`` torch threads (default cores // world_size).
     """
     kwargs = dict(kwargs or {})
@@ -398,7 +399,7 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
             send_end.close()
             conns.append(recv_end)
             procs.append(p)
-        results = _collect(procs, conns, world_size, time.monotonic() + _launch_timeout())
+        results = _collect(procs, conns, world_size, _launch_timeout(timeout))
         for p in procs:  # ranks have reported: give them a moment to tear down
             p.join(timeout=10)
         return results
@@ -416,19 +417,19 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
         del store
 
 
-def _collect(procs: list, conns: list, n: int, deadline: float) -> list[Any]:
+def _collect(procs: list, conns: list, n: int, bound: float) -> list[Any]:
     """Receive every rank's report. On failure raise the root cause: an exception a rank
     raised, else a rank that died, else (after waiting up to ``_GRACE`` s for one of those) a
     rank's `CommError`, which is often just the effect of another rank's failure."""
     results: list[Any] = [None] * n
     pending = set(range(n))
     failures: list[tuple[int, int, BaseException, str]] = []  # (priority, rank, exc, traceback)
-    give_up = deadline
+    give_up = time.monotonic() + bound
     while pending and not (failures and (failures[0][0] < 2 or time.monotonic() >= give_up)):
         left = give_up - time.monotonic()
         if left <= 0:
             raise CommError(f"launch(backend='torch'): rank(s) {sorted(pending)} of {n} still "
-                            f"running after SBPFLOW_LAUNCH_TIMEOUT={_launch_timeout():g} s; "
+                            f"running after SBPFLOW_LAUNCH_TIMEOUT={bound:g} s; "
                             f"terminated")
         mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                            timeout=min(left, 1.0))

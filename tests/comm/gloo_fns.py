@@ -116,8 +116,10 @@ def collectives_fn() -> dict:
     # broadcast (float, int64, empty), on the world and a subgroup with a non-first source
     for group, src in [(WORLD, 2), ((3, 1), 3)]:
         if r in group:
-            for shape, dtype in [((4, 2), torch.float32), ((3,), torch.int64), ((0, 5), torch.float32)]:
-                x = _t(50 + src, *shape, dtype=dtype) if r == src else torch.zeros(shape, dtype=dtype)
+            for shape, dtype in [((4, 2), torch.float32), ((3,), torch.int64),
+                                 ((0, 5), torch.float32)]:
+                x = _t(50 + src, *shape, dtype=dtype) if r == src else \
+                    torch.zeros(shape, dtype=dtype)
                 got = comm.broadcast(x, src, group)
                 _eq(got, _t(50 + src, *shape, dtype=dtype), f"broadcast from {src} on {group}")
 
