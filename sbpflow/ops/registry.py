@@ -1,0 +1,242 @@
+"""The op registry: an op is one registration — a name, a local torch kernel, and a generator of
+its valid 1-D signatures from the inputs' metadata.
+
+A *signature* says, for one mesh dim, the sbp of every tensor input and every output:
+``Signature(("S(0)", "B"), ("S(0)",))`` for ``matmul`` means "rows of the left operand split,
+right operand replicated, product split by rows". Signatures are data (strings parsed once),
+generated from shapes, dtypes and attributes — never from GlobalTensors.
+
+On an N-D mesh a signature is a tuple of 1-D ones, one per mesh dim (their product). A candidate
+is kept only if, on every rank, the kernel run on the local input shapes gives exactly the local
+output shapes the output layout implies (checked once on meta tensors, then cached): this rejects,
+for example, a reshape of an unevenly split axis.
+
+`choose` picks, among valid candidates, the one whose boxing of the inputs moves the fewest bytes
+(ties: fewer inputs changed, then the generator's order). Choices are cached by
+(op, input metadata, layouts, placement, attributes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..boxing import plan_layouts
+from ..errors import SignatureError
+from ..placement import Placement
+from ..sbp import Partial, Sbp, format_nd_sbp, local_shape, parse_sbp
+
+__all__ = ["TensorMeta", "Signature", "Op", "register", "get_op", "choose", "Choice", "OPS",
+           "out_metas", "hashable", "tensor_metas", "detaches", "KernelContext"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What signature generators see of a tensor: its logical shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One mesh dim's sbp for every tensor input (``ins``) and every output (``outs``)."""
+
+    ins: tuple
+    outs: tuple
+
+    def __init__(self, ins: Sequence[Sbp | str], outs: Sequence[Sbp | str]) -> None:
+        object.__setattr__(self, "ins", tuple(parse_sbp(s) for s in ins))
+        object.__setattr__(self, "outs", tuple(parse_sbp(s) for s in outs))
+
+    def __repr__(self) -> str:
+        return f"({', '.join(map(repr, self.ins))}) -> ({', '.join(map(repr, self.outs))})"
+
+
+SignatureFn = Callable[..., Sequence[Signature]]
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    """What a context kernel knows of this rank: the regions (boxes) of the logical inputs and
+    outputs its local shards hold, and the chosen layouts. ``ctx=None`` means one device."""
+
+    placement: Placement
+    coord: tuple
+    in_boxes: tuple
+    out_boxes: tuple
+    ins: tuple
+    outs: tuple
+
+
+@dataclass
+class Op:
+    """A registered op. ``kernel(*locals, **attrs)`` runs on local shards (``ctx=`` is passed
+    too when ``context`` is set: the rank's `KernelContext`)."""
+
+    name: str
+    kernel: Callable
+    signatures: SignatureFn
+    context: bool = False
+    doc: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+OPS: dict[str, Op] = {}
+
+
+def register(name: str, kernel: Callable, signatures: SignatureFn, *, context: bool = False,
+             doc: str = "") -> Op:
+    """Register op ``name``; a later registration of the same name replaces it."""
+    op = Op(name, kernel, signatures, context, doc)
+    OPS[name] = op
+    return op
+
+
+def get_op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise SignatureError(f"no op named {name!r} is registered") from None
+
+
+def hashable(value: Any) -> Any:
+    """Attributes as a cache key (lists become tuples, dicts sorted items)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, hashable(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        raise SignatureError("plain torch tensors cannot be op attributes; wrap them with sf.tensor")
+    return value
+
+
+# -- output metadata through torch's meta kernels ------------------------------------------------
+def tensor_metas(args: tuple) -> list[TensorMeta]:
+    return [a for a in args if isinstance(a, TensorMeta)]
+
+
+def _meta_args(args: tuple, shapes: Sequence[tuple] | None = None) -> list:
+    """``args`` with each `TensorMeta` replaced by a meta tensor (of ``shapes[i]`` if given)."""
+    it = iter(shapes) if shapes is not None else None
+    out = []
+    for a in args:
+        if isinstance(a, TensorMeta):
+            shape = next(it) if it is not None else a.shape
+            out.append(torch.empty(shape, dtype=a.dtype, device="meta"))
+        else:
+            out.append(a)
+    return out
+
+
+def _as_tuple(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _meta_kernel(op: Op, args: tuple, attrs: tuple, shapes=None) -> tuple[TensorMeta, ...]:
+    kwargs = dict(attrs)
+    if op.context:
+        kwargs["ctx"] = None  # kernels must handle ctx=None: the single-device (logical) case
+    with torch.no_grad():
+        res = op.kernel(*_meta_args(args, shapes), **kwargs)
+    return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in _as_tuple(res))
+
+
+@lru_cache(maxsize=1 << 14)
+def out_metas(name: str, args: tuple, attrs: tuple) -> tuple[TensorMeta, ...]:
+    """Logical output metadata of op ``name``: its kernel on meta tensors of the logical shapes.
+    ``args`` holds a `TensorMeta` in each tensor slot and the constants elsewhere."""
+    op = get_op(name)
+    try:
+        return _meta_kernel(op, args, attrs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        from ..errors import ShapeError
+        shapes = ", ".join(str(m.shape) for m in tensor_metas(args))
+        raise ShapeError(f"{name}: inputs of shapes {shapes} (attributes {dict(attrs)}) are not "
+                         f"valid for the op: {str(exc).splitlines()[0]}") from None
+
+
+# -- choosing a signature -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    """The N-D signature chosen: each input's required nd-sbp and each output's."""
+
+    ins: tuple
+    outs: tuple
+    out_metas: tuple
+    cost: int
+
+
+def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs) -> bool:
+    """Whether, on every rank, the kernel maps local input shapes to the local output shapes."""
+    seen = set()
+    for coord in placement.coords():
+        lin = tuple(local_shape(m.shape, placement.shape, nd, coord) for m, nd in zip(metas, ins_nd))
+        if lin in seen:
+            continue
+        seen.add(lin)
+        lout = tuple(local_shape(m.shape, placement.shape, nd, coord)
+                     for m, nd in zip(outs_meta, outs_nd))
+        try:
+            got = _meta_kernel(op, args, attrs, lin)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            return False
+        if tuple(g.shape for g in got) != lout:
+            return False
+    return True
+
+
+def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
+           forced: tuple | None = None) -> Choice:
+    """The signature op ``name`` runs with (see the module docstring). ``args`` holds a
+    `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input nd-sbps the
+    caller insists on (None entries are free); `SignatureError` if no valid signature has them."""
+    return _choose(name, args, layouts, placement, attrs, forced)
+
+
+@lru_cache(maxsize=1 << 14)
+def _choose(name, args, layouts, placement, attrs, forced) -> Choice:
+    op = get_op(name)
+    metas = tensor_metas(args)
+    outs_meta = out_metas(name, args, attrs)
+    sigs_1d = list(op.signatures(*args, **dict(attrs)))
+    if not sigs_1d:
+        raise SignatureError(f"{name}: no signature for inputs {[m.shape for m in metas]}")
+    best, best_key = None, None
+    for order, combo in enumerate(itertools.product(sigs_1d, repeat=placement.ndim)):
+        ins_nd = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(metas)))
+        outs_nd = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(outs_meta)))
+        if forced is not None and any(f is not None and f != nd for f, nd in zip(forced, ins_nd)):
+            continue
+        cost, changed = 0, 0
+        for m, have, want in zip(metas, layouts, ins_nd):
+            if have != want:
+                changed += 1
+                cost += plan_layouts(m.shape, m.dtype, placement, have, placement, want).nbytes
+        key = (cost, changed, order)
+        if best_key is not None and key >= best_key:
+            continue
+        if not _local_shapes_ok(op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs):
+            continue
+        best, best_key = (ins_nd, outs_nd), key
+    if best is None:
+        shown = ", ".join(f"{m.shape} {format_nd_sbp(l)}" for m, l in zip(metas, layouts))
+        want = "" if forced is None else \
+            f" with inputs forced to {[format_nd_sbp(f) for f in forced if f is not None]}"
+        raise SignatureError(f"{name}: no valid signature{want} for inputs {shown} on "
+                             f"{placement}; its 1-D signatures here: {sigs_1d}")
+    return Choice(best[0], best[1], outs_meta, best_key[0])
+
+
+def detaches(outs_nd: tuple) -> bool:
+    """Outputs laid out as P(max)/P(min) carry no gradient (DESIGN.md)."""
+    return any(isinstance(s, Partial) and s.op != "sum" for nd in outs_nd for s in nd)
