@@ -15,14 +15,15 @@ import torch
 
 from . import comm as _comm
 from .boxing import empty_local, identity_value, plan_layouts, run_plan
-from .errors import PlacementError, SbpError, ShapeError
+from .errors import PlacementError, PlacementMismatchError, SbpError, ShapeError, SignatureError
+from .ops import KernelContext, TensorMeta, choose, detaches, get_op, hashable
 from .placement import Placement
 from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, local_shape,
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full",
-           "arange", "manual_seed"]
+           "arange", "manual_seed", "apply_op"]
 
 
 def _norm_shape(shape) -> tuple[int, ...]:
@@ -410,3 +411,69 @@ def _infer_shape(shapes: list[tuple], placement: Placement, nd: tuple) -> tuple[
             seen_boxes[key] = shapes[placement.flat_ranks.index(r)][a]
         out.append(sum(seen_boxes.values()))
     return tuple(out)
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
+    """Run registered op ``name`` on global tensors (and constants) in ``args``.
+
+    Chooses the signature whose boxing of the inputs moves the fewest bytes (cached), boxes the
+    inputs, runs the kernel on the local shards, and wraps the outputs. ``sbp=`` forces the
+    inputs' layouts (one nd-sbp or None per tensor input). All tensor inputs must share one
+    placement: moving a tensor to another placement is an explicit ``to_global``.
+    """
+    tensors = [a for a in args if isinstance(a, GlobalTensor)]
+    if not tensors:
+        raise SignatureError(f"{name}: needs at least one global tensor input")
+    pl = tensors[0]._placement
+    for t in tensors[1:]:
+        if t._placement != pl:
+            raise PlacementMismatchError(
+                f"{name}: inputs are on different placements: {_describe(tensors[0])} and "
+                f"{_describe(t)}; move one with .to_global(placement=...) first (this is where a "
+                f"pipeline stage boundary goes)")
+    meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor) else hashable(a)
+                      for a in args)
+    attrs_key = tuple(sorted((k, hashable(v)) for k, v in attrs.items()))
+    forced = None
+    if sbp is not None:
+        forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
+    choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced)
+    boxed = [t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
+    op = get_op(name)
+    me = _comm.rank()
+    if me in pl:
+        it = iter(boxed)
+        local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
+        kwargs = dict(attrs)
+        if op.context:
+            coord = pl.coord_of(me)
+            kwargs["ctx"] = KernelContext(
+                pl, coord,
+                tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
+                tuple(shard_box(m.shape, pl.shape, nd, coord)
+                      for m, nd in zip(choice.out_metas, choice.outs)),
+                choice.ins, choice.outs)
+        result = op.kernel(*local_args, **kwargs)
+        locals_ = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    else:
+        locals_ = tuple(_connected_empty(boxed, m.dtype) for m in choice.out_metas)
+        result = locals_ if len(locals_) > 1 else None
+    if detaches(choice.outs):
+        locals_ = tuple(t.detach() for t in locals_)
+    outs = tuple(GlobalTensor(t, m.shape, pl, nd)
+                 for t, m, nd in zip(locals_, choice.out_metas, choice.outs))
+    return outs if isinstance(result, (tuple, list)) else outs[0]
+
+
+def _describe(t: GlobalTensor) -> str:
+    return f"shape {t._shape} on {t._placement} with sbp {format_nd_sbp(t._sbp)}"
+
+
+def _connected_empty(inputs: list, dtype: torch.dtype) -> torch.Tensor:
+    """An empty shard for a rank outside the placement that still hangs off the inputs in the
+    autograd graph, so backward reaches (and runs the collectives of) earlier boxing steps."""
+    parts = [t._local.reshape(-1)[:0] for t in inputs if t._local.requires_grad]
+    if not parts or not dtype.is_floating_point:
+        return torch.empty(0, dtype=dtype, device=inputs[0]._local.device)
+    return torch.cat([p.to(dtype) for p in parts])[:0]

@@ -77,3 +77,75 @@ def random_local(shape, placement, nd_sbp, seed: int, dtype=torch.float64) -> "s
 
 def splits_only(nd) -> bool:
     return all(isinstance(s, Split) for s in nd)
+
+
+def signature_layouts(op_name: str, args: tuple, placement) -> list[tuple]:
+    """The distinct input layouts (one nd-sbp per tensor input) of every N-D signature of a
+    registered op for these arguments (``args``: torch tensors in tensor slots, constants else)."""
+    from sbpflow.ops import TensorMeta, get_op
+    op = get_op(op_name)
+    meta_args = tuple(TensorMeta(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                      for a in args)
+    sigs = list(op.signatures(*meta_args))
+    n_in = sum(isinstance(a, torch.Tensor) for a in args)
+    out = []
+    for combo in itertools.product(sigs, repeat=placement.ndim):
+        layout = tuple(tuple(sig.ins[i] for sig in combo) for i in range(n_in))
+        if layout not in out:
+            out.append(layout)
+    return out
+
+
+def check_op(sf_fn, torch_fn, args: tuple, placement, layouts: list[tuple], *, grad: bool = True,
+             rtol: float = 1e-9, atol: float = 1e-9, seed: int = 0) -> list:
+    """Run inside a launched rank. For each input layout tuple: forward equals ``torch_fn`` on
+    the logical values, and (``grad``) every floating input's gradient equals torch's.
+
+    ``args``: torch tensors (the logical inputs) and constants. Returns the failures.
+    """
+    failures = []
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    ref_in = [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in tensors]
+    it = iter(ref_in)
+    ref_out = torch_fn(*[next(it) if isinstance(a, torch.Tensor) else a for a in args])
+    ref_outs = ref_out if isinstance(ref_out, (tuple, list)) else (ref_out,)
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(o.shape, generator=g, dtype=o.dtype) if o.is_floating_point() else None
+               for o in ref_outs]
+    ref_grads = None
+    if grad:
+        loss = sum((o * w).sum() for o, w in zip(ref_outs, weights) if w is not None)
+        ref_grads = torch.autograd.grad(loss, [t for t in ref_in if t.requires_grad],
+                                        allow_unused=True)
+    for layout in layouts:
+        xs = [make_global(t, placement, nd, seed=seed) for t, nd in zip(tensors, layout)]
+        if grad:
+            for x in xs:
+                if x.dtype.is_floating_point:
+                    x.requires_grad_()
+        it = iter(xs)
+        out = sf_fn(*[next(it) if isinstance(a, torch.Tensor) else a for a in args])
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o, r in zip(outs, ref_outs):
+            got = o.full_tensor()
+            if got.shape != r.shape or not torch.allclose(got.to(r.dtype), r.detach(), rtol=rtol, atol=atol):
+                failures.append(("forward", layout, tuple(o.sbp)))
+        if grad:
+            pairs = [(o, w) for o, w in zip(outs, weights) if w is not None and o.requires_grad]
+            for k, (o, w) in enumerate(pairs):
+                o.backward(sf.tensor(w, o.placement, tuple(sf.B for _ in o.sbp)),
+                           retain_graph=k + 1 < len(pairs))
+            gi = iter(ref_grads)
+            for x in xs:
+                if not x.dtype.is_floating_point:
+                    continue
+                rg = next(gi)
+                if rg is None:
+                    continue
+                if x.grad is None:
+                    failures.append(("no grad", layout))
+                    continue
+                got = x.grad.full_tensor()
+                if not torch.allclose(got, rg, rtol=rtol, atol=atol):
+                    failures.append(("grad", layout, float((got - rg).abs().max())))
+    return failures

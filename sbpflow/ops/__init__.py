@@ -1,0 +1,11 @@
+"""Ops: signatures as data on tensor metadata, and the torch kernel of each op.
+
+Each family module registers its ops on import; `sbpflow.tensor` dispatches to them.
+"""
+
+from . import elementwise, matmul  # noqa: F401  (registrations)
+from .registry import (OPS, Choice, KernelContext, Op, Signature, TensorMeta, choose, detaches,
+                       get_op, hashable, out_metas, register, tensor_metas)
+
+__all__ = ["OPS", "Choice", "KernelContext", "Op", "Signature", "TensorMeta", "choose",
+           "detaches", "get_op", "hashable", "out_metas", "register", "tensor_metas"]
