@@ -7,20 +7,21 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
     y = x.to_global(sbp=(sf.B, sf.S(0)))
 """
 
-from . import boxing, comm, sbp
+from . import boxing, comm, ops, sbp
 from .comm import init, launch, rank, world_size
 from .errors import (BoxingError, CommAborted, CommError, CommTimeout, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
                      SplitAxisError)
 from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
-from .tensor import (GlobalTensor, arange, from_local, full, manual_seed, ones, rand, randn,
-                     tensor, zeros)
+from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
+                     randn, tensor, zeros)
+from . import nn  # noqa: E402  (above tensor in the layers)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "boxing", "comm", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
+    "boxing", "comm", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
     "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
     "GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",

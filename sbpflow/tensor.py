@@ -477,3 +477,59 @@ def _connected_empty(inputs: list, dtype: torch.dtype) -> torch.Tensor:
     if not parts or not dtype.is_floating_point:
         return torch.empty(0, dtype=dtype, device=inputs[0]._local.device)
     return torch.cat([p.to(dtype) for p in parts])[:0]
+
+
+# -- operators and methods: thin bindings to registered ops ---------------------------------------
+def _binary(name: str, reflected: bool = False):
+    def method(self, other):
+        return apply_op(name, other, self) if reflected else apply_op(name, self, other)
+    method.__name__ = name
+    return method
+
+
+for _name in ("add", "sub", "mul", "div", "pow", "matmul"):
+    setattr(GlobalTensor, f"__{_name if _name != 'div' else 'truediv'}__", _binary(_name))
+    setattr(GlobalTensor, f"__r{_name if _name != 'div' else 'truediv'}__", _binary(_name, True))
+for _name in ("add", "sub", "mul", "div", "pow", "matmul", "maximum", "minimum", "eq", "ne", "lt",
+              "le", "gt", "ge"):
+    setattr(GlobalTensor, _name, _binary(_name))
+GlobalTensor.__lt__ = _binary("lt")
+GlobalTensor.__le__ = _binary("le")
+GlobalTensor.__gt__ = _binary("gt")
+GlobalTensor.__ge__ = _binary("ge")
+GlobalTensor.__neg__ = lambda self: apply_op("neg", self)
+
+
+def _unary(name: str):
+    def method(self, *args, **kwargs):
+        return apply_op(name, self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+# Each name is an op registered in sbpflow.ops (one family module each).
+for _name in ("exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu",
+              "square", "reciprocal", "neg", "clone", "contiguous", "isnan", "logical_not",
+              "sum", "mean", "amax", "amin", "reshape", "transpose", "permute", "flatten",
+              "unsqueeze", "squeeze", "narrow", "expand", "softmax", "log_softmax"):
+    setattr(GlobalTensor, _name, _unary(_name))
+
+
+def _shape_args(shape) -> tuple:
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) \
+        else tuple(shape)
+
+
+GlobalTensor.reshape = lambda self, *shape: apply_op("reshape", self, shape=_shape_args(shape))
+GlobalTensor.view = GlobalTensor.reshape
+GlobalTensor.permute = lambda self, *dims: apply_op("permute", self, dims=_shape_args(dims))
+GlobalTensor.expand = lambda self, *shape: apply_op("expand", self, shape=_shape_args(shape))
+GlobalTensor.t = lambda self: apply_op("transpose", self, dim0=0, dim1=1)
+GlobalTensor.T = property(lambda self: apply_op("permute", self, dims=tuple(reversed(range(self.ndim)))))
+GlobalTensor.max = GlobalTensor.amax
+GlobalTensor.min = GlobalTensor.amin
+GlobalTensor.__getitem__ = lambda self, index: apply_op("getitem", self, index=index)
+GlobalTensor.to = lambda self, dtype: self if dtype == self.dtype else apply_op("to_dtype", self, dtype=dtype)
+GlobalTensor.float = lambda self: self.to(torch.float32)
+GlobalTensor.double = lambda self: self.to(torch.float64)
+GlobalTensor.item = lambda self: self.full_tensor().item()

@@ -1,0 +1,5 @@
+"""``sf.nn``: modules and functional ops on global tensors (names mirror ``torch.nn``)."""
+
+from . import functional
+
+__all__ = ["functional"]
