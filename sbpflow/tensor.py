@@ -414,6 +414,8 @@ def _infer_shape(shapes: list[tuple], placement: Placement, nd: tuple) -> tuple[
 
 
 # -- dispatch ------------------------------------------------------------------------------------
+_CHOICES: dict = {}
+
 def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     """Run registered op ``name`` on global tensors (and constants) in ``args``.
 
@@ -432,14 +434,22 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                 f"{name}: inputs are on different placements: {_describe(tensors[0])} and "
                 f"{_describe(t)}; move one with .to_global(placement=...) first (this is where a "
                 f"pipeline stage boundary goes)")
-    meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor) else hashable(a)
-                      for a in args)
-    attrs_key = tuple(sorted((k, hashable(v)) for k, v in attrs.items()))
+    attrs_key = tuple(sorted((k, hashable(v)) for k, v in attrs.items())) if attrs else ()
     forced = None
     if sbp is not None:
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
-    choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced)
-    boxed = [t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
+    # fast path: a dict keyed by what the choice depends on (the registry's cache is slower)
+    key = (name, tuple((a._shape, a._local.dtype, a._sbp) if isinstance(a, GlobalTensor)
+                       else hashable(a) for a in args), pl, attrs_key, forced)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor)
+                          else hashable(a) for a in args)
+        choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced)
+        if len(_CHOICES) > 1 << 16:
+            _CHOICES.clear()
+        _CHOICES[key] = choice
+    boxed = [t if t._sbp == nd else t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
     op = get_op(name)
     me = _comm.rank()
     if me in pl:
