@@ -439,13 +439,19 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     if sbp is not None:
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
     # fast path: a dict keyed by what the choice depends on (the registry's cache is slower)
+    grad = torch.is_grad_enabled() and any(t._local.requires_grad for t in tensors)
     key = (name, tuple((a._shape, a._local.dtype, a._sbp) if isinstance(a, GlobalTensor)
-                       else hashable(a) for a in args), pl, attrs_key, forced)
+                       else hashable(a) for a in args), pl, attrs_key, forced, grad)
     choice = _CHOICES.get(key)
     if choice is None:
         meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor)
                           else hashable(a) for a in args)
-        choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced)
+        try:
+            choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key,
+                            forced, grad)
+        except ShapeError as exc:
+            shown = "; ".join(_describe(t) for t in tensors)
+            raise ShapeError(f"{exc} [inputs: {shown}]") from None
         if len(_CHOICES) > 1 << 16:
             _CHOICES.clear()
         _CHOICES[key] = choice
@@ -463,7 +469,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                 tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
                 tuple(shard_box(m.shape, pl.shape, nd, coord)
                       for m, nd in zip(choice.out_metas, choice.outs)),
-                choice.ins, choice.outs)
+                choice.ins, choice.outs, tuple(t._shape for t in tensors))
         result = op.kernel(*local_args, **kwargs)
         locals_ = tuple(result) if isinstance(result, (tuple, list)) else (result,)
     else:
@@ -543,3 +549,42 @@ GlobalTensor.to = lambda self, dtype: self if dtype == self.dtype else apply_op(
 GlobalTensor.float = lambda self: self.to(torch.float32)
 GlobalTensor.double = lambda self: self.to(torch.float64)
 GlobalTensor.item = lambda self: self.full_tensor().item()
+
+
+# -- shape-op conveniences (ops/shape.py) ------------------------------------------------------
+from .ops.shape import encode_index as _encode_index  # noqa: E402
+from .ops.shape import resolve_shape as _resolve_shape  # noqa: E402
+from .ops.shape import squeeze_dims as _squeeze_dims  # noqa: E402
+
+
+def _reshape_method(self, *shape):
+    """``reshape`` / ``view``: a ``-1`` is resolved here from the logical shape."""
+    return apply_op("reshape", self, shape=_resolve_shape(self.numel(), _shape_args(shape)))
+
+
+def _squeeze_method(self, dim=None):
+    """``squeeze``: only the given axes (all if None) of logical size 1 are removed."""
+    return apply_op("squeeze", self, dim=_squeeze_dims(self._shape, dim))
+
+
+GlobalTensor.reshape = _reshape_method
+GlobalTensor.view = _reshape_method
+GlobalTensor.squeeze = _squeeze_method
+GlobalTensor.__getitem__ = lambda self, index: apply_op(
+    "getitem", self, index=_encode_index(index, f"indexing a tensor of {_describe(self)}"))
+GlobalTensor.split = lambda self, split_size, dim=0: apply_op("split", self, split_size=split_size,
+                                                              dim=dim)
+GlobalTensor.chunk = lambda self, chunks, dim=0: apply_op("chunk", self, chunks=chunks, dim=dim)
+
+
+def cat(tensors: Sequence[GlobalTensor], dim: int = 0) -> GlobalTensor:
+    """``torch.cat`` of global tensors on one placement (``dim`` must not be split: a split
+    there is boxed first)."""
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, GlobalTensor) for t in tensors):
+        raise SignatureError(f"cat: needs a non-empty sequence of global tensors, got "
+                             f"{[type(t).__name__ for t in tensors]}")
+    return apply_op("cat", *tensors, dim=dim)
+
+
+__all__.append("cat")

@@ -76,6 +76,7 @@ class KernelContext:
     out_boxes: tuple
     ins: tuple
     outs: tuple
+    in_shapes: tuple = ()  # the logical shapes of the tensor inputs (e.g. a mean's count)
 
 
 @dataclass
@@ -196,15 +197,17 @@ def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement,
 
 
 def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
-           forced: tuple | None = None) -> Choice:
+           forced: tuple | None = None, grad: bool = False) -> Choice:
     """The signature op ``name`` runs with (see the module docstring). ``args`` holds a
     `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input nd-sbps the
-    caller insists on (None entries are free); `SignatureError` if no valid signature has them."""
-    return _choose(name, args, layouts, placement, attrs, forced)
+    caller insists on (None entries are free); `SignatureError` if no valid signature has them.
+    ``grad``: some input requires grad, so signatures whose outputs carry no gradient (P(max),
+    P(min)) are used only when nothing else is valid — a cheap max must not drop a gradient."""
+    return _choose(name, args, layouts, placement, attrs, forced, grad)
 
 
 @lru_cache(maxsize=1 << 14)
-def _choose(name, args, layouts, placement, attrs, forced) -> Choice:
+def _choose(name, args, layouts, placement, attrs, forced, grad) -> Choice:
     op = get_op(name)
     metas = tensor_metas(args)
     outs_meta = out_metas(name, args, attrs)
@@ -222,7 +225,7 @@ def _choose(name, args, layouts, placement, attrs, forced) -> Choice:
             if have != want:
                 changed += 1
                 cost += plan_layouts(m.shape, m.dtype, placement, have, placement, want).nbytes
-        key = (cost, changed, order)
+        key = (int(grad and detaches(outs_nd)), cost, changed, order)
         if best_key is not None and key >= best_key:
             continue
         if not _local_shapes_ok(op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs):
@@ -234,7 +237,7 @@ def _choose(name, args, layouts, placement, attrs, forced) -> Choice:
             f" with inputs forced to {[format_nd_sbp(f) for f in forced if f is not None]}"
         raise SignatureError(f"{name}: no valid signature{want} for inputs {shown} on "
                              f"{placement}; its 1-D signatures here: {sigs_1d}")
-    return Choice(best[0], best[1], outs_meta, best_key[0])
+    return Choice(best[0], best[1], outs_meta, best_key[1])
 
 
 def detaches(outs_nd: tuple) -> bool:
