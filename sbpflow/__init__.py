@@ -16,15 +16,19 @@ from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
                      randn, tensor, zeros)
+from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
+from . import optim, parallel  # noqa: E402
+from .nn.amp import autocast  # noqa: E402
+from .nn.serialization import load, save  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "boxing", "comm", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
     "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
-    "GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
+    "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "CommAborted", "CommTimeout",
+    "CommAborted", "CommTimeout", "optim", "parallel", "save", "load", "autocast",
 ]

@@ -44,6 +44,8 @@ def make_global(full: torch.Tensor, placement, nd_sbp, seed: int = 0) -> "sf.Glo
     if not pdims:
         return sf.from_local(value.clone(), placement, nd, shape=shape)
     op = nd[pdims[0]].op
+    if any(nd[d].op != op for d in pdims):
+        raise NotImplementedError(f"make_global: mixed partial kinds {nd} are not supported")
     sizes = [placement.shape[d] for d in pdims]
     members = list(itertools.product(*(range(n) for n in sizes)))
     j = members.index(tuple(coord[d] for d in pdims))

@@ -34,8 +34,8 @@ def relative(box: Box, origin: Box) -> tuple[slice, ...]:
 
 
 def contains(outer: Box, inner: Box) -> bool:
-    return all(o <= s and s + n <= o + m for (s, n), (o, m) in zip(inner, outer)) or \
-        box_numel(inner) == 0
+    """Whether region ``inner`` lies inside ``outer`` (geometrically, also when empty)."""
+    return all(o <= s and s + n <= o + m for (s, n), (o, m) in zip(inner, outer))
 
 
 def full_box(shape: Sequence[int]) -> Box:

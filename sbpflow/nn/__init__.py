@@ -1,5 +1,15 @@
 """``sf.nn``: modules and functional ops on global tensors (names mirror ``torch.nn``)."""
 
-from . import functional
+from . import functional, functional_conv, init
+from .amp import autocast
+from .modules import (GELU, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
+                      Identity, LayerNorm, Linear, MaxPool2d, Module, ModuleDict, ModuleList,
+                      Parameter, ReLU, Sequential, SiLU, Sigmoid, Softmax, StateDictError, Tanh)
+from .recompute import checkpoint
+from .serialization import CheckpointError, load, save
 
-__all__ = ["functional"]
+__all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "StateDictError",
+           "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
+           "SiLU", "Identity", "Softmax", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
+           "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
+           "save", "load", "CheckpointError"]

@@ -7,9 +7,16 @@ exp-sum, all-reduce sum — written as plain tensor code on global tensors).
 
 from __future__ import annotations
 
-from ..tensor import GlobalTensor, apply_op
+import math
 
-__all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu"]
+import torch
+
+from ..errors import ShapeError
+from ..sbp import B, Partial, Split
+from ..tensor import GlobalTensor, _next_seed, apply_op, full
+
+__all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
+           "layer_norm", "embedding", "cross_entropy", "dropout", "scaled_dot_product_attention"]
 
 
 def linear(x: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = None) -> GlobalTensor:
@@ -35,3 +42,183 @@ def sigmoid(x: GlobalTensor) -> GlobalTensor:
 
 def silu(x: GlobalTensor) -> GlobalTensor:
     return apply_op("silu", x)
+
+
+# -- transformer ops ------------------------------------------------------------------------------
+# Composites along a split axis reduce locally, then box the partial result to broadcast: that
+# boxing is the all-reduce (and its dual backward the all-reduce of the gradient).
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    d = dim + ndim if dim < 0 else dim
+    if not 0 <= d < max(ndim, 1):
+        raise ShapeError(f"dim {dim} is out of range for a tensor with {ndim} dimension(s)")
+    return d
+
+
+def _split_on(x: GlobalTensor, axes) -> bool:
+    """Whether some mesh dim splits ``x`` on one of ``axes``."""
+    return any(isinstance(s, Split) and s.axis in axes for s in x.sbp)
+
+
+def _reduced(t: GlobalTensor) -> GlobalTensor:
+    """``t`` with every partial mesh dim reduced (P -> B: the all-reduce)."""
+    nd = tuple(B if isinstance(s, Partial) else s for s in t.sbp)
+    return t if nd == t.sbp else t.to_global(sbp=nd)
+
+
+def _max_over(x: GlobalTensor, dim: int) -> GlobalTensor:
+    """The max along ``dim`` (keepdim), replicated across the ranks splitting it, no gradient:
+    local max -> P(max) -> B."""
+    return _reduced(x.detach().amax(dim=dim, keepdim=True))
+
+
+def _sum_over(x: GlobalTensor, dims, keepdim: bool = True) -> GlobalTensor:
+    """The sum along ``dims`` replicated across the ranks splitting them: local sum -> P -> B."""
+    return _reduced(x.sum(dim=dims, keepdim=keepdim))
+
+
+def softmax(x: GlobalTensor, dim: int, dtype: torch.dtype | None = None) -> GlobalTensor:
+    """``torch.softmax`` along ``dim``. Along an unsplit axis: the local op (no communication).
+    Along a split axis: local max, all-reduce max, exp, local sum, all-reduce sum, divide."""
+    if dtype is not None:
+        x = x.to(dtype)
+    d = _norm_dim(dim, x.ndim)
+    if not _split_on(x, (d,)):
+        return apply_op("softmax", x, d)
+    e = (x - _max_over(x, d)).exp()
+    return e / _sum_over(e, d)
+
+
+def log_softmax(x: GlobalTensor, dim: int, dtype: torch.dtype | None = None) -> GlobalTensor:
+    """``torch.log_softmax`` along ``dim`` (along a split axis: as `softmax`, then
+    ``z - log(sum(exp(z)))`` with ``z = x - max``)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    d = _norm_dim(dim, x.ndim)
+    if not _split_on(x, (d,)):
+        return apply_op("log_softmax", x, d)
+    z = x - _max_over(x, d)
+    return z - _sum_over(z.exp(), d).log()
+
+
+def layer_norm(x: GlobalTensor, normalized_shape, weight: GlobalTensor | None = None,
+               bias: GlobalTensor | None = None, eps: float = 1e-5) -> GlobalTensor:
+    """``torch.nn.functional.layer_norm``. With the normalized axes whole on each rank: the local
+    op. With one of them split (hidden-dim tensor parallelism): mean and variance by local sums
+    all-reduced across the splitting ranks (two passes, as torch), weight and bias following the
+    split (a weight laid out ``S(0)`` along a split hidden dim needs no communication)."""
+    ns = (int(normalized_shape),) if isinstance(normalized_shape, int) else \
+        tuple(int(n) for n in normalized_shape)
+    if tuple(x.shape[x.ndim - len(ns):]) != ns or len(ns) > x.ndim:
+        raise ShapeError(f"layer_norm: normalized_shape {ns} does not match the trailing dims of "
+                         f"input shape {tuple(x.shape)} (placement {x.placement}, sbp {x.sbp})")
+    dims = tuple(range(x.ndim - len(ns), x.ndim))
+    if not _split_on(x, dims):
+        return apply_op("layer_norm", x, ns, weight, bias, float(eps))
+    n = math.prod(ns)
+    xc = x - _sum_over(x, dims) / n
+    var = _sum_over(xc * xc, dims) / n
+    y = xc * (var + eps).rsqrt()
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: int | None = None,
+              max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> GlobalTensor:
+    """Rows of ``weight`` (vocab, dim) at the integer ``input``. Layouts: ids split on a batch
+    axis with a replicated table; the table split on dim (output split on its last axis); the
+    table split on vocab (Megatron's VocabParallelEmbedding: each rank looks up only its rows,
+    the output is a partial sum)."""
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise NotImplementedError("embedding: max_norm, scale_grad_by_freq and sparse are not "
+                                  "supported")
+    if padding_idx is not None:
+        vocab = weight.shape[0]
+        if not -vocab <= padding_idx < vocab:
+            raise ShapeError(f"embedding: padding_idx {padding_idx} out of range for a table "
+                             f"of {vocab} rows")
+        padding_idx = padding_idx + vocab if padding_idx < 0 else padding_idx
+        return apply_op("embedding", input, weight, padding_idx)
+    return apply_op("embedding", input, weight)
+
+
+def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight=None,
+                  ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> GlobalTensor:
+    """Cross-entropy of ``input`` logits whose LAST axis is the class axis, against integer
+    ``target`` of the leading shape: (N, C) with (N,), or (B, T, C) with (B, T) — the latter
+    equals ``torch.nn.functional.cross_entropy(input.view(-1, C), target.view(-1))`` (note: for
+    inputs of 3 or more dims torch itself takes axis 1 as the class axis; sbpflow takes the last).
+
+    Works for every layout: batch-split logits stay split until the final sum; class-split logits
+    (model-parallel softmax) all-reduce only the max and the exp-sum of each row, and the target
+    logit is picked by the rank owning its class (a partial sum). ``reduction``: "mean" (over the
+    targets not equal to ``ignore_index``), "sum" or "none" (shape of ``target``)."""
+    if weight is not None or label_smoothing:
+        raise NotImplementedError("cross_entropy: class weights and label_smoothing are not "
+                                  "supported")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', not "
+                         f"{reduction!r}")
+    if input.ndim < 1 or tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ShapeError(f"cross_entropy: target of shape {tuple(target.shape)} does not match "
+                         f"logits of shape {tuple(input.shape)} (classes on the last axis)")
+    if target.dtype.is_floating_point:
+        raise NotImplementedError("cross_entropy: only integer class targets are supported")
+    c = input.ndim - 1
+    z = input - _max_over(input, c)
+    lse = _sum_over(z.exp(), c, keepdim=False).log()
+    picked = apply_op("pick_class", z, target, ignore_index=int(ignore_index))
+    valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
+    loss = (lse - picked) * valid
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total if reduction == "sum" else total / valid.sum()
+
+
+def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,
+            seed: int | None = None) -> GlobalTensor:
+    """``torch.nn.functional.dropout`` with a layout-independent mask: each rank draws only its
+    region of one logical uniform tensor (``generate_region``), so the result is the same in
+    every layout and on one device, for the same ``seed``. Without ``seed`` it comes from the
+    per-rank stream of `sf.manual_seed` (agrees across ranks that call in the same order)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    s = _next_seed(seed, None) % (1 << 63)
+    seed_t = full((), s, placement=x.placement, sbp=(B,) * x.placement.ndim, dtype=torch.int64)
+    return apply_op("dropout", x, seed_t, p=float(p))
+
+
+def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: GlobalTensor,
+                                 attn_mask: GlobalTensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 seed: int | None = None) -> GlobalTensor:
+    """``softmax(q @ k^T * scale [+ mask]) @ v`` on (..., T, D) tensors, from ops: with batch or
+    heads split everything is local (no communication); a split key axis makes the softmax the
+    split-axis composite. ``is_causal``: entries above the diagonal (top-left aligned, as torch)
+    are masked. ``attn_mask``: boolean (True = attend) or additive float. ``dropout_p`` uses
+    `dropout` (its own random stream: not torch's)."""
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if is_causal:
+        scores = apply_op("masked_fill_causal", scores)
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = apply_op("where", attn_mask, scores, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    attn = softmax(scores, -1)
+    if dropout_p > 0.0:
+        attn = dropout(attn, dropout_p, seed=seed)
+    return attn @ value

@@ -29,7 +29,7 @@ import torch
 from ..boxing import plan_layouts
 from ..errors import SignatureError
 from ..placement import Placement
-from ..sbp import Partial, Sbp, format_nd_sbp, local_shape, parse_sbp
+from ..sbp import Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
 
 __all__ = ["TensorMeta", "Signature", "Op", "register", "get_op", "choose", "Choice", "OPS",
            "out_metas", "hashable", "tensor_metas", "detaches", "KernelContext"]
@@ -143,10 +143,11 @@ def _as_tuple(result) -> tuple:
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
-def _meta_kernel(op: Op, args: tuple, attrs: tuple, shapes=None) -> tuple[TensorMeta, ...]:
+def _meta_kernel(op: Op, args: tuple, attrs: tuple, shapes=None,
+                 ctx: "KernelContext | None" = None) -> tuple[TensorMeta, ...]:
     kwargs = dict(attrs)
     if op.context:
-        kwargs["ctx"] = None  # kernels must handle ctx=None: the single-device (logical) case
+        kwargs["ctx"] = ctx  # None: the single-device (logical) case
     with torch.no_grad():
         res = op.kernel(*_meta_args(args, shapes), **kwargs)
     return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in _as_tuple(res))
@@ -178,17 +179,25 @@ class Choice:
 
 
 def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs) -> bool:
-    """Whether, on every rank, the kernel maps local input shapes to the local output shapes."""
+    """Whether, on every rank, the kernel maps local input shapes to the local output shapes
+    (context kernels see the rank's `KernelContext`, as when they run for real)."""
     seen = set()
     for coord in placement.coords():
-        lin = tuple(local_shape(m.shape, placement.shape, nd, coord) for m, nd in zip(metas, ins_nd))
-        if lin in seen:
+        in_boxes = tuple(shard_box(m.shape, placement.shape, nd, coord)
+                         for m, nd in zip(metas, ins_nd))
+        out_boxes = tuple(shard_box(m.shape, placement.shape, nd, coord)
+                          for m, nd in zip(outs_meta, outs_nd))
+        lin = tuple(tuple(n for _, n in b) for b in in_boxes)
+        lout = tuple(tuple(n for _, n in b) for b in out_boxes)
+        if (lin, lout) in seen:
             continue
-        seen.add(lin)
-        lout = tuple(local_shape(m.shape, placement.shape, nd, coord)
-                     for m, nd in zip(outs_meta, outs_nd))
+        seen.add((lin, lout))
+        ctx = None
+        if op.context:
+            ctx = KernelContext(placement, coord, in_boxes, out_boxes, ins_nd, outs_nd,
+                                tuple(m.shape for m in metas))
         try:
-            got = _meta_kernel(op, args, attrs, lin)
+            got = _meta_kernel(op, args, attrs, lin, ctx)
         except (RuntimeError, ValueError, IndexError, TypeError):
             return False
         if tuple(g.shape for g in got) != lout:

@@ -45,6 +45,11 @@ def test_2x2_all_pairs(ndim):
     _check_all_pairs(sf.placement("cpu", [[0, 1], [2, 3]]), SHAPES[ndim], ("sum",))
 
 
+def test_2x2_size_one_and_empty_shards():
+    """Splitting an axis of size 1 (or 2 over 4 ranks) leaves empty shards on some ranks."""
+    _check_all_pairs(sf.placement("cpu", [[0, 1], [2, 3]]), [(1, 2, 8), (2, 1)], ("sum",))
+
+
 def test_2x2_partial_max_pairs():
     _check_all_pairs(sf.placement("cpu", [[0, 1], [2, 3]]), [(5, 7)], ("max",))
 

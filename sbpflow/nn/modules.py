@@ -1,0 +1,802 @@
+"""``sf.nn`` modules: torch.nn's `Module` on global tensors, and the common layers.
+
+A `Module` registers `Parameter` s and sub-modules on attribute assignment, as torch does, so
+``named_parameters()`` gives torch's dotted names (``"0.weight"``, ``"blocks.1.attn.qkv.bias"``)
+and a model's ``state_dict()`` has the keys of its ``torch.nn`` twin.
+
+A `Parameter` is a leaf `GlobalTensor` that requires grad. Each layer takes ``placement=`` and
+``sbp=`` (its weight's layout; default: every rank, replicated) and initialises its parameters
+as torch does, but from sbpflow's layout-independent random streams (`sf.nn.init`): every rank
+creates the same logical weights whatever the layout, provided every rank builds the model in
+the same order (the seeds come from the per-rank stream of `sf.manual_seed`). Layouts are usually
+chosen afterwards, by name, with `sf.parallel.apply`.
+
+State dicts hold *logical* values: ``state_dict()`` gathers each tensor whole (a collective:
+every rank must call it, in the same order — it is the same order on every rank for the same
+model), and ``load_state_dict()`` takes a plain torch state dict (the same on every rank) and
+keeps each rank's shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import torch
+
+from ..errors import SbpError, ShapeError
+from ..placement import Placement
+from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
+from ..tensor import GlobalTensor, tensor as _sf_tensor, zeros as _sf_zeros
+from . import functional as F
+from . import functional_conv as FC
+from . import init
+from .init import _fill
+
+__all__ = ["Parameter", "Module", "StateDictError", "Linear", "Embedding", "LayerNorm", "Dropout",
+           "GELU", "ReLU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "Conv2d",
+           "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Flatten", "Sequential", "ModuleList",
+           "ModuleDict"]
+
+
+class StateDictError(SbpError, RuntimeError):
+    """A state dict does not fit a module (missing or unexpected keys)."""
+
+
+class Parameter(GlobalTensor):
+    """A leaf global tensor that requires grad (by default), registered by `Module` on
+    assignment. ``Parameter(global_tensor)`` shares the tensor's shard (copied when the shard
+    is a view into a larger buffer, so a split parameter never keeps the whole tensor alive).
+    ``Parameter(torch_tensor, placement=, sbp=)`` lays out a logical torch value."""
+
+    __slots__ = ()
+
+    def __init__(self, data, requires_grad: bool = True, *, placement: Placement | None = None,
+                 sbp=None) -> None:
+        if isinstance(data, torch.Tensor):
+            data = _sf_tensor(data.detach(), placement, sbp)
+        elif not isinstance(data, GlobalTensor):
+            raise TypeError(f"Parameter needs an sf.GlobalTensor or torch.Tensor, got "
+                            f"{type(data).__name__}")
+        local = data.local.detach()
+        if local._base is not None or not local.is_contiguous():
+            local = local.clone(memory_format=torch.contiguous_format)
+        super().__init__(local.requires_grad_(requires_grad), tuple(data.shape), data.placement,
+                         data.sbp)
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + super().__repr__()
+
+
+class _IncompatibleKeys(NamedTuple):
+    missing_keys: list
+    unexpected_keys: list
+
+
+class Module:
+    """Base class of sbpflow modules (torch.nn.Module's registration and traversal API)."""
+
+    training: bool
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent", set())
+        object.__setattr__(self, "_modules", OrderedDict())
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no forward()")
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    # -- registration --------------------------------------------------------------------------
+    def _check_init(self, what: str) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"cannot assign {what} before Module.__init__() call")
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        self._check_init("parameters")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"cannot assign {type(param).__name__} object to parameter {name!r} "
+                            f"(sf.nn.Parameter or None required)")
+        self._parameters[name] = param
+
+    def register_buffer(self, name: str, tensor: GlobalTensor | None,
+                        persistent: bool = True) -> None:
+        self._check_init("buffers")
+        if tensor is not None and not isinstance(tensor, GlobalTensor):
+            raise TypeError(f"cannot assign {type(tensor).__name__} object to buffer {name!r} "
+                            f"(sf.GlobalTensor or None required)")
+        self._buffers[name] = tensor
+        if persistent:
+            self._non_persistent.discard(name)
+        else:
+            self._non_persistent.add(name)
+
+    def add_module(self, name: str, module: "Module | None") -> None:
+        self._check_init("child modules")
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"{type(module).__name__} is not an sf.nn.Module subclass")
+        if "." in name or name == "":
+            raise KeyError(f"module name can't contain '.' or be empty, got {name!r}")
+        self._modules[name] = module
+
+    register_module = add_module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        params, modules, buffers = d.get("_parameters"), d.get("_modules"), d.get("_buffers")
+        if isinstance(value, Parameter):
+            self._check_init("parameters")
+            self._drop(name, keep="_parameters")
+            self.register_parameter(name, value)
+        elif params is not None and name in params:
+            self.register_parameter(name, value)  # None or an error
+        elif isinstance(value, Module):
+            self._check_init("child modules")
+            self._drop(name, keep="_modules")
+            modules[name] = value
+        elif modules is not None and name in modules:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} as child module {name!r} "
+                                f"(sf.nn.Module or None expected)")
+            modules[name] = None
+        elif buffers is not None and name in buffers:
+            if value is not None and not isinstance(value, GlobalTensor):
+                raise TypeError(f"cannot assign {type(value).__name__} as buffer {name!r} "
+                                f"(sf.GlobalTensor or None expected)")
+            buffers[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def _drop(self, name: str, keep: str) -> None:
+        """Forget ``name`` everywhere but in ``keep`` (a re-assignment keeps its position)."""
+        for key in ("_parameters", "_buffers", "_modules"):
+            if key != keep:
+                self.__dict__[key].pop(name, None)
+        self.__dict__.pop(name, None)
+        self._non_persistent.discard(name)
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        for key in ("_parameters", "_buffers", "_modules"):
+            if key in d and name in d[key]:
+                return d[key][name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        for key in ("_parameters", "_buffers", "_modules"):
+            if name in self.__dict__.get(key, {}):
+                del self.__dict__[key][name]
+                self._non_persistent.discard(name)
+                return
+        object.__delattr__(self, name)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers)
+                      | set(self._modules))
+
+    # -- traversal -----------------------------------------------------------------------------
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, "Module"]]:
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, module in self._modules.items():
+            if module is None:
+                continue
+            yield from module.named_modules(memo, prefix + ("." if prefix else "") + name,
+                                            remove_duplicate)
+
+    def modules(self) -> Iterator["Module"]:
+        for _, m in self.named_modules():
+            yield m
+
+    def named_children(self) -> Iterator[tuple[str, "Module"]]:
+        seen = set()
+        for name, m in self._modules.items():
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                yield name, m
+
+    def children(self) -> Iterator["Module"]:
+        for _, m in self.named_children():
+            yield m
+
+    def _named_members(self, key: str, prefix: str, recurse: bool, remove_duplicate: bool):
+        seen = set()
+        mods = self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) if recurse \
+            else [(prefix, self)]
+        for mod_prefix, mod in mods:
+            for name, t in mod.__dict__[key].items():
+                if t is None or (remove_duplicate and id(t) in seen):
+                    continue
+                seen.add(id(t))
+                yield mod_prefix + ("." if mod_prefix else "") + name, t
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """``(dotted name, parameter)`` in registration order, each parameter once (shared
+        parameters under their first name), as torch."""
+        yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, GlobalTensor]]:
+        yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[GlobalTensor]:
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    def get_submodule(self, target: str) -> "Module":
+        mod = self
+        for item in target.split(".") if target else []:
+            if item not in mod._modules or mod._modules[item] is None:
+                raise AttributeError(f"{type(mod).__name__} has no submodule {item!r} "
+                                     f"(looking up {target!r})")
+            mod = mod._modules[item]
+        return mod
+
+    def get_parameter(self, target: str) -> Parameter:
+        mod_path, _, name = target.rpartition(".")
+        mod = self.get_submodule(mod_path)
+        if name not in mod._parameters:
+            raise AttributeError(f"{type(mod).__name__} has no parameter {name!r}")
+        return mod._parameters[name]
+
+    def apply(self, fn) -> "Module":
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    # -- modes and grads -----------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Module":
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
+    def to(self, dtype: torch.dtype) -> "Module":
+        """Cast floating parameters and buffers to ``dtype`` (shard by shard, no communication;
+        parameters become new leaves: build the optimizer afterwards)."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Module.to takes a torch.dtype, got {dtype!r} (placements are "
+                            f"changed with sf.parallel.apply)")
+        new: dict = {}  # by id: tied parameters stay tied
+        for m in self.modules():
+            for key, p in list(m._parameters.items()):
+                if p is not None and p.dtype.is_floating_point and p.dtype != dtype:
+                    if id(p) not in new:
+                        new[id(p)] = Parameter(
+                            GlobalTensor(p.local.detach().to(dtype), tuple(p.shape),
+                                         p.placement, p.sbp), requires_grad=p.requires_grad)
+                    m._parameters[key] = new[id(p)]
+            for key, b in list(m._buffers.items()):
+                if b is not None and b.dtype.is_floating_point and b.dtype != dtype:
+                    m._buffers[key] = GlobalTensor(b.local.to(dtype), tuple(b.shape),
+                                                   b.placement, b.sbp)
+        return self
+
+    def double(self) -> "Module":
+        return self.to(torch.float64)
+
+    def float(self) -> "Module":
+        return self.to(torch.float32)
+
+    def bfloat16(self) -> "Module":
+        return self.to(torch.bfloat16)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if p.local.grad is None:
+                continue
+            if set_to_none:
+                p.local.grad = None
+            else:
+                p.local.grad.detach_().zero_()
+
+    # -- state dicts ---------------------------------------------------------------------------
+    def _state_items(self, prefix: str = "") -> list[tuple[str, GlobalTensor]]:
+        """(key, tensor) in torch's state_dict order: each module's parameters, then its
+        persistent buffers, then its children's, depth first."""
+        out = []
+        for name, p in self._parameters.items():
+            if p is not None:
+                out.append((prefix + name, p))
+        for name, b in self._buffers.items():
+            if b is not None and name not in self._non_persistent:
+                out.append((prefix + name, b))
+        for name, m in self._modules.items():
+            if m is not None:
+                out.extend(m._state_items(prefix + name + "."))
+        return out
+
+    def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> "OrderedDict[str, Any]":
+        """The logical values as plain torch tensors (detached copies), with torch's keys.
+
+        A collective (each tensor is gathered whole): every rank must call it. With
+        ``keep_vars=True`` the global tensors themselves, without communication."""
+        out = OrderedDict()
+        for key, t in self._state_items(prefix):
+            out[key] = t if keep_vars else t.full_tensor().detach().clone()
+        return out
+
+    def to_torch_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """A state dict a ``torch.nn`` twin of this model loads with ``load_state_dict``
+        (logical values; a collective, as `state_dict`)."""
+        return self.state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True) -> _IncompatibleKeys:
+        """Load logical values: plain torch tensors (each rank keeps its shard of the value,
+        no communication; the value must be the same on every rank) or global tensors (boxed
+        to each parameter's layout: a collective).
+
+        Shapes are checked first and all mismatches raised together as `sf.ShapeError`
+        (nothing is loaded then). ``strict``: missing or unexpected keys raise
+        `StateDictError`. Returns ``(missing_keys, unexpected_keys)`` as torch."""
+        items = self._state_items()
+        expected = {k for k, _ in items}
+        missing = [k for k, _ in items if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        bad = []
+        for key, t in items:
+            if key not in state_dict:
+                continue
+            v = state_dict[key]
+            if not isinstance(v, (torch.Tensor, GlobalTensor)):
+                bad.append(f"{key}: expected a tensor, got {type(v).__name__}")
+            elif tuple(v.shape) != tuple(t.shape):
+                bad.append(f"{key}: the state dict has shape {tuple(v.shape)} but the module's "
+                           f"tensor has shape {tuple(t.shape)} (placement {t.placement}, sbp "
+                           f"{format_nd_sbp(t.sbp)})")
+        if bad:
+            raise ShapeError("load_state_dict: " + "; ".join(bad))
+        if strict and (missing or unexpected):
+            raise StateDictError(f"load_state_dict into {type(self).__name__}: missing keys "
+                                 f"{missing}, unexpected keys {unexpected}")
+        for key, t in items:
+            if key in state_dict:
+                assign_logical(t, state_dict[key])
+        return _IncompatibleKeys(missing, unexpected)
+
+    # -- display -------------------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = []
+        for name, m in self._modules.items():
+            sub = repr(m).replace("\n", "\n  ")
+            lines.append(f"({name}): {sub}")
+        extra = self.extra_repr()
+        if not lines:
+            return f"{type(self).__name__}({extra})"
+        body = ([extra] if extra else []) + lines
+        return f"{type(self).__name__}(\n  " + "\n  ".join(body) + "\n)"
+
+
+def assign_logical(t: GlobalTensor, value) -> None:
+    """Overwrite ``t``'s shard in place with its part of the logical ``value`` (a torch tensor
+    the same on every rank, or a global tensor: boxed to ``t``'s layout, a collective)."""
+    if isinstance(value, GlobalTensor):
+        if tuple(value.shape) != tuple(t.shape):
+            raise ShapeError(f"cannot assign a tensor of shape {tuple(value.shape)} to one of "
+                             f"shape {tuple(t.shape)} on {t.placement} with sbp "
+                             f"{format_nd_sbp(t.sbp)}")
+        local = value.detach().to_global(t.placement, t.sbp).local
+        with torch.no_grad():
+            t.local.copy_(local)
+        return
+    full = value.detach()
+    _fill(t, lambda box: full[tuple(slice(s, s + n) for s, n in box)])
+
+
+# -- layers ---------------------------------------------------------------------------------------
+def _param(shape, placement, sbp, dtype) -> Parameter:
+    return Parameter(_sf_zeros(*shape, placement=placement, sbp=sbp, dtype=dtype))
+
+
+def _follow_out_axis(weight: Parameter) -> tuple:
+    """A bias's layout given its weight's: split where the weight's output axis (0) is split,
+    replicated where the weight is split on an input axis, partial where it is partial."""
+    return tuple(s if isinstance(s, (Broadcast, Partial)) else
+                 (s if s.axis == 0 else Broadcast()) for s in weight.sbp)
+
+
+class Linear(Module):
+    """``y = x @ weight.T + bias``; weight (out_features, in_features). Initialised as torch
+    (weight: kaiming-uniform with ``a=sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)); bias the same
+    bound). ``sbp`` is the weight's layout; the bias follows the weight's output axis unless
+    ``bias_sbp`` is given."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 placement: Placement | None = None, sbp=None, *, bias_sbp=None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.weight = _param((out_features, in_features), placement, sbp, dtype)
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if bias:
+            bsbp = _follow_out_axis(self.weight) if bias_sbp is None else bias_sbp
+            self.bias = _param((out_features,), self.weight.placement, bsbp, dtype)
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+            init.uniform_(self.bias, -bound, bound)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class Embedding(Module):
+    """A lookup table (num_embeddings, embedding_dim), initialised N(0, 1) as torch, the
+    ``padding_idx`` row zero."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 placement: Placement | None = None, sbp=None, *,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ShapeError(f"Embedding: padding_idx {padding_idx} must be within "
+                                 f"[-{num_embeddings}, {num_embeddings})")
+            padding_idx = padding_idx % num_embeddings
+        self.padding_idx = padding_idx
+        self.weight = _param((num_embeddings, embedding_dim), placement, sbp, dtype)
+        init.normal_(self.weight)
+        if padding_idx is not None:
+            _zero_row(self.weight, padding_idx)
+
+    def forward(self, ids: GlobalTensor) -> GlobalTensor:
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
+def _zero_row(w: GlobalTensor, row: int) -> None:
+    from .. import comm as _comm
+    me = _comm.rank()
+    if me not in w.placement:
+        return
+    (start, size), *_ = shard_box(tuple(w.shape), w.placement.shape, w.sbp,
+                                  w.placement.coord_of(me))
+    if start <= row < start + size:
+        with torch.no_grad():
+            w.local[row - start].zero_()
+
+
+class LayerNorm(Module):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, placement: Placement | None = None, sbp=None, *,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        ns = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        self.normalized_shape = tuple(int(n) for n in ns)
+        self.eps, self.elementwise_affine = float(eps), elementwise_affine
+        if elementwise_affine:
+            self.weight = _param(self.normalized_shape, placement, sbp, dtype)
+            init.ones_(self.weight)
+            if bias:
+                self.bias = _param(self.normalized_shape, self.weight.placement,
+                                   self.weight.sbp, dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class Dropout(Module):
+    """Dropout with sbpflow's layout-independent mask (`sf.nn.functional.dropout`); identity in
+    eval mode."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        self.p, self.inplace = float(p), inplace
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return F.dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
+
+class _Activation(Module):
+    _fn = None
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return type(self)._fn(x)
+
+
+class ReLU(_Activation):
+    _fn = staticmethod(F.relu)
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+
+class Tanh(_Activation):
+    _fn = staticmethod(F.tanh)
+
+
+class Sigmoid(_Activation):
+    _fn = staticmethod(F.sigmoid)
+
+
+class SiLU(_Activation):
+    _fn = staticmethod(F.silu)
+
+
+class GELU(Module):
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return F.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Identity(Module):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__()
+
+    def forward(self, x):
+        return x
+
+
+class Softmax(Module):
+    def __init__(self, dim: int = -1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return F.softmax(x, self.dim)
+
+
+def _pair(v) -> tuple:
+    return (int(v), int(v)) if isinstance(v, int) else tuple(int(a) for a in v)
+
+
+class Conv2d(Module):
+    """2-D convolution; weight (out, in/groups, kH, kW) and bias initialised as torch
+    (U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in/groups * kH * kW). Zero padding only."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 placement: Placement | None = None, sbp=None, *, bias_sbp=None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if padding_mode != "zeros":
+            raise NotImplementedError(f"Conv2d: padding_mode {padding_mode!r} is not supported "
+                                      f"(only 'zeros')")
+        if in_channels % groups or out_channels % groups:
+            raise ShapeError(f"Conv2d: in_channels {in_channels} and out_channels "
+                             f"{out_channels} must be divisible by groups {groups}")
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size, self.stride = _pair(kernel_size), stride
+        self.padding, self.dilation, self.groups = padding, dilation, int(groups)
+        shape = (out_channels, in_channels // groups) + self.kernel_size
+        self.weight = _param(shape, placement, sbp, dtype)
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if bias:
+            fan_in, _ = init.fan_in_and_fan_out(shape)
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            bsbp = _follow_out_axis(self.weight) if bias_sbp is None else bias_sbp
+            self.bias = _param((out_channels,), self.weight.placement, bsbp, dtype)
+            init.uniform_(self.bias, -bound, bound)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return FC.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                         self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}")
+
+
+class MaxPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
+                 return_indices: bool = False, ceil_mode: bool = False) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.dilation, self.return_indices, self.ceil_mode = dilation, return_indices, ceil_mode
+
+    def forward(self, x: GlobalTensor):
+        return FC.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                             self.ceil_mode, self.return_indices)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AvgPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
+        self.divisor_override = divisor_override
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return FC.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                             self.count_include_pad, self.divisor_override)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AdaptiveAvgPool2d(Module):
+    def __init__(self, output_size) -> None:
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return FC.adaptive_avg_pool2d(x, self.output_size)
+
+
+class Flatten(Module):
+    """Merge dims ``start_dim..end_dim`` (the ``flatten`` op: a split on a merged axis is kept
+    when it is the leading merged axis, else boxed)."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: GlobalTensor) -> GlobalTensor:
+        return x.flatten(self.start_dim, self.end_dim)
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+
+
+# -- containers -----------------------------------------------------------------------------------
+class Sequential(Module):
+    """Modules applied in order; ``Sequential(OrderedDict(name=module, ...))`` names them."""
+
+    def __init__(self, *args) -> None:
+        super().__init__()
+        if len(args) == 1 and isinstance(args[0], (OrderedDict, dict)):
+            for name, m in args[0].items():
+                self.add_module(name, m)
+        else:
+            for i, m in enumerate(args):
+                self.add_module(str(i), m)
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+    def __getitem__(self, idx):
+        mods = list(self._modules.items())
+        if isinstance(idx, slice):
+            return Sequential(OrderedDict(mods[idx]))
+        return mods[idx][1]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def append(self, module: Module) -> "Sequential":
+        self.add_module(str(len(self)), module)
+        return self
+
+
+class ModuleList(Module):
+    def __init__(self, modules: Iterable[Module] | None = None) -> None:
+        super().__init__()
+        for m in modules or ():
+            self.append(m)
+
+    def _index(self, idx: int) -> str:
+        n = len(self)
+        if not -n <= idx < n:
+            raise IndexError(f"index {idx} is out of range for a ModuleList of {n}")
+        return str(idx % n)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return ModuleList(list(self._modules.values())[idx])
+        return self._modules[self._index(idx)]
+
+    def __setitem__(self, idx: int, module: Module) -> None:
+        self.add_module(self._index(idx), module)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def append(self, module: Module) -> "ModuleList":
+        self.add_module(str(len(self)), module)
+        return self
+
+    def extend(self, modules: Iterable[Module]) -> "ModuleList":
+        for m in modules:
+            self.append(m)
+        return self
+
+
+class ModuleDict(Module):
+    def __init__(self, modules=None) -> None:
+        super().__init__()
+        if modules is not None:
+            self.update(modules)
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[key]
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        self.add_module(key, module)
+
+    def __delitem__(self, key: str) -> None:
+        del self._modules[key]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._modules
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()
+
+    def update(self, modules) -> None:
+        items = modules.items() if hasattr(modules, "items") else modules
+        for k, m in items:
+            self.add_module(k, m)

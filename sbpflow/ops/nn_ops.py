@@ -1,0 +1,201 @@
+"""Transformer ops: softmax / log_softmax, layer_norm, embedding, dropout, the causal mask, and
+the class pick of cross-entropy.
+
+These are the *local* forms: each needs the reduced / normalized / looked-up axis whole on every
+rank, except where a context kernel handles a split itself (embedding's vocab split, the causal
+mask, the class pick, dropout). The forms along a split axis (softmax over split classes,
+layer_norm over a split hidden dim, cross-entropy over split classes) are compositions of
+global ops in `sbpflow.nn.functional`.
+
+Signatures (one mesh dim; ``n`` = the input's ndim):
+
+=====================  ==========================================  ===========================
+op                     inputs                                      output
+=====================  ==========================================  ===========================
+softmax, log_softmax   x S(a), a != dim                            S(a)
+                       x B                                         B
+layer_norm             x S(a), a a leading (not normalized) axis;  S(a)
+                       weight, bias B
+                       x B, weight P, bias P (with a weight)       P   (linear in (w, b))
+                       all B                                       B
+embedding              ids S(i), weight B                          S(i)
+                       ids B, weight S(1)                          S(ids.ndim)  (dim split)
+                       ids B, weight S(0)                          P   (vocab split: context
+                                                                        kernel, rows outside the
+                                                                        rank's range are zero)
+                       ids B, weight P                             P   (linear in weight)
+                       ids B, weight B                             B
+dropout                x S(a) / B / P, seed B                      same as x (a mask is linear)
+masked_fill_causal     x S(a) for every axis a, B                  same as x (context kernel:
+                                                                        global row/col indices)
+pick_class             logits S(a), target S(a), a < n - 1         S(a)
+                       logits S(n-1), target B                     P   (only the rank owning
+                                                                        the class contributes)
+                       logits P, target B                          P   (linear in logits)
+                       logits B, target B                          B
+=====================  ==========================================  ===========================
+
+``dropout`` takes its seed as a replicated 0-d int64 tensor (not an attribute), so a fresh seed
+each step does not miss the signature cache; its mask is ``generate_region("rand", shape, box,
+seed)`` of the rank's box, identical in every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..sbp import Split
+from ..utils import generate_region
+from .registry import Signature, TensorMeta, register
+
+__all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
+           "dropout_signatures", "causal_mask_signatures", "pick_class_signatures"]
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# -- softmax / log_softmax -------------------------------------------------------------------------
+def softmax_signatures(x: TensorMeta, dim: int = -1, dtype=None) -> list[Signature]:
+    d = _norm_dim(dim, x.ndim) if x.ndim else 0
+    sigs = [Signature([f"S({a})"], [f"S({a})"]) for a in range(x.ndim) if a != d]
+    sigs.append(Signature(["B"], ["B"]))
+    return sigs
+
+
+register("softmax", lambda x, dim=-1, dtype=None: torch.softmax(x, dim, dtype=dtype),
+         softmax_signatures, doc="softmax along dim (dim whole on each rank)")
+register("log_softmax", lambda x, dim=-1, dtype=None: torch.log_softmax(x, dim, dtype=dtype),
+         softmax_signatures, doc="log_softmax along dim (dim whole on each rank)")
+
+
+# -- layer_norm ------------------------------------------------------------------------------------
+def layer_norm_signatures(x: TensorMeta, normalized_shape=(), weight=None, bias=None,
+                          eps: float = 1e-5) -> list[Signature]:
+    lead = x.ndim - len(tuple(normalized_shape))
+    params = [p for p in (weight, bias) if isinstance(p, TensorMeta)]
+    sigs = [Signature([f"S({a})"] + ["B"] * len(params), [f"S({a})"]) for a in range(lead)]
+    if isinstance(weight, TensorMeta):
+        sigs.append(Signature(["B"] + ["P"] * len(params), ["P"]))
+    sigs.append(Signature(["B"] * (1 + len(params)), ["B"]))
+    return sigs
+
+
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+
+
+register("layer_norm", _layer_norm, layer_norm_signatures,
+         doc="layer_norm over the trailing normalized_shape (those axes whole on each rank)")
+
+
+# -- embedding -------------------------------------------------------------------------------------
+def embedding_signatures(ids: TensorMeta, weight: TensorMeta, padding_idx=None) -> list[Signature]:
+    sigs = [Signature([f"S({i})", "B"], [f"S({i})"]) for i in range(ids.ndim)]
+    sigs += [Signature(["B", "S(1)"], [f"S({ids.ndim})"]),
+             Signature(["B", "S(0)"], ["P"]),
+             Signature(["B", "P"], ["P"]),
+             Signature(["B", "B"], ["B"])]
+    return sigs
+
+
+def _embedding(ids, weight, padding_idx=None, *, ctx=None):
+    """``padding_idx`` is a non-negative row of the logical table (or None)."""
+    if ctx is None or not any(s == Split(0) for s in ctx.ins[1]):
+        # (ctx=None also runs on the local meta shapes of a vocab split: rows may be fewer)
+        pad = padding_idx if padding_idx is not None and padding_idx < weight.shape[0] else None
+        return F.embedding(ids, weight, pad)
+    # Vocab split (Megatron's VocabParallelEmbedding): look up only the rank's rows.
+    start, size = ctx.in_boxes[1][0]
+    if size == 0:  # more ranks than rows: nothing here, but stay on the weight's graph
+        return weight.new_zeros(tuple(ids.shape) + (weight.shape[1],)) + weight.sum()
+    inside = (ids >= start) & (ids < start + size)
+    local_ids = torch.where(inside, ids - start, torch.zeros_like(ids))
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + size \
+        else None
+    return F.embedding(local_ids, weight, pad) * inside.unsqueeze(-1).to(weight.dtype)
+
+
+register("embedding", _embedding, embedding_signatures, context=True,
+         doc="rows of weight (vocab, dim) at integer ids; vocab split gives a partial sum")
+
+
+# -- dropout ---------------------------------------------------------------------------------------
+def dropout_signatures(x: TensorMeta, seed: TensorMeta, p: float = 0.5) -> list[Signature]:
+    sigs = [Signature([f"S({a})", "B"], [f"S({a})"]) for a in range(x.ndim)]
+    sigs += [Signature(["P", "B"], ["P"]), Signature(["B", "B"], ["B"])]
+    return sigs
+
+
+def dropout_mask(shape, box, seed: int, p: float, dtype: torch.dtype,
+                 device=None) -> torch.Tensor:
+    """The scaled keep-mask (``0`` or ``1 / (1 - p)``) of region ``box`` of a tensor of logical
+    ``shape``: uniform draws of ``generate_region`` (float32), kept where ``u >= p``."""
+    u = generate_region("rand", tuple(shape), tuple(box), int(seed), torch.float32)
+    noise = (u >= p).to(dtype=dtype, device=device)
+    return noise.div_(1 - p)  # as torch: x * (bernoulli(1 - p) / (1 - p))
+
+
+def _dropout(x, seed, p=0.5, *, ctx=None):
+    if x.device.type == "meta":
+        return torch.empty_like(x)
+    if ctx is None:  # one device: the whole tensor
+        shape, box = tuple(x.shape), tuple((0, n) for n in x.shape)
+    else:
+        shape, box = ctx.in_shapes[0], ctx.in_boxes[0]
+    return x * dropout_mask(shape, box, int(seed), p, x.dtype, x.device)
+
+
+register("dropout", _dropout, dropout_signatures, context=True,
+         doc="x * mask / (1 - p); the mask is the rank's region of one logical random tensor")
+
+
+# -- causal mask -----------------------------------------------------------------------------------
+def causal_mask_signatures(x: TensorMeta, value: float = float("-inf"),
+                           diagonal: int = 0) -> list[Signature]:
+    sigs = [Signature([f"S({a})"], [f"S({a})"]) for a in range(x.ndim)]
+    sigs.append(Signature(["B"], ["B"]))
+    return sigs
+
+
+def _masked_fill_causal(x, value=float("-inf"), diagonal=0, *, ctx=None):
+    """``x[..., i, j] = value`` where ``j > i + diagonal`` (global row i, column j)."""
+    r0 = c0 = 0
+    if ctx is not None:
+        r0, c0 = ctx.in_boxes[0][-2][0], ctx.in_boxes[0][-1][0]
+    rows = torch.arange(r0, r0 + x.shape[-2], device=x.device).unsqueeze(-1)
+    cols = torch.arange(c0, c0 + x.shape[-1], device=x.device)
+    return x.masked_fill(cols > rows + diagonal, value)
+
+
+register("masked_fill_causal", _masked_fill_causal, causal_mask_signatures, context=True,
+         doc="fill the entries above the diagonal of the last two axes (causal attention)")
+
+
+# -- the target class of cross-entropy -------------------------------------------------------------
+def pick_class_signatures(logits: TensorMeta, target: TensorMeta,
+                          ignore_index: int = -100) -> list[Signature]:
+    last = logits.ndim - 1
+    sigs = [Signature([f"S({a})", f"S({a})"], [f"S({a})"]) for a in range(last)]
+    sigs += [Signature([f"S({last})", "B"], ["P"]),
+             Signature(["P", "B"], ["P"]),
+             Signature(["B", "B"], ["B"])]
+    return sigs
+
+
+def _pick_class(logits, target, ignore_index=-100, *, ctx=None):
+    """``logits[..., target]`` (0 where target == ignore_index). With the class axis split, each
+    rank contributes only the targets in its class range (the others are 0): a partial sum."""
+    start, size = (0, logits.shape[-1]) if ctx is None else ctx.in_boxes[0][-1]
+    if size == 0:
+        return logits.new_zeros(target.shape) + logits.sum()
+    inside = (target >= start) & (target < start + size) & (target != ignore_index)
+    local = torch.where(inside, target - start, torch.zeros_like(target))
+    picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    return picked * inside.to(logits.dtype)
+
+
+register("pick_class", _pick_class, pick_class_signatures, context=True,
+         doc="logits (..., C) at integer target (...); class split gives a partial sum")

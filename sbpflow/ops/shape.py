@@ -1,0 +1,424 @@
+"""Shape ops: reshape, transpose, permute, flatten, unsqueeze, squeeze, narrow, expand, getitem
+(basic indexing), cat, split, chunk. None of them computes anything: they move elements, so a
+split axis can often be followed through, and partial sums pass through unchanged.
+
+Signatures (one mesh dim). Every op has ``B -> B`` and ``P -> P`` (the ops are linear). A
+``P(max)``/``P(min)`` input is reduced first (moving elements would commute with it too, but
+those values are transient and carry no gradient; each extra 1-D signature doubles-ish the N-D
+candidates the registry prices).
+
+==========================  ===================================================================
+op                          split axes
+==========================  ===================================================================
+transpose, permute          ``S(a) -> S(perm(a))``
+reshape, flatten,           ``S(a) -> S(b)`` when the elements before axis ``a`` and before
+unsqueeze, squeeze          axis ``b`` are as many (``prod(x.shape[:a]) == prod(y.shape[:b])``,
+                            neither axis of size 1): then each rank's part is the same
+                            contiguous block of the row-major order in input and output, e.g.
+                            ``(B, T, H*D) -> (B, T, H, D)`` keeps ``S(0)``, ``S(1)``, and maps
+                            ``S(2) -> S(2)``; a flatten keeps ``S(start)`` on the merged axis.
+                            The registry's local-shape check keeps a candidate only where the
+                            balanced parts match (``H*D`` split in 4 is ``H`` split in 4 times
+                            ``D`` only when 4 divides ``H``).
+expand                      ``S(a) -> S(a + new)`` for an axis that is not broadcast
+narrow, getitem             ``S(a) -> S(a')`` for an axis taken whole (getitem: a full ``:``);
+                            the narrowed / indexed axes must not be split (not local)
+cat, split, chunk           ``S(a) -> S(a)`` for every axis but ``dim`` (all inputs / outputs)
+==========================  ===================================================================
+
+``getitem`` takes basic indices only (int, slice, None, Ellipsis, tuples of them); tensors,
+lists and bools raise `AdvancedIndexError`. Slices are not hashable before Python 3.12, so the
+GlobalTensor binding passes the index through `encode_index` (a `Slice` for each slice).
+
+Kernels whose attribute is a LOGICAL shape (``reshape``, ``expand``) are context kernels: on a
+rank they produce their output box's shape. The registry's local-shape check runs them with
+``ctx=None`` on local shapes, where they infer the local output shape (`local_view_shape`); a
+candidate for which that inference is ambiguous is rejected by the check (the op then boxes its
+input first: correct, with some communication), never run with wrong values: the values depend
+only on the signature (the prefix rule above) and on each rank's element count, which the
+check confirms.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..errors import SbpError
+from .registry import Signature, TensorMeta, register, tensor_metas
+
+__all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
+           "local_view_shape", "resolve_shape", "PARTIALS"]
+
+PARTIALS = ("P",)
+
+
+class AdvancedIndexError(SbpError):
+    """A global tensor was indexed with a tensor, a list or a bool (advanced indexing), which
+    sbpflow does not support: only int, slice, None and Ellipsis."""
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _meta(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _norm(d: int, ndim: int) -> int:
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise IndexError(f"dim {d} is out of range for a tensor with {ndim} dimension(s)")
+    return d % n
+
+
+def _passthrough(n_in: int = 1, n_out: int = 1) -> list[Signature]:
+    """Partial sums through (the ops are linear), then all-B."""
+    sigs = [Signature([p] * n_in, [p] * n_out) for p in PARTIALS]
+    sigs.append(Signature(["B"] * n_in, ["B"] * n_out))
+    return sigs
+
+
+def _box_shape(box) -> tuple:
+    return tuple(n for _, n in box)
+
+
+def view_signatures(xs: tuple, ys: tuple) -> list[Signature]:
+    """A reshape of ``xs`` into ``ys``: ``S(a) -> S(b)`` where the prefix products agree (each
+    rank's part is then one contiguous block of the row-major order in both), then pass-through."""
+    sigs = []
+    if math.prod(xs) > 0:
+        for a in range(len(xs)):
+            if xs[a] == 1:
+                continue
+            before = math.prod(xs[:a])
+            for b in range(len(ys)):
+                if ys[b] != 1 and math.prod(ys[:b]) == before:
+                    sigs.append(Signature([f"S({a})"], [f"S({b})"]))
+                    break
+    return sigs + _passthrough()
+
+
+def resolve_shape(numel: int, shape) -> tuple:
+    """``shape`` with a single ``-1`` resolved for ``numel`` elements (unchanged when it cannot
+    be: the op then reports the error)."""
+    shape = tuple(int(s) for s in shape)
+    if shape.count(-1) != 1:
+        return shape
+    rest = math.prod(s for s in shape if s != -1)
+    if rest <= 0 or numel % rest:
+        return shape
+    return tuple(numel // rest if s == -1 else s for s in shape)
+
+
+def local_view_shape(local: tuple, shape: tuple) -> tuple:
+    """The shape a reshape to the LOGICAL ``shape`` gives a shard of shape ``local``, when only
+    the local shape is known (``ctx=None``): the plain reshape if it fits, else the split of
+    ``local`` and ``shape`` into groups of equal element counts in which only a group's leading
+    output axis shrinks (preferring the most groups, then the fewest shrunk). Ambiguous cases
+    may give a shape the registry's check then rejects; never a wrong value."""
+    local, shape = tuple(local), tuple(shape)
+    try:
+        return tuple(_meta(local).reshape(shape).shape)
+    except RuntimeError:
+        pass
+    n, m = len(local), len(shape)
+
+    def group(px: int, ys: tuple):
+        if -1 in ys:
+            others = math.prod(y for y in ys if y != -1)
+            if others <= 0 or px % others:
+                return None
+            return tuple(px // others if y == -1 else y for y in ys), 0
+        if px == math.prod(ys):
+            return ys, 0
+        rest = math.prod(ys[1:])
+        if rest > 0 and px % rest == 0 and px // rest < ys[0]:
+            return (px // rest,) + ys[1:], 1
+        return None
+
+    @lru_cache(maxsize=None)
+    def best(i: int, p: int):
+        if i == n and p == m:
+            return (0, 0), ()
+        found = None
+        for i2 in range(i + 1, n + 1):
+            px = math.prod(local[i:i2])
+            for p2 in range(p + 1, m + 1):
+                g = group(px, shape[p:p2])
+                if g is None:
+                    continue
+                rest = best(i2, p2)
+                if rest is None:
+                    continue
+                key = (rest[0][0] - 1, rest[0][1] + g[1])
+                if found is None or key < found[0]:
+                    found = (key, g[0] + rest[1])
+        return found
+
+    if n == 0 or m == 0:
+        raise RuntimeError(f"shape {shape} is invalid for a shard of shape {local}")
+    res = best(0, 0)
+    if res is None:
+        raise RuntimeError(f"shape {shape} is invalid for a shard of shape {local}")
+    return res[1]
+
+
+# -- reshape / flatten / unsqueeze / squeeze -------------------------------------------------------
+def _reshape(x, shape, ctx=None):
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if ctx is not None:
+        return x.reshape(_box_shape(ctx.out_boxes[0]))
+    return x.reshape(local_view_shape(tuple(x.shape), shape))
+
+
+def _reshape_signatures(x: TensorMeta, shape) -> list[Signature]:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return view_signatures(x.shape, tuple(_meta(x.shape).reshape(shape).shape))
+
+
+def _flatten(x, start_dim=0, end_dim=-1):
+    return torch.flatten(x, start_dim, end_dim)
+
+
+def _flatten_signatures(x: TensorMeta, start_dim=0, end_dim=-1) -> list[Signature]:
+    return view_signatures(x.shape, tuple(torch.flatten(_meta(x.shape), start_dim, end_dim).shape))
+
+
+def _unsqueeze(x, dim):
+    return torch.unsqueeze(x, dim)
+
+
+def _unsqueeze_signatures(x: TensorMeta, dim) -> list[Signature]:
+    return view_signatures(x.shape, tuple(torch.unsqueeze(_meta(x.shape), dim).shape))
+
+
+def _squeeze(x, dim=None):
+    if dim is None:
+        return torch.squeeze(x)
+    return torch.squeeze(x, tuple(dim) if isinstance(dim, (list, tuple)) else dim)
+
+
+def _squeeze_signatures(x: TensorMeta, dim=None) -> list[Signature]:
+    return view_signatures(x.shape, tuple(_squeeze(_meta(x.shape), dim).shape))
+
+
+def squeeze_dims(shape: tuple, dim=None):
+    """The axes a squeeze removes: those of ``dim`` (all if None) of logical size 1 (``dim``
+    unchanged if it is out of range: the op reports it)."""
+    ndim = len(shape)
+    dims = tuple(range(ndim)) if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    if any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dims):
+        return dim
+    return tuple(sorted({d % ndim for d in dims if ndim and shape[d % ndim] == 1}))
+
+
+# -- transpose / permute ---------------------------------------------------------------------------
+def _permutation_signatures(perm: list[int]) -> list[Signature]:
+    return [Signature([f"S({a})"], [f"S({perm.index(a)})"]) for a in range(len(perm))] \
+        + _passthrough()
+
+
+def _transpose_signatures(x: TensorMeta, dim0, dim1) -> list[Signature]:
+    perm = list(range(x.ndim))
+    if x.ndim:
+        d0, d1 = _norm(dim0, x.ndim), _norm(dim1, x.ndim)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _permutation_signatures(perm)
+
+
+def _permute_signatures(x: TensorMeta, dims) -> list[Signature]:
+    return _permutation_signatures([_norm(d, x.ndim) for d in dims])
+
+
+# -- expand ----------------------------------------------------------------------------------------
+def _expand(x, shape, ctx=None):
+    if ctx is not None:
+        return x.expand(_box_shape(ctx.out_boxes[0]))
+    # Only local shapes are known: an axis whose size is not 1 is kept as it is (a split shard
+    # of a non-broadcast axis); a size-1 axis is broadcast (a split shard that happens to hold
+    # one element is then mis-sized, and the registry's check rejects that candidate).
+    shape = tuple(shape)
+    k = len(shape) - x.ndim
+    target = [s if i < k or x.shape[i - k] == 1 else -1 for i, s in enumerate(shape)]
+    return x.expand(target)
+
+
+def _expand_signatures(x: TensorMeta, shape) -> list[Signature]:
+    ys = tuple(_meta(x.shape).expand(tuple(shape)).shape)
+    k = len(ys) - x.ndim
+    sigs = [Signature([f"S({a})"], [f"S({a + k})"]) for a in range(x.ndim)
+            if x.shape[a] == ys[a + k] and x.shape[a] > 1]
+    return sigs + _passthrough()
+
+
+# -- narrow ----------------------------------------------------------------------------------------
+def _narrow(x, dim, start, length):
+    return torch.narrow(x, dim, start, length)
+
+
+def _narrow_signatures(x: TensorMeta, dim, start, length) -> list[Signature]:
+    d = _norm(dim, x.ndim)
+    return [Signature([f"S({a})"], [f"S({a})"]) for a in range(x.ndim) if a != d] \
+        + _passthrough()
+
+
+# -- getitem (basic indexing) ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slice:
+    """A hashable stand-in for a ``slice`` in an encoded index."""
+
+    start: int | None
+    stop: int | None
+    step: int | None
+
+    def to_slice(self) -> slice:
+        return slice(self.start, self.stop, self.step)
+
+
+def _as_int(v, what: str, describe: str):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise AdvancedIndexError(f"{describe}: {what} must be an int or None, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:  # e.g. a tensor with more than one element
+        raise AdvancedIndexError(f"{describe}: {what} must be an int or None, got {v!r}") from None
+
+
+def encode_index(index, describe: str = "getitem") -> tuple:
+    """``index`` as a hashable tuple of int / None / Ellipsis / `Slice`; `AdvancedIndexError`
+    (naming ``describe``: the tensor's shape, placement and sbp) for anything else."""
+    items = index if isinstance(index, tuple) else (index,)
+    out = []
+    for it in items:
+        if it is None or it is Ellipsis:
+            out.append(it)
+        elif isinstance(it, Slice):
+            out.append(it)
+        elif isinstance(it, slice):
+            out.append(Slice(_as_int(it.start, "a slice start", describe),
+                             _as_int(it.stop, "a slice stop", describe),
+                             _as_int(it.step, "a slice step", describe)))
+        elif isinstance(it, int) and not isinstance(it, bool):
+            out.append(int(it))
+        elif type(it).__module__ == "numpy" and hasattr(it, "__index__") and \
+                getattr(it, "ndim", 0) == 0 and not isinstance(it, bool) and \
+                "bool" not in type(it).__name__:
+            out.append(operator.index(it))
+        else:
+            kind = type(it).__name__
+            raise AdvancedIndexError(
+                f"{describe}: index {index!r} holds a {kind}: global tensors support basic "
+                f"indexing only (int, slice, None, ...); advanced indexing with tensors, lists "
+                f"or bools is not supported (use gather / masked ops instead)")
+    return tuple(out)
+
+
+def decode_index(index) -> tuple:
+    """A torch basic index from an encoded (or plain) one."""
+    items = encode_index(index)
+    return tuple(it.to_slice() if isinstance(it, Slice) else it for it in items)
+
+
+def _index_plan(index, shape: tuple) -> dict:
+    """For each input axis taken whole by ``index``, the output axis it becomes."""
+    items = encode_index(index)
+    ndim = len(shape)
+    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if consumed > ndim:
+        raise IndexError(f"too many indices ({consumed}) for a tensor of shape {shape}")
+    if sum(it is Ellipsis for it in items) > 1:
+        raise IndexError("an index can only have a single ellipsis")
+    full = []
+    for it in items:
+        full.extend([Slice(None, None, None)] * (ndim - consumed) if it is Ellipsis else [it])
+    if Ellipsis not in items:
+        full.extend([Slice(None, None, None)] * (ndim - consumed))
+    plan, a, b = {}, 0, 0
+    for it in full:
+        if it is None:
+            b += 1
+        elif isinstance(it, int):
+            a += 1
+        else:
+            n = shape[a]
+            start = 0 if it.start is None else it.start + (n if it.start < 0 else 0)
+            stop = n if it.stop is None else it.stop + (n if it.stop < 0 else 0)
+            if it.step in (None, 1) and start <= 0 and stop >= n:
+                plan[a] = b
+            a += 1
+            b += 1
+    return plan
+
+
+def _getitem(x, index):
+    return x[decode_index(index)]
+
+
+def _getitem_signatures(x: TensorMeta, index) -> list[Signature]:
+    plan = _index_plan(index, x.shape)
+    return [Signature([f"S({a})"], [f"S({b})"]) for a, b in plan.items() if x.shape[a] > 1] \
+        + _passthrough()
+
+
+# -- cat / split / chunk ---------------------------------------------------------------------------
+def _cat(*xs, dim=0):
+    return torch.cat(xs, dim)
+
+
+def _cat_signatures(*args, dim=0) -> list[Signature]:
+    metas = tensor_metas(args)
+    ndim = metas[0].ndim
+    d = _norm(dim, ndim)
+    n = len(metas)
+    return [Signature([f"S({a})"] * n, [f"S({a})"]) for a in range(ndim) if a != d] \
+        + _passthrough(n, 1)
+
+
+def _split(x, split_size, dim=0):
+    return tuple(torch.split(x, split_size, dim))
+
+
+def _chunk(x, chunks, dim=0):
+    return tuple(torch.chunk(x, chunks, dim))
+
+
+def _pieces(x: TensorMeta, dim: int, k: int) -> list[Signature]:
+    d = _norm(dim, x.ndim)
+    return [Signature([f"S({a})"], [f"S({a})"] * k) for a in range(x.ndim) if a != d] \
+        + _passthrough(1, k)
+
+
+def _split_signatures(x: TensorMeta, split_size, dim=0) -> list[Signature]:
+    return _pieces(x, dim, len(_split(_meta(x.shape), split_size, dim)))
+
+
+def _chunk_signatures(x: TensorMeta, chunks, dim=0) -> list[Signature]:
+    return _pieces(x, dim, len(_chunk(_meta(x.shape), chunks, dim)))
+
+
+# -- registrations ---------------------------------------------------------------------------------
+register("reshape", _reshape, _reshape_signatures, context=True,
+         doc="reshape to a logical shape (may hold -1); splits follow contiguous blocks")
+register("transpose", lambda x, dim0, dim1: torch.transpose(x, dim0, dim1), _transpose_signatures,
+         doc="swap two axes; splits follow")
+register("permute", lambda x, dims: x.permute(tuple(dims)), _permute_signatures,
+         doc="reorder axes; splits follow")
+register("flatten", _flatten, _flatten_signatures,
+         doc="merge axes start_dim..end_dim; a split of start_dim stays on the merged axis")
+register("unsqueeze", _unsqueeze, _unsqueeze_signatures, doc="insert a size-1 axis")
+register("squeeze", _squeeze, _squeeze_signatures, doc="remove size-1 axes (dim: int, tuple, None)")
+register("expand", _expand, _expand_signatures, context=True,
+         doc="broadcast size-1 axes to a logical shape (-1 keeps an axis)")
+register("narrow", _narrow, _narrow_signatures, doc="a range of one axis (not split)")
+register("getitem", _getitem, _getitem_signatures,
+         doc="basic indexing; indexed axes are not split, axes taken whole keep their split")
+register("cat", _cat, _cat_signatures, doc="concatenate along dim (not split)")
+register("split", _split, _split_signatures,
+         doc="pieces of split_size (int or list) along dim (not split); a tuple")
+register("chunk", _chunk, _chunk_signatures,
+         doc="chunks pieces along dim (not split); a tuple")

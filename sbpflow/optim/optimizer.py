@@ -1,0 +1,278 @@
+"""The optimizer base: torch's ``param_groups`` / ``state`` / ``state_dict`` API on global
+parameters.
+
+Before a parameter's update its gradient — laid out as ``dual(sbp)`` — is boxed to the
+parameter's own layout: for a replicated (``B``) parameter that is the all-reduce of data
+parallelism (``P -> B``), for a split one nothing or the reduce-scatter of ZeRO (``P -> S``). The
+update then runs on the local shards under ``torch.no_grad``; it is elementwise, so the same
+code serves every layout. Optimizer state (``exp_avg``, ``momentum_buffer``, ...) is held as
+global tensors in the parameter's layout: each rank keeps only its shard.
+
+`Optimizer` subclasses ``torch.optim.Optimizer`` (without its constructor) so torch's
+learning-rate schedulers, which check ``isinstance(opt, torch.optim.Optimizer)`` and only read
+and write ``param_groups``, work unchanged (``sf.optim.lr_scheduler`` is torch's module).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict, defaultdict
+from typing import Any, Callable
+
+import torch
+
+from .. import comm as _comm
+from ..errors import SbpError, ShapeError
+from ..sbp import Partial, format_nd_sbp
+from ..tensor import GlobalTensor, zeros as _sf_zeros
+
+__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "state_like"]
+
+
+class OptimizerStateError(SbpError, ValueError):
+    """An optimizer state dict does not fit the optimizer (groups, parameters, shapes)."""
+
+
+def _boxed_cache() -> "weakref.WeakKeyDictionary":
+    state = _comm.current().state
+    cache = state.get("optim_boxed_grads")
+    if cache is None:
+        cache = state["optim_boxed_grads"] = weakref.WeakKeyDictionary()
+    return cache
+
+
+def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | None:
+    """``p.grad`` in ``p``'s own layout (a collective unless the layouts agree). A result kept by
+    ``remember=True`` (as `clip_grad_norm_` does) is reused while ``p``'s gradient is unchanged,
+    so clipping then stepping reduces each gradient once."""
+    g_local = p.local.grad
+    if g_local is None:
+        return None
+    cache = _boxed_cache()
+    hit = cache.get(p)
+    if hit is not None:
+        ref, version, boxed = hit
+        if ref is g_local and g_local._version == version:
+            return boxed
+        cache.pop(p, None)
+    with torch.no_grad():
+        boxed = p.grad.to_global(p.placement, p.sbp)
+    if remember:
+        cache[p] = (g_local, g_local._version, boxed)
+    return boxed
+
+
+def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
+    """Record ``boxed`` as ``p``'s boxed gradient at the gradient's current version."""
+    g_local = p.local.grad
+    _boxed_cache()[p] = (g_local, g_local._version, boxed)
+
+
+def _forget(p: GlobalTensor) -> None:
+    _boxed_cache().pop(p, None)
+
+
+def state_like(p: GlobalTensor, fill: float = 0.0) -> GlobalTensor:
+    """A state tensor for ``p``: same shape, dtype and layout, filled with ``fill`` on every
+    shard (meant for elementwise state; no communication)."""
+    local = torch.full_like(p.local, fill).detach()
+    return GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Base class: ``param_groups`` (list of dicts with ``"params"`` and hyper-parameters),
+    ``state`` (per parameter), ``zero_grad``, ``state_dict`` / ``load_state_dict``, ``step``.
+
+    A subclass sets ``linear_update`` (whether its update may run on partial-sum shards) and
+    implements ``_update(p, grad_local, state, group)``, which runs on local shards under
+    ``torch.no_grad`` with ``grad_local`` already in ``p``'s layout."""
+
+    linear_update = False
+
+    def __init__(self, params, defaults: dict) -> None:  # noqa: D401 - not torch's __init__
+        self.defaults = dict(defaults)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        if isinstance(params, GlobalTensor):
+            raise TypeError("params should be an iterable of global tensors or dicts, got a "
+                            "single GlobalTensor")
+        self.state: defaultdict = defaultdict(dict)
+        self.param_groups: list[dict] = []
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for g in groups:
+            self.add_param_group(g)
+
+    def add_param_group(self, param_group: dict) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, GlobalTensor) else list(params)
+        for p in params:
+            if not isinstance(p, GlobalTensor):
+                raise TypeError(f"{type(self).__name__} optimizes sf.GlobalTensor parameters, "
+                                f"got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError(f"can't optimize a non-leaf tensor (shape {tuple(p.shape)}, "
+                                 f"placement {p.placement}, sbp {format_nd_sbp(p.sbp)})")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("optimizer parameter group contains duplicate parameters")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        group["params"] = params
+        for k, v in self.defaults.items():
+            if v is _REQUIRED and k not in group:
+                raise ValueError(f"parameter group didn't specify a value of required "
+                                 f"optimization parameter {k}")
+            group.setdefault(k, v)
+        self.param_groups.append(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.local.grad is None:
+                    continue
+                if set_to_none:
+                    p.local.grad = None
+                else:
+                    p.local.grad.detach_().zero_()
+                _forget(p)
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {v}" for k, v in sorted(g.items()) if k != "params"]
+        return "\n".join(lines) + "\n)"
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """One update of every parameter that has a gradient (every rank must call it: the
+        gradients' boxing is a collective, in ``param_groups`` order)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.local.grad is None:
+                    continue
+                if not self.linear_update and any(isinstance(s, Partial) for s in p.sbp):
+                    raise SbpError(
+                        f"{type(self).__name__}: its update is not linear, so a parameter laid "
+                        f"out as partial sums cannot be updated shard by shard (shape "
+                        f"{tuple(p.shape)}, placement {p.placement}, sbp "
+                        f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
+                g = boxed_grad(p)
+                _forget(p)
+                self._update(p, g.local, self.state[p], group)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def _update(self, p: GlobalTensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    # -- state dicts -----------------------------------------------------------------------------
+    def _indexed(self):
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                yield i, p
+                i += 1
+
+    def state_dict(self, *, keep_global: bool = False) -> dict:
+        """torch's layout: ``{"state": {index: {...}}, "param_groups": [{..., "params":
+        [index, ...]}]}``. Tensor state as logical torch tensors (a collective: every rank must
+        call it), or with ``keep_global=True`` as the global tensors themselves. ``"step"``
+        entries are 0-d float tensors, as torch's Adam keeps them."""
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        state = {}
+        for i, p in self._indexed():
+            if p not in self.state or not self.state[p]:
+                continue
+            entry = {}
+            for k, v in self.state[p].items():
+                if isinstance(v, GlobalTensor):
+                    entry[k] = v if keep_global else v.full_tensor().detach().clone()
+                elif k == "step":
+                    entry[k] = torch.tensor(float(v))
+                else:
+                    entry[k] = v
+            state[i] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer's shape: from `state_dict` (logical torch tensors
+        or global tensors) or from a torch optimizer of the same class on the torch twin.
+        Each rank keeps the shard of its parameters' layouts."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise OptimizerStateError(f"loaded state dict has {len(groups)} parameter groups, "
+                                      f"the optimizer {len(self.param_groups)}")
+        for i, (g, ng) in enumerate(zip(self.param_groups, groups)):
+            if len(g["params"]) != len(ng["params"]):
+                raise OptimizerStateError(
+                    f"parameter group {i}: the loaded state dict has {len(ng['params'])} "
+                    f"parameters, the optimizer {len(g['params'])}")
+        index = {}
+        for g, ng in zip(self.param_groups, groups):
+            index.update(zip(ng["params"], g["params"]))
+        new_state: defaultdict = defaultdict(dict)
+        saved = state_dict["state"]
+        for i, entry in saved.items():
+            if i not in index:
+                raise OptimizerStateError(f"state for parameter index {i}, which no group has")
+            p = index[i]
+            new_state[p] = {k: self._load_value(p, k, v) for k, v in entry.items()}
+        for g, ng in zip(self.param_groups, groups):
+            for k, v in ng.items():
+                if k != "params":
+                    g[k] = v
+        self.state = new_state
+
+    @staticmethod
+    def _load_value(p: GlobalTensor, key: str, v: Any) -> Any:
+        if key == "step":
+            return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+        if isinstance(v, GlobalTensor):
+            if tuple(v.shape) != tuple(p.shape):
+                raise ShapeError(f"optimizer state {key!r} has shape {tuple(v.shape)}, its "
+                                 f"parameter {tuple(p.shape)} (placement {p.placement}, sbp "
+                                 f"{format_nd_sbp(p.sbp)})")
+            g = v.detach().to_global(p.placement, p.sbp)
+            return GlobalTensor(g.local.clone(), tuple(p.shape), p.placement, p.sbp)
+        if isinstance(v, torch.Tensor):
+            if tuple(v.shape) != tuple(p.shape):
+                raise ShapeError(f"optimizer state {key!r} has shape {tuple(v.shape)}, its "
+                                 f"parameter {tuple(p.shape)} (placement {p.placement}, sbp "
+                                 f"{format_nd_sbp(p.sbp)})")
+            from ..nn.init import _fill
+            t = _sf_zeros(*p.shape, placement=p.placement, sbp=p.sbp, dtype=v.dtype)
+            full = v.detach()
+            return _fill(t, lambda box: full[tuple(slice(s, s + n) for s, n in box)])
+        return v
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required parameter>"
+
+
+_REQUIRED = _Required()

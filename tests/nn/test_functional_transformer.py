@@ -1,0 +1,290 @@
+"""Transformer ops of sf.nn.functional: softmax / log_softmax, layer_norm, embedding,
+cross_entropy, dropout, scaled_dot_product_attention.
+
+Registered ops: every signature (``signature_layouts``). Composites along a split axis: explicit
+layouts (S on the reduced / normalized / class axis, on other axes, B, P, 2x2 combinations).
+1-D mesh of 3 ranks and the 2x2 mesh, float64, uneven sizes; forward equals torch and the
+gradient of every float input equals torch's.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbpflow as sf
+import sbpflow.nn.functional as SF
+from sbpflow.tensor import apply_op
+from sbptest import check_op, make_global, signature_layouts
+
+MESHES = [[0, 1, 2], [[0, 1], [2, 3]]]
+S, B, P = sf.S, sf.B, sf.P
+
+
+def _t(*shape, seed=0):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _ints(high, *shape, seed=0):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _launch(ranks, body):
+    pl = sf.placement("cpu", ranks)
+    return sf.launch(lambda: body(pl), world_size=pl.size)[0]
+
+
+def _lay(pl, one_d, two_d):
+    """Layouts (one nd-sbp per tensor input) for a 1-D or a 2-D mesh."""
+    return one_d if pl.ndim == 1 else two_d
+
+
+# -- registered ops: every signature --------------------------------------------------------------
+@pytest.mark.parametrize("ranks", MESHES)
+def test_registered_ops_every_signature(ranks):
+    x3 = _t(5, 7, 4)
+    tgt = _ints(7, 5, 3, seed=3)
+    tgt[0, 0] = -100
+    causal = torch.ones(7, 5, dtype=torch.bool).triu(1)
+
+    def pick_ref(logits, target):
+        keep = target != -100
+        return logits.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * keep
+
+    cases = [
+        ("softmax", lambda x, d: apply_op("softmax", x, d), torch.softmax, (x3, 1)),
+        ("log_softmax", lambda x, d: apply_op("log_softmax", x, d), torch.log_softmax, (x3, -1)),
+        ("layer_norm", lambda *a: apply_op("layer_norm", *a), F.layer_norm,
+         (x3, (7, 4), _t(7, 4, seed=1), _t(7, 4, seed=2), 1e-5)),
+        ("layer_norm", lambda *a: apply_op("layer_norm", *a), F.layer_norm,
+         (x3, (4,), _t(4, seed=1), None, 1e-5)),
+        ("embedding", lambda i, w: apply_op("embedding", i, w), F.embedding,
+         (_ints(11, 5, 3, seed=4), _t(11, 7))),
+        ("embedding", lambda i, w, p: apply_op("embedding", i, w, p), F.embedding,
+         (_ints(11, 5, seed=4), _t(11, 7), 4)),
+        ("masked_fill_causal", lambda x: apply_op("masked_fill_causal", x, 0.5),
+         lambda x: x.masked_fill(causal, 0.5), (_t(3, 7, 5),)),
+        ("pick_class", lambda lg, t: apply_op("pick_class", lg, t), pick_ref, (_t(5, 3, 7), tgt)),
+    ]
+
+    def body(pl):
+        failures = []
+        for name, sf_fn, ref, args in cases:
+            layouts = signature_layouts(name, args, pl)
+            failures += [(name,) + f for f in check_op(sf_fn, ref, args, pl, layouts)]
+        return failures
+
+    assert not _launch(ranks, body)
+
+
+def test_vocab_parallel_embedding_is_local_and_partial():
+    def body(pl):
+        ids = sf.tensor(_ints(10, 4, 5), pl, (S(0), B))
+        w = sf.tensor(_t(10, 6), pl, (B, S(0)))
+        sf.comm.reset_stats()
+        y = SF.embedding(ids, w)
+        sent = sf.comm.stats().sent
+        return y.sbp, sent, torch.equal(y.full_tensor(), F.embedding(_ints(10, 4, 5), _t(10, 6)))
+    sbp, sent, ok = _launch([[0, 1], [2, 3]], body)
+    assert sbp == (S(0), P) and sent == 0 and ok
+
+
+# -- softmax / log_softmax along a split axis -----------------------------------------------------
+@pytest.mark.parametrize("ranks", MESHES)
+def test_softmax_composite(ranks):
+    x = _t(4, 3, 7)
+
+    def body(pl):
+        layouts = _lay(pl, [(S(2),), (S(0),), (B,), (P,)],
+                       [((S(2), S(0)),), ((S(0), S(2)),), ((S(2), S(2)),), ((B, S(2)),),
+                        ((P, S(2)),), ((S(1), S(0)),)])
+        failures = []
+        for fn, ref in ((SF.softmax, torch.softmax), (SF.log_softmax, torch.log_softmax)):
+            failures += check_op(fn, ref, (x, -1), pl, layouts)
+            failures += check_op(fn, ref, (x, 2), pl, layouts)
+        # the split axis stays split: no gather of x, only the two (N, 1) all-reduces
+        g = sf.tensor(x, pl, _lay(pl, (S(2),), (S(0), S(2))))
+        y = SF.softmax(g, -1)
+        failures += [] if y.sbp == g.sbp else [("layout", y.sbp)]
+        # the unsplit axis: the registered op, no communication
+        h = sf.tensor(x, pl, _lay(pl, (S(0),), (S(0), S(1))))
+        sf.comm.reset_stats()
+        y, z = SF.softmax(h, 2), h.log_softmax(2)
+        failures += [] if sf.comm.stats().sent == 0 and y.sbp == h.sbp == z.sbp else [("comm",)]
+        failures += [] if torch.allclose(z.full_tensor(), torch.log_softmax(x, 2)) else [("meth",)]
+        return failures
+
+    assert not _launch(ranks, body)
+
+
+# -- layer_norm over a split hidden dim -----------------------------------------------------------
+@pytest.mark.parametrize("ranks", MESHES)
+def test_layer_norm_composite(ranks):
+    x, w, b = _t(4, 3, 10), _t(10, seed=1), _t(10, seed=2)
+    x2, w2 = _t(4, 5, 7), _t(5, 7, seed=3)
+
+    def body(pl):
+        ln = lambda t, wt, bs: SF.layer_norm(t, (10,), wt, bs, 1e-5)  # noqa: E731
+        ref = lambda t, wt, bs: F.layer_norm(t, (10,), wt, bs, 1e-5)  # noqa: E731
+        layouts = _lay(pl, [(S(2), S(0), S(0)), (S(2), B, B), (S(0), B, B), (B, S(0), B),
+                            (P, B, B)],
+                       [((S(0), S(2)), (B, S(0)), (B, S(0))), ((S(2), S(0)), (S(0), B), (S(0), B)),
+                        ((S(2), S(2)), (S(0), S(0)), (S(0), S(0))), ((B, S(2)), (B, B), (B, B)),
+                        ((S(1), S(2)), (B, S(0)), (B, B))])
+        failures = check_op(ln, ref, (x, w, b), pl, layouts)
+        # no affine; and two normalized dims, the first split
+        failures += check_op(lambda t: SF.layer_norm(t, 10), lambda t: F.layer_norm(t, (10,)),
+                             (x,), pl, [lay[:1] for lay in layouts])
+        layouts2 = _lay(pl, [(S(1), S(0)), (S(2), S(1)), (S(0), B)],
+                        [((S(1), S(2)), (S(0), S(1))), ((S(0), S(1)), (B, S(0)))])
+        failures += check_op(lambda t, wt: SF.layer_norm(t, (5, 7), wt),
+                             lambda t, wt: F.layer_norm(t, (5, 7), wt), (x2, w2), pl, layouts2)
+        return failures
+
+    assert not _launch(ranks, body)
+
+
+# -- cross_entropy --------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", MESHES)
+def test_cross_entropy(ranks):
+    n, c = 7, 11
+    logits2, target2 = _t(n, c) * 3, _ints(c, n, seed=5)
+    logits3, target3 = _t(3, 5, c) * 3, _ints(c, 3, 5, seed=6)
+    target3[1, 2] = -100  # ignored, as torch
+
+    def ref_fn(reduction):
+        def ref(lg, t):
+            out = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1), reduction=reduction)
+            return out.reshape(t.shape) if reduction == "none" else out
+        return ref
+
+    def body(pl):
+        last2, last3 = S(1), S(2)
+        lay2 = _lay(pl, [(S(0), S(0)), (last2, B), (B, B), (P, B)],
+                    [((S(0), last2), (S(0), B)), ((last2, S(0)), (B, S(0))),
+                     ((last2, last2), (B, B)), ((B, last2), (B, B)), ((S(0), S(0)), (S(0), S(0)))])
+        lay3 = _lay(pl, [(S(0), S(0)), (S(1), S(1)), (last3, B), (P, B)],
+                    [((S(0), last3), (S(0), B)), ((S(1), S(0)), (S(1), S(0))),
+                     ((last3, S(1)), (B, S(1))), ((P, last3), (B, B))])
+        failures = []
+        for reduction in ("mean", "sum", "none"):
+            ce = lambda lg, t, r=reduction: SF.cross_entropy(lg, t, reduction=r)  # noqa: E731
+            failures += check_op(ce, ref_fn(reduction), (logits2, target2), pl, lay2)
+            failures += check_op(ce, ref_fn(reduction), (logits3, target3), pl, lay3)
+        # the loss is a global scalar with a plain backward()
+        lg = make_global(logits2, pl, lay2[1][0]).requires_grad_()
+        loss = SF.cross_entropy(lg, sf.tensor(target2, pl, lay2[1][1]))
+        loss.backward()
+        ref_lg = logits2.clone().requires_grad_()
+        F.cross_entropy(ref_lg, target2).backward()
+        if loss.shape != () or not torch.allclose(lg.grad.full_tensor(), ref_lg.grad):
+            failures.append(("scalar backward",))
+        return failures
+
+    assert not _launch(ranks, body)
+
+
+# -- dropout --------------------------------------------------------------------------------------
+def test_dropout_same_mask_in_every_layout():
+    x = _t(37, 29)
+    up = _t(37, 29, seed=9)
+
+    def run(pl, layouts):
+        out = []
+        for nd in layouts:
+            g = make_global(x, pl, nd).requires_grad_()
+            y = SF.dropout(g, 0.3, seed=123)
+            y.backward(sf.tensor(up, pl, (B,) * pl.ndim))
+            out.append((y.full_tensor(), g.grad.full_tensor()))
+        return out
+
+    (ref_y, ref_g), = _launch([0], lambda pl: run(pl, [(B,)]))
+    dropped = (ref_y == 0).double().mean().item()
+    assert abs(dropped - 0.3) < 0.05
+    kept = ref_y != 0
+    assert torch.equal(ref_y[kept], x[kept] * (1 / (1 - 0.3)))  # torch's scaling: x * (1/(1-p))
+    assert torch.equal(ref_g, up * (kept.double() / (1 - 0.3)))
+    one_d = [(S(0),), (S(1),), (B,), (P,)]
+    two_d = [(S(0), S(1)), (S(1), S(0)), (S(0), S(0)), (B, S(1)), (P, S(0))]
+    results = _launch([0, 1, 2], lambda pl: run(pl, one_d)) + \
+        _launch([[0, 1], [2, 3]], lambda pl: run(pl, two_d))
+    for (y, g), lay in zip(results, one_d + two_d):
+        if P in lay:  # parts summed in another order: equal to rounding
+            assert torch.allclose(y, ref_y, rtol=1e-12, atol=1e-12), lay
+        else:
+            assert torch.equal(y, ref_y), lay
+        assert torch.equal(g, ref_g), lay
+
+
+def test_dropout_default_seed_and_eval():
+    def body(pl):
+        sf.manual_seed(7)
+        g = sf.tensor(torch.ones(64, 64, dtype=torch.float64), pl, S(0))
+        a, b = SF.dropout(g, 0.5), SF.dropout(g, 0.5)
+        same = SF.dropout(g, 0.5, training=False) is g
+        return a.full_tensor(), b.full_tensor(), same
+    a, b, same = _launch([0, 1, 2], body)
+    assert same and not torch.equal(a, b)
+    assert abs((a == 0).double().mean().item() - 0.5) < 0.05
+    assert set(a.unique().tolist()) == {0.0, 2.0}
+    a1, _, _ = _launch([0], body)  # the per-rank stream agrees with one device
+    assert torch.equal(a, a1)
+
+
+# -- attention ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", MESHES)
+def test_causal_attention(ranks):
+    q, k, v = _t(4, 5, 6, 3), _t(4, 5, 6, 3, seed=1), _t(4, 5, 6, 3, seed=2)
+
+    def ref(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    def sdpa(a, b, c):
+        return SF.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    def body(pl):
+        every = lambda nd: (nd, nd, nd)  # noqa: E731
+        local = _lay(pl, [every((S(0),)), every((S(1),))],
+                     [every((S(0), S(1))), every((S(1), S(0))), every((S(1), S(1)))])
+        other = _lay(pl, [every((B,)), ((S(2),), (B,), (B,)), ((B,), (S(2),), (S(2),))],
+                     [((S(0), S(2)), (S(0), B), (S(0), B)),
+                      ((S(1), B), (S(1), S(2)), (S(1), S(2)))])
+        failures = check_op(sdpa, ref, (q, k, v), pl, local + other)
+        # heads / batch split: no communication at all, forward or backward
+        for lay in local:
+            ts = [sf.tensor(t, pl, nd).requires_grad_() for t, nd in zip((q, k, v), lay)]
+            sf.comm.reset_stats()
+            y = sdpa(*ts)
+            y.backward(sf.tensor(torch.ones(4, 5, 6, 3, dtype=torch.float64), pl, y.sbp))
+            if sf.comm.stats().sent or y.sbp != lay[0]:
+                failures.append(("communicates", lay, y.sbp))
+        # a boolean mask equals the causal flag
+        mask = sf.tensor(torch.ones(6, 6, dtype=torch.bool).tril(), pl, (B,) * pl.ndim)
+        ts = [sf.tensor(t, pl, nd) for t, nd in zip((q, k, v), local[0])]
+        y = SF.scaled_dot_product_attention(*ts, attn_mask=mask)
+        if not torch.allclose(y.full_tensor(), ref(q, k, v)):
+            failures.append(("bool mask",))
+        return failures
+
+    assert not _launch(ranks, body)
+
+
+def test_more_ranks_than_classes_or_rows():
+    """Empty shards: 2 classes / 2 vocab rows / 2 batch rows over 3 ranks."""
+    logits, target = _t(4, 2), torch.tensor([0, 1, 1, 0])
+    ids, table = torch.tensor([[0, 1], [1, 1]]), _t(2, 3, seed=1)
+    w, b = _t(2, seed=2), _t(2, seed=3)
+
+    def body(pl):
+        f = check_op(SF.cross_entropy, F.cross_entropy, (logits, target), pl,
+                     [(S(1), B), (S(0), S(0))])
+        f += check_op(SF.cross_entropy, F.cross_entropy, (logits[0], target[0]), pl, [(S(0), B)])
+        f += check_op(SF.log_softmax, torch.log_softmax, (logits, 1), pl, [(S(1),)])
+        f += check_op(lambda x, wt, bs: SF.layer_norm(x, (2,), wt, bs),
+                      lambda x, wt, bs: F.layer_norm(x, (2,), wt, bs), (logits, w, b), pl,
+                      [(S(1), S(0), S(0))])
+        f += check_op(lambda i, t: SF.embedding(i, t, padding_idx=-1),
+                      lambda i, t: F.embedding(i, t, padding_idx=-1), (ids, table), pl,
+                      [(B, S(0)), (S(0), B)])
+        return f
+
+    assert not _launch([0, 1, 2], body)
