@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="threads: one thread a rank in this process; torch: gloo processes")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
-    sub.add_parser("demo", help="show boxing plans and run them on 4 simulated ranks")
+    from .demo import add_arguments as demo_arguments
+    demo_arguments(sub.add_parser("demo", help="boxing on 4 simulated ranks, then train a GPT "
+                                  "in a 2x2 layout (--seconds)"))
     args = parser.parse_args(argv)
     if args.command == "run":
         if args.backend == "threads":
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_torch(args.script, args.args, args.nproc)
     if args.command == "demo":
         from .demo import main as demo_main
-        demo_main()
+        demo_main(args)
         return 0
     return 2
 

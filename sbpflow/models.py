@@ -207,8 +207,11 @@ class Layout(NamedTuple):
 
     def describe(self) -> str:
         from .sbp import format_nd_sbp
-        mesh = "x".join(str(n) for n in self.placement.shape)
-        return f"{self.name} on a {mesh} mesh, inputs {format_nd_sbp(self.data_sbp)}"
+        shape = self.placement.shape
+        mesh = f"1-D mesh of {shape[0]}" if len(shape) == 1 else \
+            "x".join(str(n) for n in shape) + " mesh"
+        data = repr(self.data_sbp[0]) if len(self.data_sbp) == 1 else format_nd_sbp(self.data_sbp)
+        return f"layout {self.name} on a {mesh}, inputs {data}"
 
 
 def layout(model: str, name: str, world: int = 4) -> Layout:

@@ -440,15 +440,16 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
     # fast path: a dict keyed by what the choice depends on (the registry's cache is slower)
     grad = torch.is_grad_enabled() and any(t._local.requires_grad for t in tensors)
+    pinned = tuple(t._local.is_leaf and t._local.requires_grad for t in tensors)
     key = (name, tuple((a._shape, a._local.dtype, a._sbp) if isinstance(a, GlobalTensor)
-                       else hashable(a) for a in args), pl, attrs_key, forced, grad)
+                       else hashable(a) for a in args), pl, attrs_key, forced, grad, pinned)
     choice = _CHOICES.get(key)
     if choice is None:
         meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor)
                           else hashable(a) for a in args)
         try:
             choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key,
-                            forced, grad)
+                            forced, grad, pinned)
         except ShapeError as exc:
             shown = "; ".join(_describe(t) for t in tensors)
             raise ShapeError(f"{exc} [inputs: {shown}]") from None

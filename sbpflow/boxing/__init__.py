@@ -7,6 +7,8 @@ an autograd Function whose backward is the dual step.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..comm import Communicator, current
@@ -15,7 +17,7 @@ from .planner import BoxingPlan, plan, plan_layouts
 from .steps import Step, dual_step
 
 __all__ = ["BoxingPlan", "Step", "plan", "plan_layouts", "run_plan", "run_step", "apply_step",
-           "dual_step", "empty_local", "identity_value"]
+           "dual_step", "empty_local", "identity_value", "trace"]
 
 
 def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,
@@ -26,3 +28,22 @@ def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,
     for step in boxing_plan.steps:
         local = apply_step(step, local, comm)
     return local
+
+
+@contextlib.contextmanager
+def trace():
+    """Record the boxing steps this rank runs (forward and backward) while the block runs::
+
+        with sf.boxing.trace() as steps:
+            loss = model(x); loss.backward()
+        for phase, step in steps:
+            print(phase, step.describe(), step.nbytes)
+    """
+    state = current().state
+    previous = state.get("boxing_trace")
+    steps: list = []
+    state["boxing_trace"] = steps
+    try:
+        yield steps
+    finally:
+        state["boxing_trace"] = previous

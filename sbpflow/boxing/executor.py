@@ -152,8 +152,12 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return out
 
 
-def run_step(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def run_step(step: Step, x: torch.Tensor, comm: Communicator,
+             phase: str = "forward") -> torch.Tensor:
     """This rank's local shard after ``step`` (ranks outside the step pass ``x`` through)."""
+    trace = comm.state.get("boxing_trace")
+    if trace is not None:
+        trace.append((phase, step))
     if step.kind == "transfer":
         if comm.rank not in step.src_placement and comm.rank not in step.dst_placement:
             return x
@@ -173,7 +177,7 @@ class _StepFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return run_step(dual_step(ctx.step), grad.contiguous(), ctx.comm), None, None
+        return run_step(dual_step(ctx.step), grad.contiguous(), ctx.comm, "backward"), None, None
 
 
 def apply_step(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:

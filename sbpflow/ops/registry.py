@@ -29,7 +29,7 @@ import torch
 from ..boxing import plan_layouts
 from ..errors import SignatureError
 from ..placement import Placement
-from ..sbp import Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
+from ..sbp import B, Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
 
 __all__ = ["TensorMeta", "Signature", "Op", "register", "get_op", "choose", "Choice", "OPS",
            "out_metas", "hashable", "tensor_metas", "detaches", "KernelContext"]
@@ -206,47 +206,66 @@ def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement,
 
 
 def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
-           forced: tuple | None = None, grad: bool = False) -> Choice:
+           forced: tuple | None = None, grad: bool = False, pinned: tuple = ()) -> Choice:
     """The signature op ``name`` runs with (see the module docstring). ``args`` holds a
     `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input nd-sbps the
     caller insists on (None entries are free); `SignatureError` if no valid signature has them.
     ``grad``: some input requires grad, so signatures whose outputs carry no gradient (P(max),
-    P(min)) are used only when nothing else is valid — a cheap max must not drop a gradient."""
-    return _choose(name, args, layouts, placement, attrs, forced, grad)
+    P(min)) are used only when nothing else is valid — a cheap max must not drop a gradient.
+    ``pinned[i]``: tensor input i is a parameter; its layout is the user's statement of the
+    strategy, so signatures that keep parameters in place come first (activations move).
+
+    The order of preference: keeps gradients; moves fewest parameter bytes; fewest bytes of
+    input boxing plus, for each partial-sum output, the reduce-scatter it will need later
+    (so a free B→P does not hide a later all-reduce); fewest inputs changed; generator order.
+    """
+    return _choose(name, args, layouts, placement, attrs, forced, grad, pinned)
+
+
+def _partial_penalty(meta: TensorMeta, nd: tuple, placement: Placement) -> int:
+    """Bytes of reduce-scattering a partial-sum output: half of reducing it to B."""
+    if not any(isinstance(s, Partial) and s.op == "sum" for s in nd):
+        return 0
+    reduced = tuple(B if isinstance(s, Partial) else s for s in nd)
+    return plan_layouts(meta.shape, meta.dtype, placement, nd, placement, reduced).nbytes // 2
 
 
 @lru_cache(maxsize=1 << 14)
-def _choose(name, args, layouts, placement, attrs, forced, grad) -> Choice:
+def _choose(name, args, layouts, placement, attrs, forced, grad, pinned) -> Choice:
     op = get_op(name)
     metas = tensor_metas(args)
     outs_meta = out_metas(name, args, attrs)
     sigs_1d = list(op.signatures(*args, **dict(attrs)))
     if not sigs_1d:
         raise SignatureError(f"{name}: no signature for inputs {[m.shape for m in metas]}")
-    best, best_key = None, None
+    best, best_key, best_cost = None, None, 0
     for order, combo in enumerate(itertools.product(sigs_1d, repeat=placement.ndim)):
         ins_nd = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(metas)))
         outs_nd = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(outs_meta)))
         if forced is not None and any(f is not None and f != nd for f, nd in zip(forced, ins_nd)):
             continue
-        cost, changed = 0, 0
-        for m, have, want in zip(metas, layouts, ins_nd):
+        cost, param_cost, changed = 0, 0, 0
+        for i, (m, have, want) in enumerate(zip(metas, layouts, ins_nd)):
             if have != want:
                 changed += 1
-                cost += plan_layouts(m.shape, m.dtype, placement, have, placement, want).nbytes
-        key = (int(grad and detaches(outs_nd)), cost, changed, order)
+                moved = plan_layouts(m.shape, m.dtype, placement, have, placement, want).nbytes
+                if i < len(pinned) and pinned[i]:
+                    param_cost += moved
+                cost += moved
+        later = sum(_partial_penalty(m, nd, placement) for m, nd in zip(outs_meta, outs_nd))
+        key = (int(grad and detaches(outs_nd)), param_cost, cost + later, changed, order)
         if best_key is not None and key >= best_key:
             continue
         if not _local_shapes_ok(op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs):
             continue
-        best, best_key = (ins_nd, outs_nd), key
+        best, best_key, best_cost = (ins_nd, outs_nd), key, cost
     if best is None:
         shown = ", ".join(f"{m.shape} {format_nd_sbp(l)}" for m, l in zip(metas, layouts))
         want = "" if forced is None else \
             f" with inputs forced to {[format_nd_sbp(f) for f in forced if f is not None]}"
         raise SignatureError(f"{name}: no valid signature{want} for inputs {shown} on "
                              f"{placement}; its 1-D signatures here: {sigs_1d}")
-    return Choice(best[0], best[1], outs_meta, best_key[1])
+    return Choice(best[0], best[1], outs_meta, best_cost)
 
 
 def detaches(outs_nd: tuple) -> bool:

@@ -79,7 +79,7 @@ def test_registered_ops_every_signature(ranks):
 def test_vocab_parallel_embedding_is_local_and_partial():
     def body(pl):
         ids = sf.tensor(_ints(10, 4, 5), pl, (S(0), B))
-        w = sf.tensor(_t(10, 6), pl, (B, S(0)))
+        w = sf.tensor(_t(10, 6), pl, (B, S(0)), requires_grad=True)  # a parameter stays put
         sf.comm.reset_stats()
         y = SF.embedding(ids, w)
         sent = sf.comm.stats().sent
