@@ -225,8 +225,11 @@ def _plot(losses: list, times: list, path: str) -> None:
               for i in range(len(losses))]
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = range(1, len(losses) + 1)
-    ax.plot(steps, losses, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
-    ax.plot(steps, smooth, color="tab:blue", lw=1.8, label=f"mean of {k} steps")
+    if k > 1:
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
+        ax.plot(steps, smooth, color="tab:blue", lw=1.8, label=f"mean of {k} steps")
+    else:
+        ax.plot(steps, losses, color="tab:blue", lw=1.5, label="loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / character)")
     ax.set_title(f"sbpflow demo: GPT on 4 simulated ranks, 2x2 mesh ({times[-1]:.0f} s)")

@@ -19,7 +19,7 @@ from .. import comm as _comm
 from ..placement import Placement
 from ..sbp import B, Broadcast, Partial
 from ..tensor import GlobalTensor, from_local
-from .optimizer import _remember, boxed_grad
+from .optimizer import _remember, boxed_grads
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -42,12 +42,9 @@ def _world_scalar(value: float, op: str, device_type: str) -> float:
 def _grads(parameters) -> list[tuple[GlobalTensor, GlobalTensor]]:
     if isinstance(parameters, GlobalTensor):
         parameters = [parameters]
-    out = []
-    for p in parameters:
-        g = boxed_grad(p, remember=True)
-        if g is not None:
-            out.append((p, g))
-    return out
+    parameters = list(parameters)
+    return [(p, g) for p, g in zip(parameters, boxed_grads(parameters, remember=True))
+            if g is not None]
 
 
 def grad_norm(parameters: Iterable[GlobalTensor] | GlobalTensor, norm_type: float = 2.0) -> float:

@@ -26,7 +26,7 @@ from ..errors import SbpError, ShapeError
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 
-__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "state_like"]
+__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
 
 class OptimizerStateError(SbpError, ValueError):
@@ -60,6 +60,59 @@ def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | Non
     if remember:
         cache[p] = (g_local, g_local._version, boxed)
     return boxed
+
+
+_BUCKET_BYTES = 32 << 20  # gradients all-reduced together, at most this many bytes at once
+
+
+def boxed_grads(params: list, *, remember: bool = False) -> list:
+    """`boxed_grad` of every parameter (None where there is no gradient), with the gradients
+    whose boxing is one all-reduce over the same ranks coalesced into few large all-reduces
+    (bucketed as DDP does: the same bytes, far fewer messages). Every rank must call it with
+    the same parameters in the same order."""
+    from ..boxing import plan_layouts
+    from ..sbp import dual_nd
+    comm = _comm.current()
+    out: list = [None] * len(params)
+    buckets: dict = {}
+    cache = _boxed_cache()
+    for i, p in enumerate(params):
+        g = p.local.grad
+        if g is None:
+            continue
+        hit = cache.get(p)
+        if hit is not None and hit[0] is g and g._version == hit[1]:
+            out[i] = hit[2]
+            continue
+        pl = p.placement
+        steps = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp).steps
+        if comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce":
+            key = (pl, steps[0].dims, steps[0].op, g.dtype, g.device)
+            buckets.setdefault(key, []).append(i)
+        else:
+            out[i] = boxed_grad(p, remember=remember)
+    for (pl, dims, op, _, _), idxs in buckets.items():
+        group = pl.group(dims, pl.coord_of(comm.rank))
+        start = 0
+        while start < len(idxs):  # bounded buckets, in parameter order
+            chunk, size = [], 0
+            while start < len(idxs) and (not chunk or size < _BUCKET_BYTES):
+                g = params[idxs[start]].local.grad
+                chunk.append(idxs[start])
+                size += g.numel() * g.element_size()
+                start += 1
+            flat = torch.cat([params[i].local.grad.reshape(-1) for i in chunk])
+            reduced = comm.all_reduce(flat, group, op)
+            offset = 0
+            for i in chunk:
+                p = params[i]
+                n = p.local.grad.numel()
+                local = reduced[offset:offset + n].view_as(p.local.grad)
+                offset += n
+                out[i] = GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
+                if remember:
+                    cache[p] = (p.local.grad, p.local.grad._version, out[i])
+    return out
 
 
 def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
@@ -164,17 +217,21 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.local.grad is not None and not self.linear_update and \
+                    any(isinstance(s, Partial) for s in p.sbp):
+                raise SbpError(
+                    f"{type(self).__name__}: its update is not linear, so a parameter laid "
+                    f"out as partial sums cannot be updated shard by shard (shape "
+                    f"{tuple(p.shape)}, placement {p.placement}, sbp "
+                    f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
+        grads = iter(boxed_grads(params))
         for group in self.param_groups:
             for p in group["params"]:
-                if p.local.grad is None:
+                g = next(grads)
+                if g is None:
                     continue
-                if not self.linear_update and any(isinstance(s, Partial) for s in p.sbp):
-                    raise SbpError(
-                        f"{type(self).__name__}: its update is not linear, so a parameter laid "
-                        f"out as partial sums cannot be updated shard by shard (shape "
-                        f"{tuple(p.shape)}, placement {p.placement}, sbp "
-                        f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
-                g = boxed_grad(p)
                 _forget(p)
                 self._update(p, g.local, self.state[p], group)
         for hook in list(self._optimizer_step_post_hooks.values()):

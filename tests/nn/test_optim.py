@@ -74,10 +74,11 @@ def test_sgd_on_partial_sum_parameters():
         assert_close(sd[k], v, k)
 
 
-@pytest.mark.parametrize("layout_name,grad_reductions", [("dp", 4), ("zero", 0), ("tp", 1)])
+@pytest.mark.parametrize("layout_name,grad_reductions", [("dp", 1), ("zero", 0), ("tp", 1)])
 def test_gradients_are_reduced_once_per_step(layout_name, grad_reductions):
-    """The optimizer boxes P grads of B params (all-reduce) and nothing else; clipping adds one
-    scalar all-reduce and reuses the boxed gradients."""
+    """The optimizer boxes P grads of B params (all-reduce, the 4 of dp coalesced into one
+    bucket) and nothing else; clipping adds one scalar all-reduce and reuses the boxed
+    gradients."""
     def body(clip):
         sf.manual_seed(0)
         m = sf_mlp()
@@ -347,3 +348,22 @@ def test_parameters_on_disjoint_placements():
     assert_close(norms, t_norms, "norms")
     for k, v in tm.state_dict().items():
         assert_close(sd[k.replace("0.", "fc1.").replace("2.", "fc2.")], v, k)
+
+
+def test_bucketed_all_reduce_moves_the_same_bytes_as_one_per_parameter():
+    """Coalescing the data-parallel gradient all-reduces changes the message count, not the
+    bytes: they equal the sum of every parameter's own P -> B plan."""
+    def body():
+        sf.manual_seed(0)
+        m = sf_mlp()
+        pl, x_sbp, rules = layout("dp")
+        sf.parallel.apply(m, pl, rules)
+        opt = sf.optim.SGD(m.parameters(), lr=0.1)
+        sf_loss(m, pl, x_sbp, *batch(0)).backward()
+        sf.comm.reset_stats()
+        opt.step()
+        planned = sum(sf.boxing.plan(p.shape, p.dtype, (pl, sf.P), (pl, sf.B)).nbytes
+                      for p in m.parameters())
+        return sf.comm.stats()["all_reduce"].sent, planned
+    res = sf.launch(body, world_size=4)
+    assert sum(r[0] for r in res) == res[0][1]
