@@ -424,7 +424,19 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     inputs' layouts (one nd-sbp or None per tensor input). All tensor inputs must share one
     placement: moving a tensor to another placement is an explicit ``to_global``.
     """
-    tensors = [a for a in args if isinstance(a, GlobalTensor)]
+    tensors, parts, pinned = [], [], []
+    grad_mode = torch.is_grad_enabled()
+    grad = False
+    for a in args:
+        if isinstance(a, GlobalTensor):
+            local = a._local
+            tensors.append(a)
+            parts.append((a._shape, local.dtype, a._sbp))
+            rg = local.requires_grad
+            pinned.append(rg and local.is_leaf)
+            grad = grad or (rg and grad_mode)
+        else:
+            parts.append(hashable(a))
     if not tensors:
         raise SignatureError(f"{name}: needs at least one global tensor input")
     pl = tensors[0]._placement
@@ -438,49 +450,55 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     forced = None
     if sbp is not None:
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
-    # fast path: a dict keyed by what the choice depends on (the registry's cache is slower)
-    grad = torch.is_grad_enabled() and any(t._local.requires_grad for t in tensors)
-    pinned = tuple(t._local.is_leaf and t._local.requires_grad for t in tensors)
-    key = (name, tuple((a._shape, a._local.dtype, a._sbp) if isinstance(a, GlobalTensor)
-                       else hashable(a) for a in args), pl, attrs_key, forced, grad, pinned)
-    choice = _CHOICES.get(key)
-    if choice is None:
-        meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor)
-                          else hashable(a) for a in args)
-        try:
-            choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key,
-                            forced, grad, pinned)
-        except ShapeError as exc:
-            shown = "; ".join(_describe(t) for t in tensors)
-            raise ShapeError(f"{exc} [inputs: {shown}]") from None
-        if len(_CHOICES) > 1 << 16:
-            _CHOICES.clear()
-        _CHOICES[key] = choice
+    # a dict keyed by everything the choice depends on (faster than the registry's caches)
+    key = (name, tuple(parts), pl, attrs_key, forced, grad, tuple(pinned))
+    entry = _CHOICES.get(key)
+    if entry is None:
+        entry = _CHOICES[key] = _choice_entry(name, args, tensors, pl, attrs_key, forced, grad,
+                                              tuple(pinned))
+    choice, op, detach = entry
     boxed = [t if t._sbp == nd else t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
-    op = get_op(name)
     me = _comm.rank()
     if me in pl:
-        it = iter(boxed)
-        local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
-        kwargs = dict(attrs)
+        if len(boxed) == len(args):
+            local_args = [t._local for t in boxed]
+        else:
+            it = iter(boxed)
+            local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
         if op.context:
             coord = pl.coord_of(me)
-            kwargs["ctx"] = KernelContext(
+            attrs = dict(attrs)
+            attrs["ctx"] = KernelContext(
                 pl, coord,
                 tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
                 tuple(shard_box(m.shape, pl.shape, nd, coord)
                       for m, nd in zip(choice.out_metas, choice.outs)),
                 choice.ins, choice.outs, tuple(t._shape for t in tensors))
-        result = op.kernel(*local_args, **kwargs)
-        locals_ = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        result = op.kernel(*local_args, **attrs)
+        multi = isinstance(result, (tuple, list))
+        locals_ = tuple(result) if multi else (result,)
     else:
         locals_ = tuple(_connected_empty(boxed, m.dtype) for m in choice.out_metas)
-        result = locals_ if len(locals_) > 1 else None
-    if detaches(choice.outs):
+        multi = len(locals_) > 1
+    if detach:
         locals_ = tuple(t.detach() for t in locals_)
     outs = tuple(GlobalTensor(t, m.shape, pl, nd)
                  for t, m, nd in zip(locals_, choice.out_metas, choice.outs))
-    return outs if isinstance(result, (tuple, list)) else outs[0]
+    return outs if multi else outs[0]
+
+
+def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:
+    meta_args = tuple(TensorMeta(a._shape, a.dtype) if isinstance(a, GlobalTensor)
+                      else hashable(a) for a in args)
+    try:
+        choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced,
+                        grad, pinned)
+    except ShapeError as exc:
+        shown = "; ".join(_describe(t) for t in tensors)
+        raise ShapeError(f"{exc} [inputs: {shown}]") from None
+    if len(_CHOICES) > 1 << 16:
+        _CHOICES.clear()
+    return choice, get_op(name), detaches(choice.outs)
 
 
 def _describe(t: GlobalTensor) -> str:
