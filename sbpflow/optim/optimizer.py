@@ -86,7 +86,10 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
             continue
         pl = p.placement
         steps = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp).steps
-        if comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce":
+        if comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce" and \
+                len(pl.group(steps[0].dims, pl.coord_of(comm.rank))) == 1:
+            out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)  # a group of one: a relabel
+        elif comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce":
             key = (pl, steps[0].dims, steps[0].op, g.dtype, g.device)
             buckets.setdefault(key, []).append(i)
         else:
