@@ -7,7 +7,7 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
     y = x.to_global(sbp=(sf.B, sf.S(0)))
 """
 
-from . import boxing, comm, ops, sbp
+from . import boxing, comm, cost, ops, sbp
 from .comm import init, launch, rank, world_size
 from .errors import (BoxingError, CommAborted, CommError, CommTimeout, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
@@ -19,16 +19,17 @@ from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_se
 from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
+from . import auto  # noqa: E402
 from .nn.amp import autocast  # noqa: E402
 from .nn.serialization import load, save  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "boxing", "comm", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
+    "boxing", "comm", "cost", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
     "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
     "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "CommAborted", "CommTimeout", "optim", "parallel", "save", "load", "autocast",
+    "CommAborted", "CommTimeout", "optim", "parallel", "save", "load", "autocast", "auto",
 ]

@@ -1,4 +1,4 @@
-"""The ``sbpflow`` command: ``run`` a script on N ranks, ``demo``."""
+"""The ``sbpflow`` command: ``run`` a script on N ranks, ``demo``, ``calibrate``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
     for r in range(n):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n ranks x all cores thrash
         code = ("import runpy, sys, sbpflow as sf; sf.init(); sys.argv = sys.argv[1:]; "
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
         procs.append(subprocess.Popen([sys.executable, "-c", code, script] + argv, env=env))
@@ -55,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_arguments as demo_arguments
     demo_arguments(sub.add_parser("demo", help="boxing on 4 simulated ranks, then train a GPT "
                                   "in a 2x2 layout (--seconds)"))
+    from .cost.calibrate import add_arguments as calibrate_arguments
+    calibrate_arguments(sub.add_parser("calibrate", help="time collectives on N ranks, fit "
+                                       "alpha/beta, write a cluster file"))
     args = parser.parse_args(argv)
+    if args.command == "calibrate":
+        from .cost.calibrate import calibrate_command
+        return calibrate_command(args)
     if args.command == "run":
         if args.backend == "threads":
             _run_threads(args.script, args.args, args.nproc)

@@ -1,6 +1,7 @@
 """The command line: `sbpflow run` and `sbpflow demo`."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -22,11 +23,32 @@ def test_run_threads_runs_the_script_on_every_rank(tmp_path, capsys):
         assert f"rank {r} of 3 ['--flag', 'v'] 28" in out
 
 
-def test_demo_runs_and_checks_bytes(capsys):
-    main(["demo"])
+def test_demo_runs_and_checks_bytes(capsys, tmp_path):
+    """A short demo: the boxing table (every row's value kept and bytes as planned), then the
+    GPT trained a few steps: loss lines going down, the communication table, the plot."""
+    plot = tmp_path / "loss.png"
+    main(["demo", "--seconds", "60", "--steps", "12", "--plot", str(plot)])
     out = capsys.readouterr().out
-    assert "WRONG" not in out and "!=" not in out
-    assert out.count("== planned") == 11
+    boxing, training = out.split("== 2. training a GPT")
+    rows = [line for line in boxing.splitlines() if line.rstrip().endswith("  ok")]
+    assert len(rows) == 11, boxing
+    assert "CHANGED" not in boxing and "!= PLANNED" not in boxing
+    # the loss curve: "step loss seconds" lines, the first at step 1
+    curve = training.split("step     loss  seconds")[1].split("\n\n")[0].split()
+    steps, losses = [int(s) for s in curve[0::3]], [float(v) for v in curve[1::3]]
+    assert steps[0] == 1 and steps[-1] == 12 and steps == sorted(steps)
+    assert losses[-1] < losses[0] - 0.5  # from ln(28) = 3.33 down within a few steps
+    assert "tokens/s" in training and "greedy sample: 'the " in training
+    # communication per step: at least the gradients' all-reduce, and a total
+    comm = training.split("by collective kind:")[1]
+    assert "all_reduce" in comm
+    assert re.search(r"total\s+[\d.]+ [KM]iB\s+[\d.]+ [KM]iB", comm)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in out
+    else:
+        assert plot.stat().st_size > 1000 and f"loss plot saved to {plot}" in out
 
 
 @pytest.mark.gloo
@@ -36,3 +58,34 @@ def test_run_torch_backend_example():
                          text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "total 120 B moved" in res.stdout
+
+
+EXAMPLES = [("gpt.py", "2d", "tok/s"), ("gpt.py", "tp", "sample:"),
+            ("mlp_digits.py", "tp", "test accuracy"), ("vgg.py", "2d", "accuracy"),
+            ("wide_deep.py", "tp", "embedding.weight (S(0),)")]
+
+
+@pytest.mark.parametrize("script,layout,expect", EXAMPLES,
+                         ids=[f"{s[:-3]}-{l}" for s, l, _ in EXAMPLES])
+def test_examples_train_a_few_steps(script, layout, expect, capsys, monkeypatch):
+    """Each training example runs (threads backend, 4 ranks) and prints its summary."""
+    import runpy
+    if script == "mlp_digits.py":
+        pytest.importorskip("sklearn")
+    argv = [script, "--layout", layout, "--steps", "3", "--no-bar"]
+    if script == "gpt.py":
+        argv += ["--sample", "2", "--d", "32", "--seq", "16"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert f" {layout}: 3 steps in " in out and "communication:" in out and expect in out
+
+
+def test_calibrate_command_writes_a_cluster_file(tmp_path, capsys):
+    out = tmp_path / "cluster.json"
+    assert main(["calibrate", "-n", "2", "--backend", "threads", "--out", str(out),
+                 "--sizes", "4096,65536", "--group-sizes", "2", "--repeats", "2"]) in (0, None)
+    import sbpflow as sf
+    c = sf.cost.Cluster.load(str(out))
+    assert c.world_size == 2 and c.intra.alpha >= 0 and c.intra.beta > 0

@@ -1,0 +1,369 @@
+"""Cost of a strategy: alpha-beta time of every redistribution, weight-gradient sync, compute,
+and memory per device.
+
+Redistribution is priced analytically, mesh dim by mesh dim (running the boxing planner on
+placements of 1024 ranks would be far too slow for a search):
+
+=============  ===============  ==========================================================
+src -> dst     collective       group / bytes the collective is about
+=============  ===============  ==========================================================
+S -> B         all_gather       ranks along the dim; the gathered piece
+P -> B         all_reduce       ranks along the dim; the piece
+P -> S         reduce_scatter   ranks along the dim; the piece before scattering
+S(i) -> S(j)   all_to_all       ranks along the dim; the piece
+B -> S, B -> P, S -> P          local, free
+=============  ===============  ==========================================================
+
+"The piece" is the tensor divided by the split factors of the other mesh dims at that moment.
+Steps run in the order that keeps pieces small: free slices, reduce-scatters, all-to-alls,
+all-reduces, all-gathers; dims of the same kind in one phase merge into one collective over
+their joint group (as the boxing planner does). Source and destination may use different
+meshes over the same ranks: both are refined to their common row-major refinement (e.g.
+(4, 256) and (32, 32) -> (4, 8, 32)); meshes with no common refinement (e.g. (3, 4) and
+(4, 3)) are priced as an all-to-all of the whole tensor over all ranks, an upper bound.
+A group's link is intra- or inter-node as the cluster says for its ranks (mesh dims cover
+ranks node-major). For one changed mesh dim whose tensor axis no later dim also splits the
+bytes equal the boxing planner's exactly (tested), except a P source next to B or other P
+dims, where the planner may use the replicas / partial dims (slice, reduce-scatter,
+all-gather) and the price here is an upper bound; with several changed dims it is the cost of this fixed order, an upper
+bound on the planner's least-bytes path (tested on 4 and 8 ranks, layouts without nested
+splits). When two mesh dims split the same tensor axis (nested splits, also created by
+refining meshes) the shards are not contiguous per group and the price is an estimate that
+may be above or below the planner's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
+
+__all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps"]
+
+
+# ---- analytic redistribution -------------------------------------------------------------------
+@lru_cache(maxsize=1 << 16)
+def _refine(mesh_a: tuple, mesh_b: tuple):
+    """Common row-major refinement: (fine mesh, fine->coarse index for a, for b) or None."""
+    def cuts(m):
+        out, c = [], 1
+        for f in reversed(m):
+            c *= f
+            out.append(c)
+        return out  # cumulative products from the innermost dim
+    ca, cb = cuts(mesh_a), cuts(mesh_b)
+    allc = sorted(set(ca) | set(cb))
+    for x, y in zip(allc, allc[1:]):
+        if y % x:
+            return None
+    inner, prev = [], 1
+    for c in allc:
+        inner.append(c // prev)
+        prev = c
+    fine = tuple(reversed(inner))  # outermost first
+
+    def owner(m):
+        # fine dim j belongs to coarse dim i when prod(m[i+1:]) < prod(fine[j:]) <= prod(m[i:])
+        out = []
+        for j in range(len(fine)):
+            c = math.prod(fine[j:])
+            out.append(next(i for i in range(len(m)) if math.prod(m[i + 1:]) < c <= math.prod(m[i:])))
+        return tuple(out)
+    return fine, owner(mesh_a), owner(mesh_b)
+
+
+def _split_factors(fine, nd, skip=()):
+    f = {}
+    for j, (s, m) in enumerate(zip(nd, fine)):
+        if j not in skip and isinstance(s, Split):
+            f[s.axis] = f.get(s.axis, 1) * m
+    return f
+
+
+def _piece(numel, fine, nd, skip):
+    return numel / math.prod(_split_factors(fine, nd, skip).values() or [1])
+
+
+@lru_cache(maxsize=1 << 18)
+def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
+                         dst: tuple) -> tuple:
+    """The collectives of the analytic redistribution: ``((kind, fine_mesh, dims, numel), ...)``
+    where ``numel`` is the size of the piece each collective is about."""
+    numel = math.prod(shape)
+    if src_mesh == dst_mesh and src == dst:
+        return ()
+    ref = _refine(tuple(src_mesh), tuple(dst_mesh))
+    if ref is None:  # incompatible meshes: reduce partials, then everything to everyone
+        steps, st = [], list(src)
+        pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
+        if pdims:
+            steps.append(("reduce_scatter", tuple(src_mesh), pdims,
+                          _piece(numel, src_mesh, st, set(pdims))))
+        world = (math.prod(src_mesh),)
+        steps.append(("all_to_all", world, (0,), numel))
+        return tuple(steps)
+    fine, oa, ob = ref
+    s = [src[i] for i in oa]
+    d = [dst[i] for i in ob]
+    state = list(s)
+    steps = []
+
+    def phase(kind, test):
+        dims = tuple(j for j in range(len(fine)) if test(state[j], d[j]))
+        if not dims:
+            return
+        if kind is not None:
+            steps.append((kind, fine, dims, _piece(numel, fine, state, set(dims))))
+        for j in dims:
+            state[j] = d[j]
+
+    # B -> S / P is a local slice, unless a later dim splits the same axis: then the slice a
+    # rank needs is mostly held by others (priced as an all-to-all over those dims: estimate)
+    def later_split(j, axis):
+        return tuple(k for k in range(j + 1, len(fine))
+                     if isinstance(state[k], Split) and state[k].axis == axis)
+    moved = set()
+    for j in range(len(fine)):
+        if isinstance(state[j], Broadcast) and isinstance(d[j], Split) and \
+                later_split(j, d[j].axis) and j not in moved:
+            dims = (j,) + tuple(k for k in later_split(j, d[j].axis) if k not in moved)
+            steps.append(("all_to_all", fine, dims, _piece(numel, fine, state, set(dims))))
+            moved.update(dims)
+    for j in moved:
+        if isinstance(state[j], Broadcast):
+            state[j] = d[j]
+    phase(None, lambda a, b: isinstance(a, Broadcast) and a != b)
+    phase("reduce_scatter", lambda a, b: isinstance(a, Partial) and isinstance(b, Split))
+    phase("all_to_all", lambda a, b: isinstance(a, Split) and isinstance(b, Split) and a != b)
+    phase("all_reduce", lambda a, b: isinstance(a, Partial) and isinstance(b, Broadcast))
+    # an all-gather is about the gathered piece: the other dims already in their final state
+    dims = tuple(j for j in range(len(fine)) if isinstance(state[j], Split) and
+                 isinstance(d[j], Broadcast))
+    if dims:
+        for j in dims:
+            state[j] = d[j]
+        steps.append(("all_gather", fine, dims, _piece(numel, fine, state, set(dims))))
+    phase(None, lambda a, b: a != b)  # S -> P: local
+    return tuple(steps)
+
+
+@lru_cache(maxsize=1 << 14)
+def _group_ranks(fine: tuple, dims: tuple) -> tuple:
+    strides = [math.prod(fine[j + 1:]) for j in range(len(fine))]
+    ranks = [0]
+    for j in dims:
+        ranks = [r + c * strides[j] for r in ranks for c in range(fine[j])]
+    return tuple(sorted(ranks))
+
+
+_PER_DEVICE = {  # bytes one device sends, as a fraction of the piece, for a group of g
+    "all_gather": lambda g: (g - 1) / g,
+    "reduce_scatter": lambda g: (g - 1) / g,
+    "all_reduce": lambda g: 2 * (g - 1) / g,
+    "all_to_all": lambda g: (g - 1) / g / g,
+}
+
+
+def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, cluster=None,
+                   micro_batches: int = 1) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of redistributing a tensor of ``shape`` from
+    ``(src_mesh, src)`` to ``(dst_mesh, dst)``; seconds need a ``cluster``. With micro-batches
+    the activation moves in ``micro_batches`` pieces (same bytes, more latency)."""
+    t = b = 0.0
+    for kind, fine, dims, numel in redistribution_steps(tuple(shape), tuple(src_mesh),
+                                                        tuple(src), tuple(dst_mesh), tuple(dst)):
+        g = math.prod(fine[j] for j in dims)
+        nbytes = numel * itemsize
+        b += _PER_DEVICE[kind](g) * nbytes
+        if cluster is not None:
+            t += micro_batches * _coll_time(cluster, kind, nbytes / micro_batches, fine, dims)
+    return t, b
+
+
+_TIME_CACHE: dict = {}
+
+
+def _coll_time(cluster, kind, nbytes, fine, dims):
+    """Time of one collective over the group of ``dims`` of the fine mesh that holds rank 0
+    (groups along a dim are translates of it, so they cross node boundaries alike when the
+    mesh dims align with nodes; they do for meshes whose dims are divisors in row-major)."""
+    entry = _TIME_CACHE.get(id(cluster))
+    if entry is None or entry[0] is not cluster:
+        if len(_TIME_CACHE) > 64:
+            _TIME_CACHE.clear()
+        entry = _TIME_CACHE[id(cluster)] = (cluster, {})   # holds the cluster: ids stay unique
+    cache = entry[1]
+    key = (kind, nbytes, fine, dims)
+    t = cache.get(key)
+    if t is None:
+        ranks = list(_group_ranks(fine, dims))
+        t = cache[key] = float(cluster.collective_time(kind, nbytes, ranks))
+    return t
+
+
+# ---- per-layer and per-edge terms --------------------------------------------------------------
+def _local_numel(shape, mesh, nd):
+    n = math.prod(shape)
+    for s, m in zip(nd, mesh):
+        if isinstance(s, Split):
+            n /= m
+    return n
+
+
+def _to_ndim(nd, ndim):
+    return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
+
+
+@dataclass
+class Breakdown:
+    """Predicted cost of one strategy (times in seconds, bytes per device)."""
+
+    time: float = 0.0
+    compute_time: float = 0.0
+    forward_time: float = 0.0      # activation redistributions, forward
+    backward_time: float = 0.0     # activation-gradient redistributions, backward
+    grad_sync_time: float = 0.0    # weight-gradient sync (and ZeRO weight gathers)
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    grad_sync_bytes: float = 0.0
+    memory: dict = field(default_factory=dict)   # params, grads, optimizer, activations, total
+    per_layer: dict = field(default_factory=dict)
+    micro_batches: int = 1
+
+    @property
+    def comm_time(self) -> float:
+        return self.forward_time + self.backward_time + self.grad_sync_time
+
+    @property
+    def bytes(self) -> float:
+        return self.forward_bytes + self.backward_bytes + self.grad_sync_bytes
+
+    def __str__(self) -> str:
+        gb = 1 << 30
+        m = self.memory
+        return (f"time {self.time * 1e3:.3f} ms (compute {self.compute_time * 1e3:.3f}, comm "
+                f"{self.comm_time * 1e3:.3f}: fwd {self.forward_time * 1e3:.3f}, bwd "
+                f"{self.backward_time * 1e3:.3f}, grad sync {self.grad_sync_time * 1e3:.3f})\n"
+                f"bytes/device: fwd {self.forward_bytes / 1e6:.2f} MB, bwd "
+                f"{self.backward_bytes / 1e6:.2f} MB, grad sync {self.grad_sync_bytes / 1e6:.2f} MB\n"
+                f"memory/device: params {m.get('params', 0) / gb:.2f} GiB, grads "
+                f"{m.get('grads', 0) / gb:.2f}, optimizer {m.get('optimizer', 0) / gb:.2f}, "
+                f"activations {m.get('activations', 0) / gb:.2f}, total "
+                f"{m.get('total', 0) / gb:.2f} GiB (micro-batches {self.micro_batches})")
+
+
+class Evaluator:
+    """Per-layer and per-edge cost terms for one (graph, cluster), cached. The cost of a
+    strategy is the sum of ``node`` over layers and ``edge`` over the graph's edges."""
+
+    def __init__(self, graph, cluster, micro_batches: int = 1):
+        self.graph, self.cluster, self.micro = graph, cluster, int(micro_batches)
+        self.itemsize = graph.itemsize
+        self._node: dict = {}
+        self._edge: dict = {}
+
+    def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
+        return redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster, micro)
+
+    def node_terms(self, layer, s) -> dict:
+        """compute, grad-sync (time, bytes), sink reduction (fwd/bwd), memory of one layer."""
+        idx = self.graph.index.get(layer.name)
+        sink = idx is not None and not self.graph.succs[idx]
+        key = (layer.key, s, sink)
+        hit = self._node.get(key)
+        if hit is not None:
+            return hit
+        mesh, it, m = s.mesh, self.itemsize, self.micro
+        work = 1
+        for d, size in enumerate(mesh):
+            rep = s.input[d] == B and s.output[d] == B and (s.weight is None or s.weight[d] == B)
+            work *= 1 if rep else size
+        fl = getattr(self.cluster, "flops_per_device", None)
+        compute = 3.0 * layer.flops / work / fl if fl else 0.0
+        gt = gb = 0.0
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        if layer.weight_shape is not None:
+            w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
+            t, b = self._redist(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
+            gt, gb = gt + t, gb + b
+            if st != w:  # ZeRO: gather the weight for forward and again for backward
+                t, b = self._redist(ws, mesh, st, mesh, w)
+                gt, gb = gt + 2 * m * t, gb + 2 * m * b
+            n = _local_numel(ws, mesh, st)
+            mem["params"] = mem["grads"] = n * it
+            mem["optimizer"] = n * 4 * self.graph.optimizer_states
+        mem["activations"] = (_local_numel(layer.input_shape, mesh, s.input) +
+                              _local_numel(layer.output_shape, mesh, s.output)) * it / m
+        ft = fb = bt = bb = 0.0
+        if sink:
+            if any(isinstance(x, Partial) for x in s.output):  # the loss needs a full value
+                red = tuple(S(0) if isinstance(x, Partial) else x for x in s.output)
+                ft, fb = self._redist(layer.output_shape, mesh, s.output, mesh, red, m)
+                bt, bb = self._redist(layer.output_shape, mesh, dual_nd(red), mesh,
+                                      dual_nd(s.output), m)
+        mem["total"] = sum(mem.values())
+        out = {"compute": compute, "grad_time": gt, "grad_bytes": gb, "fwd_time": ft,
+               "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb, "memory": mem,
+               "time": compute + gt + ft + bt}
+        self._node[key] = out
+        return out
+
+    def edge_terms(self, producer, a, consumer, b) -> dict:
+        """Forward redistribution of the producer's output into the consumer's input layout
+        and the dual redistribution of its gradient in backward."""
+        shape = tuple(producer.output_shape)
+        b_in = _to_ndim(b.input, len(shape))
+        key = (shape, a.mesh, a.output, b.mesh, b_in)
+        hit = self._edge.get(key)
+        if hit is not None:
+            return hit
+        ft, fb = self._redist(shape, a.mesh, a.output, b.mesh, b_in, self.micro)
+        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a.output):
+            bt = bb = 0.0
+        else:
+            bt, bb = self._redist(shape, b.mesh, dual_nd(b_in), a.mesh, dual_nd(a.output),
+                                  self.micro)
+        out = {"fwd_time": ft, "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb,
+               "time": ft + bt}
+        self._edge[key] = out
+        return out
+
+    def breakdown(self, strategy) -> Breakdown:
+        g = self.graph
+        layers = strategy.layers if hasattr(strategy, "layers") else list(strategy)
+        r = Breakdown(micro_batches=self.micro)
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        for layer, s in zip(g.layers, layers):
+            n = self.node_terms(layer, s)
+            r.compute_time += n["compute"]
+            r.grad_sync_time += n["grad_time"]
+            r.grad_sync_bytes += n["grad_bytes"]
+            r.forward_time += n["fwd_time"]
+            r.forward_bytes += n["fwd_bytes"]
+            r.backward_time += n["bwd_time"]
+            r.backward_bytes += n["bwd_bytes"]
+            for k in mem:
+                mem[k] += n["memory"][k]
+            r.per_layer[layer.name] = {"time": n["time"], "bytes": n["grad_bytes"] +
+                                       n["fwd_bytes"] + n["bwd_bytes"],
+                                       "memory": n["memory"]["total"]}
+        for u, v in g.edges:
+            e = self.edge_terms(g.layers[u], layers[u], g.layers[v], layers[v])
+            r.forward_time += e["fwd_time"]
+            r.forward_bytes += e["fwd_bytes"]
+            r.backward_time += e["bwd_time"]
+            r.backward_bytes += e["bwd_bytes"]
+            pl = r.per_layer[g.layers[v].name]   # an edge is charged to its consumer
+            pl["time"] += e["time"]
+            pl["bytes"] += e["fwd_bytes"] + e["bwd_bytes"]
+        mem["total"] = sum(mem.values())
+        r.memory = mem
+        r.time = (r.compute_time + r.forward_time + r.backward_time + r.grad_sync_time)
+        return r
+
+
+def evaluate(graph, strategy, cluster, micro_batches: int = 1) -> Breakdown:
+    """The predicted time, bytes per device and memory per device of ``strategy``."""
+    return Evaluator(graph, cluster, micro_batches).breakdown(strategy)

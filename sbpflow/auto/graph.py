@@ -1,0 +1,116 @@
+"""The model as the search sees it: a graph of layers with shapes, no weights.
+
+Each `Layer` has a ``kind`` that selects its per-mesh-dim signatures (see `space`), the logical
+shapes of its input, weight (``None`` for weightless layers) and output, and its forward flops.
+Axis conventions, which the signatures rely on:
+
+=============  =====================  =====================  =====================
+kind           input                  weight                 output
+=============  =====================  =====================  =====================
+linear         (tokens, in)           (in, out)              (tokens, out)
+conv           (N, Cin, H, W)         (Cout, Cin, kh, kw)    (N, Cout, H', W')
+embedding      (tokens, [fields])     (vocab, dim)           (tokens, fields*dim)
+attention      (tokens, 3*d) q,k,v    --                     (tokens, d)
+pool / act     (N, C, ...)            --                     (N, C, ...)
+interaction    (N, features)          --                     (N, features')
+=============  =====================  =====================  =====================
+
+``edges`` are (producer, consumer) names; by default the layers form a chain in order. A layer
+may have several producers (an in-tree, e.g. DLRM's interaction) but at most one consumer.
+``accepts_partial`` says the path from the producer to this layer is linear, so a partial sum
+may flow in unreduced (no nonlinearity, layer norm or softmax in between).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Layer", "Graph"]
+
+
+@dataclass(eq=False)
+class Layer:
+    name: str
+    kind: str
+    input_shape: tuple
+    weight_shape: tuple | None
+    output_shape: tuple
+    flops: float = 0.0
+    accepts_partial: bool = False
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return math.prod(self.weight_shape) if self.weight_shape else 0
+
+    @property
+    def key(self) -> tuple:
+        """Layers with equal keys have the same strategy space and per-layer costs."""
+        return (self.kind, tuple(self.input_shape), self.weight_shape and tuple(self.weight_shape),
+                tuple(self.output_shape), float(self.flops), self.accepts_partial,
+                tuple(sorted(self.attrs.items())))
+
+    def __repr__(self) -> str:
+        w = f" w{tuple(self.weight_shape)}" if self.weight_shape else ""
+        return f"Layer({self.name}: {self.kind} {tuple(self.input_shape)}{w} -> {tuple(self.output_shape)})"
+
+
+class Graph:
+    """Layers in a topological order plus (producer, consumer) edges (default: a chain)."""
+
+    def __init__(self, layers, edges=None, name: str = "model", itemsize: int = 2,
+                 optimizer_states: int = 2):
+        self.name = name
+        self.layers: list[Layer] = list(layers)
+        self.itemsize = int(itemsize)          # bytes per element of activations and weights
+        self.optimizer_states = optimizer_states  # fp32 states per parameter (Adam: 2)
+        self.index = {l.name: i for i, l in enumerate(self.layers)}
+        if len(self.index) != len(self.layers):
+            raise ValueError("layer names must be unique")
+        if edges is None:
+            edges = [(a.name, b.name) for a, b in zip(self.layers, self.layers[1:])]
+        self.edges = [(self.index[a] if isinstance(a, str) else a,
+                       self.index[b] if isinstance(b, str) else b) for a, b in edges]
+        self.preds: list[list[int]] = [[] for _ in self.layers]
+        self.succs: list[list[int]] = [[] for _ in self.layers]
+        for a, b in self.edges:
+            if a >= b:
+                raise ValueError(f"edge {self.layers[a].name} -> {self.layers[b].name} goes "
+                                 "against the layer order")
+            self.preds[b].append(a)
+            self.succs[a].append(b)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.edges == [(i, i + 1) for i in range(len(self.layers) - 1)]
+
+    @property
+    def is_in_tree(self) -> bool:
+        """Every layer feeds at most one consumer (what the dynamic programme needs)."""
+        return all(len(s) <= 1 for s in self.succs)
+
+    def __getitem__(self, name: str) -> Layer:
+        return self.layers[self.index[name]]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def params(self) -> int:
+        return sum(l.params for l in self.layers)
+
+    def __repr__(self) -> str:
+        return (f"Graph({self.name}: {len(self.layers)} layers, {self.params / 1e6:.1f} M params, "
+                f"{len(self.edges)} edges)")
+
+    def summary(self) -> str:
+        rows = [f"{'layer':<14}{'kind':<12}{'input':<22}{'weight':<20}{'output':<22}{'GFLOP':>10}"]
+        for l in self.layers:
+            rows.append(f"{l.name:<14}{l.kind:<12}{str(tuple(l.input_shape)):<22}"
+                        f"{str(tuple(l.weight_shape)) if l.weight_shape else '-':<20}"
+                        f"{str(tuple(l.output_shape)):<22}{l.flops / 1e9:>10.2f}")
+        return "\n".join(rows)

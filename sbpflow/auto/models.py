@@ -1,0 +1,125 @@
+"""Paper-scale models built directly as `Graph`s (shapes and flops only, no weights).
+
+Residual adds and layer norms are folded away (they are elementwise and follow the layout of the
+layer before them); they do make the inputs of the next layer nonlinear in the previous output,
+so those layers do not accept a partial sum (``accepts_partial=False``).
+"""
+
+from __future__ import annotations
+
+from .graph import Graph, Layer
+
+__all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp"]
+
+
+def _linear(name, tokens, d_in, d_out, accepts_partial=False, **attrs):
+    return Layer(name, "linear", (tokens, d_in), (d_in, d_out), (tokens, d_out),
+                 2.0 * tokens * d_in * d_out, accepts_partial, attrs)
+
+
+def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, batch: int = 8,
+        vocab: int = 50257, itemsize: int = 2) -> Graph:
+    """A GPT decoder: token embedding, per block qkv / attention / proj / fc1 / fc2, LM head.
+
+    Tokens are ``batch * seq`` (axis 0 of every activation); splitting axis 0 of the attention
+    is allowed only along whole sequences (``batch`` bounds it), splitting its axis 1 only along
+    whole heads.
+    """
+    t, d = batch * seq, d_model
+    out = [Layer("embed", "embedding", (t,), (vocab, d), (t, d), 2.0 * t * d, False,
+                 {"megatron": "vocab"})]
+    for i in range(layers):
+        out += [
+            _linear(f"h{i}.qkv", t, d, 3 * d, megatron="col"),
+            Layer(f"h{i}.attn", "attention", (t, 3 * d), None, (t, d),
+                  4.0 * batch * seq * seq * d, False,
+                  {"batch": batch, "heads": heads, "megatron": "heads"}),
+            _linear(f"h{i}.proj", t, d, d, megatron="row"),
+            _linear(f"h{i}.fc1", t, d, 4 * d, megatron="col"),
+            _linear(f"h{i}.fc2", t, 4 * d, d, megatron="row"),
+        ]
+    out.append(_linear("head", t, d, vocab, megatron="col"))
+    return Graph(out, name=f"gpt-{layers}x{d_model}", itemsize=itemsize)
+
+
+def _conv(name, n, cin, cout, hw_in, hw_out, k):
+    flops = 2.0 * n * cout * cin * k * k * hw_out * hw_out
+    return Layer(name, "conv", (n, cin, hw_in, hw_in), (cout, cin, k, k),
+                 (n, cout, hw_out, hw_out), flops, False, {"megatron": "outch"})
+
+
+def _pool(name, n, c, hw_in, hw_out):
+    return Layer(name, "pool", (n, c, hw_in, hw_in), None, (n, c, hw_out, hw_out),
+                 1.0 * n * c * hw_in * hw_in, False, {"megatron": "ch"})
+
+
+def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+    layers, c, hw, i = [], 3, 224, 0
+    for v in cfg:
+        if v == "M":
+            layers.append(_pool(f"pool{i}", batch, c, hw, hw // 2))
+            hw //= 2
+        else:
+            i += 1
+            layers.append(_conv(f"conv{i}", batch, c, v, hw, hw, 3))
+            c = v
+    layers += [_linear("fc1", batch, c * hw * hw, 4096, megatron="col"),
+               _linear("fc2", batch, 4096, 4096, megatron="row"),
+               _linear("fc3", batch, 4096, num_classes, megatron="col")]
+    return Graph(layers, name="vgg13", itemsize=itemsize)
+
+
+def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+    n = batch
+    layers = [
+        _conv("conv1", n, 3, 64, 224, 55, 11), _pool("pool1", n, 64, 55, 27),
+        _conv("conv2", n, 64, 192, 27, 27, 5), _pool("pool2", n, 192, 27, 13),
+        _conv("conv3", n, 192, 384, 13, 13, 3),
+        _conv("conv4", n, 384, 256, 13, 13, 3),
+        _conv("conv5", n, 256, 256, 13, 13, 3), _pool("pool5", n, 256, 13, 6),
+        _linear("fc1", n, 256 * 6 * 6, 4096, megatron="col"),
+        _linear("fc2", n, 4096, 4096, megatron="row"),
+        _linear("fc3", n, 4096, num_classes, megatron="col"),
+    ]
+    return Graph(layers, name="alexnet", itemsize=itemsize)
+
+
+def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000_000,
+         dim: int = 128, bottom=(512, 256, 128), top=(1024, 1024, 512, 256, 1),
+         itemsize: int = 4) -> Graph:
+    """DLRM-like: stacked embedding tables and a bottom MLP both feed the feature interaction
+    (an in-tree), then the top MLP. ``bottom[-1]`` must equal ``dim``."""
+    if bottom[-1] != dim:
+        raise ValueError("the bottom MLP must end at the embedding dim")
+    n = batch
+    layers = [Layer("emb", "embedding", (n, tables), (tables * rows, dim), (n, tables * dim),
+                    2.0 * n * tables * dim, False, {"megatron": "vocab"})]
+    d = dense
+    for i, w in enumerate(bottom):
+        layers.append(_linear(f"bot{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
+        d = w
+    f = tables + 1
+    inter_out = f * (f - 1) // 2 + dim
+    layers.append(Layer("interact", "interaction", (n, f * dim), None, (n, inter_out),
+                        2.0 * n * f * f * dim, False, {"megatron": "rep"}))
+    d = inter_out
+    for i, w in enumerate(top):
+        layers.append(_linear(f"top{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
+        d = w
+    names = [l.name for l in layers]
+    nb = len(bottom)
+    edges = [("emb", "interact")]
+    edges += [(names[1 + i], names[2 + i]) for i in range(nb)]        # bottom chain -> interact
+    edges += [(names[1 + nb + i], names[2 + nb + i]) for i in range(len(top))]
+    return Graph(layers, edges, name="dlrm", itemsize=itemsize)
+
+
+def mlp(sizes=(1024, 4096, 1024), batch: int = 64, activation: bool = True,
+        itemsize: int = 4) -> Graph:
+    """A chain of linears. Without an activation the layers are a product of matrices, so a
+    partial-sum output may flow into the next layer unreduced."""
+    layers = [_linear(f"fc{i}", batch, a, b, accepts_partial=(not activation and i > 0),
+                      megatron="col" if i % 2 == 0 else "row")
+              for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
+    return Graph(layers, name="mlp", itemsize=itemsize)

@@ -1,0 +1,242 @@
+"""The strategy space: per layer, a mesh (a factorisation of the devices) and an nd-sbp for its
+input, weight and output.
+
+Every layer kind has a few 1-D signatures (what one mesh dim does); an N-D strategy is one
+1-D signature per mesh dim (the product rule of DESIGN.md). For a linear ``Y = X W`` with
+X ``(tokens, in)``, W ``(in, out)``:
+
+=======  ==========  ==========  ==========  ==========================================
+name     input       weight      output      meaning
+=======  ==========  ==========  ==========  ==========================================
+dp       S(0)        B           S(0)        data parallel (split tokens)
+col      B           S(1)        S(1)        Megatron column parallel
+row      S(1)        S(0)        P           Megatron row parallel (partial output)
+rep      B           B           B           replicated (redundant compute)
+pin      P           B           P           partial input kept unreduced (linear path only)
+=======  ==========  ==========  ==========  ==========================================
+
+So a 2-D mesh (a, b) with (dp, col) is the 2-D / SUMMA-like split (input all-gathered along b,
+the weight along a), and a 3-D mesh with (dp, col, row) is exactly the 2.5-D / 3-D matmul:
+input (S0:p1, B:p2, S1:p3), weight (B:p1, S1:p2, S0:p3), output (S0:p1, S1:p2, P:p3), whose
+partial output is reduce-scattered (or, with ``pin``, kept unreduced) by the next layer. Meshes
+are every ordered factorisation of the device count (factors >= 2, up to ``max_dims`` dims);
+mesh dims cover the ranks in row-major order (node-major), so the order of the factors is the
+assignment of mesh dims to the node / device hierarchy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..sbp import B, P, S, Split, format_nd_sbp
+
+__all__ = ["LayerStrategy", "Strategy", "SIGNATURES", "meshes", "layer_space", "space",
+           "make_layer_strategy"]
+
+_N = None  # no weight
+
+SIGNATURES: dict[str, dict[str, tuple]] = {
+    "linear": {"dp": (S(0), B, S(0)), "col": (B, S(1), S(1)), "row": (S(1), S(0), P),
+               "rep": (B, B, B), "pin": (P, B, P)},
+    "conv": {"dp": (S(0), B, S(0)), "outch": (B, S(0), S(1)), "inch": (S(1), S(1), P),
+             "rep": (B, B, B), "pin": (P, B, P)},
+    "embedding": {"dp": (S(0), B, S(0)), "vocab": (B, S(0), P), "dim": (B, S(1), S(1)),
+                  "rep": (B, B, B)},
+    "attention": {"dp": (S(0), _N, S(0)), "heads": (S(1), _N, S(1)), "rep": (B, _N, B)},
+    "pool": {"dp": (S(0), _N, S(0)), "ch": (S(1), _N, S(1)), "rep": (B, _N, B)},
+    "act": {"dp": (S(0), _N, S(0)), "ch": (S(1), _N, S(1)), "rep": (B, _N, B)},
+    "interaction": {"dp": (S(0), _N, S(0)), "rep": (B, _N, B)},
+}
+_DP_NAME = "dp"
+
+
+@dataclass(frozen=True)
+class LayerStrategy:
+    """One layer's parallelisation. ``weight`` is the layout the kernel uses (None for a
+    weightless layer); ``stored`` is where the weight lives between steps when it differs
+    (ZeRO-style sharding: all-gathered before use, gradient reduce-scattered)."""
+
+    mesh: tuple
+    input: tuple
+    weight: tuple | None
+    output: tuple
+    stored: tuple | None = None
+    names: tuple = field(default=(), compare=False)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh)
+
+    @property
+    def weight_stored(self) -> tuple | None:
+        return self.stored if self.stored is not None else self.weight
+
+    @property
+    def label(self) -> str:
+        if not self.names:
+            return ""
+        return " x ".join(f"{n}:{m}" for n, m in zip(self.names, self.mesh)) + (
+            " +zero" if self.stored is not None else "")
+
+    def __repr__(self) -> str:
+        w = format_nd_sbp(self.weight) if self.weight is not None else "-"
+        z = f", stored={format_nd_sbp(self.stored)}" if self.stored is not None else ""
+        return (f"LayerStrategy(mesh={self.mesh}, input={format_nd_sbp(self.input)}, weight={w}, "
+                f"output={format_nd_sbp(self.output)}{z})")
+
+
+class Strategy:
+    """Layer name -> LayerStrategy; indexable by name, prints as a table."""
+
+    def __init__(self, graph, layers: dict | list):
+        self.graph = graph
+        if isinstance(layers, dict):
+            layers = [layers[l.name] for l in graph.layers]
+        self.layers: list[LayerStrategy] = list(layers)
+
+    def __getitem__(self, name) -> LayerStrategy:
+        return self.layers[name] if isinstance(name, int) else self.layers[self.graph.index[name]]
+
+    def __iter__(self):
+        return iter(l.name for l in self.graph.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def items(self):
+        return [(l.name, s) for l, s in zip(self.graph.layers, self.layers)]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Strategy) and self.layers == other.layers
+
+    def table(self, per_layer: dict | None = None) -> str:
+        """One row per layer; ``per_layer`` (name -> extra text) adds a column."""
+        rows = [f"{'layer':<14}{'kind':<12}{'mesh':<16}{'signature':<28}{'input':<22}"
+                f"{'weight':<22}{'output':<22}"]
+        for layer, s in zip(self.graph.layers, self.layers):
+            w = format_nd_sbp(s.weight_stored) if s.weight is not None else "-"
+            row = (f"{layer.name:<14}{layer.kind:<12}{str(s.mesh):<16}{s.label:<28}"
+                   f"{format_nd_sbp(s.input):<22}{w:<22}{format_nd_sbp(s.output):<22}")
+            if per_layer:
+                row += str(per_layer.get(layer.name, ""))
+            rows.append(row.rstrip())
+        return "\n".join(rows)
+
+    __str__ = table
+
+    def __repr__(self) -> str:
+        return f"Strategy({self.graph.name}, {len(self.layers)} layers)\n{self.table()}"
+
+
+@lru_cache(maxsize=None)
+def meshes(p: int, max_dims: int = 3) -> tuple:
+    """Every ordered factorisation of ``p`` into 1..max_dims factors >= 2 (``(1,)`` for p=1)."""
+    if p == 1:
+        return ((1,),)
+    out = []
+
+    def rec(rest, prefix):
+        if rest == 1:
+            out.append(tuple(prefix))
+            return
+        if len(prefix) == max_dims:
+            return
+        for f in range(2, rest + 1):
+            if rest % f == 0:
+                rec(rest // f, prefix + [f])
+    rec(p, [])
+    return tuple(sorted(out, key=lambda m: (len(m), m)))
+
+
+def _splits(nd, mesh, ndim):
+    """Product of the split factors per tensor axis."""
+    f = [1] * ndim
+    for s, m in zip(nd, mesh):
+        if isinstance(s, Split):
+            f[s.axis] *= m
+    return f
+
+
+def _fits(shape, nd, mesh) -> bool:
+    return all(k <= n for k, n in zip(_splits(nd, mesh, len(shape)), shape))
+
+
+def _clip_axis(nd, ndim):
+    """Embedding ids (tokens,) have one axis: S(1) of the input is meaningless there."""
+    return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
+
+
+def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False):
+    """The LayerStrategy of ``layer`` on ``mesh`` with 1-D signature ``names[d]`` on dim d, or
+    None if it is not valid for the layer's shapes."""
+    sigs = SIGNATURES[layer.kind]
+    if any(n not in sigs for n in names):
+        return None
+    parts = [sigs[n] for n in names]
+    inp = _clip_axis(tuple(p[0] for p in parts), len(layer.input_shape))
+    out = tuple(p[2] for p in parts)
+    w = tuple(p[1] for p in parts) if layer.weight_shape is not None else None
+    if "pin" in names and not layer.accepts_partial:
+        return None
+    if layer.kind == "embedding" and any(isinstance(s, Split) and s.axis > 0 for s in inp):
+        return None
+    if not (_fits(layer.input_shape, inp, mesh) and _fits(layer.output_shape, out, mesh)):
+        return None
+    if w is not None and not _fits(layer.weight_shape, w, mesh):
+        return None
+    if layer.kind == "attention":
+        f = _splits(inp, mesh, 2)
+        if layer.attrs.get("batch", 1) % f[0] or layer.attrs.get("heads", 1) % f[1]:
+            return None
+    stored = None
+    if zero:
+        if w is None or not any(s == B for s in w):
+            return None
+        stored = tuple(S(0) if s == B else s for s in w)
+        if not _fits(layer.weight_shape, stored, mesh):
+            return None
+    return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names))
+
+
+_SPACE_CACHE: dict = {}
+
+
+def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False) -> list[LayerStrategy]:
+    """Every valid strategy of ``layer`` on ``p`` devices (deduplicated, deterministic order).
+    ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin."""
+    key = (layer.key, p, max_dims, zero)
+    hit = _SPACE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    names = list(SIGNATURES[layer.kind])
+    out, seen = [], set()
+    for mesh in meshes(p, max_dims):
+        for combo in _product(names, len(mesh)):
+            if p > 1 and all(n == "rep" for n in combo) and len(mesh) > 1:
+                continue  # the same as rep on a 1-D mesh
+            for z in ((False, True) if zero else (False,)):
+                s = make_layer_strategy(layer, mesh, combo, z)
+                if s is None:
+                    continue
+                k = (s.mesh, s.input, s.weight, s.output, s.stored)
+                if k not in seen:
+                    seen.add(k)
+                    out.append(s)
+    _SPACE_CACHE[key] = out
+    return out
+
+
+def _product(names, k):
+    if k == 0:
+        yield ()
+        return
+    for rest in _product(names, k - 1):
+        for n in names:
+            yield rest + (n,)
+
+
+def space(graph, p: int, max_dims: int = 3, zero: bool = False) -> dict:
+    """Layer name -> list of LayerStrategy."""
+    return {l.name: layer_space(l, p, max_dims, zero) for l in graph.layers}
