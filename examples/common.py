@@ -27,20 +27,23 @@ __all__ = ["parser", "run", "get_layout", "train", "TrainResult", "fmt_bytes", "
 
 def parser(description: str, *, layouts=LAYOUT_NAMES, layout_default: str = "dp",
            steps: int = 200, batch: int = 32, lr: float = 1e-3) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--layout", choices=list(layouts), default=layout_default,
-                   help="how parameters and data are laid out over the ranks")
+                   help=f"how parameters and data are laid out over the ranks (default "
+                        f"{layout_default}; see sbpflow.models.layout)")
     p.add_argument("-n", "--nproc", type=int, default=4,
-                   help="ranks to launch (ignored when already inside a multi-rank world)")
+                   help="ranks to launch (default 4; ignored inside a multi-rank world)")
     p.add_argument("--backend", choices=["threads", "torch"], default="threads",
-                   help="threads: one thread a rank in this process; torch: gloo processes")
-    p.add_argument("--steps", type=int, default=steps, help="training steps (at most)")
+                   help="threads (default): one thread a rank in this process; torch: gloo "
+                        "processes")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps, at most (default {steps}, or no limit with --seconds)")
     p.add_argument("--seconds", type=float, default=None,
                    help="stop after this many seconds of training (whichever comes first)")
-    p.add_argument("--batch", type=int, default=batch, help="global batch size")
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(default_steps=steps)
+    p.add_argument("--batch", type=int, default=batch, help=f"global batch size (default {batch})")
+    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr:g})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--no-bar", action="store_true", help="no progress bar")
     return p
 
@@ -103,23 +106,31 @@ def _time_is_up(up: bool) -> bool:
     return bool(sf.comm.current().all_reduce(flag, tuple(range(world)), op="max").item() > 0)
 
 
-def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
-          desc: str = "train", on_step=None) -> TrainResult:
-    """``args.steps`` steps (or until ``args.seconds``) of: ``loss = model(*batch_fn(step))``,
-    backward, ``opt.step()``. Shows a progress bar on rank 0 (loss, ``unit``/s with
-    ``per_step`` units a step) and prints a summary there. ``on_step(step, loss)`` is called
-    on every rank after each step. Returns a `TrainResult`."""
-    res = TrainResult(unit=unit)
-    bar = None
-    if on_rank0() and not args.no_bar:
+def _progress_bar(total, desc: str):
+    try:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc=desc, unit="step", dynamic_ncols=True,
-                   file=sys.stderr, leave=True)
+    except ImportError:  # tqdm is in the dev extras
+        print("(no progress bar: pip install tqdm)", file=sys.stderr)
+        return None
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
+          desc: str = "train") -> TrainResult:
+    """``args.steps`` steps (and/or until ``args.seconds``) of: ``loss = model(*batch_fn(step))``,
+    backward, ``opt.step()``. Shows a progress bar on rank 0 (loss, ``unit``/s with
+    ``per_step`` units a step) and prints a summary there. Returns a `TrainResult`."""
+    res = TrainResult(unit=unit)
+    max_steps = args.steps
+    if max_steps is None:
+        max_steps = args.default_steps if args.seconds is None else sys.maxsize
+    bar = _progress_bar(None if max_steps == sys.maxsize else max_steps, desc) \
+        if on_rank0() and not args.no_bar else None
     comm_sum: dict = {}
     t0 = time.perf_counter()
     t_warm = None
     step = 0
-    while step < args.steps:
+    while step < max_steps:
         before = sf.comm.stats()
         opt.zero_grad()
         loss = model(*batch_fn(step))
@@ -140,8 +151,6 @@ def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
         step += 1
         if step > 1:
             res.throughput = per_step * (step - 1) / (now - t_warm)
-        if on_step is not None:
-            on_step(step - 1, value)
         if bar is not None:
             bar.set_postfix({"loss": f"{value:.4f}",
                              f"{unit}/s": f"{res.throughput:.0f}" if step > 1 else "-"},
@@ -157,7 +166,8 @@ def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
                          if s or c}
     if on_rank0():
         first, last = res.losses[0][1], res.losses[-1][1]
+        rate = f"{res.throughput:.0f} {unit}/s" if res.steps > 1 else f"no {unit}/s (1 step)"
         print(f"{desc}: {res.steps} steps in {res.seconds:.1f} s, loss {first:.4f} -> {last:.4f}, "
-              f"{res.throughput:.0f} {unit}/s")
+              f"{rate}")
         print(f"  communication: {res.comm_line()}")
     return res

@@ -10,24 +10,14 @@ Layouts: dp (parameters B, tokens S(0)), tp (Megatron column -> row, tokens B),
 replicated. Prints a sample of generated text at the end.
 """
 
-import torch
+import os
+import sys
 
-import common
-import sbpflow as sf
-from models import CharData, char_corpus, gpt_class, param_count
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `sbpflow run` runs us by path
 
-
-def generate(model, data, lay, prompt: str, n: int) -> str:
-    """Greedy continuation of ``prompt`` (the model sees at most its last ``seq`` chars)."""
-    ids = data.encode(prompt)
-    bsbp = (sf.B,) * lay.placement.ndim
-    for _ in range(n):
-        ctx = ids[-data.seq:]
-        x = sf.tensor(ctx[None], lay.placement, bsbp)
-        pos = sf.arange(len(ctx), placement=lay.placement, sbp=bsbp)
-        logits = model(x, pos).full_tensor()
-        ids = torch.cat([ids, logits[0, -1].argmax().reshape(1)])
-    return data.decode(ids)
+import common  # noqa: E402
+import sbpflow as sf  # noqa: E402
+from models import CharData, char_corpus, generate, gpt_class, param_count  # noqa: E402
 
 
 def main(args):
@@ -51,7 +41,7 @@ def main(args):
 
     res = common.train(model, opt, batch, args, per_step=args.batch * args.seq, unit="tok",
                        desc=f"gpt {args.layout}")
-    text = generate(model, data, lay, "the ", args.sample) if args.sample else ""
+    text = generate(model, data, lay.placement, "the ", args.sample) if args.sample else ""
     if common.on_rank0() and text:
         print(f"  sample: {text!r}")
     return res
@@ -59,9 +49,9 @@ def main(args):
 
 if __name__ == "__main__":
     p = common.parser(__doc__.splitlines()[0], layout_default="2d", steps=300, batch=16, lr=3e-3)
-    p.add_argument("--d", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--d", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     p.add_argument("--sample", type=int, default=60, help="characters to generate at the end")
     common.run(main, p.parse_args())

@@ -9,8 +9,9 @@ distributed model, ``torch.nn`` its single-device twin (same parameter names)::
 """
 
 from sbpflow.models import (LAYOUT_NAMES, TP_RULES, CharData, Layout, char_corpus,  # noqa: F401
-                            gpt_class, layout, mlp_class, param_count, vgg_class,
+                            generate, gpt_class, layout, mlp_class, param_count, vgg_class,
                             wide_deep_class)
 
 __all__ = ["gpt_class", "mlp_class", "vgg_class", "wide_deep_class", "param_count",
-           "LAYOUT_NAMES", "TP_RULES", "Layout", "layout", "char_corpus", "CharData"]
+           "LAYOUT_NAMES", "TP_RULES", "Layout", "layout", "char_corpus", "CharData",
+           "generate"]

@@ -21,7 +21,7 @@ import torch
 from . import comm as _comm
 from . import nn, optim, parallel
 from .boxing import plan
-from .models import CharData, char_corpus, gpt_class, layout, param_count
+from .models import CharData, char_corpus, generate, gpt_class, layout, param_count
 from .placement import placement
 from .sbp import B, P, S, format_nd_sbp
 from .tensor import arange, from_local, manual_seed, randn, tensor
@@ -102,25 +102,11 @@ def _any_rank(flag: bool) -> bool:
     return bool(c.all_reduce(t, tuple(range(c.world_size)), op="max").item() > 0)
 
 
-def _generate(model, data, lay, prompt: str, n: int) -> str:
-    """Greedy continuation; a fixed window of ``seq`` tokens (right-padded: causal attention
-    hides the padding), so the shapes, and the chosen signatures, stay the same."""
-    ids = data.encode(prompt).tolist()
-    bsbp = (B,) * lay.placement.ndim
-    pos = arange(data.seq, placement=lay.placement, sbp=bsbp)
-    for _ in range(n):
-        ctx = ids[-data.seq:]
-        window = torch.tensor(ctx + [0] * (data.seq - len(ctx)))
-        logits = model(tensor(window[None], lay.placement, bsbp), pos).full_tensor()
-        ids.append(int(logits[0, len(ctx) - 1].argmax()))
-    return data.decode(ids)
-
-
-def train_gpt(seconds: float, max_steps: int = 1_000_000, lines: int = 10,
+def train_gpt(seconds: float, max_steps: int = 10**9, lines: int = 10,
               sample: int = 60, verbose: bool = True) -> dict:
     """Runs on every rank (inside `launch`): trains the demo GPT in the 2×2 layout for
-    ``seconds``; rank 0 prints ``lines`` loss lines as it goes. Returns the losses, times and
-    this rank's bytes sent per step by kind."""
+    ``seconds`` (or ``max_steps``, if fewer); rank 0 prints ``lines`` loss lines as it goes.
+    Returns the losses, times and this rank's bytes sent per step by kind."""
     cfg = GPT_CONFIG
     data = CharData(char_corpus(), cfg["seq"], cfg["batch"])
     lay = layout("gpt", "2d", _comm.world_size())
@@ -135,7 +121,7 @@ def train_gpt(seconds: float, max_steps: int = 1_000_000, lines: int = 10,
         print(f"== 2. training a GPT: {param_count(model):,} parameters (d={cfg['d']}, "
               f"{cfg['heads']} heads, {cfg['layers']} layers, vocab {data.vocab}), "
               f"sequences of {cfg['seq']} characters, batch {cfg['batch']}, AdamW, for "
-              f"{seconds:g} s")
+              f"{seconds:g} s" + (f" or {max_steps} steps" if max_steps < 10**9 else ""))
         print(f"   corpus: {len(data.data):,} generated characters, e.g. "
               f"{data.decode(data.data[:60])!r}")
         print(f"   4 simulated ranks as a 2x2 mesh {lay.placement}: data parallel across the "
@@ -147,7 +133,7 @@ def train_gpt(seconds: float, max_steps: int = 1_000_000, lines: int = 10,
     losses, times, comm_sum = [], [], {}
     t0 = time.perf_counter()
     next_line, step, t_warm = 0.0, 0, 0.0
-    while step < max_steps:
+    while True:
         before = _comm.stats()
         x, y = data.batch(step)
         loss = model(tensor(x, lay.placement, lay.data_sbp), pos,
@@ -168,14 +154,14 @@ def train_gpt(seconds: float, max_steps: int = 1_000_000, lines: int = 10,
         losses.append(value)
         times.append(now)
         step += 1
-        done = _any_rank(now >= seconds)
+        done = _any_rank(now >= seconds) or step >= max_steps
         if talk and (now >= next_line or done):
             print(f"   {step:>6} {value:>8.4f} {now:>8.1f}", flush=True)
             next_line = now + seconds / lines if step > 1 else seconds / lines
         if done:
             break
     measured = max(step - 1, 1)
-    text = _generate(model, data, lay, "the ", sample) if sample else ""
+    text = generate(model, data, lay.placement, "the ", sample) if sample else ""
     return dict(losses=losses, times=times, steps=step, warmup=t_warm, vocab=data.vocab,
                 tokens_per_step=cfg["batch"] * cfg["seq"], sample=text,
                 comm={k: (s / measured, c / measured) for k, (s, c) in comm_sum.items()})
@@ -190,7 +176,7 @@ def _report(results: list, plot_path: str | None) -> None:
     steps, times = r0["steps"], r0["times"]
     rate = r0["tokens_per_step"] * (steps - 1) / max(times[-1] - r0["warmup"], 1e-9)
     losses = r0["losses"]
-    tail = losses[-min(20, len(losses)):]
+    tail = losses[-max(1, min(20, len(losses) // 5)):]
     print(f"\n   {steps} steps in {times[-1]:.1f} s ({r0['warmup']:.1f} s of it the first step), "
           f"{rate:,.0f} tokens/s; loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
           f"(mean of the last {len(tail)} steps; ln(vocab) = "
@@ -207,6 +193,9 @@ def _report(results: list, plot_path: str | None) -> None:
         total0, total = total0 + sent0, total + everyone
         print(f"     {kind:<16} {calls0:>6.0f} {_mib(sent0):>12} {_mib(everyone):>15}")
     print(f"     {'total':<16} {'':>6} {_mib(total0):>12} {_mib(total):>15}")
+    print("   (inside each group: the activations' partial sums after the row-parallel layers,\n"
+          "    reduced forward and backward; across the groups: the parameters' gradients,\n"
+          "    all-reduced by the optimizer in buckets; plus the scalar loss)")
     if plot_path:
         _plot(losses, times, plot_path)
 
@@ -247,6 +236,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="how long to train the GPT (default 60)")
     p.add_argument("--plot", default="sbpflow-demo-loss.png",
                    help="where to save the loss plot (PNG); '' for none")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop training after this many steps if --seconds has not run out")
     p.add_argument("--no-boxing", action="store_true", help="skip the boxing section")
     return p
 
@@ -260,7 +251,7 @@ def main(argv=None) -> None:
         args = add_arguments(argparse.ArgumentParser(prog="sbpflow demo")).parse_args(argv)
     t0 = time.perf_counter()
     ok = True if args.no_boxing else boxing_section()
-    results = _comm.launch(train_gpt, 4, args=(args.seconds,))
+    results = _comm.launch(train_gpt, 4, args=(args.seconds, args.steps or 10**9))
     _report(results, args.plot or None)
     print(f"\ndemo done in {time.perf_counter() - t0:.0f} s")
     if not ok:

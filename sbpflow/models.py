@@ -12,8 +12,8 @@ distributed model, ``torch.nn`` its single-device twin (same parameter names and
 ``layout(model, name, world)`` gives the placement, the input layout and the parameter rules
 (for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero``, ``replicated``.
 
-This module imports no sbpflow layer above ``sbp`` / ``placement``: models get their ops from
-the namespace they are built with.
+Models get their ops from the namespace they are built with; this module imports only from
+``sbp``, ``placement`` and ``tensor`` (for `generate`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from .placement import Placement, placement as _placement
 from .sbp import B, S
 
 __all__ = ["gpt_class", "mlp_class", "vgg_class", "wide_deep_class", "param_count",
-           "LAYOUT_NAMES", "TP_RULES", "Layout", "layout", "char_corpus", "CharData"]
+           "LAYOUT_NAMES", "TP_RULES", "Layout", "layout", "char_corpus", "CharData",
+           "generate"]
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -313,3 +314,20 @@ class CharData:
         starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch_size,), generator=g)
         rows = torch.stack([self.data[s:s + self.seq + 1] for s in starts.tolist()])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def generate(model, data: CharData, placement: Placement, prompt: str, n: int) -> str:
+    """Greedy continuation of ``prompt`` by a GPT laid out on ``placement`` (every rank calls
+    it). The model always sees a window of ``data.seq`` tokens, right-padded (causal attention
+    hides the padding from the positions before it), so every call has the training shapes
+    and reuses the signatures already chosen."""
+    from .tensor import arange, tensor
+    ids = data.encode(prompt).tolist()
+    bsbp = (B,) * placement.ndim
+    pos = arange(data.seq, placement=placement, sbp=bsbp)
+    for _ in range(n):
+        ctx = ids[-data.seq:]
+        window = torch.tensor(ctx + [0] * (data.seq - len(ctx)))
+        logits = model(tensor(window[None], placement, bsbp), pos).full_tensor()
+        ids.append(int(logits[0, len(ctx) - 1].argmax()))
+    return data.decode(ids)
