@@ -298,6 +298,16 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
             report.copied[link] = other
     if memory_per_device is None:
         memory_per_device = _default_memory(device_type, dpn)
+    # Every rank fitted the same samples, but least squares run on different threads may round
+    # differently: take rank 0's numbers so the ranks agree exactly.
+    agreed = comm.broadcast(torch.tensor([fits["intra"].alpha, fits["intra"].beta,
+                                          fits["inter"].alpha, fits["inter"].beta,
+                                          float(memory_per_device)], dtype=torch.float64),
+                            0, world_group).tolist()
+    fits = {"intra": Link(agreed[0], agreed[1]), "inter": Link(agreed[2], agreed[3])}
+    memory_per_device = agreed[4]
+    for link in report.fits:
+        report.fits[link] = (fits[link].alpha, fits[link].beta)
     cluster = Cluster(nodes=nodes, devices_per_node=dpn, intra=fits["intra"],
                       inter=fits["inter"], memory_per_device=memory_per_device,
                       flops_per_device=flops_per_device, name="calibrated")
