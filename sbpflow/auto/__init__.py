@@ -18,3 +18,8 @@ from .space import LayerStrategy, Strategy, layer_space, meshes, space
 __all__ = ["baselines", "models", "Breakdown", "Evaluator", "evaluate", "redistribution",
            "redistribution_steps", "Graph", "Layer", "SearchResult", "search", "LayerStrategy",
            "Strategy", "layer_space", "meshes", "space"]
+
+from .parallelize import ParallelPlan, parallelize, single_mesh_search  # noqa: E402
+from .trace import trace  # noqa: E402
+
+__all__ += ["ParallelPlan", "parallelize", "single_mesh_search", "trace"]
