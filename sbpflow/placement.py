@@ -46,7 +46,7 @@ def _shape_and_flat(ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
 class Placement:
     """A device type and an N-D mesh of global ranks. Immutable, hashable, comparable."""
 
-    __slots__ = ("_device_type", "_shape", "_flat", "_index")
+    __slots__ = ("_device_type", "_shape", "_flat", "_index", "_hash")
 
     def __init__(self, device_type: str, ranks, *, shape: Sequence[int] | None = None) -> None:
         if device_type not in DEVICE_TYPES:
@@ -67,6 +67,7 @@ class Placement:
         self._shape = mesh_shape
         self._flat = flat
         self._index = {r: i for i, r in enumerate(flat)}
+        self._hash = hash((device_type, mesh_shape, flat))  # placements key many caches
 
     # -- metadata ---------------------------------------------------------------------------
     @property
@@ -179,11 +180,14 @@ class Placement:
 
     # -- value semantics --------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Placement) and self._device_type == other._device_type
+        if self is other:
+            return True
+        return (isinstance(other, Placement) and self._hash == other._hash
+                and self._device_type == other._device_type
                 and self._shape == other._shape and self._flat == other._flat)
 
     def __hash__(self) -> int:
-        return hash((self._device_type, self._shape, self._flat))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"placement({self._device_type!r}, ranks={self.ranks})"

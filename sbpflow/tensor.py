@@ -482,9 +482,16 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         multi = len(locals_) > 1
     if detach:
         locals_ = tuple(t.detach() for t in locals_)
-    outs = tuple(GlobalTensor(t, m.shape, pl, nd)
+    outs = tuple(_wrap(t, m.shape, pl, nd)
                  for t, m, nd in zip(locals_, choice.out_metas, choice.outs))
     return outs if multi else outs[0]
+
+
+def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple) -> GlobalTensor:
+    """`GlobalTensor` from already-normalised metadata (the dispatch's hot path)."""
+    t = object.__new__(GlobalTensor)
+    t._local, t._shape, t._placement, t._sbp = local, shape, placement, sbp
+    return t
 
 
 def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:
