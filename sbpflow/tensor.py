@@ -478,7 +478,8 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         multi = isinstance(result, (tuple, list))
         locals_ = tuple(result) if multi else (result,)
     else:
-        locals_ = tuple(_connected_empty(boxed, m.dtype) for m in choice.out_metas)
+        dtype = _autocast_dtype(name, pl)
+        locals_ = tuple(_connected_empty(boxed, dtype or m.dtype) for m in choice.out_metas)
         multi = len(locals_) > 1
     if detach:
         locals_ = tuple(t.detach() for t in locals_)
@@ -506,6 +507,18 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     if len(_CHOICES) > 1 << 16:
         _CHOICES.clear()
     return choice, get_op(name), detaches(choice.outs)
+
+
+# Ops that torch's autocast runs in the lower precision. Output metadata comes from meta
+# kernels, which autocast does not cast, so a rank outside the placement (which runs no kernel)
+# takes the autocast dtype from here to hold the same dtype as the ranks that ran it.
+_AUTOCAST_LOWER = frozenset({"matmul", "linear", "conv2d"})
+
+
+def _autocast_dtype(name: str, pl: Placement) -> torch.dtype | None:
+    if name in _AUTOCAST_LOWER and torch.is_autocast_enabled(pl.device_type):
+        return torch.get_autocast_dtype(pl.device_type)
+    return None
 
 
 def _describe(t: GlobalTensor) -> str:

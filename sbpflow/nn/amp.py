@@ -7,10 +7,10 @@ the inputs' metadata (shapes and dtypes), not on the autocast state, which is ha
 output metadata sbpflow computes on meta tensors (`sbpflow.ops.registry.out_metas`) is the same
 with or without autocast, because CPU autocast does not apply to meta tensors.
 
-Known limitation: that metadata's dtype is the non-autocast one, and it is what a rank OUTSIDE
-an op's placement uses for its empty shard. Under autocast such a rank then disagrees with the
-others on the dtype, and a later boxing to a placement that includes it fails with `CommError`
-(tests/nn/test_optim.py, the strict xfail). Ops on placements covering every rank are unaffected.
+A rank OUTSIDE an op's placement runs no kernel and holds an empty shard; for the ops autocast
+runs in the low precision (matmul, linear, conv2d) the dispatch gives that shard the autocast
+dtype (`sbpflow.tensor._AUTOCAST_LOWER`), so every rank agrees on the dtype and later boxing
+that includes it works. A new op that autocast casts must be added to that set.
 """
 
 from __future__ import annotations
