@@ -441,7 +441,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         raise SignatureError(f"{name}: needs at least one global tensor input")
     pl = tensors[0]._placement
     for t in tensors[1:]:
-        if t._placement != pl:
+        if t._placement is not pl and t._placement != pl:
             raise PlacementMismatchError(
                 f"{name}: inputs are on different placements: {_describe(tensors[0])} and "
                 f"{_describe(t)}; move one with .to_global(placement=...) first (this is where a "
@@ -458,7 +458,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                                               tuple(pinned))
     choice, op, detach = entry
     boxed = [t if t._sbp == nd else t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
-    me = _comm.rank()
+    me = _comm.current().rank
     if me in pl:
         if len(boxed) == len(args):
             local_args = [t._local for t in boxed]
@@ -476,6 +476,8 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                 choice.ins, choice.outs, tuple(t._shape for t in tensors))
         result = op.kernel(*local_args, **attrs)
         multi = isinstance(result, (tuple, list))
+        if not multi and not detach:  # the common case: one output
+            return _wrap(result, choice.out_metas[0].shape, pl, choice.outs[0])
         locals_ = tuple(result) if multi else (result,)
     else:
         dtype = _autocast_dtype(name, pl)
