@@ -17,7 +17,11 @@ from .threads import ThreadCommunicator, ThreadWorld
 __all__ = ["current", "rank", "world_size", "launch", "init", "stats", "reset_stats",
            "is_initialized", "set_current"]
 
-_local = threading.local()
+class _RankLocal(threading.local):
+    comm: Communicator | None = None  # a class default: reading it never raises (hot path)
+
+
+_local = _RankLocal()
 _process: Communicator | None = None
 _process_lock = threading.Lock()
 
@@ -32,13 +36,13 @@ def set_current(comm: Communicator | None, *, process_wide: bool = False) -> Non
 
 
 def is_initialized() -> bool:
-    return getattr(_local, "comm", None) is not None or _process is not None
+    return _local.comm is not None or _process is not None
 
 
 def current() -> Communicator:
     """The calling rank's communicator (a single-rank world if none was set up)."""
     global _process
-    comm = getattr(_local, "comm", None)
+    comm = _local.comm
     if comm is not None:
         return comm
     if _process is None:
@@ -133,7 +137,7 @@ def init(backend: str | None = None) -> Communicator:
     rank's communicator; without torchrun's environment it is a single-rank world.
     """
     import os
-    existing = getattr(_local, "comm", None)
+    existing = _local.comm
     if existing is not None:
         return existing  # already a rank of a launched world (e.g. `sbpflow run`)
     if "WORLD_SIZE" not in os.environ and backend is None:
