@@ -178,7 +178,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
         nbytes = numel * itemsize
         b += _PER_DEVICE[kind](g) * nbytes
         if cluster is not None:
-            t += micro_batches * _coll_time(cluster, kind, nbytes / micro_batches, fine, dims)
+            # collective_time's n for an all-to-all is one rank's input: the piece over g
+            n = nbytes / g if kind == "all_to_all" else nbytes
+            t += micro_batches * _coll_time(cluster, kind, n / micro_batches, fine, dims)
     return t, b
 
 

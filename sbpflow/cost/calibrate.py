@@ -178,7 +178,9 @@ def _runner(kind: str, g: int, nbytes: int, group: tuple, device: torch.device):
     if kind == "all_gather":
         x = torch.randn(piece, device=device)
         shapes = [(piece,)] * g
-        return (lambda: comm.all_gather(x, group, shapes=shapes, assemble=lambda ps: None)), n
+        # assemble with a real copy, as boxing does (the threads backend otherwise moves
+        # nothing: pieces are shared by reference)
+        return (lambda: comm.all_gather(x, group, shapes=shapes, assemble=torch.cat)), n
     if kind == "reduce_scatter":
         pieces = list(torch.randn(g, piece, device=device).unbind(0))
         return (lambda: comm.reduce_scatter(pieces, group)), n
@@ -188,8 +190,7 @@ def _runner(kind: str, g: int, nbytes: int, group: tuple, device: torch.device):
     if kind == "all_to_all":
         pieces = list(torch.randn(g, piece, device=device).unbind(0))
         shapes = [(piece,)] * g
-        return (lambda: comm.all_to_all(pieces, group, shapes=shapes,
-                                        assemble=lambda ps: None)), n
+        return (lambda: comm.all_to_all(pieces, group, shapes=shapes, assemble=torch.cat)), n
     raise CostError(f"calibrate cannot measure {kind!r}; one of {MEASURED_KINDS}")
 
 
