@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench bench-auto setup clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/boxing.py
+	$(PY) benchmarks/train_gpt.py
+
+bench-auto: $(STAMP)
+	$(PY) benchmarks/auto_search.py --quick
+	$(PY) benchmarks/auto_fidelity.py
 
 clean:
 	rm -rf .venv build *.egg-info
