@@ -151,3 +151,18 @@ def check_op(sf_fn, torch_fn, args: tuple, placement, layouts: list[tuple], *, g
                 if not torch.allclose(got, rg, rtol=rtol, atol=atol):
                     failures.append(("grad", layout, float((got - rg).abs().max())))
     return failures
+
+
+def check_op_signatures(op_name: str, sf_fn, torch_fn, args: tuple, ranks, layouts=None,
+                        **kw) -> list:
+    """`check_op` in a launched world over ``ranks``, for every signature layout of the op
+    (or the given ``layouts``); asserts there is no failure and returns the layouts."""
+    pl = sf.placement("cpu", ranks)
+    if layouts is None:
+        layouts = signature_layouts(op_name, args, pl)
+
+    def body():
+        return check_op(sf_fn, torch_fn, args, pl, layouts, **kw)
+    failures = sf.launch(body, world_size=pl.size)[0]
+    assert not failures, failures[:5]
+    return layouts

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import sbpflow as sf
 from sbpflow.nn import functional_conv as FC
 from sbpflow.sbp import Partial
-from sbptest import check_op, signature_layouts
+from sbptest import check_op_signatures
 
 MESHES = [[0, 1, 2], [[0, 1], [2, 3]]]
 
@@ -18,16 +18,7 @@ def _t(*shape, seed=0):
     return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def _run(op_name, sf_fn, torch_fn, args, ranks, layouts=None, **kw):
-    pl = sf.placement("cpu", ranks)
-    if layouts is None:
-        layouts = signature_layouts(op_name, args, pl)
-
-    def body():
-        return check_op(sf_fn, torch_fn, args, pl, layouts, **kw)
-    failures = sf.launch(body, world_size=pl.size)[0]
-    assert not failures, failures[:5]
-    return layouts
+_run = check_op_signatures
 
 
 # -- conv2d -------------------------------------------------------------------------------------

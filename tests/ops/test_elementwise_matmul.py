@@ -7,20 +7,12 @@ import torch.nn.functional as F
 
 import sbpflow as sf
 from sbpflow.tensor import apply_op
-from sbptest import check_op, signature_layouts
+from sbptest import check_op_signatures
 
 MESHES = [[0, 1, 2], [[0, 1], [2, 3]]]
 
 
-def _run(op_name, sf_fn, torch_fn, args, ranks, **kw):
-    pl = sf.placement("cpu", ranks)
-    layouts = signature_layouts(op_name, args, pl)
-
-    def body():
-        return check_op(sf_fn, torch_fn, args, pl, layouts, **kw)
-    failures = sf.launch(body, world_size=pl.size)[0]
-    assert not failures, failures[:5]
-    return layouts
+_run = check_op_signatures
 
 
 def _t(*shape, seed=0):
