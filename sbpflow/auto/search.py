@@ -3,9 +3,10 @@
 The cost of a strategy is a sum of per-layer terms and terms on the edges between layers, so:
 
 * ``"cd"`` coordinate descent (default): sweep the layers, give each the best strategy with the
-  others fixed, until a sweep changes nothing; then restart, while ``restarts`` and
+  others fixed, until a sweep changes nothing; then restart (alternately from the best state
+  with a quarter of its layers re-drawn, and from a random state), while ``restarts`` and
   ``budget_s`` allow: the first start is data parallel, the second the best Megatron t x d
-  (so the result is never worse than either), the rest random points.
+  (so the result is never worse than either).
 * ``"mh"`` Metropolis-Hastings (FlexFlow-style): change one random layer to a random strategy,
   accept with probability ``min(1, exp(-beta * delta / cost0))``.
 * ``"random"``: independent random strategies.
@@ -189,6 +190,10 @@ def _coordinate_descent(pb: Problem, rng, budget_s, t0, trace, restarts=3, start
             state = list(start) if start is not None else pb.dp_state()
         elif r == 1 and pb.megatron_state() is not None:
             state = pb.megatron_state()
+        elif r % 2 == 0 and best_state is not None:
+            # iterated local search: kick the best state (a quarter of the layers re-drawn)
+            fresh = pb.random_state(rng)
+            state = [f if rng.random() < 0.25 else b for f, b in zip(fresh, best_state)]
         else:
             state = pb.random_state(rng)
         mem = pb.memory_of(state)
