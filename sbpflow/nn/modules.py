@@ -74,6 +74,17 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list
 
 
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """Drop (or zero in place) the gradients of ``params`` (global tensors)."""
+    for p in params:
+        if p.local.grad is None:
+            continue
+        if set_to_none:
+            p.local.grad = None
+        else:
+            p.local.grad.detach_().zero_()
+
+
 class Module:
     """Base class of sbpflow modules (torch.nn.Module's registration and traversal API)."""
 
@@ -308,13 +319,7 @@ class Module:
         return self.to(torch.bfloat16)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if p.local.grad is None:
-                continue
-            if set_to_none:
-                p.local.grad = None
-            else:
-                p.local.grad.detach_().zero_()
+        zero_grads(self.parameters(), set_to_none)
 
     # -- state dicts ---------------------------------------------------------------------------
     def _state_items(self, prefix: str = "") -> list[tuple[str, GlobalTensor]]:

@@ -24,6 +24,7 @@ import torch
 from .. import comm as _comm
 from ..errors import SbpError, ShapeError
 from ..sbp import Partial, format_nd_sbp
+from ..nn.modules import zero_grads
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
@@ -192,15 +193,10 @@ class Optimizer(torch.optim.Optimizer):
         self.param_groups.append(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.local.grad is None:
-                    continue
-                if set_to_none:
-                    p.local.grad = None
-                else:
-                    p.local.grad.detach_().zero_()
-                _forget(p)
+        params = [p for g in self.param_groups for p in g["params"]]
+        zero_grads(params, set_to_none)
+        for p in params:
+            _forget(p)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
