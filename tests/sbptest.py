@@ -81,14 +81,15 @@ def splits_only(nd) -> bool:
     return all(isinstance(s, Split) for s in nd)
 
 
-def signature_layouts(op_name: str, args: tuple, placement) -> list[tuple]:
+def signature_layouts(op_name: str, args: tuple, placement, attrs: dict | None = None) -> list[tuple]:
     """The distinct input layouts (one nd-sbp per tensor input) of every N-D signature of a
-    registered op for these arguments (``args``: torch tensors in tensor slots, constants else)."""
+    registered op for these arguments (``args``: torch tensors in tensor slots, constants else;
+    ``attrs``: the op's keyword attributes)."""
     from sbpflow.ops import TensorMeta, get_op
     op = get_op(op_name)
     meta_args = tuple(TensorMeta(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
                       for a in args)
-    sigs = list(op.signatures(*meta_args))
+    sigs = list(op.signatures(*meta_args, **(attrs or {})))
     n_in = sum(isinstance(a, torch.Tensor) for a in args)
     out = []
     for combo in itertools.product(sigs, repeat=placement.ndim):

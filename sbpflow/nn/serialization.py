@@ -59,22 +59,22 @@ def _write_atomic(path: str, write) -> None:
             os.remove(tmp)
 
 
-def _write_json(path: str, obj) -> None:
+def _write_file(path: str, mode: str, dump) -> None:
+    """Write ``path`` atomically and durably: ``dump(file)`` into a temp file, fsync, rename."""
     def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
+        with open(tmp, mode) as f:
+            dump(f)
             f.flush()
             os.fsync(f.fileno())
     _write_atomic(path, write)
+
+
+def _write_json(path: str, obj) -> None:
+    _write_file(path, "w", lambda f: json.dump(obj, f))
 
 
 def _write_torch(path: str, obj) -> None:
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    _write_atomic(path, write)
+    _write_file(path, "wb", lambda f: torch.save(obj, f))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import sbpflow as sf
-from sbpflow.ops import TensorMeta, get_op
 from sbpflow.tensor import apply_op
 from sbptest import check_op, signature_layouts
 
@@ -20,25 +19,10 @@ def _t(*shape, seed=0):
     return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def _layouts_with_attrs(name, args, pl, attrs):
-    """`signature_layouts` for an op whose attributes are keywords (cat's ``dim``)."""
-    metas = tuple(TensorMeta(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                  for a in args)
-    sigs = list(get_op(name).signatures(*metas, **attrs))
-    n_in = sum(isinstance(a, torch.Tensor) for a in args)
-    out = []
-    for combo in itertools.product(sigs, repeat=pl.ndim):
-        lay = tuple(tuple(sig.ins[i] for sig in combo) for i in range(n_in))
-        if lay not in out:
-            out.append(lay)
-    return out
-
-
 def _run(name, sf_fn, torch_fn, args, ranks, attrs=None):
     """Check every signature's input layout, forward and gradients. Returns the layouts."""
     pl = sf.placement("cpu", ranks)
-    layouts = signature_layouts(name, args, pl) if attrs is None else \
-        _layouts_with_attrs(name, args, pl, attrs)
+    layouts = signature_layouts(name, args, pl, attrs)
 
     def body():
         return check_op(sf_fn, torch_fn, args, pl, layouts)
