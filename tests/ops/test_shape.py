@@ -3,8 +3,6 @@ cat, split, chunk): every signature on a 1-D mesh of 3 and the 2x2 mesh equals t
 and gradients, uneven sizes included; splits that follow through move no bytes; the GlobalTensor
 bindings; errors."""
 
-import itertools
-
 import pytest
 import torch
 
