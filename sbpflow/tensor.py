@@ -8,6 +8,7 @@ as ``dual(s)``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -62,7 +63,8 @@ class GlobalTensor:
     `to_global`; read it whole with `full_tensor`.
     """
 
-    __slots__ = ("_local", "_shape", "_placement", "_sbp", "__weakref__")
+    # ``_key``: an int naming (shape, dtype, nd-sbp), set on first dispatch (see `_layout_key`)
+    __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "__weakref__")
 
     def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
                  sbp: tuple, dtype: torch.dtype | None = None) -> None:
@@ -70,6 +72,7 @@ class GlobalTensor:
         self._shape = tuple(int(s) for s in shape)
         self._placement = placement
         self._sbp = tuple(sbp)
+        self._key = None
 
     # -- metadata ----------------------------------------------------------------------------
     @property
@@ -424,19 +427,24 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     inputs' layouts (one nd-sbp or None per tensor input). All tensor inputs must share one
     placement: moving a tensor to another placement is an explicit ``to_global``.
     """
-    tensors, parts, pinned = [], [], []
+    # the cache key of the inputs: per tensor its layout id (negated for a leaf that requires
+    # grad: a parameter, whose layout the choice avoids moving); constants as (type, value)
+    # tuples, so a constant never equals a layout id
+    tensors, parts = [], [name]
     grad_mode = torch.is_grad_enabled()
     grad = False
     for a in args:
         if isinstance(a, GlobalTensor):
             local = a._local
             tensors.append(a)
-            parts.append((a._shape, local.dtype, a._sbp))
-            rg = local.requires_grad
-            pinned.append(rg and local.is_leaf)
-            grad = grad or (rg and grad_mode)
+            k = a._key or _layout_key(a)
+            if local.requires_grad:
+                grad = grad or grad_mode
+                if local.is_leaf:
+                    k = -k
+            parts.append(k)
         else:
-            parts.append(hashable(a))
+            parts.append((type(a), hashable(a)))   # 1 and 1.0 give different dtypes
     if not tensors:
         raise SignatureError(f"{name}: needs at least one global tensor input")
     pl = tensors[0]._placement
@@ -451,13 +459,16 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     if sbp is not None:
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
     # a dict keyed by everything the choice depends on (faster than the registry's caches)
-    key = (name, tuple(parts), pl, attrs_key, forced, grad, tuple(pinned))
+    parts += (pl, attrs_key, forced, grad)
+    key = tuple(parts)
     entry = _CHOICES.get(key)
     if entry is None:
+        pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
         entry = _CHOICES[key] = _choice_entry(name, args, tensors, pl, attrs_key, forced, grad,
-                                              tuple(pinned))
-    choice, op, detach = entry
-    boxed = [t if t._sbp == nd else t.to_global(sbp=nd) for t, nd in zip(tensors, choice.ins)]
+                                              pinned)
+    choice, op, detach, out_keys, moves = entry
+    boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
+             for t, nd in zip(tensors, choice.ins)] if moves else tensors
     me = _comm.current().rank
     if me in pl:
         if len(boxed) == len(args):
@@ -477,7 +488,9 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         result = op.kernel(*local_args, **attrs)
         multi = isinstance(result, (tuple, list))
         if not multi and not detach:  # the common case: one output
-            return _wrap(result, choice.out_metas[0].shape, pl, choice.outs[0])
+            meta = choice.out_metas[0]
+            return _wrap(result, meta.shape, pl, choice.outs[0],
+                         out_keys[0] if result.dtype is meta.dtype else None)
         locals_ = tuple(result) if multi else (result,)
     else:
         dtype = _autocast_dtype(name, pl)
@@ -485,16 +498,36 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         multi = len(locals_) > 1
     if detach:
         locals_ = tuple(t.detach() for t in locals_)
-    outs = tuple(_wrap(t, m.shape, pl, nd)
-                 for t, m, nd in zip(locals_, choice.out_metas, choice.outs))
+    outs = tuple(_wrap(t, m.shape, pl, nd, k if t.dtype is m.dtype else None)
+                 for t, m, nd, k in zip(locals_, choice.out_metas, choice.outs, out_keys))
     return outs if multi else outs[0]
 
 
-def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple) -> GlobalTensor:
-    """`GlobalTensor` from already-normalised metadata (the dispatch's hot path)."""
+def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,
+          key: int | None = None) -> GlobalTensor:
+    """`GlobalTensor` from already-normalised metadata (the dispatch's hot path); ``key`` is
+    its `_layout_key` when the caller knows it."""
     t = object.__new__(GlobalTensor)
-    t._local, t._shape, t._placement, t._sbp = local, shape, placement, sbp
+    t._local, t._shape, t._placement, t._sbp, t._key = local, shape, placement, sbp, key
     return t
+
+
+# (shape, dtype, nd-sbp) -> a small int, so the dispatch key hashes ints instead of nested
+# tuples of sbp values. Ids come from a counter (atomic under the GIL: rank threads may intern
+# at once); a layout may get two ids after a clear, which costs a cache miss, never a wrong hit.
+_LAYOUT_KEYS: dict = {}
+_LAYOUT_IDS = itertools.count(1)
+
+
+def _layout_key(t: GlobalTensor) -> int:
+    t._key = key = _intern_layout(t._shape, t._local.dtype, t._sbp)
+    return key
+
+
+def _intern_layout(shape: tuple, dtype: torch.dtype, sbp: tuple) -> int:
+    if len(_LAYOUT_KEYS) > 1 << 16:
+        _LAYOUT_KEYS.clear()
+    return _LAYOUT_KEYS.setdefault((shape, dtype, sbp), next(_LAYOUT_IDS))
 
 
 def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:
@@ -508,7 +541,10 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
         raise ShapeError(f"{exc} [inputs: {shown}]") from None
     if len(_CHOICES) > 1 << 16:
         _CHOICES.clear()
-    return choice, get_op(name), detaches(choice.outs)
+    out_keys = tuple(_intern_layout(m.shape, m.dtype, nd)
+                     for m, nd in zip(choice.out_metas, choice.outs))
+    moves = any(t._sbp != nd for t, nd in zip(tensors, choice.ins))
+    return choice, get_op(name), detaches(choice.outs), out_keys, moves
 
 
 # Ops that torch's autocast runs in the lower precision. Output metadata comes from meta

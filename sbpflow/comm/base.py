@@ -33,7 +33,7 @@ import torch
 from ..sbp import part
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
-           "nbytes"]
+           "nbytes", "Pending"]
 
 REDUCE_OPS = ("sum", "max", "min")
 Assemble = Callable[[list], object]  # receives the pieces (valid only during the call)
@@ -99,11 +99,35 @@ class CommStats:
         return f"CommStats(rank={self.rank}, sent={self.sent}, recv={self.recv}; {body})"
 
 
+class Pending:
+    """A collective that has been started: ``wait()`` blocks until it is done and returns its
+    result (the same object on every later call)."""
+
+    __slots__ = ("_finish", "_result")
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish, self._result = finish, None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> "Pending":
+        p = cls(None)
+        p._result = result
+        return p
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        return self._result
+
+
 class Communicator:
     """One rank's communication with the others. Subclasses implement the ``_`` methods.
 
     Public methods validate, count bytes, skip single-member groups, then call the backend.
-    All methods are blocking and return new tensors (never views of another rank's memory).
+    They block and return new tensors (never views of another rank's memory), except the
+    ``*_start`` forms, which return a `Pending` (a backend without asynchronous collectives
+    completes the work before returning it).
     """
 
     backend: str = "abstract"
@@ -195,16 +219,33 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], op: str = "sum") -> torch.Tensor:
         """Every member gets the ``op``-reduction of all members' tensors (same shape)."""
         group = tuple(group)
+        if self._count_all_reduce(tensor, group, op):
+            return self._all_reduce(tensor, group, op)
+        return tensor.clone()
+
+    def all_reduce_start(self, tensor: torch.Tensor, group: Sequence[int], op: str = "sum", *,
+                         inplace: bool = False) -> Pending:
+        """`all_reduce` started without waiting: overlap it with other work, then ``wait()``.
+        Members must start their collectives in the same order (as for blocking ones);
+        ``tensor`` must not change until the wait. ``inplace=True`` lets the backend reduce
+        into ``tensor`` itself (saving a copy) when it can: the result may then be ``tensor``."""
+        group = tuple(group)
+        if self._count_all_reduce(tensor, group, op):
+            return self._all_reduce_start(tensor, group, op, inplace)
+        return Pending.done(tensor if inplace else tensor.clone())
+
+    def _count_all_reduce(self, tensor: torch.Tensor, group: tuple, op: str) -> bool:
+        """Validate and count an all-reduce; False when the group is this rank alone."""
         i = self._index(group, "all_reduce")
         if op not in REDUCE_OPS:
             raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         if len(group) == 1:
-            return tensor.clone()
+            return False
         p, n = len(group), tensor.numel()
         chunk = part(n, p, i)[1]
         moved = (n - chunk + (p - 1) * chunk) * tensor.element_size()
         self._count("all_reduce", moved, moved)
-        return self._all_reduce(tensor, group, op)
+        return True
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int]) -> torch.Tensor:
         """Every member gets ``src``'s tensor; the others pass a tensor of the same shape/dtype."""
@@ -268,6 +309,9 @@ class Communicator:
 
     def _all_reduce(self, tensor, group, op):
         raise NotImplementedError
+
+    def _all_reduce_start(self, tensor, group, op, inplace=False) -> Pending:
+        return Pending.done(self._all_reduce(tensor, group, op))
 
     def _broadcast(self, tensor, src, group):
         raise NotImplementedError

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
-from .base import Communicator, nbytes, reduce_tensors
+from .base import Communicator, Pending, nbytes, reduce_tensors
 from .threads import default_timeout
 
 __all__ = ["TorchCommunicator", "init_from_env", "launch_processes"]
@@ -182,11 +182,28 @@ class TorchCommunicator(Communicator):
 
     def _all_reduce(self, tensor, group, op):
         """The backend's all-reduce on a copy (the input is left unchanged)."""
+        return self._all_reduce_start(tensor, group, op).wait()
+
+    def _all_reduce_start(self, tensor, group, op, inplace=False) -> Pending:
+        """Start the backend's all-reduce on a copy (``inplace``: on ``tensor`` itself when it
+        is contiguous and on the wire's device); the returned `Pending` waits for it (gloo and
+        NCCL progress it on their own threads / streams meanwhile)."""
         wire, cuda = self._wire(tensor.device)
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire).copy_(tensor.detach())
+        if inplace and tensor.device == wire and tensor.is_contiguous():
+            buf = tensor.detach()
+        else:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire).copy_(tensor.detach())
         pg = self._pg(group, cuda)
-        self._run(f"all_reduce({op})", group, lambda: pg.allreduce([buf.view(-1)], _OPS[op]))
-        return buf.to(tensor.device)
+        what = f"all_reduce({op})"
+        try:
+            work = pg.allreduce([buf.view(-1)], _OPS[op])
+        except RuntimeError as exc:
+            raise self._error(what, group, exc) from exc
+
+        def finish() -> torch.Tensor:
+            self._run(what, group, lambda: work)
+            return buf.to(tensor.device)
+        return Pending(finish)
 
     def _broadcast(self, tensor, src, group):
         """The backend's broadcast of ``src``'s bytes; returns a new tensor on every member."""

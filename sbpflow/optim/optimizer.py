@@ -15,9 +15,10 @@ and write ``param_groups``, work unchanged (``sf.optim.lr_scheduler`` is torch's
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -26,6 +27,7 @@ from ..errors import SbpError, ShapeError
 from ..sbp import Partial, format_nd_sbp
 from ..nn.modules import zero_grads
 from ..tensor import GlobalTensor, zeros as _sf_zeros
+from .grad_sync import FIRST_BUCKET_BYTES, GradSync, collect
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -56,6 +58,10 @@ def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | Non
         if ref is g_local and g_local._version == version:
             return boxed
         cache.pop(p, None)
+    cache.update(collect([p]))
+    hit = cache.get(p)
+    if hit is not None and hit[0] is g_local and g_local._version == hit[1]:
+        return hit[2]
     with torch.no_grad():
         boxed = p.grad.to_global(p.placement, p.sbp)
     if remember:
@@ -77,6 +83,7 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
     out: list = [None] * len(params)
     buckets: dict = {}
     cache = _boxed_cache()
+    cache.update(collect(params))  # all-reduces started during backward (grad_sync)
     for i, p in enumerate(params):
         g = p.local.grad
         if g is None:
@@ -106,7 +113,7 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
                 size += g.numel() * g.element_size()
                 start += 1
             flat = torch.cat([params[i].local.grad.reshape(-1) for i in chunk])
-            reduced = comm.all_reduce(flat, group, op)
+            reduced = comm.all_reduce_start(flat, group, op, inplace=True).wait()
             offset = 0
             for i in chunk:
                 p = params[i]
@@ -145,6 +152,11 @@ class Optimizer(torch.optim.Optimizer):
     ``torch.no_grad`` with ``grad_local`` already in ``p``'s layout."""
 
     linear_update = False
+    # start the all-reduces of data-parallel gradients during backward (from the second step
+    # on: the first step sets up the buckets); `no_sync` for accumulated micro-batches
+    overlap_grad_sync = True
+    grad_bucket_bytes = _BUCKET_BYTES
+    first_grad_bucket_bytes = FIRST_BUCKET_BYTES  # small, so the first all-reduce starts early
 
     def __init__(self, params, defaults: dict) -> None:  # noqa: D401 - not torch's __init__
         self.defaults = dict(defaults)
@@ -160,6 +172,8 @@ class Optimizer(torch.optim.Optimizer):
                             "single GlobalTensor")
         self.state: defaultdict = defaultdict(dict)
         self.param_groups: list[dict] = []
+        self._sync: GradSync | None = None
+        self._sync_params: list = []
         groups = list(params)
         if not groups:
             raise ValueError("optimizer got an empty parameter list")
@@ -191,6 +205,17 @@ class Optimizer(torch.optim.Optimizer):
                                  f"optimization parameter {k}")
             group.setdefault(k, v)
         self.param_groups.append(group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no gradient all-reduce: for all micro-batches but the
+        last when accumulating (as DDP's ``no_sync``). Without it each backward's all-reduces
+        are redone by the next, so accumulation stays correct but communicates k times."""
+        if self._sync is None:
+            yield
+            return
+        with self._sync.no_sync():
+            yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
@@ -225,6 +250,9 @@ class Optimizer(torch.optim.Optimizer):
                     f"out as partial sums cannot be updated shard by shard (shape "
                     f"{tuple(p.shape)}, placement {p.placement}, sbp "
                     f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
+        if self.overlap_grad_sync and self._sync_params != params:
+            self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
+            self._sync_params = params
         grads = iter(boxed_grads(params))
         for group in self.param_groups:
             for p in group["params"]:

@@ -1,0 +1,192 @@
+"""Gradient all-reduces started during backward, so they overlap the rest of it (what DDP's
+reducer does), for the parameters whose gradient boxing ``dual(sbp) -> sbp`` is one all-reduce
+(a ``B`` parameter in data parallelism: ``P -> B``).
+
+Those parameters are put in buckets of at most ``bucket_bytes`` (the first one smaller, so
+communication starts early), in reverse registration order — backward produces the last
+layers' gradients first. A hook after each gradient's accumulation marks its parameter ready;
+when every parameter of a bucket is ready, the bucket's gradients are concatenated and its
+all-reduce is started (`Communicator.all_reduce_start`). Buckets start strictly in order, so
+every rank starts the same collectives in the same order. `take` hands the reduced gradient to
+the optimizer, waiting for the bucket if it is still in flight.
+
+A result is used only if the gradient is still the one that was sent (same tensor, same
+version): when a later backward accumulates into it (gradient accumulation), the bucket is
+simply started again, and `take` returns None for a gradient that changed after its bucket
+started, so the caller reduces it itself. Under `no_sync()` nothing starts (DDP's ``no_sync``:
+accumulate micro-batches without communicating, then the last backward outside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+
+from .. import comm as _comm
+from ..boxing import plan_layouts
+from ..sbp import dual_nd
+from ..tensor import GlobalTensor
+
+__all__ = ["GradSync", "collect"]
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+class _Bucket:
+    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent")
+
+    def __init__(self, group: tuple, op: str, limit: int) -> None:
+        self.params: list = []
+        self.group, self.op, self.limit, self.nbytes = group, op, limit, 0
+        self.ready: set = set()
+        self.pending = None       # Pending of the flat all-reduce
+        self.sent: list = []      # (gradient tensor, its version) at the start, per param
+
+
+class GradSync:
+    """Overlapped all-reduce of the all-reduce-boxed gradients of ``params`` (see the module
+    docstring). Registers hooks on the parameters' local tensors; a later `GradSync` over the
+    same parameter takes it over (the earlier one stops acting for it)."""
+
+    def __init__(self, params: list, bucket_bytes: int,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
+        comm = _comm.current()
+        self._comm = comm
+        self._buckets: list[_Bucket] = []
+        self._next = 0            # index of the next bucket to start, in order
+        self._enabled = True
+        self._handles: dict = {}
+        owners = _owners(comm)
+        filling: dict = {}        # (group, op, dtype, device) -> the bucket being filled
+        for p in reversed(params):
+            step = self._single_all_reduce(p, comm.rank)
+            if step is None:
+                continue
+            group = p.placement.group(step.dims, p.placement.coord_of(comm.rank))
+            key = (group, step.op, p.local.dtype, p.local.device)
+            size = p.local.numel() * p.local.element_size()
+            b = filling.get(key)
+            if b is None or (b.params and b.nbytes + size > b.limit):
+                b = filling[key] = _Bucket(
+                    group, step.op, bucket_bytes if self._buckets else first_bucket_bytes)
+                self._buckets.append(b)
+            b.params.append(p)
+            b.nbytes += size
+            prev = owners.get(p)
+            if prev is not None and prev is not self:
+                prev._release(p)
+            owners[p] = self
+            self._handles[p] = p.local.register_post_accumulate_grad_hook(
+                _hook(weakref.ref(self), len(self._buckets) - 1, len(b.params) - 1))
+
+    @staticmethod
+    def _single_all_reduce(p: GlobalTensor, rank: int):
+        """The one all-reduce step of ``p``'s gradient boxing over more than this rank, or None."""
+        pl = p.placement
+        if rank not in pl or not p.local.requires_grad:
+            return None
+        steps = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp).steps
+        if len(steps) != 1 or steps[0].kind != "all_reduce":
+            return None
+        if len(pl.group(steps[0].dims, pl.coord_of(rank))) == 1:
+            return None
+        return steps[0]
+
+    def _release(self, p: GlobalTensor) -> None:
+        handle = self._handles.pop(p, None)
+        if handle is not None:
+            handle.remove()
+
+    @property
+    def params(self) -> list:
+        return [p for b in self._buckets for p in b.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no all-reduce (micro-batches being accumulated)."""
+        prev, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = prev
+
+    # -- during backward ----------------------------------------------------------------------
+    def _ready(self, index: int, j: int) -> None:
+        if not self._enabled:
+            return
+        b = self._buckets[index]
+        b.ready.add(j)
+        while self._next < len(self._buckets) and \
+                len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
+            self._start(self._buckets[self._next])
+            self._next += 1
+        if self._next == len(self._buckets):  # every bucket started: the next backward begins anew
+            self._next = 0
+
+    def _start(self, b: _Bucket) -> None:
+        b.ready.clear()
+        grads = [p.local.grad for p in b.params]
+        if any(g is None for g in grads):
+            b.pending, b.sent = None, []
+            return
+        if b.pending is not None:
+            b.pending.wait()      # a stale earlier start (accumulation): let it finish first
+        with torch.no_grad():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+        b.sent = [(g, g._version) for g in grads]
+        b.pending = self._comm.all_reduce_start(flat, b.group, b.op, inplace=True)
+
+    # -- at the optimizer step ----------------------------------------------------------------
+    def take(self) -> dict:
+        """``{param: (gradient, its version, reduced gradient in the param's layout)}`` for every
+        parameter whose bucket was started with its current gradient (waiting for buckets in
+        flight); clears the state for the next backward."""
+        out = {}
+        for b in self._buckets:
+            if b.pending is None:
+                continue
+            reduced = b.pending.wait()
+            if all(p.local.grad is g and g._version == v for p, (g, v) in zip(b.params, b.sent)):
+                offset = 0
+                for p, (g, v) in zip(b.params, b.sent):
+                    n = g.numel()
+                    out[p] = (g, v, GlobalTensor(reduced[offset:offset + n].view_as(g),
+                                                 tuple(p.shape), p.placement, p.sbp))
+                    offset += n
+            b.pending, b.sent = None, []
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        """Forget readiness marks (a backward that did not reach every parameter)."""
+        for b in self._buckets:
+            b.ready.clear()
+        self._next = 0
+
+
+def _owners(comm) -> "weakref.WeakKeyDictionary":
+    return comm.state.setdefault("grad_sync_owner", weakref.WeakKeyDictionary())
+
+
+def collect(params: list) -> dict:
+    """`GradSync.take` of every sync owning one of ``params`` (on this rank)."""
+    owners = _owners(_comm.current())
+    out: dict = {}
+    seen: set = set()
+    for p in params:
+        sync = owners.get(p)
+        if sync is not None and id(sync) not in seen:
+            seen.add(id(sync))
+            out.update(sync.take())
+    return out
+
+
+def _hook(sync_ref: "weakref.ref", index: int, j: int):
+    def hook(_local: torch.Tensor) -> None:
+        sync = sync_ref()
+        if sync is not None:
+            sync._ready(index, j)
+    return hook
