@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..errors import ShapeError
-from ..sbp import B, Partial, Split
+from ..sbp import B, Broadcast, Partial, Split
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -198,6 +198,16 @@ def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: boo
     return apply_op("dropout", x, seed_t, p=float(p))
 
 
+def _batch_or_head_layout(q: GlobalTensor, k: GlobalTensor, v: GlobalTensor) -> bool:
+    """q, k, v share placement, leading shape and layout, split only on batch / head axes."""
+    lead = q.ndim - 2
+    if not (q.ndim == k.ndim == v.ndim >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and q.placement == k.placement == v.placement and q.sbp == k.sbp == v.sbp):
+        return False
+    return all(isinstance(s, Broadcast) or (isinstance(s, Split) and s.axis < lead)
+               for s in q.sbp)
+
+
 def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: GlobalTensor,
                                  attn_mask: GlobalTensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
@@ -210,6 +220,9 @@ def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: 
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if attn_mask is None and dropout_p == 0.0 and _batch_or_head_layout(query, key, value):
+        # every rank holds whole sequences: torch's fused kernel on the shards, no communication
+        return apply_op("attention", query, key, value, is_causal=is_causal, scale=scale)
     scores = (query @ key.transpose(-2, -1)) * scale
     if is_causal:
         scores = apply_op("masked_fill_causal", scores)

@@ -1,5 +1,5 @@
-"""Transformer ops: softmax / log_softmax, layer_norm, embedding, dropout, the causal mask, and
-the class pick of cross-entropy.
+"""Transformer ops: softmax / log_softmax, layer_norm, embedding, dropout, the causal mask, fused
+attention, and the class pick of cross-entropy.
 
 These are the *local* forms: each needs the reduced / normalized / looked-up axis whole on every
 rank, except where a context kernel handles a split itself (embedding's vocab split, the causal
@@ -28,6 +28,8 @@ embedding              ids S(i), weight B                          S(i)
 dropout                x S(a) / B / P, seed B                      same as x (a mask is linear)
 masked_fill_causal     x S(a) for every axis a, B                  same as x (context kernel:
                                                                         global row/col indices)
+attention              q, k, v S(a), a a batch / head axis         S(a)  (torch's fused kernel;
+                       q, k, v B                                   B     other layouts: composed)
 pick_class             logits S(a), target S(a), a < n - 1         S(a)
                        logits S(n-1), target B                     P   (only the rank owning
                                                                         the class contributes)
@@ -50,7 +52,8 @@ from ..utils import generate_region
 from .registry import Signature, TensorMeta, register
 
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
-           "dropout_signatures", "causal_mask_signatures", "pick_class_signatures"]
+           "dropout_signatures", "causal_mask_signatures", "attention_signatures",
+           "pick_class_signatures"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -172,6 +175,23 @@ def _masked_fill_causal(x, value=float("-inf"), diagonal=0, *, ctx=None):
 
 register("masked_fill_causal", _masked_fill_causal, causal_mask_signatures, context=True,
          doc="fill the entries above the diagonal of the last two axes (causal attention)")
+
+
+# -- fused attention -------------------------------------------------------------------------------
+def attention_signatures(q: TensorMeta, k: TensorMeta, v: TensorMeta, is_causal: bool = False,
+                         scale: float | None = None) -> list[Signature]:
+    lead = q.ndim - 2   # batch / head axes: every query row sees all keys of its own batch/head
+    sigs = [Signature([f"S({a})"] * 3, [f"S({a})"]) for a in range(lead)]
+    sigs.append(Signature(["B"] * 3, ["B"]))
+    return sigs
+
+
+def _attention(q, k, v, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
+register("attention", _attention, attention_signatures,
+         doc="torch's fused scaled_dot_product_attention on local (batch / head) shards")
 
 
 # -- the target class of cross-entropy -------------------------------------------------------------

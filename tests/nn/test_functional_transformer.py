@@ -64,6 +64,9 @@ def test_registered_ops_every_signature(ranks):
         ("masked_fill_causal", lambda x: apply_op("masked_fill_causal", x, 0.5),
          lambda x: x.masked_fill(causal, 0.5), (_t(3, 7, 5),)),
         ("pick_class", lambda lg, t: apply_op("pick_class", lg, t), pick_ref, (_t(5, 3, 7), tgt)),
+        ("attention", lambda a, b, c: apply_op("attention", a, b, c, is_causal=True),
+         lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+         (_t(3, 5, 4, 2), _t(3, 5, 4, 2, seed=1), _t(3, 5, 4, 2, seed=2))),
     ]
 
     def body(pl):
@@ -257,6 +260,8 @@ def test_causal_attention(ranks):
             y.backward(sf.tensor(torch.ones(4, 5, 6, 3, dtype=torch.float64), pl, y.sbp))
             if sf.comm.stats().sent or y.sbp != lay[0]:
                 failures.append(("communicates", lay, y.sbp))
+            if "ScaledDotProduct" not in type(y.local.grad_fn).__name__:   # torch's fused kernel
+                failures.append(("not fused", lay, type(y.local.grad_fn).__name__))
         # a boolean mask equals the causal flag
         mask = sf.tensor(torch.ones(6, 6, dtype=torch.bool).tril(), pl, (B,) * pl.ndim)
         ts = [sf.tensor(t, pl, nd) for t, nd in zip((q, k, v), local[0])]
