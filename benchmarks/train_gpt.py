@@ -179,7 +179,9 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     d, v, L, s, b = cfg["d"], cfg["vocab"], cfg["layers"], cfg["seq"], cfg["batch"]
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
     if layout == "dp":
-        return 2 * (n - 1) * params * 4  # one all-reduce of every gradient
+        # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
+        # targets: a float32 scalar, so the mean is over the whole batch, as on one device
+        return 2 * (n - 1) * params * 4 + 2 * (n - 1) * 4
     act = b * s * d * 4
     # per layer: forward all-reduce after each row-parallel linear (2), backward all-reduce of
     # the input gradient of each column-parallel linear (2); plus the replicated parameters'

@@ -28,6 +28,8 @@ embedding              ids S(i), weight B                          S(i)
 dropout                x S(a) / B / P, seed B                      same as x (a mask is linear)
 masked_fill_causal     x S(a) for every axis a, B                  same as x (context kernel:
                                                                         global row/col indices)
+row_cross_entropy      logits S(a), target S(a), a < n - 1         S(a)  (classes whole)
+                       logits B, target B                          B
 attention              q, k, v S(a), a a batch / head axis         S(a)  (torch's fused kernel;
                        q, k, v B                                   B     other layouts: composed)
 pick_class             logits S(a), target S(a), a < n - 1         S(a)
@@ -53,7 +55,7 @@ from .registry import Signature, TensorMeta, register
 
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
-           "pick_class_signatures"]
+           "row_cross_entropy_signatures", "pick_class_signatures"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -192,6 +194,27 @@ def _attention(q, k, v, is_causal=False, scale=None):
 
 register("attention", _attention, attention_signatures,
          doc="torch's fused scaled_dot_product_attention on local (batch / head) shards")
+
+
+# -- cross-entropy per row, classes whole on each rank -----------------------------------------------
+def row_cross_entropy_signatures(logits: TensorMeta, target: TensorMeta,
+                                 ignore_index: int = -100) -> list[Signature]:
+    last = logits.ndim - 1
+    sigs = [Signature([f"S({a})", f"S({a})"], [f"S({a})"]) for a in range(last)]
+    sigs.append(Signature(["B", "B"], ["B"]))
+    return sigs
+
+
+def _row_cross_entropy(logits, target, ignore_index=-100):
+    """``-log_softmax(logits)[..., target]`` per row (0 where target == ignore_index)."""
+    c = logits.shape[-1]
+    out = F.cross_entropy(logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index,
+                          reduction="none")
+    return out.view(target.shape)
+
+
+register("row_cross_entropy", _row_cross_entropy, row_cross_entropy_signatures,
+         doc="torch's fused cross-entropy of each row (classes on the last axis, not split)")
 
 
 # -- the target class of cross-entropy -------------------------------------------------------------
