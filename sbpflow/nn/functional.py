@@ -146,7 +146,7 @@ def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: int | None
     return apply_op("embedding", input, weight)
 
 
-def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight=None,
+def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> GlobalTensor:
     """Cross-entropy of ``input`` logits whose LAST axis is the class axis, against integer
@@ -156,32 +156,60 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight=None,
 
     Works for every layout: batch-split logits stay split until the final sum; class-split logits
     (model-parallel softmax) all-reduce only the max and the exp-sum of each row, and the target
-    logit is picked by the rank owning its class (a partial sum). ``reduction``: "mean" (over the
-    targets not equal to ``ignore_index``), "sum" or "none" (shape of ``target``)."""
-    if weight is not None or label_smoothing:
-        raise NotImplementedError("cross_entropy: class weights and label_smoothing are not "
-                                  "supported")
+    logit is picked by the rank owning its class (a partial sum). With the classes whole on each
+    rank and neither ``weight`` nor ``label_smoothing``, each row is torch's fused kernel.
+    ``weight``: a global (C,) tensor of class weights (row i counts ``weight[target_i]``);
+    ``label_smoothing`` ε: row loss ``(1-ε)·w[t]·nll + ε/C·Σ_c w_c·(-log p_c)``, as torch.
+    ``reduction``: "mean" (divided by the summed weights of the targets not equal to
+    ``ignore_index``: their count without ``weight``), "sum" or "none" (shape of ``target``)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', not "
                          f"{reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     if input.ndim < 1 or tuple(target.shape) != tuple(input.shape[:-1]):
         raise ShapeError(f"cross_entropy: target of shape {tuple(target.shape)} does not match "
                          f"logits of shape {tuple(input.shape)} (classes on the last axis)")
     if target.dtype.is_floating_point:
-        raise NotImplementedError("cross_entropy: only integer class targets are supported")
+        raise NotImplementedError("cross_entropy: only integer class targets are supported "
+                                  "(not class probabilities)")
     c = input.ndim - 1
+    n_classes = input.shape[c]
+    if weight is not None:
+        if not isinstance(weight, GlobalTensor):
+            raise TypeError("cross_entropy: weight must be an sf global tensor (e.g. "
+                            "sf.tensor(w, placement, sbp=sf.B))")
+        if tuple(weight.shape) != (n_classes,):
+            raise ShapeError(f"cross_entropy: weight of shape {tuple(weight.shape)} for "
+                             f"{n_classes} classes (logits {tuple(input.shape)}, placement "
+                             f"{input.placement}, sbp {input.sbp})")
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
-    if not _split_on(input, (c,)):   # classes whole on every rank: torch's fused kernel per row
+    if weight is None and not label_smoothing and not _split_on(input, (c,)):
+        # classes whole on every rank: torch's fused kernel per row
         loss = apply_op("row_cross_entropy", input, target, ignore_index=int(ignore_index))
+        row_weight = valid
     else:
         z = input - _max_over(input, c)
         lse = _sum_over(z.exp(), c, keepdim=False).log()
         picked = apply_op("pick_class", z, target, ignore_index=int(ignore_index))
-        loss = (lse - picked) * valid
+        if weight is None:
+            row_weight = valid
+        else:
+            w_rows = weight.expand(*input.shape)        # class weights along the logits
+            row_weight = apply_op("pick_class", w_rows, target, ignore_index=int(ignore_index))
+        loss = (lse - picked) * row_weight
+        if label_smoothing:
+            # Σ_c w_c·(lse - z_c): the cross-entropy against the uniform distribution
+            if weight is None:
+                smooth = lse * float(n_classes) - _sum_over(z, c, keepdim=False)
+            else:
+                smooth = lse * weight.sum() - _sum_over(z * w_rows, c, keepdim=False)
+            loss = loss * (1.0 - label_smoothing) + \
+                smooth * valid * (label_smoothing / n_classes)
     if reduction == "none":
         return loss
     total = loss.sum()
-    return total if reduction == "sum" else total / valid.sum()
+    return total if reduction == "sum" else total / row_weight.sum()
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,

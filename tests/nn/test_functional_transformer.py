@@ -189,6 +189,58 @@ def test_cross_entropy(ranks):
     assert not _launch(ranks, body)
 
 
+@pytest.mark.parametrize("ranks", MESHES)
+def test_cross_entropy_class_weights_and_label_smoothing(ranks):
+    n, c = 7, 11
+    logits, target = _t(3, n, c) * 3, _ints(c, 3, n, seed=5)
+    target[0, 1] = target[2, 6] = -100
+    w = torch.rand(c, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.5
+
+    def torch_ce(lg, t, wt, reduction, eps, weighted):
+        out = F.cross_entropy(lg.reshape(-1, c), t.reshape(-1), weight=wt if weighted else None,
+                              reduction=reduction, label_smoothing=eps)
+        return out.reshape(t.shape) if reduction == "none" else out
+
+    def ref_fn(reduction, eps, weighted):
+        """torch's formula written out, so the weight's gradient has a reference too (torch's
+        kernel is not differentiable in ``weight``); checked equal to torch's kernel below."""
+        def ref(lg, t, wt):
+            logp = torch.log_softmax(lg, -1)
+            valid = (t != -100).to(lg.dtype)
+            tc = t.clamp(min=0)
+            w_rows = (wt[tc] if weighted else 1.0) * valid
+            nll = -logp.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
+            smooth = -(logp * (wt if weighted else 1.0)).sum(-1) * valid
+            loss = (1 - eps) * nll * w_rows + eps / c * smooth
+            if reduction == "none":
+                return loss
+            return loss.sum() if reduction == "sum" else loss.sum() / w_rows.sum()
+        assert torch.allclose(ref(logits, target, w),
+                              torch_ce(logits, target, w, reduction, eps, weighted))
+        return ref
+
+    def body(pl):
+        lay = _lay(pl, [(S(0), S(0), B), (S(2), B, S(0)), (B, B, B), (S(1), S(1), B)],
+                   [((S(0), S(2)), (S(0), B), (B, S(0))), ((S(2), S(1)), (B, S(1)), (S(0), B)),
+                    ((S(2), S(2)), (B, B), (B, B)), ((S(1), B), (S(1), B), (B, B))])
+        failures = []
+        for reduction in ("mean", "sum", "none"):
+            for eps, weighted in ((0.2, False), (0.0, True), (0.2, True)):
+                def ce(lg, t, wt, r=reduction, e=eps, wd=weighted):
+                    return SF.cross_entropy(lg, t, weight=wt if wd else None, reduction=r,
+                                            label_smoothing=e)
+                failures += [(reduction, eps, weighted) + f for f in check_op(
+                    ce, ref_fn(reduction, eps, weighted), (logits, target, w), pl, lay)]
+        x, t = sf.tensor(logits, pl, lay[0][0]), sf.tensor(target, pl, lay[0][1])
+        with pytest.raises(sf.SbpError, match="weight of shape"):
+            SF.cross_entropy(x, t, weight=sf.tensor(w[:5], pl, (B,) * pl.ndim))
+        with pytest.raises(ValueError, match="label_smoothing"):
+            SF.cross_entropy(x, t, label_smoothing=1.5)
+        return failures
+
+    assert not _launch(ranks, body)
+
+
 # -- dropout --------------------------------------------------------------------------------------
 def test_dropout_same_mask_in_every_layout():
     x = _t(37, 29)
