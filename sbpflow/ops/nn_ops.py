@@ -180,12 +180,17 @@ register("masked_fill_causal", _masked_fill_causal, causal_mask_signatures, cont
 
 
 # -- fused attention -------------------------------------------------------------------------------
+def _same_split(n_inputs: int, axes: int) -> list[Signature]:
+    """Every input and the output split on one axis ``a < axes``; then all ``B``."""
+    sigs = [Signature([f"S({a})"] * n_inputs, [f"S({a})"]) for a in range(axes)]
+    sigs.append(Signature(["B"] * n_inputs, ["B"]))
+    return sigs
+
+
 def attention_signatures(q: TensorMeta, k: TensorMeta, v: TensorMeta, is_causal: bool = False,
                          scale: float | None = None) -> list[Signature]:
-    lead = q.ndim - 2   # batch / head axes: every query row sees all keys of its own batch/head
-    sigs = [Signature([f"S({a})"] * 3, [f"S({a})"]) for a in range(lead)]
-    sigs.append(Signature(["B"] * 3, ["B"]))
-    return sigs
+    # batch / head axes only: every query row sees all keys of its own batch / head
+    return _same_split(3, q.ndim - 2)
 
 
 def _attention(q, k, v, is_causal=False, scale=None):
@@ -199,10 +204,7 @@ register("attention", _attention, attention_signatures,
 # -- cross-entropy per row, classes whole on each rank -----------------------------------------------
 def row_cross_entropy_signatures(logits: TensorMeta, target: TensorMeta,
                                  ignore_index: int = -100) -> list[Signature]:
-    last = logits.ndim - 1
-    sigs = [Signature([f"S({a})", f"S({a})"], [f"S({a})"]) for a in range(last)]
-    sigs.append(Signature(["B", "B"], ["B"]))
-    return sigs
+    return _same_split(2, logits.ndim - 1)
 
 
 def _row_cross_entropy(logits, target, ignore_index=-100):
@@ -221,10 +223,8 @@ register("row_cross_entropy", _row_cross_entropy, row_cross_entropy_signatures,
 def pick_class_signatures(logits: TensorMeta, target: TensorMeta,
                           ignore_index: int = -100) -> list[Signature]:
     last = logits.ndim - 1
-    sigs = [Signature([f"S({a})", f"S({a})"], [f"S({a})"]) for a in range(last)]
-    sigs += [Signature([f"S({last})", "B"], ["P"]),
-             Signature(["P", "B"], ["P"]),
-             Signature(["B", "B"], ["B"])]
+    sigs = _same_split(2, last)
+    sigs[-1:-1] = [Signature([f"S({last})", "B"], ["P"]), Signature(["P", "B"], ["P"])]
     return sigs
 
 
