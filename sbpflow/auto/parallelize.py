@@ -1,5 +1,5 @@
 """``sf.auto.parallelize``: search (or take) a strategy for an ``sf.nn`` model and make the model
-run with it.
+run with it, each layer on its own mesh.
 
     plan = sf.auto.parallelize(model, (tokens, positions, targets), placement, cluster)
     x = plan.input(torch_batch)          # replicated onto plan.placement (any layout works)
@@ -7,24 +7,44 @@ run with it.
 
 What it does:
 
-1. `trace` the model: its Linear / Embedding calls in order, as a chain `Graph`.
-2. Search a strategy on ``placement.size`` devices, or take ``strategy`` (a `Strategy` of that
-   graph, or a ``{layer name: LayerStrategy}`` dict). All layers must share one mesh, because
-   the weightless ops between layers (residual adds, norms, attention) need their inputs on one
-   placement. The search therefore runs once per mesh with every layer restricted to it (exact
-   dynamic programming over the chain by default) and keeps the best. A given strategy whose
-   layers use several meshes is moved onto the mesh most of its layers use: each other layer
-   takes its cheapest strategy on that mesh with the rest fixed (``plan.notes`` says which).
-3. ``placement`` is reshaped to the mesh (its ranks in row-major order); every parameter is
-   boxed onto it: a traced layer's weight to the strategy's weight nd-sbp (axes swapped for a
-   Linear, whose weight is ``(out, in)`` where the graph's is ``(in, out)``), its bias following
-   the weight's output axis; everything else (norms, untraced modules) replicated.
-4. Each traced module's forward is wrapped: the activation is boxed to the layer's input layout
-   (after moving it onto the placement if it lives elsewhere), the module runs, and its output
-   is boxed to the layer's output layout (a no-op when the op's signature already gives it).
-   The graph's token axis 0 is the activation's axis 0 (batch), its feature axis the last.
+1. `trace` the model on shapes only (no weights touched, no communication): its Linear /
+   Embedding / Conv2d calls in order, as a chain `Graph`.
+2. Search a strategy on ``placement.size`` devices (`search`, exact dynamic programming over
+   the chain by default), or take ``strategy`` (a `Strategy` of that graph, or a
+   ``{layer name: LayerStrategy}`` dict). Per layer a strategy is a mesh -- a factorisation of
+   the devices -- and an nd-sbp for its input, weight and output; layers may use different
+   meshes. ``one_mesh=True`` restricts the search to strategies whose layers share one mesh
+   (`single_mesh_search`) and moves a given multi-mesh strategy onto the mesh most of its
+   layers use (``plan.notes`` says which layers moved).
+3. Each layer's mesh becomes its own placement: ``placement``'s ranks, in row-major order,
+   reshaped to the mesh. The layer's weight is laid out there with the strategy's weight
+   nd-sbp (axes swapped for a Linear, whose weight is ``(out, in)`` where the graph's is
+   ``(in, out)``), its bias following the weight's output axis. A parameter built under
+   `sf.nn.init.meta_init` is materialised directly in that layout (each rank allocates only
+   its shard, with the values an ordinary build would have); others are boxed there.
+4. **The activation stream.** Weightless ops between layers (residual adds, norms, attention,
+   the loss) take inputs produced by different layers, and ops refuse inputs on different
+   placements. So activations live between layers on one *stream placement*: ``placement``'s
+   ranks reshaped to the common row-major refinement of every layer's mesh (e.g. meshes
+   ``(4,)`` and ``(2, 2)`` -> ``(2, 2)``; ``(2, 4)`` and ``(4, 2)`` -> ``(2, 2, 2)``), where
+   every layer's layout has an exact image: a layer dim of size ``m`` that the stream splits
+   into dims ``m1 x m2`` carries its sbp on both (``S(a)`` -> ``S(a), S(a)``, ``B`` -> ``B, B``,
+   ``P`` -> ``P, P``). Each traced module's forward is wrapped: the activation is boxed on the
+   stream to the image of the layer's input layout (the only real communication: the
+   redistribution `evaluate` prices on the same refined mesh), relabelled onto the layer's
+   placement, the module runs, its output is boxed to the layer's output layout there (a no-op
+   when the op's signature already gives it) and relabelled back onto the stream. A relabel
+   moves no bytes and keeps partial sums unreduced; it is a real boxing only where a split is
+   uneven and the nested split of the refined mesh holds other elements than the layer's. If
+   the meshes have no common refinement (e.g. ``(3, 4)`` and ``(4, 3)``) the stream takes the
+   layer mesh that refines the meshes of the most layers, and a layer on a mesh it does not
+   refine receives its input by a cross-placement boxing and returns its output replicated on
+   the stream (correct, more traffic; a note
+   says so). The graph's token axis 0 is the activation's axis 0 (batch), a linear's feature
+   axis its last; a conv's axes are the activation's.
 
 ZeRO-style ``stored`` weight layouts are not applied (the parameter takes the kernel layout).
+Parameters outside traced layers (norms, ...) are replicated on the stream placement.
 """
 
 from __future__ import annotations
@@ -35,18 +55,26 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..sbp import B, Broadcast, S, Split
+from ..errors import SbpError
+from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes
 from .trace import trace
 
-__all__ = ["parallelize", "ParallelPlan", "single_mesh_search"]
+__all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeError",
+           "common_refinement"]
+
+
+class ParallelizeError(SbpError, ValueError):
+    """A strategy cannot be applied to the model (wrong layer count, a device count that does
+    not match, a parameter shared by layers that lay it out differently)."""
 
 
 @dataclass
 class ParallelPlan:
-    """What `parallelize` did: the traced graph, the strategy run, the placement (reshaped to
-    the strategy's mesh), its predicted breakdown and notes."""
+    """What `parallelize` did: the traced graph, the strategy run, the stream placement the
+    activations live on between layers (``placement``; see the module docstring), each
+    layer's placement, its predicted breakdown and notes."""
 
     graph: object
     strategy: Strategy
@@ -55,6 +83,7 @@ class ParallelPlan:
     modules: dict
     notes: list = field(default_factory=list)
     search_seconds: float = 0.0
+    placements: dict = field(default_factory=dict)
 
     def input(self, value, sbp=None):
         """A torch tensor (the same on every rank) as a global tensor on ``self.placement``
@@ -67,7 +96,10 @@ class ParallelPlan:
         return value.to_global(placement=self.placement, sbp=sbp)
 
     def __str__(self) -> str:
-        head = f"parallelize: mesh {tuple(self.placement.shape)} ({self.placement})"
+        head = f"parallelize: stream mesh {tuple(self.placement.shape)} ({self.placement})"
+        layer_meshes = Counter(tuple(pl.shape) for pl in self.placements.values())
+        if layer_meshes:
+            head += f"; layer meshes {dict(layer_meshes)}"
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return f"{head}{notes}\n{self.strategy.table()}"
 
@@ -78,7 +110,7 @@ def _swap01(nd):
 
 
 def _bias_of(weight_nd):
-    """The bias follows a (out, in) weight's output axis 0; replicated where split on axis 1."""
+    """The bias follows a (out, ...) weight's output axis 0; replicated where split elsewhere."""
     return tuple(s if not isinstance(s, Split) else (s if s.axis == 0 else Broadcast())
                  for s in weight_nd)
 
@@ -93,6 +125,114 @@ def _act(nd, ndim):
         else:
             out.append(s)
     return tuple(out)
+
+
+def _conv_act(nd, ndim):
+    """Graph conv activation (N, C, H, W) -> an unbatched (C, H, W) tensor drops axis N."""
+    if ndim == 4:
+        return tuple(nd)
+    return tuple(B if isinstance(s, Split) and s.axis == 0 else
+                 (S(s.axis - 1) if isinstance(s, Split) else s) for s in nd)
+
+
+def _module_layout(kind, nd, ndim):
+    if kind == "embedding":
+        return tuple(S(0) if isinstance(t, Split) else t for t in nd)
+    if kind == "conv":
+        return _conv_act(nd, ndim)
+    return _act(nd, ndim)
+
+
+# -- meshes and their common refinement -----------------------------------------------------------
+def _cuts(mesh) -> set:
+    """Row-major block sizes of a mesh: prod(mesh[i:]) for every i."""
+    return {math.prod(mesh[i:]) for i in range(len(mesh))}
+
+
+def common_refinement(mesh_list) -> tuple | None:
+    """The coarsest mesh (over the same ranks, row-major) that refines every mesh of
+    ``mesh_list``: each of their dims is a run of its dims. None if there is none (e.g.
+    ``(3, 4)`` and ``(4, 3)``). ``(4,), (2, 2)`` -> ``(2, 2)``; ``(2, 4), (4, 2)`` ->
+    ``(2, 2, 2)``."""
+    mesh_list = [tuple(m) for m in mesh_list]
+    sizes = {math.prod(m) for m in mesh_list}
+    if len(sizes) != 1:
+        raise ParallelizeError(f"meshes {mesh_list} have different device counts {sorted(sizes)}")
+    cuts = sorted(set().union(*(_cuts(m) for m in mesh_list)) | {1})
+    if any(b % a for a, b in zip(cuts, cuts[1:])):
+        return None
+    inner = [b // a for a, b in zip(cuts, cuts[1:])]
+    fine = tuple(reversed([f for f in inner if f != 1]))
+    return fine or (1,)
+
+
+def _owner(coarse: tuple, fine: tuple) -> tuple | None:
+    """For each dim of ``fine``, the dim of ``coarse`` it is part of; None if ``fine`` does not
+    refine ``coarse``."""
+    if math.prod(coarse) != math.prod(fine) or not _cuts(coarse) <= _cuts(fine) | {1}:
+        return None
+    out = []
+    for j in range(len(fine)):
+        c = math.prod(fine[j:])
+        out.append(next(i for i in range(len(coarse))
+                        if math.prod(coarse[i + 1:]) < c <= math.prod(coarse[i:])))
+    return tuple(out)
+
+
+class _Stream:
+    """The placement activations live on between layers, and moves to and from layer
+    placements (relabels where the layouts hold the same elements on every rank)."""
+
+    def __init__(self, placement, owners: dict):
+        self.placement = placement
+        self.owners = owners           # layer mesh -> owner map into the stream mesh, or None
+        self._same: dict = {}
+
+    def image(self, mesh, nd) -> tuple | None:
+        owner = self.owners.get(tuple(mesh))
+        return None if owner is None else tuple(nd[i] for i in owner)
+
+    def _same_shards(self, shape, src_pl, src_nd, dst_pl, dst_nd) -> bool:
+        key = (shape, src_pl, src_nd, dst_pl, dst_nd)
+        hit = self._same.get(key)
+        if hit is None:
+            if len(self._same) > 4096:
+                self._same.clear()
+            hit = self._same[key] = all(
+                shard_box(shape, src_pl.shape, src_nd, src_pl.coord_of(r)) ==
+                shard_box(shape, dst_pl.shape, dst_nd, dst_pl.coord_of(r))
+                for r in src_pl.flat_ranks)
+        return hit
+
+    def relabel(self, x, pl, nd):
+        """``x`` as the same logical tensor on ``pl`` (same ranks, another mesh) with ``nd``,
+        whose image is ``x``'s layout: the shards are reused (no communication, autograd
+        flows through them) when every rank holds the same region, else boxed."""
+        from ..tensor import from_local
+        if x.placement == pl and tuple(x.sbp) == tuple(nd):
+            return x
+        shape = tuple(x.shape)
+        if sorted(x.placement.flat_ranks) == sorted(pl.flat_ranks) and \
+                self._same_shards(shape, x.placement, tuple(x.sbp), pl, tuple(nd)):
+            return from_local(x.local, placement=pl, sbp=nd, shape=shape)
+        return x.to_global(placement=pl, sbp=nd)
+
+    def enter(self, x, pl, nd):
+        """Box activation ``x`` to layout ``nd`` on layer placement ``pl``."""
+        img = self.image(pl.shape, nd)
+        if img is None:
+            return x.to_global(placement=pl, sbp=nd)
+        x = x.to_global(placement=self.placement, sbp=img)   # the redistribution
+        return self.relabel(x, pl, nd)
+
+    def leave(self, y):
+        """Layer output ``y`` (on its layer placement) onto the stream."""
+        if y.placement == self.placement:
+            return y
+        img = self.image(y.placement.shape, y.sbp)
+        if img is None:
+            return y.to_global(placement=self.placement, sbp=(B,) * self.placement.ndim)
+        return self.relabel(y, self.placement, img)
 
 
 # -- single-mesh search ---------------------------------------------------------------------------
@@ -161,42 +301,88 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
 
 
 # -- apply --------------------------------------------------------------------------------------------
-def _wrap(module, kind, s: LayerStrategy, pl):
+def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream) -> None:
     orig = type(module).forward.__get__(module)   # the class's: parallelizing again replaces
 
     def forward(x, *rest, **kw):
-        if x.placement != pl:
-            x = x.to_global(placement=pl, sbp=(B,) * pl.ndim)
-        if kind == "embedding":
-            nd = tuple(S(0) if isinstance(t, Split) else t for t in s.input)
-        else:
-            nd = _act(s.input, x.ndim)
-        x = x.to_global(sbp=nd)
+        x = stream.enter(x, pl, _module_layout(kind, s.input, x.ndim))
         y = orig(x, *rest, **kw)
-        return y.to_global(sbp=_act(s.output, y.ndim))
+        out = _conv_act(s.output, y.ndim) if kind == "conv" else _act(s.output, y.ndim)
+        return stream.leave(y.to_global(sbp=out))
     object.__setattr__(module, "forward", forward)
 
 
+def _layouts(graph, strategy, modules, placements) -> dict:
+    """id(parameter) -> (placement, nd-sbp, name of the layer) for every traced layer's
+    parameters; a parameter shared by layers with different layouts raises."""
+    out: dict = {}
+    for layer, s in zip(graph.layers, strategy.layers):
+        m = modules[layer.name]
+        pl = placements[layer.name]
+        w = _swap01(s.weight) if layer.kind == "linear" else tuple(s.weight)
+        want = [(m.weight, w)]
+        if getattr(m, "bias", None) is not None:
+            want.append((m.bias, _bias_of(w)))
+        for p, nd in want:
+            prev = out.get(id(p))
+            if prev is not None and (prev[0] != pl or prev[1] != nd):
+                raise ParallelizeError(
+                    f"parallelize: a parameter of shape {tuple(p.shape)} is shared by layers "
+                    f"{prev[2]} (on {prev[0]} with sbp {format_nd_sbp(prev[1])}) and "
+                    f"{layer.name} (on {pl} with sbp {format_nd_sbp(nd)}); give a strategy in "
+                    f"which they lay it out alike")
+            out[id(p)] = (pl, nd, layer.name)
+    return out
+
+
+def _lay_out(model, layouts: dict, default_pl) -> None:
+    """Re-register every parameter in its layout (fresh leaves; tied stay tied): meta
+    parameters materialised there, others boxed (a collective)."""
+    from ..nn.init import is_meta, materialize
+    from ..nn.modules import Parameter
+    new: dict = {}
+    for name, p in model.named_parameters():   # each once, in the same order on every rank
+        pl, nd, _ = layouts.get(id(p), (default_pl, (B,) * default_pl.ndim, None))
+        try:
+            t = materialize(p, pl, nd) if is_meta(p) else p.detach().to_global(pl, nd)
+        except SbpError as exc:
+            raise type(exc)(f"parallelize: parameter {name!r} of shape {tuple(p.shape)} to "
+                            f"{pl} with sbp {format_nd_sbp(nd)}: {exc}") from None
+        new[id(p)] = Parameter(t, requires_grad=p.requires_grad)
+    for m in model.modules():
+        for key, p in list(m._parameters.items()):
+            if p is not None and id(p) in new:
+                m._parameters[key] = new[id(p)]
+
+
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
-                algorithm: str = "exhaustive", seed: int = 0, memory_limit=None) -> ParallelPlan:
-    """Trace ``model`` on ``example_inputs``, search a strategy for ``placement.size`` devices on
-    ``cluster`` (default: a single node of ``dgx-a100`` links with that many devices) or take
-    ``strategy``, and lay the model out for it (in place). Every rank calls it; build the
-    optimizer afterwards. Returns a `ParallelPlan` (also ``model.auto_plan``)."""
+                algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
+                one_mesh: bool = False) -> ParallelPlan:
+    """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
+    ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
+    with that many devices) or take ``strategy``, and lay the model out for it, in place: each
+    layer on its strategy's mesh, activations on the stream placement between layers (module
+    docstring). Every rank calls it, with the same arguments; build the optimizer afterwards.
+    ``one_mesh=True`` keeps every layer on one mesh. Returns a `ParallelPlan` (also
+    ``model.auto_plan``)."""
     from ..cost import Cluster
-    from ..parallel.apply import apply as _apply
+    from .search import search
 
     p = placement.size
     if cluster is None:
         cluster = Cluster.preset("dgx-a100", nodes=1, devices_per_node=p)
     if cluster.world_size != p:
-        raise ValueError(f"parallelize: cluster has {cluster.world_size} devices, placement "
-                         f"{placement} has {p}")
+        raise ParallelizeError(f"parallelize: cluster has {cluster.world_size} devices, "
+                               f"placement {placement} has {p}")
     graph, modules = trace(model, example_inputs)
     notes: list = []
     t0 = time.perf_counter()
     if strategy is None:
-        strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
+        if one_mesh:
+            strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
+        else:
+            res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
+            strategy, bd = res.strategy, res.breakdown
     else:
         if isinstance(strategy, dict):
             strategy = Strategy(graph, strategy)
@@ -205,37 +391,43 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
         elif strategy.graph is not graph:
             strategy = Strategy(graph, list(strategy.layers))
         if len(strategy.layers) != len(graph.layers):
-            raise ValueError(f"parallelize: strategy has {len(strategy.layers)} layers, the "
-                             f"traced graph {len(graph.layers)}")
-        strategy = _to_one_mesh(graph, strategy, cluster, notes)
+            raise ParallelizeError(f"parallelize: strategy has {len(strategy.layers)} layers, "
+                                   f"the traced graph {len(graph.layers)}")
+        bad = [l.name for l, s in zip(graph.layers, strategy.layers) if s.devices != p]
+        if bad:
+            raise ParallelizeError(f"parallelize: layers {bad} have meshes that are not "
+                                   f"{p} devices (placement {placement})")
+        if one_mesh:
+            strategy = _to_one_mesh(graph, strategy, cluster, notes)
         bd = Evaluator(graph, cluster).breakdown(strategy)
     seconds = time.perf_counter() - t0
     if any(s.stored is not None and s.stored != s.weight for s in strategy.layers):
         notes.append("ZeRO 'stored' layouts are not applied: weights are kept in their kernel "
                      "layout")
-    mesh = strategy.layers[0].mesh
-    pl = placement.reshape(*mesh) if tuple(placement.shape) != tuple(mesh) else placement
-    # parameter layouts by exact name
-    rules: dict = {}
+    # placements: one per distinct mesh, all over placement's ranks in row-major order
+    by_mesh: dict = {}
+
+    def on(mesh):
+        mesh = tuple(mesh)
+        if mesh not in by_mesh:
+            by_mesh[mesh] = placement if tuple(placement.shape) == mesh \
+                else placement.reshape(*mesh)
+        return by_mesh[mesh]
+    placements = {l.name: on(s.mesh) for l, s in zip(graph.layers, strategy.layers)}
+    mesh_counts = Counter(s.mesh for s in strategy.layers)
+    fine = common_refinement(list(mesh_counts))
+    if fine is None:   # the layer mesh that refines the meshes of the most layers
+        fine = max(mesh_counts, key=lambda f: (
+            sum(c for m, c in mesh_counts.items() if _owner(m, f) is not None), mesh_counts[f]))
+        others = sorted(m for m in mesh_counts if _owner(m, fine) is None)
+        notes.append(f"meshes {sorted(mesh_counts)} have no common refinement: activations "
+                     f"live on {fine}; layers on {others} take their input by a "
+                     f"cross-placement boxing and return their output replicated")
+    stream = _Stream(on(fine), {m: _owner(m, fine) for m in mesh_counts})
+    _lay_out(model, _layouts(graph, strategy, modules, placements), stream.placement)
     for layer, s in zip(graph.layers, strategy.layers):
-        m = modules[layer.name]
-        prefix = f"{layer.name}." if layer.name else ""
-        if layer.kind == "linear":
-            w = _swap01(s.weight)
-            rules[prefix + "weight"] = w
-            if getattr(m, "bias", None) is not None:
-                rules[prefix + "bias"] = _bias_of(w)
-        else:
-            rules[prefix + "weight"] = tuple(s.weight)
-    rules = {_escape(k): v for k, v in rules.items()}
-    rules["*"] = (B,) * pl.ndim
-    _apply(model, pl, rules)
-    for layer, s in zip(graph.layers, strategy.layers):
-        _wrap(modules[layer.name], layer.kind, s, pl)
-    plan = ParallelPlan(graph, strategy, pl, bd, modules, notes, seconds)
+        _wrap(modules[layer.name], layer.kind, s, placements[layer.name], stream)
+    plan = ParallelPlan(graph, strategy, stream.placement, bd, modules, notes, seconds,
+                        placements)
     object.__setattr__(model, "auto_plan", plan)
     return plan
-
-
-def _escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)

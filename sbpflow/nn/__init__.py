@@ -2,6 +2,7 @@
 
 from . import functional, functional_conv, init
 from .amp import autocast
+from .init import materialize_, meta_init
 from .modules import (GELU, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
                       Identity, LayerNorm, Linear, MaxPool2d, Module, ModuleDict, ModuleList,
                       Parameter, ReLU, Sequential, SiLU, Sigmoid, Softmax, StateDictError, Tanh)
@@ -12,4 +13,4 @@ __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "Stat
            "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
            "SiLU", "Identity", "Softmax", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
            "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
-           "save", "load", "CheckpointError"]
+           "save", "load", "CheckpointError", "meta_init", "materialize_"]

@@ -8,30 +8,168 @@ ranks as long as every rank initialises its tensors in the same order.
 
 A tensor laid out with ``P(sum)`` keeps the value on the first rank of each partial group and
 zeros elsewhere (``P(max)``/``P(min)``: the reduction's identity), as the creation ops do.
+
+Building without memory: under ``with sf.nn.init.meta_init():`` the ``sf.nn`` layers create
+parameters whose shards are ``meta`` tensors (right shape and dtype, no storage), and every fill
+above is *recorded* instead of computed (its seed is still drawn from the stream, so the seeds
+of everything built afterwards are unchanged). `materialize` later gives such a tensor storage
+in any layout, holding exactly the values an ordinary build would have had; `materialize_`
+does it for every parameter of a module, and ``sf.auto.parallelize`` does it in the layouts it
+chooses (each rank allocates only its shards).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
 from .. import comm as _comm
 from ..boxing import identity_value
 from ..errors import ShapeError
-from ..sbp import Partial, shard_box
+from ..placement import Placement
+from ..sbp import Partial, check_axes, local_shape, parse_nd_sbp, shard_box
 from ..tensor import GlobalTensor, _next_seed
 from ..utils import generate_region
 
 __all__ = ["uniform_", "normal_", "constant_", "zeros_", "ones_", "xavier_uniform_",
            "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "calculate_gain",
-           "fan_in_and_fan_out"]
+           "fan_in_and_fan_out", "meta_init", "is_meta_init", "meta_tensor", "is_meta",
+           "record", "copy_record", "materialize", "materialize_"]
+
+
+# -- building without memory ------------------------------------------------------------------
+class _MetaState(threading.local):
+    depth = 0   # a class default; per thread: each rank thread of the threads backend has its own
+
+
+_META = _MetaState()
+# id(tensor) -> the in-place steps that give it its values (fills, zeroed rows), in order. Keyed
+# by id (global tensors may grow an elementwise __eq__), dropped when the tensor is collected.
+_RECIPES: dict[int, list] = {}
+_RECIPES_LOCK = threading.Lock()   # rank threads of the threads backend build concurrently
+
+
+@contextmanager
+def meta_init() -> Iterator[None]:
+    """Build ``sf.nn`` modules without allocating their parameters (on the calling rank).
+
+    Inside, layers create parameters whose local shards are ``meta`` tensors of the right
+    shape and dtype, and initialisers record their fills (`record`) instead of running them.
+    Nothing communicates. Give the parameters storage with `materialize_` (in their own
+    layouts) or ``sf.auto.parallelize`` (in the chosen ones); `sf.auto.trace` works on the
+    meta model as it is. Nests; every rank must enter it around the same construction."""
+    _META.depth += 1
+    try:
+        yield
+    finally:
+        _META.depth -= 1
+
+
+def is_meta_init() -> bool:
+    """Whether the calling rank is inside `meta_init`."""
+    return _META.depth > 0
+
+
+def is_meta(tensor: GlobalTensor) -> bool:
+    """Whether ``tensor`` has no storage (its shard is a ``meta`` tensor)."""
+    return tensor.local.is_meta
+
+
+def meta_tensor(shape, placement: Placement | None = None, sbp=None,
+                dtype: torch.dtype | None = None) -> GlobalTensor:
+    """A global tensor of logical ``shape`` laid out as (``placement``, ``sbp``) (defaults as
+    the creation ops: every rank, replicated) whose shard is a storage-less ``meta`` tensor
+    of this rank's shard shape (empty outside the placement)."""
+    shape = tuple(int(n) for n in shape)
+    world = _comm.world_size()
+    if placement is None:
+        placement = Placement("cpu", list(range(world)))
+    placement.check_world(world)
+    nd = parse_nd_sbp(sbp if sbp is not None else ("B",) * placement.ndim, placement.ndim)
+    check_axes(nd, len(shape), shape=shape, placement=placement)
+    me = _comm.rank()
+    local_sz = local_shape(shape, placement.shape, nd, placement.coord_of(me)) \
+        if me in placement else (0,)
+    local = torch.empty(local_sz, dtype=dtype or torch.get_default_dtype(), device="meta")
+    return GlobalTensor(local, shape, placement, nd)
+
+
+def record(tensor: GlobalTensor, step: Callable[[GlobalTensor], object]) -> None:
+    """Append ``step`` (an in-place function of a materialised tensor of the same logical
+    shape) to the recipe of the meta ``tensor``; `materialize` replays the recipe in order."""
+    with _RECIPES_LOCK:
+        steps = _RECIPES.get(id(tensor))
+        if steps is None:
+            steps = _RECIPES[id(tensor)] = []
+            weakref.finalize(tensor, _forget, id(tensor))
+        steps.append(step)
+
+
+def _forget(key: int) -> None:
+    with _RECIPES_LOCK:
+        _RECIPES.pop(key, None)
+
+
+def copy_record(src: GlobalTensor, dst: GlobalTensor) -> None:
+    """Give ``dst`` (e.g. ``src`` cast to another dtype) the recipe of ``src``."""
+    with _RECIPES_LOCK:
+        steps = list(_RECIPES.get(id(src), ()))
+    for step in steps:
+        record(dst, step)
+
+
+def materialize(tensor: GlobalTensor, placement: Placement | None = None,
+                sbp=None) -> GlobalTensor:
+    """A tensor with storage, of ``tensor``'s logical shape and dtype, laid out as
+    (``placement``, ``sbp``) (default: ``tensor``'s own layout), holding the values its
+    recorded initialisation gives (zeros without a recipe). A tensor that already has storage
+    is returned boxed to that layout (a collective) instead. Layout-independent: the values do
+    not depend on the layout, and each rank computes only its own shard."""
+    placement = tensor.placement if placement is None else placement
+    if sbp is None:
+        if placement.ndim != tensor.placement.ndim:
+            raise ShapeError(f"materialize: a tensor of shape {tuple(tensor.shape)} with sbp "
+                             f"{tensor.sbp} on {tensor.placement} needs sbp= for {placement}")
+        sbp = tensor.sbp
+    if not is_meta(tensor):
+        return tensor.detach().to_global(placement, sbp)
+    from ..tensor import zeros as _zeros
+    out = _zeros(*tuple(tensor.shape), placement=placement, sbp=sbp, dtype=tensor.dtype)
+    with _RECIPES_LOCK:
+        steps = list(_RECIPES.get(id(tensor), ()))
+    for step in steps:
+        step(out)
+    return out
+
+
+def materialize_(module) -> object:
+    """Give every meta parameter of ``module`` (an ``sf.nn.Module``) storage in its own layout,
+    re-registered as a fresh leaf parameter under each of its names (tied stay tied); returns
+    ``module``. Build the optimizer afterwards."""
+    from .modules import Parameter
+    new: dict = {}
+    for m in module.modules():
+        for key, p in list(m._parameters.items()):
+            if p is None or not is_meta(p):
+                continue
+            if id(p) not in new:
+                new[id(p)] = Parameter(materialize(p), requires_grad=p.requires_grad)
+            m._parameters[key] = new[id(p)]
+    return module
 
 
 def _fill(tensor: GlobalTensor, make) -> GlobalTensor:
     """Write ``make(box)`` (the logical values of region ``box``) into this rank's shard."""
     if not isinstance(tensor, GlobalTensor):
         raise TypeError(f"sf.nn.init works on sf.GlobalTensor, got {type(tensor).__name__}")
+    if tensor.local.is_meta:   # built under meta_init: remember the fill, compute nothing
+        record(tensor, lambda t: _fill(t, make))
+        return tensor
     pl, nd = tensor.placement, tensor.sbp
     me = _comm.rank()
     if me not in pl:

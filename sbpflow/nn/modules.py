@@ -302,6 +302,7 @@ class Module:
                         new[id(p)] = Parameter(
                             GlobalTensor(p.local.detach().to(dtype), tuple(p.shape),
                                          p.placement, p.sbp), requires_grad=p.requires_grad)
+                        init.copy_record(p, new[id(p)])   # a meta parameter keeps its init
                     m._parameters[key] = new[id(p)]
             for key, b in list(m._buffers.items()):
                 if b is not None and b.dtype.is_floating_point and b.dtype != dtype:
@@ -403,7 +404,12 @@ class Module:
 
 def assign_logical(t: GlobalTensor, value) -> None:
     """Overwrite ``t``'s shard in place with its part of the logical ``value`` (a torch tensor
-    the same on every rank, or a global tensor: boxed to ``t``'s layout, a collective)."""
+    the same on every rank, or a global tensor: boxed to ``t``'s layout, a collective). A
+    ``t`` without storage (`sf.nn.init.meta_init`) records the assignment for when it is
+    materialised (``value`` is kept until then)."""
+    if t.local.is_meta:
+        init.record(t, lambda m: assign_logical(m, value))
+        return
     if isinstance(value, GlobalTensor):
         if tuple(value.shape) != tuple(t.shape):
             raise ShapeError(f"cannot assign a tensor of shape {tuple(value.shape)} to one of "
@@ -419,6 +425,8 @@ def assign_logical(t: GlobalTensor, value) -> None:
 
 # -- layers ---------------------------------------------------------------------------------------
 def _param(shape, placement, sbp, dtype) -> Parameter:
+    if init.is_meta_init():   # no storage: see sf.nn.init.meta_init
+        return Parameter(init.meta_tensor(shape, placement, sbp, dtype))
     return Parameter(_sf_zeros(*shape, placement=placement, sbp=sbp, dtype=dtype))
 
 
@@ -488,6 +496,9 @@ class Embedding(Module):
 
 def _zero_row(w: GlobalTensor, row: int) -> None:
     from .. import comm as _comm
+    if w.local.is_meta:
+        init.record(w, lambda t: _zero_row(t, row))
+        return
     me = _comm.rank()
     if me not in w.placement:
         return
