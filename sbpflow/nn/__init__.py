@@ -3,7 +3,7 @@
 from . import functional, functional_conv, init
 from .amp import autocast
 from .init import materialize_, meta_init
-from .modules import (GELU, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
+from .modules import (GELU, CrossEntropyLoss, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
                       Identity, LayerNorm, Linear, MaxPool2d, Module, ModuleDict, ModuleList,
                       Parameter, ReLU, Sequential, SiLU, Sigmoid, Softmax, StateDictError, Tanh)
 from .recompute import checkpoint
@@ -13,4 +13,4 @@ __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "Stat
            "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
            "SiLU", "Identity", "Softmax", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
            "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
-           "save", "load", "CheckpointError", "meta_init", "materialize_"]
+           "save", "load", "CheckpointError", "meta_init", "materialize_", "CrossEntropyLoss"]

@@ -610,6 +610,22 @@ class Softmax(Module):
         return F.softmax(x, self.dim)
 
 
+class CrossEntropyLoss(Module):
+    """``F.cross_entropy`` as a module (classes on the LAST axis of the logits); ``weight``: an
+    optional global (C,) tensor of class weights, kept as a buffer as torch does."""
+
+    def __init__(self, weight: GlobalTensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing = label_smoothing
+
+    def forward(self, input: GlobalTensor, target: GlobalTensor) -> GlobalTensor:
+        return F.cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
+                               self.label_smoothing)
+
+
 def _pair(v) -> tuple:
     return (int(v), int(v)) if isinstance(v, int) else tuple(int(a) for a in v)
 

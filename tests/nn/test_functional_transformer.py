@@ -348,3 +348,18 @@ def test_more_ranks_than_classes_or_rows():
         return f
 
     assert not _launch([0, 1, 2], body)
+
+
+def test_cross_entropy_loss_module_matches_torch():
+    logits, target = _t(6, 5) * 2, _ints(5, 6, seed=3)
+    w = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        crit = sf.nn.CrossEntropyLoss(weight=sf.tensor(w, pl, B), label_smoothing=0.1)
+        loss = crit(sf.tensor(logits, pl, S(0)), sf.tensor(target, pl, S(0)))
+        return loss.full_tensor(), [n for n, _ in crit.named_buffers()]
+
+    got, buffers = sf.launch(body, world_size=2)[0]
+    ref = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1)(logits, target)
+    assert torch.allclose(got, ref) and buffers == ["weight"]
