@@ -2,7 +2,8 @@
 
 On 4 gloo processes (``--threads``: 8 threads ranks) this
 
-1. calibrates the cluster on the world (`sf.cost.calibrate`, a few message sizes, ~10 s);
+1. calibrates the cluster on the world (`sf.cost.calibrate`, a few message sizes, ~10 s; the
+   per-step software cost is timed as a communication-free ``to_global``);
 2. takes one GPT transformer block (qkv, attention, proj, fc1, fc2 of
    ``sf.auto.models.gpt(layers=1, ...)``, embedding and LM head dropped; float32) and a set of
    strategies for it: data parallel, Megatron t x d in both mesh orders, all-column, all-row,
@@ -32,9 +33,14 @@ On 4 gloo processes (``--threads``: 8 threads ranks) this
 ``moves`` in the table is the number of redistributions (to_global calls) of the strategy,
 ``MB/dev`` evaluate's bytes sent per device. ``--per-step`` also times every distinct
 redistribution alone against its evaluate and planner prices (shows where the model is off).
-``--cal-kinds reduce_scatter,all_reduce`` calibrates on those collectives only: on the threads
-backend `calibrate`'s all-gather and all-to-all pass ``assemble=None`` and so move no bytes (the
-shards are shared by reference), which drags the fitted beta far below what boxing pays.
+``--cal-kinds reduce_scatter,all_reduce`` calibrates on those collectives only. ``--save PATH``
+pickles the calibrated cluster and report, every strategy's transitions and the measured times,
+so that model variants can be re-priced offline against the same measurements.
+
+The calibrated cluster carries per-kind ``(alpha, beta, overhead)`` fits, a strided-copy cost
+and a per-step software cost (`sf.cost.Cluster`); the machine the numbers come from is shared
+and small (measured-vs-measured tau between two runs is itself ~0.7-0.95), so compare several
+runs rather than one.
 
     python benchmarks/auto_fidelity.py              # 4 gloo processes, ~30 s
     python benchmarks/auto_fidelity.py --threads    # 8 threads ranks in this process, ~15 s
@@ -184,8 +190,12 @@ def _rank(cfg: dict):
     p, me = comm.world_size, comm.rank
     world = tuple(range(p))
     t0 = time.perf_counter()
+    # the per-step software cost as programs pay it: a communication-free to_global
+    pl = sf.placement("cpu", ranks=list(range(p)))
+    rep = sf.from_local(torch.randn(4 * p, 4), pl, sf.B, shape=(4 * p, 4))
     cluster, report = sf.cost.calibrate(sizes=CAL_SIZES, repeats=cfg["cal_repeats"],
-                                        inner=cfg["cal_inner"], kinds=cfg["cal_kinds"])
+                                        inner=cfg["cal_inner"], kinds=cfg["cal_kinds"],
+                                        step=lambda: rep.to_global(sbp=S(0)))
     cal_s = time.perf_counter() - t0
     graph = block_graph(cfg["d_model"], cfg["heads"], cfg["seq"], cfg["batch"], cfg["layers"])
     strats = strategies(graph, cluster, cfg["count"], cfg["seed"])
@@ -257,7 +267,10 @@ def _rank(cfg: dict):
                               kinds="+".join(kinds),
                               plan="+".join(st.kind for st in pln.steps)))
     return dict(rows=rows, times=times, step_rows=step_rows, step_times=[ts for _, ts in steps],
-                cluster=str(cluster), report=str(report), cal_s=cal_s, graph=graph.summary())
+                cluster=str(cluster), report=str(report), cal_s=cal_s, graph=graph.summary(),
+                cluster_obj=cluster, report_obj=report,
+                transitions=[[tr[1:] for tr in transitions(graph, s)] for _, s in strats],
+                step_transitions=[tr[1:] for tr, _ in steps])
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -304,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="print the calibration report")
     ap.add_argument("--per-step", action="store_true",
                     help="also time every distinct redistribution alone (diagnostic)")
+    ap.add_argument("--save", default=None, metavar="PATH",
+                    help="pickle the calibrated cluster, every strategy's transitions and the "
+                         "measured times to PATH (to re-price them offline, e.g. ablations)")
     args = ap.parse_args(argv)
     backend = "threads" if args.threads else "torch"
     p = args.ranks or (8 if args.threads else 4)
@@ -355,6 +371,20 @@ def main(argv=None) -> int:
                   f"{m * 1e3:>12.3f}{m / r['evaluate'] if r['evaluate'] else float('nan'):>10.2f}"
                   f"  {r['kinds']} / {r['plan']}")
     print(f"wall time {wall:.1f} s")
+    if args.save:
+        import pickle
+        step_meas = []
+        for k in range(len(out["step_rows"])):
+            rounds = zip(*[(out["step_times"][k] if q == 0 else res[q][1][k]) for q in range(p)])
+            step_meas.append(statistics.median(max(rt) for rt in rounds))
+        with open(args.save, "wb") as f:
+            pickle.dump(dict(backend=backend, ranks=p, cluster=out["cluster_obj"],
+                             report=out["report_obj"],
+                             names=[r["name"] for r in rows], measured=meas,
+                             transitions=out["transitions"],
+                             step_transitions=out["step_transitions"],
+                             step_measured=step_meas), f)
+        print(f"saved {args.save}")
     return 0
 
 

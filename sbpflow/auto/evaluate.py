@@ -27,13 +27,22 @@ bytes equal the boxing planner's exactly (tested), except a P source next to B o
 dims, where the planner may use the replicas / partial dims (slice, reduce-scatter,
 all-gather) and the price here is an upper bound; with several changed dims it is the cost of this fixed order, an upper
 bound on the planner's least-bytes path (tested on 4 and 8 ranks, layouts without nested
-splits). When two mesh dims split the same tensor axis (nested splits, also created by
-refining meshes) the shards are not contiguous per group and the price is an estimate that
-may be above or below the planner's.
+splits). When a move of the fixed order is not a valid boxing step because two mesh dims split
+the same tensor axis (nested splits, also created by refining meshes), the redistribution is
+priced as the planner performs it: partial dims reduced on the source devices (all-reduce or
+reduce-scatter, the choice that moves fewest bytes), then a point-to-point ``"transfer"`` in
+which every rank receives the part of its destination box it does not hold, one message per
+overlapping source region (on meshes of up to 256 ranks; above that, an all-to-all estimate:
+enumerating the boxes would slow a search down). Where the planner finds a chain of collectives
+moving no more bytes than that transfer it takes the chain instead, and this price is then an
+estimate (tested equal to the planner's on the transfers it builds). Seconds also include
+local copies through strided views and a per-step software cost when the cluster has them
+(`redistribution`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -90,7 +99,134 @@ def _piece(numel, fine, nd, skip):
 def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                          dst: tuple) -> tuple:
     """The collectives of the analytic redistribution: ``((kind, fine_mesh, dims, numel), ...)``
-    where ``numel`` is the size of the piece each collective is about."""
+    where ``numel`` is the size of the piece each collective is about (for a ``"transfer"``:
+    the elements the busiest rank receives)."""
+    return tuple(r[:4] for r in _plan(tuple(shape), tuple(src_mesh), tuple(src),
+                                      tuple(dst_mesh), tuple(dst)) if r[0] != "local")
+
+
+def _local_shape(shape, fine, nd):
+    """The (fractional) local shape of a rank under ``nd`` on ``fine`` (even splits)."""
+    out = list(shape)
+    for s, m in zip(nd, fine):
+        if isinstance(s, Split):
+            out[s.axis] /= m
+    return out
+
+
+def _strided(local, axis) -> bool:
+    """Pieces cut along ``axis`` of a local tensor of shape ``local`` are not contiguous."""
+    return math.prod(local[:axis]) > 1 + 1e-9
+
+
+def _valid(state, new, dims) -> bool:
+    """The boxing planner's rule (`sbpflow.boxing.steps.is_valid_move`): no dim outside
+    ``dims`` after the first of them splits an axis the move touches."""
+    touched = {x.axis for d in dims for x in (state[d], new[d]) if isinstance(x, Split)}
+    first = min(dims)
+    return not any(e not in dims and e > first and isinstance(state[e], Split)
+                   and state[e].axis in touched for e in range(len(state)))
+
+
+_TRANSFER_MAX_RANKS = 256
+def _intervals(fine, nd, coord, ndim):
+    """Per tensor axis, the [lo, hi) fraction of the axis a rank at ``coord`` holds."""
+    iv = [(0.0, 1.0)] * ndim
+    for s, m, c in zip(nd, fine, coord):
+        if isinstance(s, Split):
+            lo, hi = iv[s.axis]
+            w = (hi - lo) / m
+            iv[s.axis] = (lo + c * w, lo + (c + 1) * w)
+    return iv
+
+
+@lru_cache(maxsize=1 << 14)
+def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
+    """``(elements, messages)`` of the busiest receiver when a partial-free ``src`` layout is
+    sent point to point into ``dst`` (the boxing planner's transfer step): a rank receives the
+    part of its destination box it does not hold, one message from each rank whose source box
+    overlaps it (one holder per distinct source region). A non-first rank of a ``P(sum)``
+    destination dim receives nothing (it holds zeros). None on meshes of more than
+    ``_TRANSFER_MAX_RANKS`` ranks (too many boxes to enumerate in a search)."""
+    world = math.prod(fine)
+    if world > _TRANSFER_MAX_RANKS:
+        return None
+    nd, numel = len(shape), math.prod(shape)
+    coords = list(itertools.product(*[range(m) for m in fine]))
+    regions = {tuple(_intervals(fine, src, c, nd)) for c in coords}
+    worst = (0.0, 0)
+    for c in coords:
+        if any(isinstance(x, Partial) and c[j] != 0 for j, x in enumerate(dst)):
+            continue
+        want = _intervals(fine, dst, c, nd)
+        have = tuple(_intervals(fine, src, c, nd))
+        elems, msgs = 0.0, 0
+        for reg in regions:
+            frac = 1.0
+            for (a, b), (x, y) in zip(reg, want):
+                frac *= max(0.0, min(b, y) - max(a, x))
+            if frac <= 1e-12 or reg == have:
+                continue
+            # the part of the overlap this rank already holds needs no message
+            own = 1.0
+            for (a, b), (x, y), (u, v) in zip(reg, want, have):
+                own *= max(0.0, min(b, y, v) - max(a, x, u))
+            if frac - own <= 1e-12:
+                continue
+            elems += (frac - own) * numel
+            msgs += 1
+        worst = max(worst, (elems, msgs))
+    return worst
+
+
+@lru_cache(maxsize=1 << 18)
+def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
+    """`redistribution_steps` with two more fields a record: ``copy`` (elements a rank copies
+    to cut non-contiguous pieces) and ``messages`` (transfers only)."""
+    steps = _fixed_order(shape, src_mesh, src, dst_mesh, dst)
+    if not any(r[0] == "nested" for r in steps):
+        return steps
+    # A move of the fixed order is not a valid boxing step (nested splits of one axis): the
+    # planner reduces partial dims on the source devices, then sends each rank what it lacks.
+    fine = steps[0][1]
+    ref = _refine(tuple(src_mesh), tuple(dst_mesh))
+    _, oa, ob = ref
+    s = tuple(src[i] for i in oa)
+    d = tuple(dst[i] for i in ob)
+    pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
+    numel = math.prod(shape)
+    best = None
+    mids = [s] if not pdims else \
+        [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
+        [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(len(shape))]
+    for mid in mids:
+        pre = []
+        if pdims:
+            kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
+            if kind == "reduce_scatter" and not _valid(s, mid, pdims):
+                continue
+            local = _local_shape(shape, fine, s)
+            ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
+            copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
+            pre.append((kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy, 0))
+        t = _transfer(shape, fine, mid, d)
+        if t is None:
+            return tuple(r if r[0] != "nested" else ("all_to_all",) + r[1:] for r in steps)
+        elems, msgs = t
+        rec = pre + ([("transfer", fine, tuple(range(len(fine))), elems, 0.0, msgs)]
+                     if msgs else [])
+        # the planner's choice: fewest bytes (per device here)
+        vol = sum(r[3] if r[0] == "transfer" else
+                  _PER_DEVICE[r[0]](math.prod(fine[j] for j in r[2])) * r[3] for r in rec)
+        if best is None or vol < best[0]:
+            best = (vol, tuple(rec))
+    return best[1]
+
+
+def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
+                 dst: tuple) -> tuple:
+    """The fixed-order collectives (module doc); a move the planner could not make as one step
+    (nested splits) is marked ``"nested"``."""
     numel = math.prod(shape)
     if src_mesh == dst_mesh and src == dst:
         return ()
@@ -103,19 +239,53 @@ def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tu
                           _piece(numel, src_mesh, st, set(pdims))))
         world = (math.prod(src_mesh),)
         steps.append(("all_to_all", world, (0,), numel))
-        return tuple(steps)
+        return tuple(r + (0.0, 0) for r in steps)
     fine, oa, ob = ref
     s = [src[i] for i in oa]
     d = [dst[i] for i in ob]
     state = list(s)
+    # a move can only be invalid if some tensor axis is split on two different dims (in the
+    # source or the destination): otherwise skip the checks (the common, fast case)
+    split_dims: dict = {}
+    for j, x in enumerate(s + d):
+        if isinstance(x, Split):
+            split_dims.setdefault(x.axis, set()).add(j % len(fine))
+    nested = any(len(v) > 1 for v in split_dims.values())
     steps = []
 
     def phase(kind, test):
         dims = tuple(j for j in range(len(fine)) if test(state[j], d[j]))
         if not dims:
             return
-        if kind is not None:
-            steps.append((kind, fine, dims, _piece(numel, fine, state, set(dims))))
+        if nested:
+            new = list(state)
+            for j in dims:
+                new[j] = d[j]
+            if not _valid(state, new, dims):
+                steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)),
+                              0.0, 0))
+                state[:] = new
+                return
+        if kind is None:
+            steps.append(("local", fine, dims, 0.0, 0.0, 0))
+        else:
+            piece = _piece(numel, fine, state, set(dims))
+            copy = 0.0
+            if kind in ("reduce_scatter", "all_to_all"):
+                g = math.prod(fine[j] for j in dims)
+                # the pieces are cut along the destination split of the local input
+                local = _local_shape(shape, fine, state)
+                if any(_strided(local, d[j].axis) for j in dims):
+                    copy += piece if kind == "reduce_scatter" else piece / g
+                if kind == "all_to_all":
+                    # received pieces are written along the source split of the local output
+                    out = list(state)
+                    for j in dims:
+                        out[j] = d[j]
+                    local = _local_shape(shape, fine, out)
+                    if any(_strided(local, state[j].axis) for j in dims):
+                        copy += piece / g
+            steps.append((kind, fine, dims, piece, copy, 0))
         for j in dims:
             state[j] = d[j]
 
@@ -129,7 +299,7 @@ def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tu
         if isinstance(state[j], Broadcast) and isinstance(d[j], Split) and \
                 later_split(j, d[j].axis) and j not in moved:
             dims = (j,) + tuple(k for k in later_split(j, d[j].axis) if k not in moved)
-            steps.append(("all_to_all", fine, dims, _piece(numel, fine, state, set(dims))))
+            steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)), 0.0, 0))
             moved.update(dims)
     for j in moved:
         if isinstance(state[j], Broadcast):
@@ -142,9 +312,16 @@ def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tu
     dims = tuple(j for j in range(len(fine)) if isinstance(state[j], Split) and
                  isinstance(d[j], Broadcast))
     if dims:
+        new = list(state)
         for j in dims:
-            state[j] = d[j]
-        steps.append(("all_gather", fine, dims, _piece(numel, fine, state, set(dims))))
+            new[j] = d[j]
+        valid = not nested or _valid(state, new, dims)
+        # the gathered pieces are written along the source split axes of the local output
+        strided = any(_strided(_local_shape(shape, fine, new), state[j].axis) for j in dims)
+        state[:] = new
+        piece = _piece(numel, fine, state, set(dims))
+        steps.append(("all_gather", fine, dims, piece, piece if strided else 0.0, 0)
+                     if valid else ("nested", fine, dims, piece, 0.0, 0))
     phase(None, lambda a, b: a != b)  # S -> P: local
     return tuple(steps)
 
@@ -170,18 +347,51 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
                    micro_batches: int = 1) -> tuple[float, float]:
     """(seconds, bytes sent per device) of redistributing a tensor of ``shape`` from
     ``(src_mesh, src)`` to ``(dst_mesh, dst)``; seconds need a ``cluster``. With micro-batches
-    the activation moves in ``micro_batches`` pieces (same bytes, more latency)."""
+    the activation moves in ``micro_batches`` pieces (same bytes, more latency).
+
+    Seconds, summed over the steps of `redistribution_steps` plus the local (slice) steps:
+
+    * every step, local ones included: ``cluster.step_overhead`` (software cost of a step);
+    * a collective: ``cluster.collective_time(kind, n, group)`` (per-kind fit and overhead
+      when the cluster has them), plus ``copy_beta`` times the bytes a rank copies through
+      strided views: the input of a reduce-scatter / all-to-all cut along an axis that is not
+      the leading one of the local shard (``prod(local_shape[:axis]) > 1``), the output of an
+      all-gather / all-to-all assembled along such an axis;
+    * a transfer (nested splits, below): ``o + m·α + n·β`` with the p2p fit, ``n`` the bytes
+      and ``m`` the messages of the busiest receiver.
+    """
     t = b = 0.0
-    for kind, fine, dims, numel in redistribution_steps(tuple(shape), tuple(src_mesh),
-                                                        tuple(src), tuple(dst_mesh), tuple(dst)):
+    for kind, fine, dims, numel, copy, msgs in _plan(tuple(shape), tuple(src_mesh), tuple(src),
+                                                     tuple(dst_mesh), tuple(dst)):
+        if cluster is not None:
+            t += micro_batches * cluster.step_overhead
+        if kind == "local":
+            continue
         g = math.prod(fine[j] for j in dims)
         nbytes = numel * itemsize
+        if kind == "transfer":
+            b += nbytes
+            if cluster is not None:
+                t += micro_batches * _transfer_time(cluster, nbytes / micro_batches, msgs, fine)
+            continue
         b += _PER_DEVICE[kind](g) * nbytes
         if cluster is not None:
             # collective_time's n for an all-to-all is one rank's input: the piece over g
             n = nbytes / g if kind == "all_to_all" else nbytes
             t += micro_batches * _coll_time(cluster, kind, n / micro_batches, fine, dims)
+            if copy:
+                t += cluster.copy_time(copy * itemsize)
     return t, b
+
+
+def _transfer_time(cluster, nbytes, msgs, fine):
+    """A point-to-point transfer in which the busiest rank receives ``nbytes`` in ``msgs``
+    messages: ``o + msgs·α + nbytes·β`` with the p2p parameters of the whole mesh's link class
+    (`Cluster.fit`; ``o`` = 0 without a per-kind fit), as `sbpflow.cost.step_time` prices one
+    transfer step."""
+    ranks = _group_ranks(fine, tuple(range(len(fine))))
+    a, b, o, _ = cluster.fit("p2p", ranks[:1] + ranks[-1:])
+    return o + msgs * a + nbytes * b
 
 
 _TIME_CACHE: dict = {}

@@ -1,25 +1,37 @@
 """Search algorithms over the strategy space.
 
-The cost of a strategy is a sum of per-layer terms and terms on the edges between layers, so:
+The cost of a strategy is a sum of per-layer terms and terms on the edges between layers. An
+edge term is a redistribution, so it depends on the two strategies only through the producer's
+(mesh, output layout) and the consumer's (mesh, input layout): `Problem` keeps, per class of
+edge (equal layer keys), a table over those distinct layouts, filled on demand and shared by
+repeated layers (the 96 blocks of GPT-3 fill it once).
 
 * ``"cd"`` coordinate descent (default): sweep the layers, give each the best strategy with the
-  others fixed, until a sweep changes nothing; then restart (alternately from the best state
-  with a quarter of its layers re-drawn, and from a random state), while ``restarts`` and
-  ``budget_s`` allow: the first start is data parallel, the second the best Megatron t x d
-  (so the result is never worse than either).
+  others fixed, until a sweep changes nothing; then sweep the paths of ``window`` (default 4)
+  consecutive layers, giving each path its exact best joint strategy with the rest fixed (an
+  edge term traps single moves: a layer cannot change its layout unless its neighbour does
+  too; paths over edge tables of more than ``window_max_entries`` layout pairs are left to
+  single moves); repeat until neither sweep changes anything. Then restart (alternately from the best state with a
+  quarter of its layers re-drawn, and from a random state, from a ``seed``-ed generator) while
+  ``restarts`` and ``budget_s`` allow: the first start is data parallel (or ``start``), the
+  second the best Megatron t x d. Every accepted move lowers the objective, so the result is
+  never above its start.
 * ``"mh"`` Metropolis-Hastings (FlexFlow-style): change one random layer to a random strategy,
   accept with probability ``min(1, exp(-beta * delta / cost0))``.
 * ``"random"``: independent random strategies.
 * ``"exhaustive"``: dynamic programming over the layer chain (any in-tree: each layer feeds at
   most one consumer) -- the exact optimum; ``"enumerate"`` lists every combination (tiny graphs,
-  to cross-check the DP).
+  to cross-check the DP). Each DP step is a min-plus product of the prefix values with an edge
+  table, vectorised with numpy; since edge times are >= 0, an entry whose row value already
+  reaches a column's best cannot lower it and is never computed (`Problem.min_plus`).
 
 A memory limit turns into a penalty (``PENALTY`` seconds per unit of relative excess), so a
 strategy over the limit never beats one under it. For the DP a memory limit is a global sum
-constraint; it is handled by Lagrangian relaxation (bisection on a price per byte), exact when
-the limit does not bind and otherwise the best feasible strategy over the prices tried.
-``micro_batches="auto"`` doubles the number of micro-batches (gradient accumulation) until
-the best strategy fits the memory limit.
+constraint: the DP at the penalty's own price per byte is exact when its optimum is over the
+limit (then nothing better fits; see `_exhaustive`); when the unconstrained optimum fits it is
+exact too; otherwise the limit is handled by Lagrangian relaxation (bisection on a price per
+byte), the best feasible strategy over the prices tried. ``micro_batches="auto"`` doubles the
+number of micro-batches (gradient accumulation) until the best strategy fits the memory limit.
 
 Seeded runs are reproducible when they stop on ``restarts`` / ``iterations`` / ``samples``;
 ``budget_s`` is a wall-clock cap on top.
@@ -54,6 +66,7 @@ class SearchResult:
     evaluations: int = 0
     micro_batches: int = 1
     memory_limit: float | None = None
+    edge_evaluations: int = 0                   # edge-cost table entries computed (the work)
 
     @property
     def fits(self) -> bool:
@@ -65,9 +78,78 @@ class SearchResult:
                 f"({self.evaluations} evaluations)\n{self.breakdown}\n{self.strategy.table()}")
 
 
+class _EdgeTable:
+    """Edge times between one producer's candidates and one consumer's, filled on demand.
+
+    An edge is a redistribution of the producer's output into the consumer's input layout, so
+    its time depends on the two strategies only through (mesh, output layout) of the producer
+    -- a row -- and (mesh, input layout) of the consumer -- a column. The table holds the
+    distinct rows x distinct columns; layers with equal keys and candidate lists share one
+    table, so the 96 blocks of a GPT fill it once. Unknown entries hold ``inf``."""
+
+    def __init__(self, pb: "Problem", u: int, v: int):
+        gl = pb.graph.layers
+        self.pb, self.lu, self.lv = pb, gl[u], gl[v]
+        rows: dict = {}
+        cols: dict = {}
+        self.row_of = np.array([rows.setdefault((s.mesh, s.output), len(rows))
+                                for s in pb.cands[u]], dtype=np.int64)
+        self.col_of = np.array([cols.setdefault((s.mesh, s.input), len(cols))
+                                for s in pb.cands[v]], dtype=np.int64)
+        self.su = [None] * len(rows)   # one candidate strategy standing for each row / column
+        self.sv = [None] * len(cols)
+        for s, r in zip(pb.cands[u], self.row_of.tolist()):
+            self.su[r] = self.su[r] or s
+        for s, c in zip(pb.cands[v], self.col_of.tolist()):
+            self.sv[c] = self.sv[c] or s
+        # the row whose output layout is this column's input layout (usually a free edge)
+        self.match = np.array([rows.get(k, -1) for k in cols], dtype=np.int64)
+        self.M = np.full((len(rows), len(cols)), np.inf)
+        self.known = np.zeros(self.M.shape, dtype=bool)
+
+    def fill(self, r: np.ndarray, c: np.ndarray) -> None:
+        """Compute the unknown entries among the pairs (r[k], c[k])."""
+        r, c = np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.int64)
+        todo = ~self.known[r, c]
+        if not todo.any():
+            return
+        r, c = r[todo], c[todo]
+        flat = np.unique(r * self.M.shape[1] + c)
+        r, c = np.divmod(flat, self.M.shape[1])
+        edge, lu, lv, su, sv = self.pb.ev.edge_terms, self.lu, self.lv, self.su, self.sv
+        vals = np.array([edge(lu, su[i], lv, sv[j])["time"]
+                         for i, j in zip(r.tolist(), c.tolist())])
+        self.M[r, c] = vals
+        self.known[r, c] = True
+        self.pb.edge_evaluations += len(vals)
+        if vals.min() < 0:   # the pruned min-plus relies on edge times >= 0
+            self.pb.nonnegative = False
+
+    def row(self, r: int) -> np.ndarray:
+        if not self.known[r].all():
+            self.fill(np.full(self.M.shape[1], r), np.arange(self.M.shape[1]))
+        return self.M[r]
+
+    def col(self, c: int) -> np.ndarray:
+        if not self.known[:, c].all():
+            self.fill(np.arange(self.M.shape[0]), np.full(self.M.shape[0], c))
+        return self.M[:, c]
+
+    def get(self, r: int, c: int) -> float:
+        if not self.known[r, c]:
+            self.fill(np.array([r]), np.array([c]))
+        return float(self.M[r, c])
+
+    def fill_all(self) -> None:
+        r, c = np.nonzero(~self.known)
+        if len(r):
+            self.fill(r, c)
+
+
 class Problem:
-    """The search problem as arrays: per layer its candidates, node times and memory; edge
-    cost vectors are computed on demand and cached by (layer keys, fixed neighbour)."""
+    """The search problem as arrays: per layer its candidates, node times and memory; per edge
+    class an `_EdgeTable` filled on demand (coordinate descent reads rows and columns of it,
+    the dynamic programme only the entries that can change a minimum)."""
 
     def __init__(self, graph, cluster, memory_limit=None, micro_batches=1, max_dims=3,
                  zero=False, spaces=None):
@@ -91,38 +173,94 @@ class Problem:
             t, m = cache[key]
             self.node_t.append(t)
             self.node_m.append(m)
-        self._in: dict = {}
-        self._out: dict = {}
+        tables: dict = {}
+        self.tables: dict = {}
+        gl = graph.layers
+        for u, v in graph.edges:
+            key = (gl[u].key, id(self.cands[u]), gl[v].key, id(self.cands[v]))
+            if key not in tables:
+                tables[key] = _EdgeTable(self, u, v)
+            self.tables[(u, v)] = tables[key]
         self.evaluations = 0
+        self.edge_evaluations = 0     # edge-table entries computed
+        self.nonnegative = True       # every edge time seen is >= 0 (pruning is exact)
 
     # edge cost vectors ------------------------------------------------------------------------
     def in_vec(self, u: int, su: int, v: int) -> np.ndarray:
         """Edge u->v cost for every candidate of v, u fixed at candidate su."""
-        gl = self.graph.layers
-        key = (gl[u].key, gl[v].key, id(self.cands[v]), su)
-        vec = self._in.get(key)
-        if vec is None:
-            a = self.cands[u][su]
-            vec = np.array([self.ev.edge_terms(gl[u], a, gl[v], b)["time"]
-                            for b in self.cands[v]])
-            self._in[key] = vec
-        return vec
+        t = self.tables[(u, v)]
+        return t.row(int(t.row_of[su]))[t.col_of]
 
     def out_vec(self, u: int, v: int, sv: int) -> np.ndarray:
         """Edge u->v cost for every candidate of u, v fixed at candidate sv."""
-        gl = self.graph.layers
-        key = (gl[u].key, id(self.cands[u]), gl[v].key, sv)
-        vec = self._out.get(key)
-        if vec is None:
-            b = self.cands[v][sv]
-            vec = np.array([self.ev.edge_terms(gl[u], a, gl[v], b)["time"]
-                            for a in self.cands[u]])
-            self._out[key] = vec
-        return vec
+        t = self.tables[(u, v)]
+        return t.col(int(t.col_of[sv]))[t.row_of]
 
     def edge(self, u, su, v, sv) -> float:
-        gl = self.graph.layers
-        return self.ev.edge_terms(gl[u], self.cands[u][su], gl[v], self.cands[v][sv])["time"]
+        t = self.tables[(u, v)]
+        return t.get(int(t.row_of[su]), int(t.col_of[sv]))
+
+    def min_plus(self, u: int, v: int, fu: np.ndarray, cap: float | None = None,
+                 rest: np.ndarray | None = None):
+        """For every candidate of v: ``min over su of fu[su] + edge(u, su, v, sv)`` and the
+        minimising su, exactly. Only entries that can lower a minimum are computed: with edge
+        times >= 0, a producer layout whose ``fu`` already reaches a column's best value found
+        so far cannot improve it, so each column needs just the rows below that value (rows
+        sorted by ``fu`` near the optimum are few, and shared tables fill once).
+
+        With ``cap`` and ``rest`` (a lower bound, per candidate of v, of everything a solution
+        adds after this product) only sums below ``cap`` are wanted: an entry with
+        ``fu + rest >= cap`` is never computed, and a candidate whose minimum reaches ``cap``
+        may get ``inf`` or a value above its true minimum (both >= cap)."""
+        t = self.tables[(u, v)]
+        nr, nc = t.M.shape
+        # best candidate of u per row (F: its value)
+        order = np.lexsort((fu, t.row_of))
+        rows = t.row_of[order]
+        first = np.ones(len(rows), dtype=bool)
+        first[1:] = rows[1:] != rows[:-1]
+        F = np.full(nr, np.inf)
+        best = np.zeros(nr, dtype=np.int64)
+        F[rows[first]] = fu[order[first]]
+        best[rows[first]] = order[first]
+        cols = np.arange(nc)
+        capped = cap is not None and self.nonnegative
+        if capped:
+            lim = np.full(nc, np.inf)   # per column: the least rest over its candidates
+            np.minimum.at(lim, t.col_of, rest)
+            lim = cap - lim             # a row is useful for column c only if F < lim[c]
+        if not self.nonnegative:
+            t.fill_all()
+        else:
+            # start every column from a few good rows and its own layout's row, so the bound
+            # that prunes the rest is tight from the first round
+            top = np.argsort(F, kind="stable")[:4]
+            top = top[np.isfinite(F[top])]
+            r, c = np.repeat(top, nc), np.tile(cols, len(top))
+            if capped:
+                keep = F[r] < lim[c]
+                r, c = r[keep], c[keep]
+            t.fill(r, c)
+            ok = (t.match >= 0)
+            ok[ok] = np.isfinite(F[t.match[ok]])
+            if capped:
+                ok[ok] = F[t.match[ok]] < lim[ok]
+            t.fill(t.match[ok], cols[ok])
+        while True:
+            s = F[:, None] + t.M
+            arg = np.argmin(s, axis=0)
+            g = s[arg, cols]
+            if not self.nonnegative:
+                break
+            need = (F[:, None] < g[None, :]) & ~t.known
+            if capped:
+                need &= F[:, None] < lim[None, :]
+            if not need.any():
+                break
+            t.fill(*np.nonzero(need))
+            if not self.nonnegative:
+                t.fill_all()
+        return g[t.col_of], best[arg][t.col_of]
 
     # objective --------------------------------------------------------------------------------
     def penalty(self, mem):
@@ -141,13 +279,16 @@ class Problem:
         self.evaluations += 1
         return self.time_of(state) + float(self.penalty(self.memory_of(state)))
 
-    def local_vec(self, state, v) -> np.ndarray:
-        """Time of every candidate of v with the other layers fixed (node + incident edges)."""
+    def local_vec(self, state, v, skip=()) -> np.ndarray:
+        """Time of every candidate of v with the other layers fixed (node + incident edges;
+        edges to the layers in ``skip`` left out)."""
         vec = self.node_t[v].copy()
         for u in self.graph.preds[v]:
-            vec += self.in_vec(u, state[u], v)
+            if u not in skip:
+                vec += self.in_vec(u, state[u], v)
         for w in self.graph.succs[v]:
-            vec += self.out_vec(v, w, state[w])
+            if w not in skip:
+                vec += self.out_vec(v, w, state[w])
         return vec
 
     def strategy(self, state) -> Strategy:
@@ -180,11 +321,97 @@ class Problem:
 
 
 # algorithms -------------------------------------------------------------------------------------
-def _coordinate_descent(pb: Problem, rng, budget_s, t0, trace, restarts=3, start=None):
+def _single_sweep(pb: Problem, state, mem, out_of_time):
+    """Give each layer in turn its best strategy with the others fixed. Returns (changed, mem)."""
+    changed = False
+    for v in range(len(state)):
+        if out_of_time():
+            break   # the state so far is never worse than the sweep's start
+        vec = pb.local_vec(state, v)
+        m = mem - pb.node_m[v][state[v]] + pb.node_m[v]
+        obj = vec + pb.penalty(m)
+        pb.evaluations += len(vec)
+        k = int(np.argmin(obj))
+        if obj[k] < obj[state[v]] - 1e-12 * max(1.0, abs(obj[state[v]])):
+            mem = float(m[k])
+            state[v] = k
+            changed = True
+    return changed, mem
+
+
+def _paths(graph, length: int) -> list:
+    """Every path of ``length`` layers along the edges (u -> its first consumer -> ...); shorter
+    paths where the graph ends. Consecutive paths overlap, so a change can travel."""
+    out = []
+    for v0 in range(len(graph.layers)):
+        if not graph.succs[v0]:
+            continue
+        path = [v0]
+        while len(path) < length and graph.succs[path[-1]]:
+            path.append(graph.succs[path[-1]][0])
+        out.append(path)
+    return out
+
+
+def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_000):
+    """For each path of ``length`` consecutive layers, the exact best joint strategy of its
+    layers with every other layer fixed: a dynamic programme along the path (min-plus
+    products of `Problem.min_plus`) capped by the path's current cost, so only entries that
+    could beat it are computed. An edge term couples its two layers: a single-layer move that
+    changes a layout pays the conversion to the unchanged neighbour, so a run of layers that
+    should switch mesh together is a fixed point of single moves (AlexNet's conv2..conv5).
+    A move is taken only when the whole objective (memory penalty included) goes down.
+    Paths crossing an edge table of more than ``max_entries`` layout pairs are skipped: on
+    spaces that large (GPT-3 on 1024 devices: 2407 x 1056) the capped products still fill
+    a large part of the tables, minutes of pricing for a fraction of a percent.
+    Returns (changed, mem)."""
+    changed = False
+    g = pb.graph
+    for path in _paths(g, length):
+        if out_of_time():
+            break
+        if any(pb.tables[e].M.size > max_entries for e in zip(path, path[1:])):
+            continue
+        on = set(path)
+        # per layer: node time + edges to fixed layers off the path (and, for a layer with
+        # several producers, the ones not on the path)
+        loc = [pb.local_vec(state, v, skip=on) for v in path]
+        cur = sum(float(x[state[v]]) for x, v in zip(loc, path)) + \
+            sum(pb.edge(a, state[a], b, state[b]) for a, b in zip(path, path[1:]))
+        lows = [float(x.min()) for x in loc]
+        f, args = loc[0], []
+        for k in range(1, len(path)):
+            rest = loc[k] + sum(lows[k + 1:])
+            best, arg = pb.min_plus(path[k - 1], path[k], f, cap=cur, rest=rest)
+            pb.evaluations += len(best)
+            f = best + loc[k]
+            args.append(arg)
+        j = int(np.argmin(f))
+        if not f[j] < cur - 1e-12 * max(1.0, abs(cur)):
+            continue
+        new = list(state)
+        new[path[-1]] = j
+        for k in range(len(path) - 1, 0, -1):
+            new[path[k - 1]] = int(args[k - 1][new[path[k]]])
+        # accept on the whole objective (penalty included; also exact if the graph has edges
+        # between non-consecutive layers of the path, which the path's objective leaves out)
+        before, after = pb.cost(state), pb.cost(new)
+        if after < before - 1e-12 * max(1.0, abs(before)):
+            state[:] = new
+            mem = pb.memory_of(state)
+            changed = True
+    return changed, mem
+
+
+def _coordinate_descent(pb: Problem, rng, budget_s, t0, trace, restarts=3, start=None,
+                        window: int = 4, window_max_entries: int = 400_000):
     best_state, best = None, math.inf
-    n = len(pb.graph.layers)
+
+    def out_of_time():
+        return budget_s is not None and time.perf_counter() - t0 > budget_s
+
     for r in range(restarts + 1):
-        if r > 0 and budget_s is not None and time.perf_counter() - t0 > budget_s:
+        if r > 0 and out_of_time():
             break
         if r == 0:
             state = list(start) if start is not None else pb.dp_state()
@@ -201,26 +428,19 @@ def _coordinate_descent(pb: Problem, rng, budget_s, t0, trace, restarts=3, start
         if cur < best:
             best, best_state = cur, list(state)
             trace.append((time.perf_counter() - t0, best))
-        changed = True
-        while changed:
-            changed = False
-            for v in range(n):
-                if budget_s is not None and time.perf_counter() - t0 > budget_s:
-                    break   # the state so far is never worse than the sweep's start
-                vec = pb.local_vec(state, v)
-                m = mem - pb.node_m[v][state[v]] + pb.node_m[v]
-                obj = vec + pb.penalty(m)
-                pb.evaluations += len(vec)
-                k = int(np.argmin(obj))
-                if obj[k] < obj[state[v]] - 1e-12 * max(1.0, abs(obj[state[v]])):
-                    mem = float(m[k])
-                    state[v] = k
-                    changed = True
+        while not out_of_time():
+            # single-layer sweeps to a fixed point, then one sweep of joint moves of paths of
+            # ``window`` layers; stop when neither changes anything. Every accepted move
+            # lowers the objective, so the descent never ends above its start.
+            changed, mem = _single_sweep(pb, state, mem, out_of_time)
+            if not changed and window > 1:
+                changed, mem = _window_sweep(pb, state, mem, window, out_of_time,
+                                             window_max_entries)
             cur = pb.cost(state)
             if cur < best:
                 best, best_state = cur, list(state)
                 trace.append((time.perf_counter() - t0, best))
-            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            if not changed:
                 break
     return best_state, best
 
@@ -283,12 +503,9 @@ def _dp_once(pb: Problem, price: float):
     for v in range(n):
         acc = pb.node_t[v] + price * pb.node_m[v]
         for u in g.preds[v]:
-            mat = np.stack([pb.in_vec(u, su, v) for su in range(len(pb.cands[u]))])  # (nu, nv)
-            tot = f[u][:, None] + mat
-            arg = np.argmin(tot, axis=0)
-            acc = acc + tot[arg, np.arange(tot.shape[1])]
+            best, arg = pb.min_plus(u, v, f[u])
+            acc = acc + best
             choice[v][u] = arg
-            pb.evaluations += mat.size
         f[v] = acc
     state = [None] * n
     for v in reversed(range(n)):
@@ -299,25 +516,31 @@ def _dp_once(pb: Problem, price: float):
     return state
 
 
-def _exhaustive(pb: Problem, rng, budget_s, t0, trace):
+def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30):
     if not pb.graph.is_in_tree:
         raise ValueError("exhaustive search needs every layer to feed at most one consumer")
-    state = _dp_once(pb, 0.0)
-    best = pb.cost(state)
-    trace.append((time.perf_counter() - t0, best))
-    if pb.limit is not None and pb.memory_of(state) > pb.limit:
-        lo, hi = 0.0, None
-        cand = [state]
-        price = best / pb.limit
-        for _ in range(60):   # grow the price until the limit is met, then bisect
-            s = _dp_once(pb, price)
-            cand.append(s)
-            if pb.memory_of(s) <= pb.limit:
-                hi = price
-                break
-            lo, price = price, price * 4
-        if hi is not None:
-            for _ in range(30):
+    if pb.limit is None:
+        state = _dp_once(pb, 0.0)
+        best = pb.cost(state)
+        trace.append((time.perf_counter() - t0, best))
+        return state, best
+    # Over the limit the objective is time + pp * (memory - limit) with pp = PENALTY / limit,
+    # and for every strategy objective >= time + pp * (memory - limit) (the hinge is >= its
+    # linear part). So the DP at price pp is a lower bound on every objective, attained by its
+    # own strategy when that is over the limit too: then it is the exact optimum (the case
+    # when nothing fits, e.g. GPT-3 on 1024 devices without micro-batches) and one pass does.
+    pp = PENALTY / pb.limit
+    top = _dp_once(pb, pp)
+    cand = [top]
+    if pb.memory_of(top) <= pb.limit:
+        state = _dp_once(pb, 0.0)
+        cand.append(state)
+        if pb.memory_of(state) > pb.limit:
+            # the unconstrained optimum is over the limit and something fits: the best
+            # feasible strategy by Lagrangian relaxation, bisecting the price per byte
+            # between 0 (over) and pp (fits); exact unless the relaxation has a duality gap
+            lo, hi = 0.0, pp
+            for _ in range(bisections):
                 mid = (lo + hi) / 2
                 s = _dp_once(pb, mid)
                 cand.append(s)
@@ -325,9 +548,11 @@ def _exhaustive(pb: Problem, rng, budget_s, t0, trace):
                     hi = mid
                 else:
                     lo = mid
-        state = min(cand, key=pb.cost)
-        best = pb.cost(state)
-        trace.append((time.perf_counter() - t0, best))
+                if hi - lo <= 1e-9 * hi:
+                    break
+    state = min(cand, key=pb.cost)
+    best = pb.cost(state)
+    trace.append((time.perf_counter() - t0, best))
     return state, best
 
 
@@ -354,7 +579,8 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     """Search a strategy for ``graph`` on ``cluster.world_size`` devices.
 
     ``memory_limit`` in bytes per device (default: ``cluster.memory_per_device`` if it has
-    one; pass ``float('inf')`` for none). Options: ``restarts`` (cd), ``iterations``, ``beta``
+    one; pass ``float('inf')`` for none). Options: ``restarts``, ``window`` (cd; 1 turns
+    the joint moves off), ``iterations``, ``beta``
     (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {sorted(ALGORITHMS)}")
@@ -385,4 +611,5 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     seconds = time.perf_counter() - t0
     strategy = pb.strategy(state)
     return SearchResult(strategy, pb.ev.breakdown(strategy), trace, algorithm, float(cost),
-                        seconds, pb.evaluations, int(micro_batches), memory_limit)
+                        seconds, pb.evaluations, int(micro_batches), memory_limit,
+                        pb.edge_evaluations)

@@ -1,5 +1,6 @@
-"""The cost model: a cluster of nodes × devices with alpha-beta links, the time of collectives,
-of boxing steps and plans on it, and calibration of alpha and beta from measured collectives.
+"""The cost model: a cluster of nodes × devices with alpha-beta links (optionally per-kind
+``(alpha, beta, overhead)`` fits, a strided-copy cost and a per-step software cost), the time of
+collectives, of boxing steps and plans on it, and calibration of all of these from measurements.
 
     c = sf.cost.Cluster.preset("dgx-a100", nodes=2)
     c.collective_time("all_reduce", 2**30, ranks=range(16))   # seconds (inter-node: spans nodes)
@@ -8,11 +9,13 @@ of boxing steps and plans on it, and calibration of alpha and beta from measured
     cluster, report = sf.cost.calibrate()       # on every rank of a launched world
 """
 
-from .calibrate import CalibrationReport, Sample, calibrate, calibrate_command, fit_alpha_beta
-from .cluster import PRESETS, Cluster, CostError, Link
-from .collectives import (KINDS, collective_time, latency_messages, plan_time, step_groups,
-                          step_time, volume)
+from .calibrate import (CalibrationReport, Sample, calibrate, calibrate_command, fit_alpha_beta,
+                        fit_collective, fit_copy)
+from .cluster import PRESETS, CollectiveFit, Cluster, CostError, Link
+from .collectives import (ALGORITHMS, KINDS, collective_time, latency_messages, plan_time,
+                          step_groups, step_time, volume)
 
-__all__ = ["Cluster", "Link", "CostError", "PRESETS", "KINDS", "collective_time",
+__all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "KINDS", "ALGORITHMS",
+           "fit_collective", "fit_copy", "collective_time",
            "latency_messages", "volume", "step_time", "plan_time", "step_groups", "calibrate",
            "fit_alpha_beta", "CalibrationReport", "Sample", "calibrate_command"]

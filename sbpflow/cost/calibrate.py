@@ -5,16 +5,33 @@
 
 or from the command line, ``sbpflow calibrate -n 4 --backend torch --out cluster.json``.
 
-What is measured: all-gather, reduce-scatter, all-reduce and all-to-all (float32) over each
+What is measured: all-gather, reduce-scatter, all-reduce, all-to-all and p2p (float32) over each
 message size in ``sizes`` (bytes of the whole tensor, as in `sbpflow.cost.collectives`) and each
-group size in ``group_sizes``. Groups of a size tile the world the way a mesh dim does, and all
-of them run at once: *intra* groups are consecutive ranks inside one node, *inter* groups take
-one rank from each of consecutive nodes (ranks ``i, i+d, i+2d, …`` with ``d`` devices a node).
+group size in ``group_sizes`` (p2p: pairs only, each rank of a pair sends ``n`` bytes to the
+other and receives ``n`` from it, as a boxing transfer's messages do). Groups of a size tile
+the world the way a mesh dim does, and all of them run at once: *intra* groups are consecutive
+ranks inside one node, *inter* groups take one rank from each of consecutive nodes (ranks
+``i, i+d, i+2d, …`` with ``d`` devices a node).
 Each configuration first runs ``warmup`` untimed rounds (which also create the backend's process
 groups); a timed round is a world barrier, then ``inner`` back-to-back calls (so the skew of
-leaving the barrier is amortised), timed and divided by ``inner``. A round's time is the slowest
-rank's, and a sample is the median over ``repeats`` rounds. Then, per link class,
-`fit_alpha_beta` solves the least-squares problem of the alpha-beta formulas for (alpha, beta).
+leaving the barrier is amortised), timed and divided by ``inner``. Rounds go round-robin over
+the configurations, so load from outside spreads over all of them instead of spoiling one. A
+round's time is the slowest rank's, and a sample is the median over ``repeats`` rounds. Then, per link class,
+`fit_alpha_beta` solves the least-squares problem of the alpha-beta formulas for one
+(alpha, beta) of the link, and (``per_kind=True``) `fit_collective` fits each kind its own
+``(alpha, beta, overhead)``: ``t = overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (the
+overhead only when the samples have two or more group sizes, else it cannot be told apart from
+alpha). The cluster carries the per-kind fits (`Cluster.kinds`); kinds not measured keep the
+link's (alpha, beta).
+
+Local copies (``copy=True``): every rank at once cuts a ``(rows, 512)`` float32 tensor of each
+size into 4 column blocks with ``.contiguous()`` (the copy boxing makes for a split along a
+non-leading axis) and ``t = c + copy_beta·n`` is fitted (``c`` >= 0, the call overhead, is not
+kept); ``Cluster.copy_beta`` is the result.
+
+Boxing step overhead (``step=True``): every rank at once runs a local boxing step (a slice, no
+communication) through the planner's cache and the executor; the median is
+``Cluster.step_overhead``.
 
 With one node only ``intra`` is measured and ``inter`` is set equal to it (and the converse with
 one device a node); the report says so. The calibration's own traffic is counted in
@@ -29,18 +46,26 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..boxing.executor import run_step
+from ..boxing.planner import plan_layouts
 from ..comm import current, launch
-from .cluster import Cluster, CostError, Link
-from .collectives import collective_time, latency_messages, volume
+from ..placement import placement
+from ..sbp import B as _B
+from ..sbp import Split as _Split
+from .cluster import Cluster, CollectiveFit, CostError, Link
+from .collectives import ALGORITHMS, _VARIANTS, collective_time, latency_messages, volume
 
-__all__ = ["calibrate", "fit_alpha_beta", "CalibrationReport", "Sample", "calibrate_command",
-           "add_arguments", "main", "MEASURED_KINDS"]
+_ALGOS = ("",) + ALGORITHMS  # algorithm names as numbers, to broadcast fits as floats
 
-MEASURED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+__all__ = ["calibrate", "fit_alpha_beta", "fit_collective", "fit_copy", "CalibrationReport",
+           "Sample", "calibrate_command", "add_arguments", "main", "MEASURED_KINDS"]
+
+MEASURED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+COPY_COLUMNS = 512  # row length (floats) of the tensor the copy measurement cuts into 4 blocks
 DEFAULT_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
 _FITTABLE = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
@@ -92,6 +117,121 @@ def fit_alpha_beta(samples: Iterable[Sequence]) -> tuple[float, float, list[floa
     return alpha, beta, residuals
 
 
+def _nnls(a: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """``argmin |a·x - y|`` subject to ``x >= 0`` for a handful of columns: the best
+    unconstrained least-squares solution over every subset of columns that is feasible (the
+    constrained optimum is the unconstrained optimum of its support, so this is exact)."""
+    k = a.shape[1]
+    best: tuple | None = None
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sub = a[:, cols]
+        if torch.linalg.matrix_rank(sub).item() < len(cols):
+            continue
+        x = torch.linalg.lstsq(sub, y.unsqueeze(1)).solution.squeeze(1)
+        if (x < 0).any():
+            continue
+        err = float(((sub @ x - y) ** 2).sum())
+        # fewer parameters win ties (within rounding): no spurious terms
+        if best is None or err < best[0] * (1 - 1e-9) - 1e-15:
+            full = [0.0] * k
+            for j, v in zip(cols, x.tolist()):
+                full[j] = v
+            best = (err, full)
+    return best[1] if best is not None else [0.0] * k
+
+
+def fit_collective(samples: Iterable[Sequence], overhead: bool | None = None,
+                   algorithms: Sequence[str] | None = None
+                   ) -> tuple[CollectiveFit, list[float]]:
+    """Fit the kind's formula and each of its variants in ``algorithms`` (default: every
+    variant of the kind in `sbpflow.cost.collectives`, tried only when the samples have two or
+    more group sizes, which tell the volumes apart) with `_fit_one`, and return the fit with the
+    least relative squared error (the default formula on ties)."""
+    samples = list(samples)
+    best = _fit_one(samples, overhead, "")
+    kinds = {s[0] for s in samples if isinstance(s, (tuple, list)) and s}
+    several_p = len({s[1] for s in samples}) > 1
+    if algorithms is None:
+        algorithms = [a for k, a in _VARIANTS if k in kinds] if several_p else []
+    err = sum((r / s[3]) ** 2 for s, r in zip(samples, best[1]))
+    for algo in algorithms:
+        try:
+            cand = _fit_one(samples, overhead, algo)
+        except CostError:
+            continue
+        e = sum((r / s[3]) ** 2 for s, r in zip(samples, cand[1]))
+        if e < err * (1 - 1e-9):
+            best, err = cand, e
+    return best
+
+
+def _fit_one(samples: Iterable[Sequence], overhead: bool | None = None, algorithm: str = ""
+             ) -> tuple[CollectiveFit, list[float]]:
+    """Fit ``seconds ≈ overhead + m(kind, p)·alpha + v(kind, p, nbytes)·beta`` to ``samples``
+    of one collective kind (``(kind, p, nbytes, seconds)`` as in `fit_alpha_beta`).
+
+    Least squares on relative error, all three parameters >= 0. ``overhead=None`` fits it when
+    the samples have at least two different alpha counts ``m`` (else ``overhead`` and ``alpha``
+    are the same column and only ``alpha`` is fitted); ``True`` requires that, ``False`` fixes
+    it at 0. Returns ``(CollectiveFit(alpha, beta, overhead), residuals)`` with residuals in
+    seconds as in `fit_alpha_beta`. Raises `CostError` if the samples mix kinds or cannot
+    determine the parameters (fewer samples than parameters, or one message size).
+    """
+    rows, kinds = [], set()
+    for s in samples:
+        try:
+            kind, p, n, t = s
+        except (TypeError, ValueError):
+            raise CostError(f"a sample is (kind, p, nbytes, seconds), got {s!r}") from None
+        if kind not in _FITTABLE:
+            raise CostError(f"cannot fit samples of kind {kind!r}; one of {_FITTABLE}")
+        if isinstance(p, bool) or not isinstance(p, int) or p < 2 or (kind == "p2p" and p != 2):
+            raise CostError(f"sample {s!r}: group size must be an int >= 2 (2 for p2p)")
+        if not (n >= 0 and t > 0 and math.isfinite(t)):
+            raise CostError(f"sample {s!r}: need nbytes >= 0 and a finite time > 0")
+        kinds.add(kind)
+        rows.append((1.0, latency_messages(kind, p, algorithm), volume(kind, n, p, algorithm),
+                     float(t)))
+    if len(kinds) > 1:
+        raise CostError(f"fit_collective fits one kind at a time, got {sorted(kinds)}")
+    several_m = len({m for _, m, _, _ in rows}) > 1
+    if overhead is None:
+        overhead = several_m
+    elif overhead and not several_m:
+        raise CostError("fitting an overhead needs samples of at least two group sizes")
+    cols = [0, 1, 2] if overhead else [1, 2]
+    if len(rows) < len(cols):
+        raise CostError(f"fit_collective needs at least {len(cols)} samples, got {len(rows)}")
+    a = torch.tensor([[r[c] / r[3] for c in cols] for r in rows], dtype=torch.float64)
+    if torch.linalg.matrix_rank(a).item() < len(cols):
+        raise CostError("the samples do not determine the parameters apart: use several message "
+                        "sizes (and group sizes)")
+    x = _nnls(a, torch.ones(len(rows), dtype=torch.float64))
+    vals = dict(zip(cols, x))
+    fit = CollectiveFit(vals.get(1, 0.0), vals.get(2, 0.0), vals.get(0, 0.0), algorithm)
+    residuals = [t - (fit.overhead + m * fit.alpha + v * fit.beta) for _, m, v, t in rows]
+    return fit, residuals
+
+
+def fit_copy(samples: Iterable[Sequence]) -> tuple[float, float]:
+    """Fit ``seconds ≈ c + nbytes·copy_beta`` (both >= 0) to ``(nbytes, seconds)`` samples by
+    ordinary (absolute) least squares; returns ``(copy_beta, c)``. Needs two or more sizes.
+
+    Absolute, not relative, error: small copies stay in cache and cost little either way,
+    large ones are memory-bound and are where copies cost time, so the slope should follow them.
+    """
+    rows = [(float(n), float(t)) for n, t in samples]
+    if len({n for n, _ in rows}) < 2 or any(not (t > 0 and math.isfinite(t)) for _, t in rows):
+        raise CostError("fit_copy needs finite positive times at two or more sizes")
+    a = torch.tensor([[1.0, n] for n, _ in rows], dtype=torch.float64)
+    y = torch.tensor([t for _, t in rows], dtype=torch.float64)
+    scale = torch.tensor([1.0 / max(abs(float(y.max())), 1e-30),
+                          1.0 / max(n for n, _ in rows)], dtype=torch.float64)
+    c, beta = _nnls(a * scale, y * scale[0])  # columns scaled to O(1) for the solver
+    return beta * float(scale[1]) / float(scale[0]), c
+
+
 # -- the report -----------------------------------------------------------------------------------
 @dataclass
 class Sample:
@@ -112,7 +252,10 @@ class Sample:
 @dataclass
 class CalibrationReport:
     """What `calibrate` measured and fitted. ``fits[link] = (alpha, beta)`` for each measured
-    link class; ``rms[link]`` / ``worst[link]`` the RMS / largest absolute relative residual."""
+    link class; ``kind_fits[link][kind] = (alpha, beta, overhead)`` the per-kind fits (if any);
+    ``rms[link]`` / ``worst[link]`` the RMS / largest absolute relative residual of the model
+    the cluster uses (per-kind where fitted); ``copy_beta`` the strided-copy cost fitted to
+    ``copy_samples``."""
 
     backend: str
     world_size: int
@@ -125,6 +268,10 @@ class CalibrationReport:
     worst: dict = field(default_factory=dict)
     copied: dict = field(default_factory=dict)  # unmeasured link class -> the one it copies
     seconds: float = 0.0  # wall time of the calibration
+    kind_fits: dict = field(default_factory=dict)  # link -> kind -> (alpha, beta, overhead)
+    copy_samples: list = field(default_factory=list)  # (nbytes, seconds)
+    copy_beta: float = 0.0
+    step_overhead: float = 0.0  # median seconds of one local boxing step (all ranks at once)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "world_size": self.world_size,
@@ -133,6 +280,11 @@ class CalibrationReport:
                 "fits": {k: {"alpha": a, "beta": b} for k, (a, b) in self.fits.items()},
                 "rms_relative_residual": self.rms, "max_relative_residual": self.worst,
                 "copied": self.copied, "seconds": self.seconds,
+                "kind_fits": {lc: {k: {"alpha": f[0], "beta": f[1], "overhead": f[2],
+                                       "algorithm": f[3] if len(f) > 3 else ""}
+                                   for k, f in t.items()} for lc, t in self.kind_fits.items()},
+                "copy_samples": [list(c) for c in self.copy_samples],
+                "copy_beta": self.copy_beta, "step_overhead": self.step_overhead,
                 "samples": [[s.link, s.kind, s.p, s.nbytes, s.seconds, s.predicted]
                             for s in self.samples]}
 
@@ -149,6 +301,13 @@ class CalibrationReport:
         for link, (a, b) in self.fits.items():
             lines.append(f"{link}: {Link(a, b)}; relative residuals rms {self.rms[link]:.1%}, "
                          f"max {self.worst[link]:.1%}")
+            for kind, f in self.kind_fits.get(link, {}).items():
+                lines.append(f"  {kind:<15}{CollectiveFit(*f)}")
+        if self.copy_samples:
+            pts = ", ".join(f"{n >> 10} KiB {t * 1e6:.0f} us" for n, t in self.copy_samples)
+            lines.append(f"strided copy: {self.copy_beta * 1e12:.4g} ps/B ({pts})")
+        if self.step_overhead:
+            lines.append(f"boxing step overhead: {self.step_overhead * 1e6:.3g} us")
         for link, src in self.copied.items():
             lines.append(f"{link}: not measured (no such link in this world), copied from {src}")
         return "\n".join(lines)
@@ -191,7 +350,38 @@ def _runner(kind: str, g: int, nbytes: int, group: tuple, device: torch.device):
         pieces = list(torch.randn(g, piece, device=device).unbind(0))
         shapes = [(piece,)] * g
         return (lambda: comm.all_to_all(pieces, group, shapes=shapes, assemble=torch.cat)), n
+    if kind == "p2p":
+        x = torch.randn(piece * g, device=device)
+        other = group[1 - group.index(comm.rank)] if len(group) == 2 else comm.rank
+        recv = [(other, (piece * g,), x.dtype, device)]
+        return (lambda: comm.exchange([(other, x)], recv)), n
     raise CostError(f"calibrate cannot measure {kind!r}; one of {MEASURED_KINDS}")
+
+
+def _copier(nbytes: int, device: torch.device):
+    """A no-argument function cutting a ``(rows, COPY_COLUMNS)`` float32 tensor of about
+    ``nbytes`` into 4 column blocks with ``.contiguous()``, and the exact bytes copied."""
+    rows = max(1, round(nbytes / (4 * COPY_COLUMNS)))
+    x = torch.randn(rows, COPY_COLUMNS, device=device)
+    w = COPY_COLUMNS // 4
+    return (lambda: [x[:, j * w:(j + 1) * w].contiguous() for j in range(4)]), \
+        rows * COPY_COLUMNS * 4
+
+
+def _stepper(world: int, device: torch.device):
+    """A no-argument function running one local boxing step (``B -> S(0)`` of a small tensor
+    over the world: a slice, no communication) the way ``to_global`` does: the cached plan
+    lookup, then the executor."""
+    pl = placement(device.type, ranks=list(range(world)))
+    shape = (world * 4, 4)
+    x = torch.randn(*shape, device=device)
+    src, dst = (_B,), (_Split(0),)
+    comm = current()
+
+    def run():
+        for st in plan_layouts(shape, x.dtype, pl, src, pl, dst).steps:
+            run_step(st, x, comm)
+    return run
 
 
 def _default_memory(device_type: str, dpn: int) -> float:
@@ -208,7 +398,9 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
               devices_per_node: int | None = None, warmup: int = 1, inner: int = 4,
               device_type: str = "cpu",
               memory_per_device: float | None = None,
-              flops_per_device: float | None = None) -> tuple[Cluster, CalibrationReport]:
+              flops_per_device: float | None = None, per_kind: bool = True,
+              copy: bool = True, step: bool | Callable[[], object] = True,
+              algorithms: bool = False) -> tuple[Cluster, CalibrationReport]:
     """Measure collectives on the current world and fit a `Cluster` to them (see the module doc).
 
     Every rank of the world must call it with the same arguments; every rank gets the same
@@ -216,8 +408,17 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
     power of two and the node / device counts up to the world (sizes that fit no link class are
     skipped); ``devices_per_node``: default ``LOCAL_WORLD_SIZE`` (torchrun) if it divides the
     world, else the whole world is one node. ``memory_per_device`` defaults to the device's
-    memory (cuda) or this machine's RAM shared by the devices of a node (cpu). Time taken is
-    about ``(warmup + repeats) · inner`` calls of each kind, size and group size.
+    memory (cuda) or this machine's RAM shared by the devices of a node (cpu). ``per_kind``:
+    also fit every measured kind its own (alpha, beta, overhead) (`Cluster.kinds`); ``copy``:
+    also measure the strided-copy cost (`Cluster.copy_beta`); ``step``: also measure the
+    software cost of one boxing step (`Cluster.step_overhead`), by default as a local step run
+    through the planner's cache and the executor; a no-argument callable instead is timed as
+    that step (e.g. a communication-free ``to_global`` from the layers above, which adds the
+    cost of the tensor API; this layer cannot import them); ``algorithms``: let the
+    per-kind fits also try the kinds' algorithm variants (direct all-reduce) and keep the one
+    that fits better (off by default: on the fidelity benchmark's threads runs the better
+    calibration fit did not predict better). Time taken is about
+    ``(warmup + repeats) · inner`` calls of each kind, size and group size (p2p: pairs only).
     """
     t_start = time.perf_counter()
     comm = current()
@@ -256,24 +457,41 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
     device = comm.device(device_type)
 
     configs = [(link, g, kind, size) for link, gs in classes.items() for g in gs
-               for kind in kinds for size in sizes]
+               for kind in kinds for size in sizes if kind != "p2p" or g == 2]
+    if copy:  # no group: every rank copies at once (shared cores and memory are the point)
+        configs += [("local", 1, "copy", size) for size in sizes]
+    if step:
+        configs.append(("local", 1, "step", 0))
     times = torch.zeros(len(configs), repeats, dtype=torch.float64)
     nbytes_of: list[int] = []
     world_group = tuple(range(world))
-    for c, (link, g, kind, size) in enumerate(configs):
-        mine = next((gr for gr in _groups(link, g, world, dpn) if me in gr), None)
-        run, n = _runner(kind, g, size, mine or (me,), device)
+    runners = []
+    for link, g, kind, size in configs:
+        if kind == "copy":
+            mine = (me,)
+            run, n = _copier(size, device)
+        elif kind == "step":
+            mine = (me,)
+            run, n = (step if callable(step) else _stepper(world, device)), 0
+        else:
+            mine = next((gr for gr in _groups(link, g, world, dpn) if me in gr), None)
+            run, n = _runner(kind, g, size, mine or (me,), device)
         nbytes_of.append(n)
-        for rep in range(warmup + repeats):
+        runners.append(run if mine is not None else None)
+    # Rounds go round-robin over the configurations (all warm-ups first), so that a burst of
+    # load from outside hits one round of many configurations, which the median discards,
+    # rather than every round of one.
+    for rep in range(warmup + repeats):
+        for c, run in enumerate(runners):
             comm.barrier(world_group)
             t0 = time.perf_counter()
-            if mine is not None:
+            if run is not None:
                 for _ in range(inner):
                     run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             dt = (time.perf_counter() - t0) / inner
-            if rep >= warmup and mine is not None:
+            if rep >= warmup and run is not None:
                 times[c, rep - warmup] = dt
     every = comm.all_gather(times, world_group, shapes=[tuple(times.shape)] * world,
                             count_as="calibrate")
@@ -281,37 +499,77 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
 
     report = CalibrationReport(comm.backend, world, dpn, repeats, inner)
     for (link, g, kind, _), n, row in zip(configs, nbytes_of, slowest.tolist()):
-        report.samples.append(Sample(link, kind, g, n, statistics.median(row)))
+        if kind == "copy":
+            report.copy_samples.append((n, statistics.median(row)))
+        elif kind == "step":
+            report.step_overhead = statistics.median(row)
+        else:
+            report.samples.append(Sample(link, kind, g, n, statistics.median(row)))
     fits: dict[str, Link] = {}
+    kfits: dict[str, dict[str, CollectiveFit]] = {}
     for link in classes:
         mine = [s for s in report.samples if s.link == link]
         alpha, beta, _ = fit_alpha_beta([(s.kind, s.p, s.nbytes, s.seconds) for s in mine])
         fits[link] = Link(alpha, beta)
-        for s in mine:
-            s.predicted = collective_time(s.kind, s.nbytes, s.p, fits[link])
-        rel = [s.relative_residual for s in mine]
         report.fits[link] = (alpha, beta)
-        report.rms[link] = math.sqrt(sum(r * r for r in rel) / len(rel))
-        report.worst[link] = max(abs(r) for r in rel)
+        if per_kind:
+            for kind in kinds:
+                ks = [(s.kind, s.p, s.nbytes, s.seconds) for s in mine if s.kind == kind]
+                try:
+                    kfits.setdefault(link, {})[kind] = fit_collective(
+                        ks, algorithms=None if algorithms else ())[0]
+                except CostError:  # too few points for this kind: it keeps the link's fit
+                    pass
     for link, other in (("intra", "inter"), ("inter", "intra")):
         if link not in fits:
             fits[link] = fits[other]
+            if other in kfits:
+                kfits[link] = dict(kfits[other])
             report.copied[link] = other
+    copy_beta = 0.0
+    if report.copy_samples:
+        try:
+            copy_beta = fit_copy(report.copy_samples)[0]
+        except CostError:
+            copy_beta = 0.0
     if memory_per_device is None:
         memory_per_device = _default_memory(device_type, dpn)
     # Every rank fitted the same samples, but least squares run on different threads may round
-    # differently: take rank 0's numbers so the ranks agree exactly.
-    agreed = comm.broadcast(torch.tensor([fits["intra"].alpha, fits["intra"].beta,
-                                          fits["inter"].alpha, fits["inter"].beta,
-                                          float(memory_per_device)], dtype=torch.float64),
-                            0, world_group).tolist()
+    # differently: take rank 0's numbers so the ranks agree exactly (NaN: no per-kind fit).
+    nan = float("nan")
+    flat = [fits["intra"].alpha, fits["intra"].beta, fits["inter"].alpha, fits["inter"].beta,
+            float(memory_per_device), copy_beta, report.step_overhead]
+    for link in ("intra", "inter"):
+        for kind in MEASURED_KINDS:
+            f = kfits.get(link, {}).get(kind)
+            flat += [f.alpha, f.beta, f.overhead, float(_ALGOS.index(f.algorithm))] \
+                if f is not None else [nan] * 4
+    agreed = comm.broadcast(torch.tensor(flat, dtype=torch.float64), 0, world_group).tolist()
     fits = {"intra": Link(agreed[0], agreed[1]), "inter": Link(agreed[2], agreed[3])}
-    memory_per_device = agreed[4]
+    memory_per_device, copy_beta, report.step_overhead = agreed[4], agreed[5], agreed[6]
+    kfits, i = {}, 7
+    for link in ("intra", "inter"):
+        for kind in MEASURED_KINDS:
+            if not math.isnan(agreed[i]):
+                kfits.setdefault(link, {})[kind] = CollectiveFit(
+                    *agreed[i:i + 3], _ALGOS[int(agreed[i + 3])])
+            i += 4
     for link in report.fits:
         report.fits[link] = (fits[link].alpha, fits[link].beta)
+        report.kind_fits[link] = {k: tuple(f) for k, f in kfits.get(link, {}).items()}
+    report.copy_beta = copy_beta
     cluster = Cluster(nodes=nodes, devices_per_node=dpn, intra=fits["intra"],
                       inter=fits["inter"], memory_per_device=memory_per_device,
-                      flops_per_device=flops_per_device, name="calibrated")
+                      flops_per_device=flops_per_device, name="calibrated", kinds=kfits,
+                      copy_beta=copy_beta, step_overhead=report.step_overhead)
+    for link in report.fits:  # residuals of the model the cluster prices with
+        mine = [s for s in report.samples if s.link == link]
+        for s in mine:
+            s.predicted = collective_time(s.kind, s.nbytes, s.p, kfits.get(link, {}).get(
+                s.kind, fits[link]))
+        rel = [s.relative_residual for s in mine]
+        report.rms[link] = math.sqrt(sum(r * r for r in rel) / len(rel))
+        report.worst[link] = max(abs(r) for r in rel)
     report.seconds = time.perf_counter() - t_start
     return cluster, report
 

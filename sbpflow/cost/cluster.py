@@ -14,6 +14,29 @@ and mesh dim 0 inter-node.
 A `Link` is ``(alpha, beta)``: a message of ``n`` bytes over it takes ``alpha + n * beta``
 seconds. ``beta`` is per device: every device has its own path to the others at that speed,
 and concurrent groups do not slow each other down (no contention is modelled).
+
+Optional refinements, which calibration fills in and which are absent (exactly the plain
+alpha-beta model) on presets and hand-made clusters:
+
+* ``kinds``: per link class (``"intra"`` / ``"inter"``) and collective kind, a `CollectiveFit`
+  ``(alpha, beta, overhead)``. A collective of that kind on that link class then takes
+  ``overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (``m``, ``v`` as in
+  `sbpflow.cost.collectives`) instead of the link's ``m·alpha + v·beta``. Backends implement
+  kinds with different algorithms (gloo: all-reduce is its own ring, all-gather / all-to-all /
+  reduce-scatter one all-to-all call whose messages are all in flight at once), so one
+  ``(alpha, beta)`` for all kinds fits them poorly; ``overhead`` is the per-call cost that does
+  not grow with the group (software, synchronisation, waking the ranks up).
+* ``copy_beta``: seconds per byte of a local copy through a non-contiguous view (boxing slices
+  the pieces of a split along a non-leading axis into contiguous buffers before sending them);
+  0 means such copies are free.
+* ``step_overhead``: seconds of software work one boxing step costs a rank besides its
+  communication (planning lookup, boxes, slicing, dispatch), charged to every step, local
+  ones included; 0 (the default) ignores it. Small next to network latency, except on the
+  in-process threads backend, where the ranks' Python work is serialised.
+
+    >>> c = Cluster(1, 4, intra=(1e-6, 1e-9), kinds={"intra": {"all_gather": (1e-6, 2e-9, 5e-5)}})
+    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1]) == (1e-6, 1e-9, 0.0, "")
+    (5e-05, True)
 """
 
 from __future__ import annotations
@@ -26,7 +49,9 @@ from typing import Any, Iterable, NamedTuple
 
 from ..errors import SbpError
 
-__all__ = ["Cluster", "Link", "CostError", "PRESETS"]
+__all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "LINK_CLASSES"]
+
+LINK_CLASSES = ("intra", "inter")
 
 GiB = 2 ** 30
 
@@ -53,6 +78,72 @@ class Link(NamedTuple):
     def __str__(self) -> str:
         return f"alpha {self.alpha * 1e6:.3g} us, beta {self.beta * 1e12:.4g} ps/B " \
                f"({self.bandwidth / 1e9:.4g} GB/s)"
+
+
+class CollectiveFit(NamedTuple):
+    """Parameters of one collective kind on one link class: ``overhead + m·alpha + v·beta``
+    seconds for a call with alpha count ``m`` and per-rank bytes ``v`` (a one-rank group: 0).
+    ``algorithm`` names the variant whose ``m`` and ``v`` apply (`sbpflow.cost.collectives`;
+    ``""``: the kind's default, e.g. the ring all-reduce)."""
+
+    alpha: float
+    beta: float
+    overhead: float = 0.0
+    algorithm: str = ""
+
+    def __str__(self) -> str:
+        algo = f" ({self.algorithm})" if self.algorithm else ""
+        return f"overhead {self.overhead * 1e6:.3g} us, alpha {self.alpha * 1e6:.3g} us, " \
+               f"beta {self.beta * 1e12:.4g} ps/B{algo}"
+
+
+def _fit(value: Any, what: str) -> CollectiveFit:
+    value = tuple(value) if isinstance(value, (list, tuple)) else value
+    algorithm = ""
+    if isinstance(value, tuple) and len(value) == 4:
+        value, algorithm = value[:3], value[3]
+    try:
+        vals = [float(v) for v in value]
+        if len(vals) not in (2, 3):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise CostError(f"{what} must be (alpha, beta[, overhead[, algorithm]]) in seconds, "
+                        f"got {value!r}") from None
+    for name, v in zip(("alpha", "beta", "overhead"), vals):
+        if not (math.isfinite(v) and v >= 0):
+            raise CostError(f"{what} {name} must be finite and >= 0, got {v!r}")
+    from .collectives import ALGORITHMS  # collectives imports this module: import when used
+    if algorithm not in ("",) + ALGORITHMS:
+        raise CostError(f"{what} algorithm must be one of {ALGORITHMS} (or ''), "
+                        f"got {algorithm!r}")
+    vals += [0.0] * (3 - len(vals))
+    return CollectiveFit(*vals, algorithm)
+
+
+def _kinds(value: Any) -> tuple:
+    """``{link class: {kind: fit}}`` (or the frozen form) -> sorted tuple of
+    ``(link class, kind, CollectiveFit)``: hashable, so a Cluster stays a cache key."""
+    if not value:
+        return ()
+    if isinstance(value, tuple):
+        try:
+            value = {lc: {k: f for l2, k, f in value if l2 == lc} for lc, _, _ in value}
+        except (TypeError, ValueError):
+            raise CostError(f"Cluster kinds: not a kinds table: {value!r}") from None
+    if not isinstance(value, dict):
+        raise CostError(f"Cluster kinds must be {{link class: {{kind: (alpha, beta, "
+                        f"overhead)}}}}, got {value!r}")
+    from .collectives import KINDS  # collectives imports this module: import when used
+    out = []
+    for lc, table in value.items():
+        if lc not in LINK_CLASSES or not isinstance(table, dict):
+            raise CostError(f"Cluster kinds: link class must be one of {LINK_CLASSES} mapping "
+                            f"kinds to fits, got {lc!r}: {table!r}")
+        for kind, f in table.items():
+            if kind not in KINDS:
+                raise CostError(f"Cluster kinds: unknown collective kind {kind!r}; one of {KINDS}")
+            out.append((lc, kind, _fit(f, f"Cluster kinds[{lc!r}][{kind!r}]")))
+    return tuple(sorted(out))
 
 
 def _link(value: Any, what: str) -> Link:
@@ -89,7 +180,10 @@ PRESETS["piz-daint"] = PRESETS["supercomputer"]
 class Cluster:
     """``nodes`` × ``devices_per_node`` devices; ``intra`` / ``inter`` are `Link` s (or
     ``(alpha, beta)`` pairs); ``memory_per_device`` in bytes; ``flops_per_device`` in FLOP/s
-    (None: unknown, compute time not modelled). Immutable and hashable."""
+    (None: unknown, compute time not modelled); optional per-kind fits ``kinds``, local
+    copy cost ``copy_beta`` and per-step software cost ``step_overhead`` (module doc; default:
+    none, the plain alpha-beta model).
+    Immutable and hashable."""
 
     nodes: int = 1
     devices_per_node: int = 1
@@ -98,6 +192,9 @@ class Cluster:
     memory_per_device: float = 80 * GiB
     flops_per_device: float | None = None
     name: str = field(default="custom", compare=False)
+    kinds: Any = ()          # {link class: {kind: CollectiveFit}}; stored as a sorted tuple
+    copy_beta: float = 0.0   # s per byte of a local copy through a non-contiguous view
+    step_overhead: float = 0.0  # s of software work per boxing step
 
     def __post_init__(self) -> None:
         for what in ("nodes", "devices_per_node"):
@@ -113,6 +210,17 @@ class Cluster:
         f = self.flops_per_device
         if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not f > 0):
             raise CostError(f"Cluster flops_per_device must be None or positive, got {f!r}")
+        object.__setattr__(self, "kinds", _kinds(self.kinds))
+        cb = self.copy_beta
+        if isinstance(cb, bool) or not isinstance(cb, (int, float)) or \
+                not (math.isfinite(cb) and cb >= 0):
+            raise CostError(f"Cluster copy_beta must be a finite number >= 0, got {cb!r}")
+        object.__setattr__(self, "copy_beta", float(cb))
+        so = self.step_overhead
+        if isinstance(so, bool) or not isinstance(so, (int, float)) or \
+                not (math.isfinite(so) and so >= 0):
+            raise CostError(f"Cluster step_overhead must be a finite number >= 0, got {so!r}")
+        object.__setattr__(self, "step_overhead", float(so))
 
     # -- presets --------------------------------------------------------------------------------
     @classmethod
@@ -125,7 +233,8 @@ class Cluster:
             raise CostError(f"unknown cluster preset {name!r}; choose from "
                             f"{sorted(PRESETS)}") from None
         unknown = set(overrides) - {"devices_per_node", "intra", "inter", "memory_per_device",
-                                    "flops_per_device", "name"}
+                                    "flops_per_device", "name", "kinds", "copy_beta",
+                                    "step_overhead"}
         if unknown:
             raise CostError(f"Cluster.preset: unknown field(s) {sorted(unknown)}")
         kw = dict(base, name=name, nodes=nodes)
@@ -151,13 +260,42 @@ class Cluster:
         """``inter`` if ``ranks`` span nodes, else ``intra``."""
         return self.inter if self.spans_nodes(ranks) else self.intra
 
+    def link_class(self, ranks: Iterable[int]) -> str:
+        """``"inter"`` if ``ranks`` span nodes, else ``"intra"``."""
+        return "inter" if self.spans_nodes(ranks) else "intra"
+
+    def fit(self, kind: str, ranks: Iterable[int]) -> CollectiveFit:
+        """The parameters collective ``kind`` over ``ranks`` is priced with: the per-kind fit of
+        the group's link class if the cluster has one, else the link's ``(alpha, beta)`` and no
+        overhead."""
+        ranks = tuple(ranks)
+        lc = self.link_class(ranks)
+        for l2, k, f in self.kinds:
+            if l2 == lc and k == kind:
+                return f
+        a, b = self.intra if lc == "intra" else self.inter
+        return CollectiveFit(a, b, 0.0)
+
+    @property
+    def kinds_table(self) -> dict:
+        """``kinds`` as ``{link class: {kind: CollectiveFit}}``."""
+        out: dict = {}
+        for lc, k, f in self.kinds:
+            out.setdefault(lc, {})[k] = f
+        return out
+
     # -- time -----------------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: float, ranks: Iterable[int]) -> float:
         """Seconds for collective ``kind`` about a tensor of ``nbytes`` over the group ``ranks``
         (see `sbpflow.cost.collectives` for the formulas; a one-rank group costs 0)."""
         from .collectives import collective_time
         ranks = tuple(ranks)
-        return collective_time(kind, nbytes, len(ranks), self.link(ranks))
+        return collective_time(kind, nbytes, len(ranks), self.fit(kind, ranks))
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` locally through a non-contiguous view: ``nbytes ·
+        copy_beta``."""
+        return nbytes * self.copy_beta
 
     def compute_time(self, flops: float) -> float:
         """Seconds for ``flops`` floating-point operations on one device at peak."""
@@ -172,7 +310,11 @@ class Cluster:
                 "intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                 "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
                 "memory_per_device": self.memory_per_device,
-                "flops_per_device": self.flops_per_device}
+                "flops_per_device": self.flops_per_device,
+                "kinds": {lc: {k: {"alpha": f.alpha, "beta": f.beta, "overhead": f.overhead,
+                                   "algorithm": f.algorithm}
+                               for k, f in t.items()} for lc, t in self.kinds_table.items()},
+                "copy_beta": self.copy_beta, "step_overhead": self.step_overhead}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Cluster":
@@ -184,7 +326,13 @@ class Cluster:
                        inter=(d["inter"]["alpha"], d["inter"]["beta"]),
                        memory_per_device=d["memory_per_device"],
                        flops_per_device=d.get("flops_per_device"),
-                       name=d.get("name", "custom"))
+                       name=d.get("name", "custom"),
+                       kinds={lc: {k: (f["alpha"], f["beta"], f.get("overhead", 0.0),
+                                       f.get("algorithm", ""))
+                                   for k, f in t.items()}
+                              for lc, t in (d.get("kinds") or {}).items()},
+                       copy_beta=d.get("copy_beta", 0.0),
+                       step_overhead=d.get("step_overhead", 0.0))
         except (KeyError, TypeError, AttributeError) as exc:
             raise CostError(f"not a cluster description ({type(exc).__name__}: {exc}): "
                             f"{str(d)[:200]}") from None
@@ -214,6 +362,13 @@ class Cluster:
     def __str__(self) -> str:
         flops = "" if self.flops_per_device is None else \
             f", {self.flops_per_device / 1e12:.4g} TFLOP/s"
+        extra = ""
+        if self.kinds:
+            extra += f"; per-kind fits for {len(self.kinds)} (link, kind)"
+        if self.copy_beta:
+            extra += f"; strided copy {self.copy_beta * 1e12:.4g} ps/B"
+        if self.step_overhead:
+            extra += f"; {self.step_overhead * 1e6:.3g} us a boxing step"
         return (f"Cluster({self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s), "
                 f"{self.memory_per_device / GiB:.4g} GiB{flops}; intra {self.intra}; "
-                f"inter {self.inter})")
+                f"inter {self.inter}{extra})")

@@ -14,13 +14,26 @@ broadcast       the message        ``min(L·(α+n·β), (L+p-1)·α + 2(p-1)/p·
 p2p             the message        ``α + n·β``                                     direct
 ==============  =================  ==============================================  ============
 
-A one-rank group costs 0. Broadcast (``L = ⌈log2 p⌉``) is the faster of a binomial tree (small
+A variant may replace a kind's formula when a per-kind fit names it: ``direct`` all-reduce,
+``(p-1)·α + (p-1)·n·β`` (every rank receives and reduces every other rank's whole tensor).
+
+A one-rank group costs 0. A cluster with a per-kind fit ``(α, β, o)`` for the kind and link
+class (`Cluster.fit`) prices the kind with that α and β and adds the per-call overhead ``o``
+to the time (``o`` does not grow with ``p`` or ``n``). Broadcast (``L = ⌈log2 p⌉``) is the faster of a binomial tree (small
 messages) and van de Geijn's scatter + ring all-gather (large), as MPI libraries switch between.
 
 The bandwidth term ``(p-1)/p·n`` (``2(p-1)/p·n``) is the number of bytes each rank sends and
 receives; for a boxing step with uneven shards, `step_time` uses the exact per-rank count of the
 Communicator's byte accounting instead and takes the busiest rank: ``messages·α + β·max_i
 max(sent_i, recv_i)``. For even shards the two agree exactly.
+
+Local copies: a collective step whose pieces are cut from the local shard along a split that is
+not the leading axis of that shard (``prod(local_shape[:axis]) > 1``) must first copy them into
+contiguous buffers (reduce-scatter and all-to-all inputs), and one that assembles received
+pieces along such an axis of its output writes through strided views (all-gather and
+all-to-all outputs); `step_time` adds ``copy_beta`` per byte so copied by the busiest rank
+(`Cluster.copy_time`). Contiguous pieces cost nothing extra: the calibrated collectives already
+include their contiguous copies.
 """
 
 from __future__ import annotations
@@ -29,13 +42,13 @@ import math
 from functools import lru_cache
 from typing import Iterable
 
-from ..boxing.boxes import box_numel, intersect
+from ..boxing.boxes import box_numel, box_shape, intersect
 from ..boxing.planner import BoxingPlan
 from ..boxing.steps import Step, member_boxes
-from ..sbp import part
-from .cluster import Cluster, CostError, Link
+from ..sbp import Split, part
+from .cluster import Cluster, CollectiveFit, CostError, Link
 
-__all__ = ["KINDS", "collective_time", "latency_messages", "volume", "step_time", "plan_time",
+__all__ = ["KINDS", "ALGORITHMS", "collective_time", "latency_messages", "volume", "step_time", "plan_time",
            "step_groups"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "p2p")
@@ -59,33 +72,57 @@ def _check(kind: str, nbytes: float, p: int) -> None:
         raise CostError(f"p2p is between 2 ranks, got a group of {p}")
 
 
-def latency_messages(kind: str, p: int) -> int:
-    """The α count of ``kind`` on ``p`` ranks (linear kinds; 0 for p = 1)."""
+# Algorithm variants: (kind, name) -> (messages(p), per-rank bytes factor(p)). "direct"
+# all-reduce: every rank receives every other rank's whole tensor and reduces all of them
+# itself ((p-1)·n a rank instead of the ring's 2(p-1)/p·n; the in-process threads backend works
+# this way). Calibration picks the variant that fits the measurements better.
+_VARIANTS = {
+    ("all_reduce", "direct"): (lambda p: p - 1, lambda p: float(p - 1)),
+}
+ALGORITHMS = tuple(sorted({a for _, a in _VARIANTS}))
+
+
+def _form(kind: str, algorithm: str = ""):
     if kind not in _LINEAR:
         raise CostError(f"{kind!r} has no linear alpha-beta form; one of {sorted(_LINEAR)}")
-    return 0 if p <= 1 else _LINEAR[kind][0](p)
+    if not algorithm:
+        return _LINEAR[kind]
+    try:
+        return _VARIANTS[(kind, algorithm)]
+    except KeyError:
+        raise CostError(f"no {algorithm!r} variant of {kind}; variants: "
+                        f"{sorted(_VARIANTS)}") from None
 
 
-def volume(kind: str, nbytes: float, p: int) -> float:
-    """Bytes each rank sends (and receives) in ``kind`` about ``nbytes`` on ``p`` ranks (linear
-    kinds; 0 for p = 1)."""
-    if kind not in _LINEAR:
-        raise CostError(f"{kind!r} has no linear alpha-beta form; one of {sorted(_LINEAR)}")
-    return 0.0 if p <= 1 else _LINEAR[kind][1](p) * nbytes
+def latency_messages(kind: str, p: int, algorithm: str = "") -> int:
+    """The α count of ``kind`` (variant ``algorithm``) on ``p`` ranks (linear kinds; 0 for
+    p = 1)."""
+    form = _form(kind, algorithm)
+    return 0 if p <= 1 else form[0](p)
 
 
-def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:
-    """Seconds for ``kind`` about ``nbytes`` on a group of ``p`` ranks over ``link``."""
+def volume(kind: str, nbytes: float, p: int, algorithm: str = "") -> float:
+    """Bytes each rank sends (and receives) in ``kind`` (variant ``algorithm``) about ``nbytes``
+    on ``p`` ranks (linear kinds; 0 for p = 1)."""
+    form = _form(kind, algorithm)
+    return 0.0 if p <= 1 else form[1](p) * nbytes
+
+
+def collective_time(kind: str, nbytes: float, p: int, link: Link | CollectiveFit) -> float:
+    """Seconds for ``kind`` about ``nbytes`` on a group of ``p`` ranks over ``link``: a `Link`
+    ``(α, β)``, or a `CollectiveFit` ``(α, β, o)`` whose overhead ``o`` is added once."""
     _check(kind, nbytes, p)
     if p == 1:
         return 0.0
-    a, b = link
+    a, b = link[0], link[1]
+    o = link[2] if len(link) > 2 else 0.0
+    algo = link[3] if len(link) > 3 else ""
     if kind == "broadcast":
         levels = math.ceil(math.log2(p))
         binomial = levels * (a + nbytes * b)
         scatter_allgather = (levels + p - 1) * a + 2 * (p - 1) / p * nbytes * b
-        return min(binomial, scatter_allgather)
-    return latency_messages(kind, p) * a + volume(kind, nbytes, p) * b
+        return o + min(binomial, scatter_allgather)
+    return o + latency_messages(kind, p, algo) * a + volume(kind, nbytes, p, algo) * b
 
 
 # -- boxing steps and plans -----------------------------------------------------------------------
@@ -130,18 +167,49 @@ def _member_bytes(step: Step, g: tuple[int, ...]) -> int:
 
 def _transfer_time(step: Step, cluster: Cluster) -> float:
     busy: dict[tuple[str, int], float] = {}
+    overhead = 0.0
     for s, d, box in step.routes:
         n = box_numel(box) * step.itemsize
         if s == d or n == 0:
             continue  # a local copy / an empty message never touches the network
-        t = cluster.collective_time("p2p", n, (s, d))
+        a, b, o, _ = cluster.fit("p2p", (s, d))
+        t = a + n * b
+        overhead = max(overhead, o)  # all messages go in one exchange call: paid once
         busy[("send", s)] = busy.get(("send", s), 0.0) + t
         busy[("recv", d)] = busy.get(("recv", d), 0.0) + t
-    return max(busy.values(), default=0.0)
+    return overhead + max(busy.values(), default=0.0) if busy else 0.0
+
+
+def strided(local_shape: Iterable[int], axis: int) -> bool:
+    """Whether pieces of a tensor of ``local_shape`` cut along ``axis`` are non-contiguous
+    views (some axis before ``axis`` has more than one element)."""
+    return math.prod(tuple(local_shape)[:axis]) > 1
+
+
+def _copy_bytes(step: Step, r: int) -> int:
+    """Bytes rank ``r`` copies through strided views: the input of a reduce-scatter or
+    all-to-all cut along a non-leading axis of the local shard, the output of an all-gather or
+    all-to-all assembled along one (0 when every piece is a contiguous block)."""
+    n = 0
+    src = member_boxes(step.shape, step.src_placement, step.src)[r]
+    dst = member_boxes(step.shape, step.dst_placement, step.dst)[r]
+    if step.kind in ("reduce_scatter", "all_to_all"):
+        axes = {step.dst[d].axis for d in step.dims if isinstance(step.dst[d], Split)}
+        if any(strided(box_shape(src), a) for a in axes):
+            n += box_numel(src)  # every piece, this rank's own included, is cut
+    if step.kind in ("all_gather", "all_to_all"):
+        axes = {step.src[d].axis for d in step.dims if isinstance(step.src[d], Split)}
+        if any(strided(box_shape(dst), a) for a in axes):
+            n += box_numel(dst)  # every piece, this rank's own included, is written
+    return n * step.itemsize
 
 
 @lru_cache(maxsize=1 << 16)
 def _step_time(step: Step, cluster: Cluster) -> float:
+    return cluster.step_overhead + _comm_time(step, cluster)
+
+
+def _comm_time(step: Step, cluster: Cluster) -> float:
     if step.kind == "local":
         return 0.0
     if step.kind == "transfer":
@@ -151,24 +219,36 @@ def _step_time(step: Step, cluster: Cluster) -> float:
         p = len(g)
         if p == 1:
             continue
-        a, b = cluster.link(g)
-        t = latency_messages(step.kind, p) * a + _member_bytes(step, g) * step.itemsize * b
+        a, b, o, algo = cluster.fit(step.kind, g)
+        if algo:  # a variant's own per-rank volume of the busiest member's tensor
+            n = max(box_numel(member_boxes(step.shape, step.src_placement, step.src)[r])
+                    for r in g) * step.itemsize
+            moved = volume(step.kind, n, p, algo)
+        else:
+            moved = _member_bytes(step, g) * step.itemsize
+        t = o + latency_messages(step.kind, p, algo) * a + moved * b
+        if cluster.copy_beta:
+            t += cluster.copy_time(max(_copy_bytes(step, r) for r in g))
         worst = max(worst, t)
     return worst
 
 
 def step_time(step: Step, cluster: Cluster) -> float:
-    """Seconds one boxing `Step` takes on ``cluster``.
+    """Seconds one boxing `Step` takes on ``cluster``: ``cluster.step_overhead`` (0 unless
+    calibrated) plus
 
     * ``local``: 0.
     * a collective: its groups (ranks differing only along ``step.dims``) run at once; the step
       takes as long as the slowest group. A group spanning nodes uses ``cluster.inter``, one
       inside a node ``cluster.intra``. Time of a group: the kind's α count (see the module
       table) plus β times the bytes its busiest rank sends or receives (exact for uneven shards;
-      equal to the table's formula for even ones).
+      equal to the table's formula for even ones), plus the kind's per-call overhead if the
+      cluster has a per-kind fit, plus ``copy_beta`` times the bytes the busiest rank copies to
+      cut non-contiguous pieces (module doc).
     * ``transfer``: each route between two different ranks is a p2p message (``α + n·β`` on the
       link of its pair); ranks send and receive in parallel, each rank's messages one after
-      another: the time is the largest over ranks of a rank's total send or receive time.
+      another: the time is the largest over ranks of a rank's total send or receive time, plus
+      the p2p fit's per-call overhead once (all messages are one exchange call).
 
     Raises `CostError` if a rank of the step is outside the cluster.
     """

@@ -191,7 +191,7 @@ def test_fit_recovers_alpha_beta_from_noisy_synthetic_timings(alpha, beta):
     link = Link(alpha, beta)
     samples = []
     for kind in MEASURED_KINDS:
-        for p in (2, 4, 8):
+        for p in ((2,) if kind == "p2p" else (2, 4, 8)):
             for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24):
                 t = sf.cost.collective_time(kind, n, p, link)
                 samples.append((kind, p, n, t * (1 + rng.gauss(0, 0.03))))
@@ -238,7 +238,7 @@ def test_calibrate_threads_two_links(tmp_path):
     out = sf.launch(_calibrate_rank, 4, args=(kwargs,))
     cluster, report = out[0]
     assert all(c == cluster for c, _ in out)  # every rank agrees
-    _check_calibration(cluster, report, 4, 2, n_samples=2 * 4 * 2)
+    _check_calibration(cluster, report, 4, 2, n_samples=2 * 5 * 2)  # links x kinds x sizes
     assert set(report.fits) == {"intra", "inter"} and not report.copied
     assert cluster.intra == Link(*report.fits["intra"])
     assert cluster.inter == Link(*report.fits["inter"])
@@ -271,5 +271,6 @@ def test_calibrate_gloo(tmp_path, capsys):
     c = Cluster.load(path)
     report = json.loads(path.read_text())["calibration"]
     assert report["backend"] == "torch" and c.world_size == 4
-    assert len(report["samples"]) == 2 * 4 * 2  # group sizes 2 and 4, 4 kinds, 2 sizes
+    # group sizes 2 and 4, 4 collective kinds, 2 sizes; p2p on pairs only
+    assert len(report["samples"]) == 2 * 4 * 2 + 2
     assert c.intra.alpha >= 0 and c.intra.beta >= 0 and c.intra.alpha + c.intra.beta > 0
