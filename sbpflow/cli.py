@@ -21,9 +21,15 @@ def _run_threads(script: str, argv: list[str], n: int) -> None:
     comm.launch(rank_main, n, backend="threads")
 
 
+_FAIL_GRACE = 5.0  # s the other ranks get to report their own error after one rank fails
+
+
 def _run_torch(script: str, argv: list[str], n: int) -> int:
-    """torchrun-like: n processes on localhost, each joins the gloo world then runs the script."""
+    """torchrun-like: n processes on localhost, each joins the gloo world then runs the script.
+    When a rank exits with an error the others are stopped (after `_FAIL_GRACE` s, time for
+    their own messages), as torchrun does, instead of waiting in collectives until timeout."""
     import socket
+    import time
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -35,7 +41,26 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
         code = ("import runpy, sys, sbpflow as sf; sf.init(); sys.argv = sys.argv[1:]; "
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
         procs.append(subprocess.Popen([sys.executable, "-c", code, script] + argv, env=env))
-    codes = [p.wait() for p in procs]
+    stop_at = None
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed and stop_at is None:
+                stop_at = time.monotonic() + _FAIL_GRACE
+            if stop_at is not None and time.monotonic() >= stop_at:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad:
         print(f"sbpflow run: rank(s) {[r for r, _ in bad]} exited with {[c for _, c in bad]}",

@@ -1,9 +1,11 @@
 """The command line: `sbpflow run` and `sbpflow demo`."""
 
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,6 +60,27 @@ def test_run_torch_backend_example():
                          text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "total 120 B moved" in res.stdout
+    assert "terminate called" not in res.stderr  # process groups destroyed before teardown
+
+
+@pytest.mark.gloo
+def test_run_torch_backend_stops_the_other_ranks_when_one_fails(tmp_path):
+    """Rank 1 raises while the others wait in a collective: the run ends within seconds with
+    rank 1's traceback and a non-zero code, not after the collective timeout."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sbpflow as sf, time\n"
+                      "if sf.rank() == 1:\n"
+                      "    raise ValueError('rank one is broken')\n"
+                      "x = sf.ones(4, placement=sf.placement('cpu', [0, 1, 2, 3]), sbp=sf.P)\n"
+                      "x.to_global(sbp=sf.B)\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "sbpflow", "run", "-n", "4", "--backend",
+                          "torch", str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=dict(os.environ, SBPFLOW_TIMEOUT="100"))
+    assert res.returncode == 1
+    assert "ValueError: rank one is broken" in res.stderr
+    assert "sbpflow run: rank(s) [" in res.stderr and "1" in res.stderr.split("rank(s)")[1]
+    assert time.monotonic() - t0 < 60
 
 
 EXAMPLES = [("gpt.py", "2d", "tok/s"), ("gpt.py", "tp", "sample:"),

@@ -26,6 +26,7 @@ group has an NCCL backend (``init_from_env("nccl")``), in which case they stay o
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection
@@ -46,7 +47,7 @@ from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
 from .threads import default_timeout
 
-__all__ = ["TorchCommunicator", "init_from_env", "launch_processes"]
+__all__ = ["TorchCommunicator", "init_from_env", "launch_processes", "shutdown"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -105,6 +106,16 @@ class TorchCommunicator(Communicator):
                 raise self._error("creating the process group", group, exc) from exc
             self._groups[key] = pg
         return pg
+
+    def close(self) -> None:
+        """Shut down the subgroups this communicator created (the default group is
+        `shutdown`'s). Pending work on them is abandoned; call it when no collective runs."""
+        groups, self._groups = list(self._groups.values()), {}
+        for pg in groups:
+            try:
+                pg.shutdown()
+            except RuntimeError:  # already broken (a peer died): nothing left to release
+                pass
 
     def _wire(self, device: torch.device) -> tuple[torch.device, bool]:
         """Where tensors of ``device`` travel, and whether that is the NCCL backend."""
@@ -292,8 +303,25 @@ def init_from_env(backend: str | None = None) -> TorchCommunicator:
         raise CommError(f"unknown torch backend {backend!r}; use 'gloo' or 'nccl'")
     dist.init_process_group(pg_backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=default_timeout()))
+    atexit.register(shutdown)
     _comm = TorchCommunicator()
     return _comm
+
+
+def shutdown() -> None:
+    """Destroy this process's process groups: sbpflow's subgroups, then the default group.
+
+    `init_from_env` registers it with ``atexit``: a process that leaves with gloo groups alive
+    tears them down during interpreter finalisation, when their worker threads' work objects
+    can no longer be released, and is aborted ("terminate called without an active exception",
+    exit code -6) now and then. Idempotent; safe to call by hand before exiting.
+    """
+    global _comm
+    if _comm is not None:
+        _comm.close()
+        _comm = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # -- launch: one new process a rank ------------------------------------------------------------
@@ -336,7 +364,7 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
         conn.send_bytes(msg)
         _exit(1)  # the parent stops the other ranks; skip teardown that could block
     conn.send_bytes(msg)
-    dist.destroy_process_group()
+    shutdown()
     _exit(0)
 
 
