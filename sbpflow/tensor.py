@@ -466,7 +466,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
         entry = _CHOICES[key] = _choice_entry(name, args, tensors, pl, attrs_key, forced, grad,
                                               pinned)
-    choice, op, detach, out_keys, moves = entry
+    choice, op, detach, out_keys, moves, contexts = entry
     boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
              for t, nd in zip(tensors, choice.ins)] if moves else tensors
     me = _comm.current().rank
@@ -477,14 +477,19 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
             it = iter(boxed)
             local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
         if op.context:
-            coord = pl.coord_of(me)
+            # the rank's context depends only on the entry's key and the rank: made once
+            ctx = contexts.get(me)
+            if ctx is None:
+                coord = pl.coord_of(me)
+                ctx = contexts[me] = KernelContext(
+                    pl, coord,
+                    tuple(shard_box(t._shape, pl.shape, nd, coord)
+                          for t, nd in zip(tensors, choice.ins)),
+                    tuple(shard_box(m.shape, pl.shape, nd, coord)
+                          for m, nd in zip(choice.out_metas, choice.outs)),
+                    choice.ins, choice.outs, tuple(t._shape for t in tensors))
             attrs = dict(attrs)
-            attrs["ctx"] = KernelContext(
-                pl, coord,
-                tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
-                tuple(shard_box(m.shape, pl.shape, nd, coord)
-                      for m, nd in zip(choice.out_metas, choice.outs)),
-                choice.ins, choice.outs, tuple(t._shape for t in tensors))
+            attrs["ctx"] = ctx
         result = op.kernel(*local_args, **attrs)
         multi = isinstance(result, (tuple, list))
         if not multi and not detach:  # the common case: one output
@@ -544,7 +549,7 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     out_keys = tuple(_intern_layout(m.shape, m.dtype, nd)
                      for m, nd in zip(choice.out_metas, choice.outs))
     moves = any(t._sbp != nd for t, nd in zip(tensors, choice.ins))
-    return choice, get_op(name), detaches(choice.outs), out_keys, moves
+    return choice, get_op(name), detaches(choice.outs), out_keys, moves, {}
 
 
 # Ops that torch's autocast runs in the lower precision. Output metadata comes from meta

@@ -149,10 +149,10 @@ def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: int | None
 def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> GlobalTensor:
-    """Cross-entropy of ``input`` logits whose LAST axis is the class axis, against integer
-    ``target`` of the leading shape: (N, C) with (N,), or (B, T, C) with (B, T) — the latter
-    equals ``torch.nn.functional.cross_entropy(input.view(-1, C), target.view(-1))`` (note: for
-    inputs of 3 or more dims torch itself takes axis 1 as the class axis; sbpflow takes the last).
+    """Cross-entropy of ``input`` logits against integer class ``target``, with torch's shapes:
+    logits (C,), (N, C) or (N, C, d1, ...) — the class axis is axis 1 from two dims on — and
+    target (), (N,) or (N, d1, ...). Equals ``torch.nn.functional.cross_entropy`` for the same
+    arguments (for 3-D+ logits the class axis is moved last first, a local permute).
 
     Works for every layout: batch-split logits stay split until the final sum; class-split logits
     (model-parallel softmax) all-reduce only the max and the exp-sum of each row, and the target
@@ -167,9 +167,19 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
                          f"{reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if input.ndim >= 3:  # torch: (N, C, d1, ...); classes last is the form computed below
+        expect = (input.shape[0],) + tuple(input.shape[2:])
+        if tuple(target.shape) != expect:
+            raise ShapeError(f"cross_entropy: logits of shape {tuple(input.shape)} (classes on "
+                             f"axis 1, as torch) need a target of shape {expect}, got "
+                             f"{tuple(target.shape)} (placement {input.placement}, sbp "
+                             f"{input.sbp}); for (B, T, C) logits pass "
+                             f"logits.reshape(-1, C) and target.reshape(-1)")
+        input = input.permute(0, *range(2, input.ndim), 1)
     if input.ndim < 1 or tuple(target.shape) != tuple(input.shape[:-1]):
         raise ShapeError(f"cross_entropy: target of shape {tuple(target.shape)} does not match "
-                         f"logits of shape {tuple(input.shape)} (classes on the last axis)")
+                         f"logits of shape {tuple(input.shape)} (placement {input.placement}, "
+                         f"sbp {input.sbp})")
     if target.dtype.is_floating_point:
         raise NotImplementedError("cross_entropy: only integer class targets are supported "
                                   "(not class probabilities)")

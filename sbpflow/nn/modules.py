@@ -611,7 +611,7 @@ class Softmax(Module):
 
 
 class CrossEntropyLoss(Module):
-    """``F.cross_entropy`` as a module (classes on the LAST axis of the logits); ``weight``: an
+    """``F.cross_entropy`` as a module (torch's shapes: classes on axis 1); ``weight``: an
     optional global (C,) tensor of class weights, kept as a buffer as torch does."""
 
     def __init__(self, weight: GlobalTensor | None = None, ignore_index: int = -100,

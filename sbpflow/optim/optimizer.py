@@ -149,7 +149,9 @@ class Optimizer(torch.optim.Optimizer):
 
     A subclass sets ``linear_update`` (whether its update may run on partial-sum shards) and
     implements ``_update(p, grad_local, state, group)``, which runs on local shards under
-    ``torch.no_grad`` with ``grad_local`` already in ``p``'s layout."""
+    ``torch.no_grad`` with ``grad_local`` already in ``p``'s layout; or, to update a group's
+    parameters together (multi-tensor kernels), ``_update_group(params, grads, states, group)``
+    with lists of the parameters that have a gradient, their local gradients and states."""
 
     linear_update = False
     # start the all-reduces of data-parallel gradients during backward (from the second step
@@ -255,18 +257,28 @@ class Optimizer(torch.optim.Optimizer):
             self._sync_params = params
         grads = iter(boxed_grads(params))
         for group in self.param_groups:
+            ps, gs = [], []
             for p in group["params"]:
                 g = next(grads)
                 if g is None:
                     continue
                 _forget(p)
-                self._update(p, g.local, self.state[p], group)
+                ps.append(p)
+                gs.append(g.local)
+            if ps:
+                self._update_group(ps, gs, [self.state[p] for p in ps], group)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
 
     def _update(self, p: GlobalTensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
+
+    def _update_group(self, params: list, grads: list, states: list, group: dict) -> None:
+        """Update ``params`` (those of ``group`` with a gradient) from their local gradients;
+        by default one `_update` each."""
+        for p, g, st in zip(params, grads, states):
+            self._update(p, g, st, group)
 
     # -- state dicts -----------------------------------------------------------------------------
     def _indexed(self):

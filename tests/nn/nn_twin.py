@@ -31,6 +31,10 @@ OPTIMIZERS = {
     "adamw": (lambda ps: sf.optim.AdamW(ps, lr=0.02, betas=(0.8, 0.99), amsgrad=True),
               lambda ps: torch.optim.AdamW(ps, lr=0.02, betas=(0.8, 0.99), amsgrad=True,
                                            foreach=False)),
+    # one parameter at a time (sf's multi-tensor update is the default)
+    "adamw-single": (lambda ps: sf.optim.AdamW(ps, lr=0.02, weight_decay=0.05, foreach=False),
+                     lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.05,
+                                                  foreach=False)),
 }
 MAX_NORM = 0.5  # small enough that clipping is active in some steps
 

@@ -152,25 +152,23 @@ def test_layer_norm_composite(ranks):
 # -- cross_entropy --------------------------------------------------------------------------------
 @pytest.mark.parametrize("ranks", MESHES)
 def test_cross_entropy(ranks):
+    """torch's shapes: (N, C) logits with (N,) targets, and (N, C, d) with (N, d)."""
     n, c = 7, 11
     logits2, target2 = _t(n, c) * 3, _ints(c, n, seed=5)
-    logits3, target3 = _t(3, 5, c) * 3, _ints(c, 3, 5, seed=6)
+    logits3, target3 = _t(3, c, 5) * 3, _ints(c, 3, 5, seed=6)
     target3[1, 2] = -100  # ignored, as torch
 
     def ref_fn(reduction):
-        def ref(lg, t):
-            out = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1), reduction=reduction)
-            return out.reshape(t.shape) if reduction == "none" else out
-        return ref
+        return lambda lg, t: F.cross_entropy(lg, t, reduction=reduction)
 
     def body(pl):
-        last2, last3 = S(1), S(2)
+        last2, cls3 = S(1), S(1)  # the class axis
         lay2 = _lay(pl, [(S(0), S(0)), (last2, B), (B, B), (P, B)],
                     [((S(0), last2), (S(0), B)), ((last2, S(0)), (B, S(0))),
                      ((last2, last2), (B, B)), ((B, last2), (B, B)), ((S(0), S(0)), (S(0), S(0)))])
-        lay3 = _lay(pl, [(S(0), S(0)), (S(1), S(1)), (last3, B), (P, B)],
-                    [((S(0), last3), (S(0), B)), ((S(1), S(0)), (S(1), S(0))),
-                     ((last3, S(1)), (B, S(1))), ((P, last3), (B, B))])
+        lay3 = _lay(pl, [(S(0), S(0)), (S(2), S(1)), (cls3, B), (P, B)],
+                    [((S(0), cls3), (S(0), B)), ((S(2), S(0)), (S(1), S(0))),
+                     ((cls3, S(2)), (B, S(1))), ((P, cls3), (B, B))])
         failures = []
         for reduction in ("mean", "sum", "none"):
             ce = lambda lg, t, r=reduction: SF.cross_entropy(lg, t, reduction=r)  # noqa: E731
@@ -192,25 +190,25 @@ def test_cross_entropy(ranks):
 @pytest.mark.parametrize("ranks", MESHES)
 def test_cross_entropy_class_weights_and_label_smoothing(ranks):
     n, c = 7, 11
-    logits, target = _t(3, n, c) * 3, _ints(c, 3, n, seed=5)
+    logits, target = _t(3, c, n) * 3, _ints(c, 3, n, seed=5)   # torch's (N, C, d) form
     target[0, 1] = target[2, 6] = -100
     w = torch.rand(c, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.5
 
     def torch_ce(lg, t, wt, reduction, eps, weighted):
-        out = F.cross_entropy(lg.reshape(-1, c), t.reshape(-1), weight=wt if weighted else None,
-                              reduction=reduction, label_smoothing=eps)
-        return out.reshape(t.shape) if reduction == "none" else out
+        return F.cross_entropy(lg, t, weight=wt if weighted else None, reduction=reduction,
+                               label_smoothing=eps)
 
     def ref_fn(reduction, eps, weighted):
         """torch's formula written out, so the weight's gradient has a reference too (torch's
         kernel is not differentiable in ``weight``); checked equal to torch's kernel below."""
         def ref(lg, t, wt):
-            logp = torch.log_softmax(lg, -1)
+            logp = torch.log_softmax(lg, 1)
             valid = (t != -100).to(lg.dtype)
             tc = t.clamp(min=0)
             w_rows = (wt[tc] if weighted else 1.0) * valid
-            nll = -logp.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
-            smooth = -(logp * (wt if weighted else 1.0)).sum(-1) * valid
+            nll = -logp.gather(1, tc.unsqueeze(1)).squeeze(1)
+            wc = wt.view(1, c, 1) if weighted else 1.0
+            smooth = -(logp * wc).sum(1) * valid
             loss = (1 - eps) * nll * w_rows + eps / c * smooth
             if reduction == "none":
                 return loss
@@ -220,9 +218,9 @@ def test_cross_entropy_class_weights_and_label_smoothing(ranks):
         return ref
 
     def body(pl):
-        lay = _lay(pl, [(S(0), S(0), B), (S(2), B, S(0)), (B, B, B), (S(1), S(1), B)],
-                   [((S(0), S(2)), (S(0), B), (B, S(0))), ((S(2), S(1)), (B, S(1)), (S(0), B)),
-                    ((S(2), S(2)), (B, B), (B, B)), ((S(1), B), (S(1), B), (B, B))])
+        lay = _lay(pl, [(S(0), S(0), B), (S(1), B, S(0)), (B, B, B), (S(2), S(1), B)],
+                   [((S(0), S(1)), (S(0), B), (B, S(0))), ((S(1), S(2)), (B, S(1)), (S(0), B)),
+                    ((S(1), S(1)), (B, B), (B, B)), ((S(2), B), (S(1), B), (B, B))])
         failures = []
         for reduction in ("mean", "sum", "none"):
             for eps, weighted in ((0.2, False), (0.0, True), (0.2, True)):
@@ -236,6 +234,8 @@ def test_cross_entropy_class_weights_and_label_smoothing(ranks):
             SF.cross_entropy(x, t, weight=sf.tensor(w[:5], pl, (B,) * pl.ndim))
         with pytest.raises(ValueError, match="label_smoothing"):
             SF.cross_entropy(x, t, label_smoothing=1.5)
+        with pytest.raises(sf.SbpError, match=r"classes on axis 1.*reshape\(-1, C\)"):
+            SF.cross_entropy(x.permute(0, 2, 1), t)   # (B, T, C) logits: torch's error too
         return failures
 
     assert not _launch(ranks, body)
