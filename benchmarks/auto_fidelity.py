@@ -40,7 +40,11 @@ so that model variants can be re-priced offline against the same measurements.
 The calibrated cluster carries per-kind ``(alpha, beta, overhead)`` fits, a strided-copy cost
 and a per-step software cost (`sf.cost.Cluster`); the machine the numbers come from is shared
 and small (measured-vs-measured tau between two runs is itself ~0.7-0.95), so compare several
-runs rather than one.
+runs rather than one. With ``--per-step`` the last line is the tau of an *oracle* additive
+model, which prices every redistribution at its own time measured alone: on 4 processes
+sharing 2 cores a strategy's redistributions run back to back cost 0.87-1.23x the sum of their
+times alone (skew and wake-up delays pile up differently per sequence), so no per-step model
+ranks above that ceiling (0.82 in the run of 2026-11-23, when evaluate's own tau was 0.87).
 
     python benchmarks/auto_fidelity.py              # 4 gloo processes, ~30 s
     python benchmarks/auto_fidelity.py --threads    # 8 threads ranks in this process, ~15 s
@@ -173,6 +177,12 @@ def transitions(graph, strategy) -> list[tuple]:
         out.append((f"{graph.layers[u].name}->{graph.layers[v].name} bwd", shape, b.mesh,
                     dual_nd(b_in), a.mesh, dual_nd(a.output)))
     return [t for t in out if not (t[2] == t[4] and tuple(t[3]) == tuple(t[5]))]
+
+
+def _key(tr) -> tuple:
+    """A transition ``(shape, src_mesh, src_nd, dst_mesh, dst_nd)`` as a hashable key."""
+    shape, sm, snd, dm, dnd = tr
+    return (tuple(shape), tuple(sm), format_nd_sbp(snd), tuple(dm), format_nd_sbp(dnd))
 
 
 def transitions_key(graph, strategy):
@@ -364,12 +374,20 @@ def main(argv=None) -> int:
         print(f"\nper redistribution, timed alone (median of {args.rounds}, slowest rank):")
         print(f"{'transition':<44}{'evaluate ms':>12}{'planner ms':>11}{'measured ms':>12}"
               f"{'meas/eval':>10}  evaluate steps / planner steps")
+        alone = {}
         for k, r in enumerate(out["step_rows"]):
             rounds = zip(*[(out["step_times"][k] if q == 0 else res[q][1][k]) for q in range(p)])
             m = statistics.median(max(rt) for rt in rounds)
+            alone[_key(out["step_transitions"][k])] = m
             print(f"{r['what']:<44}{r['evaluate'] * 1e3:>12.3f}{r['planner'] * 1e3:>11.3f}"
                   f"{m * 1e3:>12.3f}{m / r['evaluate'] if r['evaluate'] else float('nan'):>10.2f}"
                   f"  {r['kinds']} / {r['plan']}")
+        # the best an additive model can do: every redistribution priced at its own measured
+        # time alone, summed per strategy
+        oracle = [sum(alone[_key(t)] for t in trs) for trs in out["transitions"]]
+        print(f"\nKendall tau, sum of the redistributions timed alone vs the strategy measured "
+              f"whole: {kendall_tau(oracle, meas):.3f} (an additive model with exact per-step "
+              f"prices; the ceiling for evaluate's tau on this machine)")
     print(f"wall time {wall:.1f} s")
     if args.save:
         import pickle

@@ -11,8 +11,17 @@ reduce_scatter  one rank's input   ``(p-1)·α + (p-1)/p·n·β``               
 all_reduce      one rank's input   ``2(p-1)·α + 2(p-1)/p·n·β``                     ring (RS+AG)
 all_to_all      one rank's input   ``(p-1)·α + (p-1)/p·n·β``                       pairwise
 broadcast       the message        ``min(L·(α+n·β), (L+p-1)·α + 2(p-1)/p·n·β)``    see below
-p2p             the message        ``α + n·β``                                     direct
+p2p             one message        ``(p-1)·(α + n·β)`` (each rank: p-1 messages)   direct
 ==============  =================  ==============================================  ============
+
+``p2p`` on ``p`` ranks is one exchange call in which every rank sends a message of ``n`` bytes to
+each of the ``p-1`` others and receives one from each (``p = 2``: one message each way,
+``α + n·β``). Messages to different peers are posted together but share the rank's link, so
+they count one after another; a per-kind fit's overhead ``o`` is the call's cost. Measured over
+several ``p`` (calibration), ``o`` and the per-message ``α`` come apart, which a boxing
+``transfer`` needs: its busiest rank may exchange with one peer or with many. A rank's sends
+and receives are taken to overlap (full-duplex links): a transfer costs its busiest rank's
+larger direction.
 
 A variant may replace a kind's formula when a per-kind fit names it: ``direct`` all-reduce,
 ``(p-1)·α + (p-1)·n·β`` (every rank receives and reduces every other rank's whole tensor).
@@ -57,7 +66,7 @@ _LINEAR = {  # kind -> (messages(p), per-rank bytes factor(p)) of the linear (no
     "reduce_scatter": (lambda p: p - 1, lambda p: (p - 1) / p),
     "all_to_all": (lambda p: p - 1, lambda p: (p - 1) / p),
     "all_reduce": (lambda p: 2 * (p - 1), lambda p: 2 * (p - 1) / p),
-    "p2p": (lambda p: 1, lambda p: 1.0),
+    "p2p": (lambda p: p - 1, lambda p: float(p - 1)),
 }
 
 
@@ -68,8 +77,6 @@ def _check(kind: str, nbytes: float, p: int) -> None:
         raise CostError(f"{kind}: nbytes must be a number >= 0, got {nbytes!r}")
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise CostError(f"{kind}: group size must be a positive int, got {p!r}")
-    if kind == "p2p" and p > 2:
-        raise CostError(f"p2p is between 2 ranks, got a group of {p}")
 
 
 # Algorithm variants: (kind, name) -> (messages(p), per-rank bytes factor(p)). "direct"

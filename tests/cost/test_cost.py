@@ -45,6 +45,8 @@ def test_formula_values_and_edge_cases():
     assert c.collective_time("all_gather", 4000, [0, 1, 2, 3]) == pytest.approx(6e-6)
     assert c.collective_time("all_reduce", 4000, [0, 1, 2, 3]) == pytest.approx(12e-6)
     assert c.collective_time("p2p", 4000, (0, 5)) == pytest.approx(A + 4000 * BETA)
+    # an exchange among 4: each rank sends a message to each of the 3 others
+    assert c.collective_time("p2p", 4000, [0, 1, 2, 3]) == pytest.approx(3 * (A + 4000 * BETA))
     # large broadcast: scatter + ring all-gather, (log2 p + p - 1) a + 2 (p-1)/p n b
     n = 4_000_000
     assert c.collective_time("broadcast", n, range(4)) == pytest.approx(5 * A + 1.5 * n * BETA)
@@ -191,7 +193,7 @@ def test_fit_recovers_alpha_beta_from_noisy_synthetic_timings(alpha, beta):
     link = Link(alpha, beta)
     samples = []
     for kind in MEASURED_KINDS:
-        for p in ((2,) if kind == "p2p" else (2, 4, 8)):
+        for p in (2, 4, 8):
             for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24):
                 t = sf.cost.collective_time(kind, n, p, link)
                 samples.append((kind, p, n, t * (1 + rng.gauss(0, 0.03))))
@@ -271,6 +273,6 @@ def test_calibrate_gloo(tmp_path, capsys):
     c = Cluster.load(path)
     report = json.loads(path.read_text())["calibration"]
     assert report["backend"] == "torch" and c.world_size == 4
-    # group sizes 2 and 4, 4 collective kinds, 2 sizes; p2p on pairs only
-    assert len(report["samples"]) == 2 * 4 * 2 + 2
+    # group sizes 2 and 4, 5 kinds (p2p included), 2 sizes
+    assert len(report["samples"]) == 2 * 5 * 2
     assert c.intra.alpha >= 0 and c.intra.beta >= 0 and c.intra.alpha + c.intra.beta > 0
