@@ -652,8 +652,17 @@ def _squeeze_method(self, dim=None):
 GlobalTensor.reshape = _reshape_method
 GlobalTensor.view = _reshape_method
 GlobalTensor.squeeze = _squeeze_method
-GlobalTensor.__getitem__ = lambda self, index: apply_op(
-    "getitem", self, index=_encode_index(index, f"indexing a tensor of {_describe(self)}"))
+
+
+def _getitem_method(self, index):
+    try:
+        encoded = _encode_index(index)
+    except SbpError:  # again, naming the tensor (described only when needed: it costs)
+        encoded = _encode_index(index, f"indexing a tensor of {_describe(self)}")
+    return apply_op("getitem", self, index=encoded)
+
+
+GlobalTensor.__getitem__ = _getitem_method
 GlobalTensor.split = lambda self, split_size, dim=0: apply_op("split", self, split_size=split_size,
                                                               dim=dim)
 GlobalTensor.chunk = lambda self, chunks, dim=0: apply_op("chunk", self, chunks=chunks, dim=dim)

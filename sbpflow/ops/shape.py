@@ -320,7 +320,10 @@ def encode_index(index, describe: str = "getitem") -> tuple:
 
 def decode_index(index) -> tuple:
     """A torch basic index from an encoded (or plain) one."""
-    items = encode_index(index)
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(it is None or it is Ellipsis or isinstance(it, Slice) or
+               (type(it) is int) for it in items):
+        items = encode_index(items)   # a plain index: validate it
     return tuple(it.to_slice() if isinstance(it, Slice) else it for it in items)
 
 
