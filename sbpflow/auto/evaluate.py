@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
+
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps"]
@@ -129,60 +131,85 @@ def _valid(state, new, dims) -> bool:
 
 
 _TRANSFER_MAX_RANKS = 256
-def _intervals(fine, nd, coord, ndim):
-    """Per tensor axis, the [lo, hi) fraction of the axis a rank at ``coord`` holds."""
-    iv = [(0.0, 1.0)] * ndim
-    for s, m, c in zip(nd, fine, coord):
-        if isinstance(s, Split):
-            lo, hi = iv[s.axis]
-            w = (hi - lo) / m
-            iv[s.axis] = (lo + c * w, lo + (c + 1) * w)
-    return iv
 
 
-@lru_cache(maxsize=1 << 14)
+def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
+    rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
+    coords = np.array(list(itertools.product(*[range(m) for m in fine])), dtype=np.float64)
+    lo = np.zeros((len(coords), ndim))
+    hi = np.ones((len(coords), ndim))
+    for d, (x, m) in enumerate(zip(nd, fine)):
+        if isinstance(x, Split):
+            w = (hi[:, x.axis] - lo[:, x.axis]) / m
+            lo[:, x.axis] += coords[:, d] * w
+            hi[:, x.axis] = lo[:, x.axis] + w
+    return lo, hi
+
+
 def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
-    """``(elements, messages)`` of the busiest receiver when a partial-free ``src`` layout is
-    sent point to point into ``dst`` (the boxing planner's transfer step): a rank receives the
-    part of its destination box it does not hold, one message from each rank whose source box
-    overlaps it (one holder per distinct source region). A non-first rank of a ``P(sum)``
-    destination dim receives nothing (it holds zeros). None on meshes of more than
+    """What the receivers get when a partial-free ``src`` layout is sent point to point into
+    ``dst`` (the boxing planner's transfer step): a rank receives the part of its destination
+    box it does not hold, one message from each rank whose source box overlaps it (one holder
+    per distinct source region); a non-first rank of a ``P(sum)`` destination dim receives
+    nothing (it holds zeros). Returns ``(elements, loads)``: the most elements a rank
+    receives, and the ``(elements, messages)`` of every receiver not dominated by another (the
+    busiest in time is one of them, whatever alpha and beta are). None on meshes of more than
     ``_TRANSFER_MAX_RANKS`` ranks (too many boxes to enumerate in a search)."""
-    world = math.prod(fine)
-    if world > _TRANSFER_MAX_RANKS:
+    t = _transfer_fraction(fine, src, dst, len(shape))
+    if t is None:
         return None
-    nd, numel = len(shape), math.prod(shape)
-    coords = list(itertools.product(*[range(m) for m in fine]))
-    regions = {tuple(_intervals(fine, src, c, nd)) for c in coords}
-    worst = (0.0, 0)
-    for c in coords:
-        if any(isinstance(x, Partial) and c[j] != 0 for j, x in enumerate(dst)):
-            continue
-        want = _intervals(fine, dst, c, nd)
-        have = tuple(_intervals(fine, src, c, nd))
-        elems, msgs = 0.0, 0
-        for reg in regions:
-            frac = 1.0
-            for (a, b), (x, y) in zip(reg, want):
-                frac *= max(0.0, min(b, y) - max(a, x))
-            if frac <= 1e-12 or reg == have:
-                continue
-            # the part of the overlap this rank already holds needs no message
-            own = 1.0
-            for (a, b), (x, y), (u, v) in zip(reg, want, have):
-                own *= max(0.0, min(b, y, v) - max(a, x, u))
-            if frac - own <= 1e-12:
-                continue
-            elems += (frac - own) * numel
-            msgs += 1
-        worst = max(worst, (elems, msgs))
-    return worst
+    n = math.prod(shape)
+    return max((f for f, _ in t), default=0.0) * n, tuple((f * n, m) for f, m in t)
+
+
+@lru_cache(maxsize=1 << 16)
+def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
+    """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
+    that). The distinct source boxes tile the tensor as a grid, the product over axes of
+    each axis's equal parts (as many as the product of the mesh dims splitting it), so for a
+    receiver whose destination box is ``want`` and own source box ``have``: the elements it
+    lacks are ``|want| - |want ∩ have|`` and its messages are the grid cells ``want`` meets,
+    less its own cell if ``want`` meets it; both factor over axes. Every rank at once, as
+    arrays."""
+    if math.prod(fine) > _TRANSFER_MAX_RANKS:
+        return None
+    slo, shi = _boxes(fine, src, ndim)
+    dlo, dhi = _boxes(fine, dst, ndim)
+    parts = np.ones(ndim)
+    for x, m in zip(src, fine):
+        if isinstance(x, Split):
+            parts[x.axis] *= m
+    eps = 1e-9
+    # per rank and axis: the source cells the destination interval meets
+    first = np.floor(dlo * parts + eps)
+    last = np.ceil(dhi * parts - eps)
+    cells = np.maximum(last - first, 0.0).prod(axis=1)
+    inter = np.clip(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0.0, None)
+    meets_own = (inter > eps / parts).all(axis=1)
+    elems = (dhi - dlo).prod(axis=1) - inter.prod(axis=1)
+    msgs = cells - meets_own
+    receives = np.ones(len(slo), dtype=bool)   # a non-first rank of a P dst dim holds zeros
+    coords = np.array(list(itertools.product(*[range(m) for m in fine])))
+    for d, x in enumerate(dst):
+        if isinstance(x, Partial):
+            receives &= coords[:, d] == 0
+    need = receives & (elems > 1e-12)
+    # the Pareto front of (elements, messages), elements compared to rounding
+    loads = sorted({(round(float(e), 12), int(round(m))) for e, m in zip(elems[need],
+                                                                           msgs[need])})
+    front: list = []
+    for e, m in reversed(loads):          # most elements first
+        if not front or m > front[-1][1]:
+            front.append((e, m))
+    return tuple(front)
 
 
 @lru_cache(maxsize=1 << 18)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """`redistribution_steps` with two more fields a record: ``copy`` (elements a rank copies
-    to cut non-contiguous pieces) and ``messages`` (transfers only)."""
+    to cut non-contiguous pieces) and ``loads`` (transfers only: the receivers' ``(elements,
+    messages)`` of `_transfer`)."""
     steps = _fixed_order(shape, src_mesh, src, dst_mesh, dst)
     if not any(r[0] == "nested" for r in steps):
         return steps
@@ -212,9 +239,9 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
         t = _transfer(shape, fine, mid, d)
         if t is None:
             return tuple(r if r[0] != "nested" else ("all_to_all",) + r[1:] for r in steps)
-        elems, msgs = t
-        rec = pre + ([("transfer", fine, tuple(range(len(fine))), elems, 0.0, msgs)]
-                     if msgs else [])
+        elems, loads = t
+        rec = pre + ([("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
+                     if loads else [])
         # the planner's choice: fewest bytes (per device here)
         vol = sum(r[3] if r[0] == "transfer" else
                   _PER_DEVICE[r[0]](math.prod(fine[j] for j in r[2])) * r[3] for r in rec)
@@ -357,8 +384,8 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
       strided views: the input of a reduce-scatter / all-to-all cut along an axis that is not
       the leading one of the local shard (``prod(local_shape[:axis]) > 1``), the output of an
       all-gather / all-to-all assembled along such an axis;
-    * a transfer (nested splits, below): ``o + m·α + n·β`` with the p2p fit, ``n`` the bytes
-      and ``m`` the messages of the busiest receiver.
+    * a transfer (nested splits, below): ``o + m·α + n·β`` with the p2p fit for the busiest
+      receiver, ``n`` the bytes and ``m`` the messages it receives.
     """
     t = b = 0.0
     for kind, fine, dims, numel, copy, msgs in _plan(tuple(shape), tuple(src_mesh), tuple(src),
@@ -372,7 +399,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
         if kind == "transfer":
             b += nbytes
             if cluster is not None:
-                t += micro_batches * _transfer_time(cluster, nbytes / micro_batches, msgs, fine)
+                t += micro_batches * max(
+                    _transfer_time(cluster, e * itemsize / micro_batches, m, fine)
+                    for e, m in msgs)
             continue
         b += _PER_DEVICE[kind](g) * nbytes
         if cluster is not None:
