@@ -1,6 +1,6 @@
 """Search quality and speed of `sf.auto.search` (AutoDDL-style strategy search).
 
-    .venv/bin/python benchmarks/auto_search.py           # ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/auto_search.py           # ~19 minutes on 2 cores
     .venv/bin/python benchmarks/auto_search.py --quick   # a few minutes, smaller cases
 
 (Most of the time is pricing edge-table entries: every entry is one analytic redistribution,
@@ -191,7 +191,7 @@ def experts(configs, budget_s: float, seq: int = 2048, seed: int = 0):
     print(f"\n## 4. against experts: Megatron-LM paper GPTs (seq {seq}), cd budget {budget_s:g} s; "
           "same memory limit (80 GiB/device) and micro-batches for both")
     hdr = (f"{'model':<8}{'devices':>8}{'micro':>6}{'best Megatron':>15}{'Meg comm ms':>13}"
-           f"{'found comm ms':>15}{'comm ratio':>12}{'Meg GB':>9}{'found GB':>10}"
+           f"{'found comm ms':>15}{'comm ratio':>12}{'Meg GB/dev':>11}{'found GB/dev':>13}"
            f"{'step ratio':>12}{'wall s':>8}")
     print(hdr)
     print("-" * len(hdr))
@@ -208,10 +208,11 @@ def experts(configs, budget_s: float, seq: int = 2048, seed: int = 0):
         fb = r.breakdown
         print(f"{name:<8}{p:>8}{m:>6}{f'tp{tp} x dp{p // tp}':>15}{mb.comm_time * 1e3:>13.1f}"
               f"{fb.comm_time * 1e3:>15.1f}{fb.comm_time / mb.comm_time:>12.3f}"
-              f"{mb.bytes / 1e9:>9.2f}{fb.bytes / 1e9:>10.2f}{fb.time / mb.time:>12.3f}"
+              f"{mb.bytes / 1e9:>11.2f}{fb.bytes / 1e9:>13.2f}{fb.time / mb.time:>12.3f}"
               f"{t:>8.1f}" + ("" if r.fits else "  (over memory)"))
     print("comm ratio = found / best Megatron predicted communication time (< 1: found is "
-          "better); step ratio includes compute; cd starts from the best Megatron")
+          "better); GB/dev: bytes each device sends per step; step ratio includes compute; "
+          "cd starts from the best Megatron")
 
 
 def main(argv=None) -> int:

@@ -22,12 +22,33 @@ def _run_threads(script: str, argv: list[str], n: int) -> None:
 
 
 _FAIL_GRACE = 5.0  # s the other ranks get to report their own error after one rank fails
+_EXIT_COMM = 3     # a rank's exit code when it failed in a collective (often another's effect)
+
+
+def _rank_main() -> None:
+    """Body of one ``sbpflow run --backend torch`` process: join the world, run the script.
+    A `CommError` (a collective failed: usually because another rank died) exits with
+    `_EXIT_COMM`, so the launcher can tell the root cause from its consequences."""
+    import traceback
+
+    from . import comm
+    from .errors import CommError
+    comm.init()
+    sys.argv = sys.argv[1:]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except CommError:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(_EXIT_COMM)
 
 
 def _run_torch(script: str, argv: list[str], n: int) -> int:
     """torchrun-like: n processes on localhost, each joins the gloo world then runs the script.
     When a rank exits with an error the others are stopped (after `_FAIL_GRACE` s, time for
-    their own messages), as torchrun does, instead of waiting in collectives until timeout."""
+    their own messages), as torchrun does, instead of waiting in collectives until timeout.
+    The report names the root cause: a rank that failed other than in a collective, else the
+    first rank seen to fail."""
     import socket
     import time
     with socket.socket() as s:
@@ -38,21 +59,24 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n ranks x all cores thrash
-        code = ("import runpy, sys, sbpflow as sf; sf.init(); sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        code = "from sbpflow.cli import _rank_main; _rank_main()"
         procs.append(subprocess.Popen([sys.executable, "-c", code, script] + argv, env=env))
     stop_at = None
+    seen_failing: list[int] = []   # ranks in the order their failure was seen
+    stopped: set = set()
     try:
         while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed and stop_at is None:
+            seen_failing += [r for r, p in enumerate(procs)
+                             if p.returncode not in (None, 0) and r not in seen_failing]
+            if seen_failing and stop_at is None:
                 stop_at = time.monotonic() + _FAIL_GRACE
             if stop_at is not None and time.monotonic() >= stop_at:
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.poll() is None:
+                stopped.add(r)
                 p.terminate()
         for p in procs:
             try:
@@ -60,13 +84,19 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    codes = [p.returncode for p in procs]
-    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-    if bad:
-        print(f"sbpflow run: rank(s) {[r for r, _ in bad]} exited with {[c for _, c in bad]}",
-              file=sys.stderr)
-        return 1
-    return 0
+    seen_failing += [r for r, p in enumerate(procs)
+                     if p.returncode != 0 and r not in seen_failing and r not in stopped]
+    if not seen_failing:
+        return 0
+    root = next((r for r in seen_failing if procs[r].returncode != _EXIT_COMM), seen_failing[0])
+    others = [r for r in seen_failing if r != root]
+    msg = f"sbpflow run: rank {root} failed (exit code {procs[root].returncode})"
+    if others:
+        msg += f"; rank(s) {others} failed after it"
+    if stopped:
+        msg += f"; rank(s) {sorted(stopped)} were stopped"
+    print(msg, file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,7 @@ def test_run_torch_backend_stops_the_other_ranks_when_one_fails(tmp_path):
                          cwd=ROOT, env=dict(os.environ, SBPFLOW_TIMEOUT="100"))
     assert res.returncode == 1
     assert "ValueError: rank one is broken" in res.stderr
-    assert "sbpflow run: rank(s) [" in res.stderr and "1" in res.stderr.split("rank(s)")[1]
+    assert "sbpflow run: rank 1 failed (exit code 1)" in res.stderr
     assert time.monotonic() - t0 < 60
 
 
@@ -111,4 +111,5 @@ def test_calibrate_command_writes_a_cluster_file(tmp_path, capsys):
                  "--sizes", "4096,65536", "--group-sizes", "2", "--repeats", "2"]) in (0, None)
     import sbpflow as sf
     c = sf.cost.Cluster.load(str(out))
-    assert c.world_size == 2 and c.intra.alpha >= 0 and c.intra.beta > 0
+    # a 2-size, 2-repeat fit on threads may put all the time in alpha (beta clamped at 0)
+    assert c.world_size == 2 and min(c.intra) >= 0 and c.intra.alpha + c.intra.beta > 0

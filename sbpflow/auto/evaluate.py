@@ -32,8 +32,8 @@ the same tensor axis (nested splits, also created by refining meshes), the redis
 priced as the planner performs it: partial dims reduced on the source devices (all-reduce or
 reduce-scatter, the choice that moves fewest bytes), then a point-to-point ``"transfer"`` in
 which every rank receives the part of its destination box it does not hold, one message per
-overlapping source region (on meshes of up to 256 ranks; above that, an all-to-all estimate:
-enumerating the boxes would slow a search down). Where the planner finds a chain of collectives
+overlapping source region (on meshes of up to 256 ranks; above that each such move is priced as
+the collective the fixed order would use, an estimate that keeps a search fast). Where the planner finds a chain of collectives
 moving no more bytes than that transfer it takes the chain instead, and this price is then an
 estimate (tested equal to the planner's on the transfers it builds). Seconds also include
 local copies through strided views and a per-step software cost when the cluster has them
@@ -152,7 +152,7 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     ``dst`` (the boxing planner's transfer step): a rank receives the part of its destination
     box it does not hold, one message from each rank whose source box overlaps it (one holder
     per distinct source region); a non-first rank of a ``P(sum)`` destination dim receives
-    nothing (it holds zeros). Returns ``(elements, loads)``: the most elements a rank
+    nothing (it holds zeros; a ``P(max)`` / ``P(min)`` one holds a copy, so it does receive). Returns ``(elements, loads)``: the most elements a rank
     receives, and the ``(elements, messages)`` of every receiver not dominated by another (the
     busiest in time is one of them, whatever alpha and beta are). None on meshes of more than
     ``_TRANSFER_MAX_RANKS`` ranks (too many boxes to enumerate in a search)."""
@@ -189,10 +189,10 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     meets_own = (inter > eps / parts).all(axis=1)
     elems = (dhi - dlo).prod(axis=1) - inter.prod(axis=1)
     msgs = cells - meets_own
-    receives = np.ones(len(slo), dtype=bool)   # a non-first rank of a P dst dim holds zeros
+    receives = np.ones(len(slo), dtype=bool)   # a non-first rank of a P(sum) dim holds zeros
     coords = np.array(list(itertools.product(*[range(m) for m in fine])))
     for d, x in enumerate(dst):
-        if isinstance(x, Partial):
+        if isinstance(x, Partial) and x.op == "sum":
             receives &= coords[:, d] == 0
     need = receives & (elems > 1e-12)
     # the Pareto front of (elements, messages), elements compared to rounding
@@ -237,8 +237,8 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
             pre.append((kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy, 0))
         t = _transfer(shape, fine, mid, d)
-        if t is None:
-            return tuple(r if r[0] != "nested" else ("all_to_all",) + r[1:] for r in steps)
+        if t is None:  # too many ranks to enumerate: each move priced as its own collective
+            return tuple(r if r[0] != "nested" else (r[5],) + r[1:5] + (0,) for r in steps)
         elems, loads = t
         rec = pre + ([("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
                      if loads else [])
@@ -289,8 +289,10 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
             for j in dims:
                 new[j] = d[j]
             if not _valid(state, new, dims):
+                # the last field: the collective the move would be (a local slice whose part
+                # is held by others: an all-to-all), the price of last resort (`_plan`)
                 steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)),
-                              0.0, 0))
+                              0.0, kind or "all_to_all"))
                 state[:] = new
                 return
         if kind is None:
@@ -326,7 +328,8 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
         if isinstance(state[j], Broadcast) and isinstance(d[j], Split) and \
                 later_split(j, d[j].axis) and j not in moved:
             dims = (j,) + tuple(k for k in later_split(j, d[j].axis) if k not in moved)
-            steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)), 0.0, 0))
+            steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)), 0.0,
+                          "all_to_all"))
             moved.update(dims)
     for j in moved:
         if isinstance(state[j], Broadcast):
@@ -348,7 +351,7 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
         state[:] = new
         piece = _piece(numel, fine, state, set(dims))
         steps.append(("all_gather", fine, dims, piece, piece if strided else 0.0, 0)
-                     if valid else ("nested", fine, dims, piece, 0.0, 0))
+                     if valid else ("nested", fine, dims, piece, 0.0, "all_gather"))
     phase(None, lambda a, b: a != b)  # S -> P: local
     return tuple(steps)
 
@@ -416,8 +419,10 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
 def _transfer_time(cluster, nbytes, msgs, fine):
     """A point-to-point transfer in which the busiest rank receives ``nbytes`` in ``msgs``
     messages: ``o + msgs·α + nbytes·β`` with the p2p parameters of the whole mesh's link class
-    (`Cluster.fit`; ``o`` = 0 without a per-kind fit), as `sbpflow.cost.step_time` prices one
-    transfer step."""
+    (`Cluster.fit`; ``o`` = 0 without a per-kind fit). An estimate of what
+    `sbpflow.cost.step_time` gives the planner's transfer step: that one prices each message
+    on the link of its own pair and takes the larger of a rank's sends and receives (equal on
+    one node, when every rank receives at least what it sends)."""
     ranks = _group_ranks(fine, tuple(range(len(fine))))
     a, b, o, _ = cluster.fit("p2p", ranks[:1] + ranks[-1:])
     return o + msgs * a + nbytes * b

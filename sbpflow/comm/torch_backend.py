@@ -108,14 +108,18 @@ class TorchCommunicator(Communicator):
         return pg
 
     def close(self) -> None:
-        """Shut down the subgroups this communicator created (the default group is
-        `shutdown`'s). Pending work on them is abandoned; call it when no collective runs."""
+        """Drop this communicator's process groups (its subgroups and its reference to the
+        default group, which `shutdown` destroys), so they are torn down now, while the
+        interpreter is alive. Call it when no collective is in flight: gloo waits for queued
+        work (at most the collective timeout) before it lets a group go."""
         groups, self._groups = list(self._groups.values()), {}
+        self.world_pg = None
         for pg in groups:
             try:
                 pg.shutdown()
             except RuntimeError:  # already broken (a peer died): nothing left to release
                 pass
+        del groups
 
     def _wire(self, device: torch.device) -> tuple[torch.device, bool]:
         """Where tensors of ``device`` travel, and whether that is the NCCL backend."""
@@ -318,10 +322,16 @@ def shutdown() -> None:
     """
     global _comm
     if _comm is not None:
+        from .world import current_process, set_current
+        if current_process() is _comm:  # the process-wide reference keeps groups alive
+            set_current(None, process_wide=True)
         _comm.close()
         _comm = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:  # a backend already broken (a peer died): nothing to release
+            pass
 
 
 # -- launch: one new process a rank ------------------------------------------------------------

@@ -15,7 +15,7 @@ from .base import Communicator, CommStats
 from .threads import ThreadCommunicator, ThreadWorld
 
 __all__ = ["current", "rank", "world_size", "launch", "init", "stats", "reset_stats",
-           "is_initialized", "set_current"]
+           "is_initialized", "set_current", "current_process"]
 
 class _RankLocal(threading.local):
     comm: Communicator | None = None  # a class default: reading it never raises (hot path)
@@ -33,6 +33,11 @@ def set_current(comm: Communicator | None, *, process_wide: bool = False) -> Non
         _process = comm
     else:
         _local.comm = comm
+
+
+def current_process() -> Communicator | None:
+    """The process-wide communicator (`init` under torchrun), if any."""
+    return _process
 
 
 def is_initialized() -> bool:

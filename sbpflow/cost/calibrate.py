@@ -125,7 +125,8 @@ def _nnls(a: torch.Tensor, y: torch.Tensor) -> list[float]:
     constrained optimum is the unconstrained optimum of its support, so this is exact)."""
     k = a.shape[1]
     best: tuple | None = None
-    for mask in range(1, 1 << k):
+    # subsets by size, so that a tie (within rounding) keeps the one with fewer parameters
+    for mask in sorted(range(1, 1 << k), key=lambda m: (bin(m).count("1"), m)):
         cols = [j for j in range(k) if mask >> j & 1]
         sub = a[:, cols]
         if torch.linalg.matrix_rank(sub).item() < len(cols):
@@ -223,7 +224,11 @@ def fit_copy(samples: Iterable[Sequence]) -> tuple[float, float]:
     Absolute, not relative, error: small copies stay in cache and cost little either way,
     large ones are memory-bound and are where copies cost time, so the slope should follow them.
     """
-    rows = [(float(n), float(t)) for n, t in samples]
+    try:
+        rows = [(float(n), float(t)) for n, t in samples]
+    except (TypeError, ValueError):
+        raise CostError(f"fit_copy: samples are (nbytes, seconds) pairs, got "
+                        f"{list(samples)!r}") from None
     if len({n for n, _ in rows}) < 2 or any(not (t > 0 and math.isfinite(t)) for _, t in rows):
         raise CostError("fit_copy needs finite positive times at two or more sizes")
     a = torch.tensor([[1.0, n] for n, _ in rows], dtype=torch.float64)

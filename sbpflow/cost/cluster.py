@@ -142,7 +142,13 @@ def _kinds(value: Any) -> tuple:
         for kind, f in table.items():
             if kind not in KINDS:
                 raise CostError(f"Cluster kinds: unknown collective kind {kind!r}; one of {KINDS}")
-            out.append((lc, kind, _fit(f, f"Cluster kinds[{lc!r}][{kind!r}]")))
+            fit = _fit(f, f"Cluster kinds[{lc!r}][{kind!r}]")
+            if fit.algorithm:
+                from .collectives import _VARIANTS
+                if (kind, fit.algorithm) not in _VARIANTS:
+                    raise CostError(f"Cluster kinds[{lc!r}][{kind!r}]: {kind} has no "
+                                    f"{fit.algorithm!r} variant; variants: {sorted(_VARIANTS)}")
+            out.append((lc, kind, fit))
     return tuple(sorted(out))
 
 

@@ -15,8 +15,9 @@ __all__ = ["Adam", "AdamW"]
 
 
 class Adam(Optimizer):
-    """``torch.optim.Adam``'s single-tensor update. ``weight_decay`` is L2 added to the gradient
-    (``decoupled_weight_decay=True``: AdamW's decay of the parameter)."""
+    """``torch.optim.Adam``'s update, multi-tensor (``foreach=False``: one parameter at a
+    time). ``weight_decay`` is L2 added to the gradient (``decoupled_weight_decay=True``:
+    AdamW's decay of the parameter)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,

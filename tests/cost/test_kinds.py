@@ -250,6 +250,33 @@ def test_nested_split_moves_are_priced_as_the_planners_transfer(mesh, src, dst):
     assert redistribution(shape, mesh, src, mesh, dst, 4, plain)[0] > 0
 
 
+def test_nested_moves_above_the_enumeration_limit_keep_their_collective():
+    """On more than 256 ranks a nested move is priced as the collective of the fixed order (an
+    all-gather here: each rank lacks 15/16 of its 1/32 row block), not as a cheaper kind."""
+    shape, mesh, itemsize = (4096, 1024), (16, 32), 4
+    c = Cluster(16, 32, intra=(A, BETA), inter=(A, BETA))
+    _, moved = redistribution(shape, mesh, (S(0), S(0)), mesh, (B, S(0)), itemsize, c)
+    numel = 4096 * 1024
+    assert moved == pytest.approx(15 / 16 * numel / 32 * itemsize)
+    # the same move on 4 x 8 ranks, priced by the exact transfer: rank (0, 1) holds row block
+    # 1 of 32 and wants block 1 of 8 (rows 4..7 of 32), none of which it holds
+    _, small = redistribution(shape, (4, 8), (S(0), S(0)), (4, 8), (B, S(0)), itemsize,
+                              Cluster(4, 8, intra=(A, BETA), inter=(A, BETA)))
+    assert small == pytest.approx(numel / 8 * itemsize)
+
+
+def test_transfer_into_partial_max_is_received_by_every_rank():
+    """A non-first rank of a P(sum) destination holds zeros (receives nothing); of P(max) it
+    holds a copy, so the busiest receiver is the same as for B."""
+    from sbpflow.auto.evaluate import _transfer
+    fine, shape = (2, 2), (8, 8)
+    as_b = _transfer(shape, fine, (S(0), S(0)), (B, S(1)))
+    as_max = _transfer(shape, fine, (S(0), S(0)), (sf.P("max"), S(1)))
+    as_sum = _transfer(shape, fine, (S(0), S(0)), (P, S(1)))
+    assert as_max == as_b and as_sum[0] <= as_b[0]
+    assert _transfer(shape, fine, (S(0), S(0)), (P, B))[0] == 48  # rank (0, *) lacks 3/4
+
+
 # -- calibration of the refinements ---------------------------------------------------------------
 def _calibrate_with_slow_step():
     import time
