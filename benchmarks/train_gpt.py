@@ -57,6 +57,11 @@ def _data(cfg, seed=0):
 
 
 def _sf_step(cfg, layout: str):
+    """One training step of the sbpflow GPT. ``layout``: "dp", "tp", or "dp/sum": data
+    parallel with the loss written as ``cross_entropy(..., reduction="sum") / tokens``, the
+    same value as the mean when no target is ``ignore_index`` (true here) but without the
+    all-reduce of the valid-target count the exact mean needs (DDP's per-rank mean skips it
+    too: it is exact only when every rank has as many valid targets)."""
     pl = sf.placement("cpu", [0, 1, 2, 3])
     GPT = gpt_class(sf.nn, sf.nn.functional)
     sf.manual_seed(0)
@@ -65,12 +70,18 @@ def _sf_step(cfg, layout: str):
     sf.parallel.apply(model, pl, rules)
     opt = sf.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = _data(cfg)
-    data_sbp = sf.S(0) if layout == "dp" else sf.B
+    data_sbp = sf.S(0) if layout.startswith("dp") else sf.B
     xs, ys = sf.tensor(x, pl, data_sbp), sf.tensor(y, pl, data_sbp)
     pos = sf.arange(cfg["seq"], placement=pl, sbp=sf.B)
+    tokens = float(y.numel())
 
     def step():
-        loss = model(xs, pos, ys)
+        if layout == "dp/sum":
+            logits = model(xs, pos)
+            loss = sf.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
+                                                  ys.reshape(-1), reduction="sum") / tokens
+        else:
+            loss = model(xs, pos, ys)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -163,7 +174,8 @@ def _bench(cfg, steps):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
-    for layout, ref_name, ref in [("dp", "DDP", _ddp_step), ("tp", "DTensor TP", _dtensor_tp_step)]:
+    for layout, ref_name, ref in [("dp", "DDP", _ddp_step), ("dp/sum", "DDP", _ddp_step),
+                                  ("tp", "DTensor TP", _dtensor_tp_step)]:
         sf_step, _ = _sf_step(cfg, layout)
         sf_step()
         sf.comm.reset_stats()
@@ -182,6 +194,8 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     """Bytes (summed over ranks) the layouts imply per step (float32)."""
     d, v, L, s, b = cfg["d"], cfg["vocab"], cfg["layers"], cfg["seq"], cfg["batch"]
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
+    if layout == "dp/sum":  # one all-reduce of every gradient
+        return 2 * (n - 1) * params * 4
     if layout == "dp":
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
         # targets: a float32 scalar, so the mean is over the whole batch, as on one device
