@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/auto_search.py --quick   # a few minutes, smaller cases
 
 (Most of the time is pricing edge-table entries: every entry is one analytic redistribution,
-about 0.1-1 ms each; on meshes of at most 64 ranks with nested splits it runs the boxing
-planner.)
+about 0.05-0.5 ms each, nested splits included: their point-to-point transfers are priced
+from per-axis grid counts, up to 256 ranks.)
 
 Sections (all costs are the analytic alpha-beta model on the dgx-a100 preset: 8 devices a node
 on NVLink, 100 Gb/s between nodes, 80 GiB, compute at peak):
