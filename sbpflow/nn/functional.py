@@ -193,6 +193,12 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             raise ShapeError(f"cross_entropy: weight of shape {tuple(weight.shape)} for "
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
+    if weight is None and not label_smoothing and reduction != "none" and \
+            not _split_on(input, (c,)):
+        # the common case in one kernel: the summed row losses and the valid-target count
+        total, count = apply_op("cross_entropy_sum", input, target,
+                                ignore_index=int(ignore_index))
+        return total if reduction == "sum" else total / count
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
     if weight is None and not label_smoothing and not _split_on(input, (c,)):
         # classes whole on every rank: torch's fused kernel per row

@@ -30,6 +30,8 @@ masked_fill_causal     x S(a) for every axis a, B                  same as x (co
                                                                         global row/col indices)
 row_cross_entropy      logits S(a), target S(a), a < n - 1         S(a)  (classes whole)
                        logits B, target B                          B
+cross_entropy_sum      logits S(a), target S(a), a < n - 1         P, P  (summed row losses and
+                       logits B, target B                          B, B   count of valid targets)
 attention              q, k, v S(a), a a batch / head axis         S(a)  (torch's fused kernel;
                        q, k, v B                                   B     other layouts: composed)
 pick_class             logits S(a), target S(a), a < n - 1         S(a)
@@ -55,7 +57,8 @@ from .registry import Signature, TensorMeta, register
 
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
-           "row_cross_entropy_signatures", "pick_class_signatures"]
+           "row_cross_entropy_signatures", "cross_entropy_sum_signatures",
+           "pick_class_signatures"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -217,6 +220,30 @@ def _row_cross_entropy(logits, target, ignore_index=-100):
 
 register("row_cross_entropy", _row_cross_entropy, row_cross_entropy_signatures,
          doc="torch's fused cross-entropy of each row (classes on the last axis, not split)")
+
+
+def cross_entropy_sum_signatures(logits: TensorMeta, target: TensorMeta,
+                                 ignore_index: int = -100) -> list[Signature]:
+    # summing rows split on an axis leaves partial sums; replicated rows give replicated sums
+    sigs = [Signature([f"S({a})"] * 2, ["P", "P"]) for a in range(logits.ndim - 1)]
+    sigs.append(Signature(["B", "B"], ["B", "B"]))
+    return sigs
+
+
+def _cross_entropy_sum(logits, target, ignore_index=-100):
+    """(Σ rows' ``-log_softmax(logits)[target]``, number of rows whose target is not
+    ``ignore_index``): the two 0-d parts of a mean cross-entropy, in ``logits``' dtype; the
+    count carries no gradient."""
+    c = logits.shape[-1]
+    total = F.cross_entropy(logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index,
+                            reduction="sum")
+    count = (target != ignore_index).sum().to(logits.dtype)
+    return total, count
+
+
+register("cross_entropy_sum", _cross_entropy_sum, cross_entropy_sum_signatures,
+         doc="summed cross-entropy of the rows and their count of valid targets (classes on "
+             "the last axis, not split): one kernel for the common mean / sum loss")
 
 
 # -- the target class of cross-entropy -------------------------------------------------------------

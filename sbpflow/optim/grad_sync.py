@@ -6,7 +6,8 @@ Those parameters are put in buckets of at most ``bucket_bytes`` (the first one s
 communication starts early), in reverse registration order — backward produces the last
 layers' gradients first. A hook after each gradient's accumulation marks its parameter ready;
 when every parameter of a bucket is ready, the bucket's gradients are concatenated and its
-all-reduce is started (`Communicator.all_reduce_start`). Buckets start strictly in order, so
+all-reduce is started (`Communicator.all_reduce_start`), reusing the bucket's buffer of the
+previous step when nothing holds a view of it any more. Buckets start strictly in order, so
 every rank starts the same collectives in the same order. `take` hands the reduced gradient to
 the optimizer, waiting for the bucket if it is still in flight.
 
@@ -36,7 +37,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 
 class _Bucket:
-    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent")
+    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent", "flat")
 
     def __init__(self, group: tuple, op: str, limit: int) -> None:
         self.params: list = []
@@ -44,6 +45,7 @@ class _Bucket:
         self.ready: set = set()
         self.pending = None       # Pending of the flat all-reduce
         self.sent: list = []      # (gradient tensor, its version) at the start, per param
+        self.flat = None          # the flat buffer, reused while nothing else holds a view of it
 
 
 class GradSync:
@@ -135,7 +137,8 @@ class GradSync:
         if b.pending is not None:
             b.pending.wait()      # a stale earlier start (accumulation): let it finish first
         with torch.no_grad():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = _reusable(b.flat, grads)
+            flat = b.flat = torch.cat([g.reshape(-1) for g in grads], out=flat)
         b.sent = [(g, g._version) for g in grads]
         b.pending = self._comm.all_reduce_start(flat, b.group, b.op, inplace=True)
 
@@ -165,6 +168,21 @@ class GradSync:
         for b in self._buckets:
             b.ready.clear()
         self._next = 0
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:
+    """The bucket's previous flat buffer, if the next concatenation may overwrite it: same
+    dtype and device, and no view of it alive (the reduced gradients handed out by `take`
+    are views: while a caller keeps one, a fresh buffer is used). Reusing it saves allocating
+    (and page-faulting in) the bucket's bytes every step."""
+    if flat is None or _use_count is None or flat.dtype != grads[0].dtype or \
+            flat.device != grads[0].device:
+        return None
+    # references: ``flat`` itself and the storage object made for the call
+    return flat if _use_count(flat.untyped_storage()._cdata) == 2 else None
 
 
 def _owners(comm) -> "weakref.WeakKeyDictionary":

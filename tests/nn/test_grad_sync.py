@@ -148,3 +148,38 @@ def test_torch_backend_overlapped_all_reduce_gives_the_blocking_weights():
     assert overlapped[1][2][1] == (0, 0) and overlapped[1][2][0][0] >= 2
     for k in blocking[2]:
         assert torch.equal(overlapped[2][k], blocking[2][k]), k
+
+
+def _reuse_and_hold() -> tuple[bool, bool]:
+    """(a held reduced gradient kept its value while later steps ran, the bucket buffers were
+    reused once nothing held them)."""
+    m, _, pl, x_sbp = _dp_model("dp2")
+    opt = sf.optim.SGD(m.parameters(), lr=0.1)
+    params = list(m.parameters())
+
+    def backward(step):
+        opt.zero_grad()
+        sf_loss(m, pl, x_sbp, *batch(step)).backward()
+
+    backward(0)
+    opt.step()                               # sets up the buckets
+    backward(1)
+    held = [g.local for g in boxed_grads(params)]
+    values = [h.clone() for h in held]
+    opt.step()
+    backward(2)                              # its buckets must not overwrite ``held``
+    opt.step()
+    intact = all(torch.equal(h, v) for h, v in zip(held, values))
+    del held
+    backward(3)
+    opt.step()
+    ptrs = [b.flat.data_ptr() for b in opt._sync._buckets]
+    backward(4)
+    opt.step()
+    reused = ptrs == [b.flat.data_ptr() for b in opt._sync._buckets]
+    return intact, reused
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("torch", marks=pytest.mark.gloo)])
+def test_bucket_buffers_are_reused_unless_a_reduced_gradient_is_held(backend):
+    assert sf.launch(_reuse_and_hold, world_size=2, backend=backend) == [(True, True)] * 2
