@@ -109,7 +109,8 @@ def layer_norm(x: GlobalTensor, normalized_shape, weight: GlobalTensor | None = 
     split (a weight laid out ``S(0)`` along a split hidden dim needs no communication)."""
     ns = (int(normalized_shape),) if isinstance(normalized_shape, int) else \
         tuple(int(n) for n in normalized_shape)
-    if tuple(x.shape[x.ndim - len(ns):]) != ns or len(ns) > x.ndim:
+    shape = x._shape
+    if len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
         raise ShapeError(f"layer_norm: normalized_shape {ns} does not match the trailing dims of "
                          f"input shape {tuple(x.shape)} (placement {x.placement}, sbp {x.sbp})")
     dims = tuple(range(x.ndim - len(ns), x.ndim))
@@ -194,8 +195,10 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
     if weight is None and not label_smoothing and reduction != "none" and \
-            not _split_on(input, (c,)):
-        # the common case in one kernel: the summed row losses and the valid-target count
+            not _split_on(input, (c,)) and target.sbp == input.sbp:
+        # the common case (rows laid out alike) in one kernel: the summed row losses and the
+        # valid-target count. A replicated target with split logits goes the way below: its
+        # count is then replicated, where the fused count would be partial (an all-reduce)
         total, count = apply_op("cross_entropy_sum", input, target,
                                 ignore_index=int(ignore_index))
         return total if reduction == "sum" else total / count
@@ -247,9 +250,10 @@ def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: boo
 
 def _batch_or_head_layout(q: GlobalTensor, k: GlobalTensor, v: GlobalTensor) -> bool:
     """q, k, v share placement, leading shape and layout, split only on batch / head axes."""
-    lead = q.ndim - 2
-    if not (q.ndim == k.ndim == v.ndim >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-            and q.placement == k.placement == v.placement and q.sbp == k.sbp == v.sbp):
+    qs, ks, vs = q._shape, k._shape, v._shape
+    lead = len(qs) - 2
+    if not (len(qs) == len(ks) == len(vs) >= 2 and qs[:-2] == ks[:-2] == vs[:-2]
+            and q._placement == k._placement == v._placement and q._sbp == k._sbp == v._sbp):
         return False
     return all(isinstance(s, Broadcast) or (isinstance(s, Split) and s.axis < lead)
                for s in q.sbp)

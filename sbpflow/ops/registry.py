@@ -110,9 +110,18 @@ def get_op(name: str) -> Op:
         raise SignatureError(f"no op named {name!r} is registered") from None
 
 
+_ATOMS = frozenset({int, float, bool, str, type(None), type(Ellipsis), torch.dtype})
+
+
 def hashable(value: Any) -> Any:
-    """Attributes as a cache key (lists become tuples, dicts sorted items)."""
-    if isinstance(value, (list, tuple)):
+    """Attributes as a cache key (lists become tuples, dicts sorted items; named tuples are
+    kept as they are)."""
+    t = type(value)
+    if t in _ATOMS:   # the common case first: this runs on every dispatch
+        return value
+    if t is tuple and all(type(v) in _ATOMS for v in value):
+        return value
+    if t is list or t is tuple or (isinstance(value, (list, tuple)) and not hasattr(t, "_fields")):
         return tuple(hashable(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((k, hashable(v)) for k, v in value.items()))

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -104,6 +104,14 @@ def view_signatures(xs: tuple, ys: tuple) -> list[Signature]:
 def resolve_shape(numel: int, shape) -> tuple:
     """``shape`` with a single ``-1`` resolved for ``numel`` elements (unchanged when it cannot
     be: the op then reports the error)."""
+    try:
+        return _resolved(numel, shape)
+    except TypeError:  # unhashable (a list): as a tuple
+        return _resolved(numel, tuple(shape))
+
+
+@lru_cache(maxsize=4096)
+def _resolved(numel: int, shape) -> tuple:
     shape = tuple(int(s) for s in shape)
     if shape.count(-1) != 1:
         return shape
@@ -266,9 +274,9 @@ def _narrow_signatures(x: TensorMeta, dim, start, length) -> list[Signature]:
 
 
 # -- getitem (basic indexing) ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Slice:
-    """A hashable stand-in for a ``slice`` in an encoded index."""
+class Slice(NamedTuple):
+    """A hashable stand-in for a ``slice`` in an encoded index (a named tuple: hashing and
+    comparing it, as the dispatch cache does on every call, runs in C)."""
 
     start: int | None
     stop: int | None
@@ -276,6 +284,9 @@ class Slice:
 
     def to_slice(self) -> slice:
         return slice(self.start, self.stop, self.step)
+
+
+_WHOLE = Slice(None, None, None)
 
 
 def _as_int(v, what: str, describe: str):
@@ -295,8 +306,10 @@ def encode_index(index, describe: str = "getitem") -> tuple:
     items = index if isinstance(index, tuple) else (index,)
     out = []
     for it in items:
-        if it is None or it is Ellipsis:
+        if it is None or it is Ellipsis or type(it) is int:
             out.append(it)
+        elif type(it) is slice and it.start is None and it.stop is None and it.step is None:
+            out.append(_WHOLE)
         elif isinstance(it, Slice):
             out.append(it)
         elif isinstance(it, slice):
@@ -320,11 +333,21 @@ def encode_index(index, describe: str = "getitem") -> tuple:
 
 def decode_index(index) -> tuple:
     """A torch basic index from an encoded (or plain) one."""
+    try:
+        return _decoded(index)
+    except TypeError:  # unhashable: a plain index (with slices)
+        pass
     items = index if isinstance(index, tuple) else (index,)
-    if not all(it is None or it is Ellipsis or isinstance(it, Slice) or
-               (type(it) is int) for it in items):
+    return _decoded(encode_index(items))
+
+
+@lru_cache(maxsize=4096)
+def _decoded(index) -> tuple:
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(it is None or it is Ellipsis or type(it) is Slice or type(it) is int
+               for it in items):
         items = encode_index(items)   # a plain index: validate it
-    return tuple(it.to_slice() if isinstance(it, Slice) else it for it in items)
+    return tuple(it.to_slice() if type(it) is Slice else it for it in items)
 
 
 def _index_plan(index, shape: tuple) -> dict:

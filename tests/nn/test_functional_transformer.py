@@ -190,6 +190,29 @@ def test_cross_entropy(ranks):
     assert not _launch(ranks, body)
 
 
+def test_cross_entropy_mean_communicates_only_what_the_layouts_need():
+    """Rows split alike (data parallel): one scalar all-reduce, of the valid-target count.
+    Rows split with replicated targets (after tensor parallelism): none, the count is local."""
+    logits, target = _t(8, 5), _ints(5, 8, seed=2)
+    target[3] = -100
+
+    def body(pl):
+        out = []
+        for t_sbp in (S(0), B):
+            lg = sf.tensor(logits, pl, S(0))
+            t = sf.tensor(target, pl, t_sbp)
+            sf.comm.reset_stats()
+            loss = SF.cross_entropy(lg, t)
+            st = sf.comm.stats()
+            out.append((st.kinds["all_reduce"].calls if "all_reduce" in st.kinds else 0,
+                        st.sent, torch.allclose(loss.full_tensor(), F.cross_entropy(logits, target))))
+        return out
+
+    (dp_calls, dp_sent, dp_ok), (tp_calls, tp_sent, tp_ok) = _launch([0, 1, 2, 3], body)
+    assert (dp_calls, dp_ok) == (1, True) and dp_sent == 3 * 8  # rank 0's share of a float64
+    assert (tp_calls, tp_sent, tp_ok) == (0, 0, True)
+
+
 @pytest.mark.parametrize("ranks", MESHES)
 def test_cross_entropy_class_weights_and_label_smoothing(ranks):
     n, c = 7, 11
