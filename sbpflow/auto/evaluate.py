@@ -388,7 +388,8 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
       the leading one of the local shard (``prod(local_shape[:axis]) > 1``), the output of an
       all-gather / all-to-all assembled along such an axis;
     * a transfer (nested splits, below): ``o + m·α + n·β`` with the p2p fit for the busiest
-      receiver, ``n`` the bytes and ``m`` the messages it receives.
+      receiver, ``n`` the bytes and ``m`` the messages it receives, plus ``copy_beta·n`` for
+      writing them into its output shard.
     """
     t = b = 0.0
     for kind, fine, dims, numel, copy, msgs in _plan(tuple(shape), tuple(src_mesh), tuple(src),
@@ -418,14 +419,15 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
 
 def _transfer_time(cluster, nbytes, msgs, fine):
     """A point-to-point transfer in which the busiest rank receives ``nbytes`` in ``msgs``
-    messages: ``o + msgs·α + nbytes·β`` with the p2p parameters of the whole mesh's link class
+    messages: ``o + msgs·α + nbytes·β`` (plus ``copy_beta·nbytes``: the pieces are written
+    into the receiver's output shard) with the p2p parameters of the whole mesh's link class
     (`Cluster.fit`; ``o`` = 0 without a per-kind fit). An estimate of what
     `sbpflow.cost.step_time` gives the planner's transfer step: that one prices each message
     on the link of its own pair and takes the larger of a rank's sends and receives (equal on
     one node, when every rank receives at least what it sends)."""
     ranks = _group_ranks(fine, tuple(range(len(fine))))
     a, b, o, _ = cluster.fit("p2p", ranks[:1] + ranks[-1:])
-    return o + msgs * a + nbytes * b
+    return o + msgs * a + nbytes * b + cluster.copy_time(nbytes)
 
 
 _TIME_CACHE: dict = {}

@@ -40,3 +40,14 @@ def contains(outer: Box, inner: Box) -> bool:
 
 def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
+
+
+def tiles(boxes: Sequence[Box], region: Box) -> bool:
+    """Whether ``boxes`` cover ``region`` exactly once: each inside it, pairwise disjoint, and
+    together as large as it."""
+    if not all(contains(region, b) for b in boxes):
+        return False
+    if sum(box_numel(b) for b in boxes) != box_numel(region):
+        return False
+    return all(box_numel(intersect(a, b)) == 0
+               for i, a in enumerate(boxes) for b in boxes[i + 1:])

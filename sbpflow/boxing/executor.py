@@ -9,7 +9,7 @@ import torch
 
 from ..comm import Communicator
 from ..sbp import Partial, Split, shard_box
-from .boxes import box_shape, contains, intersect, relative
+from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
 from .steps import Step, dual_step, member_boxes
 
 __all__ = ["run_step", "apply_step", "identity_value", "empty_local"]
@@ -138,18 +138,41 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     received = iter(comm.exchange(sends, recvs)) if sends or recvs else iter(())
     if not in_dst:
         return empty_local(x.dtype, x.device)
-    coord = dpl.coord_of(me)
     dbox = member_boxes(step.shape, dpl, step.dst)[me]
-    holder, op = _holder_and_op(step.dst, (None,) * dpl.ndim, coord, range(dpl.ndim))
+    if _routes_tile(step, me, dbox):
+        # forward routes cover each element once: the pieces are copied in, nothing is filled
+        out = torch.empty(box_shape(dbox), dtype=x.dtype, device=device)
+        for box, piece in local:
+            out[relative(box, dbox)] = piece
+        for s, d, box in step.routes:
+            if d == me and s != me:
+                out[relative(box, dbox)] = next(received)
+        return out
+    # the dual's routes may overlap (they accumulate) or leave parts uncovered (identity)
+    holder, op = _holder_and_op(step.dst, (None,) * dpl.ndim, dpl.coord_of(me), range(dpl.ndim))
     fill = 0 if holder else identity_value(op, x.dtype)
     out = torch.full(box_shape(dbox), fill, dtype=x.dtype, device=device)
-    # Forward routes cover each element once; the dual's routes may overlap and accumulate.
     for box, piece in local:
         out[relative(box, dbox)] += piece.to(device)
     for s, d, box in step.routes:
         if d == me and s != me:
             out[relative(box, dbox)] += next(received)
     return out
+
+
+_TILES: dict = {}   # id(step), rank -> (step, whether the routes into the rank tile its box)
+
+
+def _routes_tile(step: Step, me: int, dbox: tuple) -> bool:
+    entry = _TILES.get((id(step), me))
+    if entry is not None and entry[0] is step:
+        return entry[1]
+    boxes = [box for _, d, box in step.routes if d == me and box_numel(box) > 0]
+    result = tiles(boxes, dbox)
+    if len(_TILES) > 1 << 14:
+        _TILES.clear()
+    _TILES[(id(step), me)] = (step, result)   # holds the step: its id is not reused
+    return result
 
 
 def run_step(step: Step, x: torch.Tensor, comm: Communicator,

@@ -174,6 +174,7 @@ def _member_bytes(step: Step, g: tuple[int, ...]) -> int:
 
 def _transfer_time(step: Step, cluster: Cluster) -> float:
     busy: dict[tuple[str, int], float] = {}
+    received: dict[int, int] = {}
     overhead = 0.0
     for s, d, box in step.routes:
         n = box_numel(box) * step.itemsize
@@ -184,7 +185,12 @@ def _transfer_time(step: Step, cluster: Cluster) -> float:
         overhead = max(overhead, o)  # all messages go in one exchange call: paid once
         busy[("send", s)] = busy.get(("send", s), 0.0) + t
         busy[("recv", d)] = busy.get(("recv", d), 0.0) + t
-    return overhead + max(busy.values(), default=0.0) if busy else 0.0
+        received[d] = received.get(d, 0) + n
+    if not busy:
+        return 0.0
+    # the receiver then writes its pieces into its output shard (a copy the exchange's
+    # calibration does not include)
+    return overhead + max(busy.values()) + cluster.copy_time(max(received.values()))
 
 
 def strided(local_shape: Iterable[int], axis: int) -> bool:
@@ -255,7 +261,8 @@ def step_time(step: Step, cluster: Cluster) -> float:
     * ``transfer``: each route between two different ranks is a p2p message (``α + n·β`` on the
       link of its pair); ranks send and receive in parallel, each rank's messages one after
       another: the time is the largest over ranks of a rank's total send or receive time, plus
-      the p2p fit's per-call overhead once (all messages are one exchange call).
+      the p2p fit's per-call overhead once (all messages are one exchange call), plus
+      ``copy_beta`` times the bytes the busiest receiver writes into its output shard.
 
     Raises `CostError` if a rank of the step is outside the cluster.
     """

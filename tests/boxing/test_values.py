@@ -142,3 +142,15 @@ def test_zero_size_and_scalar():
                 y = make_global(full, pl, sbp).to_global(sbp=dst)
                 assert torch.equal(y.full_tensor(), full)
     sf.launch(body, world_size=3)
+
+
+def test_tiles_needs_exact_single_cover():
+    from sbpflow.boxing.boxes import tiles
+    region = ((0, 4), (0, 6))
+    halves = [((0, 2), (0, 6)), ((2, 2), (0, 6))]
+    assert tiles(halves, region)
+    assert not tiles(halves[:1], region)                                  # a gap
+    assert not tiles(halves + [((1, 1), (0, 6))], region)                 # an overlap
+    # equal volume, but one part twice and another never (a dual's routes can do this)
+    assert not tiles([((0, 2), (0, 6)), ((0, 2), (0, 6))], region)
+    assert not tiles([((0, 2), (0, 6)), ((2, 2), (0, 7))], region)        # outside the region

@@ -195,6 +195,10 @@ def test_transfer_pays_the_p2p_overhead_once():
     assert s.kind == "transfer"
     # rank 2 receives two 64-byte messages in one exchange: o + 2 (a + 64 b)
     assert step_time(s, c) == pytest.approx(1e-4 + 2 * (4e-6 + 64 * 2e-9))
+    # and writes the 128 bytes into its output shard: a copy
+    cb = 5e-10
+    assert step_time(s, fitted(copy_beta=cb)) == pytest.approx(
+        1e-4 + 2 * (4e-6 + 64 * 2e-9) + 128 * cb)
 
 
 # -- evaluate prices what boxing does ------------------------------------------------------------
