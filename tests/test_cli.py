@@ -83,6 +83,22 @@ def test_run_torch_backend_stops_the_other_ranks_when_one_fails(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.gloo
+def test_launch_without_a_main_guard_says_how_to_fix_it(tmp_path):
+    """A script calling sf.launch(backend="torch") at module level: every rank process imports
+    it again; the run fails at once, and the ranks' error says to add the main guard."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("import sbpflow as sf\n"
+                      "def where():\n"
+                      "    return sf.rank()\n"
+                      "print(sf.launch(where, world_size=2, backend='torch'))\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode != 0
+    assert "if __name__ == '__main__':" in res.stderr
+    assert "died with exit code" in res.stderr
+
+
 EXAMPLES = [("gpt.py", "2d", "tok/s"), ("gpt.py", "tp", "sample:"),
             ("mlp_digits.py", "tp", "test accuracy"), ("vgg.py", "2d", "accuracy"),
             ("wide_deep.py", "tp", "embedding.weight (S(0),)")]

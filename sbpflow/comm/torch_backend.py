@@ -425,6 +425,13 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
     Each rank uses ``SBPFLOW_THREADS_PER_RANK`` torch threads (default cores // world_size).
     """
     kwargs = dict(kwargs or {})
+    if getattr(mp.current_process(), "_inheriting", False):
+        # a rank process re-imports the main script (forkserver / spawn); a script that calls
+        # launch at module level would start processes from each of them, without end
+        raise CommError("sf.launch(..., backend='torch') was called while a rank process was "
+                        "importing the script that started it: put the call under "
+                        "`if __name__ == '__main__':` (every rank process imports the main "
+                        "module, as multiprocessing's spawn and forkserver do)")
     try:
         pickle.dumps(fn)
     except Exception as exc:  # noqa: BLE001
@@ -503,7 +510,8 @@ def _collect(procs: list, conns: list, n: int, bound: float) -> list[Any]:
                 procs[r].join()
                 failures.append((1, r, CommError(
                     f"rank {r} of {n} died with exit code {procs[r].exitcode} without reporting "
-                    f"a result or an exception (crashed or killed)"), ""))
+                    f"a result or an exception (crashed or killed; its stderr, above, may say "
+                    f"why)"), ""))
             elif kind != "alive":
                 failures.append((0 if kind == "error" else 2, r, payload, tb))
             if kind != "alive":
