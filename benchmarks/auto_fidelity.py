@@ -46,11 +46,12 @@ cores a strategy's redistributions run back to back can cost 0.87-1.23x the sum 
 alone (skew and wake-up delays pile up differently per sequence), which no per-step model sees;
 that oracle's tau is the ceiling for evaluate's (0.82-0.98 over runs on 2026-11-23).
 
-Figures of 2026-11-23 (2-core machine): 4 gloo ranks, evaluate's tau 0.89-0.98 over 10 runs
-(mean 0.93; 9 of 10 at or above 0.9); 8 threads ranks 0.85-0.89, where the ranks' local work
-(copies, reductions) shares one interpreter and the planner's own plans priced by plan_time
-rank better (0.91) than evaluate's analytic fixed order, which prices nested moves on the
-2x2x2 mesh as one transfer where the planner runs a chain of collectives.
+Figures (2-core machine): 4 gloo ranks, evaluate's tau 0.89-0.98 over 10 runs on 2026-11-22
+(mean 0.93; 9 of 10 at or above 0.9), 0.78-0.89 over 8 runs on the noisier 2026-11-23 (the
+previous day's code there: 0.78, 0.82); 8 threads ranks 0.89-0.93 over 11 runs on 2026-11-23
+(mean 0.91; 0.85-0.89 before transfers stopped filling and adding into their output). On the
+2x2x2 mesh evaluate still prices some nested moves as one transfer where the planner runs a
+chain of collectives (reduce-scatter, all-to-all, all-gather).
 
     python benchmarks/auto_fidelity.py              # 4 gloo processes, ~30 s
     python benchmarks/auto_fidelity.py --threads    # 8 threads ranks in this process, ~15 s
