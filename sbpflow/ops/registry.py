@@ -32,7 +32,8 @@ from ..placement import Placement
 from ..sbp import B, Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
 
 __all__ = ["TensorMeta", "Signature", "Op", "register", "get_op", "choose", "Choice", "OPS",
-           "out_metas", "hashable", "tensor_metas", "detaches", "KernelContext"]
+           "out_metas", "hashable", "register_attr_type", "tensor_metas", "detaches",
+           "KernelContext"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,14 @@ def get_op(name: str) -> Op:
         raise SignatureError(f"no op named {name!r} is registered") from None
 
 
-_ATOMS = frozenset({int, float, bool, str, type(None), type(Ellipsis), torch.dtype})
+_ATOMS = {int, float, bool, str, type(None), type(Ellipsis), torch.dtype}
+
+
+def register_attr_type(cls: type) -> type:
+    """Declare ``cls`` an attribute value type that is hashable as it is (immutable, with value
+    equality), so `hashable` passes it through without looking inside. Returns ``cls``."""
+    _ATOMS.add(cls)
+    return cls
 
 
 def hashable(value: Any) -> Any:

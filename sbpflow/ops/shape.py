@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import SbpError
-from .registry import Signature, TensorMeta, register, tensor_metas
+from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
 __all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
            "local_view_shape", "resolve_shape", "PARTIALS"]
@@ -274,6 +274,7 @@ def _narrow_signatures(x: TensorMeta, dim, start, length) -> list[Signature]:
 
 
 # -- getitem (basic indexing) ----------------------------------------------------------------------
+@register_attr_type
 class Slice(NamedTuple):
     """A hashable stand-in for a ``slice`` in an encoded index (a named tuple: hashing and
     comparing it, as the dispatch cache does on every call, runs in C)."""
