@@ -119,7 +119,6 @@ class TorchCommunicator(Communicator):
                 pg.shutdown()
             except RuntimeError:  # already broken (a peer died): nothing left to release
                 pass
-        del groups
 
     def _wire(self, device: torch.device) -> tuple[torch.device, bool]:
         """Where tensors of ``device`` travel, and whether that is the NCCL backend."""

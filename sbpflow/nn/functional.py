@@ -194,17 +194,17 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             raise ShapeError(f"cross_entropy: weight of shape {tuple(weight.shape)} for "
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
-    if weight is None and not label_smoothing and reduction != "none" and \
-            not _split_on(input, (c,)) and target.sbp == input.sbp:
-        # the common case (rows laid out alike) in one kernel: the summed row losses and the
-        # valid-target count. A replicated target with split logits goes the way below: its
-        # count is then replicated, where the fused count would be partial (an all-reduce)
+    # classes whole on every rank, plain loss: torch's fused kernels on the rows
+    plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
+    if plain_rows and reduction != "none" and target.sbp == input.sbp:
+        # rows laid out alike: one kernel gives the summed row losses and the valid-target
+        # count. A replicated target with split logits goes the way below: its count is then
+        # replicated, where the fused count would be partial (an all-reduce)
         total, count = apply_op("cross_entropy_sum", input, target,
                                 ignore_index=int(ignore_index))
         return total if reduction == "sum" else total / count
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
-    if weight is None and not label_smoothing and not _split_on(input, (c,)):
-        # classes whole on every rank: torch's fused kernel per row
+    if plain_rows:
         loss = apply_op("row_cross_entropy", input, target, ignore_index=int(ignore_index))
         row_weight = valid
     else:

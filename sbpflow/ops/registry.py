@@ -122,14 +122,14 @@ def register_attr_type(cls: type) -> type:
 
 
 def hashable(value: Any) -> Any:
-    """Attributes as a cache key (lists become tuples, dicts sorted items; named tuples are
-    kept as they are)."""
+    """Attributes as a cache key (lists become tuples, dicts sorted items; values of the
+    types of `register_attr_type` are kept as they are)."""
     t = type(value)
     if t in _ATOMS:   # the common case first: this runs on every dispatch
         return value
     if t is tuple and all(type(v) in _ATOMS for v in value):
         return value
-    if t is list or t is tuple or (isinstance(value, (list, tuple)) and not hasattr(t, "_fields")):
+    if isinstance(value, (list, tuple)):
         return tuple(hashable(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((k, hashable(v)) for k, v in value.items()))
