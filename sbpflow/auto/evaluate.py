@@ -426,8 +426,8 @@ def _transfer_time(cluster, nbytes, msgs, fine):
     on the link of its own pair and takes the larger of a rank's sends and receives (equal on
     one node, when every rank receives at least what it sends)."""
     ranks = _group_ranks(fine, tuple(range(len(fine))))
-    a, b, o, _ = cluster.fit("p2p", ranks[:1] + ranks[-1:])
-    return o + msgs * a + nbytes * b + cluster.copy_time(nbytes)
+    return cluster.fit("p2p", ranks[:1] + ranks[-1:]).time(msgs, nbytes) + \
+        cluster.copy_time(nbytes)
 
 
 _TIME_CACHE: dict = {}

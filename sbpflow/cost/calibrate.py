@@ -23,7 +23,8 @@ round's time is the slowest rank's, and a sample is the median over ``repeats`` 
 (alpha, beta) of the link, and (``per_kind=True``) `fit_collective` fits each kind its own
 ``(alpha, beta, overhead)``: ``t = overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (the
 overhead only when the samples have two or more group sizes, else it cannot be told apart from
-alpha). The cluster carries the per-kind fits (`Cluster.kinds`); kinds not measured keep the
+alpha), bent upward past a knee ``+ max(0, v - knee)·beta2`` where the samples clearly say so
+(messages beyond the caches; `fit_collective`). The cluster carries the per-kind fits (`Cluster.kinds`); kinds not measured keep the
 link's (alpha, beta).
 
 Local copies (``copy=True``): every rank at once cuts a ``(rows, 512)`` float32 tensor of each
@@ -145,14 +146,14 @@ def _nnls(a: torch.Tensor, y: torch.Tensor) -> list[float]:
 
 
 def fit_collective(samples: Iterable[Sequence], overhead: bool | None = None,
-                   algorithms: Sequence[str] | None = None
+                   algorithms: Sequence[str] | None = None, bend: bool | None = None
                    ) -> tuple[CollectiveFit, list[float]]:
     """Fit the kind's formula and each of its variants in ``algorithms`` (default: every
     variant of the kind in `sbpflow.cost.collectives`, tried only when the samples have two or
-    more group sizes, which tell the volumes apart) with `_fit_one`, and return the fit with the
-    least relative squared error (the default formula on ties)."""
+    more group sizes, which tell the volumes apart) with `_fit_one` (``bend`` as there), and
+    return the fit with the least relative squared error (the default formula on ties)."""
     samples = list(samples)
-    best = _fit_one(samples, overhead, "")
+    best = _fit_one(samples, overhead, "", bend)
     kinds = {s[0] for s in samples if isinstance(s, (tuple, list)) and s}
     several_p = len({s[1] for s in samples}) > 1
     if algorithms is None:
@@ -160,7 +161,7 @@ def fit_collective(samples: Iterable[Sequence], overhead: bool | None = None,
     err = sum((r / s[3]) ** 2 for s, r in zip(samples, best[1]))
     for algo in algorithms:
         try:
-            cand = _fit_one(samples, overhead, algo)
+            cand = _fit_one(samples, overhead, algo, bend)
         except CostError:
             continue
         e = sum((r / s[3]) ** 2 for s, r in zip(samples, cand[1]))
@@ -169,17 +170,29 @@ def fit_collective(samples: Iterable[Sequence], overhead: bool | None = None,
     return best
 
 
-def _fit_one(samples: Iterable[Sequence], overhead: bool | None = None, algorithm: str = ""
-             ) -> tuple[CollectiveFit, list[float]]:
+def _fit_one(samples: Iterable[Sequence], overhead: bool | None = None, algorithm: str = "",
+             bend: bool | None = None) -> tuple[CollectiveFit, list[float]]:
     """Fit ``seconds ≈ overhead + m(kind, p)·alpha + v(kind, p, nbytes)·beta`` to ``samples``
-    of one collective kind (``(kind, p, nbytes, seconds)`` as in `fit_alpha_beta`).
+    of one collective kind (``(kind, p, nbytes, seconds)`` as in `fit_alpha_beta`), and
+    possibly a bend ``+ max(0, v - knee)·beta2``.
 
-    Least squares on relative error, all three parameters >= 0. ``overhead=None`` fits it when
-    the samples have at least two different alpha counts ``m`` (else ``overhead`` and ``alpha``
-    are the same column and only ``alpha`` is fitted); ``True`` requires that, ``False`` fixes
-    it at 0. Returns ``(CollectiveFit(alpha, beta, overhead), residuals)`` with residuals in
-    seconds as in `fit_alpha_beta`. Raises `CostError` if the samples mix kinds or cannot
-    determine the parameters (fewer samples than parameters, or one message size).
+    Least squares on relative error, all parameters >= 0. ``overhead=None`` fits it when the
+    samples have at least two different alpha counts ``m`` (else ``overhead`` and ``alpha`` are
+    the same column and only ``alpha`` is fitted); ``True`` requires that, ``False`` fixes it at
+    0. ``bend=None`` (the default) tries a knee at each sampled per-rank volume not below
+    their median with at least two larger volumes sampled, and keeps the best bend only if the
+    Bayesian information criterion prefers it, counting it as two parameters (slope and knee):
+    its squared error must be below ``n ** (-2 / n)`` times the straight fit's,
+    ``n = len(samples)`` (40 % less for 8 samples, 20 % for 30). Noise alone buys that for
+    about one straight 8-sample fit in ten (2 % noise); such a bend is slight and prices the
+    sampled range as well as the straight line. Memory-bound large messages bend the line
+    upward on CPUs (the four collective kinds on gloo and on threads, measured 2026-11-23:
+    -20 % residuals at 1 MB and +20-40 % at 4 MB without a bend). ``False``: a straight
+    line (p2p's default: a transfer prices its messages one by one, where a bend on the
+    message size would not be the bend on the rank's traffic). Returns
+    ``(CollectiveFit(alpha, beta, overhead, algorithm, beta2, knee), residuals)`` with
+    residuals in seconds as in `fit_alpha_beta`. Raises `CostError` if the samples mix kinds or
+    cannot determine the parameters (fewer samples than parameters, or one message size).
     """
     rows, kinds = [], set()
     for s in samples:
@@ -210,10 +223,30 @@ def _fit_one(samples: Iterable[Sequence], overhead: bool | None = None, algorith
     if torch.linalg.matrix_rank(a).item() < len(cols):
         raise CostError("the samples do not determine the parameters apart: use several message "
                         "sizes (and group sizes)")
-    x = _nnls(a, torch.ones(len(rows), dtype=torch.float64))
+    y = torch.ones(len(rows), dtype=torch.float64)
+    x = _nnls(a, y)
     vals = dict(zip(cols, x))
-    fit = CollectiveFit(vals.get(1, 0.0), vals.get(2, 0.0), vals.get(0, 0.0), algorithm)
-    residuals = [t - (fit.overhead + m * fit.alpha + v * fit.beta) for _, m, v, t in rows]
+    best = (float(((a @ torch.tensor(x, dtype=torch.float64) - y) ** 2).sum()), vals, 0.0)
+    straight = best[0]
+    if bend is None:
+        bend = kinds != {"p2p"}
+    # knees in the upper half of the volumes (below, latency dominates the samples and a bend
+    # only fits noise), with two larger volumes past them (a slope through one point would
+    # fit that point's noise exactly, and extrapolate it)
+    volumes = sorted({r[2] for r in rows})
+    knees = [v for v in volumes[1:-2] if v >= statistics.median(volumes)]
+    for knee in knees if bend and len(rows) >= len(cols) + 2 else ():
+        ab = torch.cat([a, torch.tensor([[max(0.0, r[2] - knee) / r[3]] for r in rows],
+                                        dtype=torch.float64)], dim=1)
+        xb = _nnls(ab, y)
+        err = float(((ab @ torch.tensor(xb, dtype=torch.float64) - y) ** 2).sum())
+        if xb[-1] > 0 and err < straight * len(rows) ** (-2 / len(rows)) and err < best[0]:
+            best = (err, dict(zip(cols + [3], xb)), knee)
+    _, vals, knee = best
+    beta2 = vals.get(3, 0.0)
+    fit = CollectiveFit(vals.get(1, 0.0), vals.get(2, 0.0), vals.get(0, 0.0), algorithm,
+                        beta2, knee if beta2 else 0.0)
+    residuals = [t - fit.time(m, v) for _, m, v, t in rows]
     return fit, residuals
 
 
@@ -259,7 +292,7 @@ class Sample:
 @dataclass
 class CalibrationReport:
     """What `calibrate` measured and fitted. ``fits[link] = (alpha, beta)`` for each measured
-    link class; ``kind_fits[link][kind] = (alpha, beta, overhead)`` the per-kind fits (if any);
+    link class; ``kind_fits[link][kind]`` the per-kind fits (if any), `CollectiveFit` tuples;
     ``rms[link]`` / ``worst[link]`` the RMS / largest absolute relative residual of the model
     the cluster uses (per-kind where fitted); ``copy_beta`` the strided-copy cost fitted to
     ``copy_samples``."""
@@ -275,7 +308,7 @@ class CalibrationReport:
     worst: dict = field(default_factory=dict)
     copied: dict = field(default_factory=dict)  # unmeasured link class -> the one it copies
     seconds: float = 0.0  # wall time of the calibration
-    kind_fits: dict = field(default_factory=dict)  # link -> kind -> (alpha, beta, overhead)
+    kind_fits: dict = field(default_factory=dict)  # link -> kind -> CollectiveFit fields
     copy_samples: list = field(default_factory=list)  # (nbytes, seconds)
     copy_beta: float = 0.0
     step_overhead: float = 0.0  # median seconds of one local boxing step (all ranks at once)
@@ -287,8 +320,7 @@ class CalibrationReport:
                 "fits": {k: {"alpha": a, "beta": b} for k, (a, b) in self.fits.items()},
                 "rms_relative_residual": self.rms, "max_relative_residual": self.worst,
                 "copied": self.copied, "seconds": self.seconds,
-                "kind_fits": {lc: {k: {"alpha": f[0], "beta": f[1], "overhead": f[2],
-                                       "algorithm": f[3] if len(f) > 3 else ""}
+                "kind_fits": {lc: {k: CollectiveFit(*f)._asdict()
                                    for k, f in t.items()} for lc, t in self.kind_fits.items()},
                 "copy_samples": [list(c) for c in self.copy_samples],
                 "copy_beta": self.copy_beta, "step_overhead": self.step_overhead,
@@ -550,8 +582,8 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
     for link in ("intra", "inter"):
         for kind in MEASURED_KINDS:
             f = kfits.get(link, {}).get(kind)
-            flat += [f.alpha, f.beta, f.overhead, float(_ALGOS.index(f.algorithm))] \
-                if f is not None else [nan] * 4
+            flat += [f.alpha, f.beta, f.overhead, float(_ALGOS.index(f.algorithm)), f.beta2,
+                     f.knee] if f is not None else [nan] * 6
     agreed = comm.broadcast(torch.tensor(flat, dtype=torch.float64), 0, world_group).tolist()
     fits = {"intra": Link(agreed[0], agreed[1]), "inter": Link(agreed[2], agreed[3])}
     memory_per_device, copy_beta, report.step_overhead = agreed[4], agreed[5], agreed[6]
@@ -560,8 +592,8 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
         for kind in MEASURED_KINDS:
             if not math.isnan(agreed[i]):
                 kfits.setdefault(link, {})[kind] = CollectiveFit(
-                    *agreed[i:i + 3], _ALGOS[int(agreed[i + 3])])
-            i += 4
+                    *agreed[i:i + 3], _ALGOS[int(agreed[i + 3])], *agreed[i + 4:i + 6])
+            i += 6
     for link in report.fits:
         report.fits[link] = (fits[link].alpha, fits[link].beta)
         report.kind_fits[link] = {k: tuple(f) for k, f in kfits.get(link, {}).items()}

@@ -21,7 +21,8 @@ alpha-beta model) on presets and hand-made clusters:
 * ``kinds``: per link class (``"intra"`` / ``"inter"``) and collective kind, a `CollectiveFit`
   ``(alpha, beta, overhead)``. A collective of that kind on that link class then takes
   ``overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (``m``, ``v`` as in
-  `sbpflow.cost.collectives`) instead of the link's ``m·alpha + v·beta``. Backends implement
+  `sbpflow.cost.collectives`) instead of the link's ``m·alpha + v·beta``, plus
+  ``max(0, v - knee)·beta2`` when the fit has a bend (``beta2`` > 0). Backends implement
   kinds with different algorithms (gloo: all-reduce is its own ring, all-gather / all-to-all /
   reduce-scatter one all-to-all call whose messages are all in flight at once), so one
   ``(alpha, beta)`` for all kinds fits them poorly; ``overhead`` is the per-call cost that does
@@ -35,7 +36,7 @@ alpha-beta model) on presets and hand-made clusters:
   in-process threads backend, where the ranks' Python work is serialised.
 
     >>> c = Cluster(1, 4, intra=(1e-6, 1e-9), kinds={"intra": {"all_gather": (1e-6, 2e-9, 5e-5)}})
-    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1]) == (1e-6, 1e-9, 0.0, "")
+    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1]) == (1e-6, 1e-9, 0.0, "", 0.0, 0.0)
     (5e-05, True)
 """
 
@@ -81,43 +82,58 @@ class Link(NamedTuple):
 
 
 class CollectiveFit(NamedTuple):
-    """Parameters of one collective kind on one link class: ``overhead + m·alpha + v·beta``
-    seconds for a call with alpha count ``m`` and per-rank bytes ``v`` (a one-rank group: 0).
-    ``algorithm`` names the variant whose ``m`` and ``v`` apply (`sbpflow.cost.collectives`;
-    ``""``: the kind's default, e.g. the ring all-reduce)."""
+    """Parameters of one collective kind on one link class: ``overhead + m·alpha + v·beta +
+    max(0, v - knee)·beta2`` seconds for a call with alpha count ``m`` and per-rank bytes ``v``
+    (a one-rank group: 0). ``algorithm`` names the variant whose ``m`` and ``v`` apply
+    (`sbpflow.cost.collectives`; ``""``: the kind's default, e.g. the ring all-reduce).
+    ``beta2`` (default 0: none) is the extra cost per byte past ``knee`` bytes a rank: messages
+    larger than the caches move at memory speed, which calibration sees as a bend upward."""
 
     alpha: float
     beta: float
     overhead: float = 0.0
     algorithm: str = ""
+    beta2: float = 0.0
+    knee: float = 0.0
+
+    def time(self, messages: float, nbytes: float) -> float:
+        """Seconds for a call with ``messages`` alpha terms and ``nbytes`` per-rank bytes."""
+        t = self.overhead + messages * self.alpha + nbytes * self.beta
+        if self.beta2 and nbytes > self.knee:
+            t += (nbytes - self.knee) * self.beta2
+        return t
 
     def __str__(self) -> str:
         algo = f" ({self.algorithm})" if self.algorithm else ""
+        bend = f", +{self.beta2 * 1e12:.4g} ps/B past {self.knee / 1024:.4g} KiB" \
+            if self.beta2 else ""
         return f"overhead {self.overhead * 1e6:.3g} us, alpha {self.alpha * 1e6:.3g} us, " \
-               f"beta {self.beta * 1e12:.4g} ps/B{algo}"
+               f"beta {self.beta * 1e12:.4g} ps/B{bend}{algo}"
 
 
 def _fit(value: Any, what: str) -> CollectiveFit:
-    value = tuple(value) if isinstance(value, (list, tuple)) else value
-    algorithm = ""
-    if isinstance(value, tuple) and len(value) == 4:
-        value, algorithm = value[:3], value[3]
+    """``(alpha, beta[, overhead[, algorithm[, beta2, knee]]])`` -> a checked `CollectiveFit`."""
+    given = value = tuple(value) if isinstance(value, (list, tuple)) else value
+    algorithm, bend = "", (0.0, 0.0)
+    if isinstance(value, tuple) and len(value) in (4, 6):
+        value, algorithm, bend = value[:3], value[3], value[4:] or bend
     try:
         vals = [float(v) for v in value]
+        bend = [float(v) for v in bend]
         if len(vals) not in (2, 3):
             raise ValueError
     except (TypeError, ValueError):
-        raise CostError(f"{what} must be (alpha, beta[, overhead[, algorithm]]) in seconds, "
-                        f"got {value!r}") from None
-    for name, v in zip(("alpha", "beta", "overhead"), vals):
+        raise CostError(f"{what} must be (alpha, beta[, overhead[, algorithm[, beta2, knee]]]) "
+                        f"in seconds (knee in bytes), got {given!r}") from None
+    vals += [0.0] * (3 - len(vals))
+    for name, v in zip(("alpha", "beta", "overhead", "beta2", "knee"), vals + bend):
         if not (math.isfinite(v) and v >= 0):
             raise CostError(f"{what} {name} must be finite and >= 0, got {v!r}")
     from .collectives import ALGORITHMS  # collectives imports this module: import when used
     if algorithm not in ("",) + ALGORITHMS:
         raise CostError(f"{what} algorithm must be one of {ALGORITHMS} (or ''), "
                         f"got {algorithm!r}")
-    vals += [0.0] * (3 - len(vals))
-    return CollectiveFit(*vals, algorithm)
+    return CollectiveFit(*vals, algorithm, *bend)
 
 
 def _kinds(value: Any) -> tuple:
@@ -318,7 +334,7 @@ class Cluster:
                 "memory_per_device": self.memory_per_device,
                 "flops_per_device": self.flops_per_device,
                 "kinds": {lc: {k: {"alpha": f.alpha, "beta": f.beta, "overhead": f.overhead,
-                                   "algorithm": f.algorithm}
+                                   "algorithm": f.algorithm, "beta2": f.beta2, "knee": f.knee}
                                for k, f in t.items()} for lc, t in self.kinds_table.items()},
                 "copy_beta": self.copy_beta, "step_overhead": self.step_overhead}
 
@@ -334,7 +350,8 @@ class Cluster:
                        flops_per_device=d.get("flops_per_device"),
                        name=d.get("name", "custom"),
                        kinds={lc: {k: (f["alpha"], f["beta"], f.get("overhead", 0.0),
-                                       f.get("algorithm", ""))
+                                       f.get("algorithm", ""), f.get("beta2", 0.0),
+                                       f.get("knee", 0.0))
                                    for k, f in t.items()}
                               for lc, t in (d.get("kinds") or {}).items()},
                        copy_beta=d.get("copy_beta", 0.0),

@@ -28,7 +28,8 @@ A variant may replace a kind's formula when a per-kind fit names it: ``direct`` 
 
 A one-rank group costs 0. A cluster with a per-kind fit ``(α, β, o)`` for the kind and link
 class (`Cluster.fit`) prices the kind with that α and β and adds the per-call overhead ``o``
-to the time (``o`` does not grow with ``p`` or ``n``). Broadcast (``L = ⌈log2 p⌉``) is the faster of a binomial tree (small
+to the time (``o`` does not grow with ``p`` or ``n``), and a fit with a bend adds
+``(v - knee)·β2`` for the per-rank bytes ``v`` past its knee (`CollectiveFit.time`). Broadcast (``L = ⌈log2 p⌉``) is the faster of a binomial tree (small
 messages) and van de Geijn's scatter + ring all-gather (large), as MPI libraries switch between.
 
 The bandwidth term ``(p-1)/p·n`` (``2(p-1)/p·n``) is the number of bytes each rank sends and
@@ -121,15 +122,15 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link | CollectiveFit
     _check(kind, nbytes, p)
     if p == 1:
         return 0.0
-    a, b = link[0], link[1]
-    o = link[2] if len(link) > 2 else 0.0
-    algo = link[3] if len(link) > 3 else ""
+    if not isinstance(link, CollectiveFit):
+        link = CollectiveFit(*link)
+    a, b, algo = link.alpha, link.beta, link.algorithm
     if kind == "broadcast":
         levels = math.ceil(math.log2(p))
         binomial = levels * (a + nbytes * b)
         scatter_allgather = (levels + p - 1) * a + 2 * (p - 1) / p * nbytes * b
-        return o + min(binomial, scatter_allgather)
-    return o + latency_messages(kind, p, algo) * a + volume(kind, nbytes, p, algo) * b
+        return link.overhead + min(binomial, scatter_allgather)
+    return link.time(latency_messages(kind, p, algo), volume(kind, nbytes, p, algo))
 
 
 # -- boxing steps and plans -----------------------------------------------------------------------
@@ -180,9 +181,9 @@ def _transfer_time(step: Step, cluster: Cluster) -> float:
         n = box_numel(box) * step.itemsize
         if s == d or n == 0:
             continue  # a local copy / an empty message never touches the network
-        a, b, o, _ = cluster.fit("p2p", (s, d))
-        t = a + n * b
-        overhead = max(overhead, o)  # all messages go in one exchange call: paid once
+        fit = cluster.fit("p2p", (s, d))
+        t = fit.time(1, n) - fit.overhead
+        overhead = max(overhead, fit.overhead)  # all messages go in one exchange call: paid once
         busy[("send", s)] = busy.get(("send", s), 0.0) + t
         busy[("recv", d)] = busy.get(("recv", d), 0.0) + t
         received[d] = received.get(d, 0) + n
@@ -232,14 +233,15 @@ def _comm_time(step: Step, cluster: Cluster) -> float:
         p = len(g)
         if p == 1:
             continue
-        a, b, o, algo = cluster.fit(step.kind, g)
+        fit = cluster.fit(step.kind, g)
+        algo = fit.algorithm
         if algo:  # a variant's own per-rank volume of the busiest member's tensor
             n = max(box_numel(member_boxes(step.shape, step.src_placement, step.src)[r])
                     for r in g) * step.itemsize
             moved = volume(step.kind, n, p, algo)
         else:
             moved = _member_bytes(step, g) * step.itemsize
-        t = o + latency_messages(step.kind, p, algo) * a + moved * b
+        t = fit.time(latency_messages(step.kind, p, algo), moved)
         if cluster.copy_beta:
             t += cluster.copy_time(max(_copy_bytes(step, r) for r in g))
         worst = max(worst, t)
