@@ -18,14 +18,14 @@ Each configuration first runs ``warmup`` untimed rounds (which also create the b
 groups); a timed round is a world barrier, then ``inner`` back-to-back calls (so the skew of
 leaving the barrier is amortised), timed and divided by ``inner``. Rounds go round-robin over
 the configurations, so load from outside spreads over all of them instead of spoiling one. A
-round's time is the slowest rank's, and a sample is the median over ``repeats`` rounds. Then, per link class,
-`fit_alpha_beta` solves the least-squares problem of the alpha-beta formulas for one
-(alpha, beta) of the link, and (``per_kind=True``) `fit_collective` fits each kind its own
+round's time is the slowest rank's, and a sample is the median over ``repeats`` rounds. Then,
+per link class, `fit_alpha_beta` solves the least-squares problem of the alpha-beta formulas for
+one (alpha, beta) of the link, and (``per_kind=True``) `fit_collective` fits each kind its own
 ``(alpha, beta, overhead)``: ``t = overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (the
 overhead only when the samples have two or more group sizes, else it cannot be told apart from
 alpha), bent upward past a knee ``+ max(0, v - knee)·beta2`` where the samples clearly say so
-(messages beyond the caches; `fit_collective`). The cluster carries the per-kind fits (`Cluster.kinds`); kinds not measured keep the
-link's (alpha, beta).
+(messages beyond the caches; `fit_collective`). The cluster carries the per-kind fits
+(`Cluster.kinds`); kinds not measured keep the link's (alpha, beta).
 
 Local copies (``copy=True``): every rank at once cuts a ``(rows, 512)`` float32 tensor of each
 size into 4 column blocks with ``.contiguous()`` (the copy boxing makes for a split along a

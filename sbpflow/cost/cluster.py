@@ -36,8 +36,8 @@ alpha-beta model) on presets and hand-made clusters:
   in-process threads backend, where the ranks' Python work is serialised.
 
     >>> c = Cluster(1, 4, intra=(1e-6, 1e-9), kinds={"intra": {"all_gather": (1e-6, 2e-9, 5e-5)}})
-    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1]) == (1e-6, 1e-9, 0.0, "", 0.0, 0.0)
-    (5e-05, True)
+    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1])[:3]
+    (5e-05, (1e-06, 1e-09, 0.0))
 """
 
 from __future__ import annotations

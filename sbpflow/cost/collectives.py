@@ -27,10 +27,11 @@ A variant may replace a kind's formula when a per-kind fit names it: ``direct`` 
 ``(p-1)·α + (p-1)·n·β`` (every rank receives and reduces every other rank's whole tensor).
 
 A one-rank group costs 0. A cluster with a per-kind fit ``(α, β, o)`` for the kind and link
-class (`Cluster.fit`) prices the kind with that α and β and adds the per-call overhead ``o``
-to the time (``o`` does not grow with ``p`` or ``n``), and a fit with a bend adds
-``(v - knee)·β2`` for the per-rank bytes ``v`` past its knee (`CollectiveFit.time`). Broadcast (``L = ⌈log2 p⌉``) is the faster of a binomial tree (small
-messages) and van de Geijn's scatter + ring all-gather (large), as MPI libraries switch between.
+class (`Cluster.fit`) prices the kind with that α and β and adds the per-call overhead ``o`` to
+the time (``o`` does not grow with ``p`` or ``n``), and a fit with a bend adds ``(v - knee)·β2``
+for the per-rank bytes ``v`` past its knee (`CollectiveFit.time`). Broadcast (``L = ⌈log2 p⌉``)
+is the faster of a binomial tree (small messages) and van de Geijn's scatter + ring all-gather
+(large), as MPI libraries switch between.
 
 The bandwidth term ``(p-1)/p·n`` (``2(p-1)/p·n``) is the number of bytes each rank sends and
 receives; for a boxing step with uneven shards, `step_time` uses the exact per-rank count of the
