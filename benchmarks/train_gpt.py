@@ -1,4 +1,4 @@
-"""GPT training step: sbpflow vs PyTorch's own equivalents, side by side on 4 gloo processes.
+"""GPT training step: sbpflow vs PyTorch's own equivalents, side by side on gloo processes (4).
 
 * data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``;
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``
@@ -10,6 +10,7 @@ Prints median step times (ms), the ratio, and the bytes sbpflow moved per step a
 minimum its layouts imply.
 
     python benchmarks/train_gpt.py [--steps 10] [--d 128] [--layers 2] [--batch 8] [--seq 64]
+    python benchmarks/train_gpt.py -n 2    # one process a core on a 2-core machine
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ TP_RULES = {"*.attn.qkv.*": sf.S(0), "*.attn.proj.weight": sf.S(1), "*.mlp.fc.*"
 
 def _timed(steps_to_time: list, steps: int) -> list[float]:
     """Median seconds per step of each step function, barrier to barrier. The functions take
-    turns step by step (A B A B ...), so load from outside and the 4 processes' contention
-    for 2 cores hit them alike instead of whichever ran in a noisier minute."""
+    turns step by step (A B A B ...), so load from outside and the processes' contention for
+    the cores hit them alike instead of whichever ran in a noisier minute."""
     for step in steps_to_time:
         step()
         step()
@@ -62,7 +63,7 @@ def _sf_step(cfg, layout: str):
     same value as the mean when no target is ``ignore_index`` (true here) but without the
     all-reduce of the valid-target count the exact mean needs (DDP's per-rank mean skips it
     too: it is exact only when every rank has as many valid targets)."""
-    pl = sf.placement("cpu", [0, 1, 2, 3])
+    pl = sf.placement("cpu", list(range(dist.get_world_size())))
     GPT = gpt_class(sf.nn, sf.nn.functional)
     sf.manual_seed(0)
     model = GPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"])
@@ -149,7 +150,8 @@ def _op_overhead(iters: int = 500, repeats: int = 7) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     pl = sf.placement("cpu", list(range(dist.get_world_size())))
     out = {}
-    xs, ws = sf.randn(16, 8, placement=pl, sbp=sf.S(0), seed=0), sf.randn(8, 8, placement=pl, sbp=sf.B, seed=1)
+    xs = sf.randn(16, 8, placement=pl, sbp=sf.S(0), seed=0)
+    ws = sf.randn(8, 8, placement=pl, sbp=sf.B, seed=1)
     xl, wl = xs.local, ws.local
     xd = DTensor.from_local(xl, mesh, [Shard(0)], run_check=False)
     wd = DTensor.from_local(wl, mesh, [Replicate()], run_check=False)
@@ -217,19 +219,26 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("-n", "--ranks", type=int, default=4,
+                    help="gloo processes (default 4; batch and heads must divide by it)")
     args = ap.parse_args(argv)
+    if args.ranks < 1 or args.batch % args.ranks or args.heads % args.ranks:
+        ap.error(f"-n {args.ranks}: the batch ({args.batch}) and the heads ({args.heads}) must "
+                 "divide by the number of ranks (data and tensor parallelism split them)")
     cfg = dict(vocab=args.vocab, d=args.d, heads=args.heads, layers=args.layers,
                batch=args.batch, seq=args.seq)
     print(f"GPT d={args.d} layers={args.layers} heads={args.heads} batch={args.batch} "
-          f"seq={args.seq} vocab={args.vocab}; 4 gloo processes; median of {args.steps} steps, sbpflow and torch taking turns")
-    rows, ops = sf.launch(_bench, world_size=4, backend="torch", args=(cfg, args.steps))[0]
+          f"seq={args.seq} vocab={args.vocab}; {args.ranks} gloo processes; median of "
+          f"{args.steps} steps, sbpflow and torch taking turns")
+    rows, ops = sf.launch(_bench, world_size=args.ranks, backend="torch",
+                          args=(cfg, args.steps))[0]
     print(f"{'layout':<7}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
         print(f"{layout:<7}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
-              f"{moved:>14}{_min_bytes(cfg, layout):>14}  rank0: {kinds}")
-    print("\nper-op eager time on small tensors, 4 ranks (us per call, best of 7 x 500); "
-          "overhead = time - torch kernel")
+              f"{moved:>14}{_min_bytes(cfg, layout, args.ranks):>14}  rank0: {kinds}")
+    print(f"\nper-op eager time on small tensors, {args.ranks} ranks (us per call, best of 7 x "
+          "500); overhead = time - torch kernel")
     print(f"  {'op':<8}{'sbpflow':>9}{'DTensor':>9}{'kernel':>8}{'sf ovh':>8}{'DT ovh':>8}"
           f"{'ratio':>7}")
     for name, (a, b, k) in ops.items():

@@ -7,7 +7,9 @@ communication starts early), in reverse registration order — backward produces
 layers' gradients first. A hook after each gradient's accumulation marks its parameter ready;
 when every parameter of a bucket is ready, the bucket's gradients are concatenated and its
 all-reduce is started (`Communicator.all_reduce_start`), reusing the bucket's buffer of the
-previous step when nothing holds a view of it any more. Buckets start strictly in order, so
+previous step when nothing holds a view of it any more, else the one of the step before (gloo's
+worker thread can hold a finished all-reduce's tensor for a moment after its wait returned, so
+a bucket may alternate two buffers; it keeps at most two). Buckets start strictly in order, so
 every rank starts the same collectives in the same order. `take` hands the reduced gradient to
 the optimizer, waiting for the bucket if it is still in flight.
 
@@ -37,7 +39,8 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 
 class _Bucket:
-    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent", "flat")
+    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent", "flat",
+                 "spare")
 
     def __init__(self, group: tuple, op: str, limit: int) -> None:
         self.params: list = []
@@ -46,6 +49,7 @@ class _Bucket:
         self.pending = None       # Pending of the flat all-reduce
         self.sent: list = []      # (gradient tensor, its version) at the start, per param
         self.flat = None          # the flat buffer, reused while nothing else holds a view of it
+        self.spare = None         # the buffer before it, if ``flat`` was busy when last needed
 
 
 class GradSync:
@@ -138,6 +142,9 @@ class GradSync:
             b.pending.wait()      # a stale earlier start (accumulation): let it finish first
         with torch.no_grad():
             flat = _reusable(b.flat, grads)
+            if flat is None:      # busy (held, or not yet let go by the backend): the one before
+                flat = _reusable(b.spare, grads)
+                b.spare = b.flat
             flat = b.flat = torch.cat([g.reshape(-1) for g in grads], out=flat)
         b.sent = [(g, g._version) for g in grads]
         b.pending = self._comm.all_reduce_start(flat, b.group, b.op, inplace=True)

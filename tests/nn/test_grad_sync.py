@@ -150,9 +150,9 @@ def test_torch_backend_overlapped_all_reduce_gives_the_blocking_weights():
         assert torch.equal(overlapped[2][k], blocking[2][k]), k
 
 
-def _reuse_and_hold() -> tuple[bool, bool]:
-    """(a held reduced gradient kept its value while later steps ran, the bucket buffers were
-    reused once nothing held them)."""
+def _reuse_and_hold(steps: int = 8) -> tuple[bool, int]:
+    """(a held reduced gradient kept its value while later steps ran, the most buffers a
+    bucket used over ``steps`` later steps, nothing holding them)."""
     m, _, pl, x_sbp = _dp_model("dp2")
     opt = sf.optim.SGD(m.parameters(), lr=0.1)
     params = list(m.parameters())
@@ -171,15 +171,19 @@ def _reuse_and_hold() -> tuple[bool, bool]:
     opt.step()
     intact = all(torch.equal(h, v) for h, v in zip(held, values))
     del held
-    backward(3)
-    opt.step()
-    ptrs = [b.flat.data_ptr() for b in opt._sync._buckets]
-    backward(4)
-    opt.step()
-    reused = ptrs == [b.flat.data_ptr() for b in opt._sync._buckets]
-    return intact, reused
+    used = [set() for _ in opt._sync._buckets]
+    for step in range(3, 3 + steps):
+        backward(step)
+        opt.step()
+        for u, b in zip(used, opt._sync._buckets):
+            u.add(b.flat.data_ptr())
+    return intact, max(len(u) for u in used)
 
 
 @pytest.mark.parametrize("backend", ["threads", pytest.param("torch", marks=pytest.mark.gloo)])
 def test_bucket_buffers_are_reused_unless_a_reduced_gradient_is_held(backend):
-    assert sf.launch(_reuse_and_hold, world_size=2, backend=backend) == [(True, True)] * 2
+    # threads: one buffer a bucket; gloo's worker thread may still hold a finished
+    # all-reduce's tensor for a moment, so a bucket may alternate two, never more
+    for intact, buffers in sf.launch(_reuse_and_hold, world_size=2, backend=backend):
+        assert intact
+        assert buffers <= (1 if backend == "threads" else 2), buffers
