@@ -1,4 +1,4 @@
-"""GPT training step: sbpflow vs PyTorch's own equivalents, side by side on gloo processes (4).
+"""GPT training step: sbpflow vs PyTorch's own equivalents, side by side on 4 gloo processes (-n).
 
 * data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``;
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``
