@@ -50,12 +50,12 @@ Figures (2-core machine), 4 gloo ranks: evaluate's tau 0.89-0.98 over 10 runs on
 (mean 0.93); 0.78-0.89 over 8 runs on the noisier 2026-11-23 with straight collective fits, and
 on the same day 0.85-0.98 over 20 runs (mean 0.915, median 0.91, 14 of 20 at or above 0.9) once
 the fits may bend upward past a knee (large messages memory-bound; `sf.cost.calibrate`). 8
-threads ranks: 0.89-0.98 over 6 runs (mean 0.92) with the bend. Re-priced offline on the same
-measurements (``--save``), the bend lifts the mean tau of 7 gloo runs 0.906 -> 0.922 and of 10
-earlier ones 0.839 -> 0.883; per strategy, measured / predicted has medians 0.92-1.13 over 17
-runs, and most discordant pairs are strategies within 10 % of each other. On the 2x2x2 mesh
-evaluate still prices some nested moves as one transfer where the planner runs a chain of
-collectives (reduce-scatter, all-to-all, all-gather).
+threads ranks: 0.87-0.98 over 12 runs (mean 0.91) with the bend, 0.89-0.93 (mean 0.91) without.
+Re-priced offline on the same measurements (``--save``), the bend lifts the mean tau of 7 gloo
+runs 0.906 -> 0.922 and of 10 earlier ones 0.839 -> 0.883; per strategy, measured / predicted
+has medians 0.92-1.13 over 17 runs, and most discordant pairs are strategies within 10 % of each
+other. On the 2x2x2 mesh evaluate still prices some nested moves as one transfer where the
+planner runs a chain of collectives (reduce-scatter, all-to-all, all-gather).
 
     python benchmarks/auto_fidelity.py              # 4 gloo processes, ~30 s
     python benchmarks/auto_fidelity.py --threads    # 8 threads ranks in this process, ~15 s
