@@ -120,6 +120,11 @@ def fit_alpha_beta(samples: Iterable[Sequence]) -> tuple[float, float, list[floa
     return alpha, beta, residuals
 
 
+def _squared_error(a: torch.Tensor, x: list[float], y: torch.Tensor) -> float:
+    """``|a·x - y|²`` of a least-squares solution ``x``."""
+    return float(((a @ torch.tensor(x, dtype=a.dtype) - y) ** 2).sum())
+
+
 def _nnls(a: torch.Tensor, y: torch.Tensor) -> list[float]:
     """``argmin |a·x - y|`` subject to ``x >= 0`` for a handful of columns: the best
     unconstrained least-squares solution over every subset of columns that is feasible (the
@@ -225,21 +230,21 @@ def _fit_one(samples: Iterable[Sequence], overhead: bool | None = None, algorith
                         "sizes (and group sizes)")
     y = torch.ones(len(rows), dtype=torch.float64)
     x = _nnls(a, y)
-    vals = dict(zip(cols, x))
-    best = (float(((a @ torch.tensor(x, dtype=torch.float64) - y) ** 2).sum()), vals, 0.0)
-    straight = best[0]
+    straight = _squared_error(a, x, y)
+    best = (straight, dict(zip(cols, x)), 0.0)
     if bend is None:
         bend = kinds != {"p2p"}
     # knees in the upper half of the volumes (below, latency dominates the samples and a bend
     # only fits noise), with two larger volumes past them (a slope through one point would
     # fit that point's noise exactly, and extrapolate it)
     volumes = sorted({r[2] for r in rows})
-    knees = [v for v in volumes[1:-2] if v >= statistics.median(volumes)]
+    middle = statistics.median(volumes)
+    knees = [v for v in volumes[1:-2] if v >= middle]
     for knee in knees if bend and len(rows) >= len(cols) + 2 else ():
         ab = torch.cat([a, torch.tensor([[max(0.0, r[2] - knee) / r[3]] for r in rows],
                                         dtype=torch.float64)], dim=1)
         xb = _nnls(ab, y)
-        err = float(((ab @ torch.tensor(xb, dtype=torch.float64) - y) ** 2).sum())
+        err = _squared_error(ab, xb, y)
         if xb[-1] > 0 and err < straight * len(rows) ** (-2 / len(rows)) and err < best[0]:
             best = (err, dict(zip(cols + [3], xb)), knee)
     _, vals, knee = best

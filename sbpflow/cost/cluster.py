@@ -333,9 +333,8 @@ class Cluster:
                 "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta},
                 "memory_per_device": self.memory_per_device,
                 "flops_per_device": self.flops_per_device,
-                "kinds": {lc: {k: {"alpha": f.alpha, "beta": f.beta, "overhead": f.overhead,
-                                   "algorithm": f.algorithm, "beta2": f.beta2, "knee": f.knee}
-                               for k, f in t.items()} for lc, t in self.kinds_table.items()},
+                "kinds": {lc: {k: f._asdict() for k, f in t.items()}
+                          for lc, t in self.kinds_table.items()},
                 "copy_beta": self.copy_beta, "step_overhead": self.step_overhead}
 
     @classmethod
