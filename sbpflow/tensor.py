@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from typing import Sequence
 
 import torch
@@ -23,7 +24,7 @@ from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, 
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 
-__all__ = ["GlobalTensor", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full",
+__all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full",
            "arange", "manual_seed", "apply_op"]
 
 
@@ -178,7 +179,10 @@ class GlobalTensor:
         self._local.grad = None if value is None else value._local
 
     def retain_grad(self) -> None:
+        """Keep this non-leaf tensor's gradient in ``.grad`` after backward (torch's)."""
         self._local.retain_grad()
+        state = _comm.current().state
+        state.setdefault("retained_grads", weakref.WeakSet()).add(self._local)
 
     def detach(self) -> "GlobalTensor":
         return GlobalTensor(self._local.detach(), self._shape, self._placement, self._sbp)
@@ -190,23 +194,27 @@ class GlobalTensor:
         layout ``dual(sbp)``: for a P loss every rank seeds 1, for a B loss the first rank of
         each group seeds 1 and the others 0.
         """
+        seed = self._seed(gradient)
+        if not self._local.requires_grad:
+            raise SbpError(f"backward: tensor of shape {self._shape} on {self._placement} "
+                           f"does not require grad")
+        torch.autograd.backward(self._local, seed, retain_graph=retain_graph)
+
+    def _seed(self, gradient: "GlobalTensor | None") -> torch.Tensor:
+        """This rank's shard of the backward seed: ``gradient`` (or the logical 1 of a scalar)
+        laid out as ``dual(sbp)``."""
         dual = dual_nd(self._sbp)
         if gradient is None:
             if self._shape != ():
                 raise ShapeError(f"backward() without a gradient needs a scalar; this tensor has "
                                  f"shape {self._shape}, placement {self._placement}, sbp "
                                  f"{format_nd_sbp(self._sbp)}")
-            seed = ones((), placement=self._placement, sbp=dual, dtype=self.dtype)._local
-        else:
-            if gradient.shape != self.shape:
-                raise ShapeError(f"backward: gradient shape {tuple(gradient.shape)} != tensor "
-                                 f"shape {self._shape}")
-            seed = gradient.to_global(self._placement, dual)._local
-        if not self._local.requires_grad:
-            raise SbpError(f"backward: tensor of shape {self._shape} on {self._placement} "
-                           f"does not require grad")
-        torch.autograd.backward(self._local, seed.to(self._local.device),
-                                retain_graph=retain_graph)
+            return ones((), placement=self._placement, sbp=dual, dtype=self.dtype)._local.to(
+                self.device)
+        if gradient.shape != self.shape:
+            raise ShapeError(f"backward: gradient shape {tuple(gradient.shape)} != tensor "
+                             f"shape {self._shape}")
+        return gradient.to_global(self._placement, dual)._local.to(self.device)
 
     # -- display -----------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -219,6 +227,11 @@ class GlobalTensor:
         if not self._shape:
             raise TypeError("len() of a 0-d global tensor")
         return self._shape[0]
+
+
+def retains_grads() -> bool:
+    """Whether a tensor of this rank called `GlobalTensor.retain_grad` and is still alive."""
+    return bool(_comm.current().state.get("retained_grads"))
 
 
 # -- creation ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from ..errors import ShapeError
 from ..sbp import B, Broadcast, Partial, Split
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
+from .pending_mean import mean_over_count
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
            "layer_norm", "embedding", "cross_entropy", "dropout", "scaled_dot_product_attention"]
@@ -202,7 +203,10 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
         # replicated, where the fused count would be partial (an all-reduce)
         total, count = apply_op("cross_entropy_sum", input, target,
                                 ignore_index=int(ignore_index))
-        return total if reduction == "sum" else total / count
+        if reduction == "sum":
+            return total
+        return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
+                                              target.sbp, int(ignore_index)))
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
     if plain_rows:
         loss = apply_op("row_cross_entropy", input, target, ignore_index=int(ignore_index))
@@ -228,7 +232,11 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     if reduction == "none":
         return loss
     total = loss.sum()
-    return total if reduction == "sum" else total / row_weight.sum()
+    if reduction == "sum":
+        return total
+    return mean_over_count(total, row_weight.sum(), ("cross_entropy", tuple(target.shape),
+                                                     target.sbp, int(ignore_index),
+                                                     weight is not None))
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,

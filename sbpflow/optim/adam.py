@@ -1,9 +1,11 @@
 """Adam and AdamW: torch's update formulas (bias correction, amsgrad, maximize), on local
 shards; ``exp_avg`` / ``exp_avg_sq`` are global tensors in the parameter's layout.
 
-The parameters of a group are updated together with torch's multi-tensor (``_foreach``)
-kernels, a few calls for the whole group instead of a few per parameter (``foreach=False``:
-one parameter at a time, torch's single-tensor form). Both compute the same formula."""
+The parameters of a group are updated together: by default with torch's fused kernel
+(``torch._fused_adam_`` / ``_fused_adamw_``: one pass over each parameter's memory, 2-3x faster
+than the multi-tensor form on a CPU), else with the multi-tensor (``_foreach``) kernels
+(``fused=False``), or one parameter at a time, torch's single-tensor form (``fused=False,
+foreach=False``). All compute torch's formula (the fused kernel rounds in its own order)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,21 @@ from .optimizer import Optimizer, state_like
 __all__ = ["Adam", "AdamW"]
 
 
+# what torch's fused Adam kernels take
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class Adam(Optimizer):
-    """``torch.optim.Adam``'s update, multi-tensor (``foreach=False``: one parameter at a
-    time). ``weight_decay`` is L2 added to the gradient (``decoupled_weight_decay=True``:
-    AdamW's decay of the parameter)."""
+    """``torch.optim.Adam``'s update: fused, multi-tensor (``fused=False``) or one parameter at
+    a time (``foreach=False``, as torch). ``fused=None`` (the default) fuses the parameters
+    whose device and dtype torch's fused kernel takes, the others multi-tensor. ``weight_decay`` is L2 added to the gradient
+    (``decoupled_weight_decay=True``: AdamW's decay of the parameter)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
-                 decoupled_weight_decay: bool = False, foreach: bool = True) -> None:
+                 decoupled_weight_decay: bool = False, foreach: bool = True,
+                 fused: bool | None = None) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -34,21 +43,42 @@ class Adam(Optimizer):
                                       weight_decay=weight_decay, amsgrad=amsgrad,
                                       maximize=maximize,
                                       decoupled_weight_decay=decoupled_weight_decay,
-                                      foreach=foreach))
+                                      foreach=foreach, fused=fused))
 
     def _update_group(self, params, grads, states, group) -> None:
-        if group.get("foreach") is False:  # None (a torch state dict's default): multi-tensor
+        fused, foreach = group.get("fused"), group.get("foreach")
+        if not fused and foreach is False:  # as torch: foreach=False alone is one at a time
             return super()._update_group(params, grads, states, group)
         for st, p in zip(states, params):
             self._init_state(p, st, group)
             st["step"] += 1
-        # one multi-tensor pass per (step, dtype, device): bias corrections are per step
+        # one pass per (step, dtype, device): bias corrections are per step
         batches: dict = {}
         for p, g, st in zip(params, grads, states):
             batches.setdefault((st["step"], g.dtype, g.device), []).append((p, g, st))
-        for (step, _, _), items in batches.items():
-            self._foreach_step([p.local for p, _, _ in items], [g for _, g, _ in items],
-                               [st for _, _, st in items], float(step), group)
+        for (step, dtype, device), items in batches.items():
+            args = ([p.local for p, _, _ in items], [g for _, g, _ in items],
+                    [st for _, _, st in items], step, group)
+            if fused is not False and device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES:
+                self._fused_step(*args)
+            elif fused:  # asked for, not available
+                raise ValueError(f"{type(self).__name__}(fused=True): torch's fused kernel does "
+                                 f"not take {dtype} parameters on {device}; use fused=None")
+            else:
+                self._foreach_step(*args[:3], float(step), group)
+
+    @staticmethod
+    def _fused_step(params, grads, states, step, group) -> None:
+        beta1, beta2 = group["betas"]
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        # the kernel reads the (already incremented) step of each parameter
+        steps = [torch.full((), float(step), device=params[0].device)] * len(params)
+        kernel(params, grads, [st["exp_avg"].local for st in states],
+               [st["exp_avg_sq"].local for st in states],
+               [st["max_exp_avg_sq"].local for st in states] if group["amsgrad"] else [],
+               steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
+               maximize=group["maximize"])
 
     @staticmethod
     def _foreach_step(params, grads, states, step, group) -> None:
@@ -121,6 +151,6 @@ class AdamW(Adam):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 maximize: bool = False, foreach: bool = True) -> None:
+                 maximize: bool = False, foreach: bool = True, fused: bool | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         decoupled_weight_decay=True, foreach=foreach)
+                         decoupled_weight_decay=True, foreach=foreach, fused=fused)

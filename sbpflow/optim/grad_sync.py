@@ -2,9 +2,12 @@
 reducer does), for the parameters whose gradient boxing ``dual(sbp) -> sbp`` is one all-reduce
 (a ``B`` parameter in data parallelism: ``P -> B``).
 
-Those parameters are put in buckets of at most ``bucket_bytes`` (the first one smaller, so
-communication starts early), in reverse registration order — backward produces the last
-layers' gradients first. A hook after each gradient's accumulation marks its parameter ready;
+Those parameters are put in buckets of at most ``bucket_bytes``, in reverse registration order
+— backward produces the last layers' gradients first. On CUDA the first bucket is smaller
+(1 MiB, as DDP's), so communication starts early while the GPU computes. On a CPU it is not:
+there the all-reduce's copies and reductions run on the cores the backward computes on, so an
+early start overlaps little, and each extra all-reduce costs its launch (a small first bucket
+made a GPT step 1-13 % slower on 2 and 4 gloo ranks, `benchmarks/train_gpt.py`). A hook after each gradient's accumulation marks its parameter ready;
 when every parameter of a bucket is ready, the bucket's gradients are concatenated and its
 all-reduce is started (`Communicator.all_reduce_start`), reusing the bucket's buffer of the
 previous step when nothing holds a view of it any more, else the one of the step before (gloo's
@@ -33,9 +36,9 @@ from ..boxing import plan_layouts
 from ..sbp import dual_nd
 from ..tensor import GlobalTensor
 
-__all__ = ["GradSync", "collect"]
+__all__ = ["GradSync", "collect", "drop_started"]
 
-FIRST_BUCKET_BYTES = 1 << 20
+FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (module docstring)
 
 
 class _Bucket:
@@ -47,7 +50,8 @@ class _Bucket:
         self.group, self.op, self.limit, self.nbytes = group, op, limit, 0
         self.ready: set = set()
         self.pending = None       # Pending of the flat all-reduce
-        self.sent: list = []      # (gradient tensor, its version) at the start, per param
+        self.sent: list | None = []  # (gradient, its version) at the start, per param; None:
+                                     # dropped (the all-reduce is drained, its result unused)
         self.flat = None          # the flat buffer, reused while nothing else holds a view of it
         self.spare = None         # the buffer before it, if ``flat`` was busy when last needed
 
@@ -58,7 +62,7 @@ class GradSync:
     same parameter takes it over (the earlier one stops acting for it)."""
 
     def __init__(self, params: list, bucket_bytes: int,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
+                 first_bucket_bytes: int | None = None) -> None:
         comm = _comm.current()
         self._comm = comm
         self._buckets: list[_Bucket] = []
@@ -76,8 +80,10 @@ class GradSync:
             size = p.local.numel() * p.local.element_size()
             b = filling.get(key)
             if b is None or (b.params and b.nbytes + size > b.limit):
-                b = filling[key] = _Bucket(
-                    group, step.op, bucket_bytes if self._buckets else first_bucket_bytes)
+                first = first_bucket_bytes if first_bucket_bytes is not None else \
+                    FIRST_BUCKET_BYTES if p.local.device.type == "cuda" else bucket_bytes
+                b = filling[key] = _Bucket(group, step.op,
+                                           bucket_bytes if self._buckets else first)
                 self._buckets.append(b)
             b.params.append(p)
             b.nbytes += size
@@ -149,6 +155,14 @@ class GradSync:
         b.sent = [(g, g._version) for g in grads]
         b.pending = self._comm.all_reduce_start(flat, b.group, b.op, inplace=True)
 
+    def drop_started(self) -> None:
+        """Forget the results of the all-reduces started so far (their gradients were wrong:
+        see `sf.nn.pending_mean`); `take` then drains them and returns nothing for them. Every
+        rank must drop the same ones, since the caller reduces those gradients again."""
+        for b in self._buckets:
+            if b.pending is not None:
+                b.sent = None
+
     # -- at the optimizer step ----------------------------------------------------------------
     def take(self) -> dict:
         """``{param: (gradient, its version, reduced gradient in the param's layout)}`` for every
@@ -159,7 +173,8 @@ class GradSync:
             if b.pending is None:
                 continue
             reduced = b.pending.wait()
-            if all(p.local.grad is g and g._version == v for p, (g, v) in zip(b.params, b.sent)):
+            if b.sent is not None and all(p.local.grad is g and g._version == v
+                                          for p, (g, v) in zip(b.params, b.sent)):
                 offset = 0
                 for p, (g, v) in zip(b.params, b.sent):
                     n = g.numel()
@@ -207,6 +222,15 @@ def collect(params: list) -> dict:
             seen.add(id(sync))
             out.update(sync.take())
     return out
+
+
+def drop_started() -> None:
+    """`GradSync.drop_started` of every sync of this rank."""
+    seen: set = set()
+    for sync in list(_owners(_comm.current()).values()):
+        if id(sync) not in seen:
+            seen.add(id(sync))
+            sync.drop_started()
 
 
 def _hook(sync_ref: "weakref.ref", index: int, j: int):

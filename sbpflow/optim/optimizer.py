@@ -27,7 +27,7 @@ from ..errors import SbpError, ShapeError
 from ..sbp import Partial, format_nd_sbp
 from ..nn.modules import zero_grads
 from ..tensor import GlobalTensor, zeros as _sf_zeros
-from .grad_sync import FIRST_BUCKET_BYTES, GradSync, collect
+from .grad_sync import GradSync, collect
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -158,7 +158,8 @@ class Optimizer(torch.optim.Optimizer):
     # on: the first step sets up the buckets); `no_sync` for accumulated micro-batches
     overlap_grad_sync = True
     grad_bucket_bytes = _BUCKET_BYTES
-    first_grad_bucket_bytes = FIRST_BUCKET_BYTES  # small, so the first all-reduce starts early
+    # None: 1 MiB on CUDA (the first all-reduce starts early), bucket size on a CPU (grad_sync)
+    first_grad_bucket_bytes: int | None = None
 
     def __init__(self, params, defaults: dict) -> None:  # noqa: D401 - not torch's __init__
         self.defaults = dict(defaults)

@@ -31,7 +31,10 @@ OPTIMIZERS = {
     "adamw": (lambda ps: sf.optim.AdamW(ps, lr=0.02, betas=(0.8, 0.99), amsgrad=True),
               lambda ps: torch.optim.AdamW(ps, lr=0.02, betas=(0.8, 0.99), amsgrad=True,
                                            foreach=False)),
-    # one parameter at a time (sf's multi-tensor update is the default)
+    # multi-tensor kernels (sf's default is torch's fused kernel)
+    "adam-foreach": (lambda ps: sf.optim.Adam(ps, lr=0.02, weight_decay=0.01, fused=False),
+                     lambda ps: torch.optim.Adam(ps, lr=0.02, weight_decay=0.01, foreach=False)),
+    # one parameter at a time
     "adamw-single": (lambda ps: sf.optim.AdamW(ps, lr=0.02, weight_decay=0.05, foreach=False),
                      lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.05,
                                                   foreach=False)),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sbpflow as sf
+from sbpflow.optim.grad_sync import GradSync
 from sbpflow.optim.optimizer import boxed_grads
 from nn_twin import assert_close, batch, layout, sf_loss, sf_mlp, torch_mlp, torch_loss
 
@@ -187,3 +188,20 @@ def test_bucket_buffers_are_reused_unless_a_reduced_gradient_is_held(backend):
     for intact, buffers in sf.launch(_reuse_and_hold, world_size=2, backend=backend):
         assert intact
         assert buffers <= (1 if backend == "threads" else 2), buffers
+
+
+def test_cpu_gradients_get_no_small_first_bucket():
+    # on a CPU the first bucket is as large as the others (grad_sync's docstring says why);
+    # a first_bucket_bytes given is kept
+    def body():
+        m, _, _, _ = _dp_model("dp2")
+        params = list(m.parameters())
+        total = sum(p.local.numel() * p.local.element_size() for p in params)
+        default = GradSync(params, bucket_bytes=total)
+        small_first = GradSync(params, bucket_bytes=total, first_bucket_bytes=1)
+        return ([len(b.params) for b in default._buckets],
+                [len(b.params) for b in small_first._buckets], len(params))
+
+    default, small_first, n = sf.launch(body, world_size=2)[0]
+    assert default == [n]
+    assert small_first == [1, n - 1]
