@@ -1,6 +1,9 @@
 """GPT training step: sbpflow vs PyTorch's own equivalents, side by side on 4 gloo processes (-n).
 
-* data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``;
+* data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``, whose
+  ``torch.optim.AdamW`` runs torch's default kernel (one parameter at a time on a CPU) and, in
+  the "DDP fused" row, the fused kernel sbpflow's AdamW uses by default (the same update: that
+  row shows what the framework itself costs);
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``
   with ``ColwiseParallel`` / ``RowwiseParallel``;
 * per-op eager overhead on small tensors: sbpflow ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's,
@@ -95,10 +98,12 @@ def _torch_model(cfg):
     return TorchGPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"])
 
 
-def _ddp_step(cfg):
+def _ddp_step(cfg, fused: bool | None = None):
+    """DDP with ``torch.optim.AdamW``: torch's default kernel (one parameter at a time on a
+    CPU), or ``fused=True``: the fused kernel sbpflow's AdamW uses by default."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = DDP(_torch_model(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     x, y = _data(cfg)
     r, n = dist.get_rank(), dist.get_world_size()
     b = cfg["batch"] // n
@@ -176,7 +181,9 @@ def _bench(cfg, steps):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
-    for layout, ref_name, ref in [("dp", "DDP", _ddp_step), ("dp/sum", "DDP", _ddp_step),
+    fused = lambda c: _ddp_step(c, fused=True)  # noqa: E731
+    for layout, ref_name, ref in [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused),
+                                  ("dp/sum", "DDP", _ddp_step),
                                   ("tp", "DTensor TP", _dtensor_tp_step)]:
         sf_step, _ = _sf_step(cfg, layout)
         sf_step()

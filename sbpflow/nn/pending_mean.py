@@ -21,7 +21,11 @@ a guess:
 A guessed backward needs the exact correction to be possible, so it is used only when every
 leaf it reaches has no gradient yet (no accumulation into an earlier micro-batch's gradient)
 and no tensor retains its gradient (``retain_grad``); otherwise backward waits for the count
-first. Both choices give torch's gradients; a right guess gives bit-identical ones.
+first. Both give torch's gradients; a right guess gives the bits waiting would have given.
+The leaves are found by walking the autograd graph, which sees everything sbpflow's ops
+record (its activation checkpointing is torch's non-reentrant one); a nested backward run by
+user code on local shards (``torch.utils.checkpoint(..., use_reentrant=True)``) would hide its
+leaves from the correction.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..sbp import B, Partial
 from ..tensor import GlobalTensor, retains_grads
 
 __all__ = ["PendingMean", "mean_over_count"]
+
 
 def _history(stream: tuple) -> list:
     """This rank's last two counts of ``stream`` (the same on every rank: they are all-reduced)."""
@@ -84,7 +89,7 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
         return total / GlobalTensor(summed, (), pl, reduced)
     # in place: the count's shard is this call's alone (a copy costs as much as the launch)
     pending = comm.all_reduce_start(count.local.detach(), group, "sum", inplace=True)
-    return PendingMean._make(total, pending, guess, key)
+    return PendingMean._make(total, pending, guess, count.dtype, key)
 
 
 class PendingMean(GlobalTensor):
@@ -96,12 +101,13 @@ class PendingMean(GlobalTensor):
     __slots__ = ("_total", "_pending", "_guess", "_stream", "_spec", "_value")
 
     @classmethod
-    def _make(cls, total: GlobalTensor, pending, guess: float, stream: tuple) -> "PendingMean":
+    def _make(cls, total: GlobalTensor, pending, guess: float, count_dtype: torch.dtype,
+              stream: tuple) -> "PendingMean":
         t = object.__new__(cls)
         t._shape, t._placement, t._sbp, t._key = total._shape, total._placement, total._sbp, None
         t._total, t._pending, t._guess, t._stream = total._local, pending, guess, stream
-        # divided by a tensor, as the blocking path does, so a right guess gives the same bits
-        t._spec = total._local / torch.full((), guess, dtype=total.dtype,
+        # divided by a count tensor, as waiting does, so a right guess gives the same bits
+        t._spec = total._local / torch.full((), guess, dtype=count_dtype,
                                             device=total._local.device)
         t._value = None
         return t

@@ -232,12 +232,14 @@ def cross_entropy_sum_signatures(logits: TensorMeta, target: TensorMeta,
 
 def _cross_entropy_sum(logits, target, ignore_index=-100):
     """(Σ rows' ``-log_softmax(logits)[target]``, number of rows whose target is not
-    ``ignore_index``): the two 0-d parts of a mean cross-entropy, in ``logits``' dtype; the
-    count carries no gradient."""
+    ``ignore_index``): the two 0-d parts of a mean cross-entropy. The count carries no
+    gradient; it is in the sum's dtype, or float32 when that is a 16-bit float (which would
+    round counts above 256, as under autocast, where the sum is float32 of bf16 logits)."""
     c = logits.shape[-1]
     total = F.cross_entropy(logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index,
                             reduction="sum")
-    count = (target != ignore_index).sum().to(logits.dtype)
+    exact = torch.float32 if total.dtype in (torch.float16, torch.bfloat16) else total.dtype
+    count = (target != ignore_index).sum().to(exact)
     return total, count
 
 

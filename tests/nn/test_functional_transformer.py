@@ -213,6 +213,25 @@ def test_cross_entropy_mean_communicates_only_what_the_layouts_need():
     assert (tp_calls, tp_sent, tp_ok) == (0, 0, True)
 
 
+def test_cross_entropy_mean_of_bf16_logits_counts_exactly():
+    """Under bf16 autocast the summed loss is float32; the valid-target count must be too (in
+    bf16, 301 rounds to 300)."""
+    logits = _t(301, 7).to(torch.bfloat16)
+    target = _ints(7, 301, seed=3)
+    target[:4] = -100   # 297 valid: not a bf16 value either
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(logits, target)
+
+    def body(pl):
+        with sf.autocast(dtype=torch.bfloat16):
+            loss = SF.cross_entropy(sf.tensor(logits, pl, S(0)), sf.tensor(target, pl, S(0)))
+        return loss.full_tensor()
+
+    got = _launch([0, 1, 2, 3], body)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("ranks", MESHES)
 def test_cross_entropy_class_weights_and_label_smoothing(ranks):
     n, c = 7, 11
