@@ -444,29 +444,30 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     # grad: a parameter, whose layout the choice avoids moving); constants as (type, value)
     # tuples, so a constant never equals a layout id
     tensors, parts = [], [name]
-    grad_mode = torch.is_grad_enabled()
     grad = False
+    pl = None
     for a in args:
-        if isinstance(a, GlobalTensor):
+        if type(a) is GlobalTensor or isinstance(a, GlobalTensor):
             local = a._local
             tensors.append(a)
             k = a._key or _layout_key(a)
             if local.requires_grad:
-                grad = grad or grad_mode
+                grad = True
                 if local.is_leaf:
                     k = -k
             parts.append(k)
+            if pl is None:
+                pl = a._placement
+            elif a._placement is not pl and a._placement != pl:
+                raise PlacementMismatchError(
+                    f"{name}: inputs are on different placements: {_describe(tensors[0])} and "
+                    f"{_describe(a)}; move one with .to_global(placement=...) first (this is "
+                    f"where a pipeline stage boundary goes)")
         else:
             parts.append((type(a), hashable(a)))   # 1 and 1.0 give different dtypes
-    if not tensors:
+    if pl is None:
         raise SignatureError(f"{name}: needs at least one global tensor input")
-    pl = tensors[0]._placement
-    for t in tensors[1:]:
-        if t._placement is not pl and t._placement != pl:
-            raise PlacementMismatchError(
-                f"{name}: inputs are on different placements: {_describe(tensors[0])} and "
-                f"{_describe(t)}; move one with .to_global(placement=...) first (this is where a "
-                f"pipeline stage boundary goes)")
+    grad = grad and torch.is_grad_enabled()
     attrs_key = tuple(sorted((k, hashable(v)) for k, v in attrs.items())) if attrs else ()
     forced = None
     if sbp is not None:
@@ -482,8 +483,9 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     choice, op, detach, out_keys, moves, contexts = entry
     boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
              for t, nd in zip(tensors, choice.ins)] if moves else tensors
-    me = _comm.current().rank
-    if me in pl:
+    comm = _rank_local.comm or _comm.current()
+    me = comm.rank
+    if me in pl._index:
         if len(boxed) == len(args):
             local_args = [t._local for t in boxed]
         else:
@@ -504,11 +506,13 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
             attrs = dict(attrs)
             attrs["ctx"] = ctx
         result = op.kernel(*local_args, **attrs)
-        multi = isinstance(result, (tuple, list))
-        if not multi and not detach:  # the common case: one output
+        if not detach and type(result) is torch.Tensor:  # the common case: one output
             meta = choice.out_metas[0]
-            return _wrap(result, meta.shape, pl, choice.outs[0],
-                         out_keys[0] if result.dtype is meta.dtype else None)
+            t = _new(GlobalTensor)
+            t._local, t._shape, t._placement, t._sbp = result, meta.shape, pl, choice.outs[0]
+            t._key = out_keys[0] if result.dtype is meta.dtype else None
+            return t
+        multi = isinstance(result, (tuple, list))
         locals_ = tuple(result) if multi else (result,)
     else:
         dtype = _autocast_dtype(name, pl)
@@ -519,6 +523,10 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     outs = tuple(_wrap(t, m.shape, pl, nd, k if t.dtype is m.dtype else None)
                  for t, m, nd, k in zip(locals_, choice.out_metas, choice.outs, out_keys))
     return outs if multi else outs[0]
+
+
+_new = object.__new__
+_rank_local = _comm.rank_local()
 
 
 def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,

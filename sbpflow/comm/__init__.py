@@ -2,9 +2,10 @@
 
 from .base import CommStats, Communicator, KindStats, reduce_tensors
 from .threads import ThreadCommunicator, ThreadWorld
-from .world import (current, init, is_initialized, launch, rank, reset_stats, set_current, stats,
-                    world_size)
+from .world import (current, init, is_initialized, launch, rank, rank_local, reset_stats,
+                    set_current, stats, world_size)
 
 __all__ = ["Communicator", "CommStats", "KindStats", "ThreadWorld", "ThreadCommunicator",
-           "current", "init", "is_initialized", "launch", "rank", "reset_stats", "set_current",
+           "current", "init", "is_initialized", "launch", "rank", "rank_local", "reset_stats",
+           "set_current",
            "stats", "world_size", "reduce_tensors"]

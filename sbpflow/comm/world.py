@@ -14,7 +14,7 @@ from ..errors import CommAborted, SbpError
 from .base import Communicator, CommStats
 from .threads import ThreadCommunicator, ThreadWorld
 
-__all__ = ["current", "rank", "world_size", "launch", "init", "stats", "reset_stats",
+__all__ = ["current", "rank_local", "rank", "world_size", "launch", "init", "stats", "reset_stats",
            "is_initialized", "set_current", "current_process"]
 
 class _RankLocal(threading.local):
@@ -38,6 +38,13 @@ def set_current(comm: Communicator | None, *, process_wide: bool = False) -> Non
 def current_process() -> Communicator | None:
     """The process-wide communicator (`init` under torchrun), if any."""
     return _process
+
+
+def rank_local() -> threading.local:
+    """The thread-local whose ``.comm`` is the calling rank thread's communicator (None outside
+    `launch`'s rank threads, where `current` falls back to the process's): for hot paths that
+    read it before calling `current`."""
+    return _local
 
 
 def is_initialized() -> bool:

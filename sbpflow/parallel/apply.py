@@ -24,6 +24,7 @@ from ..errors import SbpError
 from ..nn.modules import Module, Parameter
 from ..placement import Placement
 from ..sbp import format_nd_sbp, parse_nd_sbp
+from ..tensor import GlobalTensor
 
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
 
@@ -70,6 +71,9 @@ def apply(model: Module, placement: Placement, rules: Mapping) -> Module:
         except SbpError as exc:
             raise type(exc)(f"sf.parallel.apply: parameter {name!r} of shape {tuple(p.shape)} "
                             f"to {placement} with sbp {format_nd_sbp(nd)}: {exc}") from None
+        if boxed.placement is not placement:  # an equal one: share the given object, which
+            # the dispatch then compares by identity, not by value, on every op
+            boxed = GlobalTensor(boxed.local, tuple(boxed.shape), placement, boxed.sbp)
         new[id(p)] = Parameter(boxed, requires_grad=p.requires_grad)
     for m in model.modules():
         for key, p in list(m._parameters.items()):
