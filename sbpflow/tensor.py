@@ -24,8 +24,8 @@ from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, 
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 
-__all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full",
-           "arange", "manual_seed", "apply_op"]
+__all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
+           "ones", "full", "arange", "manual_seed", "apply_op"]
 
 
 def _norm_shape(shape) -> tuple[int, ...]:

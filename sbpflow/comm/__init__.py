@@ -7,5 +7,4 @@ from .world import (current, init, is_initialized, launch, rank, rank_local, res
 
 __all__ = ["Communicator", "CommStats", "KindStats", "ThreadWorld", "ThreadCommunicator",
            "current", "init", "is_initialized", "launch", "rank", "rank_local", "reset_stats",
-           "set_current",
-           "stats", "world_size", "reduce_tensors"]
+           "set_current", "stats", "world_size", "reduce_tensors"]

@@ -207,6 +207,9 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             return total
         return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
                                               target.sbp, int(ignore_index)))
+    if input.dtype in (torch.float16, torch.bfloat16) and \
+            torch.is_autocast_enabled(input.placement.device_type):
+        input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
     if plain_rows:
         loss = apply_op("row_cross_entropy", input, target, ignore_index=int(ignore_index))
@@ -234,6 +237,8 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     total = loss.sum()
     if reduction == "sum":
         return total
+    if row_weight.dtype in (torch.float16, torch.bfloat16):  # a 16-bit sum rounds counts > 256
+        row_weight = row_weight.to(torch.float32)
     return mean_over_count(total, row_weight.sum(), ("cross_entropy", tuple(target.shape),
                                                      target.sbp, int(ignore_index),
                                                      weight is not None))

@@ -7,14 +7,16 @@ Those parameters are put in buckets of at most ``bucket_bytes``, in reverse regi
 (1 MiB, as DDP's), so communication starts early while the GPU computes. On a CPU it is not:
 there the all-reduce's copies and reductions run on the cores the backward computes on, so an
 early start overlaps little, and each extra all-reduce costs its launch (a small first bucket
-made a GPT step 1-13 % slower on 2 and 4 gloo ranks, `benchmarks/train_gpt.py`). A hook after each gradient's accumulation marks its parameter ready;
-when every parameter of a bucket is ready, the bucket's gradients are concatenated and its
-all-reduce is started (`Communicator.all_reduce_start`), reusing the bucket's buffer of the
-previous step when nothing holds a view of it any more, else the one of the step before (gloo's
-worker thread can hold a finished all-reduce's tensor for a moment after its wait returned, so
-a bucket may alternate two buffers; it keeps at most two). Buckets start strictly in order, so
-every rank starts the same collectives in the same order. `take` hands the reduced gradient to
-the optimizer, waiting for the bucket if it is still in flight.
+made the example GPT's data-parallel step 1-13 % slower on 2 and 4 gloo ranks).
+
+A hook after each gradient's accumulation marks its parameter ready; when every parameter of a
+bucket is ready, the bucket's gradients are concatenated and its all-reduce is started
+(`Communicator.all_reduce_start`), reusing the bucket's buffer of the previous step when
+nothing holds a view of it any more, else the one of the step before (gloo's worker thread can
+hold a finished all-reduce's tensor for a moment after its wait returned, so a bucket may
+alternate two buffers; it keeps at most two). Buckets start strictly in order, so every rank
+starts the same collectives in the same order. `take` hands the reduced gradient to the
+optimizer, waiting for the bucket if it is still in flight.
 
 A result is used only if the gradient is still the one that was sent (same tensor, same
 version): when a later backward accumulates into it (gradient accumulation), the bucket is

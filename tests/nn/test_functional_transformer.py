@@ -223,13 +223,18 @@ def test_cross_entropy_mean_of_bf16_logits_counts_exactly():
         ref = F.cross_entropy(logits, target)
 
     def body(pl):
-        with sf.autocast(dtype=torch.bfloat16):
-            loss = SF.cross_entropy(sf.tensor(logits, pl, S(0)), sf.tensor(target, pl, S(0)))
-        return loss.full_tensor()
+        out = []
+        # rows split (the fused kernel), and classes split too (model-parallel softmax)
+        for lg_sbp in ((S(0), B), (S(0), S(1))):
+            with sf.autocast(dtype=torch.bfloat16):
+                loss = SF.cross_entropy(sf.tensor(logits, pl, lg_sbp),
+                                        sf.tensor(target, pl, (S(0), B)))
+            out.append(loss.full_tensor())
+        return out
 
-    got = _launch([0, 1, 2, 3], body)
-    assert got.dtype == ref.dtype == torch.float32
-    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    for got in _launch([[0, 1], [2, 3]], body):
+        assert got.dtype == torch.float32 and ref.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("ranks", MESHES)
