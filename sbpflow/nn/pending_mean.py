@@ -30,10 +30,13 @@ leaves from the correction.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .. import comm as _comm
 from ..boxing import plan_layouts
+from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, retains_grads
 
@@ -72,15 +75,11 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     may be reduced in place: pass a tensor nothing else reads.
     """
     pl = count.placement
-    reduced = tuple(B if isinstance(s, Partial) else s for s in count.sbp)
     comm = _comm.current()
-    steps = plan_layouts((), count.dtype, pl, count.sbp, pl, reduced).steps \
-        if reduced != count.sbp else ()
-    if not (len(steps) == 1 and steps[0].kind == "all_reduce" and steps[0].op == "sum"
-            and total.requires_grad and not count.requires_grad and torch.is_grad_enabled()
-            and sorted(pl.flat_ranks) == list(range(comm.world_size))):
+    reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
+    if group is None or not total.requires_grad or count.requires_grad or \
+            not torch.is_grad_enabled():
         return total / count.to_global(sbp=reduced)
-    group = pl.group(steps[0].dims, pl.coord_of(comm.rank))
     key = (stream, pl, count.sbp)
     guess = _guess(key)
     if guess is None:
@@ -90,6 +89,21 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     # in place: the count's shard is this call's alone (a copy costs as much as the launch)
     pending = comm.all_reduce_start(count.local.detach(), group, "sum", inplace=True)
     return PendingMean._make(total, pending, guess, count.dtype, key)
+
+
+@lru_cache(maxsize=256)
+def _route(pl: Placement, sbp: tuple, dtype: torch.dtype, rank: int,
+           world: int) -> tuple[tuple, tuple | None]:
+    """(``sbp`` with its partial dims reduced, this rank's group of the one sum all-reduce that
+    does it), the group None when it is not that (no P dim, other steps, P(max)), or when
+    ``pl`` leaves out a rank of the world."""
+    reduced = tuple(B if isinstance(s, Partial) else s for s in sbp)
+    if reduced == sbp or sorted(pl.flat_ranks) != list(range(world)):
+        return reduced, None
+    steps = plan_layouts((), dtype, pl, sbp, pl, reduced).steps
+    if len(steps) != 1 or steps[0].kind != "all_reduce" or steps[0].op != "sum":
+        return reduced, None
+    return reduced, pl.group(steps[0].dims, pl.coord_of(rank))
 
 
 class PendingMean(GlobalTensor):
