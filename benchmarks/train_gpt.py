@@ -14,6 +14,7 @@ minimum its layouts imply.
 
     python benchmarks/train_gpt.py [--steps 10] [--d 128] [--layers 2] [--batch 8] [--seq 64]
     python benchmarks/train_gpt.py -n 2    # one process a core on a 2-core machine
+    python benchmarks/train_gpt.py --phases -n 2   # where a data-parallel step's time goes
 """
 
 from __future__ import annotations
@@ -60,12 +61,22 @@ def _data(cfg, seed=0):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def _as_step(forward, opt):
+    """A training step from its parts: ``forward()`` gives the loss; backward; the update."""
+    def step():
+        forward().backward()
+        opt.step()
+        opt.zero_grad()
+    step.parts = (forward, opt)
+    return step
+
+
 def _sf_step(cfg, layout: str):
     """One training step of the sbpflow GPT. ``layout``: "dp", "tp", or "dp/sum": data
     parallel with the loss written as ``cross_entropy(..., reduction="sum") / tokens``, the
     same value as the mean when no target is ``ignore_index`` (true here) but without the
     all-reduce of the valid-target count the exact mean needs (DDP's per-rank mean skips it
-    too: it is exact only when every rank has as many valid targets)."""
+    too: it is exact only when every rank has as many valid targets). Returns (step, model)."""
     pl = sf.placement("cpu", list(range(dist.get_world_size())))
     GPT = gpt_class(sf.nn, sf.nn.functional)
     sf.manual_seed(0)
@@ -79,17 +90,13 @@ def _sf_step(cfg, layout: str):
     pos = sf.arange(cfg["seq"], placement=pl, sbp=sf.B)
     tokens = float(y.numel())
 
-    def step():
+    def forward():
         if layout == "dp/sum":
             logits = model(xs, pos)
-            loss = sf.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
+            return sf.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
                                                   ys.reshape(-1), reduction="sum") / tokens
-        else:
-            loss = model(xs, pos, ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step, model
+        return model(xs, pos, ys)
+    return _as_step(forward, opt), model
 
 
 def _torch_model(cfg):
@@ -109,13 +116,7 @@ def _ddp_step(cfg, fused: bool | None = None):
     b = cfg["batch"] // n
     xl, yl = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
     pos = torch.arange(cfg["seq"])
-
-    def step():
-        loss = model(xl, pos, yl)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step
+    return _as_step(lambda: model(xl, pos, yl), opt)
 
 
 def _dtensor_tp_step(cfg):
@@ -199,6 +200,33 @@ def _bench(cfg, steps):
     return (rows, ops) if dist.get_rank() == 0 else None
 
 
+def _phases(cfg, steps):
+    """Per rank, the median CPU time (this thread's) and wall time of each phase of a data
+    parallel step — forward, backward, optimizer step — for sbpflow and DDP (both AdamW
+    kernels), taking turns step by step."""
+    steps_by_name = {"sbpflow dp": _sf_step(cfg, "dp")[0], "DDP": _ddp_step(cfg),
+                     "DDP fused": _ddp_step(cfg, fused=True)}
+    times = {name: [[] for _ in range(6)] for name in steps_by_name}
+    for i in range(steps + 3):
+        for name, step in steps_by_name.items():
+            forward, opt = step.parts
+            dist.barrier()
+            marks = [(time.thread_time(), time.perf_counter())]
+            loss = forward()
+            marks.append((time.thread_time(), time.perf_counter()))
+            loss.backward()
+            marks.append((time.thread_time(), time.perf_counter()))
+            opt.step()
+            opt.zero_grad()
+            marks.append((time.thread_time(), time.perf_counter()))
+            if i >= 3:  # warm-up steps set up buckets and caches
+                for k in range(3):
+                    times[name][2 * k].append(marks[k + 1][0] - marks[k][0])
+                    times[name][2 * k + 1].append(marks[k + 1][1] - marks[k][1])
+            del loss
+    return {name: [statistics.median(v) for v in vs] for name, vs in times.items()}
+
+
 def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     """Bytes (summed over ranks) the layouts imply per step (float32)."""
     d, v, L, s, b = cfg["d"], cfg["vocab"], cfg["layers"], cfg["seq"], cfg["batch"]
@@ -228,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("-n", "--ranks", type=int, default=4,
                     help="gloo processes (default 4; batch and heads must divide by it)")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead: CPU and wall time of each phase of a data-parallel step")
     args = ap.parse_args(argv)
     if args.ranks < 1 or args.batch % args.ranks or args.heads % args.ranks:
         ap.error(f"-n {args.ranks}: the batch ({args.batch}) and the heads ({args.heads}) must "
@@ -237,6 +267,17 @@ def main(argv=None) -> int:
     print(f"GPT d={args.d} layers={args.layers} heads={args.heads} batch={args.batch} "
           f"seq={args.seq} vocab={args.vocab}; {args.ranks} gloo processes; median of "
           f"{args.steps} steps, sbpflow and torch taking turns")
+    if args.phases:
+        per_rank = sf.launch(_phases, world_size=args.ranks, backend="torch",
+                             args=(cfg, args.steps))
+        print(f"{'rank':<5}{'':<12}{'forward cpu / wall':>20}{'backward cpu / wall':>21}"
+              f"{'step cpu / wall':>18}   (ms)")
+        for r, phases in enumerate(per_rank):
+            for name, v in phases.items():
+                print(f"{r:<5}{name:<12}" + "".join(
+                    f"{v[2 * k] * 1e3:>{12 if k else 13}.2f} / {v[2 * k + 1] * 1e3:<5.2f}"
+                    for k in range(3)))
+        return 0
     rows, ops = sf.launch(_bench, world_size=args.ranks, backend="torch",
                           args=(cfg, args.steps))[0]
     print(f"{'layout':<7}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
