@@ -7,7 +7,7 @@ Those parameters are put in buckets of at most ``bucket_bytes``, in reverse regi
 (1 MiB, as DDP's), so communication starts early while the GPU computes. On a CPU it is not:
 there the all-reduce's copies and reductions run on the cores the backward computes on, so an
 early start overlaps little, and each extra all-reduce costs its launch (a small first bucket
-made the example GPT's data-parallel step 1-13 % slower on 2 and 4 gloo ranks).
+made the example GPT's data-parallel step 1.5-14 % slower on 2 and 4 gloo ranks).
 
 A hook after each gradient's accumulation marks its parameter ready; when every parameter of a
 bucket is ready, the bucket's gradients are concatenated and its all-reduce is started
