@@ -163,7 +163,10 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     ``weight``: a global (C,) tensor of class weights (row i counts ``weight[target_i]``);
     ``label_smoothing`` ε: row loss ``(1-ε)·w[t]·nll + ε/C·Σ_c w_c·(-log p_c)``, as torch.
     ``reduction``: "mean" (divided by the summed weights of the targets not equal to
-    ``ignore_index``: their count without ``weight``), "sum" or "none" (shape of ``target``)."""
+    ``ignore_index``: their count without ``weight``), "sum" or "none" (shape of ``target``).
+    A mean whose count is summed over ranks may come back as a `PendingMean`
+    (``sbpflow/nn/pending_mean.py``): a global tensor whose count's all-reduce is still in
+    flight, so the forward does not wait for it; reading it waits, backward need not."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', not "
                          f"{reduction!r}")

@@ -5,9 +5,9 @@ that all-reduce kept out of the forward.
 count must be all-reduced before the division, and a blocking scalar all-reduce at the end of
 the forward is a point where every rank waits for the slowest (DDP has no such point: it
 averages per-rank means, which differ from the mean when ranks hold different numbers of valid
-targets). `mean_over_count` starts the all-reduce and, when the count of the same stream (same
-target shape, layout, ignore_index) was equal in the last two steps, goes on with that count as
-a guess:
+targets). `mean_over_count` starts the all-reduce and, when the two means before it of the
+same stream (same target shape, layout, ignore_index) had equal counts, goes on with that
+count as a guess:
 
 * the value is computed with the guess, and read only after the count has arrived (`PendingMean`:
   reading the value, using it in another op or anything else that needs its shard waits, and
@@ -18,18 +18,26 @@ a guess:
   started during backward (`sf.optim` redoes them), and the stream waits again until its count
   is stable.
 
+Every rank must make the same guess (a wrong one makes every rank redo the same all-reduces),
+so a stream's history is its means' counts in the order they were started, each taken by the
+next mean of the stream on every rank — not when (or whether) a rank's caller read a value.
+
 A guessed backward needs the exact correction to be possible, so it is used only when every
 leaf it reaches has no gradient yet (no accumulation into an earlier micro-batch's gradient)
-and no tensor retains its gradient (``retain_grad``); otherwise backward waits for the count
-first. Both give torch's gradients; a right guess gives the bits waiting would have given.
-The leaves are found by walking the autograd graph, which sees everything sbpflow's ops
-record (its activation checkpointing is torch's non-reentrant one); a nested backward run by
-user code on local shards (``torch.utils.checkpoint(..., use_reentrant=True)``) would hide its
-leaves from the correction.
-"""
+and no hook of its own (a hook would have seen the guessed gradient), and no tensor retains its
+gradient (`GlobalTensor.retain_grad`); otherwise backward waits for the count first. Both give
+torch's gradients; a right guess gives the bits waiting would have given. Not seen, and so
+not corrected: hooks a program registers with torch directly on local shards of intermediate
+tensors (``x.local.register_hook``, ``x.local.retain_grad()``), and leaves reached only by a
+nested backward (``torch.utils.checkpoint(..., use_reentrant=True)`` on local shards; sbpflow's
+own checkpointing is non-reentrant). Set ``guess_counts = False`` on every rank to make every
+mean wait for its count.
 
+The quotient keeps the sum's dtype (a count is summed in float32 when the sum is 16-bit).
+"""
 from __future__ import annotations
 
+from collections import deque
 from functools import lru_cache
 
 import torch
@@ -40,26 +48,46 @@ from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, retains_grads
 
-__all__ = ["PendingMean", "mean_over_count"]
+__all__ = ["PendingMean", "mean_over_count", "guess_counts"]
+
+# Set to False (on every rank) to make every mean wait for its count before backward.
+guess_counts = True
 
 
-def _history(stream: tuple) -> list:
-    """This rank's last two counts of ``stream`` (the same on every rank: they are all-reduced)."""
-    streams = _comm.current().state.setdefault("pending_mean_counts", {})
+class _Stream:
+    """The counts of one stream of means on this rank: the last two, and the all-reduces still
+    pending, in the order they were started."""
+
+    __slots__ = ("counts", "pending")
+
+    def __init__(self) -> None:
+        self.counts: list[float] = []
+        self.pending: deque = deque()
+
+    def settle(self) -> None:
+        """Record the counts of this stream's earlier means, in the order they were started
+        (every rank started their all-reduces, so waiting for them ends): the history is then
+        the same on every rank, whichever means a rank's caller happened to read."""
+        while self.pending:
+            self.observe(float(self.pending.popleft().wait()))
+
+    def observe(self, count: float) -> None:
+        self.counts.append(count)
+        del self.counts[:-2]
+
+    def guess(self) -> float | None:
+        c = self.counts
+        return c[0] if guess_counts and len(c) == 2 and c[0] == c[1] else None
+
+
+def _stream(key: tuple) -> _Stream:
+    streams = _comm.current().state.setdefault("pending_mean_streams", {})
     if len(streams) > 1024:
         streams.clear()
-    return streams.setdefault(stream, [])
-
-
-def _observe(stream: tuple, count: float) -> None:
-    h = _history(stream)
-    h.append(count)
-    del h[:-2]
-
-
-def _guess(stream: tuple) -> float | None:
-    h = _history(stream)
-    return h[0] if len(h) == 2 and h[0] == h[1] else None
+    s = streams.get(key)
+    if s is None:
+        s = streams[key] = _Stream()
+    return s
 
 
 def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> GlobalTensor:
@@ -79,16 +107,23 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
     if group is None or not total.requires_grad or count.requires_grad or \
             not torch.is_grad_enabled():
-        return total / count.to_global(sbp=reduced)
-    key = (stream, pl, count.sbp)
-    guess = _guess(key)
+        return _as_dtype(total / count.to_global(sbp=reduced), total.dtype)
+    stream_ = _stream((stream, pl, count.sbp))
+    stream_.settle()
+    guess = stream_.guess()
     if guess is None:
         summed = comm.all_reduce(count.local.detach(), group, "sum")
-        _observe(key, float(summed))
-        return total / GlobalTensor(summed, (), pl, reduced)
+        stream_.observe(float(summed))
+        return _as_dtype(total / GlobalTensor(summed, (), pl, reduced), total.dtype)
     # in place: the count's shard is this call's alone (a copy costs as much as the launch)
     pending = comm.all_reduce_start(count.local.detach(), group, "sum", inplace=True)
-    return PendingMean._make(total, pending, guess, count.dtype, key)
+    stream_.pending.append(pending)
+    return PendingMean._make(total, pending, guess, count.dtype)
+
+
+def _as_dtype(t: GlobalTensor, dtype: torch.dtype) -> GlobalTensor:
+    """The quotient in the sum's dtype (a float32 count of a 16-bit sum promotes it)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 @lru_cache(maxsize=256)
@@ -112,37 +147,39 @@ class PendingMean(GlobalTensor):
     ``backward()`` may run before (module docstring). Metadata (shape, dtype, placement, sbp,
     requires_grad) is available at once."""
 
-    __slots__ = ("_total", "_pending", "_guess", "_stream", "_spec", "_value")
+    __slots__ = ("_total", "_pending", "_guess", "_spec", "_value")
 
     @classmethod
-    def _make(cls, total: GlobalTensor, pending, guess: float, count_dtype: torch.dtype,
-              stream: tuple) -> "PendingMean":
+    def _make(cls, total: GlobalTensor, pending, guess: float,
+              count_dtype: torch.dtype) -> "PendingMean":
         t = object.__new__(cls)
         t._shape, t._placement, t._sbp, t._key = total._shape, total._placement, total._sbp, None
-        t._total, t._pending, t._guess, t._stream = total._local, pending, guess, stream
+        t._total, t._pending, t._guess, t._value = total._local, pending, guess, None
         # divided by a count tensor, as waiting does, so a right guess gives the same bits
-        t._spec = total._local / torch.full((), guess, dtype=count_dtype,
-                                            device=total._local.device)
-        t._value = None
+        t._spec = t._quotient(torch.full((), guess, dtype=count_dtype, device=total.device))
         return t
+
+    def _quotient(self, count: torch.Tensor) -> torch.Tensor:
+        q = self._total / count
+        return q if q.dtype == self._total.dtype else q.to(self._total.dtype)
 
     # the shard: whoever reads it waits for the count
     @property
     def _local(self) -> torch.Tensor:
         if self._value is None:
-            self._value = self._total / self._count() if self._miss() else self._spec
+            self._value = self._quotient(self._count()) if self._miss() else self._spec
         return self._value
 
     def _count(self) -> torch.Tensor:
-        """The all-reduced count (waits for it once; recorded in the stream's history)."""
-        pending = self._pending
-        if not isinstance(pending, torch.Tensor):
-            self._pending = pending = pending.wait()
-            _observe(self._stream, float(pending))
-        return pending
+        """The all-reduced count (waits for it)."""
+        return self._pending.wait()
 
     def _miss(self) -> bool:
         return float(self._count()) != self._guess
+
+    def __reduce__(self):
+        """Copied or pickled as the plain `GlobalTensor` of its value."""
+        return GlobalTensor, (self._local, self._shape, self._placement, self._sbp)
 
     # metadata without waiting
     @property
@@ -163,8 +200,8 @@ class PendingMean(GlobalTensor):
         leaves = None
         if gradient is None and self._value is None and not retains_grads():
             leaves = _leaves(self._spec)
-            if any(leaf.grad is not None for leaf in leaves):
-                leaves = None  # accumulating: a wrong guess could not be undone exactly
+            if not all(map(_correctable, leaves)):
+                leaves = None  # a wrong guess could not be undone exactly: wait
         if leaves is None:
             GlobalTensor.backward(self, gradient, retain_graph)  # reads _local: waits
             if self._miss():
@@ -198,6 +235,16 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
             else:
                 stack.append(nxt)
     return leaves
+
+
+def _correctable(leaf: torch.Tensor) -> bool:
+    """Whether scaling ``leaf.grad`` afterwards undoes a wrong guess: no gradient before this
+    backward (accumulating into one), no hook that saw the guessed gradient (a post-
+    accumulate hook is fine if it is redone when the started all-reduces are dropped)."""
+    if leaf.grad is not None or getattr(leaf, "_backward_hooks", None):
+        return False
+    post = getattr(leaf, "_post_accumulate_grad_hooks", None)
+    return not post or all(getattr(h, "redone_when_dropped", False) for h in post.values())
 
 
 def _drop_started_grad_syncs() -> None:

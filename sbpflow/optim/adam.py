@@ -3,9 +3,11 @@ shards; ``exp_avg`` / ``exp_avg_sq`` are global tensors in the parameter's layou
 
 The parameters of a group are updated together: by default with torch's fused kernel
 (``torch._fused_adam_`` / ``_fused_adamw_``: one pass over each parameter's memory; on a CPU
-about 3x faster than the multi-tensor form, for the example GPT's 0.5M to 3M parameters), else with the multi-tensor (``_foreach``) kernels
-(``fused=False``), or one parameter at a time, torch's single-tensor form (``fused=False,
-foreach=False``). All compute torch's formula (the fused kernel rounds in its own order)."""
+about 3x faster than the multi-tensor form, for the example GPT's 0.5M to 3M parameters); else
+with the multi-tensor (``_foreach``) kernels (``fused=False``); or one parameter at a time,
+torch's single-tensor form (``foreach=False``). The fused kernel takes contiguous tensors only:
+a shard that is a strided view goes the multi-tensor way. All compute torch's formula (the
+fused kernel rounds in its own order)."""
 
 from __future__ import annotations
 
@@ -58,15 +60,20 @@ class Adam(Optimizer):
         for p, g, st in zip(params, grads, states):
             batches.setdefault((st["step"], g.dtype, g.device), []).append((p, g, st))
         for (step, dtype, device), items in batches.items():
-            args = ([p.local for p, _, _ in items], [g for _, g, _ in items],
-                    [st for _, _, st in items], step, group)
-            if fused is not False and device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES:
-                self._fused_step(*args)
-            elif fused:  # asked for, not available
-                raise ValueError(f"{type(self).__name__}(fused=True): torch's fused kernel does "
-                                 f"not take {dtype} parameters on {device}; use fused=None")
-            else:
-                self._foreach_step(*args[:3], float(step), group)
+            ps, gs, sts = ([p.local for p, _, _ in items], [g for _, g, _ in items],
+                           [st for _, _, st in items])
+            takes = device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
+            # the kernel walks flat memory: a shard that is a strided view goes multi-tensor
+            fuse = [fused is not False and takes and _contiguous_state(p, g, st)
+                    for p, g, st in zip(ps, gs, sts)]
+            if fused and not all(fuse):
+                raise ValueError(f"{type(self).__name__}(fused=True): torch's fused kernel takes "
+                                 f"contiguous {_FUSED_DTYPES} tensors on {_FUSED_DEVICES}, not "
+                                 f"these {dtype} ones on {device}; use fused=None")
+            if any(fuse):
+                self._fused_step(*_where(fuse, True, ps, gs, sts), step, group)
+            if not all(fuse):
+                self._foreach_step(*_where(fuse, False, ps, gs, sts), float(step), group)
 
     @staticmethod
     def _fused_step(params, grads, states, step, group) -> None:
@@ -145,6 +152,16 @@ class Adam(Optimizer):
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _contiguous_state(param: torch.Tensor, grad: torch.Tensor, state: dict) -> bool:
+    return param.is_contiguous() and grad.is_contiguous() and all(
+        v.local.is_contiguous() for k, v in state.items() if k != "step")
+
+
+def _where(mask: list, want: bool, *lists: list) -> list:
+    """Each of ``lists`` kept where ``mask`` is ``want``."""
+    return [[x for x, m in zip(xs, mask) if m == want] for xs in lists]
 
 
 class AdamW(Adam):

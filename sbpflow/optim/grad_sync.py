@@ -3,8 +3,9 @@ reducer does), for the parameters whose gradient boxing ``dual(sbp) -> sbp`` is 
 (a ``B`` parameter in data parallelism: ``P -> B``).
 
 Those parameters are put in buckets of at most ``bucket_bytes``, in reverse registration order
-— backward produces the last layers' gradients first. On CUDA the first bucket is smaller
-(1 MiB, as DDP's), so communication starts early while the GPU computes. On a CPU it is not:
+— backward produces the last layers' gradients first, one series of buckets per group of ranks
+(every member cuts the same ones). On CUDA the first bucket of a group is smaller (1 MiB, as
+DDP's), so communication starts early while the GPU computes. On a CPU it is not:
 there the all-reduce's copies and reductions run on the cores the backward computes on, so an
 early start overlaps little, and each extra all-reduce costs its launch (a small first bucket
 made the example GPT's data-parallel step 1.5-14 % slower on 2 and 4 gloo ranks).
@@ -82,10 +83,11 @@ class GradSync:
             size = p.local.numel() * p.local.element_size()
             b = filling.get(key)
             if b is None or (b.params and b.nbytes + size > b.limit):
+                # the first bucket of each group: its members must cut the same buckets, and
+                # another group's buckets are made on some of them only
                 first = first_bucket_bytes if first_bucket_bytes is not None else \
                     FIRST_BUCKET_BYTES if p.local.device.type == "cuda" else bucket_bytes
-                b = filling[key] = _Bucket(group, step.op,
-                                           bucket_bytes if self._buckets else first)
+                b = filling[key] = _Bucket(group, step.op, bucket_bytes if b else first)
                 self._buckets.append(b)
             b.params.append(p)
             b.nbytes += size
@@ -240,4 +242,5 @@ def _hook(sync_ref: "weakref.ref", index: int, j: int):
         sync = sync_ref()
         if sync is not None:
             sync._ready(index, j)
+    hook.redone_when_dropped = True  # what it starts, `drop_started` undoes (pending_mean)
     return hook

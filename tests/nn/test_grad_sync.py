@@ -205,3 +205,25 @@ def test_cpu_gradients_get_no_small_first_bucket():
     default, small_first, n = sf.launch(body, world_size=2)[0]
     assert default == [n]
     assert small_first == [1, n - 1]
+
+
+def test_every_member_of_a_group_cuts_the_same_buckets():
+    # parameters on overlapping placements: each rank fills buckets for the groups it is in,
+    # and the small first bucket is each group's first, so members agree on every bucket
+    def body():
+        pls = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [0, 1, 2])]
+        params = [sf.nn.Parameter(sf.randn(4, 3, placement=pls[(i + 1) % 2], sbp=sf.B, seed=i))
+                  for i in range(6)]
+        sync = GradSync(params, bucket_bytes=1 << 20, first_bucket_bytes=1)
+        out: dict = {}
+        for b in sync._buckets:
+            out.setdefault(b.group, []).append([params.index(p) for p in b.params])
+        return out
+
+    per_rank = sf.launch(body, world_size=3)
+    groups = {g for r in per_rank for g in r}
+    assert groups == {(0, 1), (0, 1, 2)}
+    for g in groups:
+        cuts = [r[g] for rank, r in enumerate(per_rank) if rank in g]
+        assert all(c == cuts[0] for c in cuts), (g, cuts)
+        assert cuts[0][0] == [5 if g == (0, 1) else 4]   # the first bucket: one parameter

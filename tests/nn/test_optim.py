@@ -102,6 +102,40 @@ def test_gradients_are_reduced_once_per_step(layout_name, grad_reductions):
     assert 0 < extra <= 3 * 8  # one float64 scalar more, not the gradients again
 
 
+def test_adam_fused_default_updates_strided_shards_as_torch():
+    """torch's fused kernel walks flat memory: a shard that is a strided view (a leaf made from
+    a transposed tensor) is updated multi-tensor instead, the contiguous ones still fused."""
+    w0 = torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        strided = sf.tensor(w0.t(), pl, sf.B).requires_grad_()    # (6, 4), a transposed view
+        plain = sf.tensor(w0.t().contiguous(), pl, sf.S(1)).requires_grad_()
+        assert not strided.local.is_contiguous() and plain.local.is_contiguous()
+        opt = sf.optim.AdamW([strided, plain], lr=0.1)
+        for _ in range(3):
+            xs = sf.tensor(x, pl, sf.B)
+            ((xs @ strided).square().sum() + (xs @ plain).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        result = strided.full_tensor(), plain.full_tensor()
+        strided.grad = sf.zeros(6, 4, placement=pl, sbp=sf.P, dtype=F64)
+        with pytest.raises(ValueError, match="fused=True"):
+            sf.optim.AdamW([strided], lr=0.1, fused=True).step()
+        return result
+
+    got_strided, got_plain = sf.launch(body, world_size=2)[0]
+    ws, wp = w0.t().clone().requires_grad_(), w0.t().clone().requires_grad_()
+    opt = torch.optim.AdamW([ws, wp], lr=0.1, foreach=False)
+    for _ in range(3):
+        ((x @ ws).square().sum() + (x @ wp).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_close(got_strided, ws.detach(), "strided")
+    assert_close(got_plain, wp.detach(), "plain")
+
+
 @pytest.mark.parametrize("sched", ["step", "lambda", "cosine"])
 def test_torch_lr_schedulers_drive_sf_optimizers(sched):
     makers = {"step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),

@@ -150,3 +150,122 @@ def test_torch_backend_wrong_guess_with_overlapped_gradient_all_reduces():
     # every rank and redone, so the weights stay torch's (and nothing hangs)
     _check(sf.launch(_train, world_size=2, backend="torch",
                      kwargs=dict(ignored=[0, 0, 0, 4, 4, 4, 1, 1])))
+
+
+def _stable_then(pl, w, opt, counts_after: list, between=None):
+    """Three steps with every target valid (the count is then guessed), ``between()``, then a
+    step per entry of ``counts_after`` (targets ignored); per later step (loss, torch's loss,
+    was a PendingMean)."""
+    out = []
+    for step, ignored in enumerate([0, 0, 0] + counts_after):
+        if step == 3 and between is not None:
+            between()
+        x, t = _batch(step, ignored)
+        loss = sf.nn.functional.cross_entropy(sf.tensor(x, pl, sf.S(0)) @ w,
+                                              sf.tensor(t, pl, sf.S(0)))
+        pending = isinstance(loss, PendingMean)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= 3:
+            out.append((loss.full_tensor().item(), pending))
+    return out
+
+
+def test_a_mean_read_on_one_rank_only_keeps_the_ranks_guessing_alike():
+    # an evaluation loss (grad enabled, no backward) whose value only rank 0 reads: every rank
+    # still takes its count into the stream's history, so all guess alike at the next step
+    # (else the ranks that guessed wrongly redo all-reduces the others do not: a hang)
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        w = sf.nn.Parameter(sf.tensor(torch.randn(IN, OUT, dtype=F64,
+                                                  generator=torch.Generator().manual_seed(3)),
+                                      pl, sf.B))
+        opt = sf.optim.SGD([w], lr=0.1)
+
+        def evaluate():
+            x, t = _batch(99, 3)
+            ev = sf.nn.functional.cross_entropy(sf.tensor(x, pl, sf.S(0)) @ w,
+                                                sf.tensor(t, pl, sf.S(0)))
+            if sf.rank() == 0:
+                float(ev.local.detach())
+
+        return _stable_then(pl, w, opt, [5, 0], evaluate), w.full_tensor()
+
+    results = sf.launch(body, world_size=2)
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+    # the evaluation's count (7 valid) broke the run of equal counts: the next step waits
+    assert [pending for _, pending in results[0][0]] == [False, False]
+
+
+def test_a_hook_on_a_leaf_makes_backward_wait_for_the_count():
+    # a non-linear hook sees the gradient: after a wrong guess it could not be corrected
+    def body(with_hook):
+        pl = sf.placement("cpu", [0, 1])
+        w = sf.nn.Parameter(sf.tensor(torch.randn(IN, OUT, dtype=F64,
+                                                  generator=torch.Generator().manual_seed(3)),
+                                      pl, sf.B))
+        if with_hook:
+            w.local.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        opt = sf.optim.SGD([w], lr=0.1)
+        _stable_then(pl, w, opt, [4])
+        return w.full_tensor()
+
+    hooked = sf.launch(body, world_size=2, args=(True,))[0]
+    plain = sf.launch(body, world_size=2, args=(False,))[0]
+    assert not torch.allclose(hooked, plain)       # the hook did act
+    torch.testing.assert_close(hooked, _clamped_per_rank_sgd(), rtol=1e-12, atol=1e-14)
+
+
+def _clamped_per_rank_sgd() -> torch.Tensor:
+    """torch's SGD where each of 2 ranks' hooks clamps its half-batch partial gradient."""
+    w = torch.randn(IN, OUT, dtype=F64, generator=torch.Generator().manual_seed(3))
+    for step, ignored in enumerate([0, 0, 0, 4]):
+        x, t = _batch(step, ignored)
+        n = int((t != IGNORE).sum())
+        g = torch.zeros_like(w)
+        for rows in (slice(0, 5), slice(5, 10)):
+            wr = w.clone().requires_grad_()
+            F.cross_entropy(x[rows] @ wr, t[rows], ignore_index=IGNORE,
+                            reduction="sum").backward()
+            g += (wr.grad / n).clamp(-0.01, 0.01)
+        w = w - 0.1 * g
+    return w
+
+
+def test_bf16_mean_keeps_torchs_dtype_and_copies_as_a_plain_tensor():
+    import copy
+    import pickle
+
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        w = sf.tensor(torch.randn(IN, OUT, generator=torch.Generator().manual_seed(3)),
+                      pl, sf.B).to(torch.bfloat16).requires_grad_()
+        out = []
+        for step in range(4):
+            x, t = _batch(step, 0)
+            loss = sf.nn.functional.cross_entropy(
+                sf.tensor(x.to(torch.bfloat16), pl, sf.S(0)) @ w, sf.tensor(t, pl, sf.S(0)))
+            kind, dtype = type(loss).__name__, loss.dtype
+            copied = type(copy.copy(loss)).__name__
+            unpickled = pickle.loads(pickle.dumps(loss.detach()))
+            out.append((kind, dtype, copied, type(unpickled).__name__,
+                        torch.equal(unpickled.local, loss.local.detach())))
+            loss.backward()
+            w.grad = None
+        return out
+
+    out = sf.launch(body, world_size=2)[0]
+    assert [row[0] for row in out] == ["GlobalTensor", "GlobalTensor", "PendingMean",
+                                       "PendingMean"]
+    for kind, dtype, copied, unpickled, same in out:
+        assert dtype == torch.bfloat16                 # as torch: the logits' dtype
+        assert copied == unpickled == "GlobalTensor" and same
+
+
+def test_guessing_can_be_switched_off(monkeypatch):
+    from sbpflow.nn import pending_mean
+    monkeypatch.setattr(pending_mean, "guess_counts", False)   # every rank thread sees it
+    out = _check(sf.launch(_train, world_size=2, kwargs=dict(ignored=[0] * 5)))
+    assert not any(_pending_steps(out))
