@@ -447,7 +447,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     grad = False
     pl = None
     for a in args:
-        if type(a) is GlobalTensor or isinstance(a, GlobalTensor):
+        if isinstance(a, GlobalTensor):
             local = a._local
             tensors.append(a)
             k = a._key or _layout_key(a)
@@ -506,13 +506,11 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
             attrs = dict(attrs)
             attrs["ctx"] = ctx
         result = op.kernel(*local_args, **attrs)
-        if not detach and type(result) is torch.Tensor:  # the common case: one output
-            meta = choice.out_metas[0]
-            t = _new(GlobalTensor)
-            t._local, t._shape, t._placement, t._sbp = result, meta.shape, pl, choice.outs[0]
-            t._key = out_keys[0] if result.dtype is meta.dtype else None
-            return t
         multi = isinstance(result, (tuple, list))
+        if not multi and not detach:  # the common case: one output
+            meta = choice.out_metas[0]
+            return _wrap(result, meta.shape, pl, choice.outs[0],
+                         out_keys[0] if result.dtype is meta.dtype else None)
         locals_ = tuple(result) if multi else (result,)
     else:
         dtype = _autocast_dtype(name, pl)
@@ -525,7 +523,6 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     return outs if multi else outs[0]
 
 
-_new = object.__new__
 _rank_local = _comm.rank_local()
 
 

@@ -54,6 +54,14 @@ class BoxingPlan:
     def differentiable(self) -> bool:
         return all(s.differentiable for s in self.steps)
 
+    def all_reduce_group(self, rank: int) -> tuple | None:
+        """When the plan is one all-reduce (``steps[0]``) on a placement holding ``rank``: the
+        ranks ``rank`` reduces with (its group along the step's mesh dims); else None."""
+        pl = self.src[0]
+        if len(self.steps) != 1 or self.steps[0].kind != "all_reduce" or rank not in pl:
+            return None
+        return pl.group(self.steps[0].dims, pl.coord_of(rank))
+
     def __str__(self) -> str:
         (spl, ssbp), (dpl, dsbp) = self.src, self.dst
         dt = str(self.dtype).replace("torch.", "")

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..errors import ShapeError
+from ..ops.nn_ops import count_dtype
 from ..sbp import B, Broadcast, Partial, Split
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
 from .pending_mean import mean_over_count
@@ -240,11 +241,9 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     total = loss.sum()
     if reduction == "sum":
         return total
-    if row_weight.dtype in (torch.float16, torch.bfloat16):  # a 16-bit sum rounds counts > 256
-        row_weight = row_weight.to(torch.float32)
-    return mean_over_count(total, row_weight.sum(), ("cross_entropy", tuple(target.shape),
-                                                     target.sbp, int(ignore_index),
-                                                     weight is not None))
+    count = row_weight.to(count_dtype(row_weight.dtype)).sum()
+    return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
+                                          int(ignore_index), weight is not None))
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,

@@ -121,8 +121,9 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     return PendingMean._make(total, pending, guess, count.dtype)
 
 
-def _as_dtype(t: GlobalTensor, dtype: torch.dtype) -> GlobalTensor:
-    """The quotient in the sum's dtype (a float32 count of a 16-bit sum promotes it)."""
+def _as_dtype(t, dtype: torch.dtype):
+    """A quotient (global or local) in the sum's dtype (a float32 count of a 16-bit sum
+    promotes it)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -135,10 +136,9 @@ def _route(pl: Placement, sbp: tuple, dtype: torch.dtype, rank: int,
     reduced = tuple(B if isinstance(s, Partial) else s for s in sbp)
     if reduced == sbp or sorted(pl.flat_ranks) != list(range(world)):
         return reduced, None
-    steps = plan_layouts((), dtype, pl, sbp, pl, reduced).steps
-    if len(steps) != 1 or steps[0].kind != "all_reduce" or steps[0].op != "sum":
-        return reduced, None
-    return reduced, pl.group(steps[0].dims, pl.coord_of(rank))
+    plan = plan_layouts((), dtype, pl, sbp, pl, reduced)
+    group = plan.all_reduce_group(rank)
+    return reduced, (group if group is not None and plan.steps[0].op == "sum" else None)
 
 
 class PendingMean(GlobalTensor):
@@ -160,8 +160,7 @@ class PendingMean(GlobalTensor):
         return t
 
     def _quotient(self, count: torch.Tensor) -> torch.Tensor:
-        q = self._total / count
-        return q if q.dtype == self._total.dtype else q.to(self._total.dtype)
+        return _as_dtype(self._total / count, self._total.dtype)
 
     # the shard: whoever reads it waits for the count
     @property

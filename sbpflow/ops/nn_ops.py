@@ -58,7 +58,7 @@ from .registry import Signature, TensorMeta, register
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
            "row_cross_entropy_signatures", "cross_entropy_sum_signatures",
-           "pick_class_signatures"]
+           "pick_class_signatures", "count_dtype"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -230,16 +230,21 @@ def cross_entropy_sum_signatures(logits: TensorMeta, target: TensorMeta,
     return sigs
 
 
+def count_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a count (of valid targets) is summed in, for values of ``dtype``: ``dtype``,
+    or float32 when that is a 16-bit float (which rounds counts above 256)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _cross_entropy_sum(logits, target, ignore_index=-100):
     """(Σ rows' ``-log_softmax(logits)[target]``, number of rows whose target is not
     ``ignore_index``): the two 0-d parts of a mean cross-entropy. The count carries no
-    gradient; it is in the sum's dtype, or float32 when that is a 16-bit float (which would
-    round counts above 256, as under autocast, where the sum is float32 of bf16 logits)."""
+    gradient; it is in `count_dtype` of the sum's dtype (under autocast the sum of bf16 logits
+    is float32)."""
     c = logits.shape[-1]
     total = F.cross_entropy(logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index,
                             reduction="sum")
-    exact = torch.float32 if total.dtype in (torch.float16, torch.bfloat16) else total.dtype
-    count = (target != ignore_index).sum().to(exact)
+    count = (target != ignore_index).sum().to(count_dtype(total.dtype))
     return total, count
 
 

@@ -75,10 +75,10 @@ class GradSync:
         owners = _owners(comm)
         filling: dict = {}        # (group, op, dtype, device) -> the bucket being filled
         for p in reversed(params):
-            step = self._single_all_reduce(p, comm.rank)
-            if step is None:
+            found = self._single_all_reduce(p, comm.rank)
+            if found is None:
                 continue
-            group = p.placement.group(step.dims, p.placement.coord_of(comm.rank))
+            step, group = found
             key = (group, step.op, p.local.dtype, p.local.device)
             size = p.local.numel() * p.local.element_size()
             b = filling.get(key)
@@ -100,16 +100,14 @@ class GradSync:
 
     @staticmethod
     def _single_all_reduce(p: GlobalTensor, rank: int):
-        """The one all-reduce step of ``p``'s gradient boxing over more than this rank, or None."""
+        """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
+        that group is more than this rank, else None."""
+        if not p.local.requires_grad:
+            return None
         pl = p.placement
-        if rank not in pl or not p.local.requires_grad:
-            return None
-        steps = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp).steps
-        if len(steps) != 1 or steps[0].kind != "all_reduce":
-            return None
-        if len(pl.group(steps[0].dims, pl.coord_of(rank))) == 1:
-            return None
-        return steps[0]
+        plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
+        group = plan.all_reduce_group(rank)
+        return None if group is None or len(group) == 1 else (plan.steps[0], group)
 
     def _release(self, p: GlobalTensor) -> None:
         handle = self._handles.pop(p, None)

@@ -93,17 +93,16 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
             out[i] = hit[2]
             continue
         pl = p.placement
-        steps = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp).steps
-        if comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce" and \
-                len(pl.group(steps[0].dims, pl.coord_of(comm.rank))) == 1:
+        plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
+        group = plan.all_reduce_group(comm.rank)
+        if group is not None and len(group) == 1:
             out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)  # a group of one: a relabel
-        elif comm.rank in pl and len(steps) == 1 and steps[0].kind == "all_reduce":
-            key = (pl, steps[0].dims, steps[0].op, g.dtype, g.device)
+        elif group is not None:
+            key = (group, plan.steps[0].op, g.dtype, g.device)
             buckets.setdefault(key, []).append(i)
         else:
             out[i] = boxed_grad(p, remember=remember)
-    for (pl, dims, op, _, _), idxs in buckets.items():
-        group = pl.group(dims, pl.coord_of(comm.rank))
+    for (group, op, _, _), idxs in buckets.items():
         start = 0
         while start < len(idxs):  # bounded buckets, in parameter order
             chunk, size = [], 0
