@@ -9,7 +9,8 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
 
 from . import boxing, comm, cost, ops, sbp
 from .comm import init, launch, rank, world_size
-from .errors import (BoxingError, CommAborted, CommError, CommTimeout, PlacementError,
+from .errors import (BoxingError, CommAborted, CommError, CommTimeout, DtypeMismatchError,
+                     PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
                      SplitAxisError)
 from .placement import Placement, placement
@@ -31,5 +32,5 @@ __all__ = [
     "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "CommAborted", "CommTimeout", "optim", "parallel", "save", "load", "autocast", "auto",
+    "CommAborted", "CommTimeout", "DtypeMismatchError", "optim", "parallel", "save", "load", "autocast", "auto",
 ]

@@ -27,8 +27,17 @@ class ShapeError(SbpError, ValueError):
     """Shapes disagree (local shards, logical shape, op inputs)."""
 
 
+class IndexOutOfRange(SbpError, IndexError):
+    """An index (embedding id, class target, integer subscript) lies outside the axis it
+    indexes: torch's ``IndexError``, raised in every layout (split tables and classes too)."""
+
+
 class SignatureError(SbpError, ValueError):
     """No valid signature, or a forced signature that is not valid for the inputs."""
+
+
+class DtypeMismatchError(SbpError, RuntimeError):
+    """An op whose torch kernel requires one dtype (matmul, linear, conv2d, ...) got several."""
 
 
 class BoxingError(SbpError, ValueError):

@@ -11,14 +11,15 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from . import comm as _comm
 from .boxing import empty_local, identity_value, plan_layouts, run_plan
-from .errors import PlacementError, PlacementMismatchError, SbpError, ShapeError, SignatureError
-from .ops import KernelContext, TensorMeta, choose, detaches, get_op, hashable
+from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError, SbpError,
+                     ShapeError, SignatureError)
+from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .placement import Placement
 from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, local_shape,
                   parse_nd_sbp, shard_box)
@@ -430,6 +431,18 @@ def _infer_shape(shapes: list[tuple], placement: Placement, nd: tuple) -> tuple[
 
 
 # -- dispatch ------------------------------------------------------------------------------------
+class _Entry(NamedTuple):
+    """What the dispatch keeps per (op, input layouts, placement, attributes)."""
+
+    choice: Choice
+    op: Op
+    detach: bool            # outputs are P(max)/P(min): no gradient
+    out_keys: tuple         # each output's layout key
+    moves: bool             # some input is boxed first
+    contexts: dict          # rank -> its KernelContext (made on first use)
+    mixed: bool             # a same-dtype op got several input dtypes: checked on each call
+
+
 _CHOICES: dict = {}
 
 def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
@@ -480,7 +493,9 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
         entry = _CHOICES[key] = _choice_entry(name, args, tensors, pl, attrs_key, forced, grad,
                                               pinned)
-    choice, op, detach, out_keys, moves, contexts = entry
+    choice, op, detach, out_keys, moves, contexts, mixed = entry
+    if mixed:
+        _check_dtypes(name, tensors, pl)
     boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
              for t, nd in zip(tensors, choice.ins)] if moves else tensors
     comm = _rank_local.comm or _comm.current()
@@ -567,7 +582,24 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     out_keys = tuple(_intern_layout(m.shape, m.dtype, nd)
                      for m, nd in zip(choice.out_metas, choice.outs))
     moves = any(t._sbp != nd for t, nd in zip(tensors, choice.ins))
-    return choice, get_op(name), detaches(choice.outs), out_keys, moves, {}
+    op = get_op(name)
+    mixed = op.same_dtype and len({t.dtype for t in tensors}) > 1
+    return _Entry(choice, op, detaches(choice.outs), out_keys, moves, {}, mixed)
+
+
+def _check_dtypes(name: str, tensors: list, pl: Placement) -> None:
+    """Raise `DtypeMismatchError` unless the inputs of same-dtype op ``name`` have one dtype
+    once torch's autocast has cast them (it casts floating inputs other than float64 to its
+    dtype). Every rank of the placement reaches the same verdict: it reads only metadata."""
+    cast = _autocast_dtype(name, pl)
+    dtypes = [cast if cast is not None and t.dtype.is_floating_point and t.dtype != torch.float64
+              else t.dtype for t in tensors]
+    if len(set(dtypes)) > 1:
+        shown = "; ".join(f"{t.dtype} ({_describe(t)})" for t in tensors)
+        first = tensors[0].dtype
+        raise DtypeMismatchError(
+            f"{name}: inputs must have one dtype, as in torch (which does not promote here); got "
+            f"{shown}. Cast with .to({first}) (or another common dtype) first")
 
 
 # Ops that torch's autocast runs in the lower precision. Output metadata comes from meta

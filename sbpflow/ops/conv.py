@@ -136,7 +136,7 @@ def conv2d_signatures(x: TensorMeta, w: TensorMeta, b: TensorMeta | None = None,
     return sigs
 
 
-register("conv2d", _conv2d, conv2d_signatures,
+register("conv2d", _conv2d, conv2d_signatures, same_dtype=True,
          doc="F.conv2d(x, weight, bias, stride, padding, dilation, groups): batch, channel "
              "(output; input as partial sums; whole groups) and partial signatures")
 

@@ -63,7 +63,7 @@ def matmul_signatures(a: TensorMeta, b: TensorMeta) -> list[Signature]:
     return sigs
 
 
-register("matmul", torch.matmul, matmul_signatures)
+register("matmul", torch.matmul, matmul_signatures, same_dtype=True)
 
 
 def linear_signatures(x: TensorMeta, w: TensorMeta, b: TensorMeta | None = None) -> list[Signature]:
@@ -82,4 +82,4 @@ def linear_signatures(x: TensorMeta, w: TensorMeta, b: TensorMeta | None = None)
     return sigs
 
 
-register("linear", F.linear, linear_signatures)
+register("linear", F.linear, linear_signatures, same_dtype=True)

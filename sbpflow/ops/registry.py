@@ -90,6 +90,7 @@ class Op:
     signatures: SignatureFn
     context: bool = False
     doc: str = ""
+    same_dtype: bool = False  # torch refuses mixed input dtypes here (no type promotion)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -97,9 +98,12 @@ OPS: dict[str, Op] = {}
 
 
 def register(name: str, kernel: Callable, signatures: SignatureFn, *, context: bool = False,
-             doc: str = "") -> Op:
-    """Register op ``name``; a later registration of the same name replaces it."""
-    op = Op(name, kernel, signatures, context, doc)
+             doc: str = "", same_dtype: bool = False) -> Op:
+    """Register op ``name``; a later registration of the same name replaces it.
+    ``same_dtype``: torch's kernel requires every tensor input to have one dtype (matmul-like
+    ops do not promote); the dispatch then refuses mixed dtypes with a `DtypeMismatchError`
+    naming the inputs, as torch would (with torch's autocast casts applied first)."""
+    op = Op(name, kernel, signatures, context, doc, same_dtype)
     OPS[name] = op
     return op
 
