@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..errors import ShapeError
+from ..errors import IndexOutOfRange, ShapeError
 from ..ops.nn_ops import count_dtype
 from ..sbp import B, Broadcast, Partial, Split
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
@@ -205,8 +205,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
         # rows laid out alike: one kernel gives the summed row losses and the valid-target
         # count. A replicated target with split logits goes the way below: its count is then
         # replicated, where the fused count would be partial (an all-reduce)
-        total, count = apply_op("cross_entropy_sum", input, target,
-                                ignore_index=int(ignore_index))
+        total, count = _row_op("cross_entropy_sum", input, target, int(ignore_index))
         if reduction == "sum":
             return total
         return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
@@ -216,7 +215,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
         input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
     valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
     if plain_rows:
-        loss = apply_op("row_cross_entropy", input, target, ignore_index=int(ignore_index))
+        loss = _row_op("row_cross_entropy", input, target, int(ignore_index))
         row_weight = valid
     else:
         z = input - _max_over(input, c)
@@ -244,6 +243,23 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     count = row_weight.to(count_dtype(row_weight.dtype)).sum()
     return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
                                           int(ignore_index), weight is not None))
+
+
+def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index: int):
+    """Op ``name`` (torch's fused cross-entropy on rows holding every class). torch's kernel
+    checks the targets it sees (its ``IndexError`` becomes `IndexOutOfRange`, naming the
+    layouts): a replicated target is checked whole on every rank; split rows, by the ranks
+    holding them (as DDP: the launcher stops the others)."""
+    try:
+        return apply_op(name, logits, target, ignore_index=ignore_index)
+    except IndexOutOfRange:
+        raise
+    except IndexError as exc:
+        raise IndexOutOfRange(
+            f"cross_entropy: {exc} {logits.shape[-1]} classes (targets must lie in "
+            f"[0, {logits.shape[-1]}) or equal ignore_index {ignore_index}); logits of shape "
+            f"{tuple(logits.shape)} with sbp {logits.sbp}, target of shape "
+            f"{tuple(target.shape)} with sbp {target.sbp} on {logits.placement}") from None
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,

@@ -51,7 +51,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..sbp import Split
+from ..errors import IndexOutOfRange
+from ..sbp import Split, format_nd_sbp
 from ..utils import generate_region
 from .registry import Signature, TensorMeta, register
 
@@ -63,6 +64,50 @@ __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures"
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+# -- index range checks ----------------------------------------------------------------------------
+# Kernels whose index is whole on the rank (a B id / target with a vocab- / class-split table or
+# logits) check it locally: every rank of that mesh dim then reaches the same verdict, with no
+# collective. Kernels on split indices (S ids, replicated table) leave it to torch's kernel, as
+# DDP does: the ranks holding the bad index raise; the launcher stops the others.
+
+def _check_range(index: torch.Tensor, size: int, ignore: int | None, error) -> None:
+    """Raise ``error()`` unless every element of ``index`` lies in ``[0, size)`` or equals
+    ``ignore`` (None: nothing is exempt). On CPU one fused min/max pass and a host read (an
+    exact second pass only when some element lies outside: ignored or bad); on an accelerator
+    a device-side assertion, as torch's own kernels, so the step does not wait for the host."""
+    if index.numel() == 0 or index.is_meta:
+        return
+    if index.device.type != "cpu":
+        ok = (index >= 0) & (index < size)
+        if ignore is not None:
+            ok |= index == ignore
+        torch._assert_async(ok.all(), f"index out of range [0, {size})")
+        return
+    lo, hi = torch.aminmax(index)
+    if lo.item() >= 0 and hi.item() < size:
+        return
+    if _first_outside(index, size, ignore) is not None:
+        err = error()
+        if err is not None:
+            raise err
+
+
+def _first_outside(index: torch.Tensor, size: int, ignore: int | None) -> int | None:
+    """The first element of ``index`` (row-major) outside ``[0, size)`` and not ``ignore``."""
+    bad = (index < 0) | (index >= size)
+    if ignore is not None:
+        bad &= index != ignore
+    found = index[bad]
+    return int(found.reshape(-1)[0]) if found.numel() else None
+
+
+def _describe_inputs(ctx, names: tuple) -> str:
+    """The kernel's inputs as laid out where it ran (for error messages)."""
+    parts = [f"{n} of shape {tuple(shape)} with sbp {format_nd_sbp(nd)}"
+             for n, shape, nd in zip(names, ctx.in_shapes, ctx.ins)]
+    return f"{', '.join(parts)} on {ctx.placement}"
 
 
 # -- softmax / log_softmax -------------------------------------------------------------------------
@@ -110,13 +155,23 @@ def embedding_signatures(ids: TensorMeta, weight: TensorMeta, padding_idx=None) 
 
 
 def _embedding(ids, weight, padding_idx=None, *, ctx=None):
-    """``padding_idx`` is a non-negative row of the logical table (or None)."""
+    """``padding_idx`` is a non-negative row of the logical table (or None). An id outside
+    ``[0, vocab)`` raises `IndexOutOfRange` (torch: negative ids too) on every rank that holds
+    it: with the vocab split, every rank holding the ids (they are ``B`` there) checks them
+    whole, so ranks that reduce the partial result together raise together."""
     if ctx is None or not any(s == Split(0) for s in ctx.ins[1]):
         # (ctx=None also runs on the local meta shapes of a vocab split: rows may be fewer)
         pad = padding_idx if padding_idx is not None and padding_idx < weight.shape[0] else None
-        return F.embedding(ids, weight, pad)
+        try:
+            return F.embedding(ids, weight, pad)   # the whole vocab: torch's kernel checks ids
+        except IndexError:
+            error = None if ctx is None else _embedding_error(ids, ctx)
+            if error is None:
+                raise
+            raise error from None
     # Vocab split (Megatron's VocabParallelEmbedding): look up only the rank's rows.
     start, size = ctx.in_boxes[1][0]
+    _check_range(ids, ctx.in_shapes[1][0], None, lambda: _embedding_error(ids, ctx))
     if size == 0:  # more ranks than rows: nothing here, but stay on the weight's graph
         return weight.new_zeros(tuple(ids.shape) + (weight.shape[1],)) + weight.sum()
     inside = (ids >= start) & (ids < start + size)
@@ -124,6 +179,18 @@ def _embedding(ids, weight, padding_idx=None, *, ctx=None):
     pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + size \
         else None
     return F.embedding(local_ids, weight, pad) * inside.unsqueeze(-1).to(weight.dtype)
+
+
+def _embedding_error(ids, ctx) -> IndexOutOfRange | None:
+    """The error naming the first id outside the table (None if every id is inside)."""
+    vocab = ctx.in_shapes[1][0]
+    bad = _first_outside(ids, vocab, None)
+    if bad is None:
+        return None
+    return IndexOutOfRange(
+        f"embedding: id {bad} is out of range for a table of {vocab} rows (ids must lie in "
+        f"[0, {vocab}), as torch's 'index out of range in self'; padding_idx is a row, not a "
+        f"skipped id); {_describe_inputs(ctx, ('ids', 'weight'))}")
 
 
 register("embedding", _embedding, embedding_signatures, context=True,
@@ -264,14 +331,33 @@ def pick_class_signatures(logits: TensorMeta, target: TensorMeta,
 
 def _pick_class(logits, target, ignore_index=-100, *, ctx=None):
     """``logits[..., target]`` (0 where target == ignore_index). With the class axis split, each
-    rank contributes only the targets in its class range (the others are 0): a partial sum."""
-    start, size = (0, logits.shape[-1]) if ctx is None else ctx.in_boxes[0][-1]
+    rank contributes only the targets in its class range (the others are 0): a partial sum.
+    A target outside ``[0, C)`` other than ``ignore_index`` raises `IndexOutOfRange` (torch's
+    "Target X is out of bounds") on every rank holding it: with the classes split the target
+    is ``B`` there, so every rank of the partial sum checks it whole and they raise together."""
+    if ctx is None:
+        start, size, classes = 0, logits.shape[-1], logits.shape[-1]
+    else:
+        (start, size), classes = ctx.in_boxes[0][-1], ctx.in_shapes[0][-1]
+        _check_range(target, classes, ignore_index,
+                     lambda: _target_error(target, classes, ignore_index, ctx))
     if size == 0:
         return logits.new_zeros(target.shape) + logits.sum()
     inside = (target >= start) & (target < start + size) & (target != ignore_index)
     local = torch.where(inside, target - start, torch.zeros_like(target))
     picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)
     return picked * inside.to(logits.dtype)
+
+
+def _target_error(target, classes: int, ignore_index: int, ctx) -> IndexOutOfRange | None:
+    """The error naming the first target outside the classes (None if there is none)."""
+    bad = _first_outside(target, classes, ignore_index)
+    if bad is None:
+        return None
+    return IndexOutOfRange(
+        f"cross_entropy: Target {bad} is out of bounds: {classes} classes (targets must lie in "
+        f"[0, {classes}) or equal ignore_index {ignore_index}); "
+        f"{_describe_inputs(ctx, ('logits', 'target'))}")
 
 
 register("pick_class", _pick_class, pick_class_signatures, context=True,

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import SbpError
+from ..errors import IndexOutOfRange, SbpError
 from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
 __all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
@@ -264,11 +264,19 @@ def _expand_signatures(x: TensorMeta, shape) -> list[Signature]:
 
 # -- narrow ----------------------------------------------------------------------------------------
 def _narrow(x, dim, start, length):
+    if x.is_meta and not -x.shape[dim] <= start <= x.shape[dim]:
+        # the registry reads the output shape first and would turn torch's IndexError into a
+        # ShapeError: the signature generator, which runs next, raises IndexOutOfRange instead
+        start = 0
     return torch.narrow(x, dim, start, length)
 
 
 def _narrow_signatures(x: TensorMeta, dim, start, length) -> list[Signature]:
     d = _norm(dim, x.ndim)
+    n = x.shape[d]
+    if not -n <= start <= n:  # torch's IndexError (the meta kernel clamped it: see _narrow)
+        raise IndexOutOfRange(f"narrow: start {start} is out of range [-{n}, {n}] for axis {d} "
+                              f"of size {n} (tensor of shape {x.shape})")
     return [Signature([f"S({a})"], [f"S({a})"]) for a in range(x.ndim) if a != d] \
         + _passthrough()
 
@@ -370,6 +378,10 @@ def _index_plan(index, shape: tuple) -> dict:
         if it is None:
             b += 1
         elif isinstance(it, int):
+            if not -shape[a] <= it < shape[a]:
+                raise IndexOutOfRange(f"getitem: index {it} is out of range for axis {a} of "
+                                      f"size {shape[a]} (tensor of shape {shape}; index "
+                                      f"{decode_index(index)})")
             a += 1
         else:
             n = shape[a]
@@ -383,7 +395,16 @@ def _index_plan(index, shape: tuple) -> dict:
 
 
 def _getitem(x, index):
-    return x[decode_index(index)]
+    idx = decode_index(index)
+    if not x.is_meta:
+        return x[idx]
+    try:
+        return x[idx]
+    except IndexError:
+        # an int outside its axis: the registry reads the output shape first and would turn
+        # torch's IndexError into a ShapeError. Any in-range int gives the same shape; the
+        # signature generator, which runs next (`_index_plan`), raises IndexOutOfRange.
+        return x[tuple(0 if type(it) is int else it for it in idx)]
 
 
 def _getitem_signatures(x: TensorMeta, index) -> list[Signature]:

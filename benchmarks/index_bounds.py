@@ -1,0 +1,55 @@
+"""Cost of the index range checks (issue 12): per-call time of the ops whose kernels check ids
+or targets, on one rank (a 1-rank placement still takes the vocab-split / class-split kernels:
+its table is laid out S(0), its logits S(1)), so the figure is the kernel's own cost without
+thread noise. Run before and after a change and compare:
+
+    .venv/bin/python benchmarks/index_bounds.py [--repeat 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+import torch
+
+import sbpflow as sf
+import sbpflow.nn.functional as SF
+
+
+def _cases(pl) -> dict:
+    """name -> a no-argument callable running one forward call."""
+    g = torch.Generator().manual_seed(0)
+    vocab, dim, rows, classes = 8192, 64, 4096, 1000
+    ids = sf.tensor(torch.randint(0, vocab, (8, rows // 8), generator=g), pl, sf.B)
+    table_v = sf.tensor(torch.randn(vocab, dim, generator=g), pl, sf.S(0))
+    table_b = sf.tensor(torch.randn(vocab, dim, generator=g), pl, sf.B)
+    logits = torch.randn(rows, classes, generator=g)
+    target = sf.tensor(torch.randint(0, classes, (rows,), generator=g), pl, sf.B)
+    lg_c = sf.tensor(logits, pl, sf.S(1))
+    lg_b = sf.tensor(logits, pl, sf.B)
+    w = sf.tensor(torch.rand(classes, generator=g), pl, sf.B)
+    return {
+        "embedding, vocab-split table": lambda: SF.embedding(ids, table_v),
+        "embedding, replicated table": lambda: SF.embedding(ids, table_b),
+        "cross_entropy, class-split logits": lambda: SF.cross_entropy(lg_c, target).item(),
+        "cross_entropy, B logits, fused": lambda: SF.cross_entropy(lg_b, target).item(),
+        "cross_entropy, B logits, class weights": lambda: SF.cross_entropy(lg_b, target,
+                                                                           weight=w).item(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pl = sf.placement("cpu", ranks=[0])
+    for name, call in _cases(pl).items():
+        call()  # warm the dispatch caches
+        best = min(timeit.repeat(call, number=args.repeat // 5, repeat=5)) / (args.repeat // 5)
+        print(f"{name:42s} {best * 1e6:9.1f} us")
+
+
+if __name__ == "__main__":
+    main()
