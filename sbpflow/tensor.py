@@ -20,13 +20,14 @@ from .boxing import empty_local, identity_value, plan_layouts, run_plan
 from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError, SbpError,
                      ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
+from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
 from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, local_shape,
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
-           "ones", "full", "arange", "manual_seed", "apply_op"]
+           "ones", "full", "arange", "manual_seed", "apply_op", "cat"]
 
 
 def _norm_shape(shape) -> tuple[int, ...]:
@@ -58,6 +59,26 @@ def _holds_value(nd_sbp: tuple, coord: tuple) -> bool:
                for s, c in zip(nd_sbp, coord))
 
 
+# -- method bindings: each a thin call of a registered op (bound in the class body below) -------
+def _binary(name: str, reflected: bool = False):
+    def method(self, other):
+        return apply_op(name, other, self) if reflected else apply_op(name, self, other)
+    method.__name__ = name
+    return method
+
+
+def _unary(name: str):
+    def method(self, *args, **kwargs):
+        return apply_op(name, self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+def _shape_args(shape) -> tuple:
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) \
+        else tuple(shape)
+
+
 class GlobalTensor:
     """A logical tensor: ``shape``, ``dtype``, ``placement``, ``sbp`` (tuple), and ``local``.
 
@@ -69,7 +90,7 @@ class GlobalTensor:
     __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "__weakref__")
 
     def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
-                 sbp: tuple, dtype: torch.dtype | None = None) -> None:
+                 sbp: tuple) -> None:
         self._local = local
         self._shape = tuple(int(s) for s in shape)
         self._placement = placement
@@ -216,6 +237,77 @@ class GlobalTensor:
             raise ShapeError(f"backward: gradient shape {tuple(gradient.shape)} != tensor "
                              f"shape {self._shape}")
         return gradient.to_global(self._placement, dual)._local.to(self.device)
+
+    # -- ops: operators and methods (each name a registered op of sbpflow.ops) -------------------
+    __add__, __radd__ = _binary("add"), _binary("add", True)
+    __sub__, __rsub__ = _binary("sub"), _binary("sub", True)
+    __mul__, __rmul__ = _binary("mul"), _binary("mul", True)
+    __truediv__, __rtruediv__ = _binary("div"), _binary("div", True)
+    __pow__, __rpow__ = _binary("pow"), _binary("pow", True)
+    __matmul__, __rmatmul__ = _binary("matmul"), _binary("matmul", True)
+    __lt__, __le__, __gt__, __ge__ = _binary("lt"), _binary("le"), _binary("gt"), _binary("ge")
+    add, sub, mul, div, pow = (_binary(n) for n in ("add", "sub", "mul", "div", "pow"))
+    matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
+    eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
+    __neg__ = _unary("neg")
+    exp, log, sqrt, rsqrt, abs = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "abs"))
+    sin, cos, tanh, sigmoid, relu = (_unary(n) for n in ("sin", "cos", "tanh", "sigmoid", "relu"))
+    square, reciprocal, neg = _unary("square"), _unary("reciprocal"), _unary("neg")
+    clone, contiguous = _unary("clone"), _unary("contiguous")
+    isnan, logical_not = _unary("isnan"), _unary("logical_not")
+    sum, mean, amax, amin = (_unary(n) for n in ("sum", "mean", "amax", "amin"))
+    max, min = amax, amin
+    transpose, flatten, unsqueeze = _unary("transpose"), _unary("flatten"), _unary("unsqueeze")
+    narrow, softmax, log_softmax = _unary("narrow"), _unary("softmax"), _unary("log_softmax")
+
+    def reshape(self, *shape) -> "GlobalTensor":
+        """``reshape`` / ``view``: a ``-1`` is resolved here from the logical shape."""
+        return apply_op("reshape", self, shape=resolve_shape(self.numel(), _shape_args(shape)))
+
+    view = reshape
+
+    def permute(self, *dims) -> "GlobalTensor":
+        return apply_op("permute", self, dims=_shape_args(dims))
+
+    def expand(self, *shape) -> "GlobalTensor":
+        return apply_op("expand", self, shape=_shape_args(shape))
+
+    def t(self) -> "GlobalTensor":
+        return apply_op("transpose", self, dim0=0, dim1=1)
+
+    @property
+    def T(self) -> "GlobalTensor":
+        return apply_op("permute", self, dims=tuple(reversed(range(self.ndim))))
+
+    def squeeze(self, dim=None) -> "GlobalTensor":
+        """Only the given axes (all if None) of logical size 1 are removed."""
+        return apply_op("squeeze", self, dim=squeeze_dims(self._shape, dim))
+
+    def __getitem__(self, index) -> "GlobalTensor":
+        try:
+            encoded = encode_index(index)
+        except SbpError:  # again, naming the tensor (described only when needed: it costs)
+            encoded = encode_index(index, f"indexing a tensor of {_describe(self)}")
+        return apply_op("getitem", self, index=encoded)
+
+    def split(self, split_size, dim: int = 0):
+        return apply_op("split", self, split_size=split_size, dim=dim)
+
+    def chunk(self, chunks: int, dim: int = 0):
+        return apply_op("chunk", self, chunks=chunks, dim=dim)
+
+    def to(self, dtype: torch.dtype) -> "GlobalTensor":
+        return self if dtype == self.dtype else apply_op("to_dtype", self, dtype=dtype)
+
+    def float(self) -> "GlobalTensor":
+        return self.to(torch.float32)
+
+    def double(self) -> "GlobalTensor":
+        return self.to(torch.float64)
+
+    def item(self):
+        """The value of a one-element tensor (collective: every rank calls it)."""
+        return self.full_tensor().item()
 
     # -- display -----------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -627,97 +719,6 @@ def _connected_empty(inputs: list, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([p.to(dtype) for p in parts])[:0]
 
 
-# -- operators and methods: thin bindings to registered ops ---------------------------------------
-def _binary(name: str, reflected: bool = False):
-    def method(self, other):
-        return apply_op(name, other, self) if reflected else apply_op(name, self, other)
-    method.__name__ = name
-    return method
-
-
-for _name in ("add", "sub", "mul", "div", "pow", "matmul"):
-    setattr(GlobalTensor, f"__{_name if _name != 'div' else 'truediv'}__", _binary(_name))
-    setattr(GlobalTensor, f"__r{_name if _name != 'div' else 'truediv'}__", _binary(_name, True))
-for _name in ("add", "sub", "mul", "div", "pow", "matmul", "maximum", "minimum", "eq", "ne", "lt",
-              "le", "gt", "ge"):
-    setattr(GlobalTensor, _name, _binary(_name))
-GlobalTensor.__lt__ = _binary("lt")
-GlobalTensor.__le__ = _binary("le")
-GlobalTensor.__gt__ = _binary("gt")
-GlobalTensor.__ge__ = _binary("ge")
-GlobalTensor.__neg__ = lambda self: apply_op("neg", self)
-
-
-def _unary(name: str):
-    def method(self, *args, **kwargs):
-        return apply_op(name, self, *args, **kwargs)
-    method.__name__ = name
-    return method
-
-
-# Each name is an op registered in sbpflow.ops (one family module each).
-for _name in ("exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu",
-              "square", "reciprocal", "neg", "clone", "contiguous", "isnan", "logical_not",
-              "sum", "mean", "amax", "amin", "reshape", "transpose", "permute", "flatten",
-              "unsqueeze", "squeeze", "narrow", "expand", "softmax", "log_softmax"):
-    setattr(GlobalTensor, _name, _unary(_name))
-
-
-def _shape_args(shape) -> tuple:
-    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) \
-        else tuple(shape)
-
-
-GlobalTensor.reshape = lambda self, *shape: apply_op("reshape", self, shape=_shape_args(shape))
-GlobalTensor.view = GlobalTensor.reshape
-GlobalTensor.permute = lambda self, *dims: apply_op("permute", self, dims=_shape_args(dims))
-GlobalTensor.expand = lambda self, *shape: apply_op("expand", self, shape=_shape_args(shape))
-GlobalTensor.t = lambda self: apply_op("transpose", self, dim0=0, dim1=1)
-GlobalTensor.T = property(lambda self: apply_op("permute", self, dims=tuple(reversed(range(self.ndim)))))
-GlobalTensor.max = GlobalTensor.amax
-GlobalTensor.min = GlobalTensor.amin
-GlobalTensor.__getitem__ = lambda self, index: apply_op("getitem", self, index=index)
-GlobalTensor.to = lambda self, dtype: self if dtype == self.dtype else apply_op("to_dtype", self, dtype=dtype)
-GlobalTensor.float = lambda self: self.to(torch.float32)
-GlobalTensor.double = lambda self: self.to(torch.float64)
-GlobalTensor.item = lambda self: self.full_tensor().item()
-
-
-# -- shape-op conveniences (ops/shape.py) ------------------------------------------------------
-from .ops.shape import encode_index as _encode_index  # noqa: E402
-from .ops.shape import resolve_shape as _resolve_shape  # noqa: E402
-from .ops.shape import squeeze_dims as _squeeze_dims  # noqa: E402
-
-
-def _reshape_method(self, *shape):
-    """``reshape`` / ``view``: a ``-1`` is resolved here from the logical shape."""
-    return apply_op("reshape", self, shape=_resolve_shape(self.numel(), _shape_args(shape)))
-
-
-def _squeeze_method(self, dim=None):
-    """``squeeze``: only the given axes (all if None) of logical size 1 are removed."""
-    return apply_op("squeeze", self, dim=_squeeze_dims(self._shape, dim))
-
-
-GlobalTensor.reshape = _reshape_method
-GlobalTensor.view = _reshape_method
-GlobalTensor.squeeze = _squeeze_method
-
-
-def _getitem_method(self, index):
-    try:
-        encoded = _encode_index(index)
-    except SbpError:  # again, naming the tensor (described only when needed: it costs)
-        encoded = _encode_index(index, f"indexing a tensor of {_describe(self)}")
-    return apply_op("getitem", self, index=encoded)
-
-
-GlobalTensor.__getitem__ = _getitem_method
-GlobalTensor.split = lambda self, split_size, dim=0: apply_op("split", self, split_size=split_size,
-                                                              dim=dim)
-GlobalTensor.chunk = lambda self, chunks, dim=0: apply_op("chunk", self, chunks=chunks, dim=dim)
-
-
 def cat(tensors: Sequence[GlobalTensor], dim: int = 0) -> GlobalTensor:
     """``torch.cat`` of global tensors on one placement (``dim`` must not be split: a split
     there is boxed first)."""
@@ -727,5 +728,3 @@ def cat(tensors: Sequence[GlobalTensor], dim: int = 0) -> GlobalTensor:
                              f"{[type(t).__name__ for t in tensors]}")
     return apply_op("cat", *tensors, dim=dim)
 
-
-__all__.append("cat")

@@ -12,8 +12,9 @@ output shapes the output layout implies (checked once on meta tensors, then cach
 for example, a reshape of an unevenly split axis.
 
 `choose` picks, among valid candidates, the one whose boxing of the inputs moves the fewest bytes
-(ties: fewer inputs changed, then the generator's order). Choices are cached by
-(op, input metadata, layouts, placement, attributes).
+(ties: fewer inputs changed, then the generator's order). It is not cached here: the dispatch
+(`sbpflow.tensor.apply_op`) keeps the one cache of choices, keyed by (op, input metadata,
+layouts, placement, attributes).
 """
 
 from __future__ import annotations
@@ -226,6 +227,14 @@ def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement,
     return True
 
 
+def _partial_penalty(meta: TensorMeta, nd: tuple, placement: Placement) -> int:
+    """Bytes of reduce-scattering a partial-sum output: half of reducing it to B."""
+    if not any(isinstance(s, Partial) and s.op == "sum" for s in nd):
+        return 0
+    reduced = tuple(B if isinstance(s, Partial) else s for s in nd)
+    return plan_layouts(meta.shape, meta.dtype, placement, nd, placement, reduced).nbytes // 2
+
+
 def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
            forced: tuple | None = None, grad: bool = False, pinned: tuple = ()) -> Choice:
     """The signature op ``name`` runs with (see the module docstring). ``args`` holds a
@@ -240,19 +249,6 @@ def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: 
     input boxing plus, for each partial-sum output, the reduce-scatter it will need later
     (so a free B→P does not hide a later all-reduce); fewest inputs changed; generator order.
     """
-    return _choose(name, args, layouts, placement, attrs, forced, grad, pinned)
-
-
-def _partial_penalty(meta: TensorMeta, nd: tuple, placement: Placement) -> int:
-    """Bytes of reduce-scattering a partial-sum output: half of reducing it to B."""
-    if not any(isinstance(s, Partial) and s.op == "sum" for s in nd):
-        return 0
-    reduced = tuple(B if isinstance(s, Partial) else s for s in nd)
-    return plan_layouts(meta.shape, meta.dtype, placement, nd, placement, reduced).nbytes // 2
-
-
-@lru_cache(maxsize=1 << 14)
-def _choose(name, args, layouts, placement, attrs, forced, grad, pinned) -> Choice:
     op = get_op(name)
     metas = tensor_metas(args)
     outs_meta = out_metas(name, args, attrs)
