@@ -1,0 +1,214 @@
+"""Progress records: which collective each rank has reached, to name the ranks a timeout waited for.
+
+Each rank numbers the collectives of each of its process groups 1, 2, ... in call order. Members
+must call a group's collectives in the same order, so collective #n is the same call on every
+member (for sbpflow's subgroups, #1 is the creation of the process group: a rendezvous of its
+members on first use). Point-to-point messages are not matched this way; they are recorded under
+`P2P` only to say what a rank is doing.
+
+Entering and leaving a collective touches only this rank's record in memory (a lock and a few
+list operations, about a microsecond). A daemon thread writes the record to the c10d store, on
+its own connection, when it changed, at most every ``period`` seconds: the collectives never
+wait on the store, and the store sees one write a rank a period at most, whatever the rate of
+collectives. When a collective times out, `Progress.report` publishes this rank's record, waits
+for the others' threads to publish theirs, reads the members' records and names the ranks that
+had not entered the collective, with what each was doing (in which collective, or idle since
+which one). torch's ``monitored_barrier`` names missing ranks from store keys too, but needs
+every rank to call it; here a rank that never comes still tells where it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+
+__all__ = ["P2P", "Progress", "group_key", "period_for"]
+
+P2P = "p2p"  # the record key of point-to-point exchanges (not numbered across ranks)
+_PREFIX = "sbpflow/progress/"
+_IO_TIMEOUT = datetime.timedelta(seconds=10)  # a store that does not answer in 10 s is gone
+
+
+def group_key(ranks: Sequence[int], cuda: bool = False) -> str:
+    """The record key of the process group of ``ranks`` (any order) on gloo, or NCCL (``cuda``):
+    the two have separate call orders."""
+    return "_".join(map(str, sorted(ranks))) + ("/cuda" if cuda else "")
+
+
+def period_for(timeout: float) -> float:
+    """Seconds between publications for a collective ``timeout``: a tenth of it, 1 s at most."""
+    return min(1.0, max(0.05, timeout / 10))
+
+
+def _own_connection(store: dist.Store) -> dist.Store:
+    """``store``'s root with a connection of its own (``clone``: safe beside the caller's own
+    use, e.g. a rendezvous blocked in ``wait``), under sbpflow's progress prefix."""
+    root = store
+    while isinstance(root, dist.PrefixStore):  # the job-wide store: every rank reads the others'
+        root = root.underlying_store
+    try:
+        conn = root.clone()
+        conn.set_timeout(_IO_TIMEOUT)
+    except (RuntimeError, AttributeError):  # a store without clone is safe to share
+        conn = root
+    return dist.PrefixStore(_PREFIX, conn)
+
+
+class Progress:
+    """One rank's progress through the collectives of its process groups, published to ``store``.
+
+    ``enter(key, kind)`` numbers a collective of group ``key`` (`group_key`) and returns its
+    number; ``leave(key, seq)`` marks it finished; ``report(key, seq, members)`` says, after a
+    timeout, which members had entered collective ``seq`` and what the others were doing.
+    ``close()`` publishes a final record (marked closed) and stops the thread.
+    """
+
+    def __init__(self, rank: int, store: dist.Store, period: float) -> None:
+        self.rank, self.period = rank, period
+        self._store = _own_connection(store)
+        self._lock = threading.Lock()  # the record
+        self._io = threading.Lock()  # the store connection (the thread's and report's reads)
+        # key -> [last entered seq, its kind, highest finished seq, entered at, finished at]
+        self._groups: dict[str, list] = {}
+        self._version = 0
+        self._published = -1
+        self._closed = False
+        self._stop = threading.Event()
+        self.publish()  # "no collective yet" differs from "no record" (never started)
+        self._thread = threading.Thread(target=self._loop, name=f"sbpflow-progress-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the hot path: memory only ----------------------------------------------------------
+    def enter(self, key: str, kind: str) -> int:
+        """Record that this rank entered the next collective of ``key``; return its number."""
+        with self._lock:
+            g = self._groups.get(key)
+            if g is None:
+                g = self._groups[key] = [0, kind, 0, 0.0, 0.0]
+            g[0] += 1
+            g[1], g[3] = kind, time.time()
+            self._version += 1
+            return g[0]
+
+    def leave(self, key: str, seq: int) -> None:
+        """Record that collective ``seq`` of ``key`` finished (or failed) on this rank."""
+        with self._lock:
+            g = self._groups[key]
+            if seq > g[2]:
+                g[2], g[4] = seq, time.time()
+            self._version += 1
+
+    # -- publication ----------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Write this rank's record to the store now."""
+        with self._lock:
+            version = self._version
+            data = json.dumps({"t": time.time(), "closed": self._closed, "groups": self._groups})
+        with self._io:
+            self._store.set(str(self.rank), data)
+        self._published = version
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            if self._version != self._published:
+                try:
+                    self.publish()
+                except RuntimeError:  # the store is gone (the job is ending): nowhere to write
+                    return
+
+    def close(self) -> None:
+        """Publish a final record, marked closed, and stop publishing. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._lock:
+            self._closed = True
+            self._version += 1
+        try:
+            self.publish()
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=self.period + 1)
+
+    # -- the failure path -------------------------------------------------------------------------
+    def read(self, ranks: Sequence[int]) -> dict[int, dict | None]:
+        """The latest published record of each of ``ranks`` (None: it never published one)."""
+        out: dict[int, dict | None] = {}
+        with self._io:
+            for r in ranks:
+                k = str(r)
+                out[r] = json.loads(self._store.get(k)) if self._store.check([k]) else None
+        return out
+
+    def report(self, key: str, seq: int | None, members: Sequence[int]) -> str:
+        """Which of ``members`` had entered collective ``seq`` of group ``key`` and what each of
+        the others was doing (``seq=None``: what each member was doing), as text.
+
+        Publishes this rank's record, waits 1.5 periods (the others' threads publish any change
+        older than that), then reads the records; a rank that changed since is counted as
+        it was. Never raises: a store that cannot be read is said so in the text.
+        """
+        try:
+            self.publish()
+            time.sleep(1.5 * self.period + 0.05)
+            records = self.read([r for r in members if r != self.rank])
+        except RuntimeError as exc:
+            return f"the other ranks' progress records could not be read ({exc})"
+        now = time.time()
+        others = [r for r in members if r != self.rank]
+        if seq is None:
+            return "; ".join(f"rank {r}: {_activity(records[r], now)}" for r in others)
+        arrived = sorted([self.rank] + [r for r in others if _entered(records[r], key) >= seq])
+        missing = [r for r in others if r not in arrived]
+        if not missing:
+            return (f"every member had entered it (ranks {arrived}): a member is slow inside "
+                    f"it, or a network failure")
+        why = "; ".join(f"rank {r}: {_reached(records[r], key)}, {_activity(records[r], now)}"
+                        for r in missing)
+        return f"rank(s) {missing} did not arrive ({why}); arrived: {arrived}"
+
+
+def _entered(record: dict | None, key: str) -> int:
+    """The last collective of ``key`` that ``record``'s rank entered (0: none)."""
+    g = (record or {}).get("groups", {}).get(key)
+    return g[0] if g else 0
+
+
+def _reached(record: dict | None, key: str) -> str:
+    n = _entered(record, key)
+    return f"entered #{n} of that group last" if n else "entered none of that group's collectives"
+
+
+def _where(key: str) -> str:
+    if key == P2P:
+        return ""
+    ranks, _, dev = key.partition("/")
+    return f" over ranks [{ranks.replace('_', ', ')}]" + (f" ({dev})" if dev else "")
+
+
+def _activity(record: dict | None, now: float) -> str:
+    """What a rank was doing, from its record: the collectives it is inside, else the last one
+    it finished and for how long it has been out of collectives."""
+    if record is None:
+        return ("no progress record (its communicator was never created, or cannot reach the "
+                "store)")
+    groups = record["groups"]
+    busy = [f"inside {g[1]}{_where(k)} (#{g[0]}) for {now - g[3]:.1f} s"
+            for k, g in groups.items() if g[0] > g[2]]
+    if busy:
+        text = ", ".join(busy)
+    elif groups:
+        k, g = max(groups.items(), key=lambda kg: kg[1][4])
+        text = (f"in no collective for {now - g[4]:.1f} s (its last: {g[1]}{_where(k)} "
+                f"#{g[0]}): busy outside sbpflow's collectives, or calling different ones")
+    else:
+        text = f"no collective yet, {now - record['t']:.1f} s after its communicator was made"
+    if record["closed"]:
+        text += "; its communicator is closed (its function returned or failed)"
+    return text

@@ -1,0 +1,90 @@
+"""Progress records (`sbpflow.comm.progress`): three ranks' records in one real TCPStore, in this
+process, and the text a timed-out collective's rank builds from them."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import time
+
+import pytest
+import torch.distributed as dist
+
+from sbpflow.comm.progress import P2P, Progress, group_key, period_for
+
+PERIOD = 0.05
+
+
+@pytest.fixture
+def ranks():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    made = [Progress(r, store, PERIOD) for r in range(3)]
+    yield made
+    for p in made:
+        p.close()
+
+
+def test_group_key_and_period():
+    assert group_key((2, 0, 3)) == "0_2_3" and group_key([1], cuda=True) == "1/cuda"
+    assert period_for(300) == 1.0 and period_for(2) == pytest.approx(0.2)
+
+
+def test_enter_numbers_each_group_in_call_order(ranks):
+    p = ranks[0]
+    w, s = group_key(range(3)), group_key((0, 1))
+    assert [p.enter(w, "barrier"), p.enter(s, "barrier"), p.enter(w, "barrier")] == [1, 1, 2]
+    p.leave(w, 2)
+    p.leave(w, 1)  # finishing out of order never lowers the finished number
+    p.publish()
+    g = ranks[1].read([0])[0]["groups"]
+    assert g[w][:3] == [2, "barrier", 2] and g[s][:3] == [1, "barrier", 0]
+
+
+def test_the_thread_publishes_changes_without_being_asked(ranks):
+    key = group_key(range(3))
+    ranks[2].enter(key, "all_reduce(sum)")
+    deadline = time.monotonic() + 5
+    while ranks[0].read([2])[2]["groups"].get(key, [0])[0] != 1:
+        assert time.monotonic() < deadline, "the record was never published"
+        time.sleep(PERIOD)
+
+
+def test_report_names_the_missing_rank_and_where_it_is(ranks):
+    w, sub = group_key(range(3)), group_key((1, 2))
+    for r in (0, 1, 2):  # collective #1 of the world: everyone did it
+        ranks[r].leave(w, ranks[r].enter(w, "all_reduce(sum)"))
+    for r in (0, 1):  # #2: rank 2 never comes
+        ranks[r].enter(w, "all_gather")
+    text = ranks[0].report(w, 2, [0, 1, 2])
+    assert "rank(s) [2] did not arrive" in text and "arrived: [0, 1]" in text
+    assert re.search(r"rank 2: entered #1 of that group last, in no collective for [\d.]+ s "
+                     r"\(its last: all_reduce\(sum\) over ranks \[0, 1, 2\] #1\)", text), text
+    # rank 2 is now stuck elsewhere: the report says in what
+    ranks[2].enter(sub, "creating the process group")
+    text = ranks[1].report(w, 2, [0, 1, 2])
+    assert re.search(r"rank 2: .*inside creating the process group over ranks \[1, 2\] \(#1\) "
+                     r"for [\d.]+ s", text), text
+    assert "arrived: [0, 1]" in text
+
+
+def test_report_without_a_record_and_after_close(ranks):
+    w = group_key(range(4))
+    ranks[0].enter(w, "barrier")
+    text = ranks[0].report(w, 1, [0, 1, 3])  # rank 3 never made a communicator
+    assert "rank(s) [1, 3] did not arrive" in text and "arrived: [0]" in text
+    assert "rank 1: entered none of that group's collectives, no collective yet" in text
+    assert "rank 3: entered none of that group's collectives, no progress record" in text
+    ranks[1].close()
+    assert "its communicator is closed" in ranks[0].report(w, 1, [0, 1])
+
+
+def test_report_when_everyone_arrived_and_for_point_to_point(ranks):
+    w = group_key(range(2))
+    for r in (0, 1):
+        ranks[r].enter(w, "barrier")
+    assert "every member had entered it (ranks [0, 1])" in ranks[0].report(w, 1, [0, 1])
+    ranks[2].enter(P2P, "exchange with ranks [1]")
+    text = ranks[0].report(P2P, None, [1, 2])
+    assert re.search(r"rank 1: inside barrier over ranks \[0, 1\] \(#1\) for [\d.]+ s; "
+                     r"rank 2: inside exchange with ranks \[1\] \(#1\)", text), text
