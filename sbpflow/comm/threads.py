@@ -1,20 +1,33 @@
 """In-process backend: one thread a rank, rendezvous through shared memory.
 
-A collective is a *slot* keyed by (group, sequence number). Each member deposits its input,
-waits until every member has, computes its own result by reading the others' inputs (torch
-kernels release the GIL, so ranks compute in parallel), then waits until every member has
-finished reading before it returns — so no rank's result aliases memory another rank may change.
+A collective is a *slot* keyed by (group, sequence number). Each member deposits its input and
+a *signature* (kind, op, dtype, shapes), waits until every member has, computes its own result
+by reading the others' inputs (torch kernels release the GIL, so ranks compute in parallel),
+then waits until every member has finished reading before it returns — so no rank's result
+aliases memory another rank may change.
+
+Agreement: the last member to arrive compares the signatures once (a tuple comparison a rank);
+if the members disagree on the kind, the reduce op, the dtype or the shapes the collective's
+contract needs, every member raises the same `CommError`, naming each rank and what it asked
+for, instead of computing a silently wrong result.
 
 Nothing hangs: every wait wakes at least every ``_POLL`` seconds and raises `CommAborted` if
-another rank failed, `CommError` if a missing rank has already returned from its function, and
-`CommTimeout` (naming the collective and the missing ranks) after ``timeout`` seconds.
+another rank failed, `CommError` if a missing rank has already returned from its function or
+if the waiting ranks form a cycle (each waits in a call that the next one will never join: the
+ranks disagree on the groups or the order of their calls), and `CommTimeout` (naming the call,
+the missing ranks and what each of them is doing) after ``timeout`` seconds.
+
+A rank issues its communication from one thread at a time (sequence numbers are per
+communicator); the cycle check relies on it and skips a rank seen waiting on two threads.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import traceback
 from collections import defaultdict, deque
 from typing import Callable
 
@@ -26,6 +39,7 @@ from .base import Communicator, reduce_tensors
 __all__ = ["ThreadWorld", "ThreadCommunicator", "default_timeout"]
 
 _POLL = 0.05
+What = Callable[[], str]  # describes a call, lazily: formatting costs more than the rendezvous
 
 
 def default_timeout() -> float:
@@ -34,16 +48,128 @@ def default_timeout() -> float:
 
 
 class _Slot:
-    __slots__ = ("kind", "data", "done")
+    __slots__ = ("data", "sigs", "done", "verdict")
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self) -> None:
         self.data: dict[int, object] = {}
+        self.sigs: dict[int, tuple] = {}
         self.done = 0
+        self.verdict: str | None = None  # set by the last member to arrive: why they disagree
+
+
+def _call_text(kind: str, group: tuple, seq: int) -> str:
+    return f"{kind} over ranks {list(group)} (call #{seq} on this group)"
+
+
+def _where(ident: int | None, depth: int = 3) -> str:
+    """`` at f (file:line) <- g (file:line)``: the innermost frames of thread ``ident``, less
+    the thread's and the launcher's own frames."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return ""
+    stack = traceback.extract_stack(frame)
+    launcher = os.path.join(os.path.dirname(__file__), "world.py")
+    outer = [i for i, fs in enumerate(stack) if fs.filename == launcher]
+    stack = stack[outer[-1] + 1 if outer else 0:][-depth:]  # from the launched function in
+    return " at " + " <- ".join(f"{fs.name} ({fs.filename}:{fs.lineno})"
+                                for fs in reversed(stack))
+
+
+# -- agreement of the members of one collective ----------------------------------------------
+# A signature is ``(head, own)``: ``head`` must be equal on every member (kind first, then what
+# the kind's contract needs to agree: op, src, dtype, shapes); ``own`` is what a member passes
+# that others declared they expect (checked by the kind's cross check, `_CROSS`).
+
+def _dt(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dts(dtypes: tuple) -> str:
+    return "/".join(_dt(d) for d in dtypes)
+
+
+def _shapes(shapes) -> str:
+    return "[" + ", ".join(str(tuple(s)) for s in shapes) + "]"
+
+
+def _describe(head: tuple, own) -> str:
+    """A member's call as it asked for it, e.g. ``all_reduce(op=sum, float32, shape (3,))``."""
+    kind = head[0]
+    if kind == "all_reduce":
+        return f"all_reduce(op={head[1]}, {_dt(head[2])}, shape {tuple(head[3])})"
+    if kind == "reduce_scatter":
+        return f"reduce_scatter(op={head[1]}, {_dts(head[2])}, piece shapes {_shapes(head[3])})"
+    if kind == "broadcast":
+        return f"broadcast(src={head[1]}, {_dt(head[2])}, shape {tuple(head[3])})"
+    if kind == "all_gather":
+        return f"all_gather({_dt(head[1])}, shape {tuple(own)}, expecting {_shapes(head[2])})"
+    if kind == "all_to_all":
+        return (f"all_to_all({_dts(head[1])}, sending {_shapes(own[0])}, "
+                f"expecting {_shapes(own[1])})")
+    return f"{kind}()"
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+
+def _gather_cross(group: tuple, sigs: dict) -> list[str]:
+    """Member j's tensor has the shape every member declared for piece j."""
+    declared = sigs[group[0]][0][2]
+    return [f"every rank expects shape {tuple(declared[j])} from rank {r}, which passes "
+            f"{tuple(sigs[r][1])}" for j, r in enumerate(group) if sigs[r][1] != declared[j]]
+
+
+def _a2a_cross(group: tuple, sigs: dict) -> list[str]:
+    """The piece j sends to i has the shape i declared it expects from j."""
+    out = []
+    for i, ri in enumerate(group):
+        expect = sigs[ri][1][1]
+        for j, rj in enumerate(group):
+            sent = sigs[rj][1][0][i]
+            if sent != expect[j]:
+                out.append(f"rank {ri} expects shape {tuple(expect[j])} from rank {rj}, which "
+                           f"sends {tuple(sent)}")
+    return out
+
+
+def _rs_cross(group: tuple, sigs: dict) -> list[str]:
+    """One piece a member (the heads agree, so every rank passes as many)."""
+    n = len(sigs[group[0]][0][3])
+    return [] if n == len(group) else \
+        [f"every rank passes {n} pieces to a group of {len(group)} (one a member)"]
+
+
+_CROSS = {"all_gather": _gather_cross, "all_to_all": _a2a_cross, "reduce_scatter": _rs_cross}
+
+
+def _disagreement(group: tuple, seq: int, sigs: dict) -> str | None:
+    """None if the members' signatures agree; else the message every member raises."""
+    head = sigs[group[0]][0]
+    if all(sigs[r][0] == head for r in group):
+        cross = _CROSS.get(head[0])
+        problems = cross(group, sigs) if cross is not None else None
+        if not problems:
+            return None
+        problems = problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
+    else:
+        by: dict[str, list[int]] = {}
+        for r in group:
+            by.setdefault(_describe(*sigs[r]), []).append(r)
+        problems = [f"{_ranks(rs)} called {d}" for d, rs in by.items()]
+    kinds = {sigs[r][0][0] for r in group}
+    kind = kinds.pop() if len(kinds) == 1 else "collective"
+    return (f"{_call_text(kind, group, seq)}: the ranks disagree: {'; '.join(problems)}. Every "
+            f"rank must issue the same collectives in the same order, with the same op, dtype "
+            f"and shapes")
 
 
 class ThreadWorld:
-    """Shared state of the ranks of one in-process run."""
+    """Shared state of the ranks of one in-process run.
+
+    ``blocked[rank]`` lists the waits the rank's threads are in, as ``(what, missing)``:
+    what the call is and which ranks it still needs (computed live, under ``cond``).
+    """
 
     def __init__(self, world_size: int, timeout: float | None = None) -> None:
         self.world_size = world_size
@@ -52,12 +178,18 @@ class ThreadWorld:
         self.slots: dict[tuple, _Slot] = {}
         self.mailboxes: dict[tuple[int, int], deque] = defaultdict(deque)
         self.failure: tuple[int, BaseException] | None = None
+        self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()
+        self.blocked: dict[int, list[tuple[What, Callable[[], list[int]]]]] = {}
+        self.verdicts: dict[int, str] = {}  # a rank's wait must raise CommError(this)
+        self.idents: dict[int, int] = {}  # rank -> thread id, to say where a stuck rank is
 
     def abort(self, rank: int, exc: BaseException) -> None:
+        """Record the first failure (``rank`` -1: the caller of launch) and wake every wait."""
         with self.cond:
             if self.failure is None:
                 self.failure = (rank, exc)
+                self.failed_at = time.monotonic()
             self.cond.notify_all()
 
     def finish(self, rank: int) -> None:
@@ -65,28 +197,128 @@ class ThreadWorld:
             self.finished.add(rank)
             self.cond.notify_all()
 
-    def wait(self, ready: Callable[[], bool], what: str, missing: Callable[[], list[int]],
+    def check_alive(self, rank: int, what: What) -> None:
+        """Raise `CommAborted` if another rank failed: a call in an aborted world (say by a rank
+        that was stuck in its own code when the run ended) must not wait."""
+        if self.failure is not None and self.failure[0] != rank:
+            r, exc = self.failure
+            who = f"rank {r}" if r >= 0 else "the caller of launch"
+            raise CommAborted(f"{what()} on rank {rank} abandoned: {who} failed with "
+                              f"{type(exc).__name__}: {exc}")
+
+    def wait_ranks(self, grace: float) -> None:
+        """Return when every rank has finished, or ``grace`` seconds after the first failure."""
+        with self.cond:
+            while len(self.finished) < self.world_size:
+                if self.failed_at is None:
+                    self.cond.wait(1.0)
+                    continue
+                left = self.failed_at + grace - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
+    def describe(self, rank: int) -> str:
+        """What ``rank`` is doing, for error messages. Call with ``cond`` held."""
+        if rank in self.finished:
+            return f"rank {rank} has returned from the launched function"
+        waits = self.blocked.get(rank)
+        if waits:
+            return "; ".join(f"rank {rank} waits in {what()} for rank(s) {missing()}"
+                             for what, missing in waits)
+        return f"rank {rank} is not in a collective (running its own code" \
+               f"{_where(self.idents.get(rank))})"
+
+    def wait(self, ready: Callable[[], bool], what: What, missing: Callable[[], list[int]],
              rank: int) -> None:
         """Wait on ``self.cond`` (held by the caller) until ``ready()``; never forever."""
-        deadline = time.monotonic() + self.timeout
-        while not ready():
-            if self.failure is not None and self.failure[0] != rank:
-                r, exc = self.failure
-                raise CommAborted(f"{what} on rank {rank} abandoned: rank {r} failed with "
-                                  f"{type(exc).__name__}: {exc}")
-            gone = [m for m in missing() if m in self.finished]
-            if gone:
-                raise CommError(f"{what} on rank {rank} waits for rank(s) {gone}, which already "
-                                f"returned from the launched function without joining it")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CommTimeout(f"{what} on rank {rank} timed out after {self.timeout:g} s "
-                                  f"waiting for rank(s) {missing()} (SBPFLOW_TIMEOUT)")
-            self.cond.wait(min(left, _POLL))
+        if ready():
+            return
+        entry = (what, missing)
+        waits = self.blocked.setdefault(rank, [])
+        waits.append(entry)
+        try:
+            start = time.monotonic()
+            deadline = start + self.timeout
+            while not ready():
+                now = time.monotonic()
+                self._check(rank, what, missing, deadline - now, now - start >= _POLL)
+                self.cond.wait(min(deadline - now, _POLL))
+        finally:
+            waits.remove(entry)
+
+    def _check(self, rank: int, what: What, missing: Callable[[], list[int]], left: float,
+               look_for_cycle: bool) -> None:
+        """Raise if the wait of ``rank`` for ``missing()`` can never end."""
+        verdict = self.verdicts.pop(rank, None)
+        if verdict is not None:
+            raise CommError(verdict)
+        self.check_alive(rank, what)
+        gone = [m for m in missing() if m in self.finished]
+        if gone:
+            raise CommError(f"{what()} on rank {rank} waits for rank(s) {gone}, which already "
+                            f"returned from the launched function without joining it")
+        if look_for_cycle:  # not at once: the fast path of a rendezvous stays cheap
+            cycle = self._cycle(rank)
+            if cycle:
+                msg = self._deadlock(cycle)
+                for m in self._doomed(cycle):
+                    if m != rank:
+                        self.verdicts[m] = msg
+                self.cond.notify_all()
+                raise CommError(msg)
+        if left <= 0:
+            late = missing()
+            states = "; ".join(self.describe(m) for m in late)
+            raise CommTimeout(f"{what()} on rank {rank} timed out after {self.timeout:g} s "
+                              f"waiting for rank(s) {late} (SBPFLOW_TIMEOUT): {states}")
+
+    def _needs(self, rank: int) -> list[int]:
+        """The ranks ``rank`` waits for; none unless it waits on exactly one thread."""
+        waits = self.blocked.get(rank)
+        return waits[0][1]() if waits and len(waits) == 1 else []
+
+    def _cycle(self, rank: int) -> list[int]:
+        """Ranks ``[rank, a, b, ...]``, each waiting for the next and the last for ``rank``:
+        none of them can ever proceed. Empty if there is no such cycle."""
+        path, seen = [rank], {rank}
+
+        def visit(r: int) -> bool:
+            for m in self._needs(r):
+                if m == rank:
+                    return True
+                if m not in seen:
+                    seen.add(m)
+                    path.append(m)
+                    if visit(m):
+                        return True
+                    path.pop()
+            return False
+
+        return path if visit(rank) else []
+
+    def _doomed(self, cycle: list[int]) -> set[int]:
+        """The ranks of ``cycle`` and every waiting rank that needs one of them."""
+        doomed, grew = set(cycle), True
+        while grew:
+            more = {r for r in self.blocked if r not in doomed
+                    and any(m in doomed for m in self._needs(r))}
+            doomed |= more
+            grew = bool(more)
+        return doomed
+
+    def _deadlock(self, cycle: list[int]) -> str:
+        nxt = cycle[1:] + cycle[:1]
+        links = [f"rank {r} waits in {self.blocked[r][0][0]()} for rank {m}"
+                 for r, m in zip(cycle, nxt)]
+        return (f"deadlock: {', '.join(links)}; the ranks disagree on the groups or the order "
+                f"of their calls (every rank must issue the same collectives, over the same "
+                f"groups, in the same order)")
 
 
 class ThreadCommunicator(Communicator):
-    """One rank of a `ThreadWorld`."""
+    """One rank of a `ThreadWorld`. Create it on the rank's thread (it records the thread, to
+    say where the rank is when others wait for it)."""
 
     backend = "threads"
 
@@ -94,84 +326,109 @@ class ThreadCommunicator(Communicator):
         super().__init__(rank, world.world_size)
         self.world = world
         self._seq: dict[tuple, int] = defaultdict(int)
+        world.idents[rank] = threading.get_ident()
 
     # -- the rendezvous ------------------------------------------------------------------------
-    def _collective(self, kind: str, group: tuple, payload, compute: Callable[[dict], object]):
-        w = self.world
+    def _collective(self, kind: str, group: tuple, payload, sig: tuple,
+                    compute: Callable[[dict], object]):
+        """Deposit ``payload`` and signature ``sig`` (see `_disagreement`), wait for the other
+        members, return ``compute(payloads by rank)``."""
+        w, rank = self.world, self.rank
         seq = self._seq[group]
         self._seq[group] = seq + 1
         key = (group, seq)
-        what = f"{kind} over ranks {list(group)}"
+        what = lambda: _call_text(kind, group, seq)  # noqa: E731 - formatted only on errors
+        w.check_alive(rank, what)
         with w.cond:
             slot = w.slots.get(key)
             if slot is None:
-                slot = w.slots[key] = _Slot(kind)
-            if slot.kind != kind:
-                raise CommError(f"rank {self.rank} called {kind} over ranks {list(group)} while "
-                                f"another member called {slot.kind} (call #{seq} on this group); "
-                                f"every rank must issue the same collectives in the same order")
-            slot.data[self.rank] = payload
-            w.cond.notify_all()
-            w.wait(lambda: len(slot.data) == len(group), what,
-                   lambda: [r for r in group if r not in slot.data], self.rank)
+                slot = w.slots[key] = _Slot()
+            slot.data[rank] = payload
+            slot.sigs[rank] = sig
+            if len(slot.data) == len(group):  # the last to arrive judges for everyone
+                slot.verdict = _disagreement(group, seq, slot.sigs)
+                w.cond.notify_all()
+            else:
+                w.wait(lambda: len(slot.data) == len(group), what,
+                       lambda: [r for r in group if r not in slot.data], rank)
         try:
-            result = compute(slot.data)
+            if slot.verdict is not None:
+                raise CommError(slot.verdict)
+            return compute(slot.data)
         finally:
-            with w.cond:
-                slot.done += 1
-                if slot.done == len(group):
-                    w.slots.pop(key, None)
-                    w.cond.notify_all()
-                else:
-                    # Others may still be reading our input: stay until they are done.
-                    w.wait(lambda: slot.done == len(group), what + " (finishing)",
-                           lambda: [], self.rank)
-        return result
+            self._leave(slot, key, len(group), what)
+
+    def _leave(self, slot: _Slot, key: tuple, n: int, what: What) -> None:
+        """Count this member out of ``slot``; the last one removes it. Others may still be
+        reading our input (unless the call failed its agreement): stay until they are done."""
+        w = self.world
+        with w.cond:
+            slot.done += 1
+            if slot.done == n:
+                w.slots.pop(key, None)
+                w.cond.notify_all()
+            elif slot.verdict is None:
+                w.wait(lambda: slot.done == n, lambda: what() + " (finishing)", lambda: [],
+                       self.rank)
 
     def _all_gather(self, tensor, group, shapes, assemble):
         return self._collective("all_gather", group, tensor,
+                                (("all_gather", tensor.dtype, shapes), tensor.shape),
                                 lambda d: assemble([d[r] for r in group]))
 
     def _all_to_all(self, pieces, group, shapes, assemble):
         i = group.index(self.rank)
-        return self._collective("all_to_all", group, pieces,
+        dtypes = tuple(dict.fromkeys(p.dtype for p in pieces))
+        sig = (("all_to_all", dtypes), ([p.shape for p in pieces], shapes))
+        return self._collective("all_to_all", group, pieces, sig,
                                 lambda d: assemble([d[r][i] for r in group]))
 
     def _reduce_scatter(self, pieces, group, op):
         i = group.index(self.rank)
-        return self._collective("reduce_scatter", group, pieces,
+        dtypes = tuple(dict.fromkeys(p.dtype for p in pieces))
+        sig = (("reduce_scatter", op, dtypes, [p.shape for p in pieces]), None)
+        return self._collective("reduce_scatter", group, pieces, sig,
                                 lambda d: reduce_tensors([d[r][i] for r in group], op))
 
     def _all_reduce(self, tensor, group, op):
         return self._collective("all_reduce", group, tensor,
+                                (("all_reduce", op, tensor.dtype, tensor.shape), None),
                                 lambda d: reduce_tensors([d[r] for r in group], op))
 
     def _broadcast(self, tensor, src, group):
         payload = tensor if self.rank == src else None
-        return self._collective("broadcast", group, payload, lambda d: d[src].clone())
+        return self._collective("broadcast", group, payload,
+                                (("broadcast", src, tensor.dtype, tensor.shape), None),
+                                lambda d: d[src].clone())
 
     def _barrier(self, group):
-        self._collective("barrier", group, None, lambda d: None)
+        self._collective("barrier", group, None, (("barrier",), None), lambda d: None)
 
     def _exchange(self, sends, recvs):
         w = self.world
+        w.check_alive(self.rank, lambda: "point-to-point exchange")
         with w.cond:
             for dst, t in sends:
                 # Copy on send: the sender may change its tensor as soon as we return.
                 w.mailboxes[(self.rank, dst)].append(t.detach().clone())
             if sends:
                 w.cond.notify_all()
-        out = []
-        for src, shape, dtype, device in recvs:
-            box = w.mailboxes[(src, self.rank)]
-            with w.cond:
-                w.wait(lambda: len(box) > 0, f"recv from rank {src}", lambda: [src], self.rank)
-                t = box.popleft()
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise CommError(f"rank {self.rank} expected a {dtype} tensor of shape {shape} "
-                                f"from rank {src}, got {t.dtype} {tuple(t.shape)}")
-            out.append(t.to(device))
-        return out
+        return [self._recv(src, shape, dtype, device) for src, shape, dtype, device in recvs]
+
+    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device):
+        w = self.world
+        box = w.mailboxes[(src, self.rank)]
+        with w.cond:
+            w.wait(lambda: len(box) > 0, lambda: f"recv from rank {src}",
+                   lambda: [] if box else [src], self.rank)
+            t = box.popleft()
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise CommError(f"recv on rank {self.rank} from rank {src}: the ranks disagree: "
+                            f"rank {self.rank} expects a {_dt(dtype)} tensor of shape {shape}, "
+                            f"rank {src} sent a {_dt(t.dtype)} tensor of shape "
+                            f"{tuple(t.shape)}; sends and recvs between a pair must match "
+                            f"in order, dtype and shape")
+        return t.to(device)
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":

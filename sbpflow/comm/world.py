@@ -8,6 +8,7 @@ single-rank world is created on first use, so sbpflow also works as plain single
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Sequence
 
 from ..errors import CommAborted, SbpError
@@ -91,7 +92,10 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
     ``backend="threads"`` runs one thread a rank in this process; ``backend="torch"`` spawns
     ``world_size`` processes joined by torch.distributed (gloo on localhost); ``fn`` and its
     arguments must then be picklable. If a rank raises, the others stop within about a second
-    and the first rank's original exception is re-raised here, with a note naming its rank.
+    and the first rank's original exception is re-raised here, with a note naming its rank;
+    with threads, ``launch`` raises about a second after the first failure even if a rank is
+    stuck in its own code (that rank is left running as a daemon thread, named in a note on
+    the exception and in a `RuntimeWarning`).
     ``timeout`` (seconds, default ``SBPFLOW_TIMEOUT`` or 300) bounds every collective's wait.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -105,7 +109,14 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
     raise SbpError(f"unknown backend {backend!r}; use 'threads' or 'torch'")
 
 
+_GRACE = 1.0  # seconds the other ranks get to stop after the first failure
+
+
 def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
+    """One thread a rank. On the first failure the others get `_GRACE` s to stop (a rank
+    waiting in a collective stops within `_POLL`); then the root cause is raised, and ranks
+    still running (stuck in their own code, which no one can interrupt) are left behind as
+    daemon threads of their own, aborted world, named in a note and a warning."""
     world = ThreadWorld(world_size, timeout)
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
@@ -127,14 +138,35 @@ def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
                for r in range(world_size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        # The root cause is the first error that is not another rank's abort.
-        r, exc = next(((r, e) for r, e in errors if not isinstance(e, CommAborted)), errors[0])
-        _add_note(exc, f"raised on rank {r} of {world_size} (sbpflow threads backend)")
-        raise exc
-    return results
+    try:
+        world.wait_ranks(_GRACE)
+    except BaseException as exc:  # e.g. KeyboardInterrupt: stop the ranks' communication too
+        world.abort(-1, exc)
+        raise
+    with errors_lock:
+        errors = list(errors)
+    if not errors:
+        return results
+    # The root cause is the first error that is not another rank's abort.
+    r, exc = next(((r, e) for r, e in errors if not isinstance(e, CommAborted)), errors[0])
+    _add_note(exc, f"raised on rank {r} of {world_size} (sbpflow threads backend)")
+    _report_stuck(world, exc)
+    raise exc
+
+
+def _report_stuck(world: ThreadWorld, exc: BaseException) -> None:
+    """Name the ranks still running after the grace, and what each is doing, on ``exc`` and in
+    a `RuntimeWarning`. Their world is aborted: any communication they try raises at once."""
+    with world.cond:
+        stuck = [r for r in range(world.world_size) if r not in world.finished]
+        if not stuck:
+            return
+        states = "; ".join(world.describe(r) for r in stuck)
+    msg = (f"rank(s) {stuck} of {world.world_size} still running {_GRACE:g} s after the "
+           f"failure, left behind as daemon threads (their communication now raises "
+           f"CommAborted): {states}")
+    _add_note(exc, msg)
+    warnings.warn(f"sbpflow launch: {msg}", RuntimeWarning, stacklevel=4)
 
 
 def _add_note(exc: BaseException, note: str) -> None:

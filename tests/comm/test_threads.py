@@ -1,5 +1,7 @@
 """The in-process backend: collectives, byte counts, failures that end runs promptly."""
 
+import re
+import threading
 import time
 
 import pytest
@@ -86,12 +88,19 @@ def test_failure_inside_backward_stops_the_run():
 
 
 def test_timeout_names_collective_and_missing_ranks():
+    release = threading.Event()
     def body():
         if sf.rank() == 1:
-            time.sleep(1.5)
+            release.wait(10)
         current().all_reduce(torch.ones(2), (0, 1))
-    with pytest.raises(sf.CommTimeout, match=r"all_reduce over ranks \[0, 1\].*rank\(s\) \[1\]"):
-        sf.launch(body, world_size=2, timeout=0.3)
+    try:
+        with pytest.raises(sf.CommTimeout, match=r"all_reduce over ranks \[0, 1\].*rank\(s\) \[1\]"
+                           r".*rank 1 is not in a collective .*test_threads.py:\d+") as info, \
+                pytest.warns(RuntimeWarning, match="still running"):
+            sf.launch(body, world_size=2, timeout=0.3)
+    finally:
+        release.set()
+    assert any("rank 0 of 2" in n for n in info.value.__notes__)
 
 
 def test_timeout_from_environment(monkeypatch):
@@ -146,3 +155,200 @@ def test_per_rank_rng_is_not_shared():
     a, b = sf.launch(body, world_size=2)
     a2, b2 = sf.launch(body, world_size=2)
     assert a == a2 and b == b2 and a != b
+
+
+# -- a stuck rank does not hold launch (issue 12, part 4) ---------------------------------------
+
+def test_rank_stuck_in_its_own_code_does_not_hold_launch():
+    """Rank 1 never joins (stuck in its own code): launch raises at timeout + grace, names the
+    stuck rank and where it is; when it wakes, its dead world refuses it at once, and a new
+    launch meanwhile is unaffected."""
+    release, woke = threading.Event(), []
+    def body():
+        c = current()
+        if c.rank == 1:
+            release.wait(30)
+            t = time.monotonic()
+            try:
+                c.all_reduce(torch.ones(2), (0, 1))
+            except BaseException as exc:  # noqa: BLE001
+                woke.append((type(exc), time.monotonic() - t))
+            return
+        c.all_reduce(torch.ones(2), (0, 1))
+    t = time.monotonic()
+    try:
+        with pytest.raises(sf.CommTimeout, match=r"rank\(s\) \[1\]") as info, \
+                pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] of 2 still running"):
+            sf.launch(body, world_size=2, timeout=1.0)
+        elapsed = time.monotonic() - t
+        notes = "\n".join(info.value.__notes__)
+        assert elapsed < 1.0 + 1.5, elapsed
+        assert "rank(s) [1] of 2 still running" in notes
+        assert re.search(r"rank 1 is not in a collective \(running its own code at wait \(.*"
+                         r"threading.py:\d+\) <- body \(.*test_threads.py:\d+\)", notes), notes
+        # a later launch while the stuck thread is still there
+        def later():
+            return current().all_reduce(torch.full((3,), float(sf.rank() + 1)), (0, 1)).tolist()
+        assert sf.launch(later, world_size=2) == [[3.0] * 3] * 2
+    finally:
+        release.set()
+    for _ in range(100):
+        if woke:
+            break
+        time.sleep(0.02)
+    assert woke and woke[0][0] is sf.CommAborted and woke[0][1] < 0.5, woke
+
+
+def test_rank_stuck_behind_a_stuck_rank_stops_and_only_the_stuck_one_is_reported():
+    """Rank 0 fails; rank 1 waits in a collective for rank 2, which is stuck in its own code:
+    rank 1 is released by the abort, rank 2 is reported, launch raises within ~1 s."""
+    release = threading.Event()
+    def body():
+        r = sf.rank()
+        if r == 0:
+            time.sleep(0.2)
+            raise ValueError("rank 0 fails")
+        if r == 2:
+            release.wait(30)
+        current().all_reduce(torch.ones(2), (1, 2))
+    t = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="rank 0 fails") as info, \
+                pytest.warns(RuntimeWarning, match=r"rank\(s\) \[2\] of 3"):
+            sf.launch(body, world_size=3, timeout=60)
+        assert time.monotonic() - t < 0.2 + 1.5
+    finally:
+        release.set()
+    notes = "\n".join(info.value.__notes__)
+    assert "rank 0 of 3" in notes and "rank(s) [2] of 3 still running" in notes
+
+
+# -- the members of a collective must agree (issue 12, part 5) ----------------------------------
+
+def _every_rank_error(body, world_size=2, timeout=30.0):
+    """Run ``body`` on every rank; return each rank's (exception type, message) or None."""
+    def wrapped():
+        try:
+            body(current())
+        except sf.CommError as exc:
+            return type(exc), str(exc)
+        return None
+    return sf.launch(wrapped, world_size=world_size, timeout=timeout)
+
+
+def _assert_all_raise(res, *needles, cls=sf.CommError):
+    for r, got in enumerate(res):
+        assert got is not None, f"rank {r} raised nothing"
+        assert got[0] is cls, (r, got)
+        for n in needles:
+            assert n in got[1], (r, n, got[1])
+
+
+def test_all_reduce_of_different_sizes_raises_on_every_rank():
+    res = _every_rank_error(lambda c: c.all_reduce(torch.ones(1 if c.rank == 0 else 3), (0, 1)))
+    _assert_all_raise(res, "all_reduce over ranks [0, 1] (call #0 on this group): the ranks "
+                      "disagree", "rank 0 called all_reduce(op=sum, float32, shape (1,))",
+                      "rank 1 called all_reduce(op=sum, float32, shape (3,))")
+    with pytest.raises(sf.CommError, match="disagree"):  # and launch raises it
+        sf.launch(lambda: current().all_reduce(torch.ones(sf.rank() + 1), (0, 1)), world_size=2)
+
+
+def test_disagreeing_ranks_are_grouped():
+    res = _every_rank_error(lambda c: c.all_reduce(torch.ones(2 if c.rank == 2 else 1),
+                                                   (0, 1, 2, 3)), world_size=4)
+    _assert_all_raise(res, "ranks [0, 1, 3] called all_reduce(op=sum, float32, shape (1,))",
+                      "rank 2 called all_reduce(op=sum, float32, shape (2,))")
+
+
+def test_all_reduce_dtype_and_op_must_agree():
+    res = _every_rank_error(lambda c: c.all_reduce(
+        torch.ones(2, dtype=torch.float64 if c.rank else torch.float32), (0, 1)))
+    _assert_all_raise(res, "rank 0 called all_reduce(op=sum, float32", "rank 1 called "
+                      "all_reduce(op=sum, float64")
+    res = _every_rank_error(lambda c: c.all_reduce(torch.ones(2), (0, 1), "max" if c.rank else "sum"))
+    _assert_all_raise(res, "rank 0 called all_reduce(op=sum,", "rank 1 called all_reduce(op=max,")
+
+
+def test_different_kinds_at_one_call_raise_on_every_rank():
+    def body(c):
+        if c.rank == 0:
+            c.all_reduce(torch.ones(2), (0, 1))
+        else:
+            c.all_gather(torch.ones(2), (0, 1), [(2,), (2,)])
+    _assert_all_raise(_every_rank_error(body), "collective over ranks [0, 1] (call #0",
+                      "rank 0 called all_reduce(op=sum, float32, shape (2,))",
+                      "rank 1 called all_gather(float32, shape (2,), expecting [(2,), (2,)])",
+                      "same collectives in the same order")
+
+
+@pytest.mark.parametrize("groups", [((0, 1), (1, 0)), ((0, 1, 2), (1, 2))])
+def test_different_groups_are_a_deadlock_reported_at_once(groups):
+    """Rank 0 (and 1 in the 3-rank case) call over groups[0], the last rank over groups[1]:
+    the ranks of the cycle, and those waiting for them, raise the deadlock at once."""
+    n = len(groups[0])
+    def body(c):
+        c.all_reduce(torch.ones(1), groups[0] if c.rank < n - 1 else groups[1])
+    t = time.monotonic()
+    res = _every_rank_error(body, world_size=n, timeout=30)
+    assert time.monotonic() - t < 1.0
+    _assert_all_raise(res, "deadlock: rank", f"all_reduce over ranks {list(groups[0])}",
+                      f"all_reduce over ranks {list(groups[1])}", "over the same groups")
+
+
+def test_every_kind_checks_its_contract():
+    """What each collective needs to agree: broadcast (src, shape), reduce_scatter (piece j's
+    shape on every rank, the op), all_gather (declared vs passed shapes), all_to_all
+    (the piece i -> j is the shape j expects from i)."""
+    g = (0, 1)
+    cases = [
+        (lambda c: c.broadcast(torch.ones(2), c.rank, g),
+         ["rank 0 called broadcast(src=0, float32, shape (2,))", "rank 1 called broadcast(src=1"]),
+        (lambda c: c.broadcast(torch.ones(2 + c.rank), 0, g),
+         ["rank 1 called broadcast(src=0, float32, shape (3,))"]),
+        (lambda c: c.reduce_scatter([torch.ones(1), torch.ones(1 + c.rank)], g),
+         ["rank 0 called reduce_scatter(op=sum, float32, piece shapes [(1,), (1,)])",
+          "rank 1 called reduce_scatter(op=sum, float32, piece shapes [(1,), (2,)])"]),
+        (lambda c: c.reduce_scatter([torch.ones(1)] * 2, g, "min" if c.rank else "sum"),
+         ["rank 1 called reduce_scatter(op=min"]),
+        (lambda c: c.reduce_scatter([torch.ones(1)] * 3, g),
+         ["every rank passes 3 pieces to a group of 2"]),
+        (lambda c: c.all_gather(torch.ones(2 + c.rank), g, [(2,), (2,)]),
+         ["every rank expects shape (2,) from rank 1, which passes (3,)"]),
+        (lambda c: c.all_gather(torch.ones(2), g, [(2,), (2 + c.rank,)]),
+         ["rank 0 called all_gather(float32, shape (2,), expecting [(2,), (2,)])",
+          "rank 1 called all_gather(float32, shape (2,), expecting [(2,), (3,)])"]),
+        (lambda c: c.all_to_all([torch.ones(1), torch.ones(1 + c.rank)], g, [(1,), (1,)]),
+         ["rank 1 expects shape (1,) from rank 1, which sends (2,)"]),
+        (lambda c: c.all_to_all([torch.ones(1)] * 2, g, [(1,), (1 + c.rank,)]),
+         ["rank 1 expects shape (2,) from rank 1, which sends (1,)"]),
+        (lambda c: c.all_to_all([torch.ones(1, dtype=torch.float64 if c.rank else torch.float32)]
+                                * 2, g, [(1,), (1,)]),
+         ["rank 0 called all_to_all(float32,", "rank 1 called all_to_all(float64,"]),
+    ]
+    for body, needles in cases:
+        _assert_all_raise(_every_rank_error(body), "the ranks disagree", *needles)
+
+
+def test_recv_names_both_sides():
+    def body():
+        c = current()
+        if c.rank == 0:
+            c.send(torch.ones(2), 1)
+        else:
+            c.recv((3,), torch.float64, 0)
+    with pytest.raises(sf.CommError, match=r"rank 1 expects a float64 tensor of shape \(3,\), "
+                                           r"rank 0 sent a float32 tensor of shape \(2,\)"):
+        sf.launch(body, world_size=2)
+
+
+def test_recv_from_a_rank_waiting_for_me_is_a_deadlock():
+    def body():
+        c = current()
+        if c.rank == 0:
+            c.barrier()
+        else:
+            c.recv((1,), torch.float32, 0)
+    t = time.monotonic()
+    with pytest.raises(sf.CommError, match=r"deadlock: .*recv from rank 0"):
+        sf.launch(body, world_size=2, timeout=30)
+    assert time.monotonic() - t < 1.0
