@@ -1,31 +1,44 @@
 """Distributed checkpoints: ``sf.save(path_dir, model, optimizer, step=)`` and
 ``sf.load(path_dir, model, optimizer)``.
 
-Layout of a checkpoint directory (all ranks share one file system)::
+Layout of a checkpoint directory (all ranks share one file system, as for DCP)::
 
-    manifest.json    written last by rank 0: the commit point (format, save id, world size,
-                     step, every tensor's logical shape / dtype / placement / sbp)
-    common.pt        rank 0: optimizer hyper-parameters and scalar state, sbpflow's seed stream
-    rank{r}.pt       rank r's shards: {key: tensor}
-    rank{r}.json     rank r's index: for each shard, the tensor's shape, dtype, placement and
-                     sbp, the region (box) of the logical tensor the shard holds, and whether it
-                     is a partial value (the reduction op)
+    manifest.json      the commit point, replaced atomically by rank 0 once every rank's files
+                       are durable: format, save id, the generation directory, world size, step,
+                       every tensor's logical shape / dtype / placement / sbp, every file's byte
+                       size and crc32, and a crc32 of its own body
+    gen-<save id>/     one save's files (a fresh directory per save):
+      common.pt        rank 0: optimizer class, hyper-parameters and scalar state, seed stream
+      rank{r}.pt       rank r's shards: {key: tensor}
+      rank{r}.json     rank r's index: for each shard, the tensor's shape, dtype, placement and
+                       sbp, the region (box) of the logical tensor the shard holds, and whether
+                       it is a partial value (the reduction op)
 
-Each file is written to a temporary name and moved into place with ``os.replace``. Replicas are
-written once: a rank writes a tensor's shard only if it is the first rank along every mesh dim
-that replicates it (``B``); partial-sum pieces (``P``) are all written. Keys: ``model/<name>``
-(parameters and persistent buffers, `Module.state_dict` names) and ``optim/<param name>/<state
-key>``.
+A save is atomic as a whole: every rank writes (checksumming as it writes) and fsyncs its files
+in the new generation, the ranks agree that all succeeded, then rank 0 renames a new manifest
+over the old one. Until that rename the previous checkpoint is the one the folder holds,
+untouched; after it, the new one. The previous generation and any leftover of a killed save are
+removed after the commit (see `checkpoint_files`). Format 1 folders (files at the top, no
+checksums) still load, unverified.
 
-``load`` fills the model's parameters (and the optimizer's state) in their CURRENT layouts, which
-may differ from the saved ones in sbp, placement and world size: each rank reconstructs exactly
-the region its shard covers from the saved pieces that intersect it (summing partial pieces),
-reading other ranks' files memory-mapped, so no tensor is materialised beyond that region.
+Replicas are written once: a rank writes a tensor's shard only if it is the first rank along
+every mesh dim that replicates it (``B``); partial-sum pieces (``P``) are all written. Keys:
+``model/<name>`` (parameters and persistent buffers, `Module.state_dict` names) and
+``optim/<param name>/<state key>``.
+
+``load`` verifies what it reads (manifest checksum and schema, every file's size and crc32; every
+file of the checkpoint is verified by some rank) and raises `CheckpointError` on every rank if
+any rank found damage, before changing the model. It fills the model's parameters (and the
+optimizer's state) in their CURRENT layouts, which may differ from the saved ones in sbp,
+placement and world size: each rank reconstructs exactly the region its shard covers from the
+saved pieces that intersect it (summing partial pieces), reading other ranks' files
+memory-mapped, so no tensor is materialised beyond that region.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import os
 import secrets
 
@@ -37,46 +50,14 @@ from ..boxing.boxes import box_numel, box_shape, intersect, relative
 from ..errors import SbpError, ShapeError
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
+from . import checkpoint_files as _files
+from .checkpoint_files import FORMAT, CheckpointError
 from .modules import Module
 
-__all__ = ["save", "load", "CheckpointError"]
-
-FORMAT = 1
-
-
-class CheckpointError(SbpError, RuntimeError):
-    """A checkpoint directory is missing, incomplete, mixed, or does not fit the model."""
+__all__ = ["save", "load", "CheckpointError", "FORMAT"]
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _write_atomic(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{_comm.rank()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _write_file(path: str, mode: str, dump) -> None:
-    """Write ``path`` atomically and durably: ``dump(file)`` into a temp file, fsync, rename."""
-    def write(tmp):
-        with open(tmp, mode) as f:
-            dump(f)
-            f.flush()
-            os.fsync(f.fileno())
-    _write_atomic(path, write)
-
-
-def _write_json(path: str, obj) -> None:
-    _write_file(path, "w", lambda f: json.dump(obj, f))
-
-
-def _write_torch(path: str, obj) -> None:
-    _write_file(path, "wb", lambda f: torch.save(obj, f))
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -142,20 +123,101 @@ def _partial_op(t: GlobalTensor):
     return next(iter(ops), None)
 
 
+def _agree(error: BaseException | None, what: str, values: list[int] = ()) -> list[list[int]]:
+    """Collective: each rank reports its error (or None) and the same number of ints; returns
+    every rank's ints, in rank order. If any rank failed, raises on EVERY rank (so none waits
+    for the others): a failing rank its own exception, the others a `CheckpointError` naming
+    each failing rank and its error. One all-gather when all succeed."""
+    comm = _comm.current()
+    group = tuple(range(comm.world_size))
+    msg = b"" if error is None else f"{type(error).__name__}: {error}".encode()
+    mine = torch.tensor([len(msg), *values], dtype=torch.int64)
+    rows = comm.all_gather(mine, group, shapes=[tuple(mine.shape)] * len(group))
+    lengths = [int(r[0]) for r in rows]
+    n = max(lengths)
+    if n == 0:
+        return [[int(v) for v in r[1:]] for r in rows]
+    buf = torch.zeros(n, dtype=torch.uint8)
+    buf[:len(msg)] = torch.tensor(list(msg), dtype=torch.uint8)
+    texts = comm.all_gather(buf, group, shapes=[(n,)] * len(group))
+    if error is not None:
+        raise error
+    failed = "; ".join(f"rank {r}: {bytes(t[:k].tolist()).decode('utf-8', 'replace')}"
+                       for r, (t, k) in enumerate(zip(texts, lengths)) if k)
+    raise CheckpointError(f"{what} failed on another rank ({failed})")
+
+
 # -- save -----------------------------------------------------------------------------------------
 def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
          extra: dict | None = None) -> None:
-    """Write a checkpoint of ``model`` (and ``optimizer``) to directory ``path_dir``. Every
-    rank must call it; each writes its own shards. ``extra``: small JSON-able data kept in the
-    manifest (returned by `load` through ``info=``)."""
+    """Write a checkpoint of ``model`` (and ``optimizer``) to directory ``path_dir``,
+    atomically: a save that fails or is killed at any moment leaves the previous checkpoint
+    there loadable and unchanged. Every rank must call it; each writes its own shards.
+    ``extra``: small JSON-able data kept in the manifest (returned by `load` through
+    ``info=``). A failure on any rank raises on every rank."""
     comm = _comm.current()
-    me, world = comm.rank, comm.world_size
-    os.makedirs(path_dir, exist_ok=True)
-    manifest_path = os.path.join(path_dir, "manifest.json")
-    if me == 0 and os.path.exists(manifest_path):
-        os.remove(manifest_path)  # the old checkpoint is no longer complete from here on
-    save_id = _agree_id()
+    me = comm.rank
+    try:
+        step = None if step is None else operator.index(step)
+    except TypeError:
+        raise CheckpointError(f"sf.save: step must be an int or None, got {step!r}") from None
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"sf.save: extra must be JSON-able data: {exc}") from None
     items = _tensors(model, optimizer)
+    save_id = _agree_id()
+    gen = _files.generation_name(save_id)
+    records, error = {}, None
+    try:
+        records = _write_generation(path_dir, gen, save_id, model, optimizer, items)
+    except SbpError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
+        error = CheckpointError(f"sf.save: rank {me} could not write its files in "
+                                f"{path_dir!r}: {exc!r}")
+        error.__cause__ = exc
+    mine = [records.get(f"rank{me}.{e}", {}).get(k, 0) for e in ("pt", "json")
+            for k in ("size", "crc32")]
+    rows = _agree(error, f"sf.save to {path_dir!r} (the checkpoint there is unchanged)", mine)
+    if me == 0:
+        try:
+            files = {"common.pt": records["common.pt"]}
+            for r, (pt_size, pt_crc, js_size, js_crc) in enumerate(rows):
+                files[f"rank{r}.pt"] = {"size": pt_size, "crc32": pt_crc}
+                files[f"rank{r}.json"] = {"size": js_size, "crc32": js_crc}
+            _commit(path_dir, gen, {
+                "format": FORMAT, "save_id": save_id, "generation": gen,
+                "world_size": comm.world_size, "step": step, "extra": extra,
+                "tensors": {k: _describe(t) for k, t in items}, "files": files})
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+    _agree(error if me == 0 else None, f"sf.save to {path_dir!r}: the commit")
+
+
+def _write_generation(path_dir: str, gen: str, save_id: int, model: Module, optimizer,
+                      items: list) -> dict:
+    """This rank's files of generation ``gen``, written and fsynced; returns their records
+    (``{name: {"size", "crc32"}}``). Rank 0 first removes leftovers the manifest does not
+    name (killed saves), and writes ``common.pt``."""
+    gdir = os.path.join(path_dir, gen)
+    os.makedirs(gdir, exist_ok=True)
+    if _comm.rank() == 0:
+        live = _files.referenced_generation(path_dir)
+        if live is not None:  # an unreadable manifest: keep everything for now
+            _files.clean(path_dir, {live, gen}, legacy=False)
+    records = _write_shards(gdir, save_id, items)
+    if _comm.rank() == 0:
+        common = _common(save_id, model, optimizer)
+        records["common.pt"] = _files.write_file(os.path.join(gdir, "common.pt"),
+                                                 lambda f: torch.save(common, f))
+    _files.fsync_dir(gdir)
+    return records
+
+
+def _write_shards(gdir: str, save_id: int, items: list) -> dict:
+    """Write ``rank{r}.pt`` (this rank's shards) and ``rank{r}.json`` (their index)."""
+    me = _comm.rank()
     shards, index = {}, {}
     for key, t in items:
         if not _writes(t):
@@ -168,107 +230,149 @@ def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
                       "box": [list(b) for b in shard_box(tuple(t.shape), t.placement.shape,
                                                          t.sbp, coord)],
                       "partial": _partial_op(t)}
-    _write_torch(os.path.join(path_dir, f"rank{me}.pt"), {"save_id": save_id, "rank": me,
-                                                         "tensors": shards})
-    _write_json(os.path.join(path_dir, f"rank{me}.json"),
-                {"save_id": save_id, "rank": me, "entries": index})
-    if me == 0:
-        common = {"save_id": save_id, "optim": None,
-                  "rng": [comm.state.get("seed", 0), comm.state.get("seed_counter", 0)]}
-        if optimizer is not None:
-            names = _param_names(model)
-            groups = [{**{k: v for k, v in g.items() if k != "params"},
-                       "params": [names[id(p)] for p in g["params"]]}
-                      for g in optimizer.param_groups]
-            scalars = {names[id(p)]: {k: v for k, v in optimizer.state.get(p, {}).items()
-                                      if not isinstance(v, GlobalTensor)}
-                       for g in optimizer.param_groups for p in g["params"]}
-            common["optim"] = {"class": type(optimizer).__name__, "param_groups": groups,
-                               "scalars": scalars}
-        _write_torch(os.path.join(path_dir, "common.pt"), common)
-    comm.barrier()
-    if me == 0:
-        _write_json(manifest_path, {
-            "format": FORMAT, "save_id": save_id, "world_size": world, "step": step,
-            "extra": extra, "tensors": {k: _describe(t) for k, t in items}})
-    comm.barrier()
+    data = {"save_id": save_id, "rank": me, "tensors": shards}
+    text = json.dumps({"save_id": save_id, "rank": me, "entries": index}).encode()
+    return {f"rank{me}.pt": _files.write_file(os.path.join(gdir, f"rank{me}.pt"),
+                                              lambda f: torch.save(data, f)),
+            f"rank{me}.json": _files.write_file(os.path.join(gdir, f"rank{me}.json"),
+                                                lambda f: f.write(text))}
+
+
+def _common(save_id: int, model: Module, optimizer) -> dict:
+    comm = _comm.current()
+    common = {"save_id": save_id, "optim": None,
+              "rng": [comm.state.get("seed", 0), comm.state.get("seed_counter", 0)]}
+    if optimizer is not None:
+        names = _param_names(model)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        scalars = {names[id(p)]: {k: v for k, v in optimizer.state.get(p, {}).items()
+                                  if not isinstance(v, GlobalTensor)}
+                   for g in optimizer.param_groups for p in g["params"]}
+        common["optim"] = {"class": type(optimizer).__name__, "param_groups": groups,
+                           "scalars": scalars}
+    return common
+
+
+def _commit(path_dir: str, gen: str, body: dict) -> None:
+    """Rank 0, once every rank's files are durable: publish the manifest (the atomic switch
+    to the new checkpoint), then remove the previous generation and any leftovers."""
+    _files.fsync_dir(path_dir)  # the new generation's directory entry, before it is named
+    _files.write_manifest(path_dir, body, tag=gen)
+    _files.clean(path_dir, {gen}, legacy=True)
 
 
 # -- load -----------------------------------------------------------------------------------------
 class _Reader:
-    """The saved pieces of every key, and their files opened (memory-mapped) on demand."""
+    """A checkpoint folder's manifest and rank indexes (read and verified by every rank), the
+    saved pieces of every key, and the data files, verified and opened (memory-mapped) on
+    demand."""
 
     def __init__(self, path_dir: str) -> None:
         self.dir = path_dir
-        mpath = os.path.join(path_dir, "manifest.json")
-        if not os.path.exists(mpath):
-            raise CheckpointError(f"no complete checkpoint in {path_dir!r} (manifest.json is "
-                                  f"missing: the save did not finish, or this is not a "
-                                  f"checkpoint directory)")
-        with open(mpath) as f:
-            self.manifest = json.load(f)
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{mpath}: unknown checkpoint format "
-                                  f"{self.manifest.get('format')!r}")
-        self.save_id = self.manifest["save_id"]
+        self.manifest = m = _files.read_manifest(path_dir)
+        self.save_id = m["save_id"]
+        self.files = m.get("files")  # None: format 1, no checksums
+        self.data_dir = path_dir if self.files is None else os.path.join(path_dir,
+                                                                          m["generation"])
+        self._verified: set[str] = set()
+        self.entries: dict[int, dict] = {}
         self.pieces: dict[str, list] = {}
-        for r in range(self.manifest["world_size"]):
-            with open(os.path.join(path_dir, f"rank{r}.json")) as f:
-                meta = json.load(f)
-            if meta["save_id"] != self.save_id:
-                raise CheckpointError(f"{path_dir}/rank{r}.json belongs to another save than "
-                                      f"manifest.json (mixed checkpoint)")
+        for r in range(m["world_size"]):
+            name = f"rank{r}.json"
+            data = _files.read_verified(self._path(name), self._record(name))
+            self._verified.add(name)
+            meta = _files.parse_json(self._path(name), data)
+            _files.validate_rank_index(self._path(name), meta, r, self.save_id, m["tensors"])
+            self.entries[r] = meta["entries"]
             for key, e in meta["entries"].items():
                 self.pieces.setdefault(key, []).append(
                     (r, tuple(tuple(b) for b in e["box"]), e["partial"]))
         self._files: dict[int, dict] = {}
         self._common = None
 
+    def _path(self, name: str) -> str:
+        return os.path.join(self.data_dir, name)
+
+    def _record(self, name: str) -> dict | None:
+        return None if self.files is None else self.files[name]
+
+    def _verify(self, name: str) -> None:
+        if self.files is not None and name not in self._verified:
+            _files.verify_file(self._path(name), self.files[name])
+            self._verified.add(name)
+
+    def _torch_load(self, name: str, **kw):
+        self._verify(name)
+        path = self._path(name)
+        try:
+            return torch.load(path, weights_only=True, map_location="cpu", **kw)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: damaged or incomplete checkpoint") \
+                from None
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a damaged checkpoint
+            raise CheckpointError(f"{path}: not a readable torch file ({exc}): damaged "
+                                  f"checkpoint") from exc
+
     @property
     def common(self) -> dict:
         if self._common is None:
-            self._common = torch.load(os.path.join(self.dir, "common.pt"), weights_only=True)
-            if self._common["save_id"] != self.save_id:
-                raise CheckpointError(f"{self.dir}/common.pt belongs to another save than "
-                                      f"manifest.json (mixed checkpoint)")
+            common = self._torch_load("common.pt")
+            _files.validate_common(self._path("common.pt"), common, self.save_id)
+            self._common = common
         return self._common
 
     def _file(self, r: int) -> dict:
         if r not in self._files:
-            data = torch.load(os.path.join(self.dir, f"rank{r}.pt"), mmap=True,
-                              weights_only=True, map_location="cpu")
-            if data["save_id"] != self.save_id:
-                raise CheckpointError(f"{self.dir}/rank{r}.pt belongs to another save than "
-                                      f"manifest.json (mixed checkpoint)")
+            data = self._torch_load(f"rank{r}.pt", mmap=True)
+            _files.validate_shards(self._path(f"rank{r}.pt"), data, r, self.save_id,
+                                   self.entries[r])
             self._files[r] = data["tensors"]
         return self._files[r]
+
+    def open(self, ranks: set, common: bool) -> None:
+        """Verify and open the data files of ``ranks`` (and ``common.pt``), then verify this
+        rank's share of every other file, so that each file is checked by some rank."""
+        for r in sorted(ranks):
+            self._file(r)
+        if common:
+            self.common  # noqa: B018 - read and validated now, before anything is changed
+        comm = _comm.current()
+        for i, name in enumerate(sorted(self.files or {})):
+            if i % comm.world_size == comm.rank:
+                self._verify(name)
 
     def described(self, key: str) -> dict | None:
         return self.manifest["tensors"].get(key)
 
+    def sources(self, key: str, box: tuple) -> list:
+        """The saved pieces of ``key`` that overlap ``box``: (rank, piece box, overlap)."""
+        out = []
+        for r, pbox, _ in self.pieces.get(key, []):
+            inter = intersect(box, pbox)
+            if box_numel(inter):
+                out.append((r, pbox, inter))
+        return out
+
     def region(self, key: str, box: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The logical values of ``box`` of saved tensor ``key``."""
-        pieces = self.pieces.get(key, [])
-        ops = {op for _, _, op in pieces}
-        op = next(iter(ops)) if len(ops) == 1 else None
+        ops = {op for _, _, op in self.pieces.get(key, [])}
         if len(ops) > 1:
             raise CheckpointError(f"{key}: saved pieces disagree on their reduction: {ops}")
+        op = next(iter(ops), None)
         shape = box_shape(box)
         if op in ("max", "min"):
             out = torch.full(shape, identity_value(op, dtype), dtype=dtype)
         else:
             out = torch.zeros(shape, dtype=dtype)
         covered = 0
-        for r, pbox, _ in pieces:
-            inter = intersect(box, pbox)
-            n = box_numel(inter)
-            if n == 0:
-                continue
+        for r, pbox, inter in self.sources(key, box):
             src = self._file(r)[key][relative(inter, pbox)].to(dtype)
             dst = out[relative(inter, box)]
             if op is None:
                 dst.copy_(src)
-                covered += n
+                covered += box_numel(inter)
             elif op == "sum":
                 dst.add_(src)
             elif op == "max":
@@ -282,20 +386,31 @@ class _Reader:
         return out
 
 
-def _restore(reader: _Reader, key: str, t: GlobalTensor) -> None:
-    """Fill ``t``'s shard (its current layout) from saved tensor ``key``."""
+def _box_to_read(t: GlobalTensor) -> tuple | None:
+    """The region of ``t`` this rank reads from a checkpoint: its shard's box; None outside
+    the placement, or where it holds a partial value at a non-first coordinate (which gets
+    the reduction's identity, so the pieces sum to the saved value)."""
     me = _comm.rank()
     if me not in t.placement:
-        return
+        return None
     coord = t.placement.coord_of(me)
+    if any(c != 0 for s, c in zip(t.sbp, coord) if isinstance(s, Partial)):
+        return None
+    return shard_box(tuple(t.shape), t.placement.shape, t.sbp, coord)
+
+
+def _restore(reader: _Reader, key: str, t: GlobalTensor) -> None:
+    """Fill ``t``'s shard (its current layout) from saved tensor ``key``."""
+    if _comm.rank() not in t.placement:
+        return
+    box = _box_to_read(t)
     local = t.local
     with torch.no_grad():
-        partial = [(s, c) for s, c in zip(t.sbp, coord) if isinstance(s, Partial)]
-        if any(c != 0 for _, c in partial):
-            local.fill_(identity_value(partial[0][0].op, local.dtype))
-            return
-        box = shard_box(tuple(t.shape), t.placement.shape, t.sbp, coord)
-        local.copy_(reader.region(key, box, local.dtype).reshape(local.shape))
+        if box is None:
+            op = next(s.op for s in t.sbp if isinstance(s, Partial))
+            local.fill_(identity_value(op, local.dtype))
+        else:
+            local.copy_(reader.region(key, box, local.dtype).reshape(local.shape))
 
 
 def _check_shape(reader: _Reader, key: str, t: GlobalTensor, what: str) -> None:
@@ -310,31 +425,27 @@ def _check_shape(reader: _Reader, key: str, t: GlobalTensor, what: str) -> None:
 def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
          restore_rng: bool = True, info: dict | None = None):
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in their current
-    layouts; returns the saved ``step``. Every rank must call it (no communication besides a
-    final barrier). ``strict``: model keys missing from the checkpoint (or extra ones) raise
-    `CheckpointError`. ``info``: a dict filled with the manifest's ``extra`` and ``world_size``.
-    """
-    reader = _Reader(path_dir)
-    model_items = model._state_items()
-    saved_model = {k[len("model/"):] for k in reader.manifest["tensors"] if k.startswith("model/")}
-    missing = [k for k, _ in model_items if k not in saved_model]
-    unexpected = sorted(saved_model - {k for k, _ in model_items})
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"sf.load from {path_dir!r}: the model's keys missing from the "
-                              f"checkpoint: {missing}; keys in the checkpoint the model lacks: "
-                              f"{unexpected}")
-    for k, t in model_items:
-        if k in saved_model:
-            _check_shape(reader, f"model/{k}", t, f"tensor {k!r}")
+    layouts; returns the saved ``step``. Every rank must call it. Everything is checked first
+    (manifest, files' sizes and checksums, keys, shapes, optimizer class): any problem found
+    by any rank raises on every rank — `CheckpointError` for a damaged or unfit checkpoint —
+    and leaves the model and optimizer unchanged. ``strict``: model keys missing from the
+    checkpoint (or extra ones) raise `CheckpointError`. ``info``: a dict filled with the
+    manifest's ``extra`` and ``world_size``."""
+    reader = targets = error = None
+    try:
+        reader = _Reader(path_dir)
+        targets = _plan(reader, model, optimizer, strict)
+        needed = {r for key, t, _ in targets if (box := _box_to_read(t)) is not None
+                  for r, _, _ in reader.sources(key, box)}
+        reader.open(needed, common=optimizer is not None or restore_rng)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
+        error = exc
+    _agree(error, f"sf.load from {path_dir!r}")
     if optimizer is not None:
-        optim = reader.common["optim"]
-        if optim is None:
-            raise CheckpointError(f"sf.load: the checkpoint in {path_dir!r} has no optimizer "
-                                  f"state")
-        _load_optimizer(reader, model, optimizer, optim)
-    for k, t in model_items:
-        if k in saved_model:
-            _restore(reader, f"model/{k}", t)
+        _load_optimizer(reader, model, optimizer, [x for x in targets if x[2] is not None])
+    for key, t, skey in targets:
+        if skey is None:
+            _restore(reader, key, t)
     if restore_rng:
         seed, counter = reader.common["rng"]
         state = _comm.current().state
@@ -345,38 +456,87 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
     return reader.manifest.get("step")
 
 
-def _load_optimizer(reader: _Reader, model: Module, optimizer, optim: dict) -> None:
+def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[tuple]:
+    """Check that the checkpoint fits ``model`` (and ``optimizer``); returns what to read:
+    ``(key, tensor whose layout is filled, None)`` for the model's tensors and ``(key,
+    parameter, state key)`` for the optimizer's state."""
+    model_items = model._state_items()
+    saved_model = {k[len("model/"):] for k in reader.manifest["tensors"] if k.startswith("model/")}
+    missing = [k for k, _ in model_items if k not in saved_model]
+    unexpected = sorted(saved_model - {k for k, _ in model_items})
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"sf.load from {reader.dir!r}: the model's keys missing from the "
+                              f"checkpoint: {missing}; keys in the checkpoint the model lacks: "
+                              f"{unexpected}")
+    targets = []
+    for k, t in model_items:
+        if k in saved_model:
+            _check_shape(reader, f"model/{k}", t, f"tensor {k!r}")
+            targets.append((f"model/{k}", t, None))
+    if optimizer is not None:
+        targets += _plan_optimizer(reader, model, optimizer)
+    return targets
+
+
+def _plan_optimizer(reader: _Reader, model: Module, optimizer) -> list[tuple]:
+    """Check the saved optimizer state fits ``optimizer`` (class, groups, parameters,
+    shapes); returns ``(key, parameter, state key)`` for each saved state tensor."""
+    optim = reader.common["optim"]
+    if optim is None:
+        raise CheckpointError(f"sf.load: the checkpoint in {reader.dir!r} has no optimizer "
+                              f"state")
+    mine = type(optimizer).__name__
+    if optim["class"] != mine:
+        raise CheckpointError(f"sf.load: the checkpoint in {reader.dir!r} holds the state of "
+                              f"a {optim['class']} optimizer, which cannot be loaded into a "
+                              f"{mine}; build a {optim['class']}, or load the model alone "
+                              f"(sf.load(path, model))")
     names = _param_names(model)
     groups = optim["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(f"sf.load: the checkpoint's optimizer has {len(groups)} parameter "
                               f"groups, this one {len(optimizer.param_groups)}")
     for i, (g, sg) in enumerate(zip(optimizer.param_groups, groups)):
-        mine = [names.get(id(p)) for p in g["params"]]
-        if mine != sg["params"]:
-            raise CheckpointError(f"sf.load: parameter group {i} holds {mine} but the "
+        held = [names.get(id(p)) for p in g["params"]]
+        if held != sg["params"]:
+            raise CheckpointError(f"sf.load: parameter group {i} holds {held} but the "
                                   f"checkpoint's holds {sg['params']}")
-    prefix = "optim/"
-    saved = {}
+    saved: dict[str, list] = {}
     for key in reader.manifest["tensors"]:
-        if key.startswith(prefix):
-            pname, _, skey = key[len(prefix):].rpartition("/")
+        if key.startswith("optim/"):
+            pname, _, skey = key[len("optim/"):].rpartition("/")
             saved.setdefault(pname, []).append((skey, key))
+    out = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            pname = names[id(p)]
+            for skey, key in saved.get(pname, []):
+                _check_shape(reader, key, p, f"optimizer state {skey!r} of {pname!r}")
+                out.append((key, p, skey))
+    return out
+
+
+def _load_optimizer(reader: _Reader, model: Module, optimizer, targets: list) -> None:
+    """Replace ``optimizer``'s state and hyper-parameters by the checkpoint's (checked by
+    `_plan_optimizer`; ``targets`` are its result)."""
+    optim = reader.common["optim"]
+    names = _param_names(model)
+    tensors: dict[int, list] = {}
+    for key, p, skey in targets:
+        tensors.setdefault(id(p), []).append((key, skey))
     new_state = type(optimizer.state)(dict) if hasattr(optimizer.state, "default_factory") \
         else {}
     for g in optimizer.param_groups:
         for p in g["params"]:
-            pname = names[id(p)]
-            entry = dict(optim["scalars"].get(pname, {}))
-            for skey, key in saved.get(pname, []):
-                _check_shape(reader, key, p, f"optimizer state {skey!r} of {pname!r}")
+            entry = dict(optim["scalars"].get(names[id(p)], {}))
+            for key, skey in tensors.get(id(p), []):
                 dt = _dtype(reader.described(key)["dtype"])
                 t = _sf_zeros(*p.shape, placement=p.placement, sbp=p.sbp, dtype=dt)
                 _restore(reader, key, t)
                 entry[skey] = t
             if entry:
                 new_state[p] = entry
-    for g, sg in zip(optimizer.param_groups, groups):
+    for g, sg in zip(optimizer.param_groups, optim["param_groups"]):
         for k, v in sg.items():
             if k != "params":
                 g[k] = v

@@ -4,6 +4,7 @@ checkpoints raise sf.SbpError subclasses."""
 
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -97,24 +98,32 @@ def test_resume_restores_the_random_stream(tmp_path):
 def test_files_replicas_written_once_and_atomic(tmp_path):
     path = str(tmp_path)
     _run_saving(path, "replicated", "adam", 1)
-    files = sorted(os.listdir(path))
-    assert files == ["common.pt", "manifest.json"] + [f"rank{r}.{e}" for r in range(4)
-                                                      for e in ("json", "pt")]
-    shards = [torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)["tensors"]
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    gen = manifest["generation"]
+    assert sorted(os.listdir(path)) == [gen, "manifest.json"]
+    files = sorted(os.listdir(os.path.join(path, gen)))
+    assert files == ["common.pt"] + [f"rank{r}.{e}" for r in range(4) for e in ("json", "pt")]
+    assert sorted(manifest["files"]) == files
+    for name in files:  # sizes and checksums recorded while writing
+        with open(os.path.join(path, gen, name), "rb") as f:
+            data = f.read()
+        assert manifest["files"][name] == {"size": len(data), "crc32": zlib.crc32(data)}
+    shards = [torch.load(os.path.join(path, gen, f"rank{r}.pt"), weights_only=True)["tensors"]
               for r in range(4)]
     keys = {"model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"}
     assert set(shards[0]) == keys | {f"optim/{k[6:]}/{s}" for k in keys
                                      for s in ("exp_avg", "exp_avg_sq")}
     assert all(s == {} for s in shards[1:])  # B replicas: only the first rank writes
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
     assert manifest["world_size"] == 4 and manifest["step"] == 1
     assert manifest["tensors"]["model/0.weight"]["shape"] == [10, 5]
     assert manifest["tensors"]["model/0.weight"]["sbp"] == ["B"]
     # a split layout: every rank writes its own piece, no piece twice, nothing more
     path2 = str(tmp_path / "zero")
     _run_saving(path2, "zero", "sgd", 1)
-    sizes = [sum(t.numel() for t in torch.load(os.path.join(path2, f"rank{r}.pt"),
+    with open(os.path.join(path2, "manifest.json")) as f:
+        gen2 = os.path.join(path2, json.load(f)["generation"])
+    sizes = [sum(t.numel() for t in torch.load(os.path.join(gen2, f"rank{r}.pt"),
                                                weights_only=True)["tensors"].values())
              for r in range(4)]
     assert sum(sizes) == 2 * (50 + 10 + 30 + 3)  # parameters + momentum buffers
@@ -176,16 +185,67 @@ def test_bad_checkpoints_raise_sbp_errors(tmp_path):
             sf.save(path + "-noopt", m)
             sf.load(path + "-noopt", m, sf.optim.SGD(m.parameters()))
         sf.launch(no_opt, world_size=2)
-    # a rank file from another save: mixed checkpoint
-    meta_path = os.path.join(path, "rank1.json")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    meta["save_id"] += 1
-    with open(meta_path, "w") as f:
-        json.dump(meta, f)
-    with pytest.raises(sf.nn.CheckpointError, match="mixed checkpoint"):
+    # a rank index edited after the save: its checksum no longer matches
+    gen = os.path.join(path, _manifest(path)["generation"])
+    _edit_json(os.path.join(gen, "rank1.json"), lambda meta: meta.update(save_id=1))
+    with pytest.raises(sf.nn.CheckpointError, match=r"rank1\.json: .*the manifest records"):
         sf.launch(lambda: sf.load(path, sf_mlp()), world_size=1)
     assert issubclass(sf.nn.CheckpointError, sf.SbpError)
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _edit_json(path, edit):
+    with open(path) as f:
+        obj = json.load(f)
+    edit(obj)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def _to_format1(path):
+    """Rewrite a checkpoint folder as format 1 wrote it: files at the top, no checksums."""
+    m = _manifest(path)
+    gen = os.path.join(path, m.pop("generation"))
+    for name in os.listdir(gen):
+        os.replace(os.path.join(gen, name), os.path.join(path, name))
+    os.rmdir(gen)
+    for k in ("files", "crc32"):
+        del m[k]
+    m["format"] = 1
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+def test_format1_checkpoints_still_load_and_are_replaced_cleanly(tmp_path):
+    path = str(tmp_path)
+    _run_saving(path, "zero", "sgd", 1)
+    want = sf.launch(_load_state, world_size=2, args=(path,))[0]
+    _to_format1(path)
+    assert sf.launch(_load_state, world_size=2, args=(path,))[0] == want  # the legacy reader
+    _edit_json(os.path.join(path, "rank1.json"), lambda meta: meta.update(save_id=1))
+    with pytest.raises(sf.nn.CheckpointError, match="mixed checkpoint"):
+        sf.launch(_load_state, world_size=2, args=(path,))
+    # a format-2 save over a format-1 folder replaces it whole: no format-1 file is left
+    _run_saving(path, "zero", "sgd", 1)
+    assert sorted(os.listdir(path)) == [_manifest(path)["generation"], "manifest.json"]
+    assert sf.launch(_load_state, world_size=2, args=(path,))[0] == want
+
+
+def _load_state(path):
+    """Runs in each rank: load the checkpoint into a fresh model and SGD (two ranks, split),
+    return the logical values of every parameter and momentum buffer as lists."""
+    m = sf_mlp()
+    sf.parallel.apply(m, sf.placement("cpu", [0, 1]), {"*": sf.S(0)})
+    opt = OPTIMIZERS["sgd"][0](m.parameters())
+    sf.load(path, m, opt)
+    out = {k: v.tolist() for k, v in m.state_dict().items()}
+    for n, p in m.named_parameters():
+        out[f"{n}/momentum"] = opt.state[p]["momentum_buffer"].full_tensor().tolist()
+    return out
 
 
 def _gloo_train(path, name, steps, first_step, load):

@@ -1,0 +1,358 @@
+"""The files of a checkpoint folder: checksummed durable writes, the manifest (the commit point,
+which carries a checksum of its own body), verification on read, generations and their cleaning.
+
+A folder holds one committed checkpoint: ``manifest.json`` names the *generation* directory
+(``gen-<save id in hex>``) whose files make it up, with every file's byte size and crc32. A
+save writes a fresh generation, then replaces ``manifest.json`` atomically (``os.replace`` of a
+fsynced temporary file): until that instant the previous checkpoint is the one loaded, after it
+the new one. Generations the manifest does not name are leftovers (of a killed save, or the
+previous checkpoint once the new one is committed) and are removed by the next save.
+
+Every check raises `CheckpointError` naming the file and what is wrong with it; nothing from a
+damaged file reaches the caller as a raw ``OSError``, ``JSONDecodeError`` or ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from ..errors import SbpError
+
+__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "generation_name", "write_file",
+           "fsync_dir", "verify_file", "read_verified", "parse_json", "encode_manifest",
+           "write_manifest", "read_manifest", "validate_manifest", "validate_tensor",
+           "validate_rank_index", "validate_common", "validate_shards", "clean",
+           "referenced_generation", "check", "is_int"]
+
+FORMAT = 2  # 1: files at the top of the folder, no checksums (still loaded, unverified)
+MANIFEST = "manifest.json"
+_CHUNK = 4 << 20  # bytes read at a time when verifying a checksum
+_GEN = re.compile(r"gen-[0-9a-f]{16}")
+_LEGACY = re.compile(r"common\.pt|rank\d+\.(pt|json)")
+_TEMP = re.compile(r"(common\.pt|rank\d+\.(pt|json)|manifest\.json)\.tmp-.*")
+
+
+class CheckpointError(SbpError, RuntimeError):
+    """A checkpoint directory is missing, incomplete, damaged, mixed, or does not fit the
+    model or optimizer it is loaded into."""
+
+
+def check(ok: bool, where: str, what: str) -> None:
+    """Raise `CheckpointError` ``"<where>: <what>"`` unless ``ok``."""
+    if not ok:
+        raise CheckpointError(f"{where}: {what}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def generation_name(save_id: int) -> str:
+    return f"gen-{save_id:016x}"
+
+
+# -- writing --------------------------------------------------------------------------------------
+class _CrcWriter:
+    """A binary file that keeps the crc32 and byte count of everything written through it (so
+    the checksum is computed while writing, never by reading the file back)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_file(path: str, dump: Callable[[Any], None]) -> dict:
+    """Create ``path`` with ``dump(file)`` (a binary file object), flush and fsync it; returns
+    its record ``{"size": bytes, "crc32": checksum}``."""
+    with open(path, "wb") as f:
+        w = _CrcWriter(f)
+        dump(w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": w.size, "crc32": w.crc}
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory descriptors: nothing more can be done
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network file systems refuse fsync on directories; their renames are sync
+    finally:
+        os.close(fd)
+
+
+# -- verifying ------------------------------------------------------------------------------------
+def _stat_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (the manifest lists it): damaged "
+                              f"checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from exc
+
+
+def _check_record(path: str, record: dict, size: int, crc: int) -> None:
+    check(size == record["size"], path,
+          f"{size} bytes, the manifest records {record['size']} (truncated or extended file)")
+    check(crc == record["crc32"], path,
+          f"crc32 {crc:08x}, the manifest records {record['crc32']:08x} (corrupt file)")
+
+
+def verify_file(path: str, record: dict) -> None:
+    """Check ``path``'s size, then its crc32 (streamed), against the manifest's ``record``."""
+    size = _stat_size(path)
+    check(size == record["size"], path,
+          f"{size} bytes, the manifest records {record['size']} (truncated or extended file)")
+    crc, seen = 0, 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                seen += len(chunk)
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from exc
+    _check_record(path, record, seen, crc)
+
+
+def read_verified(path: str, record: dict | None) -> bytes:
+    """The bytes of a small file, checked against ``record`` (None: unverified, format 1)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: damaged or incomplete checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from exc
+    if record is not None:
+        _check_record(path, record, len(data), zlib.crc32(data))
+    return data
+
+
+def parse_json(path: str, data: bytes) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}): damaged checkpoint") from None
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def encode_manifest(body: dict) -> bytes:
+    """The manifest's bytes: ``body`` (normalised through JSON) plus ``"crc32"``, the checksum
+    of the body's canonical form, written in canonical form itself (one line, sorted keys)."""
+    body = json.loads(_canonical(body))  # tuples -> lists, int keys -> str: as a load sees it
+    return _canonical({**body, "crc32": zlib.crc32(_canonical(body))})
+
+
+def write_manifest(path_dir: str, body: dict, tag: str) -> None:
+    """Commit: write the manifest to a temporary file, fsync it, rename it over
+    ``manifest.json`` (atomic) and fsync the folder."""
+    data = encode_manifest(body)
+    tmp = os.path.join(path_dir, f"{MANIFEST}.tmp-{tag}")
+    write_file(tmp, lambda f: f.write(data))
+    os.replace(tmp, os.path.join(path_dir, MANIFEST))
+    fsync_dir(path_dir)
+
+
+def read_manifest(path_dir: str) -> dict:
+    """The manifest of ``path_dir``, its checksum and schema verified."""
+    path = os.path.join(path_dir, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no complete checkpoint in {path_dir!r} ({MANIFEST} is missing: "
+                              f"no save finished there, or this is not a checkpoint directory)")
+    data = read_verified(path, None)
+    m = parse_json(path, data)
+    check(isinstance(m, dict), path, f"holds a {type(m).__name__}, not an object")
+    if "crc32" in m or m.get("format") != 1:  # format 1 manifests carry no checksum
+        crc = m.pop("crc32", None)
+        check(is_int(crc), path, f"no valid checksum field 'crc32' (got {crc!r})")
+        check(zlib.crc32(_canonical(m)) == crc, path,
+              f"its body does not match its checksum {crc:08x} (corrupt manifest)")
+        check(_canonical({**m, "crc32": crc}) == data, path,
+              "not in the form it was written in (altered manifest)")
+    validate_manifest(path, m)
+    return m
+
+
+# -- schema ---------------------------------------------------------------------------------------
+def _is_ranks(v: Any) -> bool:
+    return is_int(v) or (isinstance(v, list) and len(v) > 0 and all(_is_ranks(x) for x in v))
+
+
+def _dtype(where: str, name: Any) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    check(isinstance(dt, torch.dtype), where, f"unknown dtype {name!r}")
+    return dt
+
+
+def validate_tensor(where: str, d: Any) -> None:
+    """A tensor description: shape, dtype, placement (device type, ranks), sbp strings."""
+    check(isinstance(d, dict), where, f"a tensor description must be an object, got {d!r}")
+    shape, pl, sbp = d.get("shape"), d.get("placement"), d.get("sbp")
+    check(isinstance(shape, list) and all(is_int(n) and n >= 0 for n in shape), where,
+          f"bad shape {shape!r}")
+    _dtype(where, d.get("dtype"))
+    check(isinstance(pl, dict) and isinstance(pl.get("device_type"), str)
+          and _is_ranks(pl.get("ranks")), where, f"bad placement {pl!r}")
+    check(isinstance(sbp, list) and all(isinstance(s, str) for s in sbp), where,
+          f"bad sbp {sbp!r}")
+
+
+def _validate_files(path: str, files: Any, world: int) -> None:
+    want = {"common.pt"} | {f"rank{r}.{e}" for r in range(world) for e in ("pt", "json")}
+    check(isinstance(files, dict) and set(files) == want, path,
+          f"'files' must list exactly {sorted(want)}, got "
+          f"{sorted(files) if isinstance(files, dict) else files!r}")
+    for name, rec in files.items():
+        check(isinstance(rec, dict) and is_int(rec.get("size")) and rec["size"] >= 0
+              and is_int(rec.get("crc32")) and 0 <= rec["crc32"] < 2 ** 32, path,
+              f"bad record of {name}: {rec!r}")
+
+
+def validate_manifest(path: str, m: dict) -> None:
+    """The manifest's fields and their types (raise `CheckpointError` naming the first bad one)."""
+    fmt = m.get("format")
+    check(fmt in (1, FORMAT) and is_int(fmt), path,
+          f"unknown checkpoint format {fmt!r} (this sbpflow reads 1 and {FORMAT})")
+    for k, least in (("save_id", 0), ("world_size", 1)):
+        check(is_int(m.get(k)) and m[k] >= least, path, f"bad {k} {m.get(k)!r}")
+    check(m.get("step") is None or is_int(m.get("step")), path, f"bad step {m.get('step')!r}")
+    tensors = m.get("tensors")
+    check(isinstance(tensors, dict), path, f"'tensors' must be an object, got {tensors!r}")
+    for key, d in tensors.items():
+        validate_tensor(f"{path}: tensor {key!r}", d)
+    if fmt == 1:
+        return
+    check(m.get("generation") == generation_name(m["save_id"]), path,
+          f"generation {m.get('generation')!r} does not belong to save "
+          f"{generation_name(m['save_id'])!r}")
+    _validate_files(path, m.get("files"), m["world_size"])
+
+
+# -- generations ----------------------------------------------------------------------------------
+def referenced_generation(path_dir: str) -> str | None:
+    """The generation the folder's manifest commits to ("" for a format-1 checkpoint, None if
+    there is no readable manifest)."""
+    try:
+        m = read_manifest(path_dir)
+    except CheckpointError:
+        return None
+    return m.get("generation", "")
+
+
+def clean(path_dir: str, keep: set, legacy: bool) -> None:
+    """Remove leftovers: generation directories not in ``keep``, temporary manifests and
+    format-1 temporary files; with ``legacy`` also format-1 checkpoint files. Best effort (a
+    file that cannot be removed now is removed by a later save)."""
+    try:
+        names = os.listdir(path_dir)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(path_dir, name)
+        if _GEN.fullmatch(name) and name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+        elif _TEMP.fullmatch(name) or (legacy and _LEGACY.fullmatch(name)):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def _is_box(box: Any, shape: list) -> bool:
+    return isinstance(box, list) and len(box) == len(shape) and all(
+        isinstance(b, list) and len(b) == 2 and is_int(b[0]) and is_int(b[1])
+        and b[0] >= 0 and b[1] >= 0 and b[0] + b[1] <= n for b, n in zip(box, shape))
+
+
+def validate_rank_index(path: str, meta: Any, rank: int, save_id: int, tensors: dict) -> None:
+    """A rank's index (``rank{r}.json``): its save, its rank, and for each shard a tensor
+    description that agrees with the manifest, the region it holds and its reduction."""
+    check(isinstance(meta, dict), path, f"holds a {type(meta).__name__}, not an object")
+    check(meta.get("save_id") == save_id, path,
+          f"belongs to another save ({meta.get('save_id')!r}) than {MANIFEST} ({save_id}): "
+          f"mixed checkpoint")
+    check(meta.get("rank") == rank, path, f"is the index of rank {meta.get('rank')!r}")
+    entries = meta.get("entries")
+    check(isinstance(entries, dict), path, f"'entries' must be an object, got {entries!r}")
+    for key, e in entries.items():
+        where = f"{path}: entry {key!r}"
+        validate_tensor(where, e)
+        d = tensors.get(key)
+        check(d is not None, where, f"not a tensor of {MANIFEST}")
+        check(e["shape"] == d["shape"] and e["dtype"] == d["dtype"], where,
+              f"shape {e['shape']} {e['dtype']}, the manifest's {d['shape']} {d['dtype']}")
+        check(_is_box(e.get("box"), e["shape"]), where,
+              f"bad region {e.get('box')!r} of a tensor of shape {e['shape']}")
+        check(e.get("partial") in (None, "sum", "max", "min"), where,
+              f"bad reduction {e.get('partial')!r}")
+
+
+def validate_common(path: str, c: Any, save_id: int) -> None:
+    """``common.pt``: its save, the seed stream, the optimizer's class, groups and scalars."""
+    check(isinstance(c, dict), path, f"holds a {type(c).__name__}, not a dict")
+    check(c.get("save_id") == save_id, path,
+          f"belongs to another save ({c.get('save_id')!r}) than {MANIFEST} ({save_id}): "
+          f"mixed checkpoint")
+    rng = c.get("rng")
+    check(isinstance(rng, (list, tuple)) and len(rng) == 2 and all(is_int(v) for v in rng),
+          path, f"bad random state {rng!r}")
+    optim = c.get("optim")
+    if optim is None:
+        return
+    groups, scalars = (optim.get("param_groups"), optim.get("scalars")) \
+        if isinstance(optim, dict) else (None, None)
+    check(isinstance(optim, dict) and isinstance(optim.get("class"), str), path,
+          "bad optimizer record (no class name)")
+    check(isinstance(groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list)
+        and all(isinstance(n, str) for n in g["params"]) for g in groups), path,
+        "bad optimizer parameter groups")
+    check(isinstance(scalars, dict) and all(isinstance(v, dict) for v in scalars.values()),
+          path, "bad optimizer scalar state")
+
+
+def validate_shards(path: str, data: Any, rank: int, save_id: int, entries: dict) -> None:
+    """``rank{r}.pt``: its save and rank, and exactly the shards its index lists, each of the
+    index's region shape and dtype."""
+    check(isinstance(data, dict), path, f"holds a {type(data).__name__}, not a dict")
+    check(data.get("save_id") == save_id, path,
+          f"belongs to another save ({data.get('save_id')!r}) than {MANIFEST} ({save_id}): "
+          f"mixed checkpoint")
+    check(data.get("rank") == rank, path, f"holds the shards of rank {data.get('rank')!r}")
+    tensors = data.get("tensors")
+    check(isinstance(tensors, dict) and set(tensors) == set(entries), path,
+          f"its shards {sorted(tensors) if isinstance(tensors, dict) else tensors!r} are not "
+          f"those of its index {sorted(entries)}")
+    for key, t in tensors.items():
+        e = entries[key]
+        want = [n for _, n in e["box"]]
+        check(isinstance(t, torch.Tensor) and list(t.shape) == want
+              and str(t.dtype) == f"torch.{e['dtype']}", path,
+              f"shard {key!r} is not a {e['dtype']} tensor of shape {want}")
