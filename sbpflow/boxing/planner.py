@@ -46,9 +46,8 @@ class BoxingPlan:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the steps move, summed over ranks (its time on a cluster: `sf.cost.plan_time`)."""
         return sum(s.nbytes for s in self.steps)
-
-    cost = nbytes
 
     @property
     def differentiable(self) -> bool:
