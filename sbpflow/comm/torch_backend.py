@@ -45,6 +45,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
+from .progress import P2P, Progress, group_key, period_for
 from .threads import default_timeout
 
 __all__ = ["TorchCommunicator", "init_from_env", "launch_processes", "shutdown"]
@@ -82,6 +83,9 @@ class TorchCommunicator(Communicator):
         self.nccl = "nccl" in str(dist.get_backend()).lower()
         self._groups: dict[tuple, Any] = {}  # never re-created: their store keys stay
         self._loopback: deque[torch.Tensor] = deque()  # messages this rank sent to itself
+        # which collective each rank reached, so that a timeout names the ranks it waited for
+        self.progress = Progress(self.rank, c10d._get_default_store(),
+                                 period_for(self.timeout.total_seconds()))
 
     # -- process groups and devices --------------------------------------------------------
     def _pg(self, group: tuple, cuda: bool):
@@ -95,7 +99,9 @@ class TorchCommunicator(Communicator):
             name = f"sbpflow/{'nccl' if cuda else 'gloo'}/{'_'.join(map(str, ranks))}/"
             store = dist.PrefixStore(name, c10d._get_default_store())
             me = ranks.index(self.rank)
-            try:  # a rendezvous of the members through the store
+            what = "creating the process group"  # collective #1 of the group: a rendezvous
+            seq = self.progress.enter(group_key(ranks, cuda), what)
+            try:
                 if cuda:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self.timeout
@@ -103,7 +109,9 @@ class TorchCommunicator(Communicator):
                 else:
                     pg = dist.ProcessGroupGloo(store, me, len(ranks), self.timeout)
             except RuntimeError as exc:
-                raise self._error("creating the process group", group, exc) from exc
+                raise self._error(what, group, exc, cuda, seq) from exc
+            finally:
+                self.progress.leave(group_key(ranks, cuda), seq)
             self._groups[key] = pg
         return pg
 
@@ -114,6 +122,7 @@ class TorchCommunicator(Communicator):
         work (at most the collective timeout) before it lets a group go."""
         groups, self._groups = list(self._groups.values()), {}
         self.world_pg = None
+        self.progress.close()
         for pg in groups:
             try:
                 pg.shutdown()
@@ -126,22 +135,42 @@ class TorchCommunicator(Communicator):
             return device, True
         return torch.device("cpu"), False
 
-    def _run(self, what: str, group: Sequence[int], start: Callable[[], Any]) -> None:
-        """Start a torch collective (``start()`` returns its Work or a list) and wait for it."""
+    def _run(self, what: str, group: Sequence[int], cuda: bool | None,
+             start: Callable[[], Any]) -> None:
+        """Start a torch collective of ``group``'s process group on gloo or NCCL (``cuda``;
+        None: point-to-point on the default group) and wait for it. ``start()`` returns its
+        Work or a list of them."""
+        key = P2P if cuda is None else group_key(group, cuda)
+        seq = self.progress.enter(key, what)
         try:
             works = start()
             for w in works if isinstance(works, list) else [works]:
                 w.wait()
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo errors
-            raise self._error(what, group, exc) from exc
+            raise self._error(what, group, exc, cuda, seq) from exc
+        finally:
+            self.progress.leave(key, seq)
 
-    def _error(self, what: str, group: Sequence[int], exc: Exception) -> CommError:
-        """A torch error as `CommTimeout` (it timed out) or `CommError`, naming the call."""
+    def _error(self, what: str, group: Sequence[int], exc: Exception, cuda: bool | None,
+               seq: int) -> CommError:
+        """A torch error as `CommError`, naming the call; a timeout as `CommTimeout`, naming
+        also the members that had not reached collective ``seq`` of the group (``cuda`` as in
+        `_run`) and what each was doing, from the members' `Progress` records."""
         text = str(exc).split("\n")[0]
-        cls = CommTimeout if "timeout" in text.lower() or "timed out" in text.lower() \
-            else CommError
-        return cls(f"{what} over ranks {list(group)} failed on rank {self.rank}: {text} "
-                   f"(timeout {self.timeout.total_seconds():g} s, SBPFLOW_TIMEOUT)")
+        secs = self.timeout.total_seconds()
+        if "timeout" not in text.lower() and "timed out" not in text.lower():
+            return CommError(f"{what} over ranks {list(group)} failed on rank {self.rank}: "
+                             f"{text} (timeout {secs:g} s, SBPFLOW_TIMEOUT)")
+        if cuda is None:  # point-to-point: no common numbering, say what the peers were doing
+            where = f"{what} timed out on rank {self.rank} after {secs:g} s"
+            detail = self.progress.report(P2P, None, sorted(group))
+        else:
+            where = (f"{what} over ranks {list(group)} (collective #{seq} of that group) timed "
+                     f"out on rank {self.rank} after {secs:g} s")
+            detail = self.progress.report(group_key(group, cuda), seq, sorted(group))
+        return CommTimeout(f"{where}: {detail}. torch: {text}. If the ranks are only slow, "
+                           f"raise the timeout (SBPFLOW_TIMEOUT=<seconds>, or "
+                           f"launch(..., timeout=<seconds>))")
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":
@@ -164,8 +193,8 @@ class TorchCommunicator(Communicator):
         out_splits = [recv_nbytes[j] for j in perm]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=wire)
         pg = self._pg(group, cuda)
-        self._run(what, group, lambda: pg.alltoall_base(out, inp, out_splits,
-                                                        [send[j].numel() for j in perm]))
+        self._run(what, group, cuda, lambda: pg.alltoall_base(out, inp, out_splits,
+                                                              [send[j].numel() for j in perm]))
         views = out.to(device).split(out_splits)
         result: list[torch.Tensor] = [views[0]] * len(group)
         for k, j in enumerate(perm):
@@ -209,13 +238,21 @@ class TorchCommunicator(Communicator):
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire).copy_(tensor.detach())
         pg = self._pg(group, cuda)
         what = f"all_reduce({op})"
+        key = group_key(group, cuda)
+        seq = self.progress.enter(key, what)
         try:
             work = pg.allreduce([buf.view(-1)], _OPS[op])
         except RuntimeError as exc:
-            raise self._error(what, group, exc) from exc
+            self.progress.leave(key, seq)
+            raise self._error(what, group, exc, cuda, seq) from exc
 
         def finish() -> torch.Tensor:
-            self._run(what, group, lambda: work)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._error(what, group, exc, cuda, seq) from exc
+            finally:
+                self.progress.leave(key, seq)
             return buf.to(tensor.device)
         return Pending(finish)
 
@@ -228,12 +265,12 @@ class TorchCommunicator(Communicator):
         if buf.numel():
             pg = self._pg(group, cuda)
             root = sorted(group).index(src)
-            self._run("broadcast", group, lambda: pg.broadcast(_bytes(buf), root))
+            self._run("broadcast", group, cuda, lambda: pg.broadcast(_bytes(buf), root))
         return buf.to(tensor.device)
 
     def _barrier(self, group):
         pg = self._pg(group, False)
-        self._run("barrier", group, lambda: pg.barrier())
+        self._run("barrier", group, False, lambda: pg.barrier())
 
     def _exchange(self, sends, recvs):
         """Point-to-point on the default group, all posted at once (``batch_isend_irecv``).
@@ -266,7 +303,8 @@ class TorchCommunicator(Communicator):
                 ops.append(dist.P2POp(dist.irecv, buf, src))
                 out.append((buf, rv))
         if ops:
-            self._run("exchange", sorted({op.peer for op in ops}),
+            peers = sorted({op.peer for op in ops})
+            self._run(f"exchange with ranks {peers}", peers, None,
                       lambda: dist.batch_isend_irecv(ops))
         return [_typed(o[0], o[1][2], o[1][1]).to(o[1][3]) if isinstance(o, tuple) else o
                 for o in out]

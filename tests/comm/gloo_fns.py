@@ -223,3 +223,24 @@ def timeout_fn() -> None:
         comm.all_reduce(torch.ones(2), (2, 1))  # a new subgroup: its rendezvous times out
     else:
         comm.all_gather(torch.ones(2), (0, 1, 2), shapes=[(2,)] * 3)
+
+
+def skip_collective_fn() -> None:
+    """3 ranks: all do all_reduce #1 of the world; rank 2 then sleeps while ranks 0 and 1 start
+    all_reduce #2, which times out: they must name rank 2, idle since #1."""
+    comm = current()
+    comm.all_reduce(torch.ones(2), (0, 1, 2))
+    if comm.rank == 2:
+        time.sleep(60)  # the parent stops it
+    comm.all_reduce(torch.ones(2), (2, 0, 1))
+
+
+def mismatch_fn() -> None:
+    """3 ranks, mismatched calls: ranks 0 and 1 wait in a world barrier (#1); rank 2 waits in
+    the creation of subgroup (1, 2), which rank 1 never joins."""
+    comm = current()
+    if comm.rank == 2:
+        time.sleep(1.0)  # ranks 0 and 1 should time out first (the test accepts either)
+        comm.all_reduce(torch.ones(2), (2, 1))
+    else:
+        comm.barrier()

@@ -5,13 +5,14 @@ The launched functions are in `gloo_fns` (each rank imports their module by name
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 import torch
 
-from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, sleep_fn, timeout_fn,
-                      unpicklable_exc_fn)
+from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, mismatch_fn, skip_collective_fn,
+                      sleep_fn, timeout_fn, unpicklable_exc_fn)
 from sbpflow.comm import launch
 from sbpflow.errors import CommError, CommTimeout, SbpError
 
@@ -87,3 +88,40 @@ def test_collective_timeout_is_a_comm_timeout():
     with pytest.raises(CommTimeout, match="SBPFLOW_TIMEOUT"):
         launch(timeout_fn, 3, backend="torch", timeout=2)
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.gloo
+def test_timeout_names_the_rank_that_did_not_arrive():
+    """Ranks 0 and 1 wait in all_reduce #2 of the world; rank 2 sleeps after #1. Whichever of
+    0 and 1 reports first, launch re-raises its CommTimeout, naming rank 2 and where it is."""
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout) as info:
+        launch(skip_collective_fn, 3, backend="torch", timeout=2)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert re.search(r"all_reduce\(sum\) over ranks \[2, 0, 1\] \(collective #2 of that group\) "
+                     r"timed out on rank [01] after 2 s: rank\(s\) \[2\] did not arrive \(rank 2:"
+                     r" entered #1 of that group last, in no collective for [\d.]+ s \(its last: "
+                     r"all_reduce\(sum\) over ranks \[0, 1, 2\] #1\)", msg), msg
+    assert "arrived: [0, 1]" in msg and "SBPFLOW_TIMEOUT=<seconds>" in msg
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert re.search(r"raised on rank [01] of 3", notes), notes
+
+
+@pytest.mark.gloo
+def test_timeout_says_what_the_missing_rank_waits_in():
+    """Mismatched calls: ranks 0 and 1 wait in the world barrier, rank 2 in the rendezvous of
+    subgroup (1, 2). Each side's error says the other side is inside the other collective
+    (ranks 0 / 1 time out first, as rank 2 starts later; either report is checked)."""
+    with pytest.raises(CommTimeout) as info:
+        launch(mismatch_fn, 3, backend="torch", timeout=2)
+    msg = str(info.value)
+    world = (r"barrier over ranks \[0, 1, 2\] \(collective #1 of that group\) timed out on rank "
+             r"[01] after 2 s: rank\(s\) \[2\] did not arrive \(rank 2: entered none of that "
+             r"group's collectives, inside creating the process group over ranks \[1, 2\] \(#1\)"
+             r" for [\d.]+ s\); arrived: \[0, 1\]")
+    sub = (r"creating the process group over ranks \[2, 1\] \(collective #1 of that group\) "
+           r"timed out on rank 2 after 2 s: rank\(s\) \[1\] did not arrive \(rank 1: entered "
+           r"none of that group's collectives, inside barrier over ranks \[0, 1, 2\] \(#1\) for "
+           r"[\d.]+ s\); arrived: \[2\]")
+    assert re.search(world, msg) or re.search(sub, msg), msg
