@@ -8,6 +8,7 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
 """
 
 from . import boxing, comm, cost, ops, sbp
+from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
 from .errors import (BoxingError, CommAborted, CommError, CommTimeout, DtypeMismatchError,
                      PlacementError,
@@ -30,7 +31,7 @@ __all__ = [
     "boxing", "comm", "cost", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
     "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
     "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
-    "manual_seed", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
+    "manual_seed", "clear_caches", "cache_info", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "optim", "parallel", "save", "load", "autocast", "auto",
 ]

@@ -1,6 +1,6 @@
 """GlobalTensor: a logical tensor laid out over a placement by an nd-sbp.
 
-Each rank holds its local shard (DESIGN.md: the one definition of a local shard); a rank outside
+Each rank holds its local shard (docs/design.md: the local-shard rule); a rank outside
 the placement holds an empty tensor. Autograd runs on the local shards; boxing steps are
 autograd Functions with dual backward, so ``x.grad`` of a tensor laid out as ``s`` is laid out
 as ``dual(s)``.
@@ -17,6 +17,7 @@ import torch
 
 from . import comm as _comm
 from .boxing import empty_local, identity_value, plan_layouts, run_plan
+from .caches import BoundedDict
 from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError, SbpError,
                      ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
@@ -535,7 +536,7 @@ class _Entry(NamedTuple):
     mixed: bool             # a same-dtype op got several input dtypes: checked on each call
 
 
-_CHOICES: dict = {}
+_CHOICES = BoundedDict("tensor.dispatch_choices")
 
 def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     """Run registered op ``name`` on global tensors (and constants) in ``args``.
@@ -583,8 +584,8 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     entry = _CHOICES.get(key)
     if entry is None:
         pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
-        entry = _CHOICES[key] = _choice_entry(name, args, tensors, pl, attrs_key, forced, grad,
-                                              pinned)
+        entry = _CHOICES.put(key, _choice_entry(name, args, tensors, pl, attrs_key, forced,
+                                                grad, pinned))
     choice, op, detach, out_keys, moves, contexts, mixed = entry
     if mixed:
         _check_dtypes(name, tensors, pl)
@@ -645,7 +646,7 @@ def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,
 # (shape, dtype, nd-sbp) -> a small int, so the dispatch key hashes ints instead of nested
 # tuples of sbp values. Ids come from a counter (atomic under the GIL: rank threads may intern
 # at once); a layout may get two ids after a clear, which costs a cache miss, never a wrong hit.
-_LAYOUT_KEYS: dict = {}
+_LAYOUT_KEYS = BoundedDict("tensor.layout_keys")
 _LAYOUT_IDS = itertools.count(1)
 
 
@@ -655,9 +656,8 @@ def _layout_key(t: GlobalTensor) -> int:
 
 
 def _intern_layout(shape: tuple, dtype: torch.dtype, sbp: tuple) -> int:
-    if len(_LAYOUT_KEYS) > 1 << 16:
-        _LAYOUT_KEYS.clear()
-    return _LAYOUT_KEYS.setdefault((shape, dtype, sbp), next(_LAYOUT_IDS))
+    key = _LAYOUT_KEYS.get((shape, dtype, sbp))
+    return key if key is not None else _LAYOUT_KEYS.put((shape, dtype, sbp), next(_LAYOUT_IDS))
 
 
 def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:
@@ -669,8 +669,6 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     except ShapeError as exc:
         shown = "; ".join(_describe(t) for t in tensors)
         raise ShapeError(f"{exc} [inputs: {shown}]") from None
-    if len(_CHOICES) > 1 << 16:
-        _CHOICES.clear()
     out_keys = tuple(_intern_layout(m.shape, m.dtype, nd)
                      for m, nd in zip(choice.out_metas, choice.outs))
     moves = any(t._sbp != nd for t, nd in zip(tensors, choice.ins))

@@ -2,7 +2,7 @@
 input, weight and output.
 
 Every layer kind has a few 1-D signatures (what one mesh dim does); an N-D strategy is one
-1-D signature per mesh dim (the product rule of DESIGN.md). For a linear ``Y = X W`` with
+1-D signature per mesh dim (the product rule of docs/design.md). For a linear ``Y = X W`` with
 X ``(tokens, in)``, W ``(in, out)``:
 
 =======  ==========  ==========  ==========  ==========================================
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from ..caches import BoundedDict, memoize
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "SIGNATURES", "meshes", "layer_space", "space",
@@ -130,7 +130,7 @@ class Strategy:
         return f"Strategy({self.graph.name}, {len(self.layers)} layers)\n{self.table()}"
 
 
-@lru_cache(maxsize=None)
+@memoize(1 << 12)
 def meshes(p: int, max_dims: int = 3) -> tuple:
     """Every ordered factorisation of ``p`` into 1..max_dims factors >= 2 (``(1,)`` for p=1)."""
     if p == 1:
@@ -200,7 +200,7 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False):
     return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names))
 
 
-_SPACE_CACHE: dict = {}
+_SPACE_CACHE = BoundedDict("auto.layer_space", 1 << 12)
 
 
 def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False) -> list[LayerStrategy]:
@@ -224,8 +224,7 @@ def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False) -> list[La
                 if k not in seen:
                     seen.add(k)
                     out.append(s)
-    _SPACE_CACHE[key] = out
-    return out
+    return _SPACE_CACHE.put(key, out)
 
 
 def _product(names, k):

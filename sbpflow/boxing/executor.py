@@ -1,5 +1,5 @@
 """Run boxing steps on this rank's local shard; each step is an autograd Function whose
-backward runs the dual step (DESIGN.md, gradient layout)."""
+backward runs the dual step (docs/design.md, gradients)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from ..caches import BoundedDict
 from ..comm import Communicator
 from ..sbp import Partial, Split, shard_box
 from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
@@ -160,7 +161,9 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return out
 
 
-_TILES: dict = {}   # id(step), rank -> (step, whether the routes into the rank tile its box)
+# (id(step), rank) -> (step, whether the routes into the rank tile its box); the entry holds
+# the step, so its id is not reused while the entry lives
+_TILES = BoundedDict("boxing.routes_tile", 1 << 14)
 
 
 def _routes_tile(step: Step, me: int, dbox: tuple) -> bool:
@@ -169,9 +172,7 @@ def _routes_tile(step: Step, me: int, dbox: tuple) -> bool:
         return entry[1]
     boxes = [box for _, d, box in step.routes if d == me and box_numel(box) > 0]
     result = tiles(boxes, dbox)
-    if len(_TILES) > 1 << 14:
-        _TILES.clear()
-    _TILES[(id(step), me)] = (step, result)   # holds the step: its id is not reused
+    _TILES.put((id(step), me), (step, result))
     return result
 
 

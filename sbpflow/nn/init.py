@@ -48,9 +48,11 @@ class _MetaState(threading.local):
 
 
 _META = _MetaState()
-# id(tensor) -> the in-place steps that give it its values (fills, zeroed rows), in order. Keyed
-# by id (global tensors may grow an elementwise __eq__), dropped when the tensor is collected.
-_RECIPES: dict[int, list] = {}
+# id(tensor) -> (a weak reference to it, the in-place steps that give it its values: fills,
+# zeroed rows, in order). Keyed by id (global tensors may grow an elementwise __eq__) and checked
+# by identity, so a recipe never passes to a new object that reuses a dead tensor's id; dropped
+# when the tensor is collected. State, not a cache: sf.clear_caches() leaves it alone.
+_RECIPES: dict[int, tuple[weakref.ref, list]] = {}
 _RECIPES_LOCK = threading.Lock()   # rank threads of the threads backend build concurrently
 
 
@@ -103,22 +105,31 @@ def record(tensor: GlobalTensor, step: Callable[[GlobalTensor], object]) -> None
     """Append ``step`` (an in-place function of a materialised tensor of the same logical
     shape) to the recipe of the meta ``tensor``; `materialize` replays the recipe in order."""
     with _RECIPES_LOCK:
-        steps = _RECIPES.get(id(tensor))
+        steps = _recipe(tensor)
         if steps is None:
-            steps = _RECIPES[id(tensor)] = []
+            steps = []
+            _RECIPES[id(tensor)] = (weakref.ref(tensor), steps)
             weakref.finalize(tensor, _forget, id(tensor))
         steps.append(step)
 
 
+def _recipe(tensor: GlobalTensor) -> list | None:
+    """The recorded steps of ``tensor`` (the caller holds the lock)."""
+    entry = _RECIPES.get(id(tensor))
+    return entry[1] if entry is not None and entry[0]() is tensor else None
+
+
 def _forget(key: int) -> None:
     with _RECIPES_LOCK:
-        _RECIPES.pop(key, None)
+        entry = _RECIPES.get(key)
+        if entry is not None and entry[0]() is None:  # not a newer tensor's, with the same id
+            del _RECIPES[key]
 
 
 def copy_record(src: GlobalTensor, dst: GlobalTensor) -> None:
     """Give ``dst`` (e.g. ``src`` cast to another dtype) the recipe of ``src``."""
     with _RECIPES_LOCK:
-        steps = list(_RECIPES.get(id(src), ()))
+        steps = list(_recipe(src) or ())
     for step in steps:
         record(dst, step)
 
@@ -141,7 +152,7 @@ def materialize(tensor: GlobalTensor, placement: Placement | None = None,
     from ..tensor import zeros as _zeros
     out = _zeros(*tuple(tensor.shape), placement=placement, sbp=sbp, dtype=tensor.dtype)
     with _RECIPES_LOCK:
-        steps = list(_RECIPES.get(id(tensor), ()))
+        steps = list(_recipe(tensor) or ())
     for step in steps:
         step(out)
     return out

@@ -38,12 +38,12 @@ The quotient keeps the sum's dtype (a count is summed in float32 when the sum is
 from __future__ import annotations
 
 from collections import deque
-from functools import lru_cache
 
 import torch
 
 from .. import comm as _comm
 from ..boxing import plan_layouts
+from ..caches import memoize
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, retains_grads
@@ -127,7 +127,7 @@ def _as_dtype(t, dtype: torch.dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-@lru_cache(maxsize=256)
+@memoize(256)
 def _route(pl: Placement, sbp: tuple, dtype: torch.dtype, rank: int,
            world: int) -> tuple[tuple, tuple | None]:
     """(``sbp`` with its partial dims reduced, this rank's group of the one sum all-reduce that

@@ -22,12 +22,12 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..boxing import plan_layouts
+from ..caches import memoize
 from ..errors import SignatureError
 from ..placement import Placement
 from ..sbp import B, Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
@@ -175,7 +175,7 @@ def _meta_kernel(op: Op, args: tuple, attrs: tuple, shapes=None,
     return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in _as_tuple(res))
 
 
-@lru_cache(maxsize=1 << 14)
+@memoize(1 << 14)
 def out_metas(name: str, args: tuple, attrs: tuple) -> tuple[TensorMeta, ...]:
     """Logical output metadata of op ``name``: its kernel on meta tensors of the logical shapes.
     ``args`` holds a `TensorMeta` in each tensor slot and the constants elsewhere."""
@@ -286,5 +286,5 @@ def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: 
 
 
 def detaches(outs_nd: tuple) -> bool:
-    """Outputs laid out as P(max)/P(min) carry no gradient (DESIGN.md)."""
+    """Outputs laid out as P(max)/P(min) carry no gradient (docs/design.md)."""
     return any(isinstance(s, Partial) and s.op != "sum" for nd in outs_nd for s in nd)

@@ -1,0 +1,81 @@
+"""Every memo table of sbpflow, registered by name with a bound.
+
+Caches hold only values that can be recomputed from their keys, so clearing one costs misses,
+never a wrong answer. `clear_caches` empties them all (after registering new ops, say, or to
+measure cold-start costs); `cache_info` shows each one's size and bound.
+
+Two kinds: `memoize` (``functools.lru_cache`` with a bound) for pure functions, and
+`BoundedDict` for hot paths that want a plain ``dict.get`` in C; it empties itself when full.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable, NamedTuple
+
+__all__ = ["memoize", "BoundedDict", "clear_caches", "cache_info", "CacheInfo"]
+
+
+class CacheInfo(NamedTuple):
+    size: int
+    maxsize: int
+
+
+class _Registered(NamedTuple):
+    clear: Callable[[], None]
+    size: Callable[[], int]
+    maxsize: int
+
+
+_REGISTRY: dict[str, _Registered] = {}
+
+
+def _register(name: str, clear: Callable[[], None], size: Callable[[], int], maxsize: int) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"a cache named {name!r} is already registered")
+    _REGISTRY[name] = _Registered(clear, size, maxsize)
+
+
+def memoize(maxsize: int = 1 << 14, name: str | None = None) -> Callable[[Callable], Callable]:
+    """``functools.lru_cache(maxsize)`` registered as ``name`` (default: the function's module
+    and qualified name). Use it on module-level pure functions of hashable arguments."""
+    if not isinstance(maxsize, int) or maxsize < 1:
+        raise ValueError(f"memoize: maxsize must be a positive int, got {maxsize!r}")
+
+    def decorate(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _register(name or f"{fn.__module__}.{fn.__qualname__}", cached.cache_clear,
+                  lambda: cached.cache_info().currsize, maxsize)
+        return cached
+    return decorate
+
+
+class BoundedDict(dict):
+    """A registered memo dict: read it with ``get`` (dict's, in C), fill it with `put`, which
+    empties the dict first when it holds ``maxsize`` entries (the hot path pays no LRU
+    bookkeeping; after a clear the working set refills in one pass)."""
+
+    __slots__ = ("maxsize",)
+
+    def __init__(self, name: str, maxsize: int = 1 << 16) -> None:
+        super().__init__()
+        self.maxsize = maxsize
+        _register(name, self.clear, self.__len__, maxsize)
+
+    def put(self, key: Hashable, value: Any) -> Any:
+        """Store ``value`` under ``key`` and return it."""
+        if len(self) >= self.maxsize:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def clear_caches() -> None:
+    """Empty every sbpflow cache (safe at any time between ops; results do not change)."""
+    for entry in _REGISTRY.values():
+        entry.clear()
+
+
+def cache_info() -> dict[str, CacheInfo]:
+    """Each registered cache's current size and bound, by name."""
+    return {name: CacheInfo(e.size(), e.maxsize) for name, e in _REGISTRY.items()}

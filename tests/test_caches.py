@@ -1,0 +1,59 @@
+"""sbpflow.caches: every memo table is registered with a bound; sf.clear_caches() empties them
+all at any time between ops without changing results."""
+
+import pytest
+import torch
+
+import sbpflow as sf
+from sbpflow.caches import BoundedDict, memoize
+
+
+def test_every_cache_is_registered_and_bounded():
+    info = sf.cache_info()
+    for name in ("tensor.dispatch_choices", "tensor.layout_keys", "boxing.routes_tile",
+                 "sbpflow.ops.registry.out_metas"):
+        assert name in info
+    assert all(i.maxsize > 0 for i in info.values())
+
+
+def test_bounded_dict_empties_itself_when_full():
+    d = BoundedDict("tests.bounded_dict_demo", maxsize=3)
+    for k in range(3):
+        d.put(k, k * k)
+    assert len(d) == 3 and sf.cache_info()["tests.bounded_dict_demo"].size == 3
+    assert d.put(3, 9) == 9
+    assert dict(d) == {3: 9}
+
+
+def test_memoize_registers_and_clears():
+    calls = []
+
+    @memoize(4, name="tests.memoize_demo")
+    def square(x):
+        calls.append(x)
+        return x * x
+
+    assert square(3) == 9 and square(3) == 9 and calls == [3]
+    sf.clear_caches()
+    assert sf.cache_info()["tests.memoize_demo"].size == 0
+    assert square(3) == 9 and calls == [3, 3]
+    with pytest.raises(ValueError):
+        memoize(4, name="tests.memoize_demo")(lambda x: x)   # one name, one cache
+
+
+def test_clearing_caches_between_ops_keeps_results():
+    a = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+
+    def body():
+        mesh = sf.placement("cpu", ranks=[[0, 1], [2, 3]])
+        x = sf.tensor(a, mesh, (sf.S(0), sf.B))
+        y = sf.tensor(w, mesh, (sf.B, sf.S(1)))
+        first = (x @ y).relu().sum(dim=0).full_tensor()
+        sf.clear_caches()      # every rank clears its process's caches: harmless, results equal
+        second = (x @ y).relu().sum(dim=0).full_tensor()
+        return first, second
+
+    for first, second in sf.launch(body, world_size=4):
+        torch.testing.assert_close(first, (a @ w).relu().sum(dim=0))
+        assert torch.equal(first, second)
