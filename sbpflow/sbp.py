@@ -27,10 +27,11 @@ from .errors import SbpParseError, SplitAxisError
 __all__ = [
     "Sbp", "Split", "Broadcast", "Partial", "S", "B", "P", "split", "broadcast", "partial_sum",
     "partial_max", "partial_min", "NdSbp", "SbpLike", "parse_sbp", "parse_nd_sbp", "dual",
-    "dual_nd", "part", "shard_box", "local_shape", "format_nd_sbp", "check_axes",
+    "dual_nd", "part", "shard_box", "local_shape", "format_nd_sbp", "check_axes", "Box",
+    "REDUCE_OPS",
 ]
 
-REDUCE_OPS = ("sum", "max", "min")
+REDUCE_OPS = ("sum", "max", "min")  # the reductions of P(op) and of the reducing collectives
 
 
 class Sbp:
@@ -219,7 +220,7 @@ def part(n: int, m: int, i: int) -> tuple[int, int]:
     return i * q + min(i, r), q + (1 if i < r else 0)
 
 
-Box = tuple  # tuple[tuple[int, int], ...]: (start, size) per tensor axis
+Box = tuple  # tuple[tuple[int, int], ...]: (start, size) per tensor axis (`sbpflow.boxing.boxes`)
 
 
 def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], nd_sbp: Sequence[Sbp],

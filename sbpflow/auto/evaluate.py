@@ -49,6 +49,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..boxing.steps import is_local_change, is_valid_move
+from ..cost.formulas import volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps"]
@@ -121,13 +123,18 @@ def _strided(local, axis) -> bool:
     return math.prod(local[:axis]) > 1 + 1e-9
 
 
-def _valid(state, new, dims) -> bool:
-    """The boxing planner's rule (`sbpflow.boxing.steps.is_valid_move`): no dim outside
-    ``dims`` after the first of them splits an axis the move touches."""
-    touched = {x.axis for d in dims for x in (state[d], new[d]) if isinstance(x, Split)}
-    first = min(dims)
-    return not any(e not in dims and e > first and isinstance(state[e], Split)
-                   and state[e].axis in touched for e in range(len(state)))
+def _reduced_first(s: list, d: list, ndim: int) -> list:
+    """``d`` with every dim whose change is not a local one between two partials (``P(sum) ->
+    P(max)``: `sbpflow.boxing.steps.is_local_change`) made a split of an axis no dim splits
+    (else axis 0): such a dim is reduce-scattered first, as the planner does, and the split
+    turns partial locally at the end."""
+    used = {x.axis for x in s + d if isinstance(x, Split)}
+    free = [a for a in range(ndim) if a not in used]
+    out = list(d)
+    for j, (a, b) in enumerate(zip(s, d)):
+        if isinstance(a, Partial) and isinstance(b, Partial) and not is_local_change(a, b):
+            out[j] = S(free.pop(0) if free else 0)
+    return out
 
 
 _TRANSFER_MAX_RANKS = 256
@@ -230,7 +237,7 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
         pre = []
         if pdims:
             kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
-            if kind == "reduce_scatter" and not _valid(s, mid, pdims):
+            if kind == "reduce_scatter" and not is_valid_move(s, mid, pdims):
                 continue
             local = _local_shape(shape, fine, s)
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
@@ -244,7 +251,7 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
                      if loads else [])
         # the planner's choice: fewest bytes (per device here)
         vol = sum(r[3] if r[0] == "transfer" else
-                  _PER_DEVICE[r[0]](math.prod(fine[j] for j in r[2])) * r[3] for r in rec)
+                  _per_device(r[0], r[3], math.prod(fine[j] for j in r[2])) for r in rec)
         if best is None or vol < best[0]:
             best = (vol, tuple(rec))
     return best[1]
@@ -269,7 +276,8 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
         return tuple(r + (0.0, 0) for r in steps)
     fine, oa, ob = ref
     s = [src[i] for i in oa]
-    d = [dst[i] for i in ob]
+    final = [dst[i] for i in ob]
+    d = _reduced_first(s, final, len(shape))   # the target until the last local phase
     state = list(s)
     # a move can only be invalid if some tensor axis is split on two different dims (in the
     # source or the destination): otherwise skip the checks (the common, fast case)
@@ -288,7 +296,7 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
             new = list(state)
             for j in dims:
                 new[j] = d[j]
-            if not _valid(state, new, dims):
+            if not is_valid_move(state, new, dims):
                 # the last field: the collective the move would be (a local slice whose part
                 # is held by others: an all-to-all), the price of last resort (`_plan`)
                 steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)),
@@ -345,13 +353,14 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
         new = list(state)
         for j in dims:
             new[j] = d[j]
-        valid = not nested or _valid(state, new, dims)
+        valid = not nested or is_valid_move(state, new, dims)
         # the gathered pieces are written along the source split axes of the local output
         strided = any(_strided(_local_shape(shape, fine, new), state[j].axis) for j in dims)
         state[:] = new
         piece = _piece(numel, fine, state, set(dims))
         steps.append(("all_gather", fine, dims, piece, piece if strided else 0.0, 0)
                      if valid else ("nested", fine, dims, piece, 0.0, "all_gather"))
+    d[:] = final
     phase(None, lambda a, b: a != b)  # S -> P: local
     return tuple(steps)
 
@@ -365,12 +374,16 @@ def _group_ranks(fine: tuple, dims: tuple) -> tuple:
     return tuple(sorted(ranks))
 
 
-_PER_DEVICE = {  # bytes one device sends, as a fraction of the piece, for a group of g
-    "all_gather": lambda g: (g - 1) / g,
-    "reduce_scatter": lambda g: (g - 1) / g,
-    "all_reduce": lambda g: 2 * (g - 1) / g,
-    "all_to_all": lambda g: (g - 1) / g / g,
-}
+def _about(kind: str, piece: float, g: int) -> float:
+    """What ``kind``'s formulas are about (`sbpflow.comm.kinds`), given the piece a record of
+    this module holds: an all-to-all's is one member's input, the piece over the group."""
+    return piece / g if kind == "all_to_all" else piece
+
+
+def _per_device(kind: str, piece: float, g: int) -> float:
+    """What one device of a group of ``g`` sends in ``kind`` about ``piece`` (the kind's
+    volume)."""
+    return volume(kind, _about(kind, piece, g), g)
 
 
 def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, cluster=None,
@@ -407,10 +420,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
                     _transfer_time(cluster, e * itemsize / micro_batches, m, fine)
                     for e, m in msgs)
             continue
-        b += _PER_DEVICE[kind](g) * nbytes
+        b += _per_device(kind, nbytes, g)
         if cluster is not None:
-            # collective_time's n for an all-to-all is one rank's input: the piece over g
-            n = nbytes / g if kind == "all_to_all" else nbytes
+            n = _about(kind, nbytes, g)
             t += micro_batches * _coll_time(cluster, kind, n / micro_batches, fine, dims)
             if copy:
                 t += cluster.copy_time(copy * itemsize)

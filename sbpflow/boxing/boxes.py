@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-Box = tuple  # tuple[tuple[int, int], ...]
+from ..sbp import Box
+
+__all__ = ["Box", "box_shape", "box_numel", "intersect", "relative", "contains", "full_box",
+           "tiles"]
 
 
 def box_shape(box: Box) -> tuple[int, ...]:

@@ -28,14 +28,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
+from ..comm.kinds import (BOXING_KINDS, TABLE, Traffic, exchange_traffic, gather_traffic,
+                          ring_traffic, scatter_traffic)
+from ..errors import BoxingError
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, Sbp, Split, dual_nd, format_nd_sbp, shard_box
 from .boxes import Box, box_numel, intersect
 
 __all__ = ["Step", "classify", "is_valid_move", "step_bytes", "dual_step", "member_boxes",
-           "COLLECTIVE_KINDS"]
+           "member_traffic", "placement_groups", "is_local_change", "COLLECTIVE_KINDS"]
 
-COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+COLLECTIVE_KINDS = BOXING_KINDS  # the kinds a same-placement step may be (`sbpflow.comm.kinds`)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,8 @@ class Step:
             where = f"{self.src_placement} -> {self.dst_placement}, {n} message(s)"
             return (f"{'transfer':<15}{where}  {format_nd_sbp(self.src)} -> "
                     f"{format_nd_sbp(self.dst)}")
-        kind = self.kind + (f"({self.op})" if self.kind in ("all_reduce", "reduce_scatter")
-                            and self.op != "sum" else "")
+        reduces = self.kind in TABLE and TABLE[self.kind].reduces
+        kind = self.kind + (f"({self.op})" if reduces and self.op != "sum" else "")
         return (f"{kind:<15}mesh dims {self.dims}  {format_nd_sbp(self.src)} -> "
                 f"{format_nd_sbp(self.dst)}")
 
@@ -89,13 +92,16 @@ def classify(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -> tup
             return "all_gather", "sum"
         if all(isinstance(s, Split) and s != t for s, t in zip(b, a)):
             return "all_to_all", "sum"
-    if all(_local_ok(s, t) for s, t in zip(a, b)):
+    if all(is_local_change(s, t) for s, t in zip(a, b)):
         ops = {t.op for s, t in zip(a, b) if isinstance(t, Partial) and s != t}
         return "local", (ops.pop() if len(ops) == 1 else "sum")
     return None
 
 
-def _local_ok(s: Sbp, t: Sbp) -> bool:
+def is_local_change(s: Sbp, t: Sbp) -> bool:
+    """Whether one mesh dim goes from ``s`` to ``t`` without communication: unchanged, ``B`` to
+    ``S`` / ``P`` (slice / keep), ``S`` to ``P`` (shard into an identity-filled region). A
+    partial never changes its reduction locally (``P(sum) -> P(max)`` is reduced first)."""
     if s == t:
         return True
     if isinstance(s, Broadcast):
@@ -119,15 +125,38 @@ def member_boxes(shape: tuple, placement: Placement, nd_sbp: tuple) -> dict[int,
 
 
 @lru_cache(maxsize=4096)
-def _groups(placement: Placement, dims: tuple) -> list[tuple[int, ...]]:
-    """The disjoint sub-groups of ranks that differ only along ``dims``."""
+def placement_groups(placement: Placement, dims: tuple) -> tuple[tuple[int, ...], ...]:
+    """The disjoint sub-groups of ranks that differ only along ``dims``, in mesh order."""
     seen, out = set(), []
     for c in placement.coords():
         g = placement.group(dims, c)
         if g not in seen:
             seen.add(g)
             out.append(g)
-    return out
+    return tuple(out)
+
+
+def member_traffic(step: Step, group: Sequence[int]) -> list[Traffic]:
+    """Elements each member of ``group`` sends and receives in the same-placement collective
+    ``step``: the kind's rule of `sbpflow.comm.kinds` applied to the members' boxes, exactly
+    what the Communicator counts when the step runs (uneven shards included)."""
+    pl = step.src_placement
+    src = member_boxes(step.shape, pl, step.src)
+    dst = member_boxes(step.shape, pl, step.dst)
+    p = len(group)
+    if step.kind == "all_gather":
+        sizes = [box_numel(src[r]) for r in group]
+        return [gather_traffic(i, sizes) for i in range(p)]
+    if step.kind == "reduce_scatter":
+        sizes = [box_numel(dst[r]) for r in group]
+        return [scatter_traffic(i, sizes) for i in range(p)]
+    if step.kind == "all_reduce":
+        return [ring_traffic(i, p, box_numel(src[r])) for i, r in enumerate(group)]
+    if step.kind == "all_to_all":
+        moves = [[box_numel(intersect(src[a], dst[b])) for b in group] for a in group]
+        return [exchange_traffic(i, moves[i], [row[i] for row in moves]) for i in range(p)]
+    raise BoxingError(f"{step.describe()}: {step.kind!r} is not a collective step; "
+                      f"one of {COLLECTIVE_KINDS}")
 
 
 def step_bytes(step: Step) -> int:
@@ -136,20 +165,8 @@ def step_bytes(step: Step) -> int:
         return step.itemsize * sum(box_numel(b) for s, d, b in step.routes if s != d)
     if step.kind == "local":
         return 0
-    pl = step.src_placement
-    src = member_boxes(step.shape, pl, step.src)
-    dst = member_boxes(step.shape, pl, step.dst)
-    total = 0
-    for g in _groups(pl, step.dims):
-        p = len(g)
-        if step.kind == "all_gather":
-            total += (p - 1) * sum(box_numel(src[r]) for r in g)
-        elif step.kind == "reduce_scatter":
-            total += (p - 1) * sum(box_numel(dst[r]) for r in g)
-        elif step.kind == "all_reduce":
-            total += 2 * (p - 1) * box_numel(src[g[0]])
-        elif step.kind == "all_to_all":
-            total += sum(box_numel(intersect(src[i], dst[j])) for i in g for j in g if i != j)
+    total = sum(t.sent for g in placement_groups(step.src_placement, step.dims)
+                for t in member_traffic(step, g))
     return total * step.itemsize
 
 

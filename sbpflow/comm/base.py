@@ -5,37 +5,27 @@ tuple of global ranks, in the order that defines piece indices (``pieces[i]`` go
 ``group[i]``). Uneven piece sizes are allowed everywhere. Callers that know the shapes of what
 they will receive pass them (``shapes=``), so no backend needs a size exchange.
 
-Byte accounting is defined here, once, for every backend: the bytes that a bandwidth-optimal
-algorithm moves (ring all-gather / all-reduce, pairwise reduce-scatter / all-to-all). Summed over
-the ranks of a group of ``p`` holding a tensor of ``|T|`` bytes:
-
-=================  ===========================  =======================================
-kind               per rank ``i`` sends           sum over ranks
-=================  ===========================  =======================================
-all_gather         ``(p-1)·|piece_i|``            ``(p-1)·|T|``  (T = all pieces)
-reduce_scatter     ``Σ_{j≠i} |piece_j|``          ``(p-1)·|T|``  (T = one rank's input)
-all_reduce         RS + AG over balanced chunks   ``2(p-1)·|T|``
-all_to_all         ``Σ_{j≠i} |piece_j|``          every byte that changes rank
-broadcast          src: ``(p-1)·|T|``             ``(p-1)·|T|``
-p2p                ``|T|`` per message            ``|T|`` per message
-=================  ===========================  =======================================
-Received bytes mirror these, so Σ sent == Σ received over a group.
+Byte accounting is defined here, once, for every backend, by the rules of the collective kinds
+table (`sbpflow.comm.kinds`: the bytes a bandwidth-optimal algorithm moves, uneven pieces
+included), the same rules the boxing planner charges and the cost model prices.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from ..sbp import part
+from ..sbp import REDUCE_OPS
+from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_traffic,
+                    scatter_traffic)
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
            "nbytes", "Pending"]
 
-REDUCE_OPS = ("sum", "max", "min")
 Assemble = Callable[[list], object]  # receives the pieces (valid only during the call)
 
 _REDUCERS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -140,7 +130,9 @@ class Communicator:
         self.state: dict = {}  # per-rank state of the layers above (e.g. RNG seed counters)
 
     # -- accounting -------------------------------------------------------------------------
-    def _count(self, kind: str, sent: int, recv: int) -> None:
+    def _count(self, kind: str, sent: int, recv: int, itemsize: int = 1) -> None:
+        """Count one call of ``kind`` moving ``sent`` / ``recv`` items of ``itemsize`` bytes."""
+        sent, recv = sent * itemsize, recv * itemsize
         with self._stats_lock:
             k = self._stats.kinds.setdefault(kind, KindStats())
             k.sent += sent
@@ -177,8 +169,9 @@ class Communicator:
             return assemble([tensor])
         if shapes is None:
             shapes = self._exchange_shapes(tensor, group)
-        sizes = [nbytes(tuple(s), tensor.dtype) for s in shapes]
-        self._count(count_as, (len(group) - 1) * nbytes(tensor), sum(sizes) - sizes[i])
+        sizes = [math.prod(s) for s in shapes]
+        sizes[i] = tensor.numel()
+        self._count(count_as, *gather_traffic(i, sizes), tensor.element_size())
         return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble)
 
     def all_to_all(self, pieces: Sequence[torch.Tensor], group: Sequence[int], shapes=None,
@@ -197,10 +190,8 @@ class Communicator:
         if shapes is None:
             shapes = self._exchange_a2a_shapes(pieces, group)
         shapes = [tuple(s) for s in shapes]
-        dtype = pieces[0].dtype
-        sent = sum(nbytes(p) for j, p in enumerate(pieces) if j != i)
-        recv = sum(nbytes(s, dtype) for j, s in enumerate(shapes) if j != i)
-        self._count("all_to_all", sent, recv)
+        t = exchange_traffic(i, [p.numel() for p in pieces], [math.prod(s) for s in shapes])
+        self._count("all_to_all", *t, pieces[0].element_size())
         return self._all_to_all(list(pieces), group, shapes, assemble)
 
     def reduce_scatter(self, pieces: Sequence[torch.Tensor], group: Sequence[int],
@@ -212,8 +203,8 @@ class Communicator:
             raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         if len(group) == 1:
             return pieces[0].clone()
-        sent = sum(nbytes(p) for j, p in enumerate(pieces) if j != i)
-        self._count("reduce_scatter", sent, (len(group) - 1) * nbytes(pieces[i]))
+        t = scatter_traffic(i, [p.numel() for p in pieces])
+        self._count("reduce_scatter", *t, pieces[0].element_size())
         return self._reduce_scatter(list(pieces), group, op)
 
     def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], op: str = "sum") -> torch.Tensor:
@@ -241,23 +232,19 @@ class Communicator:
             raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         if len(group) == 1:
             return False
-        p, n = len(group), tensor.numel()
-        chunk = part(n, p, i)[1]
-        moved = (n - chunk + (p - 1) * chunk) * tensor.element_size()
-        self._count("all_reduce", moved, moved)
+        self._count("all_reduce", *ring_traffic(i, len(group), tensor.numel()),
+                    tensor.element_size())
         return True
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int]) -> torch.Tensor:
         """Every member gets ``src``'s tensor; the others pass a tensor of the same shape/dtype."""
         group = tuple(group)
-        self._index(group, "broadcast")
+        i = self._index(group, "broadcast")
         if len(group) == 1:
             return tensor.clone()
-        b = nbytes(tensor)
-        if self.rank == src:
-            self._count("broadcast", (len(group) - 1) * b, 0)
-        else:
-            self._count("broadcast", 0, b)
+        root = group.index(src) if src in group else -1
+        t = broadcast_traffic(i, len(group), tensor.numel(), root)
+        self._count("broadcast", *t, tensor.element_size())
         return self._broadcast(tensor, src, group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -59,18 +59,18 @@ from ..comm import current, launch
 from ..placement import placement
 from ..sbp import B as _B
 from ..sbp import Split as _Split
+from ..comm.kinds import ALGORITHMS, LINEAR_KINDS, MEASURED_KINDS, VARIANTS
 from .cluster import Cluster, CollectiveFit, CostError, Link
-from .collectives import ALGORITHMS, _VARIANTS, collective_time, latency_messages, volume
+from .formulas import collective_time, latency_messages, volume
 
 _ALGOS = ("",) + ALGORITHMS  # algorithm names as numbers, to broadcast fits as floats
 
 __all__ = ["calibrate", "fit_alpha_beta", "fit_collective", "fit_copy", "CalibrationReport",
            "Sample", "calibrate_command", "add_arguments", "main", "MEASURED_KINDS"]
 
-MEASURED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 COPY_COLUMNS = 512  # row length (floats) of the tensor the copy measurement cuts into 4 blocks
 DEFAULT_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
-_FITTABLE = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+_FITTABLE = LINEAR_KINDS
 
 
 # -- least squares --------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def fit_collective(samples: Iterable[Sequence], overhead: bool | None = None,
     kinds = {s[0] for s in samples if isinstance(s, (tuple, list)) and s}
     several_p = len({s[1] for s in samples}) > 1
     if algorithms is None:
-        algorithms = [a for k, a in _VARIANTS if k in kinds] if several_p else []
+        algorithms = [a for k, a in VARIANTS if k in kinds] if several_p else []
     err = sum((r / s[3]) ** 2 for s, r in zip(samples, best[1]))
     for algo in algorithms:
         try:

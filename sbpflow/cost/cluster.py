@@ -21,7 +21,7 @@ alpha-beta model) on presets and hand-made clusters:
 * ``kinds``: per link class (``"intra"`` / ``"inter"``) and collective kind, a `CollectiveFit`
   ``(alpha, beta, overhead)``. A collective of that kind on that link class then takes
   ``overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (``m``, ``v`` as in
-  `sbpflow.cost.collectives`) instead of the link's ``m·alpha + v·beta``, plus
+  `sbpflow.cost.formulas`) instead of the link's ``m·alpha + v·beta``, plus
   ``max(0, v - knee)·beta2`` when the fit has a bend (``beta2`` > 0). Backends implement
   kinds with different algorithms (gloo: all-reduce is its own ring, all-gather / all-to-all /
   reduce-scatter one all-to-all call whose messages are all in flight at once), so one
@@ -46,69 +46,16 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
-from ..errors import SbpError
+from ..comm.kinds import ALGORITHMS, KINDS, VARIANTS
+from .formulas import CollectiveFit, CostError, Link, collective_time
 
 __all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "LINK_CLASSES"]
 
 LINK_CLASSES = ("intra", "inter")
 
 GiB = 2 ** 30
-
-
-class CostError(SbpError, ValueError):
-    """A cost-model request that cannot be answered (bad cluster, unknown kind, rank outside)."""
-
-
-class Link(NamedTuple):
-    """Latency ``alpha`` (s per message) and inverse bandwidth ``beta`` (s per byte)."""
-
-    alpha: float
-    beta: float
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second (``1 / beta``; inf for a free link)."""
-        return math.inf if self.beta == 0 else 1.0 / self.beta
-
-    def time(self, nbytes: float, messages: float = 1) -> float:
-        """Seconds for ``messages`` messages carrying ``nbytes`` bytes in total."""
-        return messages * self.alpha + nbytes * self.beta
-
-    def __str__(self) -> str:
-        return f"alpha {self.alpha * 1e6:.3g} us, beta {self.beta * 1e12:.4g} ps/B " \
-               f"({self.bandwidth / 1e9:.4g} GB/s)"
-
-
-class CollectiveFit(NamedTuple):
-    """Parameters of one collective kind on one link class: ``overhead + m·alpha + v·beta +
-    max(0, v - knee)·beta2`` seconds for a call with alpha count ``m`` and per-rank bytes ``v``
-    (a one-rank group: 0). ``algorithm`` names the variant whose ``m`` and ``v`` apply
-    (`sbpflow.cost.collectives`; ``""``: the kind's default, e.g. the ring all-reduce).
-    ``beta2`` (default 0: none) is the extra cost per byte past ``knee`` bytes a rank: messages
-    larger than the caches move at memory speed, which calibration sees as a bend upward."""
-
-    alpha: float
-    beta: float
-    overhead: float = 0.0
-    algorithm: str = ""
-    beta2: float = 0.0
-    knee: float = 0.0
-
-    def time(self, messages: float, nbytes: float) -> float:
-        """Seconds for a call with ``messages`` alpha terms and ``nbytes`` per-rank bytes."""
-        t = self.overhead + messages * self.alpha + nbytes * self.beta
-        if self.beta2 and nbytes > self.knee:
-            t += (nbytes - self.knee) * self.beta2
-        return t
-
-    def __str__(self) -> str:
-        algo = f" ({self.algorithm})" if self.algorithm else ""
-        bend = f", +{self.beta2 * 1e12:.4g} ps/B past {self.knee / 1024:.4g} KiB" \
-            if self.beta2 else ""
-        return f"overhead {self.overhead * 1e6:.3g} us, alpha {self.alpha * 1e6:.3g} us, " \
-               f"beta {self.beta * 1e12:.4g} ps/B{bend}{algo}"
 
 
 def _fit(value: Any, what: str) -> CollectiveFit:
@@ -129,7 +76,6 @@ def _fit(value: Any, what: str) -> CollectiveFit:
     for name, v in zip(("alpha", "beta", "overhead", "beta2", "knee"), vals + bend):
         if not (math.isfinite(v) and v >= 0):
             raise CostError(f"{what} {name} must be finite and >= 0, got {v!r}")
-    from .collectives import ALGORITHMS  # collectives imports this module: import when used
     if algorithm not in ("",) + ALGORITHMS:
         raise CostError(f"{what} algorithm must be one of {ALGORITHMS} (or ''), "
                         f"got {algorithm!r}")
@@ -149,7 +95,6 @@ def _kinds(value: Any) -> tuple:
     if not isinstance(value, dict):
         raise CostError(f"Cluster kinds must be {{link class: {{kind: (alpha, beta, "
                         f"overhead)}}}}, got {value!r}")
-    from .collectives import KINDS  # collectives imports this module: import when used
     out = []
     for lc, table in value.items():
         if lc not in LINK_CLASSES or not isinstance(table, dict):
@@ -159,11 +104,9 @@ def _kinds(value: Any) -> tuple:
             if kind not in KINDS:
                 raise CostError(f"Cluster kinds: unknown collective kind {kind!r}; one of {KINDS}")
             fit = _fit(f, f"Cluster kinds[{lc!r}][{kind!r}]")
-            if fit.algorithm:
-                from .collectives import _VARIANTS
-                if (kind, fit.algorithm) not in _VARIANTS:
-                    raise CostError(f"Cluster kinds[{lc!r}][{kind!r}]: {kind} has no "
-                                    f"{fit.algorithm!r} variant; variants: {sorted(_VARIANTS)}")
+            if fit.algorithm and (kind, fit.algorithm) not in VARIANTS:
+                raise CostError(f"Cluster kinds[{lc!r}][{kind!r}]: {kind} has no "
+                                f"{fit.algorithm!r} variant; variants: {sorted(VARIANTS)}")
             out.append((lc, kind, fit))
     return tuple(sorted(out))
 
@@ -309,8 +252,7 @@ class Cluster:
     # -- time -----------------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: float, ranks: Iterable[int]) -> float:
         """Seconds for collective ``kind`` about a tensor of ``nbytes`` over the group ``ranks``
-        (see `sbpflow.cost.collectives` for the formulas; a one-rank group costs 0)."""
-        from .collectives import collective_time
+        (see `sbpflow.cost.formulas`; a one-rank group costs 0)."""
         ranks = tuple(ranks)
         return collective_time(kind, nbytes, len(ranks), self.fit(kind, ranks))
 

@@ -96,3 +96,59 @@ def test_disjoint_costs_follow_the_table():
     for (s, d), cost in {(sf.S(0), sf.S(0)): T, (sf.S(0), sf.B): 2 * T, (sf.B, sf.B): 2 * T,
                          (sf.P, sf.S(0)): 2 * T, (sf.P, sf.B): 3 * T}.items():
         assert sf.boxing.plan((8, 12), torch.float32, (a, s), (b, d)).nbytes == cost
+
+
+def _collective_steps(pl, shape) -> list:
+    """Every valid single collective step between two layouts of ``shape`` on ``pl`` (P(max)
+    included), on every set of mesh dims."""
+    from sbpflow.boxing.steps import classify, is_valid_move, make_step
+    out = []
+    dim_sets = [c for r in range(1, pl.ndim + 1) for c in itertools.combinations(range(pl.ndim), r)]
+    layouts = nd_sbps(len(shape), pl.ndim, ("sum", "max"))
+    for src, dst, dims in itertools.product(layouts, layouts, dim_sets):
+        if any(src[e] != dst[e] for e in range(pl.ndim) if e not in dims):
+            continue
+        kind = classify(src, dst, dims)
+        if kind is None or kind[0] == "local" or not is_valid_move(src, dst, dims):
+            continue
+        out.append(make_step(shape, pl, src, dst, dims, 4))
+    return out
+
+
+def _counted_per_rank(steps) -> list:
+    """(sent, recv) this rank's Communicator counts for each step run on a zero shard."""
+    from sbpflow.boxing.executor import run_step
+    from sbpflow.boxing.steps import member_boxes
+    comm = sf.comm.current()
+    out = []
+    for st in steps:
+        box = member_boxes(st.shape, st.src_placement, st.src)[comm.rank]
+        comm.reset_stats()
+        run_step(st, torch.zeros([n for _, n in box]), comm)
+        s = comm.stats()
+        out.append((s.sent, s.recv))
+    return out
+
+
+@pytest.mark.parametrize("ranks, shape", [([0, 1, 2], (5, 7)), (MESH, (5, 7)),
+                                          (MESH, (3, 1))])
+def test_every_rank_counts_its_member_traffic(ranks, shape):
+    """Per rank, per step (uneven shards, P(max) included): the bytes the Communicator counts
+    are the kinds table's traffic rule that the planner (step.nbytes) and the cost model
+    (the busiest member of a group) read."""
+    from sbpflow.boxing.steps import member_traffic, placement_groups
+    from sbpflow.cost.collectives import _member_bytes
+    pl = sf.placement("cpu", ranks)
+    steps = _collective_steps(pl, shape)
+    assert {st.kind for st in steps} == {"all_gather", "reduce_scatter", "all_reduce",
+                                         "all_to_all"}
+    counted = sf.launch(_counted_per_rank, world_size=pl.size, args=(steps,))
+    for k, st in enumerate(steps):
+        want = {}
+        for g in placement_groups(pl, st.dims):
+            for r, t in zip(g, member_traffic(st, g)):
+                want[r] = (t.sent * 4, t.recv * 4)
+            assert _member_bytes(st, g) * 4 == max(max(want[r]) for r in g)
+        assert [counted[r][k] for r in range(pl.size)] == [want[r] for r in range(pl.size)], \
+            st.describe()
+        assert sum(want[r][0] for r in want) == st.nbytes

@@ -345,6 +345,28 @@ def test_transfer_into_partial_max_is_received_by_every_rank():
     assert _transfer(shape, fine, (S(0), S(0)), (P, B))[0] == 48  # rank (0, *) lacks 3/4
 
 
+@pytest.mark.parametrize("mesh, src, dst", [
+    ((4,), (P,), (P("max"),)), ((4,), (P("max"),), (P,)),
+    ((2, 2), (P, P), (P("max"), P("max"))), ((2, 2), (P, B), (P("max"), B)),
+])
+def test_evaluate_reduces_a_partial_before_changing_its_reduction(mesh, src, dst):
+    """No local step turns P(sum) into P(max) (the boxing rule `is_local_change`): the planner
+    reduce-scatters first, and evaluate prices that, not a free local step."""
+    world = 1
+    for m in mesh:
+        world *= m
+    pl = sf.placement("cpu", ranks=torch.arange(world).reshape(mesh).tolist())
+    shape = (8, 16)
+    plan = sf.boxing.plan(shape, torch.float32, src=(pl, src), dst=(pl, dst))
+    assert [s.kind for s in plan.steps if s.kind != "local"] == ["reduce_scatter"]
+    assert [k for k, *_ in redistribution_steps(shape, mesh, src, mesh, dst)] == \
+        ["reduce_scatter"]
+    c = Cluster(1, world, intra=(A, BETA))
+    t, per_device = redistribution(shape, mesh, src, mesh, dst, 4, c)
+    assert per_device * world == plan.nbytes > 0
+    assert t == pytest.approx(plan_time(plan, c), rel=1e-12)
+
+
 # -- calibration of the refinements ---------------------------------------------------------------
 def _calibrate_with_slow_step():
     import time
