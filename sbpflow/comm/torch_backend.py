@@ -20,6 +20,10 @@ named from the sorted ranks. (``dist.new_group(..., use_local_synchronization=Tr
 used: torch 2.13 names such groups ``sha1(ranks + number of groups this process created)``, so
 ranks that created different groups before disagree on the name and hang.)
 
+A collective that times out raises `CommTimeout` naming the members that had not reached it
+and what each was doing, from the `progress` records every rank keeps (memory only on the
+collective's path; a background thread publishes them to the c10d store).
+
 Gloo sees only contiguous CPU tensors: cuda tensors go through host memory unless the default
 group has an NCCL backend (``init_from_env("nccl")``), in which case they stay on the device.
 """
@@ -158,19 +162,18 @@ class TorchCommunicator(Communicator):
         `_run`) and what each was doing, from the members' `Progress` records."""
         text = str(exc).split("\n")[0]
         secs = self.timeout.total_seconds()
+        call = what if cuda is None else f"{what} over ranks {list(group)}"
         if "timeout" not in text.lower() and "timed out" not in text.lower():
-            return CommError(f"{what} over ranks {list(group)} failed on rank {self.rank}: "
-                             f"{text} (timeout {secs:g} s, SBPFLOW_TIMEOUT)")
+            return CommError(f"{call} failed on rank {self.rank}: {text} (timeout {secs:g} s, "
+                             f"SBPFLOW_TIMEOUT)")
         if cuda is None:  # point-to-point: no common numbering, say what the peers were doing
-            where = f"{what} timed out on rank {self.rank} after {secs:g} s"
             detail = self.progress.report(P2P, None, sorted(group))
         else:
-            where = (f"{what} over ranks {list(group)} (collective #{seq} of that group) timed "
-                     f"out on rank {self.rank} after {secs:g} s")
+            call += f" (collective #{seq} of that group)"
             detail = self.progress.report(group_key(group, cuda), seq, sorted(group))
-        return CommTimeout(f"{where}: {detail}. torch: {text}. If the ranks are only slow, "
-                           f"raise the timeout (SBPFLOW_TIMEOUT=<seconds>, or "
-                           f"launch(..., timeout=<seconds>))")
+        return CommTimeout(f"{call} timed out on rank {self.rank} after {secs:g} s: {detail}. "
+                           f"torch: {text}. If the ranks are only slow, raise the timeout "
+                           f"(SBPFLOW_TIMEOUT=<seconds>, or launch(..., timeout=<seconds>))")
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":
@@ -324,6 +327,8 @@ def init_from_env(backend: str | None = None) -> TorchCommunicator:
     global _comm
     if dist.is_initialized():
         if _comm is None or _comm.world_pg is not dist.group.WORLD:
+            if _comm is not None:  # of a world gone: stop its progress thread first
+                _comm.progress.close()
             _comm = TorchCommunicator()
         return _comm
     missing = [k for k in _ENV if not os.environ.get(k)]

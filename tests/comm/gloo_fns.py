@@ -244,3 +244,12 @@ def mismatch_fn() -> None:
         comm.all_reduce(torch.ones(2), (2, 1))
     else:
         comm.barrier()
+
+
+def p2p_timeout_fn() -> None:
+    """2 ranks: after a barrier, rank 0 waits for a message rank 1 never sends (it sleeps)."""
+    comm = current()
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(60)  # the parent stops it
+    comm.recv((2,), torch.float32, 1)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, mismatch_fn, skip_collective_fn,
-                      sleep_fn, timeout_fn, unpicklable_exc_fn)
+from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, mismatch_fn, p2p_timeout_fn,
+                      skip_collective_fn, sleep_fn, timeout_fn, unpicklable_exc_fn)
 from sbpflow.comm import launch
 from sbpflow.errors import CommError, CommTimeout, SbpError
 
@@ -125,3 +125,13 @@ def test_timeout_says_what_the_missing_rank_waits_in():
            r"none of that group's collectives, inside barrier over ranks \[0, 1, 2\] \(#1\) for "
            r"[\d.]+ s\); arrived: \[2\]")
     assert re.search(world, msg) or re.search(sub, msg), msg
+
+
+@pytest.mark.gloo
+def test_p2p_timeout_says_what_the_peer_is_doing():
+    with pytest.raises(CommTimeout) as info:
+        launch(p2p_timeout_fn, 2, backend="torch", timeout=2)
+    msg = str(info.value)
+    assert re.search(r"^exchange with ranks \[1\] timed out on rank 0 after 2 s: rank 1: in no "
+                     r"collective for [\d.]+ s \(its last: barrier over ranks \[0, 1\] #1\)",
+                     msg), msg
