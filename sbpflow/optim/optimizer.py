@@ -25,6 +25,7 @@ import torch
 from .. import comm as _comm
 from ..errors import SbpError, ShapeError
 from ..sbp import Partial, format_nd_sbp
+from ..nn.checkpoint_files import CheckpointError
 from ..nn.modules import zero_grads
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from .grad_sync import GradSync, collect
@@ -290,9 +291,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self, *, keep_global: bool = False) -> dict:
         """torch's layout: ``{"state": {index: {...}}, "param_groups": [{..., "params":
-        [index, ...]}]}``. Tensor state as logical torch tensors (a collective: every rank must
-        call it), or with ``keep_global=True`` as the global tensors themselves. ``"step"``
-        entries are 0-d float tensors, as torch's Adam keeps them."""
+        [index, ...]}]}``, plus ``"class"``: the optimizer's class name (torch ignores it; it
+        keeps `load_state_dict` from loading one optimizer's state into another). Tensor
+        state as logical torch tensors (a collective: every rank must call it), or with
+        ``keep_global=True`` as the global tensors themselves. ``"step"`` entries are 0-d
+        float tensors, as torch's Adam keeps them."""
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -312,12 +315,19 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     entry[k] = v
             state[i] = entry
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, "class": type(self).__name__}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer's shape: from `state_dict` (logical torch tensors
         or global tensors) or from a torch optimizer of the same class on the torch twin.
-        Each rank keeps the shard of its parameters' layouts."""
+        Each rank keeps the shard of its parameters' layouts. A state dict that names
+        another optimizer class (``"class"``, as `state_dict` writes) raises `CheckpointError`;
+        torch's state dicts name none and are taken as of this class."""
+        saved_class = state_dict.get("class")
+        if saved_class is not None and saved_class != type(self).__name__:
+            raise CheckpointError(
+                f"the state dict holds the state of a {saved_class} optimizer, which cannot be "
+                f"loaded into a {type(self).__name__}; build a {saved_class} to load it")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise OptimizerStateError(f"loaded state dict has {len(groups)} parameter groups, "
