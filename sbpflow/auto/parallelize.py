@@ -21,7 +21,8 @@ What it does:
    nd-sbp (axes swapped for a Linear, whose weight is ``(out, in)`` where the graph's is
    ``(in, out)``), its bias following the weight's output axis. A parameter built under
    `sf.nn.init.meta_init` is materialised directly in that layout (each rank allocates only
-   its shard, with the values an ordinary build would have); others are boxed there.
+   its shard, with the values an ordinary build would have); others are boxed there
+   (`sf.parallel.relayout`, as `sf.parallel.apply` does).
 4. **The activation stream.** Weightless ops between layers (residual adds, norms, attention,
    the loss) take inputs produced by different layers, and ops refuse inputs on different
    placements. So activations live between layers on one *stream placement*: ``placement``'s
@@ -56,6 +57,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import SbpError
+from ..parallel.relayout import relayout
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes
@@ -335,26 +337,6 @@ def _layouts(graph, strategy, modules, placements) -> dict:
     return out
 
 
-def _lay_out(model, layouts: dict, default_pl) -> None:
-    """Re-register every parameter in its layout (fresh leaves; tied stay tied): meta
-    parameters materialised there, others boxed (a collective)."""
-    from ..nn.init import is_meta, materialize
-    from ..nn.modules import Parameter
-    new: dict = {}
-    for name, p in model.named_parameters():   # each once, in the same order on every rank
-        pl, nd, _ = layouts.get(id(p), (default_pl, (B,) * default_pl.ndim, None))
-        try:
-            t = materialize(p, pl, nd) if is_meta(p) else p.detach().to_global(pl, nd)
-        except SbpError as exc:
-            raise type(exc)(f"parallelize: parameter {name!r} of shape {tuple(p.shape)} to "
-                            f"{pl} with sbp {format_nd_sbp(nd)}: {exc}") from None
-        new[id(p)] = Parameter(t, requires_grad=p.requires_grad)
-    for m in model.modules():
-        for key, p in list(m._parameters.items()):
-            if p is not None and id(p) in new:
-                m._parameters[key] = new[id(p)]
-
-
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
                 algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
                 one_mesh: bool = False) -> ParallelPlan:
@@ -424,7 +406,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
                      f"live on {fine}; layers on {others} take their input by a "
                      f"cross-placement boxing and return their output replicated")
     stream = _Stream(on(fine), {m: _owner(m, fine) for m in mesh_counts})
-    _lay_out(model, _layouts(graph, strategy, modules, placements), stream.placement)
+    layouts = _layouts(graph, strategy, modules, placements)
+    replicated = (stream.placement, (B,) * stream.placement.ndim)
+    relayout(model, lambda _, p: layouts.get(id(p), replicated)[:2], "parallelize")
     for layer, s in zip(graph.layers, strategy.layers):
         _wrap(modules[layer.name], layer.kind, s, placements[layer.name], stream)
     plan = ParallelPlan(graph, strategy, stream.placement, bd, modules, notes, seconds,

@@ -1,5 +1,6 @@
-"""``sf.parallel``: parallel layouts of whole models (by parameter name)."""
+"""``sf.parallel``: parallel layouts of whole models (by parameter name, or any function of it)."""
 
 from .apply import UnmatchedParameterError, apply, match_rules
+from .relayout import relayout
 
-__all__ = ["apply", "match_rules", "UnmatchedParameterError"]
+__all__ = ["apply", "match_rules", "relayout", "UnmatchedParameterError"]

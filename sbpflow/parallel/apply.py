@@ -10,9 +10,10 @@ that matches a name wins (dict order), ``"*"`` is the usual fallback::
         "*":            (sf.B, sf.B),
     })
 
-Each parameter is boxed to ``placement`` with its nd-sbp and re-registered as a fresh leaf
-`Parameter` (requires grad as before) under every name it has — tied parameters stay tied.
-Call it before building the optimizer: the optimizer holds the parameter objects.
+Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if it was built
+under `sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` (requires grad as
+before) under every name it has — tied parameters stay tied (`sf.parallel.relayout`). Call it
+before building the optimizer: the optimizer holds the parameter objects.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import fnmatch
 from typing import Mapping
 
 from ..errors import SbpError
-from ..nn.modules import Module, Parameter
+from ..nn.modules import Module
 from ..placement import Placement
-from ..sbp import format_nd_sbp, parse_nd_sbp
-from ..tensor import GlobalTensor
+from ..sbp import parse_nd_sbp
+from .relayout import relayout
 
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
 
@@ -58,25 +59,9 @@ def match_rules(names, rules: Mapping, placement: Placement) -> dict:
 def apply(model: Module, placement: Placement, rules: Mapping) -> Module:
     """Re-lay every parameter of ``model`` onto ``placement`` by ``rules``; returns ``model``.
 
-    Every rank must call it (the boxing is collective), with the same rules."""
+    Every rank must call it (the boxing is collective), with the same rules. A model built
+    under `sf.nn.init.meta_init` is materialised in these layouts (`relayout`)."""
     if not isinstance(placement, Placement):
         raise SbpError(f"sf.parallel.apply: expected an sf.placement, got {placement!r}")
-    named = list(model.named_parameters())
-    layouts = match_rules([n for n, _ in named], rules, placement)
-    new = {}
-    for name, p in named:  # each parameter once, in registration order (same on every rank)
-        nd = layouts[name]
-        try:
-            boxed = p.detach().to_global(placement, nd)
-        except SbpError as exc:
-            raise type(exc)(f"sf.parallel.apply: parameter {name!r} of shape {tuple(p.shape)} "
-                            f"to {placement} with sbp {format_nd_sbp(nd)}: {exc}") from None
-        if boxed.placement is not placement:  # an equal one: share the given object, which
-            # the dispatch then compares by identity, not by value, on every op
-            boxed = GlobalTensor(boxed.local, tuple(boxed.shape), placement, boxed.sbp)
-        new[id(p)] = Parameter(boxed, requires_grad=p.requires_grad)
-    for m in model.modules():
-        for key, p in list(m._parameters.items()):
-            if p is not None and id(p) in new:
-                m._parameters[key] = new[id(p)]
-    return model
+    layouts = match_rules([n for n, _ in model.named_parameters()], rules, placement)
+    return relayout(model, lambda name, _: (placement, layouts[name]), "sf.parallel.apply")
