@@ -5,8 +5,8 @@ On 4 gloo processes (``--threads``: 8 threads ranks) this
 1. calibrates the cluster on the world (`sf.cost.calibrate`, a few message sizes, ~10 s; the
    per-step software cost is timed as a communication-free ``to_global``);
 2. takes one GPT transformer block (qkv, attention, proj, fc1, fc2 of
-   ``sf.auto.models.gpt(layers=1, ...)``, embedding and LM head dropped; float32) and a set of
-   strategies for it: data parallel, Megatron t x d in both mesh orders, all-column, all-row,
+   ``sf.auto.model_graphs.gpt(layers=1, ...)``, embedding and LM head dropped; float32) and a set
+   of strategies for it: data parallel, Megatron t x d in both mesh orders, all-column, all-row,
    2-D (dp x col, dp x row), the single-mesh optimum of `sf.auto.parallelize.single_mesh_search`
    on the calibrated cluster, and seeded random single-mesh strategies from `sf.auto.space`
    (deduplicated: no two strategies with the same set of redistributions);
@@ -85,8 +85,8 @@ CAL_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 # -- the model and the strategies -------------------------------------------------------------------
 def block_graph(d_model: int, heads: int, seq: int, batch: int, layers: int = 1) -> Graph:
-    g = sf.auto.models.gpt(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch,
-                           vocab=1024, itemsize=4)
+    g = sf.auto.model_graphs.gpt(layers=layers, d_model=d_model, heads=heads, seq=seq,
+                                 batch=batch, vocab=1024, itemsize=4)
     return Graph(g.layers[1:-1], name=f"gpt-block{layers}x{d_model}", itemsize=4)
 
 

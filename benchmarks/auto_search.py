@@ -35,8 +35,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import sbpflow as sf  # noqa: E402
-from sbpflow.auto import baselines, models, search  # noqa: E402
-from sbpflow.auto.cli import FILL_BUDGET  # noqa: E402
+from sbpflow.auto import baselines, model_graphs, search  # noqa: E402
+from sbpflow.auto.search_cli import FILL_BUDGET  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -100,7 +100,7 @@ def quality(cases, seed: int = 0, cd_long_s: float = 60.0):
 
 # ---- 2. enumeration vs cd ------------------------------------------------------------------------
 def enumeration(sizes, p, seed: int = 0):
-    g = models.mlp(sizes, batch=64)
+    g = model_graphs.mlp(sizes, batch=64)
     c = cluster(p)
     print(f"\n## 2. plain enumeration vs coordinate descent: mlp {sizes} on {p} devices")
     en, t_en = timed(search, g, c, "enumerate", seed=seed)
@@ -119,7 +119,7 @@ def enumeration(sizes, p, seed: int = 0):
 # ---- 3. scale ------------------------------------------------------------------------------------
 def scale(budget_s: float, seed: int = 0, exhaustive: bool = True):
     print("\n## 3. scale: GPT-3 (96 x 12288, 96 heads, seq 2048, batch 1536) on 1024 devices")
-    g = models.gpt(96, 12288, 96, 2048, 1536)
+    g = model_graphs.gpt(96, 12288, 96, 2048, 1536)
     c = cluster(1024)
     print(f"{len(g.layers)} layers, {g.params / 1e9:.1f} B params")
     if exhaustive:
@@ -196,7 +196,7 @@ def experts(configs, budget_s: float, seq: int = 2048, seed: int = 0):
     print(hdr)
     print("-" * len(hdr))
     for name, heads, d, layers, p, batch in configs:
-        g = models.gpt(layers, d, heads, seq, batch)
+        g = model_graphs.gpt(layers, d, heads, seq, batch)
         c = cluster(p)
         meg = best_megatron_micro(g, c, c.memory_per_device)
         if meg is None:
@@ -224,17 +224,17 @@ def main(argv=None) -> int:
     print(f"sbpflow auto search benchmark ({'quick' if args.quick else 'full'}), "
           f"torch {__import__('torch').__version__}, {os.cpu_count()} cpu(s)")
     if args.quick:
-        cases = [("gpt-2x512", models.gpt(2, 512, 8, 512, 32), 16),
-                 ("dlrm", models.dlrm(2048, tables=8), 16)]
+        cases = [("gpt-2x512", model_graphs.gpt(2, 512, 8, 512, 32), 16),
+                 ("dlrm", model_graphs.dlrm(2048, tables=8), 16)]
         quality(cases, args.seed, cd_long_s=10.0)
         enumeration((512, 1024, 1024, 512), 4, args.seed)
         scale(10.0, args.seed)
         experts(MEGATRON_CONFIGS[:1], 5.0, seed=args.seed)
     else:
-        cases = [("alexnet", models.alexnet(128), 16),
-                 ("vgg13", models.vgg13(64), 16),
-                 ("dlrm", models.dlrm(2048), 32),
-                 ("gpt-12x1024", models.gpt(12, 1024, 16, 1024, 64), 64)]
+        cases = [("alexnet", model_graphs.alexnet(128), 16),
+                 ("vgg13", model_graphs.vgg13(64), 16),
+                 ("dlrm", model_graphs.dlrm(2048), 32),
+                 ("gpt-12x1024", model_graphs.gpt(12, 1024, 16, 1024, 64), 64)]
         quality(cases, args.seed)
         enumeration((512, 1024, 1024, 512), 8, args.seed)
         scale(60.0, args.seed)

@@ -20,7 +20,6 @@ minimum its layouts imply.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -28,10 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-
-import sbpflow as sf  # noqa: E402
-from models import gpt_class  # noqa: E402
+import sbpflow as sf
+from sbpflow.models import gpt_class
 
 TP_RULES = {"*.attn.qkv.*": sf.S(0), "*.attn.proj.weight": sf.S(1), "*.mlp.fc.*": sf.S(0),
             "*.mlp.proj.weight": sf.S(1), "*": sf.B}

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `sbpflow run` 
 
 import common  # noqa: E402
 import sbpflow as sf  # noqa: E402
-from models import mlp_class, param_count  # noqa: E402
+from sbpflow.models import mlp_class, param_count  # noqa: E402
 
 
 def load(seed: int):

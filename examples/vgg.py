@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `sbpflow run` 
 
 import common  # noqa: E402
 import sbpflow as sf  # noqa: E402
-from models import param_count, vgg_class  # noqa: E402
+from sbpflow.models import param_count, vgg_class  # noqa: E402
 
 CLASSES = 10
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `sbpflow run` 
 
 import common  # noqa: E402
 import sbpflow as sf  # noqa: E402
-from models import param_count, wide_deep_class  # noqa: E402
+from sbpflow.models import param_count, wide_deep_class  # noqa: E402
 
 
 def make_data(vocab: int, fields: int, dense: int, seed: int):

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from .cost.calibrate import add_arguments as calibrate_arguments
     calibrate_arguments(sub.add_parser("calibrate", help="time collectives on N ranks, fit "
                                        "alpha/beta, write a cluster file"))
-    from .auto.cli import add_arguments as search_arguments
+    from .auto.search_cli import add_arguments as search_arguments
     search_arguments(sub.add_parser("search", help="search a parallel strategy for a preset "
                                     "model on a modelled cluster"))
     args = parser.parse_args(argv)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         from .cost.calibrate import calibrate_command
         return calibrate_command(args)
     if args.command == "search":
-        from .auto.cli import search_command
+        from .auto.search_cli import search_command
         return search_command(args)
     if args.command == "run":
         if args.backend == "threads":

@@ -3,19 +3,20 @@
 splits), an analytic alpha-beta cost with memory, and search (coordinate descent with restarts,
 Metropolis-Hastings, random, exact dynamic programming).
 
-    g = sf.auto.models.gpt(layers=24, d_model=1024, heads=16, seq=1024, batch=512, vocab=50257)
+    g = sf.auto.model_graphs.gpt(layers=24, d_model=1024, heads=16, seq=1024, batch=512,
+                                 vocab=50257)
     c = sf.cost.Cluster.preset("dgx-a100", nodes=2)
     r = sf.auto.search(g, c, algorithm="cd", seed=0)
     print(r.strategy); print(r.breakdown)
 """
 
-from . import baselines, models
+from . import baselines, model_graphs
 from .evaluate import Breakdown, Evaluator, evaluate, redistribution, redistribution_steps
 from .graph import Graph, Layer
 from .search import SearchResult, search
 from .space import LayerStrategy, Strategy, layer_space, meshes, space
 
-__all__ = ["baselines", "models", "Breakdown", "Evaluator", "evaluate", "redistribution",
+__all__ = ["baselines", "model_graphs", "Breakdown", "Evaluator", "evaluate", "redistribution",
            "redistribution_steps", "Graph", "Layer", "SearchResult", "search", "LayerStrategy",
            "Strategy", "layer_space", "meshes", "space"]
 

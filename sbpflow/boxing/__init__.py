@@ -8,6 +8,7 @@ an autograd Function whose backward is the dual step.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 
@@ -17,7 +18,7 @@ from .planner import BoxingPlan, plan, plan_layouts
 from .steps import Step, dual_step
 
 __all__ = ["BoxingPlan", "Step", "plan", "plan_layouts", "run_plan", "run_step", "apply_step",
-           "dual_step", "empty_local", "identity_value", "trace"]
+           "dual_step", "empty_local", "identity_value", "record_steps"]
 
 
 def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,
@@ -31,10 +32,11 @@ def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,
 
 
 @contextlib.contextmanager
-def trace():
-    """Record the boxing steps this rank runs (forward and backward) while the block runs::
+def record_steps() -> Iterator[list]:
+    """Record the boxing steps this rank runs (forward and backward) while the block runs, as
+    ``(phase, step)`` pairs in order, ``phase`` ``"forward"`` or ``"backward"`` (the dual step)::
 
-        with sf.boxing.trace() as steps:
+        with sf.boxing.record_steps() as steps:
             loss = model(x); loss.backward()
         for phase, step in steps:
             print(phase, step.describe(), step.nbytes)

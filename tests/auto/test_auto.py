@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from sbpflow.auto import models
+from sbpflow.auto import model_graphs
 from sbpflow.auto.evaluate import redistribution, redistribution_steps
 from sbpflow.auto.space import LayerStrategy, layer_space, make_layer_strategy
 
@@ -22,7 +22,7 @@ def cluster(nodes=2, dpn=4, **kw):
 
 # ---- space ---------------------------------------------------------------------------------------
 def test_space_has_dp_megatron_and_3d_family_for_p8():
-    layer = models.mlp((64, 128), batch=32)["fc0"]
+    layer = model_graphs.mlp((64, 128), batch=32)["fc0"]
     space = set(layer_space(layer, 8))
     assert LayerStrategy((8,), (S(0),), (B,), (S(0),)) in space            # data parallel
     assert LayerStrategy((8,), (B,), (S(1),), (S(1),)) in space            # Megatron column
@@ -43,18 +43,18 @@ def test_space_has_dp_megatron_and_3d_family_for_p8():
             n += 1
     assert n > 20
     # a partial sum kept unreduced into a linear consumer
-    lin = models.mlp((64, 128, 64), batch=32, activation=False)["fc1"]
+    lin = model_graphs.mlp((64, 128, 64), batch=32, activation=False)["fc1"]
     assert LayerStrategy((8,), (P,), (B,), (P,)) in set(layer_space(lin, 8))
     assert all(P not in s.input for s in layer_space(layer, 8))  # not after a nonlinearity
 
 
 def test_conv_embedding_attention_splits():
-    g = models.vgg13(batch=16)
+    g = model_graphs.vgg13(batch=16)
     conv = set(layer_space(g["conv3"], 4))
     assert LayerStrategy((4,), (S(0),), (B,), (S(0),)) in conv             # batch
     assert LayerStrategy((4,), (B,), (S(0),), (S(1),)) in conv             # out channels
     assert LayerStrategy((4,), (S(1),), (S(1),), (P,)) in conv             # in channels
-    gpt = models.gpt(1, 64, 4, 16, 2, 100)
+    gpt = model_graphs.gpt(1, 64, 4, 16, 2, 100)
     emb = set(layer_space(gpt["embed"], 4))
     assert LayerStrategy((4,), (B,), (S(0),), (P,)) in emb                 # vocab
     assert LayerStrategy((4,), (B,), (S(1),), (S(1),)) in emb              # dim
@@ -68,7 +68,7 @@ def test_conv_embedding_attention_splits():
 
 
 def test_strategy_indexable_and_prints():
-    g = models.gpt(2, 64, 4, 16, 4, 100)
+    g = model_graphs.gpt(2, 64, 4, 16, 4, 100)
     c = cluster()
     s = sf.auto.baselines.megatron(g, c, tp=4)
     assert s["h0.fc2"].output == (S(0), P) and s["h1.qkv"].weight == (B, S(1))
@@ -156,7 +156,7 @@ def test_redistribution_between_meshes_and_links():
 
 # ---- evaluate ---------------------------------------------------------------------------------------
 def test_data_parallel_bytes_are_the_all_reduce_formula():
-    g = models.gpt(2, 64, 4, 16, 8, 100)
+    g = model_graphs.gpt(2, 64, 4, 16, 8, 100)
     c = cluster()
     p = c.world_size
     b = sf.auto.evaluate(g, sf.auto.baselines.data_parallel(g, c), c)
@@ -175,7 +175,7 @@ def test_megatron_bytes_by_hand():
     """tp=4 inside a node, dp=2: per block two forward and two backward all-reduces of the
     activation (tokens/2 x d) over 4 ranks; weight grads all-reduced over the 2 dp ranks."""
     L, d, t = 2, 64, 8 * 16
-    g = models.gpt(L, d, 4, 16, 8, 128)
+    g = model_graphs.gpt(L, d, 4, 16, 8, 128)
     c = cluster()
     b = sf.auto.evaluate(g, sf.auto.baselines.megatron(g, c, tp=4, dp=2), c)
     act = (t // 2) * d * g.itemsize
@@ -187,7 +187,7 @@ def test_megatron_bytes_by_hand():
 
 
 def test_compute_time_and_micro_batches():
-    g = models.gpt(2, 128, 4, 64, 16, 128)
+    g = model_graphs.gpt(2, 128, 4, 64, 16, 128)
     c = cluster(flops_per_device=1e12)
     s = sf.auto.baselines.data_parallel(g, c)
     b1 = sf.auto.evaluate(g, s, c)
@@ -199,10 +199,10 @@ def test_compute_time_and_micro_batches():
 
 # ---- search -----------------------------------------------------------------------------------------
 def _tiny_graphs():
-    yield models.mlp((32, 64, 16), batch=16, activation=False), cluster(1, 4)
-    yield models.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)
-    yield models.gpt(1, 32, 4, 8, 2, 64).__class__(
-        models.gpt(1, 32, 4, 8, 2, 64).layers[1:4], name="qkv-attn-proj"), cluster(1, 4)
+    yield model_graphs.mlp((32, 64, 16), batch=16, activation=False), cluster(1, 4)
+    yield model_graphs.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)
+    yield model_graphs.gpt(1, 32, 4, 8, 2, 64).__class__(
+        model_graphs.gpt(1, 32, 4, 8, 2, 64).layers[1:4], name="qkv-attn-proj"), cluster(1, 4)
 
 
 @pytest.mark.parametrize("case", range(3))
@@ -215,7 +215,7 @@ def test_dp_equals_enumeration(case):
 
 
 def test_dp_equals_enumeration_on_an_in_tree():
-    g = models.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,), top=(16, 1))
+    g = model_graphs.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,), top=(16, 1))
     assert not g.is_chain and g.is_in_tree
     c = cluster(1, 2)
     ex = sf.auto.search(g, c, "exhaustive")
@@ -224,7 +224,7 @@ def test_dp_equals_enumeration_on_an_in_tree():
 
 
 def test_memory_limit_prunes_and_dp_respects_it():
-    g = models.mlp((512, 2048, 512), batch=8)
+    g = model_graphs.mlp((512, 2048, 512), batch=8)
     c = cluster(1, 4)
     free = sf.auto.search(g, c, "exhaustive", memory_limit=float("inf"))
     dp_mem = sf.auto.evaluate(g, sf.auto.baselines.data_parallel(g, c), c).memory["total"]
@@ -237,7 +237,7 @@ def test_memory_limit_prunes_and_dp_respects_it():
 
 
 def test_micro_batches_auto_fits_memory():
-    g = models.mlp((64, 64, 64), batch=4096)
+    g = model_graphs.mlp((64, 64, 64), batch=4096)
     c = cluster(1, 2)
     least = sf.auto.search(g, c, "enumerate", memory_limit=1.0).breakdown.memory["total"]
     r = sf.auto.search(g, c, "cd", restarts=0, memory_limit=0.8 * least, micro_batches="auto")
@@ -259,7 +259,7 @@ def test_coordinate_descent_never_above_start_and_finds_optimum(case):
 
 @pytest.mark.parametrize("alg", ["cd", "mh", "random"])
 def test_seeded_runs_are_reproducible(alg):
-    g = models.gpt(2, 64, 4, 16, 8, 128)
+    g = model_graphs.gpt(2, 64, 4, 16, 8, 128)
     c = cluster()
     a = sf.auto.search(g, c, alg, seed=3, restarts=2) if alg == "cd" else \
         sf.auto.search(g, c, alg, seed=3)
@@ -272,7 +272,7 @@ def test_seeded_runs_are_reproducible(alg):
 
 
 def test_search_beats_baselines_and_best_megatron():
-    g = models.gpt(2, 256, 8, 128, 8, 512)
+    g = model_graphs.gpt(2, 256, 8, 128, 8, 512)
     c = cluster()
     r = sf.auto.search(g, c, "cd", seed=0)
     s, b, tp = sf.auto.baselines.best_megatron(g, c)
@@ -283,7 +283,7 @@ def test_search_beats_baselines_and_best_megatron():
 
 @pytest.mark.slow
 def test_gpt3_on_1024_devices_coordinate_descent_is_fast():
-    g = models.gpt(96, 12288, 96, 2048, 1536, 51200)
+    g = model_graphs.gpt(96, 12288, 96, 2048, 1536, 51200)
     c = sf.cost.Cluster.preset("dgx-a100", nodes=128)
     t0 = time.perf_counter()
     r = sf.auto.search(g, c, "cd", seed=0, restarts=0, memory_limit=float("inf"))

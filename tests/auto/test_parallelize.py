@@ -237,7 +237,7 @@ def test_parallelize_trains_like_one_device(model, how):
 def test_a_strategy_on_several_meshes_moves_to_the_majority_mesh():
     from sbpflow.auto.parallelize import _to_one_mesh
     from sbpflow.auto.space import Strategy, make_layer_strategy
-    g = sf.auto.models.mlp((64, 128, 128, 64), batch=32)
+    g = sf.auto.model_graphs.mlp((64, 128, 128, 64), batch=32)
     layers = [make_layer_strategy(g["fc0"], (4,), ("dp",)),
               make_layer_strategy(g["fc1"], (2, 2), ("dp", "col")),
               make_layer_strategy(g["fc2"], (2, 2), ("dp", "row"))]
@@ -253,7 +253,7 @@ def test_a_strategy_on_several_meshes_moves_to_the_majority_mesh():
 
 def test_single_mesh_search_is_the_best_single_mesh_strategy():
     from sbpflow.auto.parallelize import single_mesh_search
-    g = sf.auto.models.mlp((64, 128, 128, 64), batch=32)
+    g = sf.auto.model_graphs.mlp((64, 128, 128, 64), batch=32)
     c = tiny_cluster()
     s, bd, cost = single_mesh_search(g, c)
     assert len({x.mesh for x in s.layers}) == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow.auto import models
+from sbpflow.auto import model_graphs
 from sbpflow.auto.search import PENALTY, Problem, _coordinate_descent, _dp_once
 
 
@@ -27,7 +27,7 @@ def _dense_edge(pb, u, v):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_pruned_min_plus_equals_dense_product(seed):
-    g = models.mlp((64, 128, 32), batch=16)
+    g = model_graphs.mlp((64, 128, 32), batch=16)
     pb = Problem(g, cluster())
     dense = _dense_edge(pb, 0, 1)
     rng = np.random.default_rng(seed)
@@ -44,7 +44,7 @@ def test_pruned_min_plus_equals_dense_product(seed):
 
 
 def test_tables_are_shared_by_repeated_layers_and_match_the_evaluator():
-    g = models.gpt(3, 32, 4, 8, 2, 64)
+    g = model_graphs.gpt(3, 32, 4, 8, 2, 64)
     pb = Problem(g, cluster())
     # embed->qkv, qkv->attn, attn->proj, proj->fc1, fc1->fc2, fc2->qkv, fc2->head
     assert len({id(t) for t in pb.tables.values()}) == 7
@@ -57,7 +57,7 @@ def test_tables_are_shared_by_repeated_layers_and_match_the_evaluator():
 
 
 def test_dp_is_the_penalised_optimum_when_nothing_fits():
-    g = models.mlp((32, 64, 16), batch=16)
+    g = model_graphs.mlp((32, 64, 16), batch=16)
     c = cluster()
     ex = sf.auto.search(g, c, "exhaustive", memory_limit=1.0)
     en = sf.auto.search(g, c, "enumerate", memory_limit=1.0)
@@ -66,7 +66,7 @@ def test_dp_is_the_penalised_optimum_when_nothing_fits():
 
 
 def test_dp_at_a_price_equals_enumeration_of_time_plus_price_memory():
-    g = models.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,), top=(16, 1))
+    g = model_graphs.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,), top=(16, 1))
     pb = Problem(g, cluster(1, 2))
     import itertools
     for price in (0.0, 1e-6, 1e-3):
@@ -79,9 +79,9 @@ def test_dp_at_a_price_equals_enumeration_of_time_plus_price_memory():
 
 @pytest.mark.parametrize("case", range(2))
 def test_pair_moves_never_hurt_and_descent_ends_at_a_pair_fixed_point(case):
-    g, c = [(models.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)),
-            (models.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,), top=(16, 1)),
-             cluster(1, 4))][case]
+    g, c = [(model_graphs.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)),
+            (model_graphs.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,),
+                               top=(16, 1)), cluster(1, 4))][case]
     for seed in range(4):
         pb = Problem(g, c)
         start = pb.random_state(random.Random(seed))
@@ -104,8 +104,8 @@ def test_pair_moves_escape_a_single_move_fixed_point():
     """Somewhere in these small cases a single-coordinate fixed point is not a pair fixed point
     (what the pair sweep is for); the pair descent then ends strictly lower."""
     found = False
-    for g, c in [(models.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)),
-                 (models.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,),
+    for g, c in [(model_graphs.mlp((64, 256, 64, 32), batch=8), cluster(2, 2)),
+                 (model_graphs.dlrm(batch=16, dense=4, tables=2, rows=64, dim=8, bottom=(8,),
                               top=(16, 1)), cluster(1, 4))]:
         pb = Problem(g, c)
         for seed in range(20):

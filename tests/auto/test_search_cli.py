@@ -3,7 +3,7 @@
 import pytest
 
 import sbpflow as sf
-from sbpflow.auto import cli as search_cli
+from sbpflow.auto import search_cli
 from sbpflow.cli import main
 
 SMALL = ["search", "--model", "gpt", "--layers", "1", "--d-model", "256", "--heads", "4",

@@ -1,4 +1,5 @@
-"""Paper-scale models built directly as `Graph`s (shapes and flops only, no weights).
+"""``sf.auto.model_graphs``: paper-scale models built directly as `Graph`s (shapes and flops
+only, no weights), for the search; the runnable models are ``sbpflow.models``.
 
 Residual adds and layer norms are folded away (they are elementwise and follow the layout of the
 layer before them); they do make the inputs of the next layer nonlinear in the previous output,

@@ -88,7 +88,7 @@ def add_arguments(parser) -> None:
 def build_graph(model: str, batch=None, layers=12, d_model=768, heads=12, seq=1024, vocab=50257,
                 num_classes=1000, tables=26, rows=1_000_000, dim=128, sizes=None):
     """The preset graph ``model`` with the given sizes; bad input raises `SearchCliError`."""
-    from . import models
+    from . import model_graphs
     if model not in MODELS:
         raise SearchCliError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     batch = _DEFAULT_BATCH[model] if batch is None else batch
@@ -99,21 +99,21 @@ def build_graph(model: str, batch=None, layers=12, d_model=768, heads=12, seq=10
             _positive(n, v)
         if d_model % heads:
             raise SearchCliError(f"--d-model {d_model} is not divisible by --heads {heads}")
-        return models.gpt(layers, d_model, heads, seq, batch, vocab)
+        return model_graphs.gpt(layers, d_model, heads, seq, batch, vocab)
     if model in ("vgg13", "alexnet"):
         _positive("num_classes", num_classes)
-        return getattr(models, model)(batch, num_classes)
+        return getattr(model_graphs, model)(batch, num_classes)
     if model == "dlrm":
         for n, v in (("tables", tables), ("rows", rows), ("dim", dim)):
             _positive(n, v)
         bottom = (512, 256, dim)
-        return models.dlrm(batch, tables=tables, rows=rows, dim=dim, bottom=bottom)
+        return model_graphs.dlrm(batch, tables=tables, rows=rows, dim=dim, bottom=bottom)
     sizes = list(sizes) if sizes is not None else [1024, 4096, 1024]
     if len(sizes) < 2:
         raise SearchCliError(f"--sizes needs at least two widths, got {sizes}")
     for v in sizes:
         _positive("sizes", v)
-    return models.mlp(tuple(sizes), batch)
+    return model_graphs.mlp(tuple(sizes), batch)
 
 
 def build_cluster(preset="dgx-a100", nodes=None, devices_per_node=None, cluster_file=None):
