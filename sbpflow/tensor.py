@@ -546,9 +546,32 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     inputs' layouts (one nd-sbp or None per tensor input). All tensor inputs must share one
     placement: moving a tensor to another placement is an explicit ``to_global``.
     """
-    # the cache key of the inputs: per tensor its layout id (negated for a leaf that requires
-    # grad: a parameter, whose layout the choice avoids moving); constants as (type, value)
-    # tuples, so a constant never equals a layout id
+    key, tensors, pl, grad, attrs_key, forced = _dispatch_key(name, args, sbp, attrs)
+    entry = _CHOICES.get(key)
+    if entry is None:
+        pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
+        entry = _CHOICES.put(key, _choice_entry(name, args, tensors, pl, attrs_key, forced,
+                                                grad, pinned))
+    if entry.mixed:
+        _check_dtypes(name, tensors, pl)
+    boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
+             for t, nd in zip(tensors, entry.choice.ins)] if entry.moves else tensors
+    me = (_rank_local.comm or _comm.current()).rank
+    if me in pl._index:
+        return _run_kernel(entry, args, boxed, tensors, pl, me, attrs)
+    choice = entry.choice
+    dtype = _autocast_dtype(name, pl)
+    locals_ = tuple(_connected_empty(boxed, dtype or m.dtype) for m in choice.out_metas)
+    return _wrap_outputs(entry, locals_, pl, len(locals_) > 1)
+
+
+def _dispatch_key(name: str, args: tuple, sbp, attrs: dict) -> tuple:
+    """The dispatch cache key of a call, and what building it found: (key, tensor inputs,
+    their placement, whether some input needs grad, the attributes' key, forced layouts).
+
+    Per tensor the key holds its layout id (negated for a leaf that requires grad: a parameter,
+    whose layout the choice avoids moving); constants are (type, value) tuples, so a constant
+    never equals a layout id (and 1 and 1.0, which give different dtypes, differ)."""
     tensors, parts = [], [name]
     grad = False
     pl = None
@@ -570,7 +593,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                     f"{_describe(a)}; move one with .to_global(placement=...) first (this is "
                     f"where a pipeline stage boundary goes)")
         else:
-            parts.append((type(a), hashable(a)))   # 1 and 1.0 give different dtypes
+            parts.append((type(a), hashable(a)))
     if pl is None:
         raise SignatureError(f"{name}: needs at least one global tensor input")
     grad = grad and torch.is_grad_enabled()
@@ -578,56 +601,53 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     forced = None
     if sbp is not None:
         forced = tuple(None if s is None else parse_nd_sbp(s, pl.ndim) for s in sbp)
-    # a dict keyed by everything the choice depends on (faster than the registry's caches)
     parts += (pl, attrs_key, forced, grad)
-    key = tuple(parts)
-    entry = _CHOICES.get(key)
-    if entry is None:
-        pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)
-        entry = _CHOICES.put(key, _choice_entry(name, args, tensors, pl, attrs_key, forced,
-                                                grad, pinned))
-    choice, op, detach, out_keys, moves, contexts, mixed = entry
-    if mixed:
-        _check_dtypes(name, tensors, pl)
-    boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
-             for t, nd in zip(tensors, choice.ins)] if moves else tensors
-    comm = _rank_local.comm or _comm.current()
-    me = comm.rank
-    if me in pl._index:
-        if len(boxed) == len(args):
-            local_args = [t._local for t in boxed]
-        else:
-            it = iter(boxed)
-            local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
-        if op.context:
-            # the rank's context depends only on the entry's key and the rank: made once
-            ctx = contexts.get(me)
-            if ctx is None:
-                coord = pl.coord_of(me)
-                ctx = contexts[me] = KernelContext(
-                    pl, coord,
-                    tuple(shard_box(t._shape, pl.shape, nd, coord)
-                          for t, nd in zip(tensors, choice.ins)),
-                    tuple(shard_box(m.shape, pl.shape, nd, coord)
-                          for m, nd in zip(choice.out_metas, choice.outs)),
-                    choice.ins, choice.outs, tuple(t._shape for t in tensors))
-            attrs = dict(attrs)
-            attrs["ctx"] = ctx
-        result = op.kernel(*local_args, **attrs)
-        multi = isinstance(result, (tuple, list))
-        if not multi and not detach:  # the common case: one output
-            meta = choice.out_metas[0]
-            return _wrap(result, meta.shape, pl, choice.outs[0],
-                         out_keys[0] if result.dtype is meta.dtype else None)
-        locals_ = tuple(result) if multi else (result,)
+    return tuple(parts), tensors, pl, grad, attrs_key, forced
+
+
+def _run_kernel(entry: _Entry, args: tuple, boxed: list, tensors: list, pl: Placement,
+                me: int, attrs: dict):
+    """Run the op's kernel on this rank's shards of the (boxed) inputs; wrap the outputs."""
+    choice, op = entry.choice, entry.op
+    if len(boxed) == len(args):
+        local_args = [t._local for t in boxed]
     else:
-        dtype = _autocast_dtype(name, pl)
-        locals_ = tuple(_connected_empty(boxed, dtype or m.dtype) for m in choice.out_metas)
-        multi = len(locals_) > 1
-    if detach:
+        it = iter(boxed)
+        local_args = [next(it)._local if isinstance(a, GlobalTensor) else a for a in args]
+    if op.context:
+        ctx = entry.contexts.get(me) or _rank_context(entry, tensors, pl, me)
+        attrs = dict(attrs)
+        attrs["ctx"] = ctx
+    result = op.kernel(*local_args, **attrs)
+    multi = isinstance(result, (tuple, list))
+    if not multi and not entry.detach:  # the common case: one output
+        meta = choice.out_metas[0]
+        return _wrap(result, meta.shape, pl, choice.outs[0],
+                     entry.out_keys[0] if result.dtype is meta.dtype else None)
+    return _wrap_outputs(entry, tuple(result) if multi else (result,), pl, multi)
+
+
+def _rank_context(entry: _Entry, tensors: list, pl: Placement, me: int) -> KernelContext:
+    """This rank's `KernelContext` for the entry (it depends only on the entry and the rank:
+    made once, kept in the entry)."""
+    choice = entry.choice
+    coord = pl.coord_of(me)
+    ctx = entry.contexts[me] = KernelContext(
+        pl, coord,
+        tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
+        tuple(shard_box(m.shape, pl.shape, nd, coord)
+              for m, nd in zip(choice.out_metas, choice.outs)),
+        choice.ins, choice.outs, tuple(t._shape for t in tensors))
+    return ctx
+
+
+def _wrap_outputs(entry: _Entry, locals_: tuple, pl: Placement, multi: bool):
+    """Global tensors of the local outputs (detached where the outputs carry no gradient)."""
+    choice = entry.choice
+    if entry.detach:
         locals_ = tuple(t.detach() for t in locals_)
     outs = tuple(_wrap(t, m.shape, pl, nd, k if t.dtype is m.dtype else None)
-                 for t, m, nd, k in zip(locals_, choice.out_metas, choice.outs, out_keys))
+                 for t, m, nd, k in zip(locals_, choice.out_metas, choice.outs, entry.out_keys))
     return outs if multi else outs[0]
 
 
