@@ -192,12 +192,13 @@ def out_metas(name: str, args: tuple, attrs: tuple) -> tuple[TensorMeta, ...]:
 # -- choosing a signature -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Choice:
-    """The N-D signature chosen: each input's required nd-sbp and each output's."""
+    """The N-D signature chosen: each input's required nd-sbp and each output's, and the bytes
+    boxing the inputs to them moves."""
 
     ins: tuple
     outs: tuple
     out_metas: tuple
-    cost: int
+    nbytes: int
 
 
 def _local_shapes_ok(op: Op, args, metas, outs_meta, ins_nd, outs_nd, placement, attrs) -> bool:
