@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..errors import IndexOutOfRange, ShapeError
-from ..ops.nn_ops import count_dtype
+from ..ops.nn_ops import check_index_range, count_dtype, target_out_of_range
 from ..sbp import B, Broadcast, Partial, Split
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
 from .pending_mean import mean_over_count
@@ -210,6 +210,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             return total
         return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
                                               target.sbp, int(ignore_index)))
+    _check_sliced_target(input, target, int(ignore_index))
     if input.dtype in (torch.float16, torch.bfloat16) and \
             torch.is_autocast_enabled(input.placement.device_type):
         input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
@@ -243,6 +244,22 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     count = row_weight.to(count_dtype(row_weight.dtype)).sum()
     return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
                                           int(ignore_index), weight is not None))
+
+
+def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_index: int) -> None:
+    """A target replicated on a mesh dim where the classes are not split may reach the row
+    kernel or the class pick sliced (the signature that slices it can be the cheapest, e.g.
+    for split or partial logits rows): check it whole here, so every rank of that dim raises
+    `IndexOutOfRange` together (a local min/max pass, no collective). With the classes split
+    the class pick keeps the target whole and checks it; split targets are checked by the
+    kernels, on the ranks holding them. (The fused path keeps both layouts as they are.)"""
+    classes = Split(logits.ndim - 1)
+    if any(isinstance(t, Broadcast) and lg != classes for t, lg in zip(target.sbp, logits.sbp)):
+        n = logits.shape[-1]
+        check_index_range(target.local, n, ignore_index, lambda: target_out_of_range(
+            target.local, n, ignore_index,
+            f"logits of shape {tuple(logits.shape)} with sbp {logits.sbp}, target of shape "
+            f"{tuple(target.shape)} with sbp {target.sbp} on {logits.placement}"))
 
 
 def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index: int):

@@ -48,6 +48,8 @@ seed)`` of the rank's box, identical in every layout.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -59,7 +61,8 @@ from .registry import Signature, TensorMeta, register
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
            "row_cross_entropy_signatures", "cross_entropy_sum_signatures",
-           "pick_class_signatures", "count_dtype"]
+           "pick_class_signatures", "count_dtype", "check_index_range",
+           "target_out_of_range"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -67,12 +70,16 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- index range checks ----------------------------------------------------------------------------
-# Kernels whose index is whole on the rank (a B id / target with a vocab- / class-split table or
-# logits) check it locally: every rank of that mesh dim then reaches the same verdict, with no
-# collective. Kernels on split indices (S ids, replicated table) leave it to torch's kernel, as
-# DDP does: the ranks holding the bad index raise; the launcher stops the others.
+# Every kernel checks the ids / targets it holds, in the pass it makes anyway (torch's kernel where
+# the table / classes are whole; `check_index_range` on a vocab / class split). Where the index is
+# whole (B on a mesh dim: vocab- / class-split table or logits, or a replicated target that
+# `sf.nn.functional.cross_entropy` checks before slicing it) every rank of that dim reaches the
+# same verdict with no collective, so the ranks of the following reduction raise together. Split
+# ids (S ids, replicated table: data parallelism) are checked by the ranks holding them, as in
+# DDP; the launcher stops the others (threads: at once; processes: their next collective).
 
-def _check_range(index: torch.Tensor, size: int, ignore: int | None, error) -> None:
+def check_index_range(index: torch.Tensor, size: int, ignore: int | None,
+                      error: Callable[[], Exception | None]) -> None:
     """Raise ``error()`` unless every element of ``index`` lies in ``[0, size)`` or equals
     ``ignore`` (None: nothing is exempt). On CPU one fused min/max pass and a host read (an
     exact second pass only when some element lies outside: ignored or bad); on an accelerator
@@ -164,14 +171,14 @@ def _embedding(ids, weight, padding_idx=None, *, ctx=None):
         pad = padding_idx if padding_idx is not None and padding_idx < weight.shape[0] else None
         try:
             return F.embedding(ids, weight, pad)   # the whole vocab: torch's kernel checks ids
-        except IndexError:
+        except (IndexError, RuntimeError):  # torch's fbgemm lookup raises a RuntimeError
             error = None if ctx is None else _embedding_error(ids, ctx)
             if error is None:
                 raise
             raise error from None
     # Vocab split (Megatron's VocabParallelEmbedding): look up only the rank's rows.
     start, size = ctx.in_boxes[1][0]
-    _check_range(ids, ctx.in_shapes[1][0], None, lambda: _embedding_error(ids, ctx))
+    check_index_range(ids, ctx.in_shapes[1][0], None, lambda: _embedding_error(ids, ctx))
     if size == 0:  # more ranks than rows: nothing here, but stay on the weight's graph
         return weight.new_zeros(tuple(ids.shape) + (weight.shape[1],)) + weight.sum()
     inside = (ids >= start) & (ids < start + size)
@@ -339,8 +346,8 @@ def _pick_class(logits, target, ignore_index=-100, *, ctx=None):
         start, size, classes = 0, logits.shape[-1], logits.shape[-1]
     else:
         (start, size), classes = ctx.in_boxes[0][-1], ctx.in_shapes[0][-1]
-        _check_range(target, classes, ignore_index,
-                     lambda: _target_error(target, classes, ignore_index, ctx))
+        check_index_range(target, classes, ignore_index,
+                          lambda: _target_error(target, classes, ignore_index, ctx))
     if size == 0:
         return logits.new_zeros(target.shape) + logits.sum()
     inside = (target >= start) & (target < start + size) & (target != ignore_index)
@@ -350,14 +357,20 @@ def _pick_class(logits, target, ignore_index=-100, *, ctx=None):
 
 
 def _target_error(target, classes: int, ignore_index: int, ctx) -> IndexOutOfRange | None:
-    """The error naming the first target outside the classes (None if there is none)."""
+    return target_out_of_range(target, classes, ignore_index,
+                               _describe_inputs(ctx, ("logits", "target")))
+
+
+def target_out_of_range(target: torch.Tensor, classes: int, ignore_index: int,
+                        layouts: str) -> IndexOutOfRange | None:
+    """The error naming the first of ``target`` outside ``[0, classes)`` and not
+    ``ignore_index`` (None if there is none); ``layouts`` describes the inputs."""
     bad = _first_outside(target, classes, ignore_index)
     if bad is None:
         return None
     return IndexOutOfRange(
         f"cross_entropy: Target {bad} is out of bounds: {classes} classes (targets must lie in "
-        f"[0, {classes}) or equal ignore_index {ignore_index}); "
-        f"{_describe_inputs(ctx, ('logits', 'target'))}")
+        f"[0, {classes}) or equal ignore_index {ignore_index}); {layouts}")
 
 
 register("pick_class", _pick_class, pick_class_signatures, context=True,
