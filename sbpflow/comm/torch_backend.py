@@ -90,6 +90,14 @@ class TorchCommunicator(Communicator):
         # which collective each rank reached, so that a timeout names the ranks it waited for
         self.progress = Progress(self.rank, c10d._get_default_store(),
                                  period_for(self.timeout.total_seconds()))
+        self._keys: dict[tuple, str] = {}  # (group, cuda) -> its progress key
+
+    def _key(self, group: tuple, cuda: bool) -> str:
+        """``group_key(group, cuda)``, cached (this is on every collective's path)."""
+        key = self._keys.get((group, cuda))
+        if key is None:
+            key = self._keys[(group, cuda)] = group_key(group, cuda)
+        return key
 
     # -- process groups and devices --------------------------------------------------------
     def _pg(self, group: tuple, cuda: bool):
@@ -104,7 +112,7 @@ class TorchCommunicator(Communicator):
             store = dist.PrefixStore(name, c10d._get_default_store())
             me = ranks.index(self.rank)
             what = "creating the process group"  # collective #1 of the group: a rendezvous
-            seq = self.progress.enter(group_key(ranks, cuda), what)
+            seq = self.progress.enter(self._key(ranks, cuda), what)
             try:
                 if cuda:
                     opts = dist.ProcessGroupNCCL.Options()
@@ -115,7 +123,7 @@ class TorchCommunicator(Communicator):
             except RuntimeError as exc:
                 raise self._error(what, group, exc, cuda, seq) from exc
             finally:
-                self.progress.leave(group_key(ranks, cuda), seq)
+                self.progress.leave(self._key(ranks, cuda), seq)
             self._groups[key] = pg
         return pg
 
@@ -144,7 +152,7 @@ class TorchCommunicator(Communicator):
         """Start a torch collective of ``group``'s process group on gloo or NCCL (``cuda``;
         None: point-to-point on the default group) and wait for it. ``start()`` returns its
         Work or a list of them."""
-        key = P2P if cuda is None else group_key(group, cuda)
+        key = P2P if cuda is None else self._key(tuple(group), cuda)
         seq = self.progress.enter(key, what)
         try:
             works = start()
@@ -170,7 +178,7 @@ class TorchCommunicator(Communicator):
             detail = self.progress.report(P2P, None, sorted(group))
         else:
             call += f" (collective #{seq} of that group)"
-            detail = self.progress.report(group_key(group, cuda), seq, sorted(group))
+            detail = self.progress.report(self._key(tuple(group), cuda), seq, sorted(group))
         return CommTimeout(f"{call} timed out on rank {self.rank} after {secs:g} s: {detail}. "
                            f"torch: {text}. If the ranks are only slow, raise the timeout "
                            f"(SBPFLOW_TIMEOUT=<seconds>, or launch(..., timeout=<seconds>))")
@@ -241,7 +249,7 @@ class TorchCommunicator(Communicator):
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire).copy_(tensor.detach())
         pg = self._pg(group, cuda)
         what = f"all_reduce({op})"
-        key = group_key(group, cuda)
+        key = self._key(group, cuda)
         seq = self.progress.enter(key, what)
         try:
             work = pg.allreduce([buf.view(-1)], _OPS[op])
