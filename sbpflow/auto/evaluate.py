@@ -11,32 +11,33 @@ S -> B         all_gather       ranks along the dim; the gathered piece
 P -> B         all_reduce       ranks along the dim; the piece
 P -> S         reduce_scatter   ranks along the dim; the piece before scattering
 S(i) -> S(j)   all_to_all       ranks along the dim; the piece
+P(a) -> P(b)   reduce_scatter   as P -> S, then local (no local step changes a reduction)
 B -> S, B -> P, S -> P          local, free
 =============  ===============  ==========================================================
 
 "The piece" is the tensor divided by the split factors of the other mesh dims at that moment.
 Steps run in the order that keeps pieces small: free slices, reduce-scatters, all-to-alls,
 all-reduces, all-gathers; dims of the same kind in one phase merge into one collective over
-their joint group (as the boxing planner does). Source and destination may use different
-meshes over the same ranks: both are refined to their common row-major refinement (e.g.
-(4, 256) and (32, 32) -> (4, 8, 32)); meshes with no common refinement (e.g. (3, 4) and
-(4, 3)) are priced as an all-to-all of the whole tensor over all ranks, an upper bound.
-A group's link is intra- or inter-node as the cluster says for its ranks (mesh dims cover
-ranks node-major). For one changed mesh dim whose tensor axis no later dim also splits the
-bytes equal the boxing planner's exactly (tested), except a P source next to B or other P
-dims, where the planner may use the replicas / partial dims (slice, reduce-scatter,
-all-gather) and the price here is an upper bound; with several changed dims it is the cost of this fixed order, an upper
-bound on the planner's least-bytes path (tested on 4 and 8 ranks, layouts without nested
-splits). When a move of the fixed order is not a valid boxing step because two mesh dims split
-the same tensor axis (nested splits, also created by refining meshes), the redistribution is
-priced as the planner performs it: partial dims reduced on the source devices (all-reduce or
-reduce-scatter, the choice that moves fewest bytes), then a point-to-point ``"transfer"`` in
-which every rank receives the part of its destination box it does not hold, one message per
-overlapping source region (on meshes of up to 256 ranks; above that each such move is priced as
-the collective the fixed order would use, an estimate that keeps a search fast). Where the planner finds a chain of collectives
+their joint group (as the boxing planner does). Source and destination may use different meshes
+over the same ranks: both are refined to their common row-major refinement (e.g. (4, 256) and
+(32, 32) -> (4, 8, 32)); meshes with no common refinement (e.g. (3, 4) and (4, 3)) are priced as
+an all-to-all of the whole tensor over all ranks, an upper bound. A group's link is intra- or
+inter-node as the cluster says for its ranks (mesh dims cover ranks node-major). For one changed
+mesh dim whose tensor axis no later dim also splits the bytes equal the boxing planner's exactly
+(tested), except a P source next to B or other P dims, where the planner may use the replicas /
+partial dims (slice, reduce-scatter, all-gather) and the price here is an upper bound; with
+several changed dims it is the cost of this fixed order, an upper bound on the planner's
+least-bytes path (tested on 4 and 8 ranks, layouts without nested splits). When a move of the
+fixed order is not a valid boxing step because two mesh dims split the same tensor axis (nested
+splits, also created by refining meshes), the redistribution is priced as the planner performs
+it: partial dims reduced on the source devices (all-reduce or reduce-scatter, the choice that
+moves fewest bytes), then a point-to-point ``"transfer"`` in which every rank receives the part
+of its destination box it does not hold, one message per overlapping source region (on meshes of
+up to 256 ranks; above that each such move is priced as the collective the fixed order would
+use, an estimate that keeps a search fast). Where the planner finds a chain of collectives
 moving no more bytes than that transfer it takes the chain instead, and this price is then an
-estimate (tested equal to the planner's on the transfers it builds). Seconds also include
-local copies through strided views and a per-step software cost when the cluster has them
+estimate (tested equal to the planner's on the transfers it builds). Seconds also include local
+copies through strided views and a per-step software cost when the cluster has them
 (`redistribution`).
 """
 
@@ -46,6 +47,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,11 +104,12 @@ def _piece(numel, fine, nd, skip):
 @lru_cache(maxsize=1 << 18)
 def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                          dst: tuple) -> tuple:
-    """The collectives of the analytic redistribution: ``((kind, fine_mesh, dims, numel), ...)``
-    where ``numel`` is the size of the piece each collective is about (for a ``"transfer"``:
-    the elements the busiest rank receives)."""
-    return tuple(r[:4] for r in _plan(tuple(shape), tuple(src_mesh), tuple(src),
-                                      tuple(dst_mesh), tuple(dst)) if r[0] != "local")
+    """The collectives of the analytic redistribution: `Collective` records ``(kind,
+    fine_mesh, dims, numel)`` where ``numel`` is the size of the piece each collective is about
+    (for a ``"transfer"``: the elements the busiest rank receives)."""
+    return tuple(Collective(*m[:4]) for m in _plan(tuple(shape), tuple(src_mesh), tuple(src),
+                                                   tuple(dst_mesh), tuple(dst))
+                 if m.kind != "local")
 
 
 def _local_shape(shape, fine, nd):
@@ -159,10 +162,11 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     ``dst`` (the boxing planner's transfer step): a rank receives the part of its destination
     box it does not hold, one message from each rank whose source box overlaps it (one holder
     per distinct source region); a non-first rank of a ``P(sum)`` destination dim receives
-    nothing (it holds zeros; a ``P(max)`` / ``P(min)`` one holds a copy, so it does receive). Returns ``(elements, loads)``: the most elements a rank
-    receives, and the ``(elements, messages)`` of every receiver not dominated by another (the
-    busiest in time is one of them, whatever alpha and beta are). None on meshes of more than
-    ``_TRANSFER_MAX_RANKS`` ranks (too many boxes to enumerate in a search)."""
+    nothing (it holds zeros; a ``P(max)`` / ``P(min)`` one holds a copy, so it does receive).
+    Returns ``(elements, loads)``: the most elements a rank receives, and the ``(elements,
+    messages)`` of every receiver not dominated by another (the busiest in time is one of them,
+    whatever alpha and beta are). None on meshes of more than ``_TRANSFER_MAX_RANKS`` ranks
+    (too many boxes to enumerate in a search)."""
     t = _transfer_fraction(fine, src, dst, len(shape))
     if t is None:
         return None
@@ -212,27 +216,54 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     return tuple(front)
 
 
+class Move(NamedTuple):
+    """One move of the analytic redistribution, on the refined mesh ``mesh``."""
+
+    kind: str          # a collective kind, "local", "transfer", or "nested" (no valid step)
+    mesh: tuple        # the refined (fine) mesh
+    dims: tuple        # the mesh dims it runs over
+    numel: float       # elements of the piece it is about (transfer: the busiest receiver's)
+    copy: float = 0.0  # elements a rank copies through strided views
+    loads: tuple = ()  # transfer: the receivers' (elements, messages) front (`_transfer`)
+    fallback: str = ""  # nested: the collective the fixed order would use, priced as last resort
+
+
+class Collective(NamedTuple):
+    """A collective of `redistribution_steps`: ``numel`` elements of the piece it is about."""
+
+    kind: str
+    mesh: tuple
+    dims: tuple
+    numel: float
+
+
 @lru_cache(maxsize=1 << 18)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
-    """`redistribution_steps` with two more fields a record: ``copy`` (elements a rank copies
-    to cut non-contiguous pieces) and ``loads`` (transfers only: the receivers' ``(elements,
-    messages)`` of `_transfer`)."""
-    steps = _fixed_order(shape, src_mesh, src, dst_mesh, dst)
-    if not any(r[0] == "nested" for r in steps):
-        return steps
-    # A move of the fixed order is not a valid boxing step (nested splits of one axis): the
-    # planner reduces partial dims on the source devices, then sends each rank what it lacks.
-    fine = steps[0][1]
-    ref = _refine(tuple(src_mesh), tuple(dst_mesh))
-    _, oa, ob = ref
+    """The `Move` s of the redistribution: the fixed order, or, when one of its moves is not a
+    valid boxing step (nested splits of one axis), what the planner does instead: partial dims
+    reduced on the source devices, then each rank sent what it lacks (`_via_transfer`)."""
+    moves = _fixed_order(shape, src_mesh, src, dst_mesh, dst)
+    if not any(m.kind == "nested" for m in moves):
+        return moves
+    best = _via_transfer(shape, src_mesh, src, dst_mesh, dst)
+    if best is None:  # too many ranks to enumerate: each move priced as its own collective
+        return tuple(m if m.kind != "nested" else Move(m.fallback, *m[1:5]) for m in moves)
+    return best
+
+
+def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
+                  dst: tuple) -> tuple | None:
+    """The planner's reduce-then-transfer, with the reduced layout (broadcast, or a split of
+    some axis) that moves fewest bytes per device; None above ``_TRANSFER_MAX_RANKS``."""
+    fine, oa, ob = _refine(tuple(src_mesh), tuple(dst_mesh))
     s = tuple(src[i] for i in oa)
     d = tuple(dst[i] for i in ob)
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
     numel = math.prod(shape)
-    best = None
     mids = [s] if not pdims else \
         [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
         [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(len(shape))]
+    best = None
     for mid in mids:
         pre = []
         if pdims:
@@ -242,16 +273,17 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
             local = _local_shape(shape, fine, s)
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
-            pre.append((kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy, 0))
+            pre.append(Move(kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy))
         t = _transfer(shape, fine, mid, d)
-        if t is None:  # too many ranks to enumerate: each move priced as its own collective
-            return tuple(r if r[0] != "nested" else (r[5],) + r[1:5] + (0,) for r in steps)
+        if t is None:
+            return None
         elems, loads = t
-        rec = pre + ([("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
+        rec = pre + ([Move("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
                      if loads else [])
         # the planner's choice: fewest bytes (per device here)
-        vol = sum(r[3] if r[0] == "transfer" else
-                  _per_device(r[0], r[3], math.prod(fine[j] for j in r[2])) for r in rec)
+        vol = sum(m.numel if m.kind == "transfer" else
+                  _per_device(m.kind, m.numel, math.prod(fine[j] for j in m.dims))
+                  for m in rec)
         if best is None or vol < best[0]:
             best = (vol, tuple(rec))
     return best[1]
@@ -259,110 +291,139 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
 
 def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                  dst: tuple) -> tuple:
-    """The fixed-order collectives (module doc); a move the planner could not make as one step
+    """The fixed-order `Move` s (module doc); a move the planner could not make as one step
     (nested splits) is marked ``"nested"``."""
     numel = math.prod(shape)
     if src_mesh == dst_mesh and src == dst:
         return ()
     ref = _refine(tuple(src_mesh), tuple(dst_mesh))
     if ref is None:  # incompatible meshes: reduce partials, then everything to everyone
-        steps, st = [], list(src)
+        moves = []
         pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
         if pdims:
-            steps.append(("reduce_scatter", tuple(src_mesh), pdims,
-                          _piece(numel, src_mesh, st, set(pdims))))
-        world = (math.prod(src_mesh),)
-        steps.append(("all_to_all", world, (0,), numel))
-        return tuple(r + (0.0, 0) for r in steps)
+            moves.append(Move("reduce_scatter", tuple(src_mesh), pdims,
+                              _piece(numel, src_mesh, list(src), set(pdims))))
+        moves.append(Move("all_to_all", (math.prod(src_mesh),), (0,), numel))
+        return tuple(moves)
     fine, oa, ob = ref
-    s = [src[i] for i in oa]
-    final = [dst[i] for i in ob]
-    d = _reduced_first(s, final, len(shape))   # the target until the last local phase
-    state = list(s)
-    # a move can only be invalid if some tensor axis is split on two different dims (in the
-    # source or the destination): otherwise skip the checks (the common, fast case)
-    split_dims: dict = {}
-    for j, x in enumerate(s + d):
-        if isinstance(x, Split):
-            split_dims.setdefault(x.axis, set()).add(j % len(fine))
-    nested = any(len(v) > 1 for v in split_dims.values())
-    steps = []
+    return _FixedOrder(shape, fine, [src[i] for i in oa], [dst[i] for i in ob]).run()
 
-    def phase(kind, test):
-        dims = tuple(j for j in range(len(fine)) if test(state[j], d[j]))
+
+class _FixedOrder:
+    """The fixed order's walk from ``s`` to ``d`` on the refined mesh ``fine``: ``state`` is
+    the layout so far, ``target`` what the phases move it to, ``moves`` the records."""
+
+    def __init__(self, shape: tuple, fine: tuple, s: list, d: list) -> None:
+        self.shape, self.fine, self.numel = shape, fine, math.prod(shape)
+        self.final = d
+        self.target = _reduced_first(s, d, len(shape))  # until the last local phase
+        self.state = list(s)
+        self.moves: list[Move] = []
+        # a move can only be invalid if some tensor axis is split on two different dims (in
+        # the source or the destination): otherwise skip the checks (the common, fast case)
+        split_dims: dict = {}
+        for j, x in enumerate(s + self.target):
+            if isinstance(x, Split):
+                split_dims.setdefault(x.axis, set()).add(j % len(fine))
+        self.nested = any(len(v) > 1 for v in split_dims.values())
+
+    def run(self) -> tuple:
+        self.nested_slices()
+        self.phase(None, lambda a, b: isinstance(a, Broadcast) and a != b)
+        self.phase("reduce_scatter", lambda a, b: isinstance(a, Partial) and isinstance(b, Split))
+        self.phase("all_to_all",
+                   lambda a, b: isinstance(a, Split) and isinstance(b, Split) and a != b)
+        self.phase("all_reduce", lambda a, b: isinstance(a, Partial) and isinstance(b, Broadcast))
+        self.all_gather()
+        self.target = self.final
+        self.phase(None, lambda a, b: a != b)  # S -> P: local
+        return tuple(self.moves)
+
+    def piece(self, dims) -> float:
+        return _piece(self.numel, self.fine, self.state, set(dims))
+
+    def moved(self, dims) -> list:
+        """``state`` with ``dims`` at their target."""
+        new = list(self.state)
+        for j in dims:
+            new[j] = self.target[j]
+        return new
+
+    def nested_slices(self) -> None:
+        """B -> S is a local slice, unless a later dim splits the same axis: then the slice a
+        rank needs is mostly held by others (priced as an all-to-all over those dims:
+        estimate)."""
+        state, target, fine = self.state, self.target, self.fine
+
+        def later_split(j, axis):
+            return tuple(k for k in range(j + 1, len(fine))
+                         if isinstance(state[k], Split) and state[k].axis == axis)
+        moved = set()
+        for j in range(len(fine)):
+            if isinstance(state[j], Broadcast) and isinstance(target[j], Split) and \
+                    later_split(j, target[j].axis) and j not in moved:
+                dims = (j,) + tuple(k for k in later_split(j, target[j].axis) if k not in moved)
+                self.moves.append(Move("nested", fine, dims, self.piece(dims),
+                                       fallback="all_to_all"))
+                moved.update(dims)
+        for j in moved:
+            if isinstance(state[j], Broadcast):
+                state[j] = target[j]
+
+    def phase(self, kind: str | None, test) -> None:
+        """Move every dim whose (state, target) passes ``test`` at once: a ``kind`` collective
+        over their joint group (None: a local step)."""
+        dims = tuple(j for j in range(len(self.fine)) if test(self.state[j], self.target[j]))
         if not dims:
             return
-        if nested:
-            new = list(state)
-            for j in dims:
-                new[j] = d[j]
-            if not is_valid_move(state, new, dims):
-                # the last field: the collective the move would be (a local slice whose part
-                # is held by others: an all-to-all), the price of last resort (`_plan`)
-                steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)),
-                              0.0, kind or "all_to_all"))
-                state[:] = new
-                return
-        if kind is None:
-            steps.append(("local", fine, dims, 0.0, 0.0, 0))
+        new = self.moved(dims)
+        if self.nested and not is_valid_move(self.state, new, dims):
+            # the collective the move would be (a local slice whose part is held by others:
+            # an all-to-all) is the price of last resort (`_plan`)
+            self.moves.append(Move("nested", self.fine, dims, self.piece(dims),
+                                   fallback=kind or "all_to_all"))
+        elif kind is None:
+            self.moves.append(Move("local", self.fine, dims, 0.0))
         else:
-            piece = _piece(numel, fine, state, set(dims))
-            copy = 0.0
-            if kind in ("reduce_scatter", "all_to_all"):
-                g = math.prod(fine[j] for j in dims)
-                # the pieces are cut along the destination split of the local input
-                local = _local_shape(shape, fine, state)
-                if any(_strided(local, d[j].axis) for j in dims):
-                    copy += piece if kind == "reduce_scatter" else piece / g
-                if kind == "all_to_all":
-                    # received pieces are written along the source split of the local output
-                    out = list(state)
-                    for j in dims:
-                        out[j] = d[j]
-                    local = _local_shape(shape, fine, out)
-                    if any(_strided(local, state[j].axis) for j in dims):
-                        copy += piece / g
-            steps.append((kind, fine, dims, piece, copy, 0))
-        for j in dims:
-            state[j] = d[j]
+            piece = self.piece(dims)
+            self.moves.append(Move(kind, self.fine, dims, piece, self.copies(kind, dims, piece)))
+        self.state[:] = new
 
-    # B -> S / P is a local slice, unless a later dim splits the same axis: then the slice a
-    # rank needs is mostly held by others (priced as an all-to-all over those dims: estimate)
-    def later_split(j, axis):
-        return tuple(k for k in range(j + 1, len(fine))
-                     if isinstance(state[k], Split) and state[k].axis == axis)
-    moved = set()
-    for j in range(len(fine)):
-        if isinstance(state[j], Broadcast) and isinstance(d[j], Split) and \
-                later_split(j, d[j].axis) and j not in moved:
-            dims = (j,) + tuple(k for k in later_split(j, d[j].axis) if k not in moved)
-            steps.append(("nested", fine, dims, _piece(numel, fine, state, set(dims)), 0.0,
-                          "all_to_all"))
-            moved.update(dims)
-    for j in moved:
-        if isinstance(state[j], Broadcast):
-            state[j] = d[j]
-    phase(None, lambda a, b: isinstance(a, Broadcast) and a != b)
-    phase("reduce_scatter", lambda a, b: isinstance(a, Partial) and isinstance(b, Split))
-    phase("all_to_all", lambda a, b: isinstance(a, Split) and isinstance(b, Split) and a != b)
-    phase("all_reduce", lambda a, b: isinstance(a, Partial) and isinstance(b, Broadcast))
-    # an all-gather is about the gathered piece: the other dims already in their final state
-    dims = tuple(j for j in range(len(fine)) if isinstance(state[j], Split) and
-                 isinstance(d[j], Broadcast))
-    if dims:
-        new = list(state)
-        for j in dims:
-            new[j] = d[j]
-        valid = not nested or is_valid_move(state, new, dims)
+    def copies(self, kind: str, dims: tuple, piece: float) -> float:
+        """Elements a rank copies through strided views in a reduce-scatter / all-to-all."""
+        if kind not in ("reduce_scatter", "all_to_all"):
+            return 0.0
+        copy, g = 0.0, math.prod(self.fine[j] for j in dims)
+        # the pieces are cut along the destination split of the local input
+        local = _local_shape(self.shape, self.fine, self.state)
+        if any(_strided(local, self.target[j].axis) for j in dims):
+            copy += piece if kind == "reduce_scatter" else piece / g
+        if kind == "all_to_all":
+            # received pieces are written along the source split of the local output
+            local = _local_shape(self.shape, self.fine, self.moved(dims))
+            if any(_strided(local, self.state[j].axis) for j in dims):
+                copy += piece / g
+        return copy
+
+    def all_gather(self) -> None:
+        """An all-gather is about the gathered piece: the other dims already in their final
+        state."""
+        dims = tuple(j for j in range(len(self.fine)) if isinstance(self.state[j], Split) and
+                     isinstance(self.target[j], Broadcast))
+        if not dims:
+            return
+        new = self.moved(dims)
+        valid = not self.nested or is_valid_move(self.state, new, dims)
         # the gathered pieces are written along the source split axes of the local output
-        strided = any(_strided(_local_shape(shape, fine, new), state[j].axis) for j in dims)
-        state[:] = new
-        piece = _piece(numel, fine, state, set(dims))
-        steps.append(("all_gather", fine, dims, piece, piece if strided else 0.0, 0)
-                     if valid else ("nested", fine, dims, piece, 0.0, "all_gather"))
-    d[:] = final
-    phase(None, lambda a, b: a != b)  # S -> P: local
-    return tuple(steps)
+        strided = any(_strided(_local_shape(self.shape, self.fine, new), self.state[j].axis)
+                      for j in dims)
+        self.state[:] = new
+        piece = self.piece(dims)
+        if valid:
+            self.moves.append(Move("all_gather", self.fine, dims, piece,
+                                   piece if strided else 0.0))
+        else:
+            self.moves.append(Move("nested", self.fine, dims, piece, fallback="all_gather"))
 
 
 @lru_cache(maxsize=1 << 14)
@@ -405,27 +466,26 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
       writing them into its output shard.
     """
     t = b = 0.0
-    for kind, fine, dims, numel, copy, msgs in _plan(tuple(shape), tuple(src_mesh), tuple(src),
-                                                     tuple(dst_mesh), tuple(dst)):
+    for m in _plan(tuple(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst)):
         if cluster is not None:
             t += micro_batches * cluster.step_overhead
-        if kind == "local":
+        if m.kind == "local":
             continue
-        g = math.prod(fine[j] for j in dims)
-        nbytes = numel * itemsize
-        if kind == "transfer":
+        nbytes = m.numel * itemsize
+        if m.kind == "transfer":
             b += nbytes
             if cluster is not None:
                 t += micro_batches * max(
-                    _transfer_time(cluster, e * itemsize / micro_batches, m, fine)
-                    for e, m in msgs)
+                    _transfer_time(cluster, e * itemsize / micro_batches, msgs, m.mesh)
+                    for e, msgs in m.loads)
             continue
-        b += _per_device(kind, nbytes, g)
+        g = math.prod(m.mesh[j] for j in m.dims)
+        b += _per_device(m.kind, nbytes, g)
         if cluster is not None:
-            n = _about(kind, nbytes, g)
-            t += micro_batches * _coll_time(cluster, kind, n / micro_batches, fine, dims)
-            if copy:
-                t += cluster.copy_time(copy * itemsize)
+            n = _about(m.kind, nbytes, g)
+            t += micro_batches * _coll_time(cluster, m.kind, n / micro_batches, m.mesh, m.dims)
+            if m.copy:
+                t += cluster.copy_time(m.copy * itemsize)
     return t, b
 
 
