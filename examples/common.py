@@ -22,7 +22,8 @@ import torch
 import sbpflow as sf
 from sbpflow.models import LAYOUT_NAMES, Layout, layout
 
-__all__ = ["parser", "run", "get_layout", "train", "TrainResult", "fmt_bytes", "on_rank0"]
+__all__ = ["parser", "run", "get_layout", "train", "accuracy", "TrainResult", "fmt_bytes",
+           "on_rank0"]
 
 
 def parser(description: str, *, layouts=LAYOUT_NAMES, layout_default: str = "dp",
@@ -66,6 +67,16 @@ def on_rank0() -> bool:
 def get_layout(model: str, args) -> Layout:
     """The named layout ``args.layout`` of ``model`` on this world's ranks."""
     return layout(model, args.layout, sf.world_size())
+
+
+def accuracy(logits: sf.GlobalTensor, labels: torch.Tensor, what: str,
+             label: str = "accuracy") -> float:
+    """The fraction of ``labels`` the class scores ``logits`` (classes last) get right,
+    printed by rank 0 as ``<label> ... on <what>`` (a collective: every rank calls it)."""
+    acc = (logits.full_tensor().argmax(-1) == labels).float().mean().item()
+    if on_rank0():
+        print(f"  {label} {acc:.3f} on {what}")
+    return acc
 
 
 def fmt_bytes(n: float) -> str:

@@ -50,10 +50,8 @@ def main(args):
             sf.tensor(ytr[idx], lay.placement, lay.data_sbp)
 
     res = common.train(model, opt, batch, args, per_step=args.batch, desc=f"mlp {args.layout}")
-    logits = model(sf.tensor(xte, lay.placement, lay.data_sbp)).full_tensor()
-    acc = (logits.argmax(-1) == yte).float().mean().item()
-    if common.on_rank0():
-        print(f"  test accuracy {acc:.3f} on {len(xte)} digits")
+    acc = common.accuracy(model(sf.tensor(xte, lay.placement, lay.data_sbp)), yte,
+                          f"{len(xte)} digits", label="test accuracy")
     return res, acc
 
 

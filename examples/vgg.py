@@ -54,10 +54,8 @@ def main(args):
 
     res = common.train(model, opt, batch, args, per_step=args.batch, desc=f"vgg {args.layout}")
     x, y = data(-1, 256)  # held out: a step the training never draws
-    logits = model(sf.tensor(x, lay.placement, lay.data_sbp)).full_tensor()
-    acc = (logits.argmax(-1) == y).float().mean().item()
-    if common.on_rank0():
-        print(f"  accuracy {acc:.3f} on 256 fresh images")
+    acc = common.accuracy(model(sf.tensor(x, lay.placement, lay.data_sbp)), y,
+                          "256 fresh images")
     return res, acc
 
 

@@ -57,11 +57,8 @@ def main(args):
                        desc=f"wide_deep {args.layout}")
     ids, x, y = data(-1, 1024)
     logits = model(sf.tensor(ids, lay.placement, lay.data_sbp),
-                   sf.tensor(x, lay.placement, lay.data_sbp)).full_tensor()
-    acc = (logits.argmax(-1) == y).float().mean().item()
-    if common.on_rank0():
-        print(f"  accuracy {acc:.3f} on 1024 fresh samples")
-    return res, acc
+                   sf.tensor(x, lay.placement, lay.data_sbp))
+    return res, common.accuracy(logits, y, "1024 fresh samples")
 
 
 if __name__ == "__main__":
