@@ -28,7 +28,7 @@ __all__ = [
     "Sbp", "Split", "Broadcast", "Partial", "S", "B", "P", "split", "broadcast", "partial_sum",
     "partial_max", "partial_min", "NdSbp", "SbpLike", "parse_sbp", "parse_nd_sbp", "dual",
     "dual_nd", "part", "shard_box", "local_shape", "format_nd_sbp", "check_axes", "Box",
-    "REDUCE_OPS",
+    "REDUCE_OPS", "holds_value",
 ]
 
 REDUCE_OPS = ("sum", "max", "min")  # the reductions of P(op) and of the reducing collectives
@@ -243,3 +243,19 @@ def local_shape(shape: Sequence[int], mesh_shape: Sequence[int], nd_sbp: Sequenc
                 coord: Sequence[int]) -> tuple[int, ...]:
     """Shape of the local shard at mesh coordinate ``coord``."""
     return tuple(size for _, size in shard_box(shape, mesh_shape, nd_sbp, coord))
+
+
+def holds_value(nd_sbp: Sequence[Sbp], coord: Sequence[int],
+                dims: Iterable[int] | None = None) -> bool:
+    """Whether the rank at mesh coordinate ``coord`` holds the value when a whole value is laid
+    out as a partial ``nd_sbp`` (looking only at mesh ``dims``; default all).
+
+    The one rule for every place that makes partial shards from whole values (creation ops,
+    ``sf.nn.init``, checkpoint loading, boxing ``B -> P``): along a ``P(sum)`` dim only
+    coordinate 0 holds the value and the others hold zeros, the sum's identity; along
+    ``P(max)`` / ``P(min)`` every rank holds it (the max of equal values is the value), so no
+    infinity ever appears in a shard. A rank that does not hold the value holds zeros.
+    """
+    dims = range(len(nd_sbp)) if dims is None else dims
+    return not any(isinstance(nd_sbp[d], Partial) and nd_sbp[d].op == "sum" and coord[d] != 0
+                   for d in dims)

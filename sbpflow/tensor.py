@@ -16,14 +16,14 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import comm as _comm
-from .boxing import empty_local, identity_value, plan_layouts, run_plan
+from .boxing import empty_local, plan_layouts, run_plan
 from .caches import BoundedDict
 from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError, SbpError,
                      ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
-from .sbp import (B, Partial, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, local_shape,
+from .sbp import (B, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 
@@ -52,12 +52,6 @@ def _layout(placement: Placement | None, sbp: SbpLike | None, ndim: int,
     nd = (B,) * placement.ndim if sbp is None else parse_nd_sbp(sbp, placement.ndim)
     check_axes(nd, ndim, shape=shape, placement=placement)
     return placement, nd
-
-
-def _holds_value(nd_sbp: tuple, coord: tuple) -> bool:
-    """Whether the rank at ``coord`` holds the value (not the zeros) under P(sum) dims."""
-    return all(not (isinstance(s, Partial) and s.op == "sum" and c != 0)
-               for s, c in zip(nd_sbp, coord))
 
 
 # -- method bindings: each a thin call of a registered op (bound in the class body below) -------
@@ -342,12 +336,10 @@ def _create(shape: tuple, placement, sbp, dtype, requires_grad: bool, make) -> G
     if me in placement:
         coord = placement.coord_of(me)
         box = shard_box(shape, placement.shape, nd, coord)
-        if _holds_value(nd, coord):
+        if holds_value(nd, coord):
             local = make(box).to(dtype=dtype, device=device)
         else:
-            op = next(s.op for s in nd if isinstance(s, Partial))
-            local = torch.full(tuple(n for _, n in box), identity_value(op, dtype), dtype=dtype,
-                               device=device)
+            local = torch.zeros(tuple(n for _, n in box), dtype=dtype, device=device)
     else:
         local = empty_local(dtype, device)
     return GlobalTensor(local.requires_grad_(requires_grad), shape, placement, nd)

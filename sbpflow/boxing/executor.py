@@ -9,7 +9,7 @@ import torch
 
 from ..caches import BoundedDict
 from ..comm import Communicator
-from ..sbp import Partial, Split, shard_box
+from ..sbp import Partial, Split, holds_value, shard_box
 from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
 from .steps import Step, dual_step, member_boxes
 
@@ -34,20 +34,17 @@ def empty_local(dtype: torch.dtype, device: torch.device, requires_grad: bool = 
 
 
 def _holder_and_op(dst: tuple, src: tuple, coord: tuple, dims) -> tuple[bool, str]:
-    """Whether this rank keeps its data when ``dims`` turn partial, and the reduction used.
+    """Whether this rank keeps its data when ``dims`` turn partial, and the reduction whose
+    identity surrounds a kept shard.
 
-    Turning a replicated (``B``) dim into ``P(sum)``, only the group's first rank keeps the
-    value (the others hold zeros); for max/min every rank keeps it (the reduction of equal
-    values is the value). Turning ``S`` into ``P`` every rank keeps its own shard.
+    A replicated (or absent) source dim turning partial follows `sbp.holds_value` (a rank
+    that does not hold the value holds zeros); turning ``S`` into ``P`` every rank keeps its
+    own shard, and the rest of its region is the reduction's identity.
     """
-    holder, op = True, "sum"
-    for d in dims:
-        t = dst[d]
-        if isinstance(t, Partial) and src[d] != t:
-            op = t.op
-            if t.op == "sum" and coord[d] != 0 and not isinstance(src[d], Split):
-                holder = False
-    return holder, op
+    turning = [d for d in dims if isinstance(dst[d], Partial) and src[d] != dst[d]]
+    holder = holds_value(dst, coord, [d for d in turning if not isinstance(src[d], Split)])
+    ops = [dst[d].op for d in turning if isinstance(src[d], Split)]
+    return holder, ops[-1] if ops else "sum"
 
 
 # -- one function per kind; each returns this rank's new local shard ------------------------
@@ -56,13 +53,14 @@ def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> tor
     sbox = shard_box(step.shape, pl.shape, step.src, coord)
     dbox = shard_box(step.shape, pl.shape, step.dst, coord)
     holder, op = _holder_and_op(step.dst, step.src, coord, step.dims)
-    if holder and contains(sbox, dbox):
+    if not holder:
+        return torch.zeros(box_shape(dbox), dtype=x.dtype, device=x.device)
+    if contains(sbox, dbox):
         return x[relative(dbox, sbox)]  # a view, as torch's narrow / chunk give
-    # S -> P: my shard goes into an identity-filled region (holder), or nothing does.
+    # S -> P: my shard goes into a region filled with the reduction's identity
     out = torch.full(box_shape(dbox), identity_value(op, x.dtype), dtype=x.dtype, device=x.device)
-    if holder:
-        inter = intersect(sbox, dbox)
-        out[relative(inter, dbox)] = x[relative(inter, sbox)]
+    inter = intersect(sbox, dbox)
+    out[relative(inter, dbox)] = x[relative(inter, sbox)]
     return out
 
 
@@ -150,9 +148,7 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
                 out[relative(box, dbox)] = next(received)
         return out
     # the dual's routes may overlap (they accumulate) or leave parts uncovered (identity)
-    holder, op = _holder_and_op(step.dst, (None,) * dpl.ndim, dpl.coord_of(me), range(dpl.ndim))
-    fill = 0 if holder else identity_value(op, x.dtype)
-    out = torch.full(box_shape(dbox), fill, dtype=x.dtype, device=device)
+    out = torch.zeros(box_shape(dbox), dtype=x.dtype, device=device)
     for box, piece in local:
         out[relative(box, dbox)] += piece.to(device)
     for s, d, box in step.routes:

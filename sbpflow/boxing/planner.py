@@ -27,7 +27,8 @@ import torch
 
 from ..errors import BoxingError
 from ..placement import Placement
-from ..sbp import (B, Broadcast, Partial, Sbp, Split, check_axes, format_nd_sbp, parse_nd_sbp)
+from ..sbp import (B, Broadcast, Partial, Sbp, Split, check_axes, format_nd_sbp, holds_value,
+                   parse_nd_sbp)
 from .boxes import box_numel, intersect
 from .steps import Step, _with_bytes, is_valid_move, make_step, member_boxes
 
@@ -252,8 +253,8 @@ def _transfer_step(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl
     dboxes = member_boxes(shape, dpl, dsbp)
     for c in dpl.coords():
         r = dpl.rank_at(c)
-        if any(isinstance(s, Partial) and s.op == "sum" and c[d] != 0 for d, s in enumerate(dsbp)):
-            continue  # a non-first rank of a P(sum) dim holds zeros
+        if not holds_value(dsbp, c):
+            continue  # it holds zeros
         need = dboxes[r]
         for box, owners in holders.items():
             inter = intersect(box, need)

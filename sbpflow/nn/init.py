@@ -29,10 +29,9 @@ from typing import Callable, Iterator
 import torch
 
 from .. import comm as _comm
-from ..boxing import identity_value
 from ..errors import ShapeError
 from ..placement import Placement
-from ..sbp import Partial, check_axes, local_shape, parse_nd_sbp, shard_box
+from ..sbp import check_axes, holds_value, local_shape, parse_nd_sbp, shard_box
 from ..tensor import GlobalTensor, _next_seed
 from ..utils import generate_region
 
@@ -189,9 +188,8 @@ def _fill(tensor: GlobalTensor, make) -> GlobalTensor:
     box = shard_box(tuple(tensor.shape), pl.shape, nd, coord)
     local = tensor.local
     with torch.no_grad():
-        partial = [(s, c) for s, c in zip(nd, coord) if isinstance(s, Partial)]
-        if any(c != 0 for _, c in partial):
-            local.fill_(identity_value(partial[0][0].op, local.dtype))
+        if not holds_value(nd, coord):
+            local.zero_()
         else:
             local.copy_(make(box).to(local.dtype).reshape(local.shape))
     return tensor

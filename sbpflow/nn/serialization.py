@@ -48,7 +48,7 @@ from .. import comm as _comm
 from ..boxing import identity_value
 from ..boxing.boxes import box_numel, box_shape, intersect, relative
 from ..errors import SbpError, ShapeError
-from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
+from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
 from .checkpoint_files import FORMAT, CheckpointError
@@ -388,13 +388,13 @@ class _Reader:
 
 def _box_to_read(t: GlobalTensor) -> tuple | None:
     """The region of ``t`` this rank reads from a checkpoint: its shard's box; None outside
-    the placement, or where it holds a partial value at a non-first coordinate (which gets
-    the reduction's identity, so the pieces sum to the saved value)."""
+    the placement, or where it does not hold the value of a partial layout
+    (`sbp.holds_value`: it holds zeros)."""
     me = _comm.rank()
     if me not in t.placement:
         return None
     coord = t.placement.coord_of(me)
-    if any(c != 0 for s, c in zip(t.sbp, coord) if isinstance(s, Partial)):
+    if not holds_value(t.sbp, coord):
         return None
     return shard_box(tuple(t.shape), t.placement.shape, t.sbp, coord)
 
@@ -407,8 +407,7 @@ def _restore(reader: _Reader, key: str, t: GlobalTensor) -> None:
     local = t.local
     with torch.no_grad():
         if box is None:
-            op = next(s.op for s in t.sbp if isinstance(s, Partial))
-            local.fill_(identity_value(op, local.dtype))
+            local.zero_()
         else:
             local.copy_(reader.region(key, box, local.dtype).reshape(local.shape))
 
