@@ -12,6 +12,7 @@ rendezvous overhead, where the agreement check of the ranks lives).
 from __future__ import annotations
 
 import argparse
+import re
 import threading
 import time
 import warnings
@@ -128,8 +129,8 @@ def run_case(fn, world_size: int, stuck: float, timeout: float) -> tuple:
             name = type(exc).__name__
     end = time.monotonic()
     after = end - first.at if first.at is not None else float("nan")
-    left = [str(w.message).split(";")[0] for w in caught if "still running" in str(w.message)]
-    return name, after, end - t0, left[0] if left else ""
+    left = [re.search(r"rank\(s\) \[[\d, ]*\]", str(w.message)) for w in caught]
+    return name, after, end - t0, " ".join(m.group(0) for m in left if m)
 
 
 def all_reduce_cost(calls: int, repeats: int = 5) -> float:

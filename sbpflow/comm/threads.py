@@ -84,8 +84,8 @@ def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dts(dtypes: tuple) -> str:
-    return "/".join(_dt(d) for d in dtypes)
+def _dts(dtypes: set) -> str:
+    return "/".join(sorted(_dt(d) for d in dtypes))
 
 
 def _shapes(shapes) -> str:
@@ -116,21 +116,22 @@ def _ranks(rs: list[int]) -> str:
 def _gather_cross(group: tuple, sigs: dict) -> list[str]:
     """Member j's tensor has the shape every member declared for piece j."""
     declared = sigs[group[0]][0][2]
-    return [f"every rank expects shape {tuple(declared[j])} from rank {r}, which passes "
-            f"{tuple(sigs[r][1])}" for j, r in enumerate(group) if sigs[r][1] != declared[j]]
+    passed = [sigs[r][1] for r in group]
+    if passed == declared:  # one list comparison, in C, on the fast path
+        return []
+    return [f"every rank expects shape {tuple(want)} from rank {r}, which passes {tuple(got)}"
+            for r, want, got in zip(group, declared, passed) if got != want]
 
 
 def _a2a_cross(group: tuple, sigs: dict) -> list[str]:
     """The piece j sends to i has the shape i declared it expects from j."""
-    out = []
-    for i, ri in enumerate(group):
-        expect = sigs[ri][1][1]
-        for j, rj in enumerate(group):
-            sent = sigs[rj][1][0][i]
-            if sent != expect[j]:
-                out.append(f"rank {ri} expects shape {tuple(expect[j])} from rank {rj}, which "
-                           f"sends {tuple(sent)}")
-    return out
+    sends = [sigs[r][1][0] for r in group]  # sends[j][i]: the piece j sends to i
+    expected = [list(col) for col in zip(*(sigs[r][1][1] for r in group))]  # [j][i]: i from j
+    if sends == expected:  # list comparisons, in C, on the fast path
+        return []
+    return [f"rank {ri} expects shape {tuple(expected[j][i])} from rank {rj}, which sends "
+            f"{tuple(sends[j][i])}" for i, ri in enumerate(group) for j, rj in enumerate(group)
+            if sends[j][i] != expected[j][i]]
 
 
 def _rs_cross(group: tuple, sigs: dict) -> list[str]:
@@ -146,22 +147,29 @@ _CROSS = {"all_gather": _gather_cross, "all_to_all": _a2a_cross, "reduce_scatter
 def _disagreement(group: tuple, seq: int, sigs: dict) -> str | None:
     """None if the members' signatures agree; else the message every member raises."""
     head = sigs[group[0]][0]
-    if all(sigs[r][0] == head for r in group):
+    for r in group:  # a plain loop: cheaper than all() over a generator on this hot path
+        if sigs[r][0] != head:
+            problems = _by_call(group, sigs)
+            break
+    else:
         cross = _CROSS.get(head[0])
         problems = cross(group, sigs) if cross is not None else None
         if not problems:
             return None
         problems = problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
-    else:
-        by: dict[str, list[int]] = {}
-        for r in group:
-            by.setdefault(_describe(*sigs[r]), []).append(r)
-        problems = [f"{_ranks(rs)} called {d}" for d, rs in by.items()]
     kinds = {sigs[r][0][0] for r in group}
     kind = kinds.pop() if len(kinds) == 1 else "collective"
     return (f"{_call_text(kind, group, seq)}: the ranks disagree: {'; '.join(problems)}. Every "
             f"rank must issue the same collectives in the same order, with the same op, dtype "
             f"and shapes")
+
+
+def _by_call(group: tuple, sigs: dict) -> list[str]:
+    """``ranks [0, 2] called X``, one entry a distinct call, in group order."""
+    by: dict[str, list[int]] = {}
+    for r in group:
+        by.setdefault(_describe(*sigs[r]), []).append(r)
+    return [f"{_ranks(rs)} called {d}" for d, rs in by.items()]
 
 
 class ThreadWorld:
@@ -226,8 +234,9 @@ class ThreadWorld:
         if waits:
             return "; ".join(f"rank {rank} waits in {what()} for rank(s) {missing()}"
                              for what, missing in waits)
-        return f"rank {rank} is not in a collective (running its own code" \
-               f"{_where(self.idents.get(rank))})"
+        where = _where(self.idents.get(rank))
+        return f"rank {rank} is not waiting for another rank" + \
+            (f" (it is{where})" if where else "")
 
     def wait(self, ready: Callable[[], bool], what: What, missing: Callable[[], list[int]],
              rank: int) -> None:
@@ -378,14 +387,14 @@ class ThreadCommunicator(Communicator):
 
     def _all_to_all(self, pieces, group, shapes, assemble):
         i = group.index(self.rank)
-        dtypes = tuple(dict.fromkeys(p.dtype for p in pieces))
+        dtypes = {p.dtype for p in pieces}
         sig = (("all_to_all", dtypes), ([p.shape for p in pieces], shapes))
         return self._collective("all_to_all", group, pieces, sig,
                                 lambda d: assemble([d[r][i] for r in group]))
 
     def _reduce_scatter(self, pieces, group, op):
         i = group.index(self.rank)
-        dtypes = tuple(dict.fromkeys(p.dtype for p in pieces))
+        dtypes = {p.dtype for p in pieces}
         sig = (("reduce_scatter", op, dtypes, [p.shape for p in pieces]), None)
         return self._collective("reduce_scatter", group, pieces, sig,
                                 lambda d: reduce_tensors([d[r][i] for r in group], op))

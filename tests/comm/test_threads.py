@@ -95,7 +95,8 @@ def test_timeout_names_collective_and_missing_ranks():
         current().all_reduce(torch.ones(2), (0, 1))
     try:
         with pytest.raises(sf.CommTimeout, match=r"all_reduce over ranks \[0, 1\].*rank\(s\) \[1\]"
-                           r".*rank 1 is not in a collective .*test_threads.py:\d+") as info, \
+                           r".*rank 1 is not waiting for another rank \(it is at "
+                           r".*test_threads.py:\d+") as info, \
                 pytest.warns(RuntimeWarning, match="still running"):
             sf.launch(body, world_size=2, timeout=0.3)
     finally:
@@ -184,8 +185,8 @@ def test_rank_stuck_in_its_own_code_does_not_hold_launch():
         notes = "\n".join(info.value.__notes__)
         assert elapsed < 1.0 + 1.5, elapsed
         assert "rank(s) [1] of 2 still running" in notes
-        assert re.search(r"rank 1 is not in a collective \(running its own code at wait \(.*"
-                         r"threading.py:\d+\) <- body \(.*test_threads.py:\d+\)", notes), notes
+        assert re.search(r"rank 1 is not waiting for another rank \(it is at wait \(.*"
+                         r"threading.py:\d+\) <- body \(.*test_threads.py:\d+\)\)", notes), notes
         # a later launch while the stuck thread is still there
         def later():
             return current().all_reduce(torch.full((3,), float(sf.rank() + 1)), (0, 1)).tolist()
@@ -197,6 +198,27 @@ def test_rank_stuck_in_its_own_code_does_not_hold_launch():
             break
         time.sleep(0.02)
     assert woke and woke[0][0] is sf.CommAborted and woke[0][1] < 0.5, woke
+
+
+def test_rank_busy_in_python_does_not_hold_launch():
+    """A rank looping in pure Python (it holds the GIL most of the time, and nothing can
+    interrupt it) still lets launch raise at timeout + grace, naming the loop's line."""
+    release, give_up = threading.Event(), time.monotonic() + 10  # bounded: no hang if broken
+    def body():
+        if sf.rank() == 1:
+            while not release.is_set() and time.monotonic() < give_up:
+                sum(range(1000))
+        current().barrier()
+    t = time.monotonic()
+    try:
+        with pytest.raises(sf.CommTimeout) as info, pytest.warns(RuntimeWarning):
+            sf.launch(body, world_size=2, timeout=0.5)
+        assert time.monotonic() - t < 0.5 + 1.5
+    finally:
+        release.set()
+    notes = "\n".join(info.value.__notes__)
+    assert re.search(r"rank\(s\) \[1\] of 2 still running .* rank 1 is not waiting for another "
+                     r"rank \(it is at body \(.*test_threads.py:\d+\)\)", notes), notes
 
 
 def test_rank_stuck_behind_a_stuck_rank_stops_and_only_the_stuck_one_is_reported():
@@ -265,7 +287,8 @@ def test_all_reduce_dtype_and_op_must_agree():
         torch.ones(2, dtype=torch.float64 if c.rank else torch.float32), (0, 1)))
     _assert_all_raise(res, "rank 0 called all_reduce(op=sum, float32", "rank 1 called "
                       "all_reduce(op=sum, float64")
-    res = _every_rank_error(lambda c: c.all_reduce(torch.ones(2), (0, 1), "max" if c.rank else "sum"))
+    res = _every_rank_error(lambda c: c.all_reduce(torch.ones(2), (0, 1),
+                                                   "max" if c.rank else "sum"))
     _assert_all_raise(res, "rank 0 called all_reduce(op=sum,", "rank 1 called all_reduce(op=max,")
 
 
