@@ -9,11 +9,13 @@ collectives, of boxing steps and plans on it, and calibration of all of these fr
     cluster, report = sf.cost.calibrate()       # on every rank of a launched world
 """
 
-from .calibrate import (CalibrationReport, Sample, calibrate, calibrate_command, fit_alpha_beta,
-                        fit_collective, fit_copy)
-from .cluster import PRESETS, CollectiveFit, Cluster, CostError, Link
-from .collectives import (ALGORITHMS, KINDS, collective_time, latency_messages, plan_time,
-                          step_groups, step_time, volume)
+from .calibrate import calibrate, calibrate_command
+from .cluster import PRESETS, Cluster
+from .collectives import plan_time, step_groups, step_time
+from .fit import fit_alpha_beta, fit_collective, fit_copy
+from .formulas import (ALGORITHMS, KINDS, CollectiveFit, CostError, Link, collective_time,
+                       latency_messages, volume)
+from .report import CalibrationReport, Sample
 
 __all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "KINDS", "ALGORITHMS",
            "fit_collective", "fit_copy", "collective_time",
