@@ -242,7 +242,9 @@ def validate_manifest(path: str, m: dict) -> None:
           f"unknown checkpoint format {fmt!r} (this sbpflow reads 1 and {FORMAT})")
     for k, least in (("save_id", 0), ("world_size", 1)):
         check(is_int(m.get(k)) and m[k] >= least, path, f"bad {k} {m.get(k)!r}")
-    check(m.get("step") is None or is_int(m.get("step")), path, f"bad step {m.get('step')!r}")
+    step = m.get("step")  # an int; format 1 took any number
+    check(step is None or is_int(step) or (fmt == 1 and isinstance(step, float)), path,
+          f"bad step {step!r}")
     tensors = m.get("tensors")
     check(isinstance(tensors, dict), path, f"'tensors' must be an object, got {tensors!r}")
     for key, d in tensors.items():

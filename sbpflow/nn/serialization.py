@@ -123,7 +123,7 @@ def _partial_op(t: GlobalTensor):
     return next(iter(ops), None)
 
 
-def _agree(error: BaseException | None, what: str, values: list[int] = ()) -> list[list[int]]:
+def _agree(error: BaseException | None, what: str, values: tuple = ()) -> list[list[int]]:
     """Collective: each rank reports its error (or None) and the same number of ints; returns
     every rank's ints, in rank order. If any rank failed, raises on EVERY rank (so none waits
     for the others): a failing rank its own exception, the others a `CheckpointError` naming
@@ -177,8 +177,8 @@ def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
         error = CheckpointError(f"sf.save: rank {me} could not write its files in "
                                 f"{path_dir!r}: {exc!r}")
         error.__cause__ = exc
-    mine = [records.get(f"rank{me}.{e}", {}).get(k, 0) for e in ("pt", "json")
-            for k in ("size", "crc32")]
+    mine = tuple(records.get(f"rank{me}.{e}", {}).get(k, 0) for e in ("pt", "json")
+                 for k in ("size", "crc32"))
     rows = _agree(error, f"sf.save to {path_dir!r} (the checkpoint there is unchanged)", mine)
     if me == 0:
         try:

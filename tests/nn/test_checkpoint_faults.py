@@ -352,10 +352,11 @@ def test_any_damage_raises_checkpoint_error_on_every_rank(tmp_path, saved, name,
 
 def test_damage_is_found_before_the_model_changes(tmp_path, saved, expected):
     """A load that fails leaves the model and optimizer as they were (every check runs
-    before the first write): rank 1's file is damaged, rank 0 does not read it."""
+    before the first write): rank 0's shards are damaged, which rank 1 neither reads nor
+    verifies (it learns of the damage from rank 0)."""
     path = str(tmp_path / "c")
     shutil.copytree(saved, path)
-    _flip(0.5)(_find(path, "rank1.pt"))
+    _flip(0.5)(_find(path, "rank0.pt"))
 
     def body():
         m, opt = _build()
@@ -365,8 +366,23 @@ def test_damage_is_found_before_the_model_changes(tmp_path, saved, expected):
         return err, all(torch.equal(before[n], after[n]) for n in before), dict(opt.state)
 
     for err, unchanged, state in sf.launch(body, world_size=WORLD):
-        assert err[0] == "CheckpointError" and "rank1.pt" in err[1]
+        assert err[0] == "CheckpointError" and "rank0.pt" in err[1]
         assert unchanged and state == {}
+
+
+def _gloo_load(path):
+    """Runs in each gloo process."""
+    return _catching(_load_values, path)
+
+
+@pytest.mark.gloo
+def test_damage_raises_on_every_process_over_gloo(tmp_path, saved):
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+    _flip(0.5)(_find(path, "rank0.pt"))  # found by rank 0 only
+    got = sf.launch(_gloo_load, world_size=WORLD, backend="torch", timeout=60, args=(path,))
+    for g in got:
+        assert g is not None and g[0] == "CheckpointError" and "rank0.pt" in g[1], g
 
 
 # -- optimizer classes ----------------------------------------------------------------------------
