@@ -23,7 +23,7 @@ from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError,
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
-from .sbp import (B, Sbp, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
+from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
 from .utils import generate_region, mix_seed
 

@@ -32,8 +32,9 @@ from .. import comm as _comm
 from ..errors import ShapeError
 from ..placement import Placement
 from ..sbp import check_axes, holds_value, local_shape, parse_nd_sbp, shard_box
-from ..tensor import GlobalTensor, _next_seed
+from ..tensor import GlobalTensor, _next_seed, zeros as _zeros
 from ..utils import generate_region
+from .parameter import Parameter
 
 __all__ = ["uniform_", "normal_", "constant_", "zeros_", "ones_", "xavier_uniform_",
            "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "calculate_gain",
@@ -148,7 +149,6 @@ def materialize(tensor: GlobalTensor, placement: Placement | None = None,
         sbp = tensor.sbp
     if not is_meta(tensor):
         return tensor.detach().to_global(placement, sbp)
-    from ..tensor import zeros as _zeros
     out = _zeros(*tuple(tensor.shape), placement=placement, sbp=sbp, dtype=tensor.dtype)
     with _RECIPES_LOCK:
         steps = list(_recipe(tensor) or ())
@@ -161,7 +161,6 @@ def materialize_(module) -> object:
     """Give every meta parameter of ``module`` (an ``sf.nn.Module``) storage in its own layout,
     re-registered as a fresh leaf parameter under each of its names (tied stay tied); returns
     ``module``. Build the optimizer afterwards."""
-    from .modules import Parameter
     new: dict = {}
     for m in module.modules():
         for key, p in list(m._parameters.items()):
@@ -173,12 +172,14 @@ def materialize_(module) -> object:
     return module
 
 
-def _fill(tensor: GlobalTensor, make) -> GlobalTensor:
-    """Write ``make(box)`` (the logical values of region ``box``) into this rank's shard."""
+def fill_regions_(tensor: GlobalTensor, make) -> GlobalTensor:
+    """Write ``make(box)`` (the logical values of region ``box``) into this rank's shard, in
+    place (a rank that does not hold a partial layout's value gets zeros: `sbp.holds_value`);
+    on a meta tensor, record the fill for `materialize`."""
     if not isinstance(tensor, GlobalTensor):
         raise TypeError(f"sf.nn.init works on sf.GlobalTensor, got {type(tensor).__name__}")
     if tensor.local.is_meta:   # built under meta_init: remember the fill, compute nothing
-        record(tensor, lambda t: _fill(t, make))
+        record(tensor, lambda t: fill_regions_(t, make))
         return tensor
     pl, nd = tensor.placement, tensor.sbp
     me = _comm.rank()
@@ -207,18 +208,18 @@ def uniform_(tensor: GlobalTensor, a: float = 0.0, b: float = 1.0, *, seed: int 
              generator: torch.Generator | None = None) -> GlobalTensor:
     """Fill with values drawn uniformly from ``[a, b)``."""
     region = _rand_region("rand", tensor, seed, generator)
-    return _fill(tensor, lambda box: a + (b - a) * region(box))
+    return fill_regions_(tensor, lambda box: a + (b - a) * region(box))
 
 
 def normal_(tensor: GlobalTensor, mean: float = 0.0, std: float = 1.0, *, seed: int | None = None,
             generator: torch.Generator | None = None) -> GlobalTensor:
     """Fill with values drawn from ``N(mean, std²)``."""
     region = _rand_region("randn", tensor, seed, generator)
-    return _fill(tensor, lambda box: mean + std * region(box))
+    return fill_regions_(tensor, lambda box: mean + std * region(box))
 
 
 def constant_(tensor: GlobalTensor, val: float) -> GlobalTensor:
-    return _fill(tensor, lambda box: torch.full(tuple(n for _, n in box), float(val)))
+    return fill_regions_(tensor, lambda box: torch.full(tuple(n for _, n in box), float(val)))
 
 
 def zeros_(tensor: GlobalTensor) -> GlobalTensor:

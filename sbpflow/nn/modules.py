@@ -26,13 +26,15 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from ..errors import SbpError, ShapeError
+from ..gradsync import zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
-from ..tensor import GlobalTensor, tensor as _sf_tensor, zeros as _sf_zeros
+from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import functional as F
 from . import functional_conv as FC
 from . import init
-from .init import _fill
+from .init import fill_regions_
+from .parameter import Parameter
 
 __all__ = ["Parameter", "Module", "StateDictError", "Linear", "Embedding", "LayerNorm", "Dropout",
            "GELU", "ReLU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "Conv2d",
@@ -44,45 +46,9 @@ class StateDictError(SbpError, RuntimeError):
     """A state dict does not fit a module (missing or unexpected keys)."""
 
 
-class Parameter(GlobalTensor):
-    """A leaf global tensor that requires grad (by default), registered by `Module` on
-    assignment. ``Parameter(global_tensor)`` shares the tensor's shard (copied when the shard
-    is a view into a larger buffer, so a split parameter never keeps the whole tensor alive).
-    ``Parameter(torch_tensor, placement=, sbp=)`` lays out a logical torch value."""
-
-    __slots__ = ()
-
-    def __init__(self, data, requires_grad: bool = True, *, placement: Placement | None = None,
-                 sbp=None) -> None:
-        if isinstance(data, torch.Tensor):
-            data = _sf_tensor(data.detach(), placement, sbp)
-        elif not isinstance(data, GlobalTensor):
-            raise TypeError(f"Parameter needs an sf.GlobalTensor or torch.Tensor, got "
-                            f"{type(data).__name__}")
-        local = data.local.detach()
-        if local._base is not None or not local.is_contiguous():
-            local = local.clone(memory_format=torch.contiguous_format)
-        super().__init__(local.requires_grad_(requires_grad), tuple(data.shape), data.placement,
-                         data.sbp)
-
-    def __repr__(self) -> str:
-        return "Parameter containing:\n" + super().__repr__()
-
-
 class _IncompatibleKeys(NamedTuple):
     missing_keys: list
     unexpected_keys: list
-
-
-def zero_grads(params, set_to_none: bool = True) -> None:
-    """Drop (or zero in place) the gradients of ``params`` (global tensors)."""
-    for p in params:
-        if p.local.grad is None:
-            continue
-        if set_to_none:
-            p.local.grad = None
-        else:
-            p.local.grad.detach_().zero_()
 
 
 class Module:
@@ -420,7 +386,7 @@ def assign_logical(t: GlobalTensor, value) -> None:
             t.local.copy_(local)
         return
     full = value.detach()
-    _fill(t, lambda box: full[tuple(slice(s, s + n) for s, n in box)])
+    fill_regions_(t, lambda box: full[tuple(slice(s, s + n) for s, n in box)])
 
 
 # -- layers ---------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import torch
 from .. import comm as _comm
 from ..boxing import plan_layouts
 from ..caches import memoize
+from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, retains_grads
@@ -204,7 +205,7 @@ class PendingMean(GlobalTensor):
         if leaves is None:
             GlobalTensor.backward(self, gradient, retain_graph)  # reads _local: waits
             if self._miss():
-                _drop_started_grad_syncs()
+                drop_started()  # every rank guessed wrong: the optimizer redoes them
             return
         torch.autograd.backward(self._spec, self._seed(None), retain_graph=retain_graph)
         if self._miss():
@@ -213,7 +214,7 @@ class PendingMean(GlobalTensor):
                 for leaf in leaves:
                     if leaf.grad is not None:
                         leaf.grad.mul_(scale)
-            _drop_started_grad_syncs()
+            drop_started()  # every rank guessed wrong: the optimizer redoes them
         self._local  # noqa: B018 - the value, now that the count is here
 
 
@@ -244,10 +245,3 @@ def _correctable(leaf: torch.Tensor) -> bool:
         return False
     post = getattr(leaf, "_post_accumulate_grad_hooks", None)
     return not post or all(getattr(h, "redone_when_dropped", False) for h in post.values())
-
-
-def _drop_started_grad_syncs() -> None:
-    """Every rank saw the same wrong guess: forget the gradient all-reduces started during this
-    backward (they may hold guessed gradients); the optimizer reduces the gradients again."""
-    from ..optim.grad_sync import drop_started  # the optim layer imports nn: import late
-    drop_started()

@@ -24,11 +24,10 @@ import torch
 
 from .. import comm as _comm
 from ..errors import SbpError, ShapeError
+from ..gradsync import GradSync, collect, zero_grads
 from ..sbp import Partial, format_nd_sbp
 from ..nn.checkpoint_files import CheckpointError
-from ..nn.modules import zero_grads
-from ..tensor import GlobalTensor, zeros as _sf_zeros
-from .grad_sync import GradSync, collect
+from ..tensor import GlobalTensor, tensor as _sf_tensor
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -84,7 +83,7 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
     out: list = [None] * len(params)
     buckets: dict = {}
     cache = _boxed_cache()
-    cache.update(collect(params))  # all-reduces started during backward (grad_sync)
+    cache.update(collect(params))  # all-reduces started during backward (gradsync)
     for i, p in enumerate(params):
         g = p.local.grad
         if g is None:
@@ -158,7 +157,7 @@ class Optimizer(torch.optim.Optimizer):
     # on: the first step sets up the buckets); `no_sync` for accumulated micro-batches
     overlap_grad_sync = True
     grad_bucket_bytes = _BUCKET_BYTES
-    # None: 1 MiB on CUDA (the first all-reduce starts early), bucket size on a CPU (grad_sync)
+    # None: 1 MiB on CUDA (the first all-reduce starts early), bucket size on a CPU (gradsync)
     first_grad_bucket_bytes: int | None = None
 
     def __init__(self, params, defaults: dict) -> None:  # noqa: D401 - not torch's __init__
@@ -369,10 +368,7 @@ class Optimizer(torch.optim.Optimizer):
                 raise ShapeError(f"optimizer state {key!r} has shape {tuple(v.shape)}, its "
                                  f"parameter {tuple(p.shape)} (placement {p.placement}, sbp "
                                  f"{format_nd_sbp(p.sbp)})")
-            from ..nn.init import _fill
-            t = _sf_zeros(*p.shape, placement=p.placement, sbp=p.sbp, dtype=v.dtype)
-            full = v.detach()
-            return _fill(t, lambda box: full[tuple(slice(s, s + n) for s, n in box)])
+            return _sf_tensor(v.detach(), p.placement, p.sbp)
         return v
 
 

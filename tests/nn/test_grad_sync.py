@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from sbpflow.optim.grad_sync import GradSync
+from sbpflow.gradsync import GradSync
 from sbpflow.optim.optimizer import boxed_grads
 from nn_twin import assert_close, batch, layout, sf_loss, sf_mlp, torch_mlp, torch_loss
 

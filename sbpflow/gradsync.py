@@ -34,10 +34,10 @@ from typing import Iterator
 
 import torch
 
-from .. import comm as _comm
-from ..boxing import plan_layouts
-from ..sbp import dual_nd
-from ..tensor import GlobalTensor
+from . import comm as _comm
+from .boxing import plan_layouts
+from .sbp import dual_nd
+from .tensor import GlobalTensor
 
 __all__ = ["GradSync", "collect", "drop_started"]
 
@@ -242,3 +242,14 @@ def _hook(sync_ref: "weakref.ref", index: int, j: int):
             sync._ready(index, j)
     hook.redone_when_dropped = True  # what it starts, `drop_started` undoes (pending_mean)
     return hook
+
+
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """Drop (or zero in place) the gradients of ``params`` (global tensors)."""
+    for p in params:
+        if p.local.grad is None:
+            continue
+        if set_to_none:
+            p.local.grad = None
+        else:
+            p.local.grad.detach_().zero_()
