@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -293,11 +294,14 @@ NESTED = [
 ]
 
 
+def _mesh_placement(mesh: tuple):
+    """A cpu placement of ranks 0.. in row-major order on ``mesh``, and its rank count."""
+    world = math.prod(mesh)
+    return sf.placement("cpu", ranks=torch.arange(world).reshape(mesh).tolist()), world
+
+
 def _nested_case(mesh, src, dst):
-    world = 1
-    for m in mesh:
-        world *= m
-    pl = sf.placement("cpu", ranks=torch.arange(world).reshape(mesh).tolist())
+    pl, world = _mesh_placement(mesh)
     c = fitted(p=world, copy_beta=1e-10, step_overhead=1e-5)
     shape = (64, 48)
     return c, shape, sf.boxing.plan(shape, torch.float32, src=(pl, src), dst=(pl, dst))
@@ -352,10 +356,7 @@ def test_transfer_into_partial_max_is_received_by_every_rank():
 def test_evaluate_reduces_a_partial_before_changing_its_reduction(mesh, src, dst):
     """No local step turns P(sum) into P(max) (the boxing rule `is_local_change`): the planner
     reduce-scatters first, and evaluate prices that, not a free local step."""
-    world = 1
-    for m in mesh:
-        world *= m
-    pl = sf.placement("cpu", ranks=torch.arange(world).reshape(mesh).tolist())
+    pl, world = _mesh_placement(mesh)
     shape = (8, 16)
     plan = sf.boxing.plan(shape, torch.float32, src=(pl, src), dst=(pl, dst))
     assert [s.kind for s in plan.steps if s.kind != "local"] == ["reduce_scatter"]
