@@ -179,15 +179,13 @@ def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(tmp_path
 def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path, saved, expected):
     path = str(tmp_path / "c")
     shutil.copytree(saved, path)
-    seen = set()
-    for k in (3, 6):  # two saves killed while writing their files
+    for i, k in enumerate((3, 6)):  # two saves killed while writing their files
         with _killed_at(k), contextlib.suppress(_Died):
             sf.launch(_save_values, world_size=WORLD, args=(path, 2, expected[2]))
         leftovers = [n for n in _listing(path) if n not in (_generation(path), "manifest.json")]
-        # the killed save's own generation; an earlier one was removed as this save began
-        assert len(leftovers) == 1 and leftovers[0].startswith("gen-"), leftovers
-        assert leftovers[0] not in seen
-        seen.add(leftovers[0])
+        # the killed saves' generations (the second may have removed the first's as it began:
+        # the ranks' file operations interleave, so where k falls varies)
+        assert 1 <= len(leftovers) <= i + 1 and all(n.startswith("gen-") for n in leftovers)
         _assert_holds(path, 1, expected)
     sf.launch(_save_values, world_size=WORLD, args=(path, 2, expected[2]))
     assert _listing(path) == [_generation(path), "manifest.json"]
