@@ -12,13 +12,22 @@ __all__ = ["main"]
 
 
 def _run_threads(script: str, argv: list[str], n: int) -> None:
+    """Run ``script`` as ``__main__`` on ``n`` rank threads of this process, with ``argv``;
+    the process's ``sys.argv`` and ``__main__`` module are as before afterwards."""
     from . import comm
 
     def rank_main() -> None:
         runpy.run_path(script, run_name="__main__")
 
+    # each rank's run_path swaps sys.modules["__main__"] and puts back what it found: threads
+    # interleave, so the last to finish can put back another rank's script module (a later
+    # multiprocessing spawn would then re-run the script as its main)
+    main_module, old_argv = sys.modules["__main__"], sys.argv
     sys.argv = [script] + argv
-    comm.launch(rank_main, n, backend="threads")
+    try:
+        comm.launch(rank_main, n, backend="threads")
+    finally:
+        sys.modules["__main__"], sys.argv = main_module, old_argv
 
 
 _FAIL_GRACE = 5.0  # s the other ranks get to report their own error after one rank fails

@@ -25,6 +25,21 @@ def test_run_threads_runs_the_script_on_every_rank(tmp_path, capsys):
         assert f"rank {r} of 3 ['--flag', 'v'] 28" in out
 
 
+def test_run_threads_leaves_main_and_argv_as_they_were(tmp_path):
+    """Rank threads each run the script as __main__; afterwards the process's __main__ module
+    and argv are its own again (a rank's module left as __main__ made later gloo launches
+    re-run the script in their workers). Ranks finish in rank order after a collective, so
+    the last one to put __main__ back is rarely the one that swapped the original out."""
+    script = tmp_path / "s.py"
+    script.write_text("import time, sbpflow as sf\nsf.init()\n"
+                      "sf.ones(4, placement=sf.placement('cpu', [0, 1, 2, 3]), sbp=sf.S(0))"
+                      ".full_tensor()\ntime.sleep(0.02 * sf.rank())\n")
+    before, argv = sys.modules["__main__"], list(sys.argv)
+    for _ in range(3):
+        main(["run", "-n", "4", str(script), "--flag"])
+        assert sys.modules["__main__"] is before and sys.argv == argv
+
+
 def test_demo_runs_and_checks_bytes(capsys, tmp_path):
     """A short demo: the boxing table (every row's value kept and bytes as planned), then the
     GPT trained a few steps: loss lines going down, the communication table, the plot."""
