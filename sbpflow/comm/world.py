@@ -143,12 +143,12 @@ def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
     except BaseException as exc:  # e.g. KeyboardInterrupt: stop the ranks' communication too
         world.abort(-1, exc)
         raise
-    with errors_lock:
-        errors = list(errors)
-    if not errors:
+    with errors_lock:  # a rank left behind may still add to ``errors``
+        raised = list(errors)
+    if not raised:
         return results
     # The root cause is the first error that is not another rank's abort.
-    r, exc = next(((r, e) for r, e in errors if not isinstance(e, CommAborted)), errors[0])
+    r, exc = next(((r, e) for r, e in raised if not isinstance(e, CommAborted)), raised[0])
     _add_note(exc, f"raised on rank {r} of {world_size} (sbpflow threads backend)")
     _report_stuck(world, exc)
     raise exc
