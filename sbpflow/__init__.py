@@ -10,10 +10,12 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
 from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
-from .errors import (BoxingError, CommAborted, CommError, CommTimeout, DtypeMismatchError,
-                     PlacementError,
-                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
-                     SplitAxisError)
+from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CommAborted, CommError,
+                     CommTimeout, CostError, DtypeMismatchError, IndexOutOfRange,
+                     OptimizerStateError, ParallelizeError, PlacementError,
+                     PlacementMismatchError, SbpError, SbpParseError, SearchCliError, ShapeError,
+                     SignatureError, SplitAxisError, StateDictError, TraceError,
+                     UnmatchedParameterError)
 from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
@@ -33,5 +35,7 @@ __all__ = [
     "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "clear_caches", "cache_info", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "CommAborted", "CommTimeout", "DtypeMismatchError", "optim", "parallel", "save", "load", "autocast", "auto",
+    "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
+    "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
+    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "optim", "parallel", "save", "load", "autocast", "auto",
 ]

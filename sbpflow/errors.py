@@ -54,3 +54,44 @@ class CommAborted(CommError):
 
 class CommTimeout(CommError):
     """A collective waited longer than the timeout for some ranks."""
+
+
+# -- errors of the layers above (defined here, so every error class lives in one place) ---------
+class AdvancedIndexError(SbpError, NotImplementedError):
+    """A global tensor was indexed with a tensor, a list or a bool (advanced indexing), which
+    sbpflow does not support: only int, slice, None and Ellipsis."""
+
+
+class CostError(SbpError, ValueError):
+    """A cost-model request that cannot be answered (bad cluster, unknown kind, rank outside)."""
+
+
+class StateDictError(SbpError, RuntimeError):
+    """A state dict does not fit a module (missing or unexpected keys)."""
+
+
+class CheckpointError(SbpError, RuntimeError):
+    """A checkpoint directory is missing, incomplete, damaged, mixed, or does not fit the
+    model or optimizer it is loaded into."""
+
+
+class OptimizerStateError(SbpError, ValueError):
+    """An optimizer state dict does not fit the optimizer (groups, parameters, shapes)."""
+
+
+class UnmatchedParameterError(SbpError, ValueError):
+    """Some parameters match no rule (and there is no ``"*"`` fallback)."""
+
+
+class TraceError(SbpError, RuntimeError):
+    """The model cannot be traced (no parameters, no traced layers, or its forward fails on
+    shapes only)."""
+
+
+class ParallelizeError(SbpError, ValueError):
+    """A strategy cannot be applied to the model (wrong layer count, a device count that does
+    not match, a parameter shared by layers that lay it out differently)."""
+
+
+class SearchCliError(SbpError, ValueError):
+    """Bad input to ``sbpflow search`` (unknown model, bad sizes, unusable cluster)."""

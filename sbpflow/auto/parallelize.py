@@ -56,7 +56,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import SbpError
+from ..errors import ParallelizeError
 from ..parallel.relayout import relayout
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from .evaluate import Breakdown, Evaluator
@@ -65,11 +65,6 @@ from .trace import trace
 
 __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeError",
            "common_refinement"]
-
-
-class ParallelizeError(SbpError, ValueError):
-    """A strategy cannot be applied to the model (wrong layer count, a device count that does
-    not match, a parameter shared by layers that lay it out differently)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from ..errors import SbpError
+from ..errors import SbpError, SearchCliError
 
 __all__ = ["SearchCliError", "add_arguments", "search_command", "build_graph", "build_cluster",
            "run_search", "run_command", "plot_convergence", "MODELS", "FILL_BUDGET"]
@@ -26,10 +26,6 @@ GiB = 2 ** 30
 MODELS = ("gpt", "vgg13", "alexnet", "dlrm", "mlp")
 # batch default per model (None in argparse so we can tell "not given")
 _DEFAULT_BATCH = {"gpt": 8, "vgg13": 64, "alexnet": 128, "dlrm": 2048, "mlp": 64}
-
-
-class SearchCliError(SbpError, ValueError):
-    """Bad input to ``sbpflow search`` (unknown model, bad sizes, unusable cluster)."""
 
 
 def _positive(name, v):

@@ -30,16 +30,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import SbpError
+from ..errors import SbpError, TraceError
 from ..sbp import B
 from .graph import Graph, Layer
 
 __all__ = ["trace", "TraceError"]
-
-
-class TraceError(SbpError, RuntimeError):
-    """The model cannot be traced (no parameters, no traced layers, or its forward fails on
-    shapes only)."""
 
 
 def _torch_itemsize(dtype) -> int:

@@ -18,14 +18,10 @@ import math
 from typing import NamedTuple
 
 from ..comm.kinds import ALGORITHMS, KINDS, TABLE, VARIANTS, Form
-from ..errors import SbpError
+from ..errors import CostError
 
 __all__ = ["CostError", "Link", "CollectiveFit", "KINDS", "ALGORITHMS", "collective_time",
            "latency_messages", "volume", "form"]
-
-
-class CostError(SbpError, ValueError):
-    """A cost-model request that cannot be answered (bad cluster, unknown kind, rank outside)."""
 
 
 class Link(NamedTuple):

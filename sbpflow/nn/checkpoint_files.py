@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import SbpError
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "generation_name", "write_file",
            "fsync_dir", "verify_file", "read_verified", "parse_json", "encode_manifest",
@@ -37,11 +37,6 @@ _CHUNK = 4 << 20  # bytes read at a time when verifying a checksum
 _GEN = re.compile(r"gen-[0-9a-f]{16}")
 _LEGACY = re.compile(r"common\.pt|rank\d+\.(pt|json)")
 _TEMP = re.compile(r"(common\.pt|rank\d+\.(pt|json)|manifest\.json)\.tmp-.*")
-
-
-class CheckpointError(SbpError, RuntimeError):
-    """A checkpoint directory is missing, incomplete, damaged, mixed, or does not fit the
-    model or optimizer it is loaded into."""
 
 
 def check(ok: bool, where: str, what: str) -> None:

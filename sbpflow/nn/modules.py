@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
-from ..errors import SbpError, ShapeError
+from ..errors import ShapeError, StateDictError
 from ..gradsync import zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
@@ -40,10 +40,6 @@ __all__ = ["Parameter", "Module", "StateDictError", "Linear", "Embedding", "Laye
            "GELU", "ReLU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "Conv2d",
            "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Flatten", "Sequential", "ModuleList",
            "ModuleDict"]
-
-
-class StateDictError(SbpError, RuntimeError):
-    """A state dict does not fit a module (missing or unexpected keys)."""
 
 
 class _IncompatibleKeys(NamedTuple):

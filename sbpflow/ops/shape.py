@@ -48,18 +48,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import IndexOutOfRange, SbpError
+from ..errors import AdvancedIndexError, IndexOutOfRange
 from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
 __all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
            "local_view_shape", "resolve_shape", "PARTIALS"]
 
 PARTIALS = ("P",)
-
-
-class AdvancedIndexError(SbpError):
-    """A global tensor was indexed with a tensor, a list or a bool (advanced indexing), which
-    sbpflow does not support: only int, slice, None and Ellipsis."""
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -23,17 +23,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import comm as _comm
-from ..errors import SbpError, ShapeError
+from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
 from ..gradsync import GradSync, collect, zero_grads
 from ..sbp import Partial, format_nd_sbp
-from ..nn.checkpoint_files import CheckpointError
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
-
-
-class OptimizerStateError(SbpError, ValueError):
-    """An optimizer state dict does not fit the optimizer (groups, parameters, shapes)."""
 
 
 def _boxed_cache() -> "weakref.WeakKeyDictionary":

@@ -21,17 +21,13 @@ from __future__ import annotations
 import fnmatch
 from typing import Mapping
 
-from ..errors import SbpError
+from ..errors import SbpError, UnmatchedParameterError
 from ..nn.modules import Module
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
 from .relayout import relayout
 
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
-
-
-class UnmatchedParameterError(SbpError, ValueError):
-    """Some parameters match no rule (and there is no ``"*"`` fallback)."""
 
 
 def match_rules(names, rules: Mapping, placement: Placement) -> dict:
