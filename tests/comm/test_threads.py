@@ -313,7 +313,7 @@ def test_different_groups_are_a_deadlock_reported_at_once(groups):
         c.all_reduce(torch.ones(1), groups[0] if c.rank < n - 1 else groups[1])
     t = time.monotonic()
     res = _every_rank_error(body, world_size=n, timeout=30)
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 3.0  # the timeout is 30 s
     _assert_all_raise(res, "deadlock: rank", f"all_reduce over ranks {list(groups[0])}",
                       f"all_reduce over ranks {list(groups[1])}", "over the same groups")
 
@@ -374,4 +374,4 @@ def test_recv_from_a_rank_waiting_for_me_is_a_deadlock():
     t = time.monotonic()
     with pytest.raises(sf.CommError, match=r"deadlock: .*recv from rank 0"):
         sf.launch(body, world_size=2, timeout=30)
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 3.0  # the timeout is 30 s
