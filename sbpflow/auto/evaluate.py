@@ -46,12 +46,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
 from ..boxing.steps import is_local_change, is_valid_move
+from ..caches import BoundedDict, memoize
 from ..cost.formulas import volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 
@@ -59,7 +59,7 @@ __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistributi
 
 
 # ---- analytic redistribution -------------------------------------------------------------------
-@lru_cache(maxsize=1 << 16)
+@memoize(1 << 16)
 def _refine(mesh_a: tuple, mesh_b: tuple):
     """Common row-major refinement: (fine mesh, fine->coarse index for a, for b) or None."""
     def cuts(m):
@@ -101,7 +101,7 @@ def _piece(numel, fine, nd, skip):
     return numel / math.prod(_split_factors(fine, nd, skip).values() or [1])
 
 
-@lru_cache(maxsize=1 << 18)
+@memoize(1 << 18)
 def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                          dst: tuple) -> tuple:
     """The collectives of the analytic redistribution: `Collective` records ``(kind,
@@ -174,7 +174,7 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     return max((f for f, _ in t), default=0.0) * n, tuple((f * n, m) for f, m in t)
 
 
-@lru_cache(maxsize=1 << 16)
+@memoize(1 << 16)
 def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
     that). The distinct source boxes tile the tensor as a grid, the product over axes of
@@ -237,7 +237,7 @@ class Collective(NamedTuple):
     numel: float
 
 
-@lru_cache(maxsize=1 << 18)
+@memoize(1 << 18)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """The `Move` s of the redistribution: the fixed order, or, when one of its moves is not a
     valid boxing step (nested splits of one axis), what the planner does instead: partial dims
@@ -426,7 +426,7 @@ class _FixedOrder:
             self.moves.append(Move("nested", self.fine, dims, piece, fallback="all_gather"))
 
 
-@lru_cache(maxsize=1 << 14)
+@memoize(1 << 14)
 def _group_ranks(fine: tuple, dims: tuple) -> tuple:
     strides = [math.prod(fine[j + 1:]) for j in range(len(fine))]
     ranks = [0]
@@ -502,24 +502,21 @@ def _transfer_time(cluster, nbytes, msgs, fine):
         cluster.copy_time(nbytes)
 
 
-_TIME_CACHE: dict = {}
+# (id(cluster), kind, bytes, mesh, dims) -> (cluster, seconds): an entry holds its cluster, so
+# the id is not reused while the entry lives (clusters may hold unhashable fit tables)
+_TIME_CACHE = BoundedDict("auto.collective_times", 1 << 18)
 
 
 def _coll_time(cluster, kind, nbytes, fine, dims):
     """Time of one collective over the group of ``dims`` of the fine mesh that holds rank 0
     (groups along a dim are translates of it, so they cross node boundaries alike when the
     mesh dims align with nodes; they do for meshes whose dims are divisors in row-major)."""
-    entry = _TIME_CACHE.get(id(cluster))
-    if entry is None or entry[0] is not cluster:
-        if len(_TIME_CACHE) > 64:
-            _TIME_CACHE.clear()
-        entry = _TIME_CACHE[id(cluster)] = (cluster, {})   # holds the cluster: ids stay unique
-    cache = entry[1]
-    key = (kind, nbytes, fine, dims)
-    t = cache.get(key)
-    if t is None:
-        ranks = list(_group_ranks(fine, dims))
-        t = cache[key] = float(cluster.collective_time(kind, nbytes, ranks))
+    key = (id(cluster), kind, nbytes, fine, dims)
+    hit = _TIME_CACHE.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    t = float(cluster.collective_time(kind, nbytes, list(_group_ranks(fine, dims))))
+    _TIME_CACHE.put(key, (cluster, t))
     return t
 
 

@@ -20,14 +20,14 @@ import heapq
 import itertools
 import threading
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import torch
 
+from ..caches import memoize
 from ..errors import BoxingError
 from ..placement import Placement
-from ..sbp import (B, Broadcast, Partial, Sbp, Split, check_axes, format_nd_sbp, holds_value,
+from ..sbp import (B, Broadcast, Partial, Split, check_axes, format_nd_sbp, holds_value,
                    parse_nd_sbp)
 from .boxes import box_numel, intersect
 from .steps import Step, _with_bytes, is_valid_move, make_step, member_boxes
@@ -112,7 +112,7 @@ def plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
         return _plan_layouts(shape, dtype, spl, ssbp, dpl, dsbp)
 
 
-@lru_cache(maxsize=4096)
+@memoize(4096)
 def _plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
                   dpl: Placement, dsbp: tuple) -> BoxingPlan:
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -175,7 +175,7 @@ def _neighbours(state: tuple, axes: list[int], ops: list[str]):
                         yield put([Partial(op)]), dims
 
 
-@lru_cache(maxsize=1 << 14)
+@memoize(1 << 14)
 def _edges(shape: tuple, itemsize: int, pl: Placement, state: tuple, axes: tuple,
            ops: tuple) -> tuple:
     """The valid single steps out of ``state``: ``((new_state, step), ...)``."""

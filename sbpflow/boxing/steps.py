@@ -25,9 +25,9 @@ transposed routes with accumulation (the adjoint), which is what backward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Sequence
 
+from ..caches import memoize
 from ..comm.kinds import (BOXING_KINDS, TABLE, Traffic, exchange_traffic, gather_traffic,
                           ring_traffic, scatter_traffic)
 from ..errors import BoxingError
@@ -117,14 +117,14 @@ def is_valid_move(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -
                    and src[e].axis in touched for e in range(len(src)))
 
 
-@lru_cache(maxsize=65536)
+@memoize(65536)
 def member_boxes(shape: tuple, placement: Placement, nd_sbp: tuple) -> dict[int, Box]:
     """Box of every rank of ``placement`` under ``nd_sbp``."""
     return {placement.rank_at(c): shard_box(shape, placement.shape, nd_sbp, c)
             for c in placement.coords()}
 
 
-@lru_cache(maxsize=4096)
+@memoize(4096)
 def placement_groups(placement: Placement, dims: tuple) -> tuple[tuple[int, ...], ...]:
     """The disjoint sub-groups of ranks that differ only along ``dims``, in mesh order."""
     seen, out = set(), []
@@ -170,7 +170,7 @@ def step_bytes(step: Step) -> int:
     return total * step.itemsize
 
 
-@lru_cache(maxsize=1 << 16)
+@memoize(1 << 16)
 def make_step(shape: tuple, placement: Placement, src: tuple, dst: tuple, dims: tuple,
               itemsize: int) -> Step:
     kind, op = classify(src, dst, dims)
@@ -183,7 +183,7 @@ def _with_bytes(step: Step) -> Step:
     return step
 
 
-@lru_cache(maxsize=4096)
+@memoize(4096)
 def dual_step(step: Step) -> Step:
     """The step backward runs: ``dual(dst) -> dual(src)`` (transfers: routes transposed)."""
     src, dst = dual_nd(step.dst), dual_nd(step.src)

@@ -15,12 +15,12 @@ cost nothing extra (the calibrated collectives include their contiguous copies).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Iterable
 
 from ..boxing.boxes import box_numel, box_shape
 from ..boxing.planner import BoxingPlan
 from ..boxing.steps import Step, member_boxes, member_traffic, placement_groups
+from ..caches import memoize
 from ..comm.kinds import BOXING_KINDS
 from ..sbp import Split
 from .cluster import Cluster
@@ -90,7 +90,7 @@ def _copy_bytes(step: Step, r: int) -> int:
     return n * step.itemsize
 
 
-@lru_cache(maxsize=1 << 16)
+@memoize(1 << 16)
 def _step_time(step: Step, cluster: Cluster) -> float:
     return cluster.step_overhead + _comm_time(step, cluster)
 

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..caches import memoize
 from ..errors import AdvancedIndexError, IndexOutOfRange
 from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
@@ -105,7 +106,7 @@ def resolve_shape(numel: int, shape) -> tuple:
         return _resolved(numel, tuple(shape))
 
 
-@lru_cache(maxsize=4096)
+@memoize(4096)
 def _resolved(numel: int, shape) -> tuple:
     shape = tuple(int(s) for s in shape)
     if shape.count(-1) != 1:
@@ -345,7 +346,7 @@ def decode_index(index) -> tuple:
     return _decoded(encode_index(items))
 
 
-@lru_cache(maxsize=4096)
+@memoize(4096)
 def _decoded(index) -> tuple:
     items = index if isinstance(index, tuple) else (index,)
     if not all(it is None or it is Ellipsis or type(it) is Slice or type(it) is int
