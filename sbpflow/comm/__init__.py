@@ -2,8 +2,9 @@
 
 from .base import CommStats, Communicator, KindStats, reduce_tensors
 from .threads import ThreadCommunicator, ThreadWorld
-from .world import (current, init, is_initialized, launch, rank, rank_local, reset_stats,
-                    set_current, stats, world_size)
+from .current import (current, is_initialized, rank, rank_local, reset_stats, set_current, stats,
+                      world_size)
+from .world import init, launch
 
 __all__ = ["Communicator", "CommStats", "KindStats", "ThreadWorld", "ThreadCommunicator",
            "current", "init", "is_initialized", "launch", "rank", "rank_local", "reset_stats",

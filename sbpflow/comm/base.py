@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import CommError
 from ..sbp import REDUCE_OPS
 from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_traffic,
                     scatter_traffic)
@@ -151,7 +152,6 @@ class Communicator:
         try:
             return list(group).index(self.rank)
         except ValueError:
-            from ..errors import CommError
             raise CommError(f"{kind}: rank {self.rank} is not in the group {tuple(group)}") from None
 
     # -- collectives --------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
+from .current import current_process, set_current
 from .progress import P2P, Progress, group_key, period_for
 from .threads import default_timeout
 
@@ -372,7 +373,6 @@ def shutdown() -> None:
     """
     global _comm
     if _comm is not None:
-        from .world import current_process, set_current
         if current_process() is _comm:  # the process-wide reference keeps groups alive
             set_current(None, process_wide=True)
         _comm.close()
@@ -403,7 +403,6 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the parent hosts the store
     torch.set_num_threads(int(env["SBPFLOW_THREADS_PER_RANK"]))
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    from .world import set_current
     try:
         comm = init_from_env("gloo")
         set_current(comm, process_wide=True)

@@ -1,87 +1,22 @@
-"""Which communicator the calling rank uses, and ``launch`` / ``init`` to get one.
-
-Inside ``launch(..., backend="threads")`` each rank thread has its own communicator
-(thread-local). Under torchrun, ``init()`` sets one for the process. Outside both, a
-single-rank world is created on first use, so sbpflow also works as plain single-device code.
-"""
+"""``launch`` (a new world of ranks: threads or processes) and ``init`` (join torchrun's world);
+the calling rank's communicator itself is kept in `sbpflow.comm.current`."""
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any, Callable, Sequence
 
 from ..errors import CommAborted, SbpError
-from .base import Communicator, CommStats
+from .base import Communicator
+from .current import (_local, current, current_process, is_initialized, rank, rank_local,
+                      reset_stats, set_current, stats, world_size)
 from .threads import ThreadCommunicator, ThreadWorld
+from .torch_backend import init_from_env, launch_processes
 
 __all__ = ["current", "rank_local", "rank", "world_size", "launch", "init", "stats", "reset_stats",
            "is_initialized", "set_current", "current_process"]
-
-class _RankLocal(threading.local):
-    comm: Communicator | None = None  # a class default: reading it never raises (hot path)
-
-
-_local = _RankLocal()
-_process: Communicator | None = None
-_process_lock = threading.Lock()
-
-
-def set_current(comm: Communicator | None, *, process_wide: bool = False) -> None:
-    """Make ``comm`` the calling thread's (or the whole process's) communicator."""
-    global _process
-    if process_wide:
-        _process = comm
-    else:
-        _local.comm = comm
-
-
-def current_process() -> Communicator | None:
-    """The process-wide communicator (`init` under torchrun), if any."""
-    return _process
-
-
-def rank_local() -> threading.local:
-    """The thread-local whose ``.comm`` is the calling rank thread's communicator (None outside
-    `launch`'s rank threads, where `current` falls back to the process's): for hot paths that
-    read it before calling `current`."""
-    return _local
-
-
-def is_initialized() -> bool:
-    return _local.comm is not None or _process is not None
-
-
-def current() -> Communicator:
-    """The calling rank's communicator (a single-rank world if none was set up)."""
-    global _process
-    comm = _local.comm
-    if comm is not None:
-        return comm
-    if _process is None:
-        with _process_lock:
-            if _process is None:
-                _process = ThreadCommunicator(ThreadWorld(1), 0)
-    return _process
-
-
-def rank() -> int:
-    """This rank's global id."""
-    return current().rank
-
-
-def world_size() -> int:
-    """Number of ranks in the world."""
-    return current().world_size
-
-
-def stats() -> CommStats:
-    """Bytes this rank sent and received, per kind, since the last `reset_stats`."""
-    return current().stats()
-
-
-def reset_stats() -> None:
-    current().reset_stats()
 
 
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
@@ -104,7 +39,6 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
     if backend == "threads":
         return _launch_threads(fn, world_size, tuple(args), kwargs, timeout)
     if backend == "torch":
-        from .torch_backend import launch_processes
         return launch_processes(fn, world_size, tuple(args), kwargs, timeout)
     raise SbpError(f"unknown backend {backend!r}; use 'threads' or 'torch'")
 
@@ -180,13 +114,11 @@ def init(backend: str | None = None) -> Communicator:
     Uses gloo, or nccl when ``backend="nccl"``. Idempotent. Inside `launch` it returns the
     rank's communicator; without torchrun's environment it is a single-rank world.
     """
-    import os
     existing = _local.comm
     if existing is not None:
         return existing  # already a rank of a launched world (e.g. `sbpflow run`)
     if "WORLD_SIZE" not in os.environ and backend is None:
         return current()  # plain `python script.py`: a single-rank world
-    from .torch_backend import init_from_env
     comm = init_from_env(backend)
     set_current(comm, process_wide=True)
     return comm

@@ -1,0 +1,120 @@
+"""The package's layers import only downward (docs/design.md, "Layers"), and no two modules
+import each other, at module level or late inside a function.
+
+Read from the source with `ast`: every import statement counts, wherever it is."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbpflow"
+
+# lowest first. A module may import its own package or any lower layer; packages that share a
+# layer are peers and do not import each other (nn and optim meet through gradsync, below both).
+LAYERS = [
+    {"errors", "utils", "caches"},
+    {"sbp", "placement"},
+    {"comm"},
+    {"boxing"},
+    {"cost"},
+    {"ops"},
+    {"tensor"},
+    {"gradsync"},
+    {"nn", "optim"},
+    {"memory"},
+    {"graph", "runtime"},
+    {"data"},
+    {"parallel", "models"},
+    {"auto"},
+    {"demo"},
+    {"cli"},
+    {"__main__"},
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[tuple, pathlib.Path]:
+    return {p.relative_to(PACKAGE).with_suffix("").parts: p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(parts: tuple, path: pathlib.Path) -> list[tuple[int, tuple]]:
+    """(line, imported module path inside the package) for each import in a module."""
+    pkg = list(parts[:-1]) if parts[-1] != "__init__" else list(parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - node.level + 1] if node.level > 1 else pkg
+                if node.module:
+                    out.append((node.lineno, tuple(base + node.module.split("."))))
+                else:
+                    out += [(node.lineno, tuple(base + [a.name])) for a in node.names]
+            elif node.module and node.module.split(".")[0] == "sbpflow":
+                out.append((node.lineno, tuple(node.module.split(".")[1:])))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, tuple(a.name.split(".")[1:])) for a in node.names
+                    if a.name.split(".")[0] == "sbpflow"]
+    return [(line, t) for line, t in out if t]
+
+
+def test_every_top_level_name_has_a_layer():
+    names = {parts[0] for parts in _modules() if parts[0] != "__init__"}
+    assert names <= set(RANK), f"give these a layer in tests/test_layers.py: {names - set(RANK)}"
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for parts, path in _modules().items():
+        if parts == ("__init__",):
+            continue  # the package face re-exports everything
+        own = RANK[parts[0]]
+        for line, target in _imports(parts, path):
+            if target[0] == parts[0]:
+                continue
+            if RANK.get(target[0], -1) >= own:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports "
+                           f"sbpflow.{'.'.join(target)}")
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def _resolve(target: tuple, mods: dict) -> tuple | None:
+    """The module an import names (a name imported from a module resolves to the module)."""
+    for cut in (len(target), len(target) - 1):
+        if cut and target[:cut] in mods:
+            return target[:cut]
+    return None
+
+
+def test_no_two_modules_import_each_other():
+    """Cycles through package ``__init__`` files (which re-export) are not counted."""
+    mods = _modules()
+    graph = {}
+    for parts, path in mods.items():
+        if parts[-1] == "__init__":
+            continue
+        deps = {_resolve(t, mods) for _, t in _imports(parts, path)}
+        graph[parts] = {d for d in deps if d is not None and d[-1] != "__init__" and d != parts}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(".".join(n) for n in stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "modules that import each other:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("name", ["optim", "nn"])
+def test_nn_and_optim_are_peers(name):
+    other = {"optim": "nn", "nn": "optim"}[name]
+    found = [f"{p}:{line}" for parts, p in _modules().items() if parts[0] == name
+             for line, t in _imports(parts, p) if t[0] == other]
+    assert not found, f"{name} imports {other}: {found}"
