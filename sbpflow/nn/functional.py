@@ -12,8 +12,9 @@ import math
 import torch
 
 from ..errors import IndexOutOfRange, ShapeError
-from ..ops.nn_ops import check_index_range, count_dtype, target_out_of_range
-from ..sbp import B, Broadcast, Partial, Split
+from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
+                          target_out_of_range)
+from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
 from ..tensor import GlobalTensor, _next_seed, apply_op, full
 from .pending_mean import mean_over_count
 
@@ -145,8 +146,31 @@ def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: int | None
             raise ShapeError(f"embedding: padding_idx {padding_idx} out of range for a table "
                              f"of {vocab} rows")
         padding_idx = padding_idx + vocab if padding_idx < 0 else padding_idx
-        return apply_op("embedding", input, weight, padding_idx)
-    return apply_op("embedding", input, weight)
+    pad = () if padding_idx is None else (padding_idx,)
+    if _check_replicated_ids(input, weight):
+        return apply_op("embedding", input, weight, *pad, checked=True)
+    return apply_op("embedding", input, weight, *pad)
+
+
+def _check_replicated_ids(ids: GlobalTensor, weight: GlobalTensor) -> bool:
+    """Ids replicated on a mesh dim where the table is split by rows or partial: the lookup's
+    output is partial, and the signature choice may slice the ids on another mesh dim (a
+    partial output over fewer rows costs less to reduce later) or move a table that is not a
+    parameter instead: check the ids whole here (a local min/max pass, no collective), so every
+    rank sharing them raises `IndexOutOfRange` together. Returns True if checked: the kernel
+    skips its own check (every rank checked its ids, so a bad id stops every rank holding it
+    before the op's boxing, and no kernel sees an unchecked id). Other layouts keep replicated
+    ids whole (nothing gains from slicing them) and torch's lookup checks them."""
+    for i, w in zip(ids._sbp, weight._sbp):
+        if isinstance(i, Broadcast) and (isinstance(w, Partial) or
+                                         (isinstance(w, Split) and w.axis == 0)):
+            break
+    else:
+        return False
+    vocab = weight.shape[0]
+    check_index_range(ids.local, vocab, None, lambda: id_out_of_range(
+        ids.local, vocab, _layouts(("ids", ids), ("weight", weight))))
+    return True
 
 
 def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
@@ -210,7 +234,10 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             return total
         return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
                                               target.sbp, int(ignore_index)))
-    _check_sliced_target(input, target, int(ignore_index))
+    # the class pick's attributes: its own target check is skipped if done here
+    pick = {"ignore_index": int(ignore_index)}
+    if _check_sliced_target(input, target, int(ignore_index)):
+        pick["checked"] = True
     if input.dtype in (torch.float16, torch.bfloat16) and \
             torch.is_autocast_enabled(input.placement.device_type):
         input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
@@ -221,12 +248,13 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     else:
         z = input - _max_over(input, c)
         lse = _sum_over(z.exp(), c, keepdim=False).log()
-        picked = apply_op("pick_class", z, target, ignore_index=int(ignore_index))
+        picked = apply_op("pick_class", z, target, **pick)
         if weight is None:
             row_weight = valid
         else:
             w_rows = weight.expand(*input.shape)        # class weights along the logits
-            row_weight = apply_op("pick_class", w_rows, target, ignore_index=int(ignore_index))
+            # the first pick checked every row's target
+            row_weight = apply_op("pick_class", w_rows, target, **{**pick, "checked": True})
         loss = (lse - picked) * row_weight
         if label_smoothing:
             # Σ_c w_c·(lse - z_c): the cross-entropy against the uniform distribution
@@ -246,20 +274,25 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
                                           int(ignore_index), weight is not None))
 
 
-def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_index: int) -> None:
+def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_index: int) -> bool:
     """A target replicated on a mesh dim where the classes are not split may reach the row
     kernel or the class pick sliced (the signature that slices it can be the cheapest, e.g.
     for split or partial logits rows): check it whole here, so every rank of that dim raises
     `IndexOutOfRange` together (a local min/max pass, no collective). With the classes split
     the class pick keeps the target whole and checks it; split targets are checked by the
-    kernels, on the ranks holding them. (The fused path keeps both layouts as they are.)"""
-    classes = Split(logits.ndim - 1)
-    if any(isinstance(t, Broadcast) and lg != classes for t, lg in zip(target.sbp, logits.sbp)):
-        n = logits.shape[-1]
-        check_index_range(target.local, n, ignore_index, lambda: target_out_of_range(
-            target.local, n, ignore_index,
-            f"logits of shape {tuple(logits.shape)} with sbp {logits.sbp}, target of shape "
-            f"{tuple(target.shape)} with sbp {target.sbp} on {logits.placement}"))
+    kernels, on the ranks holding them. (The fused path keeps both layouts as they are.)
+    True if checked: every rank checked its target, so a bad one stops every rank holding it
+    before the kernels' boxing, and no kernel sees an unchecked target."""
+    classes = logits.ndim - 1
+    for t, lg in zip(target._sbp, logits._sbp):
+        if isinstance(t, Broadcast) and not (isinstance(lg, Split) and lg.axis == classes):
+            break
+    else:
+        return False
+    n = logits.shape[-1]
+    check_index_range(target.local, n, ignore_index, lambda: target_out_of_range(
+        target.local, n, ignore_index, _layouts(("logits", logits), ("target", target))))
+    return True
 
 
 def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index: int):
@@ -274,9 +307,14 @@ def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index:
     except IndexError as exc:
         raise IndexOutOfRange(
             f"cross_entropy: {exc} {logits.shape[-1]} classes (targets must lie in "
-            f"[0, {logits.shape[-1]}) or equal ignore_index {ignore_index}); logits of shape "
-            f"{tuple(logits.shape)} with sbp {logits.sbp}, target of shape "
-            f"{tuple(target.shape)} with sbp {target.sbp} on {logits.placement}") from None
+            f"[0, {logits.shape[-1]}) or equal ignore_index {ignore_index}); "
+            f"{_layouts(('logits', logits), ('target', target))}") from None
+
+
+def _layouts(*named: tuple) -> str:
+    """``name of shape (..) with sbp (..)`` for each (name, global tensor), and the placement."""
+    parts = [f"{n} of shape {tuple(t.shape)} with sbp {format_nd_sbp(t.sbp)}" for n, t in named]
+    return f"{', '.join(parts)} on {named[0][1].placement}"
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,

@@ -62,7 +62,7 @@ __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures"
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
            "row_cross_entropy_signatures", "cross_entropy_sum_signatures",
            "pick_class_signatures", "count_dtype", "check_index_range",
-           "target_out_of_range"]
+           "id_out_of_range", "target_out_of_range"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -84,13 +84,11 @@ def check_index_range(index: torch.Tensor, size: int, ignore: int | None,
     ``ignore`` (None: nothing is exempt). On CPU one fused min/max pass and a host read (an
     exact second pass only when some element lies outside: ignored or bad); on an accelerator
     a device-side assertion, as torch's own kernels, so the step does not wait for the host."""
-    if index.numel() == 0 or index.is_meta:
+    if not index.is_cpu:
+        if not index.is_meta and index.numel():
+            _assert_in_range(index, size, ignore)
         return
-    if index.device.type != "cpu":
-        ok = (index >= 0) & (index < size)
-        if ignore is not None:
-            ok |= index == ignore
-        torch._assert_async(ok.all(), f"index out of range [0, {size})")
+    if index.numel() == 0:
         return
     lo, hi = torch.aminmax(index)
     if lo.item() >= 0 and hi.item() < size:
@@ -99,6 +97,14 @@ def check_index_range(index: torch.Tensor, size: int, ignore: int | None,
         err = error()
         if err is not None:
             raise err
+
+
+def _assert_in_range(index: torch.Tensor, size: int, ignore: int | None) -> None:
+    """The device-side form of `check_index_range`: the device stops at its next sync."""
+    ok = (index >= 0) & (index < size)
+    if ignore is not None:
+        ok |= index == ignore
+    torch._assert_async(ok.all(), f"index out of range [0, {size})")
 
 
 def _first_outside(index: torch.Tensor, size: int, ignore: int | None) -> int | None:
@@ -152,7 +158,8 @@ register("layer_norm", _layer_norm, layer_norm_signatures,
 
 
 # -- embedding -------------------------------------------------------------------------------------
-def embedding_signatures(ids: TensorMeta, weight: TensorMeta, padding_idx=None) -> list[Signature]:
+def embedding_signatures(ids: TensorMeta, weight: TensorMeta, padding_idx=None,
+                         checked: bool = False) -> list[Signature]:
     sigs = [Signature([f"S({i})", "B"], [f"S({i})"]) for i in range(ids.ndim)]
     sigs += [Signature(["B", "S(1)"], [f"S({ids.ndim})"]),
              Signature(["B", "S(0)"], ["P"]),
@@ -161,11 +168,12 @@ def embedding_signatures(ids: TensorMeta, weight: TensorMeta, padding_idx=None) 
     return sigs
 
 
-def _embedding(ids, weight, padding_idx=None, *, ctx=None):
+def _embedding(ids, weight, padding_idx=None, checked=False, *, ctx=None):
     """``padding_idx`` is a non-negative row of the logical table (or None). An id outside
     ``[0, vocab)`` raises `IndexOutOfRange` (torch: negative ids too) on every rank that holds
     it: with the vocab split, every rank holding the ids (they are ``B`` there) checks them
-    whole, so ranks that reduce the partial result together raise together."""
+    whole, so ranks that reduce the partial result together raise together. ``checked``: the
+    caller has checked every rank's ids already (`sf.nn.functional.embedding`)."""
     if ctx is None or not any(s == Split(0) for s in ctx.ins[1]):
         # (ctx=None also runs on the local meta shapes of a vocab split: rows may be fewer)
         pad = padding_idx if padding_idx is not None and padding_idx < weight.shape[0] else None
@@ -178,7 +186,8 @@ def _embedding(ids, weight, padding_idx=None, *, ctx=None):
             raise error from None
     # Vocab split (Megatron's VocabParallelEmbedding): look up only the rank's rows.
     start, size = ctx.in_boxes[1][0]
-    check_index_range(ids, ctx.in_shapes[1][0], None, lambda: _embedding_error(ids, ctx))
+    if not checked:
+        check_index_range(ids, ctx.in_shapes[1][0], None, lambda: _embedding_error(ids, ctx))
     if size == 0:  # more ranks than rows: nothing here, but stay on the weight's graph
         return weight.new_zeros(tuple(ids.shape) + (weight.shape[1],)) + weight.sum()
     inside = (ids >= start) & (ids < start + size)
@@ -189,15 +198,19 @@ def _embedding(ids, weight, padding_idx=None, *, ctx=None):
 
 
 def _embedding_error(ids, ctx) -> IndexOutOfRange | None:
-    """The error naming the first id outside the table (None if every id is inside)."""
-    vocab = ctx.in_shapes[1][0]
+    return id_out_of_range(ids, ctx.in_shapes[1][0], _describe_inputs(ctx, ("ids", "weight")))
+
+
+def id_out_of_range(ids: torch.Tensor, vocab: int, layouts: str) -> IndexOutOfRange | None:
+    """The error naming the first of ``ids`` outside ``[0, vocab)`` (None if there is none);
+    ``layouts`` describes the inputs."""
     bad = _first_outside(ids, vocab, None)
     if bad is None:
         return None
     return IndexOutOfRange(
         f"embedding: id {bad} is out of range for a table of {vocab} rows (ids must lie in "
         f"[0, {vocab}), as torch's 'index out of range in self'; padding_idx is a row, not a "
-        f"skipped id); {_describe_inputs(ctx, ('ids', 'weight'))}")
+        f"skipped id); {layouts}")
 
 
 register("embedding", _embedding, embedding_signatures, context=True,
@@ -328,26 +341,28 @@ register("cross_entropy_sum", _cross_entropy_sum, cross_entropy_sum_signatures,
 
 
 # -- the target class of cross-entropy -------------------------------------------------------------
-def pick_class_signatures(logits: TensorMeta, target: TensorMeta,
-                          ignore_index: int = -100) -> list[Signature]:
+def pick_class_signatures(logits: TensorMeta, target: TensorMeta, ignore_index: int = -100,
+                          checked: bool = False) -> list[Signature]:
     last = logits.ndim - 1
     sigs = _same_split(2, last)
     sigs[-1:-1] = [Signature([f"S({last})", "B"], ["P"]), Signature(["P", "B"], ["P"])]
     return sigs
 
 
-def _pick_class(logits, target, ignore_index=-100, *, ctx=None):
+def _pick_class(logits, target, ignore_index=-100, checked=False, *, ctx=None):
     """``logits[..., target]`` (0 where target == ignore_index). With the class axis split, each
     rank contributes only the targets in its class range (the others are 0): a partial sum.
     A target outside ``[0, C)`` other than ``ignore_index`` raises `IndexOutOfRange` (torch's
     "Target X is out of bounds") on every rank holding it: with the classes split the target
-    is ``B`` there, so every rank of the partial sum checks it whole and they raise together."""
+    is ``B`` there, so every rank of the partial sum checks it whole and they raise together.
+    ``checked``: the caller has checked every rank's targets already."""
     if ctx is None:
         start, size, classes = 0, logits.shape[-1], logits.shape[-1]
     else:
         (start, size), classes = ctx.in_boxes[0][-1], ctx.in_shapes[0][-1]
-        check_index_range(target, classes, ignore_index,
-                          lambda: _target_error(target, classes, ignore_index, ctx))
+        if not checked:
+            check_index_range(target, classes, ignore_index,
+                              lambda: _target_error(target, classes, ignore_index, ctx))
     if size == 0:
         return logits.new_zeros(target.shape) + logits.sum()
     inside = (target >= start) & (target < start + size) & (target != ignore_index)

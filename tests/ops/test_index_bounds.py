@@ -119,7 +119,10 @@ BAD_IDS = [VOCAB, 12, -1, -VOCAB - 1]
 
 
 @pytest.mark.parametrize("ranks", [MESH_1D, MESH_2D], ids=["1d", "2x2"])
-def test_embedding_out_of_range_raises_in_every_layout(ranks):
+@pytest.mark.parametrize("param", [False, True], ids=["table", "parameter"])
+def test_embedding_out_of_range_raises_in_every_layout(ranks, param):
+    """A parameter table stays in place (the kernel checks); another may move instead of the
+    ids (checked whole before the op)."""
     pl = sf.placement("cpu", ranks)
     table = _t(VOCAB, 3)
     good = _ids(4, 3)
@@ -128,7 +131,8 @@ def test_embedding_out_of_range_raises_in_every_layout(ranks):
         cases = [(bad, pos, _with(good, pos, bad)) for bad, pos in zip(BAD_IDS, (5, 0, 11, 7))]
 
         def call(ids, w_nd=w_nd, ids_nd=ids_nd):
-            return lambda: SF.embedding(sf.tensor(ids, pl, ids_nd), make_global(table, pl, w_nd))
+            return lambda: SF.embedding(sf.tensor(ids, pl, ids_nd),
+                                        make_global(table, pl, w_nd).requires_grad_(param))
 
         verdicts = _verdicts(pl, [call(ids) for _, _, ids in cases], whole)
         for (bad, pos, ids), raised in zip(cases, verdicts):
