@@ -1,44 +1,11 @@
 """Cost of a strategy: alpha-beta time of every redistribution, weight-gradient sync, compute,
 and memory per device.
 
-Redistribution is priced analytically, mesh dim by mesh dim (running the boxing planner on
-placements of 1024 ranks would be far too slow for a search):
-
-=============  ===============  ==========================================================
-src -> dst     collective       group / bytes the collective is about
-=============  ===============  ==========================================================
-S -> B         all_gather       ranks along the dim; the gathered piece
-P -> B         all_reduce       ranks along the dim; the piece
-P -> S         reduce_scatter   ranks along the dim; the piece before scattering
-S(i) -> S(j)   all_to_all       ranks along the dim; the piece
-P(a) -> P(b)   reduce_scatter   as P -> S, then local (no local step changes a reduction)
-B -> S, B -> P, S -> P          local, free
-=============  ===============  ==========================================================
-
-"The piece" is the tensor divided by the split factors of the other mesh dims at that moment.
-Steps run in the order that keeps pieces small: free slices, reduce-scatters, all-to-alls,
-all-reduces, all-gathers; dims of the same kind in one phase merge into one collective over
-their joint group (as the boxing planner does). Source and destination may use different meshes
-over the same ranks: both are refined to their common row-major refinement (e.g. (4, 256) and
-(32, 32) -> (4, 8, 32)); meshes with no common refinement (e.g. (3, 4) and (4, 3)) are priced as
-an all-to-all of the whole tensor over all ranks, an upper bound. A group's link is intra- or
-inter-node as the cluster says for its ranks (mesh dims cover ranks node-major). For one changed
-mesh dim whose tensor axis no later dim also splits the bytes equal the boxing planner's exactly
-(tested), except a P source next to B or other P dims, where the planner may use the replicas /
-partial dims (slice, reduce-scatter, all-gather) and the price here is an upper bound; with
-several changed dims it is the cost of this fixed order, an upper bound on the planner's
-least-bytes path (tested on 4 and 8 ranks, layouts without nested splits). When a move of the
-fixed order is not a valid boxing step because two mesh dims split the same tensor axis (nested
-splits, also created by refining meshes), the redistribution is priced as the planner performs
-it: partial dims reduced on the source devices (all-reduce or reduce-scatter, the choice that
-moves fewest bytes), then a point-to-point ``"transfer"`` in which every rank receives the part
-of its destination box it does not hold, one message per overlapping source region (on meshes of
-up to 256 ranks; above that each such move is priced as the collective the fixed order would
-use, an estimate that keeps a search fast). Where the planner finds a chain of collectives
-moving no more bytes than that transfer it takes the chain instead, and this price is then an
-estimate (tested equal to the planner's on the transfers it builds). Seconds also include local
-copies through strided views and a per-step software cost when the cluster has them
-(`redistribution`).
+Redistribution is priced analytically, mesh dim by mesh dim, in a fixed order of collectives
+(running the boxing planner on placements of 1024 ranks would be far too slow for a search);
+moves the fixed order cannot make (nested splits) are priced as the planner's reduce-then-
+transfer. See docs/auto.md, 'Evaluation' (the table, the order, and how the price compares
+with the planner's).
 """
 
 from __future__ import annotations
@@ -291,8 +258,8 @@ def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
 
 def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                  dst: tuple) -> tuple:
-    """The fixed-order `Move` s (module doc); a move the planner could not make as one step
-    (nested splits) is marked ``"nested"``."""
+    """The fixed-order `Move` s (docs/auto.md, 'Evaluation'); a move the planner could not
+    make as one step (nested splits) is marked ``"nested"``."""
     numel = math.prod(shape)
     if src_mesh == dst_mesh and src == dst:
         return ()

@@ -1,24 +1,10 @@
 """The model as the search sees it: a graph of layers with shapes, no weights.
 
-Each `Layer` has a ``kind`` that selects its per-mesh-dim signatures (see `space`), the logical
-shapes of its input, weight (``None`` for weightless layers) and output, and its forward flops.
-Axis conventions, which the signatures rely on:
-
-=============  =====================  =====================  =====================
-kind           input                  weight                 output
-=============  =====================  =====================  =====================
-linear         (tokens, in)           (in, out)              (tokens, out)
-conv           (N, Cin, H, W)         (Cout, Cin, kh, kw)    (N, Cout, H', W')
-embedding      (tokens, [fields])     (vocab, dim)           (tokens, fields*dim)
-attention      (tokens, 3*d) q,k,v    --                     (tokens, d)
-pool / act     (N, C, ...)            --                     (N, C, ...)
-interaction    (N, features)          --                     (N, features')
-=============  =====================  =====================  =====================
-
-``edges`` are (producer, consumer) names; by default the layers form a chain in order. A layer
-may have several producers (an in-tree, e.g. DLRM's interaction) but at most one consumer.
-``accepts_partial`` says the path from the producer to this layer is linear, so a partial sum
-may flow in unreduced (no nonlinearity, layer norm or softmax in between).
+Each `Layer` has a ``kind`` (linear, conv, embedding, attention, pool / act, interaction) that
+selects its per-mesh-dim signatures (see `space`), the logical shapes of its input, weight and
+output in fixed axis conventions, and its forward flops. ``edges`` are (producer, consumer)
+names, a chain by default, an in-tree at most; ``accepts_partial`` lets a partial sum flow in
+unreduced. See docs/auto.md, 'The layer graph' (the axis conventions table).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The strategy space: per layer, a mesh (a factorisation of the devices) and an nd-sbp for its
 input, weight and output.
 
-Every layer kind has a few 1-D signatures (what one mesh dim does); an N-D strategy is one
-1-D signature per mesh dim (the product rule of docs/design.md). For a linear ``Y = X W`` with
-X ``(tokens, in)``, W ``(in, out)``:
-
-=======  ==========  ==========  ==========  ==========================================
-name     input       weight      output      meaning
-=======  ==========  ==========  ==========  ==========================================
-dp       S(0)        B           S(0)        data parallel (split tokens)
-col      B           S(1)        S(1)        Megatron column parallel
-row      S(1)        S(0)        P           Megatron row parallel (partial output)
-rep      B           B           B           replicated (redundant compute)
-pin      P           B           P           partial input kept unreduced (linear path only)
-=======  ==========  ==========  ==========  ==========================================
-
-So a 2-D mesh (a, b) with (dp, col) is the 2-D / SUMMA-like split (input all-gathered along b,
-the weight along a), and a 3-D mesh with (dp, col, row) is exactly the 2.5-D / 3-D matmul:
-input (S0:p1, B:p2, S1:p3), weight (B:p1, S1:p2, S0:p3), output (S0:p1, S1:p2, P:p3), whose
-partial output is reduce-scattered (or, with ``pin``, kept unreduced) by the next layer. Meshes
-are every ordered factorisation of the device count (factors >= 2, up to ``max_dims`` dims);
-mesh dims cover the ranks in row-major order (node-major), so the order of the factors is the
-assignment of mesh dims to the node / device hierarchy.
+Every layer kind has a few 1-D signatures (what one mesh dim does: ``dp``, ``col``, ``row``,
+``rep``, ``pin`` for a linear); an N-D strategy is one 1-D signature per mesh dim, which gives
+the 2-D and 2.5-D / 3-D matmul splits. Meshes are every ordered factorisation of the device
+count. See docs/auto.md, 'The strategy space'.
 """
 
 from __future__ import annotations

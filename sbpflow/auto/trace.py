@@ -1,26 +1,10 @@
 """``sf.auto.trace``: the graph of layers of an ``sf.nn`` model, from one forward run on shapes.
 
-Every `Linear`, `Embedding` and `Conv2d` module is recorded the first time it is called (a
-module called again, e.g. a tied head, keeps its first entry), in call order; the layers form a
-chain in that order. Shapes follow the axis conventions of `graph`: a linear's input is
-``(tokens, in)`` with ``tokens`` the product of the leading axes, its weight ``(in, out)`` (the
-transpose of the module's ``(out, in)``); an embedding's input is its ids, flattened; a conv's
-input ``(N, Cin, H, W)`` (an unbatched ``(Cin, H, W)`` input counts as ``N = 1``), its weight
-the module's ``(Cout, Cin / groups, kh, kw)``. Weightless ops between them (activations, norms,
-pooling, attention, residual adds) are not layers: they follow the layouts around them.
-
-Each layer's ``attrs["megatron"]`` is the Megatron role (linears alternate column / row in call
-order, which is Megatron's pairing for the example GPT and MLP; embeddings split the vocabulary,
-convs their output channels), so `baselines.megatron` gives the expert strategy of a traced
-model.
-
-By default (``meta=True``) the forward runs on *shapes only*: every parameter, buffer and input
-is temporarily replaced by a tensor of its full logical shape and dtype whose shard is a
-``meta`` tensor (no storage), on a one-rank placement of the calling rank (there every layout is
-the same and no boxing or collective happens), and restored afterwards. So the trace allocates
-no weights, computes nothing and never communicates; each rank may call it alone, and it works
-on a model built under `sf.nn.init.meta_init` (too large to build for real). ``meta=False``
-runs the real forward with the real weights instead (a collective: every rank calls it).
+Every `Linear`, `Embedding` and `Conv2d` module is recorded the first time it is called, in call
+order, as a chain of layers with the axis conventions of `graph` and a Megatron role
+(``attrs["megatron"]``); weightless ops between them are not layers. By default (``meta=True``)
+the forward runs on storage-less stand-ins on a one-rank placement: no weights allocated,
+nothing computed or communicated. See docs/auto.md, 'Tracing a model'.
 """
 
 from __future__ import annotations
@@ -47,20 +31,39 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
     ``example_inputs`` (a tuple of forward arguments: global tensors, torch tensors, or other
     values passed through) and ``{layer name: module}``.
 
-    With ``meta=True`` (default) nothing is allocated, computed or communicated (see the
-    module docstring) and the model is left exactly as it was; with ``meta=False`` the real
+    With ``meta=True`` (default) nothing is allocated, computed or communicated (docs/auto.md,
+    'Tracing a model') and the model is left exactly as it was; with ``meta=False`` the real
     forward runs under ``torch.no_grad`` (torch inputs replicated onto the placement of the
     model's parameters; a collective)."""
-    from ..nn.modules import Conv2d, Embedding, Linear
-
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     params = list(model.parameters())
     if not params:
         raise TraceError(f"sf.auto.trace: the model {type(model).__name__} has no parameters")
     records: list = []
+    wrapped = _wrap_layers(model, records)
+    try:
+        _run_forward(model, example_inputs, params[0].placement, meta)
+    finally:
+        _unwrap(wrapped)
+    layers = _layers(records)
+    if not layers:
+        raise TraceError(f"sf.auto.trace: the forward of {type(model).__name__} called no "
+                         f"Linear, Embedding or Conv2d module")
+    floats = [p.dtype for p in params if p.dtype.is_floating_point]
+    graph = Graph(layers, name=name or type(model).__name__,
+                  itemsize=_torch_itemsize(floats[0] if floats else params[0].dtype))
+    return graph, {r[0]: r[4] for r in records}
+
+
+# -- recording the layer calls -------------------------------------------------------------------
+def _wrap_layers(model, records: list) -> list:
+    """Give every Linear / Embedding / Conv2d of ``model`` an instance forward that appends
+    ``(name, kind, input shape, output shape, module)`` to ``records`` on its first call.
+    Returns ``[(module, previous instance forward or None)]`` for `_unwrap`."""
+    from ..nn.modules import Conv2d, Embedding, Linear
+
     seen: set = set()
-    wrapped = []
     names = {id(m): n for n, m in model.named_modules()}
 
     def make(m, kind):
@@ -75,6 +78,7 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
             return y
         return fwd
 
+    wrapped = []
     for m in model.modules():
         kind = "linear" if isinstance(m, Linear) else "embedding" if isinstance(m, Embedding) \
             else "conv" if isinstance(m, Conv2d) else None
@@ -82,52 +86,67 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
             continue
         wrapped.append((m, m.__dict__.get("forward")))   # an instance forward (parallelize)
         object.__setattr__(m, "forward", make(m, kind))
-    try:
-        if meta:
-            _run_on_shapes(model, example_inputs, params[0].placement.device_type)
+    return wrapped
+
+
+def _unwrap(wrapped: list) -> None:
+    """Put back the instance forwards `_wrap_layers` replaced (or remove the ones it added)."""
+    for m, prev in wrapped:
+        if prev is None:
+            m.__dict__.pop("forward", None)
         else:
-            pl = params[0].placement
-            args = [_replicate(a, pl) if isinstance(a, torch.Tensor) else a
-                    for a in example_inputs]
-            with torch.no_grad():
-                model(*args)
-    finally:
-        for m, prev in wrapped:
-            if prev is None:
-                m.__dict__.pop("forward", None)
-            else:
-                object.__setattr__(m, "forward", prev)
+            object.__setattr__(m, "forward", prev)
+
+
+def _run_forward(model, example_inputs: Sequence[Any], pl, meta: bool) -> None:
+    """One forward of ``model``: on shapes only (``meta``), else the real one under
+    ``torch.no_grad`` with torch inputs replicated onto ``pl`` (a collective)."""
+    if meta:
+        _run_on_shapes(model, example_inputs, pl.device_type)
+        return
+    args = [_replicate(a, pl) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with torch.no_grad():
+        model(*args)
+
+
+def _layers(records: list) -> list:
+    """The `Layer` of each record, in call order (linears alternate Megatron col / row)."""
     layers = []
     linear_i = 0
     for lname, kind, xs, ys, m in records:
         if kind == "linear":
-            tokens = math.prod(xs[:-1])
-            attrs = {"megatron": "col" if linear_i % 2 == 0 else "row"}
+            layers.append(_linear_layer(lname, xs, m, "col" if linear_i % 2 == 0 else "row"))
             linear_i += 1
-            layers.append(Layer(lname, "linear", (tokens, m.in_features),
-                                (m.in_features, m.out_features), (tokens, m.out_features),
-                                2.0 * tokens * m.in_features * m.out_features, False, attrs))
         elif kind == "embedding":
             tokens = math.prod(xs)
             layers.append(Layer(lname, "embedding", (tokens,),
                                 (m.num_embeddings, m.embedding_dim), (tokens, m.embedding_dim),
                                 2.0 * tokens * m.embedding_dim, False, {"megatron": "vocab"}))
         else:
-            xs = xs if len(xs) == 4 else (1,) + xs
-            ys = ys if len(ys) == 4 else (1,) + ys
-            w = tuple(m.weight.shape)
-            attrs = {"megatron": "outch"}
-            if m.groups != 1:
-                attrs["groups"] = m.groups
-            flops = 2.0 * ys[0] * w[0] * w[1] * w[2] * w[3] * ys[2] * ys[3]
-            layers.append(Layer(lname, "conv", xs, w, ys, flops, False, attrs))
-    if not layers:
-        raise TraceError(f"sf.auto.trace: the forward of {type(model).__name__} called no "
-                         f"Linear, Embedding or Conv2d module")
-    floats = [p.dtype for p in params if p.dtype.is_floating_point]
-    graph = Graph(layers, name=name or type(model).__name__,
-                  itemsize=_torch_itemsize(floats[0] if floats else params[0].dtype))
-    return graph, {r[0]: r[4] for r in records}
+            layers.append(_conv_layer(lname, xs, ys, m))
+    return layers
+
+
+def _linear_layer(lname: str, xs: tuple, m, role: str) -> Layer:
+    """A linear: ``(tokens, in)`` with ``tokens`` the product of the leading input axes, its
+    weight ``(in, out)`` (the transpose of the module's)."""
+    tokens = math.prod(xs[:-1])
+    return Layer(lname, "linear", (tokens, m.in_features), (m.in_features, m.out_features),
+                 (tokens, m.out_features), 2.0 * tokens * m.in_features * m.out_features, False,
+                 {"megatron": role})
+
+
+def _conv_layer(lname: str, xs: tuple, ys: tuple, m) -> Layer:
+    """A conv: ``(N, Cin, H, W)`` (an unbatched input counts as ``N = 1``), the module's
+    weight; split on output channels for Megatron."""
+    xs = xs if len(xs) == 4 else (1,) + xs
+    ys = ys if len(ys) == 4 else (1,) + ys
+    w = tuple(m.weight.shape)
+    attrs = {"megatron": "outch"}
+    if m.groups != 1:
+        attrs["groups"] = m.groups
+    flops = 2.0 * ys[0] * w[0] * w[1] * w[2] * w[3] * ys[2] * ys[3]
+    return Layer(lname, "conv", xs, w, ys, flops, False, attrs)
 
 
 # -- the forward on shapes only ----------------------------------------------------------------

@@ -4,40 +4,10 @@
     >>> c.world_size, c.node_of(9), c.link([0, 1]) == c.intra, c.link([0, 8]) == c.inter
     (16, 1, True, True)
 
-Ranks are numbered node-major: rank ``r`` is device ``r % devices_per_node`` of node
-``r // devices_per_node`` (the order torchrun gives ranks). A group of ranks that lies inside one
-node communicates over ``intra``; a group that spans nodes over ``inter`` (for the whole
-collective: no hierarchical algorithm is modelled). Mesh dims map onto this hierarchy through the
-ranks they group: on ``ranks=[[0..7], [8..15]]`` with 8 devices a node, mesh dim 1 is intra-node
-and mesh dim 0 inter-node.
-
-A `Link` is ``(alpha, beta)``: a message of ``n`` bytes over it takes ``alpha + n * beta``
-seconds. ``beta`` is per device: every device has its own path to the others at that speed,
-and concurrent groups do not slow each other down (no contention is modelled).
-
-Optional refinements, which calibration fills in and which are absent (exactly the plain
-alpha-beta model) on presets and hand-made clusters:
-
-* ``kinds``: per link class (``"intra"`` / ``"inter"``) and collective kind, a `CollectiveFit`
-  ``(alpha, beta, overhead)``. A collective of that kind on that link class then takes
-  ``overhead + m(kind, p)·alpha + v(kind, p, n)·beta`` (``m``, ``v`` as in
-  `sbpflow.cost.formulas`) instead of the link's ``m·alpha + v·beta``, plus
-  ``max(0, v - knee)·beta2`` when the fit has a bend (``beta2`` > 0). Backends implement
-  kinds with different algorithms (gloo: all-reduce is its own ring, all-gather / all-to-all /
-  reduce-scatter one all-to-all call whose messages are all in flight at once), so one
-  ``(alpha, beta)`` for all kinds fits them poorly; ``overhead`` is the per-call cost that does
-  not grow with the group (software, synchronisation, waking the ranks up).
-* ``copy_beta``: seconds per byte of a local copy through a non-contiguous view (boxing slices
-  the pieces of a split along a non-leading axis into contiguous buffers before sending them);
-  0 means such copies are free.
-* ``step_overhead``: seconds of software work one boxing step costs a rank besides its
-  communication (planning lookup, boxes, slicing, dispatch), charged to every step, local
-  ones included; 0 (the default) ignores it. Small next to network latency, except on the
-  in-process threads backend, where the ranks' Python work is serialised.
-
-    >>> c = Cluster(1, 4, intra=(1e-6, 1e-9), kinds={"intra": {"all_gather": (1e-6, 2e-9, 5e-5)}})
-    >>> c.fit("all_gather", [0, 1]).overhead, c.fit("all_reduce", [0, 1])[:3]
-    (5e-05, (1e-06, 1e-09, 0.0))
+Ranks are numbered node-major; a group inside one node uses ``intra``, one that spans nodes
+``inter``. A `Link` ``(alpha, beta)`` prices ``n`` bytes at ``alpha + n * beta`` seconds.
+Calibration may add per-kind fits (``kinds``), a strided-copy cost (``copy_beta``) and a
+per-step software cost (``step_overhead``). See docs/auto.md, 'Ranks, links and refinements'.
 """
 
 from __future__ import annotations
@@ -146,8 +116,8 @@ class Cluster:
     """``nodes`` × ``devices_per_node`` devices; ``intra`` / ``inter`` are `Link` s (or
     ``(alpha, beta)`` pairs); ``memory_per_device`` in bytes; ``flops_per_device`` in FLOP/s
     (None: unknown, compute time not modelled); optional per-kind fits ``kinds``, local
-    copy cost ``copy_beta`` and per-step software cost ``step_overhead`` (module doc; default:
-    none, the plain alpha-beta model).
+    copy cost ``copy_beta`` and per-step software cost ``step_overhead`` (docs/auto.md,
+    'Ranks, links and refinements'; default: none, the plain alpha-beta model).
     Immutable and hashable."""
 
     nodes: int = 1
