@@ -50,9 +50,9 @@ def _holder_and_op(dst: tuple, src: tuple, coord: tuple, dims) -> tuple[bool, st
 # -- one function per kind; each returns this rank's new local shard ------------------------
 def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
     pl = step.src_placement
-    sbox = shard_box(step.shape, pl.shape, step.src, coord)
-    dbox = shard_box(step.shape, pl.shape, step.dst, coord)
-    holder, op = _holder_and_op(step.dst, step.src, coord, step.dims)
+    sbox = shard_box(step.shape, pl.shape, step.src_sbp, coord)
+    dbox = shard_box(step.shape, pl.shape, step.dst_sbp, coord)
+    holder, op = _holder_and_op(step.dst_sbp, step.src_sbp, coord, step.dims)
     if not holder:
         return torch.zeros(box_shape(dbox), dtype=x.dtype, device=x.device)
     if contains(sbox, dbox):
@@ -67,8 +67,8 @@ def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> tor
 def _group_boxes(step: Step, coord: tuple):
     pl = step.src_placement
     group = pl.group(step.dims, coord)
-    src = member_boxes(step.shape, pl, step.src)
-    dst = member_boxes(step.shape, pl, step.dst)
+    src = member_boxes(step.shape, pl, step.src_sbp)
+    dst = member_boxes(step.shape, pl, step.dst_sbp)
     return group, src, dst
 
 
@@ -123,7 +123,7 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     spl, dpl = step.src_placement, step.dst_placement
     in_dst = me in dpl
     device = comm.device(dpl.device_type) if in_dst else x.device
-    sbox = member_boxes(step.shape, spl, step.src).get(me)
+    sbox = member_boxes(step.shape, spl, step.src_sbp).get(me)
     sends, recvs, local = [], [], []
     for s, d, box in step.routes:
         if s == me:
@@ -137,7 +137,7 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     received = iter(comm.exchange(sends, recvs)) if sends or recvs else iter(())
     if not in_dst:
         return empty_local(x.dtype, x.device)
-    dbox = member_boxes(step.shape, dpl, step.dst)[me]
+    dbox = member_boxes(step.shape, dpl, step.dst_sbp)[me]
     if _routes_tile(step, me, dbox):
         # forward routes cover each element once: the pieces are copied in, nothing is filled
         out = torch.empty(box_shape(dbox), dtype=x.dtype, device=device)

@@ -37,12 +37,14 @@ __all__ = ["BoxingPlan", "plan", "plan_layouts"]
 
 @dataclass(frozen=True)
 class BoxingPlan:
-    """The steps that turn ``src`` into ``dst`` and the bytes they move (summed over ranks)."""
+    """The steps that turn layout ``src`` into ``dst`` and the bytes they move (summed over
+    ranks). A layout is a ``(placement, nd-sbp)`` pair, as `plan` takes it (a `Step` names its
+    halves: ``src_placement``, ``src_sbp``)."""
 
     shape: tuple
     dtype: torch.dtype
     src: tuple  # (Placement, nd-sbp)
-    dst: tuple
+    dst: tuple  # (Placement, nd-sbp)
     steps: tuple
 
     @property

@@ -3,16 +3,16 @@
 A *same-placement* step changes the sbp of the mesh dims ``dims`` (all at once, inside the
 sub-groups of ranks that differ only along those dims); its kind follows from the sbps:
 
-==================  ==============================  ====================================
-src on ``dims``      dst on ``dims``                  kind
-==================  ==============================  ====================================
+===================  ===============================  ======================================
+src_sbp on ``dims``  dst_sbp on ``dims``              kind
+===================  ===============================  ======================================
 all ``P(op)``        all ``B``                        ``all_reduce``
 all ``P(op)``        all ``S(·)``                     ``reduce_scatter``
 all ``S(·)``         all ``B``                        ``all_gather``
 all ``S(·)``         all ``S(·)`` (each changed)      ``all_to_all``
 ``B``                ``S(a)`` / ``P``                 ``local`` (slice / first rank keeps)
 ``S(a)``             ``P``                            ``local`` (shard into identity-filled)
-==================  ==============================  ====================================
+===================  ===============================  ======================================
 
 A move on ``dims`` is valid only if no mesh dim outside ``dims`` that comes after the first of
 them splits an axis the move touches (otherwise the group's pieces are not one region).
@@ -43,14 +43,16 @@ COLLECTIVE_KINDS = BOXING_KINDS  # the kinds a same-placement step may be (`sbpf
 
 @dataclass(frozen=True)
 class Step:
-    """One boxing step. ``nbytes`` is the total moved, summed over ranks."""
+    """One boxing step: ``kind`` turns a tensor of ``shape`` from ``src_sbp`` (an nd-sbp) on
+    ``src_placement`` to ``dst_sbp`` on ``dst_placement`` (the same placement unless a
+    transfer). ``nbytes`` is the total moved, summed over ranks."""
 
     kind: str
     shape: tuple
     src_placement: Placement
-    src: tuple
+    src_sbp: tuple
     dst_placement: Placement
-    dst: tuple
+    dst_sbp: tuple
     dims: tuple = ()
     op: str = "sum"
     routes: tuple = ()
@@ -63,18 +65,19 @@ class Step:
 
     @property
     def differentiable(self) -> bool:
-        return all(not (isinstance(s, Partial) and s.op != "sum") for s in self.src + self.dst)
+        return all(not (isinstance(s, Partial) and s.op != "sum")
+                   for s in self.src_sbp + self.dst_sbp)
 
     def describe(self) -> str:
         if self.kind == "transfer":
             n = sum(1 for s, d, _ in self.routes if s != d)
             where = f"{self.src_placement} -> {self.dst_placement}, {n} message(s)"
-            return (f"{'transfer':<15}{where}  {format_nd_sbp(self.src)} -> "
-                    f"{format_nd_sbp(self.dst)}")
+            return (f"{'transfer':<15}{where}  {format_nd_sbp(self.src_sbp)} -> "
+                    f"{format_nd_sbp(self.dst_sbp)}")
         reduces = self.kind in TABLE and TABLE[self.kind].reduces
         kind = self.kind + (f"({self.op})" if reduces and self.op != "sum" else "")
-        return (f"{kind:<15}mesh dims {self.dims}  {format_nd_sbp(self.src)} -> "
-                f"{format_nd_sbp(self.dst)}")
+        return (f"{kind:<15}mesh dims {self.dims}  {format_nd_sbp(self.src_sbp)} -> "
+                f"{format_nd_sbp(self.dst_sbp)}")
 
 
 def classify(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -> tuple[str, str] | None:
@@ -141,8 +144,8 @@ def member_traffic(step: Step, group: Sequence[int]) -> list[Traffic]:
     ``step``: the kind's rule of `sbpflow.comm.kinds` applied to the members' boxes, exactly
     what the Communicator counts when the step runs (uneven shards included)."""
     pl = step.src_placement
-    src = member_boxes(step.shape, pl, step.src)
-    dst = member_boxes(step.shape, pl, step.dst)
+    src = member_boxes(step.shape, pl, step.src_sbp)
+    dst = member_boxes(step.shape, pl, step.dst_sbp)
     p = len(group)
     if step.kind == "all_gather":
         sizes = [box_numel(src[r]) for r in group]
@@ -186,7 +189,7 @@ def _with_bytes(step: Step) -> Step:
 @memoize(4096)
 def dual_step(step: Step) -> Step:
     """The step backward runs: ``dual(dst) -> dual(src)`` (transfers: routes transposed)."""
-    src, dst = dual_nd(step.dst), dual_nd(step.src)
+    src, dst = dual_nd(step.dst_sbp), dual_nd(step.src_sbp)
     if step.kind == "transfer":
         routes = tuple((d, s, b) for s, d, b in step.routes)
         return _with_bytes(Step("transfer", step.shape, step.dst_placement, src,

@@ -77,14 +77,14 @@ def _copy_bytes(step: Step, r: int) -> int:
     all-to-all cut along a non-leading axis of the local shard, the output of an all-gather or
     all-to-all assembled along one (0 when every piece is a contiguous block)."""
     n = 0
-    src = member_boxes(step.shape, step.src_placement, step.src)[r]
-    dst = member_boxes(step.shape, step.dst_placement, step.dst)[r]
+    src = member_boxes(step.shape, step.src_placement, step.src_sbp)[r]
+    dst = member_boxes(step.shape, step.dst_placement, step.dst_sbp)[r]
     if step.kind in ("reduce_scatter", "all_to_all"):
-        axes = {step.dst[d].axis for d in step.dims if isinstance(step.dst[d], Split)}
+        axes = {step.dst_sbp[d].axis for d in step.dims if isinstance(step.dst_sbp[d], Split)}
         if any(strided(box_shape(src), a) for a in axes):
             n += box_numel(src)  # every piece, this rank's own included, is cut
     if step.kind in ("all_gather", "all_to_all"):
-        axes = {step.src[d].axis for d in step.dims if isinstance(step.src[d], Split)}
+        axes = {step.src_sbp[d].axis for d in step.dims if isinstance(step.src_sbp[d], Split)}
         if any(strided(box_shape(dst), a) for a in axes):
             n += box_numel(dst)  # every piece, this rank's own included, is written
     return n * step.itemsize
@@ -108,7 +108,7 @@ def _comm_time(step: Step, cluster: Cluster) -> float:
         fit = cluster.fit(step.kind, g)
         algo = fit.algorithm
         if algo:  # a variant's own per-rank volume of the busiest member's tensor
-            n = max(box_numel(member_boxes(step.shape, step.src_placement, step.src)[r])
+            n = max(box_numel(member_boxes(step.shape, step.src_placement, step.src_sbp)[r])
                     for r in g) * step.itemsize
             moved = volume(step.kind, n, p, algo)
         else:

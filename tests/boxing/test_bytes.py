@@ -122,7 +122,7 @@ def _counted_per_rank(steps) -> list:
     comm = sf.comm.current()
     out = []
     for st in steps:
-        box = member_boxes(st.shape, st.src_placement, st.src)[comm.rank]
+        box = member_boxes(st.shape, st.src_placement, st.src_sbp)[comm.rank]
         comm.reset_stats()
         run_step(st, torch.zeros([n for _, n in box]), comm)
         s = comm.stats()
