@@ -5,47 +5,10 @@ run with it, each layer on its own mesh.
     x = plan.input(torch_batch)          # replicated onto plan.placement (any layout works)
     loss = model(x, ...); loss.backward(); opt.step()   # build the optimizer after parallelize
 
-What it does:
-
-1. `trace` the model on shapes only (no weights touched, no communication): its Linear /
-   Embedding / Conv2d calls in order, as a chain `Graph`.
-2. Search a strategy on ``placement.size`` devices (`search`, exact dynamic programming over
-   the chain by default), or take ``strategy`` (a `Strategy` of that graph, or a
-   ``{layer name: LayerStrategy}`` dict). Per layer a strategy is a mesh -- a factorisation of
-   the devices -- and an nd-sbp for its input, weight and output; layers may use different
-   meshes. ``one_mesh=True`` restricts the search to strategies whose layers share one mesh
-   (`single_mesh_search`) and moves a given multi-mesh strategy onto the mesh most of its
-   layers use (``plan.notes`` says which layers moved).
-3. Each layer's mesh becomes its own placement: ``placement``'s ranks, in row-major order,
-   reshaped to the mesh. The layer's weight is laid out there with the strategy's weight
-   nd-sbp (axes swapped for a Linear, whose weight is ``(out, in)`` where the graph's is
-   ``(in, out)``), its bias following the weight's output axis. A parameter built under
-   `sf.nn.init.meta_init` is materialised directly in that layout (each rank allocates only
-   its shard, with the values an ordinary build would have); others are boxed there
-   (`sf.parallel.relayout`, as `sf.parallel.apply` does).
-4. **The activation stream.** Weightless ops between layers (residual adds, norms, attention,
-   the loss) take inputs produced by different layers, and ops refuse inputs on different
-   placements. So activations live between layers on one *stream placement*: ``placement``'s
-   ranks reshaped to the common row-major refinement of every layer's mesh (e.g. meshes
-   ``(4,)`` and ``(2, 2)`` -> ``(2, 2)``; ``(2, 4)`` and ``(4, 2)`` -> ``(2, 2, 2)``), where
-   every layer's layout has an exact image: a layer dim of size ``m`` that the stream splits
-   into dims ``m1 x m2`` carries its sbp on both (``S(a)`` -> ``S(a), S(a)``, ``B`` -> ``B, B``,
-   ``P`` -> ``P, P``). Each traced module's forward is wrapped: the activation is boxed on the
-   stream to the image of the layer's input layout (the only real communication: the
-   redistribution `evaluate` prices on the same refined mesh), relabelled onto the layer's
-   placement, the module runs, its output is boxed to the layer's output layout there (a no-op
-   when the op's signature already gives it) and relabelled back onto the stream. A relabel
-   moves no bytes and keeps partial sums unreduced; it is a real boxing only where a split is
-   uneven and the nested split of the refined mesh holds other elements than the layer's. If
-   the meshes have no common refinement (e.g. ``(3, 4)`` and ``(4, 3)``) the stream takes the
-   layer mesh that refines the meshes of the most layers, and a layer on a mesh it does not
-   refine receives its input by a cross-placement boxing and returns its output replicated on
-   the stream (correct, more traffic; a note
-   says so). The graph's token axis 0 is the activation's axis 0 (batch), a linear's feature
-   axis its last; a conv's axes are the activation's.
-
-ZeRO-style ``stored`` weight layouts are not applied (the parameter takes the kernel layout).
-Parameters outside traced layers (norms, ...) are replicated on the stream placement.
+It traces the model (`trace`), searches or takes a strategy, lays each layer's parameters out on
+its mesh's placement (`sf.parallel.relayout`) and wraps each traced module's forward so that
+activations live between layers on one *stream placement*, the common refinement of the layer
+meshes. See docs/auto.md, 'Laying out a model' (the steps, the stream, what is not applied).
 """
 
 from __future__ import annotations
@@ -70,8 +33,8 @@ __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeErro
 @dataclass
 class ParallelPlan:
     """What `parallelize` did: the traced graph, the strategy run, the stream placement the
-    activations live on between layers (``placement``; see the module docstring), each
-    layer's placement, its predicted breakdown and notes."""
+    activations live on between layers (``placement``; docs/auto.md, 'Laying out a model'),
+    each layer's placement, its predicted breakdown and notes."""
 
     graph: object
     strategy: Strategy
@@ -338,12 +301,11 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
     ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
     with that many devices) or take ``strategy``, and lay the model out for it, in place: each
-    layer on its strategy's mesh, activations on the stream placement between layers (module
-    docstring). Every rank calls it, with the same arguments; build the optimizer afterwards.
-    ``one_mesh=True`` keeps every layer on one mesh. Returns a `ParallelPlan` (also
-    ``model.auto_plan``)."""
+    layer on its strategy's mesh, activations on the stream placement between layers
+    (docs/auto.md, 'Laying out a model'). Every rank calls it, with the same arguments; build
+    the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh. Returns a
+    `ParallelPlan` (also ``model.auto_plan``)."""
     from ..cost import Cluster
-    from .search import search
 
     p = placement.size
     if cluster is None:
@@ -355,25 +317,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     notes: list = []
     t0 = time.perf_counter()
     if strategy is None:
-        if one_mesh:
-            strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
-        else:
-            res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
-            strategy, bd = res.strategy, res.breakdown
+        strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh)
     else:
-        if isinstance(strategy, dict):
-            strategy = Strategy(graph, strategy)
-        elif not isinstance(strategy, Strategy):
-            strategy = Strategy(graph, list(strategy))
-        elif strategy.graph is not graph:
-            strategy = Strategy(graph, list(strategy.layers))
-        if len(strategy.layers) != len(graph.layers):
-            raise ParallelizeError(f"parallelize: strategy has {len(strategy.layers)} layers, "
-                                   f"the traced graph {len(graph.layers)}")
-        bad = [l.name for l, s in zip(graph.layers, strategy.layers) if s.devices != p]
-        if bad:
-            raise ParallelizeError(f"parallelize: layers {bad} have meshes that are not "
-                                   f"{p} devices (placement {placement})")
+        strategy = _given(graph, strategy, placement)
         if one_mesh:
             strategy = _to_one_mesh(graph, strategy, cluster, notes)
         bd = Evaluator(graph, cluster).breakdown(strategy)
@@ -381,26 +327,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if any(s.stored is not None and s.stored != s.weight for s in strategy.layers):
         notes.append("ZeRO 'stored' layouts are not applied: weights are kept in their kernel "
                      "layout")
-    # placements: one per distinct mesh, all over placement's ranks in row-major order
-    by_mesh: dict = {}
-
-    def on(mesh):
-        mesh = tuple(mesh)
-        if mesh not in by_mesh:
-            by_mesh[mesh] = placement if tuple(placement.shape) == mesh \
-                else placement.reshape(*mesh)
-        return by_mesh[mesh]
+    on = _placements_by_mesh(placement)
     placements = {l.name: on(s.mesh) for l, s in zip(graph.layers, strategy.layers)}
-    mesh_counts = Counter(s.mesh for s in strategy.layers)
-    fine = common_refinement(list(mesh_counts))
-    if fine is None:   # the layer mesh that refines the meshes of the most layers
-        fine = max(mesh_counts, key=lambda f: (
-            sum(c for m, c in mesh_counts.items() if _owner(m, f) is not None), mesh_counts[f]))
-        others = sorted(m for m in mesh_counts if _owner(m, fine) is None)
-        notes.append(f"meshes {sorted(mesh_counts)} have no common refinement: activations "
-                     f"live on {fine}; layers on {others} take their input by a "
-                     f"cross-placement boxing and return their output replicated")
-    stream = _Stream(on(fine), {m: _owner(m, fine) for m in mesh_counts})
+    stream = _stream(strategy, on, notes)
     layouts = _layouts(graph, strategy, modules, placements)
     replicated = (stream.placement, (B,) * stream.placement.ndim)
     relayout(model, lambda _, p: layouts.get(id(p), replicated)[:2], "parallelize")
@@ -410,3 +339,62 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
                         placements)
     object.__setattr__(model, "auto_plan", plan)
     return plan
+
+
+def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool):
+    """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``)."""
+    from .search import search
+    if one_mesh:
+        strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
+        return strategy, bd
+    res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
+    return res.strategy, res.breakdown
+
+
+def _given(graph, strategy, placement) -> Strategy:
+    """A given strategy (a `Strategy`, a ``{layer name: LayerStrategy}`` dict or a sequence)
+    as a `Strategy` of the traced ``graph``, checked against it and ``placement``."""
+    p = placement.size
+    if isinstance(strategy, dict):
+        strategy = Strategy(graph, strategy)
+    elif not isinstance(strategy, Strategy):
+        strategy = Strategy(graph, list(strategy))
+    elif strategy.graph is not graph:
+        strategy = Strategy(graph, list(strategy.layers))
+    if len(strategy.layers) != len(graph.layers):
+        raise ParallelizeError(f"parallelize: strategy has {len(strategy.layers)} layers, "
+                               f"the traced graph {len(graph.layers)}")
+    bad = [l.name for l, s in zip(graph.layers, strategy.layers) if s.devices != p]
+    if bad:
+        raise ParallelizeError(f"parallelize: layers {bad} have meshes that are not "
+                               f"{p} devices (placement {placement})")
+    return strategy
+
+
+def _placements_by_mesh(placement):
+    """A function mesh -> placement: ``placement``'s ranks in row-major order reshaped to the
+    mesh, one placement object per distinct mesh."""
+    by_mesh: dict = {}
+
+    def on(mesh):
+        mesh = tuple(mesh)
+        if mesh not in by_mesh:
+            by_mesh[mesh] = placement if tuple(placement.shape) == mesh \
+                else placement.reshape(*mesh)
+        return by_mesh[mesh]
+    return on
+
+
+def _stream(strategy: Strategy, on, notes: list) -> _Stream:
+    """The stream the activations live on: the common refinement of the layer meshes or, if
+    there is none, the layer mesh that refines the meshes of the most layers (noted)."""
+    mesh_counts = Counter(s.mesh for s in strategy.layers)
+    fine = common_refinement(list(mesh_counts))
+    if fine is None:
+        fine = max(mesh_counts, key=lambda f: (
+            sum(c for m, c in mesh_counts.items() if _owner(m, f) is not None), mesh_counts[f]))
+        others = sorted(m for m in mesh_counts if _owner(m, fine) is None)
+        notes.append(f"meshes {sorted(mesh_counts)} have no common refinement: activations "
+                     f"live on {fine}; layers on {others} take their input by a "
+                     f"cross-placement boxing and return their output replicated")
+    return _Stream(on(fine), {m: _owner(m, fine) for m in mesh_counts})

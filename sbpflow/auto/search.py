@@ -1,40 +1,12 @@
 """Search algorithms over the strategy space.
 
-The cost of a strategy is a sum of per-layer terms and terms on the edges between layers. An
-edge term is a redistribution, so it depends on the two strategies only through the producer's
-(mesh, output layout) and the consumer's (mesh, input layout): `Problem` keeps, per class of
-edge (equal layer keys), a table over those distinct layouts, filled on demand and shared by
-repeated layers (the 96 blocks of GPT-3 fill it once).
-
-* ``"cd"`` coordinate descent (default): sweep the layers, give each the best strategy with the
-  others fixed, until a sweep changes nothing; then sweep the paths of ``window`` (default 4)
-  consecutive layers, giving each path its exact best joint strategy with the rest fixed (an
-  edge term traps single moves: a layer cannot change its layout unless its neighbour does
-  too; paths over edge tables of more than ``window_max_entries`` layout pairs are left to
-  single moves); repeat until neither sweep changes anything. Then restart (alternately from the best state with a
-  quarter of its layers re-drawn, and from a random state, from a ``seed``-ed generator) while
-  ``restarts`` and ``budget_s`` allow: the first start is data parallel (or ``start``), the
-  second the best Megatron t x d. Every accepted move lowers the objective, so the result is
-  never above its start.
-* ``"mh"`` Metropolis-Hastings (FlexFlow-style): change one random layer to a random strategy,
-  accept with probability ``min(1, exp(-beta * delta / cost0))``.
-* ``"random"``: independent random strategies.
-* ``"exhaustive"``: dynamic programming over the layer chain (any in-tree: each layer feeds at
-  most one consumer) -- the exact optimum; ``"enumerate"`` lists every combination (tiny graphs,
-  to cross-check the DP). Each DP step is a min-plus product of the prefix values with an edge
-  table, vectorised with numpy; since edge times are >= 0, an entry whose row value already
-  reaches a column's best cannot lower it and is never computed (`Problem.min_plus`).
-
-A memory limit turns into a penalty (``PENALTY`` seconds per unit of relative excess), so a
-strategy over the limit never beats one under it. For the DP a memory limit is a global sum
-constraint: the DP at the penalty's own price per byte is exact when its optimum is over the
-limit (then nothing better fits; see `_exhaustive`); when the unconstrained optimum fits it is
-exact too; otherwise the limit is handled by Lagrangian relaxation (bisection on a price per
-byte), the best feasible strategy over the prices tried. ``micro_batches="auto"`` doubles the
-number of micro-batches (gradient accumulation) until the best strategy fits the memory limit.
-
-Seeded runs are reproducible when they stop on ``restarts`` / ``iterations`` / ``samples``;
-``budget_s`` is a wall-clock cap on top.
+The cost of a strategy is a sum of per-layer terms and edge terms (redistributions); `Problem`
+keeps the edge terms in tables over the distinct layouts, filled on demand and shared by
+repeated layers. Algorithms: ``"cd"`` coordinate descent with path moves and restarts
+(default), ``"mh"`` Metropolis-Hastings, ``"random"``, ``"exhaustive"`` (exact dynamic
+programming over an in-tree of layers, min-plus products that skip entries which cannot lower
+a minimum) and ``"enumerate"``. A memory limit is a penalty (a Lagrangian price in the DP).
+See docs/auto.md, 'How the search works'.
 """
 
 from __future__ import annotations
@@ -146,6 +118,45 @@ class _EdgeTable:
             self.fill(r, c)
 
 
+def _best_per_row(t, fu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (producer layout) of edge table ``t``: the least ``fu`` over the candidates with
+    that layout (``inf`` for none) and the candidate that has it."""
+    order = np.lexsort((fu, t.row_of))
+    rows = t.row_of[order]
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    F = np.full(t.M.shape[0], np.inf)
+    best = np.zeros(t.M.shape[0], dtype=np.int64)
+    F[rows[first]] = fu[order[first]]
+    best[rows[first]] = order[first]
+    return F, best
+
+
+def _column_limits(t, cap: float, rest: np.ndarray) -> np.ndarray:
+    """Per column of ``t``: a row is useful for column c only if its value is below
+    ``lim[c]`` = ``cap`` minus the least ``rest`` over the column's candidates."""
+    lim = np.full(t.M.shape[1], np.inf)
+    np.minimum.at(lim, t.col_of, rest)
+    return cap - lim
+
+
+def _seed_columns(t, F: np.ndarray, cols: np.ndarray, lim: np.ndarray | None) -> None:
+    """Fill every column's entries for a few good rows and for its own layout's row, so the
+    bound that prunes the rest is tight from the first round (``lim``: `_column_limits`)."""
+    top = np.argsort(F, kind="stable")[:4]
+    top = top[np.isfinite(F[top])]
+    r, c = np.repeat(top, len(cols)), np.tile(cols, len(top))
+    if lim is not None:
+        keep = F[r] < lim[c]
+        r, c = r[keep], c[keep]
+    t.fill(r, c)
+    ok = (t.match >= 0)
+    ok[ok] = np.isfinite(F[t.match[ok]])
+    if lim is not None:
+        ok[ok] = F[t.match[ok]] < lim[ok]
+    t.fill(t.match[ok], cols[ok])
+
+
 class Problem:
     """The search problem as arrays: per layer its candidates, node times and memory; per edge
     class an `_EdgeTable` filled on demand (coordinate descent reads rows and columns of it,
@@ -213,39 +224,13 @@ class Problem:
         ``fu + rest >= cap`` is never computed, and a candidate whose minimum reaches ``cap``
         may get ``inf`` or a value above its true minimum (both >= cap)."""
         t = self.tables[(u, v)]
-        nr, nc = t.M.shape
-        # best candidate of u per row (F: its value)
-        order = np.lexsort((fu, t.row_of))
-        rows = t.row_of[order]
-        first = np.ones(len(rows), dtype=bool)
-        first[1:] = rows[1:] != rows[:-1]
-        F = np.full(nr, np.inf)
-        best = np.zeros(nr, dtype=np.int64)
-        F[rows[first]] = fu[order[first]]
-        best[rows[first]] = order[first]
-        cols = np.arange(nc)
-        capped = cap is not None and self.nonnegative
-        if capped:
-            lim = np.full(nc, np.inf)   # per column: the least rest over its candidates
-            np.minimum.at(lim, t.col_of, rest)
-            lim = cap - lim             # a row is useful for column c only if F < lim[c]
+        F, best = _best_per_row(t, fu)
+        cols = np.arange(t.M.shape[1])
+        lim = _column_limits(t, cap, rest) if cap is not None and self.nonnegative else None
         if not self.nonnegative:
             t.fill_all()
         else:
-            # start every column from a few good rows and its own layout's row, so the bound
-            # that prunes the rest is tight from the first round
-            top = np.argsort(F, kind="stable")[:4]
-            top = top[np.isfinite(F[top])]
-            r, c = np.repeat(top, nc), np.tile(cols, len(top))
-            if capped:
-                keep = F[r] < lim[c]
-                r, c = r[keep], c[keep]
-            t.fill(r, c)
-            ok = (t.match >= 0)
-            ok[ok] = np.isfinite(F[t.match[ok]])
-            if capped:
-                ok[ok] = F[t.match[ok]] < lim[ok]
-            t.fill(t.match[ok], cols[ok])
+            _seed_columns(t, F, cols, lim)
         while True:
             s = F[:, None] + t.M
             arg = np.argmin(s, axis=0)
@@ -253,12 +238,12 @@ class Problem:
             if not self.nonnegative:
                 break
             need = (F[:, None] < g[None, :]) & ~t.known
-            if capped:
+            if lim is not None:
                 need &= F[:, None] < lim[None, :]
             if not need.any():
                 break
             t.fill(*np.nonzero(need))
-            if not self.nonnegative:
+            if not self.nonnegative:   # a negative edge time seen: pruning is no longer exact
                 t.fill_all()
         return g[t.col_of], best[arg][t.col_of]
 
