@@ -4,7 +4,11 @@ its table is laid out S(0), its logits S(1)), so the figure is the kernel's own 
 thread noise; CPU time of the calling thread, best of 5 rounds. Run before and after a change
 and compare:
 
-    .venv/bin/python benchmarks/index_bounds.py [--repeat 200] [--only embedding]
+    .venv/bin/python benchmarks/index_bounds.py [--repeat 200] [--only embedding] [--dim 64]
+
+On a shared machine, MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 in the
+environment keeps glibc from mapping fresh pages for every large tensor (the cross-entropy
+figures are otherwise bimodal).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ import sbpflow as sf
 import sbpflow.nn.functional as SF
 
 
-def _cases(pl) -> dict:
-    """name -> a no-argument callable running one forward call."""
+def _cases(pl, dim: int = 64) -> dict:
+    """name -> a no-argument callable running one forward call (``dim``: embedding width)."""
     g = torch.Generator().manual_seed(0)
-    vocab, dim, rows, classes = 8192, 64, 4096, 1000
+    vocab, rows, classes = 8192, 4096, 1000
     n_ce = 512  # cross-entropy rows (the logits are n_ce x classes)
     ids = sf.tensor(torch.randint(0, vocab, (8, rows // 8), generator=g), pl, sf.B)
     table_v = sf.tensor(torch.randn(vocab, dim, generator=g), pl, sf.S(0))
@@ -48,10 +52,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--dim", type=int, default=64, help="embedding width")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl = sf.placement("cpu", ranks=[0])
-    for name, call in _cases(pl).items():
+    for name, call in _cases(pl, args.dim).items():
         if args.only not in name:
             continue
         call()  # warm the dispatch caches

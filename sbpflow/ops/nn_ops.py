@@ -41,6 +41,10 @@ pick_class             logits S(a), target S(a), a < n - 1         S(a)
                        logits B, target B                          B
 =====================  ==========================================  ===========================
 
+``embedding`` and ``pick_class`` refuse ids / targets outside the table / classes in every
+layout (`IndexOutOfRange`; see "index range checks" below); ``checked=True`` says the caller has
+checked them on every rank.
+
 ``dropout`` takes its seed as a replicated 0-d int64 tensor (not an attribute), so a fresh seed
 each step does not miss the signature cache; its mask is ``generate_region("rand", shape, box,
 seed)`` of the rank's box, identical in every layout.
@@ -70,13 +74,15 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- index range checks ----------------------------------------------------------------------------
-# Every kernel checks the ids / targets it holds, in the pass it makes anyway (torch's kernel where
-# the table / classes are whole; `check_index_range` on a vocab / class split). Where the index is
-# whole (B on a mesh dim: vocab- / class-split table or logits, or a replicated target that
-# `sf.nn.functional.cross_entropy` checks before slicing it) every rank of that dim reaches the
-# same verdict with no collective, so the ranks of the following reduction raise together. Split
-# ids (S ids, replicated table: data parallelism) are checked by the ranks holding them, as in
-# DDP; the launcher stops the others (threads: at once; processes: their next collective).
+# An id / target outside its range raises `IndexOutOfRange` (an SbpError and torch's IndexError)
+# in every layout, checked once per call where it costs a local pass and no collective: torch's
+# own kernel where the table / classes are whole (its error converted), `check_index_range` on a
+# vocab / class split (the ids / target are B there, whole: every rank of that mesh dim reaches
+# the same verdict, so the ranks of the partial sum's reduction raise together). Replicated ids /
+# targets the signature choice may slice are checked whole before the op by
+# `sf.nn.functional.embedding` / `cross_entropy` (the kernel is then told ``checked=True``).
+# Split ids (S ids, replicated table: data parallelism) are checked by the ranks holding them, as
+# in DDP; the launcher stops the others (threads: at once; processes: their next collective).
 
 def check_index_range(index: torch.Tensor, size: int, ignore: int | None,
                       error: Callable[[], Exception | None]) -> None:

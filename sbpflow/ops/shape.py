@@ -27,8 +27,11 @@ cat, split, chunk           ``S(a) -> S(a)`` for every axis but ``dim`` (all inp
 ==========================  ===================================================================
 
 ``getitem`` takes basic indices only (int, slice, None, Ellipsis, tuples of them); tensors,
-lists and bools raise `AdvancedIndexError`. Slices are not hashable before Python 3.12, so the
-GlobalTensor binding passes the index through `encode_index` (a `Slice` for each slice).
+lists and bools raise `AdvancedIndexError`. An int outside its axis (and a ``narrow`` start
+outside ``[-n, n]``) raises `IndexOutOfRange`, an IndexError as in torch, on every rank (it is
+checked on the logical shape, by the signature generator). Slices are not hashable before
+Python 3.12, so the GlobalTensor binding passes the index through `encode_index` (a `Slice`
+for each slice).
 
 Kernels whose attribute is a LOGICAL shape (``reshape``, ``expand``) are context kernels: on a
 rank they produce their output box's shape. The registry's local-shape check runs them with

@@ -5,8 +5,8 @@ S(classes) / P, target B / S; plain, sum, none, class weights, label smoothing, 
 logits), getitem and narrow. Meshes: 3 ranks and 2x2. Bad indices: just above the range, far
 above, negative, below minus the range. The error is `IndexOutOfRange` (an `SbpError` and an
 `IndexError`). Where the index is whole on every rank (``B`` on every mesh dim) every rank
-raises, so none is left waiting in a collective; a split index raises at least on the ranks
-holding the bad one. Good calls (``ignore_index``, ``padding_idx`` including negative ones)
+raises, so none is left waiting in a collective; a split index raises on some rank (with a
+replicated table, data parallelism: exactly the ranks holding it). Good calls (``ignore_index``, ``padding_idx`` including negative ones)
 equal torch, values and gradients.
 """
 
