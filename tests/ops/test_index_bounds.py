@@ -331,3 +331,13 @@ def test_getitem_and_narrow_out_of_range_raise_index_error(ranks):
 
     results = sf.launch(body, world_size=pl.size)
     assert results == [[]] * pl.size, results[0][:5]
+
+
+# -- real processes --------------------------------------------------------------------------------
+@pytest.mark.gloo
+def test_issue_snippets_raise_on_every_gloo_rank():
+    """On gloo processes no launcher abort stops a rank that did not raise: every rank must
+    reach the same verdict by itself, and go on to the same next collective."""
+    from index_bounds_fns import split_table_and_classes_verdicts
+    got = sf.launch(split_table_and_classes_verdicts, world_size=4, backend="torch", timeout=60)
+    assert got == [["raised", "raised"]] * 4
