@@ -118,18 +118,7 @@ def train_gpt(seconds: float, max_steps: int = 10**9, lines: int = 10,
     pos = arange(cfg["seq"], placement=lay.placement, sbp=(B, B))
     talk = verbose and _comm.rank() == 0
     if talk:
-        print(f"== 2. training a GPT: {param_count(model):,} parameters (d={cfg['d']}, "
-              f"{cfg['heads']} heads, {cfg['layers']} layers, vocab {data.vocab}), "
-              f"sequences of {cfg['seq']} characters, batch {cfg['batch']}, AdamW, for "
-              f"{seconds:g} s" + (f" or {max_steps} steps" if max_steps < 10**9 else ""))
-        print(f"   corpus: {len(data.data):,} generated characters, e.g. "
-              f"{data.decode(data.data[:60])!r}")
-        print(f"   4 simulated ranks as a 2x2 mesh {lay.placement}: data parallel across the "
-              f"groups, Megatron tensor parallel inside each")
-        for pattern, nd in lay.rules.items():
-            print(f"     {pattern:<22} {format_nd_sbp(nd)}")
-        print(f"     tokens, targets        {format_nd_sbp(lay.data_sbp)}\n")
-        print(f"   {'step':>6} {'loss':>8} {'seconds':>8}")
+        _print_setup(model, data, lay, seconds, max_steps)
     losses, times, comm_sum = [], [], {}
     t0 = time.perf_counter()
     next_line, step, t_warm = 0.0, 0, 0.0
@@ -147,10 +136,7 @@ def train_gpt(seconds: float, max_steps: int = 10**9, lines: int = 10,
         if step == 0:
             t_warm = now  # the first step also chooses every op's signature
         else:
-            for kind, k in after.kinds.items():
-                b = before[kind]
-                s, c = comm_sum.get(kind, (0, 0))
-                comm_sum[kind] = (s + k.sent - b.sent, c + k.calls - b.calls)
+            _add_traffic(comm_sum, before, after)
         losses.append(value)
         times.append(now)
         step += 1
@@ -165,6 +151,32 @@ def train_gpt(seconds: float, max_steps: int = 10**9, lines: int = 10,
     return dict(losses=losses, times=times, steps=step, warmup=t_warm, vocab=data.vocab,
                 tokens_per_step=cfg["batch"] * cfg["seq"], sample=text,
                 comm={k: (s / measured, c / measured) for k, (s, c) in comm_sum.items()})
+
+
+def _print_setup(model, data: CharData, lay, seconds: float, max_steps: int) -> None:
+    """Rank 0's header of the training section: the model, the corpus, the layout."""
+    cfg = GPT_CONFIG
+    print(f"== 2. training a GPT: {param_count(model):,} parameters (d={cfg['d']}, "
+          f"{cfg['heads']} heads, {cfg['layers']} layers, vocab {data.vocab}), "
+          f"sequences of {cfg['seq']} characters, batch {cfg['batch']}, AdamW, for "
+          f"{seconds:g} s" + (f" or {max_steps} steps" if max_steps < 10**9 else ""))
+    print(f"   corpus: {len(data.data):,} generated characters, e.g. "
+          f"{data.decode(data.data[:60])!r}")
+    print(f"   4 simulated ranks as a 2x2 mesh {lay.placement}: data parallel across the "
+          f"groups, Megatron tensor parallel inside each")
+    for pattern, nd in lay.rules.items():
+        print(f"     {pattern:<22} {format_nd_sbp(nd)}")
+    print(f"     tokens, targets        {format_nd_sbp(lay.data_sbp)}\n")
+    print(f"   {'step':>6} {'loss':>8} {'seconds':>8}")
+
+
+def _add_traffic(comm_sum: dict, before, after) -> None:
+    """Add one step's bytes sent and calls per kind (``after - before`` of `sf.comm.stats`) to
+    ``comm_sum`` = ``{kind: (bytes, calls)}``."""
+    for kind, k in after.kinds.items():
+        b = before[kind]
+        s, c = comm_sum.get(kind, (0, 0))
+        comm_sum[kind] = (s + k.sent - b.sent, c + k.calls - b.calls)
 
 
 def _mib(n: float) -> str:

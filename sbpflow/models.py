@@ -5,13 +5,11 @@ and a small generated text corpus (used by ``examples/`` and ``sbpflow demo``).
 distributed model, ``torch.nn`` its single-device twin (same parameter names and shapes, so
 ``state_dict``s move between them and tests compare the two)::
 
-    import sbpflow as sf, torch
     GPT = gpt_class(sf.nn, sf.nn.functional)        # global tensors, any layout
     TorchGPT = gpt_class(torch.nn, torch.nn.functional)
 
 ``layout(model, name, world)`` gives the placement, the input layout and the parameter rules
 (for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero``, ``replicated``.
-
 Models get their ops from the namespace they are built with; this module imports only from
 ``sbp``, ``placement`` and ``tensor`` (for `generate`).
 """
@@ -40,6 +38,9 @@ def gpt_class(nn, F):
 
     The qkv projection's output features are ordered (head, q|k|v, head_dim), so splitting them
     (Megatron column parallel) gives each rank whole heads when the ranks divide the heads.
+
+    Not split: the four classes are one model definition, read top-down as a torch model file
+    is; each is short, and factories per class would only pass ``nn`` and ``F`` around.
     """
 
     class CausalSelfAttention(nn.Module):

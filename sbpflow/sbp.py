@@ -1,13 +1,11 @@
 """SBP layouts: split, broadcast, partial, and the shard math of an nd-sbp.
 
-An *sbp* says how a tensor is laid out along one mesh dimension:
-
-* ``S(a)``  split: rank ``i`` of ``m`` keeps balanced part ``i`` along axis ``a``;
-* ``B``     broadcast: every rank keeps the whole piece;
-* ``P(op)`` partial: the piece is the ``op``-reduction (``sum``, ``max``, ``min``) of what the ranks hold.
-
-An *nd-sbp* is a tuple of sbps, one per mesh dimension. The local shard of a rank is found by
-applying them in order (see ``shard_box``); this is the one definition every other module uses.
+An *sbp* says how a tensor is laid out along one mesh dimension: ``S(a)`` split (rank ``i`` of
+``m`` keeps balanced part ``i`` along axis ``a``), ``B`` broadcast (every rank keeps the whole
+piece), ``P(op)`` partial (the piece is the ``op``-reduction, ``sum``, ``max`` or ``min``, of
+what the ranks hold). An *nd-sbp* is a tuple of sbps, one per mesh dimension; the local shard
+of a rank applies them in order (``shard_box``), the one definition every other module uses
+(docs/design.md, 'The local-shard rule').
 
     >>> from sbpflow.sbp import S, B, P, parse_nd_sbp
     >>> parse_nd_sbp("S(0), B", 2)

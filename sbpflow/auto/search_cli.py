@@ -271,28 +271,44 @@ def search_command(args) -> int:
 
 def run_command(args) -> int:
     """`search_command` without the error handling (raises `SbpError` on bad input)."""
-    from .baselines import best_megatron, data_parallel
-    from .evaluate import evaluate
     graph = _graph_from_args(args)
     cluster = build_cluster(args.cluster, args.nodes, args.devices_per_node, args.cluster_file)
-    if args.budget_s is not None and not args.budget_s > 0:
-        raise SearchCliError(f"--budget-s must be > 0, got {args.budget_s}")
-    if args.memory_limit is not None and not args.memory_limit > 0:
-        raise SearchCliError(f"--memory-limit must be > 0 GiB, got {args.memory_limit}")
-    limit = args.memory_limit * GiB if args.memory_limit is not None else \
-        cluster.memory_per_device
+    limit = _memory_limit(args, cluster)
     progress = not args.no_progress
     print(f"model:   {graph!r}")
     print(f"cluster: {cluster}")
     print(f"search:  {args.algorithm}, seed {args.seed}, budget {args.budget_s:g} s, memory "
           f"limit {limit / GiB:.4g} GiB/device\n")
     res = run_search(graph, cluster, args.algorithm, args.seed, args.budget_s, limit, progress)
-    results = {args.algorithm: res}
-
     print(f"== found strategy ({res.algorithm}: {res.seconds:.2f} s, {res.evaluations} "
           f"evaluations{'' if res.fits else ', DOES NOT FIT MEMORY'}) ==")
     print(strategy_table(res.strategy, res.breakdown))
     print(res.breakdown)
+    rows = _baselines(graph, cluster, limit)
+    rows.append((f"found ({res.algorithm})", res.breakdown))
+    print("\n== comparison ==")
+    print(comparison(rows, limit))
+    if args.plot:
+        _convergence(args, graph, cluster, limit, progress, {args.algorithm: res})
+    return 0
+
+
+def _memory_limit(args, cluster) -> float:
+    """Check ``--budget-s`` and ``--memory-limit``; the limit in bytes (default: the
+    cluster's memory per device)."""
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise SearchCliError(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        raise SearchCliError(f"--memory-limit must be > 0 GiB, got {args.memory_limit}")
+    return args.memory_limit * GiB if args.memory_limit is not None else \
+        cluster.memory_per_device
+
+
+def _baselines(graph, cluster, limit) -> list:
+    """Print data parallelism and the best Megatron t x d under ``limit``; their
+    ``(name, breakdown)`` rows for the comparison (those that exist)."""
+    from .baselines import best_megatron, data_parallel
+    from .evaluate import evaluate
     rows = []
     try:
         dp = data_parallel(graph, cluster)
@@ -311,30 +327,29 @@ def run_command(args) -> int:
         print(f"\n== best Megatron t x d under memory: tp {tp} x dp {dpd} ==")
         print(b)
         rows.append((f"Megatron tp{tp} x dp{dpd}", b))
-    rows.append((f"found ({res.algorithm})", res.breakdown))
-    print("\n== comparison ==")
-    print(comparison(rows, limit))
+    return rows
 
-    if args.plot:
-        for alg in ("cd", "mh", "random", "exhaustive"):
-            if alg in results:
-                continue
-            results[alg] = run_search(graph, cluster, alg, args.seed, args.budget_s, limit,
-                                      progress, fill_budget=True, desc=f"plot: {alg}")
-        # the headline algorithm was run without fill_budget; rerun it so all get equal time
-        if args.algorithm in ("cd", "mh", "random"):
-            results[args.algorithm] = run_search(graph, cluster, args.algorithm, args.seed,
-                                                  args.budget_s, limit, progress,
-                                                  fill_budget=True,
-                                                  desc=f"plot: {args.algorithm}")
-        print("\n== convergence ==")
-        opt = results["exhaustive"].cost
-        for alg in ("cd", "mh", "random", "exhaustive"):
-            r = results[alg]
-            print(f"{alg:<12}{r.cost * 1e3:>14.3f} ms{r.cost / opt:>10.4f}x optimum"
-                  f"{r.seconds:>10.2f} s")
-        title = (f"{graph.name} on {cluster.world_size} devices ({cluster.name})")
-        if plot_convergence({k: results[k] for k in ("cd", "mh", "random", "exhaustive")},
-                            args.plot, title):
-            print(f"convergence plot written to {args.plot}")
-    return 0
+
+def _convergence(args, graph, cluster, limit, progress: bool, results: dict) -> None:
+    """``--plot``: run every algorithm for the same budget, print how close each came to the
+    optimum and plot their convergence to ``args.plot``."""
+    for alg in ("cd", "mh", "random", "exhaustive"):
+        if alg in results:
+            continue
+        results[alg] = run_search(graph, cluster, alg, args.seed, args.budget_s, limit,
+                                  progress, fill_budget=True, desc=f"plot: {alg}")
+    # the headline algorithm was run without fill_budget; rerun it so all get equal time
+    if args.algorithm in ("cd", "mh", "random"):
+        results[args.algorithm] = run_search(graph, cluster, args.algorithm, args.seed,
+                                             args.budget_s, limit, progress, fill_budget=True,
+                                             desc=f"plot: {args.algorithm}")
+    print("\n== convergence ==")
+    opt = results["exhaustive"].cost
+    for alg in ("cd", "mh", "random", "exhaustive"):
+        r = results[alg]
+        print(f"{alg:<12}{r.cost * 1e3:>14.3f} ms{r.cost / opt:>10.4f}x optimum"
+              f"{r.seconds:>10.2f} s")
+    title = (f"{graph.name} on {cluster.world_size} devices ({cluster.name})")
+    if plot_convergence({k: results[k] for k in ("cd", "mh", "random", "exhaustive")},
+                        args.plot, title):
+        print(f"convergence plot written to {args.plot}")

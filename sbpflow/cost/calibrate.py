@@ -72,21 +72,10 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
                                  devices_per_node, warmup, inner)
     configs = configurations(classes, kinds, sizes, copy, step)
     measured = measure(configs, dpn, comm.device(device_type), step, warmup, repeats, inner)
-    report = CalibrationReport(comm.backend, comm.world_size, dpn, repeats, inner)
-    for c, n, seconds in measured:
-        if c.kind == "copy":
-            report.copy_samples.append((n, seconds))
-        elif c.kind == "step":
-            report.step_overhead = seconds
-        else:
-            report.samples.append(Sample(c.link, c.kind, c.p, n, seconds))
+    report = _report(measured, CalibrationReport(comm.backend, comm.world_size, dpn, repeats,
+                                                 inner))
     fits, kfits = _fit_links(report, classes, kinds, per_kind, algorithms)
-    copy_beta = 0.0
-    if report.copy_samples:
-        try:
-            copy_beta = fit_copy(report.copy_samples)[0]
-        except CostError:
-            copy_beta = 0.0
+    copy_beta = _copy_beta(report.copy_samples)
     if memory_per_device is None:
         memory_per_device = default_memory(device_type, dpn)
     fits, kfits, memory_per_device, copy_beta, report.step_overhead = _agree(
@@ -102,6 +91,30 @@ def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, group_sizes: Sequence[int] |
     _residuals(report, fits, kfits)
     report.seconds = time.perf_counter() - t_start
     return cluster, report
+
+
+def _report(measured: list, report: CalibrationReport) -> CalibrationReport:
+    """``report`` with the ``(config, bytes, seconds)`` of `measure` filed: collective samples,
+    strided-copy samples and the boxing step's software cost."""
+    for c, n, seconds in measured:
+        if c.kind == "copy":
+            report.copy_samples.append((n, seconds))
+        elif c.kind == "step":
+            report.step_overhead = seconds
+        else:
+            report.samples.append(Sample(c.link, c.kind, c.p, n, seconds))
+    return report
+
+
+def _copy_beta(copy_samples: list) -> float:
+    """Seconds per byte of a strided copy fitted to ``copy_samples`` (0 with none, or when
+    they do not fit)."""
+    if not copy_samples:
+        return 0.0
+    try:
+        return fit_copy(copy_samples)[0]
+    except CostError:
+        return 0.0
 
 
 def _setup(world: int, sizes, group_sizes, repeats, kinds, dpn, warmup,

@@ -4,16 +4,14 @@
 that matches a name wins (dict order), ``"*"`` is the usual fallback::
 
     sf.parallel.apply(model, mesh, {
-        "*.fc1.weight": (sf.B, sf.S(0)),   # column parallel inside a group
-        "*.fc1.bias":   (sf.B, sf.S(0)),
-        "*.fc2.weight": (sf.B, sf.S(1)),   # row parallel
-        "*":            (sf.B, sf.B),
-    })
+        "*.fc1.weight": (sf.B, sf.S(0)), "*.fc1.bias": (sf.B, sf.S(0)),  # column parallel
+        "*.fc2.weight": (sf.B, sf.S(1)),   # row parallel (both inside a group)
+        "*": (sf.B, sf.B)})
 
-Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if it was built
-under `sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` (requires grad as
-before) under every name it has — tied parameters stay tied (`sf.parallel.relayout`). Call it
-before building the optimizer: the optimizer holds the parameter objects.
+Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if built under
+`sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` (requires grad as before)
+under every name it has: tied parameters stay tied (`sf.parallel.relayout`). Call it before
+building the optimizer: the optimizer holds the parameter objects.
 """
 
 from __future__ import annotations
