@@ -6,6 +6,8 @@ and compare:
 
     .venv/bin/python benchmarks/index_bounds.py [--repeat 200] [--only embedding] [--dim 64]
 
+``--ab`` times each call with the check switched off and on, alternated in one process.
+
 On a shared machine, MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 in the
 environment keeps glibc from mapping fresh pages for every large tensor (the cross-entropy
 figures are otherwise bimodal).
@@ -48,23 +50,51 @@ def _cases(pl, dim: int = 64) -> dict:
     }
 
 
+def _best(call, repeat: int) -> float:
+    """Seconds a call: CPU time of this thread (torch runs on it alone, so other processes on
+    a loaded machine do not count, as they would in wall time), best of 5 rounds."""
+    n = max(repeat // 5, 1)
+    return min(timeit.repeat(call, number=n, repeat=5, timer=time.thread_time)) / n
+
+
+def _ab(cases: dict, repeat: int, rounds: int = 6) -> None:
+    """The same calls with the range check a no-op and real, alternated in this process (the
+    check's own cost, free of the heap and cache state of two separate runs)."""
+    from sbpflow.ops import nn_ops
+    real = nn_ops.check_index_range
+    best: dict = {}
+    try:
+        for _ in range(rounds):
+            for label, fn in (("off", lambda *a, **k: None), ("on", real)):
+                nn_ops.check_index_range = SF.check_index_range = fn
+                for name, call in cases.items():
+                    call()
+                    t = _best(call, repeat)
+                    best[name, label] = min(best.get((name, label), t), t)
+    finally:
+        nn_ops.check_index_range = SF.check_index_range = real
+    for name in cases:
+        off, on = best[name, "off"], best[name, "on"]
+        print(f"{name:42s} {off * 1e6:9.1f} us -> {on * 1e6:9.1f} us ({(on - off) / off:+.1%})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--dim", type=int, default=64, help="embedding width")
+    ap.add_argument("--ab", action="store_true",
+                    help="time each call without and with the range check, alternated")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl = sf.placement("cpu", ranks=[0])
-    for name, call in _cases(pl, args.dim).items():
-        if args.only not in name:
-            continue
+    cases = {k: v for k, v in _cases(pl, args.dim).items() if args.only in k}
+    if args.ab:
+        _ab(cases, args.repeat)
+        return
+    for name, call in cases.items():
         call()  # warm the dispatch caches
-        # CPU time of this thread (torch runs on it alone): other processes on a loaded
-        # machine do not count, as they would in wall time
-        best = min(timeit.repeat(call, number=args.repeat // 5, repeat=5,
-                                 timer=time.thread_time)) / (args.repeat // 5)
-        print(f"{name:42s} {best * 1e6:9.1f} us")
+        print(f"{name:42s} {_best(call, args.repeat) * 1e6:9.1f} us")
 
 
 if __name__ == "__main__":
