@@ -192,6 +192,45 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     A mean whose count is summed over ranks may come back as a `PendingMean`
     (``sbpflow/nn/pending_mean.py``): a global tensor whose count's all-reduce is still in
     flight, so the forward does not wait for it; reading it waits, backward need not."""
+    input, n_classes = _cross_entropy_inputs(input, target, weight, reduction, label_smoothing)
+    c = input.ndim - 1
+    ignore_index = int(ignore_index)
+    # classes whole on every rank, plain loss: torch's fused kernels on the rows
+    plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
+    if plain_rows and reduction != "none" and target.sbp == input.sbp:
+        # rows laid out alike: one kernel gives the summed row losses and the valid-target
+        # count. A replicated target with split logits goes the way below: its count is then
+        # replicated, where the fused count would be partial (an all-reduce)
+        total, count = _row_op("cross_entropy_sum", input, target, ignore_index)
+        if reduction == "sum":
+            return total
+        return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
+                                              target.sbp, ignore_index))
+    checked = _check_sliced_target(input, target, ignore_index)
+    if input.dtype in (torch.float16, torch.bfloat16) and \
+            torch.is_autocast_enabled(input.placement.device_type):
+        input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
+    valid = apply_op("ne", target, ignore_index).to(input.dtype)
+    if plain_rows:
+        loss = _row_op("row_cross_entropy", input, target, ignore_index)
+        row_weight = valid
+    else:
+        loss, row_weight = _class_pick_rows(input, target, weight, valid, ignore_index, checked,
+                                            label_smoothing)
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    count = row_weight.to(count_dtype(row_weight.dtype)).sum()
+    return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
+                                          ignore_index, weight is not None))
+
+
+def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, reduction: str,
+                          label_smoothing: float) -> tuple[GlobalTensor, int]:
+    """Check `cross_entropy`'s arguments; return the logits with the classes on the last axis
+    (a local permute of torch's (N, C, d1, ...)) and the number of classes."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', not "
                          f"{reduction!r}")
@@ -213,8 +252,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     if target.dtype.is_floating_point:
         raise NotImplementedError("cross_entropy: only integer class targets are supported "
                                   "(not class probabilities)")
-    c = input.ndim - 1
-    n_classes = input.shape[c]
+    n_classes = input.shape[-1]
     if weight is not None:
         if not isinstance(weight, GlobalTensor):
             raise TypeError("cross_entropy: weight must be an sf global tensor (e.g. "
@@ -223,55 +261,37 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
             raise ShapeError(f"cross_entropy: weight of shape {tuple(weight.shape)} for "
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
-    # classes whole on every rank, plain loss: torch's fused kernels on the rows
-    plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
-    if plain_rows and reduction != "none" and target.sbp == input.sbp:
-        # rows laid out alike: one kernel gives the summed row losses and the valid-target
-        # count. A replicated target with split logits goes the way below: its count is then
-        # replicated, where the fused count would be partial (an all-reduce)
-        total, count = _row_op("cross_entropy_sum", input, target, int(ignore_index))
-        if reduction == "sum":
-            return total
-        return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
-                                              target.sbp, int(ignore_index)))
-    # the class pick's attributes: its own target check is skipped if done here
-    pick = {"ignore_index": int(ignore_index)}
-    if _check_sliced_target(input, target, int(ignore_index)):
+    return input, n_classes
+
+
+def _class_pick_rows(input: GlobalTensor, target: GlobalTensor, weight, valid: GlobalTensor,
+                     ignore_index: int, checked: bool, label_smoothing: float) -> tuple:
+    """Row losses and row weights from a log-sum-exp and the pick of each target's logit
+    (class-split logits: only the row max and exp-sum are all-reduced; the target logit is a
+    partial sum from the rank owning its class), with class weights and label smoothing."""
+    c = input.ndim - 1
+    n_classes = input.shape[c]
+    pick = {"ignore_index": ignore_index}
+    if checked:  # the class pick's own target check is skipped: done by the caller
         pick["checked"] = True
-    if input.dtype in (torch.float16, torch.bfloat16) and \
-            torch.is_autocast_enabled(input.placement.device_type):
-        input = input.float()  # autocast runs torch's cross-entropy in float32: so do its parts
-    valid = apply_op("ne", target, int(ignore_index)).to(input.dtype)
-    if plain_rows:
-        loss = _row_op("row_cross_entropy", input, target, int(ignore_index))
+    z = input - _max_over(input, c)
+    lse = _sum_over(z.exp(), c, keepdim=False).log()
+    picked = apply_op("pick_class", z, target, **pick)
+    if weight is None:
         row_weight = valid
     else:
-        z = input - _max_over(input, c)
-        lse = _sum_over(z.exp(), c, keepdim=False).log()
-        picked = apply_op("pick_class", z, target, **pick)
+        w_rows = weight.expand(*input.shape)        # class weights along the logits
+        # the first pick checked every row's target
+        row_weight = apply_op("pick_class", w_rows, target, **{**pick, "checked": True})
+    loss = (lse - picked) * row_weight
+    if label_smoothing:
+        # Σ_c w_c·(lse - z_c): the cross-entropy against the uniform distribution
         if weight is None:
-            row_weight = valid
+            smooth = lse * float(n_classes) - _sum_over(z, c, keepdim=False)
         else:
-            w_rows = weight.expand(*input.shape)        # class weights along the logits
-            # the first pick checked every row's target
-            row_weight = apply_op("pick_class", w_rows, target, **{**pick, "checked": True})
-        loss = (lse - picked) * row_weight
-        if label_smoothing:
-            # Σ_c w_c·(lse - z_c): the cross-entropy against the uniform distribution
-            if weight is None:
-                smooth = lse * float(n_classes) - _sum_over(z, c, keepdim=False)
-            else:
-                smooth = lse * weight.sum() - _sum_over(z * w_rows, c, keepdim=False)
-            loss = loss * (1.0 - label_smoothing) + \
-                smooth * valid * (label_smoothing / n_classes)
-    if reduction == "none":
-        return loss
-    total = loss.sum()
-    if reduction == "sum":
-        return total
-    count = row_weight.to(count_dtype(row_weight.dtype)).sum()
-    return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
-                                          int(ignore_index), weight is not None))
+            smooth = lse * weight.sum() - _sum_over(z * w_rows, c, keepdim=False)
+        loss = loss * (1.0 - label_smoothing) + smooth * valid * (label_smoothing / n_classes)
+    return loss, row_weight
 
 
 def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_index: int) -> bool:
