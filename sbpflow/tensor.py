@@ -18,8 +18,8 @@ import torch
 from . import comm as _comm
 from .boxing import empty_local, plan_layouts, run_plan
 from .caches import BoundedDict
-from .errors import (DtypeMismatchError, PlacementError, PlacementMismatchError, SbpError,
-                     ShapeError, SignatureError)
+from .errors import (DtypeMismatchError, IndexOutOfRange, PlacementError, PlacementMismatchError,
+                     SbpError, ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
@@ -678,9 +678,9 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     try:
         choice = choose(name, meta_args, tuple(t._sbp for t in tensors), pl, attrs_key, forced,
                         grad, pinned)
-    except ShapeError as exc:
+    except (ShapeError, IndexOutOfRange) as exc:  # said with shapes only: add the layouts
         shown = "; ".join(_describe(t) for t in tensors)
-        raise ShapeError(f"{exc} [inputs: {shown}]") from None
+        raise type(exc)(f"{exc} [inputs: {shown}]") from None
     out_keys = tuple(_intern_layout(m.shape, m.dtype, nd)
                      for m, nd in zip(choice.out_metas, choice.outs))
     moves = any(t._sbp != nd for t, nd in zip(tensors, choice.ins))

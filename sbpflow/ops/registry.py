@@ -1,20 +1,10 @@
 """The op registry: an op is one registration — a name, a local torch kernel, and a generator of
 its valid 1-D signatures from the inputs' metadata.
 
-A *signature* says, for one mesh dim, the sbp of every tensor input and every output:
-``Signature(("S(0)", "B"), ("S(0)",))`` for ``matmul`` means "rows of the left operand split,
-right operand replicated, product split by rows". Signatures are data (strings parsed once),
-generated from shapes, dtypes and attributes — never from GlobalTensors.
-
-On an N-D mesh a signature is a tuple of 1-D ones, one per mesh dim (their product). A candidate
-is kept only if, on every rank, the kernel run on the local input shapes gives exactly the local
-output shapes the output layout implies (checked once on meta tensors, then cached): this rejects,
-for example, a reshape of an unevenly split axis.
-
-`choose` picks, among valid candidates, the one whose boxing of the inputs moves the fewest bytes
-(ties: fewer inputs changed, then the generator's order). It is not cached here: the dispatch
-(`sbpflow.tensor.apply_op`) keeps the one cache of choices, keyed by (op, input metadata,
-layouts, placement, attributes).
+Signatures are data (`Signature`), never computed from GlobalTensors; on an N-D mesh a
+candidate is one 1-D signature per mesh dim, kept only if the kernel's local shapes fit, and
+`choose` picks the cheapest valid one (the dispatch caches the choice). See docs/internals.md,
+'The op registry'.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ import torch
 
 from ..boxing import plan_layouts
 from ..caches import memoize
-from ..errors import SignatureError
+from ..errors import SbpError, ShapeError, SignatureError
 from ..placement import Placement
 from ..sbp import B, Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
 
@@ -182,8 +172,9 @@ def out_metas(name: str, args: tuple, attrs: tuple) -> tuple[TensorMeta, ...]:
     op = get_op(name)
     try:
         return _meta_kernel(op, args, attrs)
+    except SbpError:
+        raise  # the kernel's own check (e.g. an index out of range) says what is wrong
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        from ..errors import ShapeError
         shapes = ", ".join(str(m.shape) for m in tensor_metas(args))
         raise ShapeError(f"{name}: inputs of shapes {shapes} (attributes {dict(attrs)}) are not "
                          f"valid for the op: {str(exc).splitlines()[0]}") from None
@@ -238,11 +229,12 @@ def _partial_penalty(meta: TensorMeta, nd: tuple, placement: Placement) -> int:
 
 def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
            forced: tuple | None = None, grad: bool = False, pinned: tuple = ()) -> Choice:
-    """The signature op ``name`` runs with (see the module docstring). ``args`` holds a
-    `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input nd-sbps the
-    caller insists on (None entries are free); `SignatureError` if no valid signature has them.
-    ``grad``: some input requires grad, so signatures whose outputs carry no gradient (P(max),
-    P(min)) are used only when nothing else is valid — a cheap max must not drop a gradient.
+    """The signature op ``name`` runs with (docs/internals.md, 'The op registry'). ``args``
+    holds a `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input
+    nd-sbps the caller insists on (None entries are free); `SignatureError` if no valid
+    signature has them. ``grad``: some input requires grad, so signatures whose outputs carry
+    no gradient (P(max), P(min)) are used only when nothing else is valid — a cheap max must
+    not drop a gradient.
     ``pinned[i]``: tensor input i is a parameter; its layout is the user's statement of the
     strategy, so signatures that keep parameters in place come first (activations move).
 

@@ -324,6 +324,8 @@ def test_getitem_and_narrow_out_of_range_raise_index_error(ranks):
                 except IndexOutOfRange as exc:
                     if not isinstance(exc, IndexError):
                         failures.append(("type", nd, i))
+                    if sf.sbp.format_nd_sbp(nd) not in str(exc) or str(pl) not in str(exc):
+                        failures.append(("message names no layout", nd, i, str(exc)))
             for i, f in enumerate(good):
                 if not torch.allclose(f(x).full_tensor(), f(value), atol=1e-12):
                     failures.append(("value", nd, i))
