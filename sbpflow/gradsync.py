@@ -2,28 +2,11 @@
 reducer does), for the parameters whose gradient boxing ``dual(sbp) -> sbp`` is one all-reduce
 (a ``B`` parameter in data parallelism: ``P -> B``).
 
-Those parameters are put in buckets of at most ``bucket_bytes``, in reverse registration order
-— backward produces the last layers' gradients first, one series of buckets per group of ranks
-(every member cuts the same ones). On CUDA the first bucket of a group is smaller (1 MiB, as
-DDP's), so communication starts early while the GPU computes. On a CPU it is not:
-there the all-reduce's copies and reductions run on the cores the backward computes on, so an
-early start overlaps little, and each extra all-reduce costs its launch (a small first bucket
-made the example GPT's data-parallel step 1.5-14 % slower on 2 and 4 gloo ranks).
-
-A hook after each gradient's accumulation marks its parameter ready; when every parameter of a
-bucket is ready, the bucket's gradients are concatenated and its all-reduce is started
-(`Communicator.all_reduce_start`), reusing the bucket's buffer of the previous step when
-nothing holds a view of it any more, else the one of the step before (gloo's worker thread can
-hold a finished all-reduce's tensor for a moment after its wait returned, so a bucket may
-alternate two buffers; it keeps at most two). Buckets start strictly in order, so every rank
-starts the same collectives in the same order. `take` hands the reduced gradient to the
-optimizer, waiting for the bucket if it is still in flight.
-
-A result is used only if the gradient is still the one that was sent (same tensor, same
-version): when a later backward accumulates into it (gradient accumulation), the bucket is
-simply started again, and `take` returns None for a gradient that changed after its bucket
-started, so the caller reduces it itself. Under `no_sync()` nothing starts (DDP's ``no_sync``:
-accumulate micro-batches without communicating, then the last backward outside it).
+Parameters go into buckets (reverse registration order, one series per group of ranks); a
+bucket's all-reduce starts when all its gradients are ready, strictly in order, and `take`
+hands the reduced gradient to the optimizer (None if the gradient changed after its bucket
+started). ``no_sync()`` starts nothing. See docs/internals.md, 'Gradient synchronisation'
+(bucket sizes and why, buffer reuse, stale results).
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ from .tensor import GlobalTensor
 
 __all__ = ["GradSync", "collect", "drop_started"]
 
-FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (module docstring)
+FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
 
 
 class _Bucket:

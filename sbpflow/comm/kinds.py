@@ -1,22 +1,9 @@
 """The collective kinds: the one table the Communicator, the boxing planner and the cost model read.
 
-Per kind (`Kind`): what the bytes ``n`` of its cost formula are, its α count and nominal per-rank
-volume on a group of ``p`` (bandwidth-optimal algorithms: ring all-gather / all-reduce, pairwise
-reduce-scatter / all-to-all), whether it applies a reduction (`REDUCE_OPS`), and its exact
-per-member traffic, uneven pieces included: what member ``i`` sends to member ``j``, summed off
-the diagonal (its row is what it sends, its column what it receives). Σ sent == Σ received over
-a group. Traffic is in elements; callers multiply by the item size.
-
-=================  ========================  ==============================  ===============
-kind               ``n`` (bytes)              member i sends member j          α count
-=================  ========================  ==============================  ===============
-all_gather         the gathered result        its own piece                    ``p-1``
-reduce_scatter     one member's input         its piece for j                  ``p-1``
-all_reduce         one member's tensor        chunk_i + chunk_j (ring RS+AG)   ``2(p-1)``
-all_to_all         one member's input         its piece for j                  ``p-1``
-broadcast          the message                the message, from the source     tree / pipeline
-p2p                one message                one message to each other        ``p-1``
-=================  ========================  ==============================  ===============
+Per kind (`Kind`: all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, p2p): what the
+bytes ``n`` of its cost formula are, its α count and nominal per-rank volume on a group of
+``p``, whether it applies a reduction (`REDUCE_OPS`), and its exact per-member traffic, uneven
+pieces included, in elements. See docs/internals.md, 'Collective kinds' (the table).
 """
 
 from __future__ import annotations

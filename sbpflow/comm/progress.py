@@ -1,20 +1,11 @@
 """Progress records: which collective each rank has reached, to name the ranks a timeout waited for.
 
-Each rank numbers the collectives of each of its process groups 1, 2, ... in call order. Members
-must call a group's collectives in the same order, so collective #n is the same call on every
-member (for sbpflow's subgroups, #1 is the creation of the process group: a rendezvous of its
-members on first use). Point-to-point messages are not matched this way; they are recorded under
-`P2P` only to say what a rank is doing.
-
-Entering and leaving a collective touches only this rank's record in memory (a lock and a few
-list operations, about a microsecond). A daemon thread writes the record to the c10d store, on
-its own connection, when it changed, at most every ``period`` seconds: the collectives never
-wait on the store, and the store sees one write a rank a period at most, whatever the rate of
-collectives. When a collective times out, `Progress.report` publishes this rank's record, waits
-for the others' threads to publish theirs, reads the members' records and names the ranks that
-had not entered the collective, with what each was doing (in which collective, or idle since
-which one). torch's ``monitored_barrier`` names missing ranks from store keys too, but needs
-every rank to call it; here a rank that never comes still tells where it is.
+Each rank numbers the collectives of each of its process groups in call order (so #n is the
+same call on every member). Entering and leaving a collective touches only this rank's record
+in memory; a daemon thread writes it to the c10d store when it changed, at most every
+``period`` seconds, so the collectives never wait on the store. On a timeout,
+`Progress.report` reads the members' records and names the ranks that had not entered the
+collective, with what each was doing. See docs/internals.md, 'Progress records'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """In-process backend: one thread a rank, rendezvous through shared memory.
 
-A collective is a *slot* keyed by (group, sequence number). Each member deposits its input and
-a *signature* (kind, op, dtype, shapes), waits until every member has, computes its own result
-by reading the others' inputs (torch kernels release the GIL, so ranks compute in parallel),
-then waits until every member has finished reading before it returns — so no rank's result
-aliases memory another rank may change.
-
-Agreement: the last member to arrive compares the signatures once (a tuple comparison a rank);
-if the members disagree on the kind, the reduce op, the dtype or the shapes the collective's
-contract needs, every member raises the same `CommError`, naming each rank and what it asked
-for, instead of computing a silently wrong result.
-
-Nothing hangs: every wait wakes at least every ``_POLL`` seconds and raises `CommAborted` if
-another rank failed, `CommError` if a missing rank has already returned from its function or
-if the waiting ranks form a cycle (each waits in a call that the next one will never join: the
-ranks disagree on the groups or the order of their calls), and `CommTimeout` (naming the call,
-the missing ranks and what each of them is doing) after ``timeout`` seconds.
-
-A rank issues its communication from one thread at a time (sequence numbers are per
-communicator); the cycle check relies on it and skips a rank seen waiting on two threads.
+A collective is a *slot* keyed by (group, sequence number): each member deposits its input and
+a signature, computes its own result by reading the others' inputs, and returns once every
+member has finished reading. The members' signatures must agree (else every member raises the
+same `CommError`), and nothing hangs: waits raise `CommAborted`, `CommError` (a missing rank
+returned, or a cycle of waits) or `CommTimeout`. A rank communicates from one thread at a time.
+See docs/internals.md, 'The threads backend'.
 """
 
 from __future__ import annotations

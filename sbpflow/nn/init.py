@@ -1,21 +1,10 @@
 """``sf.nn.init``: torch.nn.init's names on global tensors, filled in place.
 
 Every fill is *layout-independent*: the values are a function of the logical index and a seed
-only (`sbpflow.utils.generate_region`), so a tensor initialised with the same seed holds the
-same logical values whatever its placement and sbp, and each rank computes only its own shard.
-Without ``seed=`` the seed comes from this rank's stream (`sf.manual_seed`), which agrees across
-ranks as long as every rank initialises its tensors in the same order.
-
-A tensor laid out with ``P(sum)`` keeps the value on the first rank of each partial group and
-zeros elsewhere (``P(max)``/``P(min)``: the reduction's identity), as the creation ops do.
-
-Building without memory: under ``with sf.nn.init.meta_init():`` the ``sf.nn`` layers create
-parameters whose shards are ``meta`` tensors (right shape and dtype, no storage), and every fill
-above is *recorded* instead of computed (its seed is still drawn from the stream, so the seeds
-of everything built afterwards are unchanged). `materialize` later gives such a tensor storage
-in any layout, holding exactly the values an ordinary build would have had; `materialize_`
-does it for every parameter of a module, and ``sf.auto.parallelize`` does it in the layouts it
-chooses (each rank allocates only its shards).
+only, so the same seed gives the same logical values whatever the placement and sbp, and each
+rank computes only its own shard. Under ``meta_init()`` fills are recorded instead, and
+`materialize` / `materialize_` later build such tensors in any layout with the same values.
+See docs/internals.md, 'Initialisation'.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """``sf.nn`` modules: torch.nn's `Module` on global tensors, and the common layers.
 
-A `Module` registers `Parameter` s and sub-modules on attribute assignment, as torch does, so
-``named_parameters()`` gives torch's dotted names (``"0.weight"``, ``"blocks.1.attn.qkv.bias"``)
-and a model's ``state_dict()`` has the keys of its ``torch.nn`` twin.
-
-A `Parameter` is a leaf `GlobalTensor` that requires grad. Each layer takes ``placement=`` and
-``sbp=`` (its weight's layout; default: every rank, replicated) and initialises its parameters
-as torch does, but from sbpflow's layout-independent random streams (`sf.nn.init`): every rank
-creates the same logical weights whatever the layout, provided every rank builds the model in
-the same order (the seeds come from the per-rank stream of `sf.manual_seed`). Layouts are usually
-chosen afterwards, by name, with `sf.parallel.apply`.
-
-State dicts hold *logical* values: ``state_dict()`` gathers each tensor whole (a collective:
-every rank must call it, in the same order — it is the same order on every rank for the same
-model), and ``load_state_dict()`` takes a plain torch state dict (the same on every rank) and
-keeps each rank's shard.
+A `Module` registers `Parameter` s and sub-modules as torch does (torch's dotted names and
+state-dict keys). Each layer takes ``placement=`` and ``sbp=`` (its weight's layout; default:
+every rank, replicated) and initialises its parameters as torch does, from layout-independent
+random streams. State dicts hold *logical* values. See docs/internals.md, 'Modules'.
 """
 
 from __future__ import annotations

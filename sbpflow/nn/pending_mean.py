@@ -1,39 +1,11 @@
 """A mean whose divisor is a count summed over the ranks (a cross-entropy's valid targets), with
 that all-reduce kept out of the forward.
 
-``total / count`` for 0-d tensors, ``total`` partial (P) or replicated, ``count`` partial: the
-count must be all-reduced before the division, and a blocking scalar all-reduce at the end of
-the forward is a point where every rank waits for the slowest (DDP has no such point: it
-averages per-rank means, which differ from the mean when ranks hold different numbers of valid
-targets). `mean_over_count` starts the all-reduce and, when the two means before it of the
-same stream (same target shape, layout, ignore_index) had equal counts, goes on with that
-count as a guess:
-
-* the value is computed with the guess, and read only after the count has arrived (`PendingMean`:
-  reading the value, using it in another op or anything else that needs its shard waits, and
-  recomputes it if the guess was wrong), so no caller ever sees a guessed value;
-* ``backward()`` on it runs at once with the guess — the all-reduce completes meanwhile — and
-  checks the guess when backward is done. A wrong guess (the count changed) scales this
-  backward's gradients by ``guess / count``, every rank drops the gradient all-reduces that
-  started during backward (`sf.optim` redoes them), and the stream waits again until its count
-  is stable.
-
-Every rank must make the same guess (a wrong one makes every rank redo the same all-reduces),
-so a stream's history is its means' counts in the order they were started, each taken by the
-next mean of the stream on every rank — not when (or whether) a rank's caller read a value.
-
-A guessed backward needs the exact correction to be possible, so it is used only when every
-leaf it reaches has no gradient yet (no accumulation into an earlier micro-batch's gradient)
-and no hook of its own (a hook would have seen the guessed gradient), and no tensor retains its
-gradient (`GlobalTensor.retain_grad`); otherwise backward waits for the count first. Both give
-torch's gradients; a right guess gives the bits waiting would have given. Not seen, and so
-not corrected: hooks a program registers with torch directly on local shards of intermediate
-tensors (``x.local.register_hook``, ``x.local.retain_grad()``), and leaves reached only by a
-nested backward (``torch.utils.checkpoint(..., use_reentrant=True)`` on local shards; sbpflow's
-own checkpointing is non-reentrant). Set ``guess_counts = False`` on every rank to make every
-mean wait for its count.
-
-The quotient keeps the sum's dtype (a count is summed in float32 when the sum is 16-bit).
+`mean_over_count` starts the count's all-reduce and, when the stream's two previous means had
+equal counts, goes on with that count as a guess: the value is read only once the count has
+arrived (`PendingMean`), and ``backward()`` runs at once with the guess and corrects a wrong one
+afterwards (every rank makes the same guess). ``guess_counts = False`` makes every mean wait.
+See docs/internals.md, 'The pending mean' (when backward may guess, what it cannot see).
 """
 from __future__ import annotations
 
@@ -96,10 +68,10 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
 
     Layouts: ``total`` any (P or B per mesh dim), ``count`` the same or with more P dims; the
     result is laid out as ``total``. Communicated: one all-reduce of the count (4-8 bytes).
-    Returns a `PendingMean` when the all-reduce can stay in flight (see the module docstring):
-    the count needs one, ``total`` requires grad and ``count`` does not (weights that learn
-    make it a differentiable sum), and the placement holds every rank (a rank outside it
-    could not correct its gradients). ``stream`` names the sequence of counts the
+    Returns a `PendingMean` when the all-reduce can stay in flight (docs/internals.md, 'The
+    pending mean'): the count needs one, ``total`` requires grad and ``count`` does not
+    (weights that learn make it a differentiable sum), and the placement holds every rank (a
+    rank outside it could not correct its gradients). ``stream`` names the sequence of counts the
     guess is taken from (e.g. the target's shape, layout and ignore_index). ``count``'s shard
     may be reduced in place: pass a tensor nothing else reads.
     """
@@ -145,8 +117,8 @@ def _route(pl: Placement, sbp: tuple, dtype: torch.dtype, rank: int,
 class PendingMean(GlobalTensor):
     """A 0-d `GlobalTensor` ``total / count`` whose count is still being all-reduced (made by
     `mean_over_count`). Its shard is computed on first use, after the count arrives;
-    ``backward()`` may run before (module docstring). Metadata (shape, dtype, placement, sbp,
-    requires_grad) is available at once."""
+    ``backward()`` may run before (docs/internals.md, 'The pending mean'). Metadata (shape,
+    dtype, placement, sbp, requires_grad) is available at once."""
 
     __slots__ = ("_total", "_pending", "_guess", "_spec", "_value")
 
@@ -196,7 +168,8 @@ class PendingMean(GlobalTensor):
 
     def backward(self, gradient: GlobalTensor | None = None, retain_graph: bool = False) -> None:
         """`GlobalTensor.backward`; without ``gradient``, before the value was read, it runs
-        with the guessed count and checks it afterwards (module docstring)."""
+        with the guessed count and checks it afterwards (docs/internals.md, 'The pending
+        mean')."""
         leaves = None
         if gradient is None and self._value is None and not retains_grads():
             leaves = _leaves(self._spec)

@@ -1,38 +1,11 @@
 """Distributed checkpoints: ``sf.save(path_dir, model, optimizer, step=)`` and
 ``sf.load(path_dir, model, optimizer)``.
 
-Layout of a checkpoint directory (all ranks share one file system, as for DCP)::
-
-    manifest.json      the commit point, replaced atomically by rank 0 once every rank's files
-                       are durable: format, save id, the generation directory, world size, step,
-                       every tensor's logical shape / dtype / placement / sbp, every file's byte
-                       size and crc32, and a crc32 of its own body
-    gen-<save id>/     one save's files (a fresh directory per save):
-      common.pt        rank 0: optimizer class, hyper-parameters and scalar state, seed stream
-      rank{r}.pt       rank r's shards: {key: tensor}
-      rank{r}.json     rank r's index: for each shard, the tensor's shape, dtype, placement and
-                       sbp, the region (box) of the logical tensor the shard holds, and whether
-                       it is a partial value (the reduction op)
-
-A save is atomic as a whole: every rank writes (checksumming as it writes) and fsyncs its files
-in the new generation, the ranks agree that all succeeded, then rank 0 renames a new manifest
-over the old one. Until that rename the previous checkpoint is the one the folder holds,
-untouched; after it, the new one. The previous generation and any leftover of a killed save are
-removed after the commit (see `checkpoint_files`). Format 1 folders (files at the top, no
-checksums) still load, unverified.
-
-Replicas are written once: a rank writes a tensor's shard only if it is the first rank along
-every mesh dim that replicates it (``B``); partial-sum pieces (``P``) are all written. Keys:
-``model/<name>`` (parameters and persistent buffers, `Module.state_dict` names) and
-``optim/<param name>/<state key>``.
-
-``load`` verifies what it reads (manifest checksum and schema, every file's size and crc32; every
-file of the checkpoint is verified by some rank) and raises `CheckpointError` on every rank if
-any rank found damage, before changing the model. It fills the model's parameters (and the
-optimizer's state) in their CURRENT layouts, which may differ from the saved ones in sbp,
-placement and world size: each rank reconstructs exactly the region its shard covers from the
-saved pieces that intersect it (summing partial pieces), reading other ranks' files
-memory-mapped, so no tensor is materialised beyond that region.
+A checkpoint directory holds ``manifest.json`` (the commit point) and one generation
+directory of per-rank shards and indexes; a save is atomic as a whole, replicas are written
+once, and ``load`` verifies every file (``CheckpointError`` on every rank) and fills the
+model's CURRENT layouts, which may differ from the saved ones in sbp, placement and world size.
+See docs/internals.md, 'Checkpoints' (the files, the commit, what is written and read).
 """
 
 from __future__ import annotations

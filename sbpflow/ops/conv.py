@@ -1,52 +1,10 @@
 """The CNN family: ``conv2d``, ``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d``.
 
-Arguments are positional as in ``torch.nn.functional`` (tensors, then the constants), e.g.
-``conv2d(x, weight, bias, stride, padding, dilation, groups)`` with ``x`` of shape (N, C, H, W)
-(or unbatched (C, H, W)), ``weight`` (O, C/groups, kH, kW), ``bias`` (O,) or None.
-
-Signatures of ``conv2d`` (one mesh dim; ``c`` is the channel axis of ``x``, 1 or 0 unbatched):
-
-=======  ========  ======  ======  ===============================================================
-``x``     ``w``     ``b``   out     meaning
-=======  ========  ======  ======  ===============================================================
-S(0)      B         B       S(0)    split the batch (data parallel; batched input only)
-B         S(0)      S(0)    S(c)    split the output channels (groups == 1)
-S(c)      S(1)      P       P       split the input channels: partial sums (groups == 1)
-S(c)      S(0)      S(0)    S(c)    split whole groups (groups > 1 and O == C, see below)
-P         B         P       P       conv is linear in ``x`` ...
-B         P         P       P       ... and in ``w`` (the bias must then be partial too)
-B         B         B       B
-=======  ========  ======  ======  ===============================================================
-
-Splits of H or W are not offered: a window straddles the cut (a halo exchange), so they are
-not local. For a grouped conv the output-channel split with ``x`` replicated is not local
-either (a shard of the output channels needs the input channels of *its* groups), and the
-input-channel split is not a partial sum. Instead, when ``O == C`` (depthwise with multiplier
-1, ResNeXt-style grouped convs), the channels of ``x``, ``w`` and the output are split alike
-and each shard runs a conv over the groups it holds: the kernel takes its local group count
-from the local shapes (``C_local / (C / groups)``). The registry's local-shape check keeps the
-split only where every shard holds whole groups; with ``O == C`` the shards of ``x`` and ``w``
-are then the same groups (for ``O != C`` balanced splits of C and O can disagree while the shapes
-still fit, so that case is left out).
-
-Pooling (``x`` (N, C, H, W) or (C, H, W)): each (sample, channel) plane is pooled alone, so
-batch and channel splits are local. Average pooling (also adaptive) is linear: ``P -> P``.
-Max pooling is not. (It does commute with a max-reduction, ``P(max) -> P(max)``, but that
-signature is left out on purpose: boxing a split tensor to P(max) moves no bytes, so the chooser
-would take it for, e.g., an H-split input, and P(max) outputs are detached — the gradient would
-silently vanish.)
-
-=================  ==================  ========================================
-``x``               out                 ops
-=================  ==================  ========================================
-S(0), S(c)          same split          all (batch; channels)
-B                   B                   all
-P                   P                   avg_pool2d, adaptive_avg_pool2d
-=================  ==================  ========================================
-
-Empty shards (e.g. 3 output channels on 4 ranks) are legal: the kernels return an empty (or,
-for an input-channel shard with no channels, bias-only) result that stays connected to the
-inputs in the autograd graph, where torch's kernels would refuse the empty size.
+Arguments are positional as in ``torch.nn.functional``. ``conv2d`` splits the batch, the
+output channels, the input channels (partial sums) or whole groups; pooling splits the batch
+or the channels; no H / W splits (a window straddles the cut). Empty shards are legal. See
+docs/internals.md, 'Convolution and pooling signatures' (the tables, grouped convs, why max
+pooling has no ``P(max)`` signature).
 """
 
 from __future__ import annotations

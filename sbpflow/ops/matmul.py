@@ -1,19 +1,6 @@
 """matmul (batched, with torch's broadcasting) and linear (``x @ w.T + b``, ``w`` of shape
-(out, in) as in torch).
-
-Signatures of ``a @ b`` (one mesh dim), following OneFlow's table:
-
-==========  ==========  ========  =============================================
-``a``        ``b``        out       meaning
-==========  ==========  ========  =============================================
-S(rows)      B            S(rows)   split the rows (data parallel)
-B            S(cols)      S(cols)   split the columns (column parallel)
-S(k)         S(k)         P         split the reduced dim (row parallel)
-P            B            P         a partial left operand stays partial
-B            P            P
-B            B            B
-S(batch)     S(batch)/B   S(batch)  split a batch dim (b: B where it broadcasts)
-==========  ==========  ========  =============================================
+(out, in) as in torch), with OneFlow's signatures: rows, columns, the reduced dim (partial
+output), a batch dim, partial operands kept partial. See docs/internals.md, 'Matmul signatures'.
 """
 
 from __future__ import annotations

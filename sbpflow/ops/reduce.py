@@ -1,23 +1,9 @@
 """Reductions: ``sum``, ``mean``, ``amax``, ``amin`` over ``dim`` (an int, a tuple, or ``None``
 = every axis; as in torch, an empty tuple also means every axis), with ``keepdim``.
 
-Signatures (one mesh dim; ``a'`` is where axis ``a`` lands: ``a`` with ``keepdim``, else ``a``
-minus the reduced axes before it):
-
-=============  ==================  ===========  ==============================================
-op             input               output       meaning
-=============  ==================  ===========  ==============================================
-all            S(a), a kept        S(a')        reduce inside each shard
-sum, mean      S(a), a reduced     P            each rank reduces its part; the sum is pending
-amax / amin    S(a), a reduced     P(max/min)   (no gradient: the output is detached)
-sum, mean      P                   P            linear
-amax / amin    P(max) / P(min)     same         a max of maxes (no gradient)
-all            B                   B
-=============  ==================  ===========  ==============================================
-
-``mean`` with a reduced axis split divides the local sum by the LOGICAL count of the reduced
-elements (a context kernel: it reads the logical input shape from `KernelContext.in_shapes`), so
-the parts add up to the mean. ``amax`` / ``amin`` of a ``P`` (sum) tensor are not valid.
+A split axis that is reduced gives a partial output (``P`` for sum / mean, a detached
+``P(max/min)`` for amax / amin); ``mean`` then divides by the LOGICAL count. See
+docs/internals.md, 'Reduction signatures'.
 """
 
 from __future__ import annotations

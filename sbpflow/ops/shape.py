@@ -2,44 +2,10 @@
 (basic indexing), cat, split, chunk. None of them computes anything: they move elements, so a
 split axis can often be followed through, and partial sums pass through unchanged.
 
-Signatures (one mesh dim). Every op has ``B -> B`` and ``P -> P`` (the ops are linear). A
-``P(max)``/``P(min)`` input is reduced first (moving elements would commute with it too, but
-those values are transient and carry no gradient; each extra 1-D signature doubles-ish the N-D
-candidates the registry prices).
-
-==========================  ===================================================================
-op                          split axes
-==========================  ===================================================================
-transpose, permute          ``S(a) -> S(perm(a))``
-reshape, flatten,           ``S(a) -> S(b)`` when the elements before axis ``a`` and before
-unsqueeze, squeeze          axis ``b`` are as many (``prod(x.shape[:a]) == prod(y.shape[:b])``,
-                            neither axis of size 1): then each rank's part is the same
-                            contiguous block of the row-major order in input and output, e.g.
-                            ``(B, T, H*D) -> (B, T, H, D)`` keeps ``S(0)``, ``S(1)``, and maps
-                            ``S(2) -> S(2)``; a flatten keeps ``S(start)`` on the merged axis.
-                            The registry's local-shape check keeps a candidate only where the
-                            balanced parts match (``H*D`` split in 4 is ``H`` split in 4 times
-                            ``D`` only when 4 divides ``H``).
-expand                      ``S(a) -> S(a + new)`` for an axis that is not broadcast
-narrow, getitem             ``S(a) -> S(a')`` for an axis taken whole (getitem: a full ``:``);
-                            the narrowed / indexed axes must not be split (not local)
-cat, split, chunk           ``S(a) -> S(a)`` for every axis but ``dim`` (all inputs / outputs)
-==========================  ===================================================================
-
-``getitem`` takes basic indices only (int, slice, None, Ellipsis, tuples of them); tensors,
-lists and bools raise `AdvancedIndexError`. An int outside its axis (and a ``narrow`` start
-outside ``[-n, n]``) raises `IndexOutOfRange`, an IndexError as in torch, on every rank (it is
-checked on the logical shape, by the signature generator). Slices are not hashable before
-Python 3.12, so the GlobalTensor binding passes the index through `encode_index` (a `Slice`
-for each slice).
-
-Kernels whose attribute is a LOGICAL shape (``reshape``, ``expand``) are context kernels: on a
-rank they produce their output box's shape. The registry's local-shape check runs them with
-``ctx=None`` on local shapes, where they infer the local output shape (`local_view_shape`); a
-candidate for which that inference is ambiguous is rejected by the check (the op then boxes its
-input first: correct, with some communication), never run with wrong values: the values depend
-only on the signature (the prefix rule above) and on each rank's element count, which the
-check confirms.
+``getitem`` takes basic indices only (`AdvancedIndexError` otherwise); an index out of range
+raises `IndexOutOfRange` on every rank. ``reshape`` and ``expand`` are context kernels (their
+attribute is a logical shape). See docs/internals.md, 'Shape-op signatures' (the split-axis
+rules and why they are safe).
 """
 
 from __future__ import annotations
