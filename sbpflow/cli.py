@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
-import subprocess
 import sys
 
 __all__ = ["main"]
@@ -31,16 +30,16 @@ def _run_threads(script: str, argv: list[str], n: int) -> None:
 
 
 _FAIL_GRACE = 5.0  # s the other ranks get to report their own error after one rank fails
-_EXIT_COMM = 3     # a rank's exit code when it failed in a collective (often another's effect)
 
 
 def _rank_main() -> None:
     """Body of one ``sbpflow run --backend torch`` process: join the world, run the script.
     A `CommError` (a collective failed: usually because another rank died) exits with
-    `_EXIT_COMM`, so the launcher can tell the root cause from its consequences."""
+    `EXIT_COMM`, so the launcher can tell the root cause from its consequences."""
     import traceback
 
     from . import comm
+    from .comm.processes import EXIT_COMM
     from .errors import CommError
     comm.init()
     sys.argv = sys.argv[1:]
@@ -49,7 +48,7 @@ def _rank_main() -> None:
     except CommError:
         traceback.print_exc()
         sys.stderr.flush()
-        sys.exit(_EXIT_COMM)
+        sys.exit(EXIT_COMM)
 
 
 def _run_torch(script: str, argv: list[str], n: int) -> int:
@@ -57,55 +56,36 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
     When a rank exits with an error the others are stopped (after `_FAIL_GRACE` s, time for
     their own messages), as torchrun does, instead of waiting in collectives until timeout.
     The report names the root cause: a rank that failed other than in a collective, else the
-    first rank seen to fail."""
-    import socket
-    import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
-                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    first rank seen to fail (`sbpflow.comm.processes.run_ranks`)."""
+    from .comm.processes import CommandRank, rank_env, run_ranks
+    port = _free_port()
+    code = "from sbpflow.cli import _rank_main; _rank_main()"
+
+    def start(r: int) -> CommandRank:
+        env = dict(os.environ, **rank_env(r, n, port))
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n ranks x all cores thrash
-        code = "from sbpflow.cli import _rank_main; _rank_main()"
-        procs.append(subprocess.Popen([sys.executable, "-c", code, script] + argv, env=env))
-    stop_at = None
-    seen_failing: list[int] = []   # ranks in the order their failure was seen
-    stopped: set = set()
-    try:
-        while any(p.poll() is None for p in procs):
-            seen_failing += [r for r, p in enumerate(procs)
-                             if p.returncode not in (None, 0) and r not in seen_failing]
-            if seen_failing and stop_at is None:
-                stop_at = time.monotonic() + _FAIL_GRACE
-            if stop_at is not None and time.monotonic() >= stop_at:
-                break
-            time.sleep(0.05)
-    finally:
-        for r, p in enumerate(procs):
-            if p.poll() is None:
-                stopped.add(r)
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    seen_failing += [r for r, p in enumerate(procs)
-                     if p.returncode != 0 and r not in seen_failing and r not in stopped]
-    if not seen_failing:
+        return CommandRank([sys.executable, "-c", code, script] + argv, env)
+
+    outcome = run_ranks(start, n, grace=_FAIL_GRACE, settle=_FAIL_GRACE, tick=0.05)
+    root = outcome.root
+    if root is None:
         return 0
-    root = next((r for r in seen_failing if procs[r].returncode != _EXIT_COMM), seen_failing[0])
-    others = [r for r in seen_failing if r != root]
-    msg = f"sbpflow run: rank {root} failed (exit code {procs[root].returncode})"
+    msg = f"sbpflow run: rank {root} failed (exit code {outcome.reports[root].payload})"
+    others = [r for r in outcome.failed if r != root]
     if others:
         msg += f"; rank(s) {others} failed after it"
-    if stopped:
-        msg += f"; rank(s) {sorted(stopped)} were stopped"
+    if outcome.stopped:
+        msg += f"; rank(s) {outcome.stopped} were stopped"
     print(msg, file=sys.stderr)
     return 1
+
+
+def _free_port() -> int:
+    """A TCP port free on localhost now (rank 0 hosts the store there, as torchrun's does)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 import traceback
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -50,6 +49,7 @@ from torch.distributed import distributed_c10d as c10d
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
 from .current import current_process, set_current
+from .processes import Outcome, Report, rank_env, run_ranks
 from .progress import P2P, Progress, group_key, period_for
 from .threads import default_timeout
 
@@ -57,7 +57,7 @@ __all__ = ["TorchCommunicator", "init_from_env", "launch_processes", "shutdown"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_GRACE = 2.0  # s to wait for a root cause after a rank reports a CommError
+_GRACE = 2.0  # s to wait for a root cause after a rank reports a CommError (run_ranks)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -398,8 +398,7 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
     """Body of a launched rank: init gloo, run ``fn``, send ``("ok", result, "")`` or
     ``("error" | "comm_error", exception, traceback text)`` on ``conn``, exit."""
     os.environ.clear()  # the parent's environment at launch (a forkserver child has the server's)
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    os.environ.update(env, **rank_env(rank, world_size, port),
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the parent hosts the store
     torch.set_num_threads(int(env["SBPFLOW_THREADS_PER_RANK"]))
     threading.Thread(target=_exit_with_parent, daemon=True).start()
@@ -466,14 +465,40 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
                      kwargs: dict | None = None, timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` new processes (`_mp_context`) joined by gloo.
 
-    Returns the results in rank order. The first exception a rank raises is re-raised here
-    (with notes naming the rank and holding its traceback) as soon as it is reported, and the
-    other ranks are terminated. A rank that dies without reporting raises `CommError` with its
-    exit code; so does a run longer than `_launch_timeout`. ``timeout`` bounds each
-    collective (default ``SBPFLOW_TIMEOUT``).
+    Returns the results in rank order. On failure the root cause is raised here (with notes
+    naming the rank and holding its traceback) and the other ranks are terminated: an
+    exception a rank raised, as soon as it is reported; else a rank that died without
+    reporting (`CommError` with its exit code); else, after waiting up to `_GRACE` s for one
+    of those, a rank's `CommError`, which is often just the effect of another rank's failure
+    (`sbpflow.comm.processes` holds this policy). A run longer than `_launch_timeout` raises
+    `CommError`. ``timeout`` bounds each collective (default ``SBPFLOW_TIMEOUT``).
     Each rank uses ``SBPFLOW_THREADS_PER_RANK`` torch threads (default cores // world_size).
     """
     kwargs = dict(kwargs or {})
+    _check_launchable(fn, args, kwargs)
+    env = dict(os.environ, SBPFLOW_THREADS_PER_RANK=str(_threads_per_rank(world_size)))
+    if timeout is not None:
+        env["SBPFLOW_TIMEOUT"] = str(timeout)
+    store_timeout = datetime.timedelta(seconds=timeout or default_timeout())
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=store_timeout,
+                          wait_for_workers=False)
+    ctx, bound = _mp_context(), _launch_timeout(timeout)
+    job = (store.port, env, fn, tuple(args), kwargs)  # what each rank's `_child` is given
+
+    def start(r: int) -> _RankProcess:
+        return _RankProcess(ctx, r, world_size, job)
+
+    try:
+        # ranks that reported get a moment (linger) to tear down before they are terminated
+        outcome = run_ranks(start, world_size, grace=_GRACE, bound=bound, linger=10.0)
+    finally:
+        del store  # not kept alive by a traceback's frames
+    return _results(outcome, world_size, bound)
+
+
+def _check_launchable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:
+    """Refuse a launch that cannot work: from a rank process importing the main script, or of
+    a function or arguments that cannot be pickled to the rank processes."""
     if getattr(mp.current_process(), "_inheriting", False):
         # a rank process re-imports the main script (forkserver / spawn); a script that calls
         # launch at module level would start processes from each of them, without end
@@ -487,92 +512,77 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
         raise SbpError(f"launch(backend='torch') runs {fn!r} in other processes, so it must "
                        f"be a module-level (importable) function: {exc}") from None
     try:
-        pickle.dumps((args, kwargs))
+        pickle.dumps((tuple(args), kwargs))
     except Exception as exc:  # noqa: BLE001
         raise SbpError(f"launch(backend='torch'): args and kwargs must be picklable: {exc}") \
             from None
-    env = dict(os.environ, SBPFLOW_THREADS_PER_RANK=str(_threads_per_rank(world_size)))
-    if timeout is not None:
-        env["SBPFLOW_TIMEOUT"] = str(timeout)
-    store_timeout = datetime.timedelta(seconds=timeout or default_timeout())
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=store_timeout,
-                          wait_for_workers=False)
-    ctx = _mp_context()
-    conns, procs = [], []
-    try:
-        for r in range(world_size):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            # Not daemonic, so fn may start processes (data loaders); `finally` stops it.
-            p = ctx.Process(target=_child, name=f"sbpflow-rank{r}",
-                            args=(r, world_size, store.port, env, fn, tuple(args), kwargs,
-                                  send_end))
-            p.start()
+
+
+class _RankProcess:
+    """A launched rank (`_child` in a process of ``ctx``) as `run_ranks` watches it: it reports
+    ``(kind, payload, traceback)`` over a pipe; a rank that exits without one is ``dead``."""
+
+    def __init__(self, ctx: Any, rank: int, world_size: int, job: tuple) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.conn, send_end = ctx.Pipe(duplex=False)
+        # Not daemonic, so fn may start processes (data loaders); run_ranks stops it.
+        self.proc = ctx.Process(target=_child, name=f"sbpflow-rank{rank}",
+                                args=(rank, world_size, *job, send_end))
+        try:
+            self.proc.start()
+        except BaseException:
+            self.conn.close()
+            raise
+        finally:
             send_end.close()
-            conns.append(recv_end)
-            procs.append(p)
-        results = _collect(procs, conns, world_size, _launch_timeout(timeout))
-        for p in procs:  # ranks have reported: give them a moment to tear down
-            p.join(timeout=10)
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
-        del store
+
+    def waitables(self) -> list:
+        return [self.conn, self.proc.sentinel]
+
+    def report(self) -> Report | None:
+        alive = self.proc.is_alive()  # before poll(): a dead rank has written all it will
+        if self.conn.poll():
+            try:
+                return Report(*pickle.loads(self.conn.recv_bytes()))
+            except EOFError:  # the rank's end closed without a report
+                pass
+        elif alive:
+            return None
+        self.proc.join()
+        return Report("dead", CommError(
+            f"rank {self.rank} of {self.world_size} died with exit code {self.proc.exitcode} "
+            f"without reporting a result or an exception (crashed or killed; its stderr, "
+            f"above, may say why)"))
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: float | None) -> None:
+        self.proc.join(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
 
 
-def _collect(procs: list, conns: list, n: int, bound: float) -> list[Any]:
-    """Receive every rank's report. On failure raise the root cause: an exception a rank
-    raised, else a rank that died, else (after waiting up to ``_GRACE`` s for one of those) a
-    rank's `CommError`, which is often just the effect of another rank's failure."""
-    results: list[Any] = [None] * n
-    pending = set(range(n))
-    failures: list[tuple[int, int, BaseException, str]] = []  # (priority, rank, exc, traceback)
-    give_up = time.monotonic() + bound
-    while pending and not (failures and (failures[0][0] < 2 or time.monotonic() >= give_up)):
-        left = give_up - time.monotonic()
-        if left <= 0:
-            raise CommError(f"launch(backend='torch'): rank(s) {sorted(pending)} of {n} still "
-                            f"running after SBPFLOW_LAUNCH_TIMEOUT={bound:g} s; "
-                            f"terminated")
-        mp.connection.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-                           timeout=min(left, 1.0))
-        for r in sorted(pending):
-            alive = procs[r].is_alive()  # before poll(): a dead rank has written all it will
-            if conns[r].poll():
-                try:
-                    kind, payload, tb = pickle.loads(conns[r].recv_bytes())
-                except EOFError:  # the rank's end closed without a report
-                    kind, payload, tb = "dead", None, ""
-            else:
-                kind, payload, tb = ("alive" if alive else "dead"), None, ""
-            if kind == "ok":
-                results[r] = payload
-            elif kind == "dead":
-                procs[r].join()
-                failures.append((1, r, CommError(
-                    f"rank {r} of {n} died with exit code {procs[r].exitcode} without reporting "
-                    f"a result or an exception (crashed or killed; its stderr, above, may say "
-                    f"why)"), ""))
-            elif kind != "alive":
-                failures.append((0 if kind == "error" else 2, r, payload, tb))
-            if kind != "alive":
-                pending.discard(r)
-        if failures:
-            failures.sort(key=lambda f: f[0])  # stable: earliest report first within a priority
-            give_up = min(give_up, time.monotonic() + _GRACE)
-    if failures:
-        _, r, exc, tb = failures[0]
+def _results(outcome: Outcome, n: int, bound: float) -> list[Any]:
+    """The ranks' results in rank order; or raise the root cause's exception (noted with its
+    rank and traceback), or `CommError` when ranks ran past ``bound``."""
+    r = outcome.root
+    if r is not None:
+        report = outcome.reports[r]
+        exc = report.payload
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised on rank {r} of {n} (sbpflow torch backend)")
-            if tb:
-                exc.add_note(f"traceback on rank {r}:\n{tb.rstrip()}")
+            if report.detail:
+                exc.add_note(f"traceback on rank {r}:\n{report.detail.rstrip()}")
         raise exc
-    return results
+    if outcome.unfinished:
+        raise CommError(f"launch(backend='torch'): rank(s) {outcome.unfinished} of {n} still "
+                        f"running after SBPFLOW_LAUNCH_TIMEOUT={bound:g} s; terminated")
+    return [report.payload for report in outcome.reports]

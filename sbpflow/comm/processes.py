@@ -1,0 +1,220 @@
+"""Rank processes: start them, watch them, stop them, and name the root cause of a failure.
+
+`run_ranks` is the one routine both process launchers use: ``sf.launch(..., backend="torch")``
+(`sbpflow.comm.torch_backend.launch_processes`: multiprocessing children that report over a
+pipe) and ``sbpflow run --backend torch`` (`sbpflow.cli`: commands whose exit code is their
+report, `CommandRank`). The policy, written once:
+
+* A rank ends ``ok`` or fails with a kind: ``error`` (it failed on its own), ``dead`` (it exited
+  without a report), ``comm_error`` (a collective failed: usually the effect of another rank's
+  failure). The root cause is the first failure seen of the lowest `PRIORITY`.
+* After the first failure the other ranks get ``grace`` seconds, as a root cause may be seen
+  after its consequences; once a root cause (any kind but ``comm_error``) is seen, ``settle``
+  seconds (time for their own messages). Then every rank still running is stopped (SIGTERM,
+  SIGKILL `_STOP_WAIT` s later), as torchrun does, rather than left waiting in collectives
+  until their timeout. ``bound`` limits a whole run.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing.connection
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+__all__ = ["PRIORITY", "EXIT_COMM", "Report", "RankProcess", "Outcome", "run_ranks",
+           "CommandRank", "rank_env"]
+
+PRIORITY = {"error": 0, "dead": 1, "comm_error": 2}  # lower: more likely the root cause
+EXIT_COMM = 3      # a command rank's exit code when it failed in a collective (`CommandRank`)
+_STOP_WAIT = 5.0   # s a terminated rank gets to exit before it is killed
+
+
+@dataclass(frozen=True)
+class Report:
+    """How one rank ended: ``kind`` ``"ok"`` or a key of `PRIORITY`; ``payload`` its result
+    (ok) or what failed (an exception, an exit code); ``detail`` its traceback, if it sent one."""
+
+    kind: str
+    payload: Any = None
+    detail: str = ""
+
+
+class RankProcess(Protocol):
+    """One started rank, as `run_ranks` watches it."""
+
+    def waitables(self) -> list:
+        """Objects `multiprocessing.connection.wait` accepts that become ready when the rank
+        may have something to report; ``[]``: look at it every ``tick`` instead."""
+
+    def report(self) -> Report | None:
+        """How the rank ended, once it has (read at most once); None while it runs."""
+
+    def is_alive(self) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` s (None: for ever) for the process to exit."""
+
+    def close(self) -> None:
+        """Release what the watcher held (pipes); the process has exited."""
+
+
+@dataclass
+class Outcome:
+    """What `run_ranks` saw. ``reports[r]``: rank r's `Report`, None if it never made one;
+    ``failed``: the ranks that failed, in the order seen; ``stopped``: the ranks still running
+    at the end, terminated; ``unfinished``: the ranks still running when ``bound`` ran out
+    before any failure."""
+
+    reports: list
+    failed: list = field(default_factory=list)
+    stopped: list = field(default_factory=list)
+    unfinished: list = field(default_factory=list)
+
+    @property
+    def root(self) -> int | None:
+        """The root-cause rank: the first failure seen of the lowest `PRIORITY` (None: none)."""
+        if not self.failed:
+            return None
+        return min(self.failed, key=lambda r: PRIORITY[self.reports[r].kind])  # first of ties
+
+
+def run_ranks(start: Callable[[int], RankProcess], world_size: int, *, grace: float,
+              settle: float = 0.0, bound: float | None = None, tick: float = 1.0,
+              linger: float = 0.0) -> Outcome:
+    """Start ranks ``start(0) … start(world_size - 1)``, watch them until every one reported,
+    or a failure's ``grace`` / ``settle`` (module doc) or ``bound`` s ran out; then stop those
+    still running and read the reports of those that ended meanwhile. After an all-ok run each
+    rank first gets ``linger`` s to exit by itself (its teardown). ``tick`` is the longest wait
+    between two looks at the ranks. Every rank started is stopped and closed on return, also
+    when starting one raises (or on KeyboardInterrupt)."""
+    procs: list[RankProcess] = []
+    try:
+        for r in range(world_size):
+            procs.append(start(r))
+        watch = _Watch(procs, grace, settle, bound)
+        watch.run(tick)
+        if not watch.out.failed and not watch.out.unfinished:
+            for p in procs:
+                p.join(linger)
+        watch.out.stopped = _stop(procs)
+        watch.sweep()
+        return watch.out
+    finally:
+        _stop(procs)
+        for p in procs:
+            p.close()
+
+
+class _Watch:
+    """The watching loop of `run_ranks`: which ranks are pending and when to give up."""
+
+    def __init__(self, procs: list, grace: float, settle: float, bound: float | None) -> None:
+        self.procs, self.grace, self.settle = procs, grace, settle
+        self.out = Outcome([None] * len(procs))
+        self.pending = set(range(len(procs)))
+        self.give_up = time.monotonic() + (math.inf if bound is None else bound)
+
+    def run(self, tick: float) -> None:
+        while self.pending:
+            left = self.give_up - time.monotonic()
+            if left <= 0:
+                if not self.out.failed:
+                    self.out.unfinished = sorted(self.pending)
+                return
+            self._wait(min(left, tick))
+            for r in sorted(self.pending):
+                self._look(r)
+
+    def _wait(self, timeout: float) -> None:
+        waits = [self.procs[r].waitables() for r in sorted(self.pending)]
+        if all(waits):
+            multiprocessing.connection.wait([w for ws in waits for w in ws], timeout=timeout)
+        else:  # some rank can only be polled
+            time.sleep(timeout)
+
+    def _look(self, r: int) -> None:
+        report = self.procs[r].report()
+        if report is None:
+            return
+        self.pending.discard(r)
+        self.out.reports[r] = report
+        if report.kind == "ok":
+            return
+        now = time.monotonic()
+        if not self.out.failed:
+            self.give_up = min(self.give_up, now + self.grace)
+        if PRIORITY[report.kind] < PRIORITY["comm_error"]:
+            self.give_up = min(self.give_up, now + self.settle)
+        self.out.failed.append(r)
+
+    def sweep(self) -> None:
+        """Read the ranks that ended by themselves after the last look (not the stopped ones):
+        such a rank's failure may be the root cause."""
+        for r in sorted(self.pending - set(self.out.stopped)):
+            self._look(r)
+        self.out.unfinished = [r for r in self.out.unfinished if r in self.pending]
+
+
+def _stop(procs: list[RankProcess]) -> list[int]:
+    """Terminate the ranks still running, kill those not gone `_STOP_WAIT` s later, wait for
+    all; the ranks that were terminated."""
+    stopped = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stopped:
+        procs[r].terminate()
+    for p in procs:
+        p.join(_STOP_WAIT)
+        if p.is_alive():
+            p.kill()
+            p.join(None)
+    return stopped
+
+
+class CommandRank:
+    """A rank that is a command (`subprocess.Popen` of ``args`` with ``env``), whose exit code
+    is its report: 0 ok, `EXIT_COMM` a ``comm_error``, any other an ``error``; the payload is
+    the exit code."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(args, env=env)
+
+    def waitables(self) -> list:
+        return []
+
+    def report(self) -> Report | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        kind = "ok" if code == 0 else "comm_error" if code == EXIT_COMM else "error"
+        return Report(kind, code)
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: float | None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        pass
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of a one-host world whose store is on ``port``."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
