@@ -288,13 +288,18 @@ def _is_box(box: Any, shape: list) -> bool:
         and b[0] >= 0 and b[1] >= 0 and b[0] + b[1] <= n for b, n in zip(box, shape))
 
 
+def _check_save(path: str, record: Any, save_id: int, kind: str) -> None:
+    """A file's record is ``kind`` (a dict) and belongs to save ``save_id``."""
+    check(isinstance(record, dict), path, f"holds a {type(record).__name__}, not {kind}")
+    check(record.get("save_id") == save_id, path,
+          f"belongs to another save ({record.get('save_id')!r}) than {MANIFEST} ({save_id}): "
+          f"mixed checkpoint")
+
+
 def validate_rank_index(path: str, meta: Any, rank: int, save_id: int, tensors: dict) -> None:
     """A rank's index (``rank{r}.json``): its save, its rank, and for each shard a tensor
     description that agrees with the manifest, the region it holds and its reduction."""
-    check(isinstance(meta, dict), path, f"holds a {type(meta).__name__}, not an object")
-    check(meta.get("save_id") == save_id, path,
-          f"belongs to another save ({meta.get('save_id')!r}) than {MANIFEST} ({save_id}): "
-          f"mixed checkpoint")
+    _check_save(path, meta, save_id, "an object")
     check(meta.get("rank") == rank, path, f"is the index of rank {meta.get('rank')!r}")
     entries = meta.get("entries")
     check(isinstance(entries, dict), path, f"'entries' must be an object, got {entries!r}")
@@ -313,10 +318,7 @@ def validate_rank_index(path: str, meta: Any, rank: int, save_id: int, tensors: 
 
 def validate_common(path: str, c: Any, save_id: int) -> None:
     """``common.pt``: its save, the seed stream, the optimizer's class, groups and scalars."""
-    check(isinstance(c, dict), path, f"holds a {type(c).__name__}, not a dict")
-    check(c.get("save_id") == save_id, path,
-          f"belongs to another save ({c.get('save_id')!r}) than {MANIFEST} ({save_id}): "
-          f"mixed checkpoint")
+    _check_save(path, c, save_id, "a dict")
     rng = c.get("rng")
     check(isinstance(rng, (list, tuple)) and len(rng) == 2 and all(is_int(v) for v in rng),
           path, f"bad random state {rng!r}")
@@ -338,10 +340,7 @@ def validate_common(path: str, c: Any, save_id: int) -> None:
 def validate_shards(path: str, data: Any, rank: int, save_id: int, entries: dict) -> None:
     """``rank{r}.pt``: its save and rank, and exactly the shards its index lists, each of the
     index's region shape and dtype."""
-    check(isinstance(data, dict), path, f"holds a {type(data).__name__}, not a dict")
-    check(data.get("save_id") == save_id, path,
-          f"belongs to another save ({data.get('save_id')!r}) than {MANIFEST} ({save_id}): "
-          f"mixed checkpoint")
+    _check_save(path, data, save_id, "a dict")
     check(data.get("rank") == rank, path, f"holds the shards of rank {data.get('rank')!r}")
     tensors = data.get("tensors")
     check(isinstance(tensors, dict) and set(tensors) == set(entries), path,
