@@ -126,13 +126,19 @@ def test_rank_that_returns_early_is_reported():
     assert time.monotonic() - t < 2.0
 
 
-def test_mismatched_collectives_are_reported():
+def _barrier_on_rank0_else(call):
+    """A rank function: rank 0 enters a barrier, every other rank ``call(communicator)``."""
     def body():
         c = current()
         if c.rank == 0:
             c.barrier()
         else:
-            c.all_reduce(torch.ones(1), (0, 1))
+            call(c)
+    return body
+
+
+def test_mismatched_collectives_are_reported():
+    body = _barrier_on_rank0_else(lambda c: c.all_reduce(torch.ones(1), (0, 1)))
     with pytest.raises(sf.CommError, match="same collectives in the same order"):
         sf.launch(body, world_size=2)
 
@@ -365,12 +371,7 @@ def test_recv_names_both_sides():
 
 
 def test_recv_from_a_rank_waiting_for_me_is_a_deadlock():
-    def body():
-        c = current()
-        if c.rank == 0:
-            c.barrier()
-        else:
-            c.recv((1,), torch.float32, 0)
+    body = _barrier_on_rank0_else(lambda c: c.recv((1,), torch.float32, 0))
     t = time.monotonic()
     with pytest.raises(sf.CommError, match=r"deadlock: .*recv from rank 0"):
         sf.launch(body, world_size=2, timeout=30)
