@@ -22,7 +22,7 @@ import multiprocessing.connection
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 __all__ = ["PRIORITY", "EXIT_COMM", "Report", "RankProcess", "Outcome", "run_ranks",
            "CommandRank", "rank_env"]
@@ -42,27 +42,36 @@ class Report:
     detail: str = ""
 
 
-class RankProcess(Protocol):
-    """One started rank, as `run_ranks` watches it."""
+class RankProcess:
+    """One started rank, as `run_ranks` watches it. A subclass sets ``self.proc`` (its process:
+    ``terminate()`` and ``kill()`` signal it) and says how the rank reports."""
+
+    proc: Any
 
     def waitables(self) -> list:
         """Objects `multiprocessing.connection.wait` accepts that become ready when the rank
         may have something to report; ``[]``: look at it every ``tick`` instead."""
+        return []
 
     def report(self) -> Report | None:
-        """How the rank ended, once it has (read at most once); None while it runs."""
+        """How the rank ended, once it has (asked no more after that); None while it runs."""
+        raise NotImplementedError
 
-    def is_alive(self) -> bool: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
+    def is_alive(self) -> bool:
+        raise NotImplementedError
 
     def join(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` s (None: for ever) for the process to exit."""
+        raise NotImplementedError
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
 
     def close(self) -> None:
-        """Release what the watcher held (pipes); the process has exited."""
+        """Release what the watcher holds (pipes) once the process has exited."""
 
 
 @dataclass
@@ -176,16 +185,13 @@ def _stop(procs: list[RankProcess]) -> list[int]:
     return stopped
 
 
-class CommandRank:
+class CommandRank(RankProcess):
     """A rank that is a command (`subprocess.Popen` of ``args`` with ``env``), whose exit code
     is its report: 0 ok, `EXIT_COMM` a ``comm_error``, any other an ``error``; the payload is
     the exit code."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(args, env=env)
-
-    def waitables(self) -> list:
-        return []
 
     def report(self) -> Report | None:
         code = self.proc.poll()
@@ -197,20 +203,11 @@ class CommandRank:
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 
-    def terminate(self) -> None:
-        self.proc.terminate()
-
-    def kill(self) -> None:
-        self.proc.kill()
-
     def join(self, timeout: float | None) -> None:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-
-    def close(self) -> None:
-        pass
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -49,7 +49,7 @@ from torch.distributed import distributed_c10d as c10d
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
 from .current import current_process, set_current
-from .processes import Outcome, Report, rank_env, run_ranks
+from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
 from .progress import P2P, Progress, group_key, period_for
 from .threads import default_timeout
 
@@ -518,7 +518,7 @@ def _check_launchable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:
             from None
 
 
-class _RankProcess:
+class _RankProcess(RankProcess):
     """A launched rank (`_child` in a process of ``ctx``) as `run_ranks` watches it: it reports
     ``(kind, payload, traceback)`` over a pipe; a rank that exits without one is ``dead``."""
 
@@ -556,12 +556,6 @@ class _RankProcess:
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()
-
-    def terminate(self) -> None:
-        self.proc.terminate()
-
-    def kill(self) -> None:
-        self.proc.kill()
 
     def join(self, timeout: float | None) -> None:
         self.proc.join(timeout)

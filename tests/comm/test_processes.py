@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from sbpflow.comm.processes import EXIT_COMM, CommandRank, Report, rank_env, run_ranks
+from sbpflow.comm.processes import (EXIT_COMM, CommandRank, RankProcess, Report, rank_env,
+                                     run_ranks)
 
 
-class Scripted:
+class Scripted(RankProcess):
     """A rank that reports ``report`` ``at`` s after it started (never, if ``at`` is None);
     ``after_stop``: its report is readable only once some rank was terminated (it ended between
     the watcher's last look and the stop). Terminated ranks never report."""
