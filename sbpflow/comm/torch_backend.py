@@ -410,6 +410,9 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
             msg = pickle.dumps(("ok", result, ""))
         except Exception as exc:  # noqa: BLE001
             raise CommError(f"the result of rank {rank} cannot be pickled: {exc!r}") from None
+        # no rank leaves before all are done: a rank that exits early can break a slower
+        # peer's gloo connection set-up ("Connection closed by peer" in connectFullMesh)
+        comm.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         kind = "comm_error" if isinstance(exc, CommError) else "error"  # maybe a consequence
