@@ -1,25 +1,6 @@
 """Boxing steps as data: what one step changes, which collective it is, and what it moves.
 
-A *same-placement* step changes the sbp of the mesh dims ``dims`` (all at once, inside the
-sub-groups of ranks that differ only along those dims); its kind follows from the sbps:
-
-===================  ===============================  ======================================
-src_sbp on ``dims``  dst_sbp on ``dims``              kind
-===================  ===============================  ======================================
-all ``P(op)``        all ``B``                        ``all_reduce``
-all ``P(op)``        all ``S(·)``                     ``reduce_scatter``
-all ``S(·)``         all ``B``                        ``all_gather``
-all ``S(·)``         all ``S(·)`` (each changed)      ``all_to_all``
-``B``                ``S(a)`` / ``P``                 ``local`` (slice / first rank keeps)
-``S(a)``             ``P``                            ``local`` (shard into identity-filled)
-===================  ===============================  ======================================
-
-A move on ``dims`` is valid only if no mesh dim outside ``dims`` that comes after the first of
-them splits an axis the move touches (otherwise the group's pieces are not one region).
-
-A *transfer* step moves data between any two placements point to point: ``routes`` lists
-``(src_rank, dst_rank, box)``; each destination element arrives exactly once. Its dual is the
-transposed routes with accumulation (the adjoint), which is what backward runs.
+See docs/internals.md, 'Boxing steps'.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Rank processes: start them, watch them, stop them, and name the root cause of a failure.
 
-`run_ranks` is the one routine both process launchers use: ``sf.launch(..., backend="torch")``
-(`sbpflow.comm.torch_backend.launch_processes`: multiprocessing children that report over a
-pipe) and ``sbpflow run --backend torch`` (`sbpflow.cli`: commands whose exit code is their
-report, `CommandRank`). The policy, written once:
-
-* A rank ends ``ok`` or fails with a kind: ``error`` (it failed on its own), ``dead`` (it exited
-  without a report), ``comm_error`` (a collective failed: usually the effect of another rank's
-  failure). The root cause is the first failure seen of the lowest `PRIORITY`.
-* After the first failure the other ranks get ``grace`` seconds, as a root cause may be seen
-  after its consequences; once a root cause (any kind but ``comm_error``) is seen, ``settle``
-  seconds (time for their own messages). Then every rank still running is stopped (SIGTERM,
-  SIGKILL `_STOP_WAIT` s later), as torchrun does, rather than left waiting in collectives
-  until their timeout. ``bound`` limits a whole run.
+See docs/internals.md, 'Rank processes'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """torch.distributed backend: one process a rank, gloo on CPU (NCCL for cuda tensors).
 
-What goes over the wire (the byte counts of `base.py` are exact for this backend):
-
-* ``all_gather``, ``all_to_all`` and ``reduce_scatter`` are one ``alltoall_base`` (gloo's
-  ``all_to_all_single``) of raw bytes with per-peer split sizes, so uneven pieces and any dtype
-  work and nothing is padded. ``all_gather`` sends this rank's tensor to every member;
-  ``reduce_scatter`` sends ``pieces[j]`` to ``group[j]`` and reduces what it receives locally, in
-  group order (bit-identical to the threads backend). Measured on gloo / 4 ranks, this beats
-  gloo's ``allgather`` (even sizes), padding + ``allgather`` (uneven) and gloo's native
-  ``reduce_scatter``.
-* ``all_reduce`` and ``broadcast`` are gloo's (NCCL's) own; ``exchange`` is
-  ``batch_isend_irecv`` on the default group (FIFO per pair; zero-size messages and messages to
-  self never touch the network).
-
-Groups are tuples of global ranks whose order gives piece indices; the process group of a group
-holds its ranks sorted, and pieces are permuted to match. A group that covers the whole world
-uses the default process group. Other groups get a process group built by their members only,
-named from the sorted ranks. (``dist.new_group(..., use_local_synchronization=True)`` cannot be
-used: torch 2.13 names such groups ``sha1(ranks + number of groups this process created)``, so
-ranks that created different groups before disagree on the name and hang.)
-
-A collective that times out raises `CommTimeout` naming the members that had not reached it
-and what each was doing, from the `progress` records every rank keeps (memory only on the
-collective's path; a background thread publishes them to the c10d store).
-
-Gloo sees only contiguous CPU tensors: cuda tensors go through host memory unless the default
-group has an NCCL backend (``init_from_env("nccl")``), in which case they stay on the device.
+See docs/internals.md, 'The torch.distributed backend'.
 """
 
 from __future__ import annotations

@@ -1,53 +1,7 @@
 """Transformer ops: softmax / log_softmax, layer_norm, embedding, dropout, the causal mask, fused
 attention, and the class pick of cross-entropy.
 
-These are the *local* forms: each needs the reduced / normalized / looked-up axis whole on every
-rank, except where a context kernel handles a split itself (embedding's vocab split, the causal
-mask, the class pick, dropout). The forms along a split axis (softmax over split classes,
-layer_norm over a split hidden dim, cross-entropy over split classes) are compositions of
-global ops in `sbpflow.nn.functional`.
-
-Signatures (one mesh dim; ``n`` = the input's ndim):
-
-=====================  ==========================================  ===========================
-op                     inputs                                      output
-=====================  ==========================================  ===========================
-softmax, log_softmax   x S(a), a != dim                            S(a)
-                       x B                                         B
-layer_norm             x S(a), a a leading (not normalized) axis;  S(a)
-                       weight, bias B
-                       x B, weight P, bias P (with a weight)       P   (linear in (w, b))
-                       all B                                       B
-embedding              ids S(i), weight B                          S(i)
-                       ids B, weight S(1)                          S(ids.ndim)  (dim split)
-                       ids B, weight S(0)                          P   (vocab split: context
-                                                                        kernel, rows outside the
-                                                                        rank's range are zero)
-                       ids B, weight P                             P   (linear in weight)
-                       ids B, weight B                             B
-dropout                x S(a) / B / P, seed B                      same as x (a mask is linear)
-masked_fill_causal     x S(a) for every axis a, B                  same as x (context kernel:
-                                                                        global row/col indices)
-row_cross_entropy      logits S(a), target S(a), a < n - 1         S(a)  (classes whole)
-                       logits B, target B                          B
-cross_entropy_sum      logits S(a), target S(a), a < n - 1         P, P  (summed row losses and
-                       logits B, target B                          B, B   count of valid targets)
-attention              q, k, v S(a), a a batch / head axis         S(a)  (torch's fused kernel;
-                       q, k, v B                                   B     other layouts: composed)
-pick_class             logits S(a), target S(a), a < n - 1         S(a)
-                       logits S(n-1), target B                     P   (only the rank owning
-                                                                        the class contributes)
-                       logits P, target B                          P   (linear in logits)
-                       logits B, target B                          B
-=====================  ==========================================  ===========================
-
-``embedding`` and ``pick_class`` refuse ids / targets outside the table / classes in every
-layout (`IndexOutOfRange`; see "index range checks" below); ``checked=True`` says the caller has
-checked them on every rank.
-
-``dropout`` takes its seed as a replicated 0-d int64 tensor (not an attribute), so a fresh seed
-each step does not miss the signature cache; its mask is ``generate_region("rand", shape, box,
-seed)`` of the rank's box, identical in every layout.
+See docs/internals.md, 'Transformer-op signatures'.
 """
 
 from __future__ import annotations
