@@ -2,11 +2,11 @@
 which carries a checksum of its own body), verification on read, generations and their cleaning.
 
 A folder holds one committed checkpoint: ``manifest.json`` names the *generation* directory
-(``gen-<save id in hex>``) whose files make it up, with every file's byte size and crc32. A
-save writes a fresh generation, then replaces ``manifest.json`` atomically (``os.replace`` of a
-fsynced temporary file): until that instant the previous checkpoint is the one loaded, after it
-the new one. Generations the manifest does not name are leftovers (of a killed save, or the
-previous checkpoint once the new one is committed) and are removed by the next save.
+(``gen-<save id in hex>``) whose files make it up, with every file's byte size and crc32, and
+the generation it replaced (``previous``). A save writes a fresh generation, then replaces
+``manifest.json`` atomically (``os.replace`` of a fsynced temporary file). The previous
+generation stays until the next save (a load that read the old manifest can finish); that save
+removes every other generation (killed saves' leftovers, older checkpoints).
 
 Every check raises `CheckpointError` naming the file and what is wrong with it; nothing from a
 damaged file reaches the caller as a raw ``OSError``, ``JSONDecodeError`` or ``KeyError``.
@@ -26,9 +26,10 @@ import torch
 from ..errors import CheckpointError
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "generation_name", "write_file",
-           "fsync_dir", "verify_file", "read_verified", "parse_json", "encode_manifest",
-           "write_manifest", "read_manifest", "validate_manifest", "validate_tensor",
-           "validate_rank_index", "validate_common", "validate_shards", "clean",
+           "fsync_dir", "check_size", "verify_file", "read_verified", "parse_json",
+           "canonical_crc", "encode_manifest", "write_manifest", "read_manifest_bytes",
+           "parse_manifest", "read_manifest", "validate_manifest", "validate_tensor",
+           "dtype_of", "validate_rank_index", "validate_common", "validate_shards", "clean",
            "referenced_generation", "check", "is_int"]
 
 FORMAT = 2  # 1: files at the top of the folder, no checksums (still loaded, unverified)
@@ -109,27 +110,33 @@ def _stat_size(path: str) -> int:
         raise CheckpointError(f"{path} cannot be read: {exc}") from exc
 
 
-def _check_record(path: str, record: dict, size: int, crc: int) -> None:
+def _check_size(path: str, record: dict, size: int) -> None:
     check(size == record["size"], path,
           f"{size} bytes, the manifest records {record['size']} (truncated or extended file)")
+
+
+def _check_crc(path: str, record: dict, crc: int) -> None:
     check(crc == record["crc32"], path,
           f"crc32 {crc:08x}, the manifest records {record['crc32']:08x} (corrupt file)")
 
 
+def check_size(path: str, record: dict) -> None:
+    """Check that ``path`` exists and has the manifest's size (one ``stat``, nothing read)."""
+    _check_size(path, record, _stat_size(path))
+
+
 def verify_file(path: str, record: dict) -> None:
-    """Check ``path``'s size, then its crc32 (streamed), against the manifest's ``record``."""
-    size = _stat_size(path)
-    check(size == record["size"], path,
-          f"{size} bytes, the manifest records {record['size']} (truncated or extended file)")
-    crc, seen = 0, 0
+    """Check ``path``'s size (before reading it), then its crc32 (streamed), against the
+    manifest's ``record``."""
+    check_size(path, record)
+    crc = 0
     try:
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
-                seen += len(chunk)
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {exc}") from exc
-    _check_record(path, record, seen, crc)
+    _check_crc(path, record, crc)
 
 
 def read_verified(path: str, record: dict | None) -> bytes:
@@ -142,7 +149,8 @@ def read_verified(path: str, record: dict | None) -> bytes:
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {exc}") from exc
     if record is not None:
-        _check_record(path, record, len(data), zlib.crc32(data))
+        _check_size(path, record, len(data))
+        _check_crc(path, record, zlib.crc32(data))
     return data
 
 
@@ -156,6 +164,12 @@ def parse_json(path: str, data: bytes) -> Any:
 # -- the manifest ---------------------------------------------------------------------------------
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def canonical_crc(obj: Any) -> int:
+    """The crc32 of ``obj``'s canonical JSON form (sorted keys, no spaces): equal on every rank
+    for equal data."""
+    return zlib.crc32(_canonical(obj))
 
 
 def encode_manifest(body: dict) -> bytes:
@@ -175,13 +189,18 @@ def write_manifest(path_dir: str, body: dict, tag: str) -> None:
     fsync_dir(path_dir)
 
 
-def read_manifest(path_dir: str) -> dict:
-    """The manifest of ``path_dir``, its checksum and schema verified."""
+def read_manifest_bytes(path_dir: str) -> bytes:
+    """The bytes of ``path_dir``'s manifest, unchecked (`parse_manifest` checks them)."""
     path = os.path.join(path_dir, MANIFEST)
     if not os.path.exists(path):
         raise CheckpointError(f"no complete checkpoint in {path_dir!r} ({MANIFEST} is missing: "
                               f"no save finished there, or this is not a checkpoint directory)")
-    data = read_verified(path, None)
+    return read_verified(path, None)
+
+
+def parse_manifest(path_dir: str, data: bytes) -> dict:
+    """The manifest of ``path_dir`` from its bytes ``data``, its checksum and schema verified."""
+    path = os.path.join(path_dir, MANIFEST)
     m = parse_json(path, data)
     check(isinstance(m, dict), path, f"holds a {type(m).__name__}, not an object")
     if "crc32" in m or m.get("format") != 1:  # format 1 manifests carry no checksum
@@ -195,12 +214,18 @@ def read_manifest(path_dir: str) -> dict:
     return m
 
 
+def read_manifest(path_dir: str) -> dict:
+    """The manifest of ``path_dir``, read, its checksum and schema verified."""
+    return parse_manifest(path_dir, read_manifest_bytes(path_dir))
+
+
 # -- schema ---------------------------------------------------------------------------------------
 def _is_ranks(v: Any) -> bool:
     return is_int(v) or (isinstance(v, list) and len(v) > 0 and all(_is_ranks(x) for x in v))
 
 
-def _dtype(where: str, name: Any) -> torch.dtype:
+def dtype_of(where: str, name: Any) -> torch.dtype:
+    """The torch dtype named ``name`` ("float32"); `CheckpointError` at ``where`` if none."""
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     check(isinstance(dt, torch.dtype), where, f"unknown dtype {name!r}")
     return dt
@@ -212,7 +237,7 @@ def validate_tensor(where: str, d: Any) -> None:
     shape, pl, sbp = d.get("shape"), d.get("placement"), d.get("sbp")
     check(isinstance(shape, list) and all(is_int(n) and n >= 0 for n in shape), where,
           f"bad shape {shape!r}")
-    _dtype(where, d.get("dtype"))
+    dtype_of(where, d.get("dtype"))
     check(isinstance(pl, dict) and isinstance(pl.get("device_type"), str)
           and _is_ranks(pl.get("ranks")), where, f"bad placement {pl!r}")
     check(isinstance(sbp, list) and all(isinstance(s, str) for s in sbp), where,
@@ -250,6 +275,10 @@ def validate_manifest(path: str, m: dict) -> None:
           f"generation {m.get('generation')!r} does not belong to save "
           f"{generation_name(m['save_id'])!r}")
     _validate_files(path, m.get("files"), m["world_size"])
+    previous = m.get("previous")  # absent from the first format-2 manifests
+    check(previous is None or previous == "" or (isinstance(previous, str) and _GEN.fullmatch(
+        previous) is not None and previous != m["generation"]), path,
+        f"bad previous generation {previous!r}")
 
 
 # -- generations ----------------------------------------------------------------------------------
@@ -264,9 +293,9 @@ def referenced_generation(path_dir: str) -> str | None:
 
 
 def clean(path_dir: str, keep: set, legacy: bool) -> None:
-    """Remove leftovers: generation directories not in ``keep``, temporary manifests and
-    format-1 temporary files; with ``legacy`` also format-1 checkpoint files. Best effort (a
-    file that cannot be removed now is removed by a later save)."""
+    """Remove generation directories not in ``keep``, temporary manifests and format-1
+    temporary files; with ``legacy`` also format-1 checkpoint files. Best effort (a file that
+    cannot be removed now is removed by a later save)."""
     try:
         names = os.listdir(path_dir)
     except OSError:

@@ -1,10 +1,10 @@
 """Distributed checkpoints: ``sf.save(path_dir, model, optimizer, step=)`` and
 ``sf.load(path_dir, model, optimizer)``.
 
-A checkpoint directory holds ``manifest.json`` (the commit point) and one generation
-directory of per-rank shards and indexes; a save is atomic as a whole, replicas are written
-once, and ``load`` verifies every file (``CheckpointError`` on every rank) and fills the
-model's CURRENT layouts, which may differ from the saved ones in sbp, placement and world size.
+A checkpoint directory holds ``manifest.json`` (the commit point) and generation directories
+of per-rank shards and indexes; a save is atomic as a whole, replicas are written once, and
+``load`` verifies every file (``CheckpointError`` on every rank) and fills the model's CURRENT
+layouts, which may differ from the saved ones in sbp, placement and world size.
 See docs/internals.md, 'Checkpoints' (the files, the commit, what is written and read).
 """
 
@@ -14,6 +14,7 @@ import json
 import operator
 import os
 import secrets
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +25,7 @@ from ..errors import SbpError, ShapeError
 from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
-from .checkpoint_files import FORMAT, CheckpointError
+from .checkpoint_files import FORMAT, MANIFEST, CheckpointError
 from .modules import Module
 
 __all__ = ["save", "load", "CheckpointError", "FORMAT"]
@@ -35,26 +36,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint")
-    return dt
-
-
 def _describe(t: GlobalTensor) -> dict:
     return {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
             "placement": {"device_type": t.placement.device_type, "ranks": t.placement.ranks},
             "sbp": [repr(s) for s in t.sbp]}
-
-
-def _agree_id() -> int:
-    """A fresh id drawn by rank 0 and broadcast to every rank (also a synchronisation point)."""
-    comm = _comm.current()
-    value = secrets.randbits(62) if comm.rank == 0 else 0
-    out = comm.broadcast(torch.tensor([value], dtype=torch.int64), 0,
-                         tuple(range(comm.world_size)))
-    return int(out[0])
 
 
 def _param_names(model: Module) -> dict:
@@ -125,22 +110,73 @@ def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
          extra: dict | None = None) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``) to directory ``path_dir``,
     atomically: a save that fails or is killed at any moment leaves the previous checkpoint
-    there loadable and unchanged. Every rank must call it; each writes its own shards.
-    ``extra``: small JSON-able data kept in the manifest (returned by `load` through
-    ``info=``). A failure on any rank raises on every rank."""
-    comm = _comm.current()
-    me = comm.rank
+    there loadable and unchanged. Every rank must call it, with the same tensors (keys,
+    shapes, dtypes, layouts); each writes its own shards. ``extra``: small JSON data (dict
+    keys strings) kept in the manifest (returned by `load` through ``info=``). A failure on
+    any rank raises on every rank. The checkpoint this one replaces stays in the folder until
+    the next save (for loads that began before the commit)."""
+    me = _comm.rank()
+    unchanged = f"sf.save to {path_dir!r} (the checkpoint there is unchanged)"
+    items, error = [], None
+    try:
+        step = _check_arguments(step, extra)
+        items = _tensors(model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
+        error = exc
+    # one exchange: argument errors, rank 0's fresh save id, each rank's list of tensors
+    rows = _agree(error, unchanged, (secrets.randbits(62) if me == 0 else 0,
+                                     _files.canonical_crc([[k, _describe(t)] for k, t in items])))
+    _check_same_tensors([row[1] for row in rows], path_dir)
+    save_id = rows[0][0]
+    gen = _files.generation_name(save_id)
+    records, rows = _write_phase(path_dir, gen, save_id, model, optimizer, items, unchanged)
+    error = previous = None
+    if me == 0:
+        try:
+            body = _manifest_body(save_id, gen, step, extra, items, records["common.pt"], rows)
+            previous = _commit(path_dir, gen, body)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = CheckpointError(f"sf.save: rank 0 could not commit the checkpoint in "
+                                    f"{path_dir!r} (the checkpoint there is unchanged): {exc!r}")
+            error.__cause__ = exc
+    _agree(error, f"sf.save to {path_dir!r}: the commit")
+    if me == 0:  # after the agreement: no rank waits for the removal of old files
+        _files.clean(path_dir, {gen} if previous is None else {gen, previous},
+                     legacy=previous != "")
+
+
+def _check_arguments(step, extra) -> int | None:
+    """``step`` as an int (or None); `CheckpointError` unless ``extra`` can be written in the
+    manifest as the commit will write it (checked before any file is written)."""
     try:
         step = None if step is None else operator.index(step)
     except TypeError:
         raise CheckpointError(f"sf.save: step must be an int or None, got {step!r}") from None
     try:
-        json.dumps(extra)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"sf.save: extra must be JSON-able data: {exc}") from None
-    items = _tensors(model, optimizer)
-    save_id = _agree_id()
-    gen = _files.generation_name(save_id)
+        _files.encode_manifest({"extra": extra})
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"sf.save: extra cannot be written in {MANIFEST} ({exc}); pass "
+                              f"JSON data whose dict keys are all strings") from None
+    return step
+
+
+def _check_same_tensors(crcs: list[int], path_dir: str) -> None:
+    """Every rank must save the same tensors (the manifest describes rank 0's): raise
+    `CheckpointError` on every rank alike, before any file is written, if some differ."""
+    differ = [r for r, c in enumerate(crcs) if c != crcs[0]]
+    if differ:
+        raise CheckpointError(
+            f"sf.save to {path_dir!r}: rank(s) {differ} save other tensors than rank 0 (keys, "
+            f"shapes, dtypes, placements or sbps differ); every rank must pass the same model "
+            f"and optimizer layout. Nothing was written; the checkpoint there is unchanged")
+
+
+def _write_phase(path_dir: str, gen: str, save_id: int, model: Module, optimizer,
+                 items: list, unchanged: str) -> tuple[dict, list[list[int]]]:
+    """Collective: every rank writes its files of ``gen``; returns this rank's records and
+    every rank's ``[pt size, pt crc32, json size, json crc32]``. A failure on any rank raises
+    on every rank."""
+    me = _comm.rank()
     records, error = {}, None
     try:
         records = _write_generation(path_dir, gen, save_id, model, optimizer, items)
@@ -152,33 +188,29 @@ def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
         error.__cause__ = exc
     mine = tuple(records.get(f"rank{me}.{e}", {}).get(k, 0) for e in ("pt", "json")
                  for k in ("size", "crc32"))
-    rows = _agree(error, f"sf.save to {path_dir!r} (the checkpoint there is unchanged)", mine)
-    if me == 0:
-        try:
-            files = {"common.pt": records["common.pt"]}
-            for r, (pt_size, pt_crc, js_size, js_crc) in enumerate(rows):
-                files[f"rank{r}.pt"] = {"size": pt_size, "crc32": pt_crc}
-                files[f"rank{r}.json"] = {"size": js_size, "crc32": js_crc}
-            _commit(path_dir, gen, {
-                "format": FORMAT, "save_id": save_id, "generation": gen,
-                "world_size": comm.world_size, "step": step, "extra": extra,
-                "tensors": {k: _describe(t) for k, t in items}, "files": files})
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = exc
-    _agree(error if me == 0 else None, f"sf.save to {path_dir!r}: the commit")
+    return records, _agree(error, unchanged, mine)
+
+
+def _manifest_body(save_id: int, gen: str, step, extra, items: list, common: dict,
+                   rows: list) -> dict:
+    """The manifest of save ``save_id`` (rank 0), from the record of ``common.pt`` and every
+    rank's file records ``rows``."""
+    comm = _comm.current()
+    files = {"common.pt": common}
+    for r, (pt_size, pt_crc, js_size, js_crc) in enumerate(rows):
+        files[f"rank{r}.pt"] = {"size": pt_size, "crc32": pt_crc}
+        files[f"rank{r}.json"] = {"size": js_size, "crc32": js_crc}
+    return {"format": FORMAT, "save_id": save_id, "generation": gen,
+            "world_size": comm.world_size, "step": step, "extra": extra,
+            "tensors": {k: _describe(t) for k, t in items}, "files": files}
 
 
 def _write_generation(path_dir: str, gen: str, save_id: int, model: Module, optimizer,
                       items: list) -> dict:
     """This rank's files of generation ``gen``, written and fsynced; returns their records
-    (``{name: {"size", "crc32"}}``). Rank 0 first removes leftovers the manifest does not
-    name (killed saves), and writes ``common.pt``."""
+    (``{name: {"size", "crc32"}}``); rank 0 also writes ``common.pt``."""
     gdir = os.path.join(path_dir, gen)
     os.makedirs(gdir, exist_ok=True)
-    if _comm.rank() == 0:
-        live = _files.referenced_generation(path_dir)
-        if live is not None:  # an unreadable manifest: keep everything for now
-            _files.clean(path_dir, {live, gen}, legacy=False)
     records = _write_shards(gdir, save_id, items)
     if _comm.rank() == 0:
         common = _common(save_id, model, optimizer)
@@ -228,40 +260,85 @@ def _common(save_id: int, model: Module, optimizer) -> dict:
     return common
 
 
-def _commit(path_dir: str, gen: str, body: dict) -> None:
-    """Rank 0, once every rank's files are durable: publish the manifest (the atomic switch
-    to the new checkpoint), then remove the previous generation and any leftovers."""
+def _commit(path_dir: str, gen: str, body: dict) -> str | None:
+    """Rank 0, once every rank's files are durable: publish the manifest of ``gen`` (the
+    atomic switch to the new checkpoint). Returns the generation the manifest named before
+    ("" for format 1, None if none was readable): it stays until the next save, for loads
+    that read the old manifest; the caller removes everything else."""
+    previous = _files.referenced_generation(path_dir)
     _files.fsync_dir(path_dir)  # the new generation's directory entry, before it is named
-    _files.write_manifest(path_dir, body, tag=gen)
-    _files.clean(path_dir, {gen}, legacy=True)
+    _files.write_manifest(path_dir, {**body, "previous": previous}, tag=gen)
+    return previous
 
 
 # -- load -----------------------------------------------------------------------------------------
-class _Reader:
-    """A checkpoint folder's manifest and rank indexes (read and verified by every rank), the
-    saved pieces of every key, and the data files, verified and opened (memory-mapped) on
-    demand."""
+def _shared_manifest(path_dir: str) -> bytes:
+    """Collective: the bytes of ``path_dir``'s manifest, read once, by rank 0, and broadcast,
+    so that every rank loads the same checkpoint even if a save commits meanwhile (the
+    generation it names stays until the save after that one). If rank 0 cannot read it,
+    every rank raises the same `CheckpointError`."""
+    comm = _comm.current()
+    group = tuple(range(comm.world_size))
+    data, failed = b"", 0
+    if comm.rank == 0:
+        try:
+            data = _files.read_manifest_bytes(path_dir)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            failed = 1
+            data = (str(exc) if isinstance(exc, CheckpointError) else
+                    f"sf.load: rank 0 could not read {MANIFEST} in {path_dir!r}: {exc!r}").encode()
+    head = comm.broadcast(torch.tensor([failed, len(data)], dtype=torch.int64), 0, group)
+    n = int(head[1])
+    if n:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == 0 \
+            else torch.zeros(n, dtype=torch.uint8)
+        data = comm.broadcast(buf, 0, group).numpy().tobytes()
+    if int(head[0]):
+        raise CheckpointError(data.decode("utf-8", "replace"))
+    return data
 
-    def __init__(self, path_dir: str) -> None:
+
+class _Region(NamedTuple):
+    """How to read one box of a saved tensor: the pieces that overlap it (rank, piece box,
+    overlap) and their reduction (None: the value itself, pieces disjoint)."""
+    box: tuple
+    op: str | None
+    sources: list
+
+
+class _Target(NamedTuple):
+    """A tensor to fill: saved ``key``, the ``tensor`` whose layout is filled (for the
+    optimizer: its parameter), the optimizer's state key (None for the model), and the
+    region this rank reads (None: it holds none, see `_box_to_read`)."""
+    key: str
+    tensor: GlobalTensor
+    skey: str | None
+    region: _Region | None
+
+
+class _Reader:
+    """A checkpoint's manifest (given: rank 0 read it for every rank), its rank indexes (read
+    and verified by every rank), the saved pieces of every key, and the data files, opened
+    memory-mapped; each data file's checksum is verified by one rank (`open`)."""
+
+    def __init__(self, path_dir: str, manifest: bytes) -> None:
         self.dir = path_dir
-        self.manifest = m = _files.read_manifest(path_dir)
+        self.manifest = m = _files.parse_manifest(path_dir, manifest)
         self.save_id = m["save_id"]
         self.files = m.get("files")  # None: format 1, no checksums
         self.data_dir = path_dir if self.files is None else os.path.join(path_dir,
                                                                           m["generation"])
-        self._verified: set[str] = set()
         self.entries: dict[int, dict] = {}
         self.pieces: dict[str, list] = {}
         for r in range(m["world_size"]):
             name = f"rank{r}.json"
             data = _files.read_verified(self._path(name), self._record(name))
-            self._verified.add(name)
             meta = _files.parse_json(self._path(name), data)
             _files.validate_rank_index(self._path(name), meta, r, self.save_id, m["tensors"])
             self.entries[r] = meta["entries"]
             for key, e in meta["entries"].items():
                 self.pieces.setdefault(key, []).append(
-                    (r, tuple(tuple(b) for b in e["box"]), e["partial"]))
+                    (r, tuple(tuple(b) for b in e["box"]), e.get("partial")))
         self._files: dict[int, dict] = {}
         self._common = None
 
@@ -271,14 +348,10 @@ class _Reader:
     def _record(self, name: str) -> dict | None:
         return None if self.files is None else self.files[name]
 
-    def _verify(self, name: str) -> None:
-        if self.files is not None and name not in self._verified:
-            _files.verify_file(self._path(name), self.files[name])
-            self._verified.add(name)
-
     def _torch_load(self, name: str, **kw):
-        self._verify(name)
         path = self._path(name)
+        if self.files is not None:  # a stat: a truncated file is never memory-mapped
+            _files.check_size(path, self.files[name])
         try:
             return torch.load(path, weights_only=True, map_location="cpu", **kw)
         except FileNotFoundError:
@@ -305,57 +378,63 @@ class _Reader:
         return self._files[r]
 
     def open(self, ranks: set, common: bool) -> None:
-        """Verify and open the data files of ``ranks`` (and ``common.pt``), then verify this
-        rank's share of every other file, so that each file is checked by some rank."""
+        """Verify this rank's share of the data files, then open the files of ``ranks`` (and
+        ``common.pt``). Each data file is verified by exactly one rank (``rank{r}.pt`` by rank
+        ``r``, ``common.pt`` by the next, modulo the world size); a rank uses files others
+        verified because the load's agreement, after this and before any data is used, tells
+        every rank whether all were sound. Indexes were verified as they were read."""
+        if self.files is not None:
+            comm = _comm.current()
+            saved = self.manifest["world_size"]
+            names = [f"rank{r}.pt" for r in range(saved)] + ["common.pt"]
+            for i, name in enumerate(names):
+                if i % comm.world_size == comm.rank:
+                    _files.verify_file(self._path(name), self.files[name])
         for r in sorted(ranks):
             self._file(r)
         if common:
             self.common  # noqa: B018 - read and validated now, before anything is changed
-        comm = _comm.current()
-        for i, name in enumerate(sorted(self.files or {})):
-            if i % comm.world_size == comm.rank:
-                self._verify(name)
 
     def described(self, key: str) -> dict | None:
         return self.manifest["tensors"].get(key)
 
-    def sources(self, key: str, box: tuple) -> list:
-        """The saved pieces of ``key`` that overlap ``box``: (rank, piece box, overlap)."""
-        out = []
-        for r, pbox, _ in self.pieces.get(key, []):
-            inter = intersect(box, pbox)
-            if box_numel(inter):
-                out.append((r, pbox, inter))
-        return out
-
-    def region(self, key: str, box: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The logical values of ``box`` of saved tensor ``key``."""
-        ops = {op for _, _, op in self.pieces.get(key, [])}
+    def region(self, key: str, box: tuple) -> _Region:
+        """Plan the read of ``box`` of saved tensor ``key`` (nothing is read): the pieces that
+        overlap it. `CheckpointError` if the pieces disagree on their reduction, or if a value
+        saved whole (not partial) is not covered exactly by them."""
+        pieces = self.pieces.get(key, [])
+        ops = {op for _, _, op in pieces}
         if len(ops) > 1:
-            raise CheckpointError(f"{key}: saved pieces disagree on their reduction: {ops}")
+            raise CheckpointError(f"{key}: saved pieces disagree on their reduction: "
+                                  f"{sorted(ops, key=str)} (corrupt checkpoint)")
         op = next(iter(ops), None)
-        shape = box_shape(box)
+        sources = [(r, pbox, inter) for r, pbox, _ in pieces
+                   if box_numel(inter := intersect(box, pbox))]
+        covered = sum(box_numel(inter) for _, _, inter in sources)
+        if op is None and covered != box_numel(box):
+            raise CheckpointError(f"{key}: the checkpoint's pieces cover {covered} of the "
+                                  f"{box_numel(box)} elements of region {box} (corrupt or "
+                                  f"incomplete checkpoint)")
+        return _Region(box, op, sources)
+
+    def read(self, key: str, region: _Region, dtype: torch.dtype) -> torch.Tensor:
+        """The logical values of ``region`` (planned by `region`) of saved tensor ``key``."""
+        op, box = region.op, region.box
         if op in ("max", "min"):
-            out = torch.full(shape, identity_value(op, dtype), dtype=dtype)
+            out = torch.full(box_shape(box), identity_value(op, dtype), dtype=dtype)
         else:
-            out = torch.zeros(shape, dtype=dtype)
-        covered = 0
-        for r, pbox, inter in self.sources(key, box):
+            out = torch.zeros(box_shape(box), dtype=dtype)
+        for r, pbox, inter in region.sources:
             src = self._file(r)[key][relative(inter, pbox)].to(dtype)
             dst = out[relative(inter, box)]
             if op is None:
                 dst.copy_(src)
-                covered += box_numel(inter)
             elif op == "sum":
                 dst.add_(src)
             elif op == "max":
                 torch.maximum(dst, src, out=dst)
             else:
                 torch.minimum(dst, src, out=dst)
-        if op is None and covered != box_numel(box):
-            raise CheckpointError(f"{key}: the checkpoint's pieces cover {covered} of the "
-                                  f"{box_numel(box)} elements of region {box} (corrupt or "
-                                  f"incomplete checkpoint)")
         return out
 
 
@@ -372,17 +451,18 @@ def _box_to_read(t: GlobalTensor) -> tuple | None:
     return shard_box(tuple(t.shape), t.placement.shape, t.sbp, coord)
 
 
-def _restore(reader: _Reader, key: str, t: GlobalTensor) -> None:
-    """Fill ``t``'s shard (its current layout) from saved tensor ``key``."""
+def _restore(reader: _Reader, target: _Target, t: GlobalTensor) -> None:
+    """Fill ``t``'s shard (the layout of ``target.tensor``) from saved tensor ``target.key``,
+    as planned."""
     if _comm.rank() not in t.placement:
         return
-    box = _box_to_read(t)
     local = t.local
     with torch.no_grad():
-        if box is None:
+        if target.region is None:
             local.zero_()
         else:
-            local.copy_(reader.region(key, box, local.dtype).reshape(local.shape))
+            local.copy_(reader.read(target.key, target.region, local.dtype)
+                        .reshape(local.shape))
 
 
 def _check_shape(reader: _Reader, key: str, t: GlobalTensor, what: str) -> None:
@@ -398,26 +478,28 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
          restore_rng: bool = True, info: dict | None = None):
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in their current
     layouts; returns the saved ``step``. Every rank must call it. Everything is checked first
-    (manifest, files' sizes and checksums, keys, shapes, optimizer class): any problem found
-    by any rank raises on every rank — `CheckpointError` for a damaged or unfit checkpoint —
-    and leaves the model and optimizer unchanged. ``strict``: model keys missing from the
-    checkpoint (or extra ones) raise `CheckpointError`. ``info``: a dict filled with the
-    manifest's ``extra`` and ``world_size``."""
+    (manifest, files' sizes and checksums, keys, shapes, optimizer class, that the saved
+    pieces cover what each rank reads): any problem found by any rank raises on every rank —
+    `CheckpointError` for a damaged or unfit checkpoint — and leaves the model and optimizer
+    unchanged. ``strict``: model keys missing from the checkpoint (or extra ones) raise
+    `CheckpointError`. ``info``: a dict filled with the manifest's ``extra`` and
+    ``world_size``."""
+    manifest = _shared_manifest(path_dir)
     reader = targets = error = None
     try:
-        reader = _Reader(path_dir)
+        reader = _Reader(path_dir, manifest)
         targets = _plan(reader, model, optimizer, strict)
-        needed = {r for key, t, _ in targets if (box := _box_to_read(t)) is not None
-                  for r, _, _ in reader.sources(key, box)}
+        needed = {r for x in targets if x.region is not None for r, _, _ in x.region.sources}
         reader.open(needed, common=optimizer is not None or restore_rng)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
         error = exc
     _agree(error, f"sf.load from {path_dir!r}")
+    # nothing below can fail on a sound checkpoint: every check ran before the agreement
     if optimizer is not None:
-        _load_optimizer(reader, model, optimizer, [x for x in targets if x[2] is not None])
-    for key, t, skey in targets:
-        if skey is None:
-            _restore(reader, key, t)
+        _load_optimizer(reader, model, optimizer, [x for x in targets if x.skey is not None])
+    for x in targets:
+        if x.skey is None:
+            _restore(reader, x, x.tensor)
     if restore_rng:
         seed, counter = reader.common["rng"]
         state = _comm.current().state
@@ -428,10 +510,9 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
     return reader.manifest.get("step")
 
 
-def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[tuple]:
-    """Check that the checkpoint fits ``model`` (and ``optimizer``); returns what to read:
-    ``(key, tensor whose layout is filled, None)`` for the model's tensors and ``(key,
-    parameter, state key)`` for the optimizer's state."""
+def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[_Target]:
+    """Check that the checkpoint fits ``model`` (and ``optimizer``); returns what to read and
+    where this rank reads it from (`_Reader.region`, which checks the saved pieces)."""
     model_items = model._state_items()
     saved_model = {k[len("model/"):] for k in reader.manifest["tensors"] if k.startswith("model/")}
     missing = [k for k, _ in model_items if k not in saved_model]
@@ -447,7 +528,11 @@ def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[tuple
             targets.append((f"model/{k}", t, None))
     if optimizer is not None:
         targets += _plan_optimizer(reader, model, optimizer)
-    return targets
+    out = []
+    for key, t, skey in targets:
+        box = _box_to_read(t)
+        out.append(_Target(key, t, skey, None if box is None else reader.region(key, box)))
+    return out
 
 
 def _plan_optimizer(reader: _Reader, model: Module, optimizer) -> list[tuple]:
@@ -490,22 +575,22 @@ def _plan_optimizer(reader: _Reader, model: Module, optimizer) -> list[tuple]:
 
 def _load_optimizer(reader: _Reader, model: Module, optimizer, targets: list) -> None:
     """Replace ``optimizer``'s state and hyper-parameters by the checkpoint's (checked by
-    `_plan_optimizer`; ``targets`` are its result)."""
+    `_plan_optimizer`; ``targets``: the optimizer's `_Target`s)."""
     optim = reader.common["optim"]
     names = _param_names(model)
     tensors: dict[int, list] = {}
-    for key, p, skey in targets:
-        tensors.setdefault(id(p), []).append((key, skey))
+    for x in targets:
+        tensors.setdefault(id(x.tensor), []).append(x)
     new_state = type(optimizer.state)(dict) if hasattr(optimizer.state, "default_factory") \
         else {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             entry = dict(optim["scalars"].get(names[id(p)], {}))
-            for key, skey in tensors.get(id(p), []):
-                dt = _dtype(reader.described(key)["dtype"])
+            for x in tensors.get(id(p), []):
+                dt = _files.dtype_of(x.key, reader.described(x.key)["dtype"])
                 t = _sf_zeros(*p.shape, placement=p.placement, sbp=p.sbp, dtype=dt)
-                _restore(reader, key, t)
-                entry[skey] = t
+                _restore(reader, x, t)
+                entry[x.skey] = t
             if entry:
                 new_state[p] = entry
     for g, sg in zip(optimizer.param_groups, optim["param_groups"]):

@@ -170,9 +170,10 @@ def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(tmp_path
     _assert_holds(path, 2, expected)
     # killed before the commit: the old checkpoint; after it: the new one
     assert outcomes == sorted(outcomes) and outcomes[0] == 1 and 2 in outcomes, outcomes
-    for path in killed:  # the next save leaves its own files only
+    for path in killed:  # the next save leaves its own files and the previous checkpoint's
+        before = _generation(path)
         sf.launch(_save_values, world_size=WORLD, args=(path, 3, expected[3]))
-        assert _listing(path) == [_generation(path), "manifest.json"], path
+        assert _listing(path) == sorted([before, _generation(path), "manifest.json"]), path
         _assert_holds(path, 3, expected)
 
 
@@ -183,12 +184,14 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path, saved,
         with _killed_at(k), contextlib.suppress(_Died):
             sf.launch(_save_values, world_size=WORLD, args=(path, 2, expected[2]))
         leftovers = [n for n in _listing(path) if n not in (_generation(path), "manifest.json")]
-        # the killed saves' generations (the second may have removed the first's as it began:
-        # the ranks' file operations interleave, so where k falls varies)
+        # the killed saves' generations (the ranks' file operations interleave, so where k
+        # falls varies: a save killed at its first mkdir leaves nothing)
         assert 1 <= len(leftovers) <= i + 1 and all(n.startswith("gen-") for n in leftovers)
         _assert_holds(path, 1, expected)
+    first = _generation(path)
     sf.launch(_save_values, world_size=WORLD, args=(path, 2, expected[2]))
-    assert _listing(path) == [_generation(path), "manifest.json"]
+    # the killed saves' leftovers are gone; step 1's generation stays until the next save
+    assert _listing(path) == sorted([first, _generation(path), "manifest.json"])
     assert sorted(os.listdir(os.path.join(path, _generation(path)))) == \
         ["common.pt"] + [f"rank{r}.{e}" for r in range(WORLD) for e in ("json", "pt")]
     _assert_holds(path, 2, expected)

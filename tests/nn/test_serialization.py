@@ -229,9 +229,31 @@ def test_format1_checkpoints_still_load_and_are_replaced_cleanly(tmp_path):
     _edit_json(os.path.join(path, "rank1.json"), lambda meta: meta.update(save_id=1))
     with pytest.raises(sf.nn.CheckpointError, match="mixed checkpoint"):
         sf.launch(_load_state, world_size=2, args=(path,))
-    # a format-2 save over a format-1 folder replaces it whole: no format-1 file is left
+    # a format-2 save over a format-1 folder: the format-1 files stay as the previous
+    # checkpoint (a load that read the old manifest can finish), the next save removes them
+    legacy = ["common.pt"] + [f"rank{r}.{e}" for r in range(4) for e in ("json", "pt")]
     _run_saving(path, "zero", "sgd", 1)
-    assert sorted(os.listdir(path)) == [_manifest(path)["generation"], "manifest.json"]
+    first = _manifest(path)
+    assert first["previous"] == ""
+    assert sorted(os.listdir(path)) == sorted([first["generation"], "manifest.json"] + legacy)
+    assert sf.launch(_load_state, world_size=2, args=(path,))[0] == want
+    _run_saving(path, "zero", "sgd", 1)
+    assert _manifest(path)["previous"] == first["generation"]
+    assert sorted(os.listdir(path)) == sorted([first["generation"],
+                                               _manifest(path)["generation"], "manifest.json"])
+    assert sf.launch(_load_state, world_size=2, args=(path,))[0] == want
+
+
+def test_format1_indexes_without_reductions_load(tmp_path):
+    """Format-1 indexes may lack the "partial" field (a value saved whole): they load, as
+    before (not a raw KeyError)."""
+    path = str(tmp_path)
+    _run_saving(path, "zero", "sgd", 1)
+    want = sf.launch(_load_state, world_size=2, args=(path,))[0]
+    _to_format1(path)
+    for r in range(4):
+        _edit_json(os.path.join(path, f"rank{r}.json"),
+                   lambda meta: [e.pop("partial") for e in meta["entries"].values()])
     assert sf.launch(_load_state, world_size=2, args=(path,))[0] == want
 
 
