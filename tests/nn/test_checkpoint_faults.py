@@ -1,9 +1,13 @@
 """Checkpoint faults (issue 12 parts 2 and 3): a save killed at any moment leaves the previous
 checkpoint loadable and equal, or the new one; leftovers are removed by the next save; any damage
 to any file raises CheckpointError on every rank, naming the file; optimizer state does not load
-into another optimizer class."""
+into another optimizer class. Then the review's findings: a save committing during a load, a
+load failing after the ranks agreed, bad ``extra`` and commit errors, ranks saving different
+tensors, a resharding load reading every file once per rank, the cleaning holding up a save."""
 
+import builtins
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -434,3 +438,233 @@ def test_optimizer_state_dict_names_its_class():
     cls, err, sgd_state = sf.launch(body, world_size=4)[0]
     assert cls == "AdamW" and len(sgd_state) == 0
     assert err[0] == "CheckpointError" and "AdamW" in err[1] and "SGD" in err[1]
+
+
+# -- review findings ------------------------------------------------------------------------------
+def _reseal(path: str, names: list) -> None:
+    """Record the current size and crc32 of ``names`` (files of the committed generation) in
+    the manifest and re-seal it, as a writer that meant them would."""
+    from sbpflow.nn.checkpoint_files import encode_manifest
+    mpath = os.path.join(path, "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    m.pop("crc32")
+    for name in names:
+        with open(os.path.join(path, m["generation"], name), "rb") as f:
+            data = f.read()
+        m["files"][name] = {"size": len(data), "crc32": zlib.crc32(data)}
+    with open(mpath, "wb") as f:
+        f.write(encode_manifest(m))
+
+
+def test_every_rank_loads_one_checkpoint_when_a_save_commits_during_the_load(
+        tmp_path, saved, expected, monkeypatch):
+    """The manifest is replaced (step 2 committed) right after its first read: every rank still
+    loads the same checkpoint, whole (rank 0 reads the manifest for all of them)."""
+    path, other = str(tmp_path / "c"), str(tmp_path / "other")
+    shutil.copytree(saved, path)
+    sf.launch(_save_values, world_size=WORLD, args=(other, 2, expected[2]))
+    shutil.copytree(os.path.join(other, _generation(other)),
+                    os.path.join(path, _generation(other)))
+    shutil.copyfile(os.path.join(other, "manifest.json"), os.path.join(path, "manifest.next"))
+    target, real_open = os.path.join(path, "manifest.json"), builtins.open
+    lock, reads = threading.Lock(), []
+
+    def spying_open(file, mode="r", *args, **kwargs):
+        if mode != "rb" or not isinstance(file, str) or os.path.abspath(file) != target:
+            return real_open(file, mode, *args, **kwargs)
+        with lock:  # the read, then the commit, before any other rank reads
+            with real_open(file, mode) as f:
+                data = f.read()
+            if not reads:
+                os.replace(os.path.join(path, "manifest.next"), target)
+            reads.append(threading.current_thread().name)
+        return io.BytesIO(data)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    got = sf.launch(_load_values, world_size=WORLD, timeout=30, args=(path,))
+    monkeypatch.undo()
+    assert reads and _generation(path) == _generation(other)  # the commit did happen
+    steps = [step for step, _ in got]
+    assert steps == [1] * WORLD, steps  # the checkpoint named when the load began
+    for k, v in expected[1].items():
+        assert torch.equal(got[0][1][k], v), k
+    _assert_holds(path, 2, expected)  # and the next load, the new one
+
+
+def test_a_save_keeps_the_previous_checkpoint_until_the_next_save(tmp_path, saved, expected):
+    """After a commit the folder holds the new generation and the previous one (a load that
+    read the old manifest can finish); the next save removes the older."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+    gens = [_generation(path)]
+    for step in (2, 3):
+        sf.launch(_save_values, world_size=WORLD, args=(path, step, expected[step]))
+        gens.append(_generation(path))
+        assert _listing(path) == sorted(gens[-2:] + ["manifest.json"])
+        with open(os.path.join(path, "manifest.json")) as f:
+            assert json.load(f)["previous"] == gens[-2]
+        _assert_holds(path, step, expected)
+
+
+def test_pieces_that_do_not_cover_a_region_fail_the_load_before_any_change(tmp_path, saved):
+    """Rank 1's index and shards lose one tensor (consistently, re-sealed): the pieces no
+    longer cover what rank 1 reads. Found while planning, before the agreement: every rank
+    raises CheckpointError (none waits in a collective) and nothing is changed."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+    gen = os.path.join(path, _generation(path))
+    with open(os.path.join(gen, "rank1.json")) as f:
+        index = json.load(f)
+    key = sorted(index["entries"])[-1]
+    del index["entries"][key]
+    with open(os.path.join(gen, "rank1.json"), "w") as f:
+        json.dump(index, f)
+    shards = torch.load(os.path.join(gen, "rank1.pt"), weights_only=True)
+    del shards["tensors"][key]
+    torch.save(shards, os.path.join(gen, "rank1.pt"))
+    _reseal(path, ["rank1.json", "rank1.pt"])
+
+    def body():
+        m, opt = _build()
+        before = {n: p.full_tensor() for n, p in m.named_parameters()}
+        err = _catching(sf.load, path, m, opt)
+        after = {n: p.full_tensor() for n, p in m.named_parameters()}
+        return err, all(torch.equal(before[n], after[n]) for n in before), dict(opt.state)
+
+    for err, unchanged, state in sf.launch(body, world_size=WORLD, timeout=20):
+        assert err[0] == "CheckpointError" and key in err[1] and "cover" in err[1], err
+        assert unchanged and state == {}
+
+
+def test_extra_the_manifest_cannot_hold_fails_the_save_before_any_write(tmp_path, saved,
+                                                                       expected):
+    """``{1: "a", "b": 2}`` passes json.dumps but not the manifest's sorted encoding: every rank
+    raises CheckpointError at once, nothing is written."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+
+    def body():
+        m, opt = _build()
+        return _catching(sf.save, path, m, opt, 2, {1: "a", "b": 2})
+
+    got = sf.launch(body, world_size=WORLD, timeout=20)
+    assert [g[0] for g in got] == ["CheckpointError"] * WORLD, got
+    assert all("extra" in g[1] for g in got), got  # each rank checked its own
+    assert _listing(path) == [_generation(path), "manifest.json"]
+    _assert_holds(path, 1, expected)
+
+
+def test_a_failing_commit_raises_checkpoint_error_on_every_rank(tmp_path, saved, expected,
+                                                               monkeypatch):
+    """Rank 0 cannot rename the new manifest into place: CheckpointError on every rank (rank
+    0's wraps the OSError), the folder still holds step 1."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if str(dst).endswith("manifest.json"):
+            raise OSError(5, "Input/output error")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    got = sf.launch(_catching, world_size=WORLD, timeout=20,
+                    args=(_save_values, path, 2, expected[2]))
+    monkeypatch.undo()
+    assert [g[0] for g in got] == ["CheckpointError"] * WORLD, got
+    assert all("commit" in g[1] and "Input/output error" in g[1] for g in got), got
+    _assert_holds(path, 1, expected)
+
+
+def _rank_dependent_save(path: str, grow: int):
+    """In a rank: save nn.Linear(4, 4 + grow * rank) split by rows; the error or None."""
+    m = sf.nn.Linear(4, 4 + grow * sf.rank())
+    sf.parallel.apply(m, sf.placement("cpu", [0, 1]), {"*": sf.S(0)})
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            p.local.fill_(float(i + grow))
+    return _catching(sf.save, path, m)
+
+
+def _linear_values(path: str):
+    m = sf.nn.Linear(4, 4)
+    sf.parallel.apply(m, sf.placement("cpu", [0, 1]), {"*": sf.S(0)})
+    sf.load(path, m)
+    return m.weight.full_tensor(), m.bias.full_tensor()
+
+
+def test_ranks_saving_different_tensors_fail_the_save_before_any_write(tmp_path):
+    """Rank r saves nn.Linear(4, 4 + 2r): only rank 0's tensors would be described, the
+    checkpoint unloadable. Every rank raises CheckpointError naming rank 1, nothing is
+    written, the previous checkpoint stays."""
+    path = str(tmp_path / "c")
+    assert sf.launch(_rank_dependent_save, world_size=2, args=(path, 0)) == [None, None]
+    listing = _listing(path)
+    got = sf.launch(_rank_dependent_save, world_size=2, timeout=20, args=(path, 2))
+    for g in got:
+        assert g is not None and g[0] == "CheckpointError" and "rank(s) [1]" in g[1], got
+    assert _listing(path) == listing
+    weight, bias = sf.launch(_linear_values, world_size=2, args=(path,))[0]
+    assert torch.equal(weight, torch.zeros(4, 4)) and torch.equal(bias, torch.ones(4))
+
+
+def _rchar() -> int:
+    """Bytes this thread has read with read() calls (Linux)."""
+    with open("/proc/thread-self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _resharded_load_reads(path: str) -> int:
+    m = sf.nn.Linear(512, 512)
+    sf.parallel.apply(m, sf.placement("cpu", [0, 1, 2, 3]), {"weight": sf.S(1), "*": sf.S(0)})
+    sf.load(path, m, restore_rng=False)  # warm: lazy imports, caches
+    start = _rchar()
+    sf.load(path, m, restore_rng=False)
+    return _rchar() - start
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/io"), reason="needs Linux /proc")
+def test_a_resharding_load_reads_each_file_once(tmp_path):
+    """4 ranks save a 512x512 weight split by rows and load it split by columns: every rank
+    needs a piece of every rank's file, but each file is read whole (its checksum) by one rank
+    only, the pieces are memory-mapped. Before: every rank read every file whole."""
+    path = str(tmp_path / "c")
+
+    def save():
+        m = sf.nn.Linear(512, 512)
+        sf.parallel.apply(m, sf.placement("cpu", [0, 1, 2, 3]), {"*": sf.S(0)})
+        sf.save(path, m)
+
+    sf.launch(save, world_size=4)
+    gen = os.path.join(path, _generation(path))
+    size = sum(os.path.getsize(os.path.join(gen, n)) for n in os.listdir(gen))
+    reads = sf.launch(_resharded_load_reads, world_size=4, args=(path,))
+    # each rank: its quarter of the data, the small indexes and torch.load's headers
+    assert all(r < size / 4 + 256_000 for r in reads), (reads, size)
+    assert sum(reads) < 1.5 * size, (reads, size)
+
+
+def test_removing_old_generations_holds_up_no_rank(tmp_path, saved, expected, monkeypatch):
+    """Rank 0 removes the generation before the previous one after the save's last agreement:
+    on a slow file system, rank 1 has returned from sf.save while rank 0 still removes."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved, path)
+    sf.launch(_save_values, world_size=WORLD, args=(path, 2, expected[2]))
+    returned, waited, real = threading.Event(), [], shutil.rmtree
+
+    def slow_rmtree(p, *args, **kwargs):
+        if threading.current_thread().name == "sbpflow-rank0":
+            waited.append(returned.wait(5))  # did rank 1 return before the removal ended?
+        return real(p, *args, **kwargs)
+
+    def body():
+        _save_values(path, 3, expected[3])
+        if sf.rank() == 1:
+            returned.set()
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    sf.launch(_catching, world_size=WORLD, timeout=30, args=(body,))
+    monkeypatch.undo()
+    assert waited == [True], waited  # one generation removed (step 1's), no rank held up
+    _assert_holds(path, 3, expected)
