@@ -37,7 +37,8 @@ class SignatureError(SbpError, ValueError):
 
 
 class DtypeMismatchError(SbpError, RuntimeError):
-    """An op whose torch kernel requires one dtype (matmul, linear, conv2d, ...) got several."""
+    """An op whose torch kernel requires one dtype (matmul, linear, conv2d, ...) got several, or
+    an input of a dtype torch refuses there (float class targets, integer random values)."""
 
 
 class BoxingError(SbpError, ValueError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import weakref
 from typing import NamedTuple, Sequence
 
@@ -19,7 +20,7 @@ from . import comm as _comm
 from .boxing import empty_local, plan_layouts, run_plan
 from .caches import BoundedDict
 from .errors import (DtypeMismatchError, IndexOutOfRange, PlacementError, PlacementMismatchError,
-                     SbpError, ShapeError, SignatureError)
+                     SbpError, SbpParseError, ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
@@ -32,9 +33,15 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
 
 
 def _norm_shape(shape) -> tuple[int, ...]:
+    """The sizes ``*shape`` (or one sequence of them) as a tuple of ints. As torch, a size that
+    is not an integer (6.5, '4', a nested tuple) or is negative is refused: `ShapeError`."""
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
-    out = tuple(int(s) for s in shape)
+    try:
+        out = tuple(operator.index(s) for s in shape)
+    except TypeError:  # int() would truncate 6.5 to 6 silently
+        raise ShapeError(f"a shape is a sequence of ints, as in torch; got {tuple(shape)!r}") \
+            from None
     if any(s < 0 for s in out):
         raise ShapeError(f"negative dimension in shape {out}")
     return out
@@ -49,9 +56,18 @@ def _layout(placement: Placement | None, sbp: SbpLike | None, ndim: int,
     if not isinstance(placement, Placement):
         raise PlacementError(f"expected an sf.placement, got {placement!r}")
     placement.check_world(world)
-    nd = (B,) * placement.ndim if sbp is None else parse_nd_sbp(sbp, placement.ndim)
+    nd = (B,) * placement.ndim if sbp is None else _parse_for(sbp, placement, shape)
     check_axes(nd, ndim, shape=shape, placement=placement)
     return placement, nd
+
+
+def _parse_for(sbp: SbpLike, placement: Placement, shape: Sequence[int]) -> tuple:
+    """``sbp`` parsed as the nd-sbp of a tensor of ``shape`` on ``placement``; a parse error
+    (e.g. one sbp per mesh dim not given) names the tensor's shape and the placement."""
+    try:
+        return parse_nd_sbp(sbp, placement.ndim)
+    except SbpParseError as exc:
+        raise SbpParseError(f"{exc} (tensor of shape {tuple(shape)} on {placement})") from None
 
 
 # -- method bindings: each a thin call of a registered op (bound in the class body below) -------
@@ -149,11 +165,12 @@ class GlobalTensor:
             raise PlacementError(f"to_global: expected an sf.placement, got {dst_pl!r}")
         if sbp is None:
             if dst_pl.ndim != self._placement.ndim:
-                raise SbpError(f"to_global: {dst_pl} has {dst_pl.ndim} mesh dims but the tensor's "
-                               f"sbp {format_nd_sbp(self._sbp)} has {len(self._sbp)}; give sbp=")
+                raise SbpError(f"to_global: {dst_pl} has {dst_pl.ndim} mesh dims but the sbp "
+                               f"{format_nd_sbp(self._sbp)} of the tensor of shape {self._shape} "
+                               f"has {len(self._sbp)}; give sbp=")
             sbp = self._sbp
         dst_pl.check_world(_comm.world_size())
-        dst_sbp = parse_nd_sbp(sbp, dst_pl.ndim)
+        dst_sbp = _parse_for(sbp, dst_pl, self._shape)
         check_axes(dst_sbp, self.ndim, shape=self._shape, placement=dst_pl)
         if dst_pl == self._placement and dst_sbp == self._sbp:
             return self
@@ -213,8 +230,8 @@ class GlobalTensor:
         """
         seed = self._seed(gradient)
         if not self._local.requires_grad:
-            raise SbpError(f"backward: tensor of shape {self._shape} on {self._placement} "
-                           f"does not require grad")
+            raise SbpError(f"backward: the tensor of {_describe(self)} does not require grad "
+                           f"(as torch: no input of it requires grad, or it was detached)")
         torch.autograd.backward(self._local, seed, retain_graph=retain_graph)
 
     def _seed(self, gradient: "GlobalTensor | None") -> torch.Tensor:
@@ -229,8 +246,9 @@ class GlobalTensor:
             return ones((), placement=self._placement, sbp=dual, dtype=self.dtype)._local.to(
                 self.device)
         if gradient.shape != self.shape:
-            raise ShapeError(f"backward: gradient shape {tuple(gradient.shape)} != tensor "
-                             f"shape {self._shape}")
+            raise ShapeError(f"backward: the gradient has shape {tuple(gradient.shape)} but the "
+                             f"tensor has shape {self._shape} (gradient: {_describe(gradient)}; "
+                             f"tensor: {_describe(self)})")
         return gradient.to_global(self._placement, dual)._local.to(self.device)
 
     # -- ops: operators and methods (each name a registered op of sbpflow.ops) -------------------
@@ -302,6 +320,9 @@ class GlobalTensor:
 
     def item(self):
         """The value of a one-element tensor (collective: every rank calls it)."""
+        if self.numel() != 1:  # before the collective: every rank raises the same
+            raise ShapeError(f"item(): a tensor with {self.numel()} elements cannot be converted "
+                             f"to a number (as torch); this one has {_describe(self)}")
         return self.full_tensor().item()
 
     # -- display -----------------------------------------------------------------------------
@@ -366,8 +387,11 @@ def _next_seed(seed: int | None, generator: torch.Generator | None) -> int:
 
 def _random(kind: str, shape, placement, sbp, dtype, seed, generator, requires_grad):
     shape = _norm_shape(shape)
-    s = _next_seed(seed, generator)
     dt = dtype or torch.get_default_dtype()
+    if not (dt.is_floating_point or dt.is_complex):  # torch: "normal_kernel_cpu" not implemented
+        raise DtypeMismatchError(f"sf.{kind}: random values of shape {shape} need a floating-point "
+                                 f"dtype, as in torch; got {dt}")
+    s = _next_seed(seed, generator)
     return _create(shape, placement, sbp, dt, requires_grad,
                    lambda box: generate_region(kind, shape, box, s, dt))
 
@@ -420,6 +444,9 @@ def arange(start, end=None, step=1, *, placement: Placement | None = None,
     """``torch.arange`` as a 1-D global tensor; each rank computes only its part."""
     if end is None:
         start, end = 0, start
+    if step == 0 or (end - start) * step < 0:  # torch's RuntimeError: no such sequence
+        raise ShapeError(f"arange(start={start}, end={end}, step={step}): the step must be "
+                         f"nonzero and have the sign of end - start, as in torch")
     n = len(range(0, math.ceil((end - start) / step))) if step else 0
     ref = torch.arange(start, start + step, step, dtype=dtype)  # torch's dtype inference
     acc = torch.float64 if ref.dtype.is_floating_point else torch.int64

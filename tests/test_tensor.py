@@ -148,8 +148,21 @@ def test_rank_outside_placement_holds_empty_shard():
     ("to_global_axis", sf.SplitAxisError, "split axis 5"),
     ("to_global_ndim", sf.SbpError, "give sbp="),
     ("backward_nonscalar", sf.ShapeError, "scalar"),
+    # the messages name the tensor's shape, placement and sbp (issue 12's probe,
+    # benchmarks/bad_inputs.py)
+    ("length_1d", sf.SbpParseError, r"\(S\(0\), B\).*tensor of shape \(4,\) on cpu\[0,1\]"),
+    ("to_global_length", sf.SbpParseError, r"tensor of shape \(4,\) on cpu\[0,1\]"),
+    ("to_global_ndim_shape", sf.SbpError, r"shape \(4,\) has 1; give sbp="),
+    ("backward_no_grad", sf.SbpError, r"shape \(\) on cpu\[0,1\] with sbp \(B,\)"),
+    ("backward_gradient", sf.ShapeError, r"gradient: shape \(5,\) on cpu\[0,1\] with sbp \(B,\); "
+                                         r"tensor: shape \(4,\) on cpu\[0,1\] with sbp \(B,\)"),
+    ("item", sf.ShapeError, r"4 elements.*shape \(4,\) on cpu\[0,1\] with sbp \(B,\)"),
 ])
 def test_bad_input(case, err, match):
+    if case in _TORCH_REFUSES:  # the same mistake in plain torch is an error too
+        with pytest.raises(RuntimeError):
+            _TORCH_REFUSES[case]()
+
     def body():
         pl = sf.placement("cpu", [[0, 1]])
         line = sf.placement("cpu", [0, 1])
@@ -167,7 +180,64 @@ def test_bad_input(case, err, match):
             sf.zeros(4, placement=line, sbp=sf.B).to_global(placement=pl)
         elif case == "backward_nonscalar":
             sf.zeros(4, placement=line, sbp=sf.B, requires_grad=True).backward()
+        elif case == "length_1d":
+            sf.zeros(4, placement=line, sbp=(sf.S(0), sf.B))
+        elif case == "to_global_length":
+            sf.zeros(4, placement=line, sbp=sf.B).to_global(sbp="S(0), B")
+        elif case == "to_global_ndim_shape":
+            sf.zeros(4, placement=line, sbp=sf.B).to_global(placement=pl)
+        elif case == "backward_no_grad":
+            sf.zeros(4, placement=line, sbp=sf.B).sum().backward()
+        elif case == "backward_gradient":
+            x = sf.zeros(4, placement=line, sbp=sf.B, requires_grad=True)
+            (x * 2.0).backward(sf.ones(5, placement=line, sbp=sf.B))
+        elif case == "item":
+            sf.zeros(4, placement=line, sbp=sf.B).item()
     with pytest.raises(err, match=match):
+        sf.launch(body, world_size=2)
+
+
+_TORCH_REFUSES = {
+    "backward_nonscalar": lambda: torch.zeros(4, requires_grad=True).backward(),
+    "backward_no_grad": lambda: torch.zeros(4).sum().backward(),
+    "backward_gradient": lambda: (torch.zeros(4, requires_grad=True) * 2.0).backward(
+        torch.ones(5)),
+    "item": lambda: torch.zeros(4).item(),
+}
+
+
+@pytest.mark.parametrize("make,torch_make,match", [
+    (lambda pl: sf.randn(4, 6.5, placement=pl), lambda: torch.randn(4, 6.5), r"\(4, 6\.5\)"),
+    (lambda pl: sf.zeros("a", placement=pl), lambda: torch.zeros("a"), r"\('a',\)"),
+    (lambda pl: sf.rand((4, 6), 3, placement=pl), lambda: torch.rand((4, 6), 3),
+     r"\(\(4, 6\), 3\)"),
+    (lambda pl: sf.ones(4, -6, placement=pl), lambda: torch.ones(4, -6), r"\(4, -6\)"),
+    (lambda pl: sf.arange(-5, placement=pl), lambda: torch.arange(-5), r"end=-5, step=1"),
+    (lambda pl: sf.arange(0, 5, 0, placement=pl), lambda: torch.arange(0, 5, 0), r"step=0"),
+    (lambda pl: sf.arange(3, 1, 0.5, placement=pl), lambda: torch.arange(3, 1, 0.5),
+     r"start=3, end=1, step=0\.5"),
+])
+def test_creation_refuses_the_sizes_torch_refuses(make, torch_make, match):
+    """A size that is not an int (torch: TypeError; int() would truncate 6.5 silently) or
+    negative, and an arange whose step is 0 or points away from end (torch: RuntimeError;
+    it used to give an empty tensor) are `sf.ShapeError` naming the values."""
+    with pytest.raises((TypeError, RuntimeError)):
+        torch_make()
+    with pytest.raises(sf.ShapeError, match=match):
+        sf.launch(lambda: make(sf.placement("cpu", [0, 1])), world_size=2)
+
+
+@pytest.mark.parametrize("make", [sf.randn, sf.rand])
+def test_random_values_need_a_floating_dtype(make):
+    """torch refuses to draw randn / rand values of an integer dtype; sbpflow used to draw
+    floats and truncate them."""
+    ref = getattr(torch, make.__name__)
+    with pytest.raises(RuntimeError):
+        ref(4, 6, dtype=torch.int64)
+
+    def body():
+        make(4, 6, placement=sf.placement("cpu", [0, 1]), sbp=sf.S(0), dtype=torch.int64)
+    with pytest.raises(sf.DtypeMismatchError, match=r"\(4, 6\).*int64"):
         sf.launch(body, world_size=2)
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..errors import IndexOutOfRange, ShapeError
+from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
@@ -51,10 +51,15 @@ def silu(x: GlobalTensor) -> GlobalTensor:
 # Composites along a split axis reduce locally, then box the partial result to broadcast: that
 # boxing is the all-reduce (and its dual backward the all-reduce of the gradient).
 
-def _norm_dim(dim: int, ndim: int) -> int:
+def _norm_dim(dim: int, x: GlobalTensor, what: str) -> int:
+    """``dim`` of ``x`` as a non-negative axis; out of range (torch's IndexError) it is a
+    `ShapeError` naming ``x``'s layout."""
+    ndim = x.ndim
     d = dim + ndim if dim < 0 else dim
     if not 0 <= d < max(ndim, 1):
-        raise ShapeError(f"dim {dim} is out of range for a tensor with {ndim} dimension(s)")
+        raise ShapeError(f"{what}: dim {dim} is out of range for a tensor with {ndim} "
+                         f"dimension(s) (expected in [{-max(ndim, 1)}, {max(ndim, 1) - 1}]); "
+                         f"{_layouts(('input', x))}")
     return d
 
 
@@ -85,7 +90,7 @@ def softmax(x: GlobalTensor, dim: int, dtype: torch.dtype | None = None) -> Glob
     Along a split axis: local max, all-reduce max, exp, local sum, all-reduce sum, divide."""
     if dtype is not None:
         x = x.to(dtype)
-    d = _norm_dim(dim, x.ndim)
+    d = _norm_dim(dim, x, "softmax")
     if not _split_on(x, (d,)):
         return apply_op("softmax", x, d)
     e = (x - _max_over(x, d)).exp()
@@ -97,7 +102,7 @@ def log_softmax(x: GlobalTensor, dim: int, dtype: torch.dtype | None = None) -> 
     ``z - log(sum(exp(z)))`` with ``z = x - max``)."""
     if dtype is not None:
         x = x.to(dtype)
-    d = _norm_dim(dim, x.ndim)
+    d = _norm_dim(dim, x, "log_softmax")
     if not _split_on(x, (d,)):
         return apply_op("log_softmax", x, d)
     z = x - _max_over(x, d)
@@ -116,6 +121,11 @@ def layer_norm(x: GlobalTensor, normalized_shape, weight: GlobalTensor | None = 
     if len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
         raise ShapeError(f"layer_norm: normalized_shape {ns} does not match the trailing dims of "
                          f"input shape {tuple(x.shape)} (placement {x.placement}, sbp {x.sbp})")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != ns:  # checked here: a split hidden dim composes
+            shown = _layouts(("input", x), (name, t))
+            raise ShapeError(f"layer_norm: {name} of shape {tuple(t.shape)} must have the "
+                             f"normalized_shape {ns}, as in torch; {shown}")
     dims = tuple(range(x.ndim - len(ns), x.ndim))
     if not _split_on(x, dims):
         return apply_op("layer_norm", x, ns, weight, bias, float(eps))
@@ -236,6 +246,8 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
                          f"{reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if target.dtype.is_floating_point:
+        raise _float_target(input, target)
     if input.ndim >= 3:  # torch: (N, C, d1, ...); classes last is the form computed below
         expect = (input.shape[0],) + tuple(input.shape[2:])
         if tuple(target.shape) != expect:
@@ -249,9 +261,6 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
         raise ShapeError(f"cross_entropy: target of shape {tuple(target.shape)} does not match "
                          f"logits of shape {tuple(input.shape)} (placement {input.placement}, "
                          f"sbp {input.sbp})")
-    if target.dtype.is_floating_point:
-        raise NotImplementedError("cross_entropy: only integer class targets are supported "
-                                  "(not class probabilities)")
     n_classes = input.shape[-1]
     if weight is not None:
         if not isinstance(weight, GlobalTensor):
@@ -262,6 +271,18 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
     return input, n_classes
+
+
+def _float_target(logits: GlobalTensor, target: GlobalTensor) -> Exception:
+    """The error for a floating-point target: class probabilities (the logits' shape), which
+    sbpflow does not support, or class indices of a float dtype, which torch refuses too
+    ("expected scalar type Long")."""
+    shown = _layouts(("logits", logits), ("target", target))
+    if tuple(target.shape) == tuple(logits.shape):
+        return NotImplementedError(f"cross_entropy: class-probability targets are not supported, "
+                                   f"only integer class indices; {shown}")
+    return DtypeMismatchError(f"cross_entropy: class-index targets must have an integer dtype "
+                              f"(torch: expected scalar type Long), got {target.dtype}; {shown}")
 
 
 def _class_pick_rows(input: GlobalTensor, target: GlobalTensor, weight, valid: GlobalTensor,

@@ -175,9 +175,27 @@ def out_metas(name: str, args: tuple, attrs: tuple) -> tuple[TensorMeta, ...]:
     except SbpError:
         raise  # the kernel's own check (e.g. an index out of range) says what is wrong
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        shapes = ", ".join(str(m.shape) for m in tensor_metas(args))
-        raise ShapeError(f"{name}: inputs of shapes {shapes} (attributes {dict(attrs)}) are not "
-                         f"valid for the op: {str(exc).splitlines()[0]}") from None
+        raise _invalid_inputs(name, args, attrs, exc) from None
+
+
+def _invalid_inputs(name: str, args: tuple, attrs: tuple, exc: Exception) -> ShapeError:
+    """The `ShapeError` saying torch's own objection to op ``name``'s logical inputs."""
+    shapes = ", ".join(str(m.shape) for m in tensor_metas(args))
+    return ShapeError(f"{name}: inputs of shapes {shapes} (attributes {dict(attrs)}) are not "
+                      f"valid for the op: {str(exc).splitlines()[0]}")
+
+
+def _signatures(op: Op, name: str, args: tuple, attrs: tuple) -> list:
+    """Op ``name``'s 1-D signatures for ``args``. A generator that runs torch on the logical
+    shapes (``expand``, ``reshape``) may be the first to meet invalid inputs (the meta kernel,
+    run without a context, sees no logical target): torch's error becomes a `ShapeError`, as
+    in `out_metas`."""
+    try:
+        return list(op.signatures(*args, **dict(attrs)))
+    except SbpError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        raise _invalid_inputs(name, args, attrs, exc) from None
 
 
 # -- choosing a signature -----------------------------------------------------------------------
@@ -245,7 +263,7 @@ def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: 
     op = get_op(name)
     metas = tensor_metas(args)
     outs_meta = out_metas(name, args, attrs)
-    sigs_1d = list(op.signatures(*args, **dict(attrs)))
+    sigs_1d = _signatures(op, name, args, attrs)
     if not sigs_1d:
         raise SignatureError(f"{name}: no signature for inputs {[m.shape for m in metas]}")
     best, best_key, best_cost = None, None, 0

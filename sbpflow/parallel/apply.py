@@ -35,7 +35,7 @@ def match_rules(names, rules: Mapping, placement: Placement) -> dict:
         try:
             parsed.append((pattern, parse_nd_sbp(sbp, placement.ndim)))
         except SbpError as exc:
-            raise type(exc)(f"rule {pattern!r}: {exc}") from None
+            raise type(exc)(f"rule {pattern!r} on {placement}: {exc}") from None
     out, unmatched = {}, []
     for name in names:
         nd = next((nd for pattern, nd in parsed if fnmatch.fnmatchcase(name, pattern)), None)

@@ -413,3 +413,48 @@ def test_cross_entropy_loss_module_matches_torch():
     got, buffers = sf.launch(body, world_size=2)[0]
     ref = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1)(logits, target)
     assert torch.allclose(got, ref) and buffers == ["weight"]
+
+
+def test_bad_arguments_name_the_layouts():
+    """Mistakes torch refuses (a softmax dim out of range, a layer_norm weight or bias not of
+    normalized_shape, float class-index targets) are `sf.SbpError`s naming the shapes and sbps,
+    in every path: the layer_norm check runs before the split-hidden-dim composite, which would
+    otherwise fail inside a broadcast ``mul`` / ``add``."""
+    x, lg = _t(4, 6), _t(4, 5)
+    for refused in (lambda: torch.softmax(x, dim=2), lambda: torch.log_softmax(x, dim=-3),
+                    lambda: F.layer_norm(x, (6,), weight=_t(5)),
+                    lambda: F.layer_norm(x, (6,), bias=_t(6, 1)),
+                    lambda: F.cross_entropy(lg, _t(4))):
+        with pytest.raises((IndexError, RuntimeError)):
+            refused()
+
+    def body(pl):
+        calls = {"float_target": lambda: SF.cross_entropy(sf.tensor(lg, pl, S(0)),
+                                                          sf.tensor(_t(4), pl, B))}
+        for sbp in (S(0), S(1)):
+            xs = sf.tensor(x, pl, sbp)
+            calls[f"softmax {sbp}"] = lambda xs=xs: SF.softmax(xs, dim=2)
+            calls[f"log_softmax {sbp}"] = lambda xs=xs: SF.log_softmax(xs, dim=-3)
+            calls[f"weight {sbp}"] = lambda xs=xs: SF.layer_norm(
+                xs, (6,), weight=sf.tensor(_t(5), pl, B))
+            calls[f"bias {sbp}"] = lambda xs=xs: SF.layer_norm(
+                xs, (6,), bias=sf.tensor(_t(6, 1), pl, B))
+        msgs = {}
+        for key, call in calls.items():
+            try:
+                call()
+            except sf.SbpError as e:
+                msgs[key] = (type(e).__name__, str(e))
+        return msgs
+    msgs = _launch([0, 1], body)
+    assert len(msgs) == 9, msgs
+    for sbp in ("S(0)", "S(1)"):
+        for key, shown in (("softmax", "dim 2"), ("log_softmax", "dim -3"),
+                           ("weight", "weight of shape (5,)"), ("bias", "bias of shape (6, 1)")):
+            kind, text = msgs[f"{key} {sbp}"]
+            assert kind == "ShapeError" and shown in text and "(4, 6)" in text, text
+            assert f"sbp ({sbp},)" in text and "cpu[0,1]" in text, text
+        assert "normalized_shape (6,)" in msgs[f"weight {sbp}"][1]
+    kind, text = msgs["float_target"]
+    assert kind == "DtypeMismatchError" and "float64" in text, text
+    assert "logits of shape (4, 5) with sbp (S(0),)" in text and "target of shape (4,)" in text

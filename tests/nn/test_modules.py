@@ -308,6 +308,8 @@ def test_parallel_apply_rules_and_errors():
             sf.parallel.apply(m, pl, {"*.bias": sf.S(1), "*": sf.B})
         with pytest.raises(sf.SbpError):
             sf.parallel.apply(m, pl, {"*": "Q(0)"})
+        with pytest.raises(sf.SbpParseError) as length:  # one sbp per mesh dim of ``pl``
+            sf.parallel.apply(m, pl, {"*": (sf.S(0), sf.B)})
         # first matching pattern wins
         sf.parallel.apply(m, pl, {"0.weight": sf.S(1), "0.*": sf.S(0), "*": sf.B})
         got = {n: p.sbp for n, p in m.named_parameters()}
@@ -318,9 +320,11 @@ def test_parallel_apply_rules_and_errors():
         tied[1].weight = tied[0].weight
         sf.parallel.apply(tied, pl, {"*": sf.S(0)})
         return (str(unmatched.value), type(unmatched.value).__name__, str(bad_axis.value), got,
-                leaves, tied[1].weight is tied[0].weight, tied[0].weight.sbp)
+                leaves, tied[1].weight is tied[0].weight, tied[0].weight.sbp, str(length.value))
 
-    unmatched, kind, bad_axis, got, leaves, still_tied, tied_sbp = sf.launch(body, world_size=2)[0]
+    unmatched, kind, bad_axis, got, leaves, still_tied, tied_sbp, length = \
+        sf.launch(body, world_size=2)[0]
+    assert "rule '*' on cpu[0,1]" in length and "(S(0), B)" in length, length
     assert kind == "UnmatchedParameterError" and "'2.bias'" in unmatched
     assert "'0.weight'" not in unmatched and "'0.bias'" not in unmatched
     assert "'0.bias'" in bad_axis and "(10,)" in bad_axis and "S(1)" in bad_axis

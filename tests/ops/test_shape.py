@@ -262,6 +262,10 @@ def test_errors_name_shapes_and_sbps():
                 "cpu", [1, 0]), sbp=sf.B, seed=1)]),
             "cat_empty": lambda: sf.cat([]),
             "forced": lambda: apply_op("narrow", x, 1, 0, 3, sbp=[(sf.S(1),)]),
+            # torch's objection is raised by the signature generator (the meta kernel, which
+            # sees no logical target, lets these pass): a ShapeError too
+            "view_two_inferred": lambda: x.view(-1, -1),
+            "expand": lambda: x.expand(5, 8),
         }.items():
             try:
                 fn()
@@ -269,8 +273,16 @@ def test_errors_name_shapes_and_sbps():
             except sf.SbpError as e:
                 msgs[key] = (type(e).__name__, str(e))
         return msgs
+    for refused in (lambda: torch.zeros(5, 7).view(-1, -1),
+                    lambda: torch.zeros(5, 7).expand(5, 8)):
+        with pytest.raises(RuntimeError):  # torch refuses them too
+            refused()
     msgs = sf.launch(body, world_size=2)[0]
     assert all(v is not None for v in msgs.values()), msgs
+    for key in ("view_two_inferred", "expand"):
+        kind, text = msgs[key]
+        assert kind == "ShapeError" and "(5, 7)" in text and "S(1)" in text, text
+    assert "only one dimension can be inferred" in msgs["view_two_inferred"][1]
     for key in ("tensor_index", "list_index", "bool_index", "global_index"):
         kind, text = msgs[key]
         assert kind == "AdvancedIndexError" and "(5, 7)" in text and "S(1)" in text, text
