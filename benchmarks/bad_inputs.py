@@ -355,7 +355,7 @@ def _dtype_cases() -> None:
          lambda: torch.nn.functional.linear(T(4, 6), T(3, 6), T(3, dtype=torch.float64)),
          "float64", "(3,)", "(B,)")
     case("randn with dtype int64", lambda: sf.randn(4, 6, placement=p4(), dtype=torch.int64),
-         lambda: torch.randn(4, 6, dtype=torch.int64), "Long")
+         lambda: torch.randn(4, 6, dtype=torch.int64), ("Long", "int64"), "(4, 6)")
 
 
 def _params() -> list:
