@@ -187,6 +187,9 @@ def _shape_cases() -> None:
     case("cat of a 2-D and a 1-D tensor", lambda: sf.cat([x46(), rnd(6)]),
          lambda: torch.cat([T(4, 6), T(6)]), "(4, 6)", "(6,)", "S(0)")
     case("cat of an empty list", lambda: sf.cat([]), lambda: torch.cat([]), "[]")
+
+
+def _view_cases() -> None:
     case("reshape (4,6) -> (5,5)", lambda: x46().reshape(5, 5),
          lambda: T(4, 6).reshape(5, 5), "(4, 6)", "(5, 5)", "S(0)")
     case("view(-1, -1)", lambda: x46().view(-1, -1), lambda: T(4, 6).view(-1, -1),
@@ -501,9 +504,10 @@ def _module_cases() -> None:
          lambda: torch.nn.Embedding(10, 4, padding_idx=10), "10")
 
 
-for _add in (_sbp_cases, _placement_cases, _mismatch_cases, _shape_cases, _from_local_cases,
-             _backward_cases, _index_cases, _dtype_cases, _optim_cases, _state_dict_cases,
-             _apply_cases, _launch_cases, _loss_cases, _creation_cases, _module_cases):
+for _add in (_sbp_cases, _placement_cases, _mismatch_cases, _shape_cases, _view_cases,
+             _from_local_cases, _backward_cases, _index_cases, _dtype_cases, _optim_cases,
+             _state_dict_cases, _apply_cases, _launch_cases, _loss_cases, _creation_cases,
+             _module_cases):
     _add()
 
 
