@@ -5,7 +5,8 @@
     values; it is SIGKILLed after a random delay (uniform over two save durations, measured
     once its first save is done). Then the folder must load, and hold exactly the values of the
     last save the child reported finished, or of the one it had started. Files in the folder
-    that the committed checkpoint does not use are counted as leftovers; the next child's saves
+    that neither the committed checkpoint nor the one it replaced (kept until the next save, for
+    loads that read the old manifest) uses are counted as leftovers; the next child's saves
     (and a final save here) must remove them.
 (b) Corruptions. A small checkpoint is damaged in one way at a time: every file of it gets a
     byte flipped at its start, middle and end, is cut to half, loses its last byte, gets
@@ -110,14 +111,17 @@ def _check_load(path: str, ranks: int, width: int):
 
 
 def _committed(path: str) -> set:
-    """Paths (relative) of the files the folder's committed checkpoint uses."""
+    """Paths (relative) of the files the folder's committed checkpoint uses, and of the
+    generation it replaced (kept by design until the next save, named ``previous``)."""
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             m = json.load(f)
     except (OSError, ValueError):
         return set()
     if isinstance(m, dict) and "generation" in m:
-        return {"manifest.json"} | {os.path.join(m["generation"], n) for n in m["files"]}
+        previous = m.get("previous") or None  # "" : a format-1 checkpoint, not made here
+        gens = [m["generation"]] + ([previous] if previous else [])
+        return {"manifest.json"} | {os.path.join(g, n) for g in gens for n in m["files"]}
     names = {"manifest.json", "common.pt"}
     return names | {f"rank{r}.{e}" for r in range(m.get("world_size", 0)) for e in ("pt", "json")}
 
