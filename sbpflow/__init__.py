@@ -11,7 +11,8 @@ from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
 from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CommAborted, CommError,
-                     CommTimeout, CostError, DtypeMismatchError, IndexOutOfRange,
+                     CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
+                     DtypeMismatchError, IndexOutOfRange,
                      OptimizerStateError, ParallelizeError, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, SearchCliError, ShapeError,
                      SignatureError, SplitAxisError, StateDictError, TraceError,
@@ -23,6 +24,7 @@ from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_se
 from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
+from . import data  # noqa: E402  (above nn, optim, tensor)
 from . import auto  # noqa: E402
 from .nn.amp import autocast  # noqa: E402
 from .nn.serialization import load, save  # noqa: E402
@@ -37,5 +39,5 @@ __all__ = [
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "optim", "parallel", "save", "load", "autocast", "auto",
+    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto",
 ]

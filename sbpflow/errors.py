@@ -96,3 +96,14 @@ class ParallelizeError(SbpError, ValueError):
 
 class SearchCliError(SbpError, ValueError):
     """Bad input to ``sbpflow search`` (unknown model, bad sizes, unusable cluster)."""
+
+
+class DataLoaderError(SbpError, RuntimeError):
+    """``sf.data.DataLoader`` could not make a batch: reading a sample failed (the message names
+    the sample index, batch, epoch and rank), samples that cannot be batched, or the loading
+    thread took longer than the timeout."""
+
+
+class DataLoaderConfigError(SbpError, ValueError):
+    """Bad arguments to ``sf.data.DataLoader`` (batch size, prefetch, a partial layout, a
+    dataset that is not map-style)."""

@@ -1,0 +1,184 @@
+"""``sf.data.DataLoader``: the batches of a map-style dataset as global tensors on a placement.
+
+Every rank runs the loader and reads only the samples of its shard of each logical batch; the
+batches are the same whatever the placement (`batch_order`). A background thread a rank loads
+at most ``prefetch`` batches ahead (`prefetch.Prefetcher`); the global tensors are made on the
+consumer with `from_local` (no communication). Eager mode only: the graph-mode loading actor
+is not built yet. See docs/runtime.md, 'Data loading'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import current
+from ..comm.threads import default_timeout
+from ..errors import DataLoaderConfigError
+from ..placement import Placement
+from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
+from ..tensor import from_local
+from .batch_order import batch_indices, num_batches, row_range
+from .collate import Shards, cut_shard, read_samples, stack_samples
+from .prefetch import Prefetcher
+
+__all__ = ["DataLoader", "LoaderIterator"]
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise DataLoaderConfigError(f"DataLoader: {name} must be an int >= {minimum}, got "
+                                    f"{value!r}")
+    return value
+
+
+def _check_dataset(dataset: Any) -> None:
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+            hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise DataLoaderConfigError(
+            f"DataLoader needs a map-style dataset (__getitem__ and __len__), got "
+            f"{type(dataset).__name__}; an IterableDataset has no index to shard by")
+
+
+class DataLoader:
+    """Batches of ``batch_size`` samples of ``dataset`` (any object with ``__getitem__`` and
+    ``__len__``) as global tensors on ``placement`` laid out as ``sbp`` (``S(0)``: each rank
+    its rows; ``B``: every rank the whole batch; nd-sbps on N-D meshes). Yields a tuple of
+    global tensors when the dataset's items are tuples / lists, else one.
+
+    The order of an epoch is a permutation seeded with ``seed + epoch`` (``shuffle``), the
+    same on every placement; `set_epoch` changes it, as for torch's ``DistributedSampler``
+    (iterating again without `set_epoch` repeats the order). Every sample appears once an
+    epoch; ``drop_last=False`` keeps a last smaller batch. ``prefetch`` batches are loaded
+    ahead on a background thread (``0``: on demand, in the caller's thread); a wait for the
+    thread is bounded by ``timeout`` (default the world's collective timeout,
+    ``SBPFLOW_TIMEOUT``).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, placement: Placement,
+                 sbp: SbpLike = S(0), shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, prefetch: int = 2,
+                 timeout: float | None = None) -> None:
+        _check_dataset(dataset)
+        if not isinstance(placement, Placement):
+            raise DataLoaderConfigError(f"DataLoader: expected an sf.placement, got "
+                                        f"{placement!r}")
+        nd = parse_nd_sbp(sbp, placement.ndim)
+        if any(isinstance(s, Partial) for s in nd):
+            raise DataLoaderConfigError(
+                f"DataLoader: sbp {format_nd_sbp(nd)} on {placement} is partial; loaded data "
+                f"is split or broadcast (load with B and convert with to_global if needed)")
+        if timeout is not None and not timeout > 0:
+            raise DataLoaderConfigError(f"DataLoader: timeout must be > 0 s, got {timeout!r}")
+        self.dataset, self.placement, self.sbp = dataset, placement, nd
+        self.batch_size = _positive_int("batch_size", batch_size, 1)
+        self.prefetch = _positive_int("prefetch", prefetch, 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise DataLoaderConfigError(f"DataLoader: seed must be an int, got {seed!r}")
+        self.seed = seed
+        self.shuffle, self.drop_last, self.timeout = bool(shuffle), bool(drop_last), timeout
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next iteration on (call it on every rank)."""
+        self.epoch = _positive_int("epoch", epoch, 0)
+
+    def __len__(self) -> int:
+        return num_batches(len(self.dataset), self.batch_size, self.drop_last)
+
+    def __iter__(self) -> "LoaderIterator":
+        return LoaderIterator(self)
+
+    def __repr__(self) -> str:
+        return (f"DataLoader({type(self.dataset).__name__} of {len(self.dataset)}, "
+                f"batch_size={self.batch_size}, {self.placement}, "
+                f"sbp={format_nd_sbp(self.sbp)}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, drop_last={self.drop_last}, prefetch={self.prefetch})")
+
+
+class _BatchJob:
+    """Loads batch ``b`` of one epoch for one rank: its rows' samples, stacked and cut into
+    `Shards`. Holds no reference to the iterator (the loading thread runs it)."""
+
+    def __init__(self, loader: DataLoader, rank: int) -> None:
+        self.dataset, self.placement, self.sbp = loader.dataset, loader.placement, loader.sbp
+        self.rank, self.epoch = rank, loader.epoch
+        self.coord = loader.placement.coord_of(rank) if rank in loader.placement else None
+        self.batches = batch_indices(len(loader.dataset), loader.batch_size,
+                                     shuffle=loader.shuffle, seed=loader.seed,
+                                     epoch=loader.epoch, drop_last=loader.drop_last)
+        self.progress: dict = {"batch": None, "index": None}
+
+    def __call__(self, b: int) -> Shards:
+        indices = self.batches[b]
+        start, size = row_range(len(indices), self.placement, self.sbp, self.coord)
+        where = f"batch {b} of epoch {self.epoch} on rank {self.rank}"
+        self.progress.update(batch=b, index=None)
+        # a rank whose shard is empty still needs the items' shapes and dtypes: it reads the
+        # batch's first sample (the only read outside its shard)
+        mine = indices[start:start + size] or indices[:1]
+        samples = read_samples(self.dataset, mine, where, self.progress)
+        is_tuple, stacked = stack_samples(samples, mine, where)
+        out = [cut_shard(rows[:size], len(indices), self.placement, self.sbp, self.coord)
+               for rows in stacked]
+        self.progress.update(batch=None, index=None)
+        return Shards(is_tuple, tuple(t for t, _ in out), tuple(s for _, s in out))
+
+    def describe(self) -> str:
+        p = self.progress
+        if p["batch"] is None:
+            return "waiting for a free prefetch slot or idle"
+        return f"reading sample(s) {p['index']} of batch {p['batch']} (epoch {self.epoch})"
+
+
+def _timeout(loader: DataLoader, comm: Any) -> float:
+    """The loader's own timeout, else the world's collective timeout, else SBPFLOW_TIMEOUT."""
+    if loader.timeout is not None:
+        return float(loader.timeout)
+    world_timeout = getattr(getattr(comm, "world", None), "timeout", None)
+    return float(world_timeout) if world_timeout is not None else default_timeout()
+
+
+class LoaderIterator:
+    """One pass over an epoch's batches on the calling rank. Closing it (`close`, or dropping
+    the last reference to it) stops its loading thread."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        comm = current()
+        loader.placement.check_world(comm.world_size)
+        self._loader = loader  # keeps the loader alive while iterating
+        self._job = _BatchJob(loader, comm.rank)
+        self._count, self._next, self._done = len(self._job.batches), 0, False
+        self._prefetcher = None
+        if loader.prefetch > 0 and self._count > 0:
+            self._prefetcher = Prefetcher(
+                self._job, self._count, loader.prefetch, f"sbpflow-data-rank{comm.rank}",
+                _timeout(loader, comm), self._job.describe)
+
+    def __iter__(self) -> "LoaderIterator":
+        return self
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __next__(self):
+        if self._done or self._next >= self._count:
+            self.close()
+            raise StopIteration
+        b = self._next
+        self._next += 1
+        try:
+            shards = self._prefetcher.get(b) if self._prefetcher else self._job(b)
+        except BaseException:
+            self.close()
+            raise
+        pl, nd = self._loader.placement, self._loader.sbp
+        out = tuple(from_local(t, pl, nd, shape=s) for t, s in zip(shards.locals, shards.shapes))
+        return out if shards.is_tuple else out[0]
+
+    def close(self) -> None:
+        """Stop loading (the loading thread finishes the sample it is reading, if any)."""
+        self._done = True
+        if self._prefetcher is not None:
+            self._prefetcher.close()
