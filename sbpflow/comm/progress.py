@@ -1,7 +1,8 @@
 """Progress records: which collective each rank has reached, to name the ranks a timeout waited for.
 
 Each rank numbers the collectives of each of its process groups in call order (so #n is the
-same call on every member). Entering and leaving a collective touches only this rank's record
+same call on every member); the record holds the open ones exactly (an asynchronous one is
+open until waited for or dropped). Entering and leaving touches only this rank's record
 in memory; a daemon thread writes it to the c10d store when it changed, at most every
 ``period`` seconds, so the collectives never wait on the store. On a timeout,
 `Progress.report` reads the members' records and names the ranks that had not entered the
@@ -14,6 +15,7 @@ import datetime
 import json
 import threading
 import time
+from collections import deque
 from typing import Sequence
 
 import torch.distributed as dist
@@ -53,10 +55,12 @@ def _own_connection(store: dist.Store) -> dist.Store:
 class Progress:
     """One rank's progress through the collectives of its process groups, published to ``store``.
 
-    ``enter(key, kind)`` numbers a collective of group ``key`` (`group_key`) and returns its
-    number; ``leave(key, seq)`` marks it finished; ``report(key, seq, members)`` says, after a
-    timeout, which members had entered collective ``seq`` and what the others were doing.
-    ``close()`` publishes a final record (marked closed) and stops the thread.
+    ``enter(key, kind)`` numbers a collective of group ``key`` (`group_key`), opens it and
+    returns its number; ``leave(key, seq)`` closes that one (in any order: collectives started
+    asynchronously, ``enter(..., waiting=False)``, may finish after later ones; ``blocked``
+    marks such a one as waited for, ``dropped`` as abandoned unwaited). ``report(key, seq, members)`` says, after a timeout,
+    which members had entered collective ``seq`` and what the others were doing. ``close()``
+    publishes a final record (marked closed) and stops the thread.
     """
 
     def __init__(self, rank: int, store: dist.Store, period: float) -> None:
@@ -64,8 +68,10 @@ class Progress:
         self._store = _own_connection(store)
         self._lock = threading.Lock()  # the record
         self._io = threading.Lock()  # the store connection (the thread's and report's reads)
-        # key -> [last entered seq, its kind, highest finished seq, entered at, finished at]
-        self._groups: dict[str, list] = {}
+        # key -> {"n": last entered seq, "open": {seq: [kind, entered at, waiting for it]},
+        #         "last": [seq, kind, finished at] of the last one closed, or None}
+        self._groups: dict[str, dict] = {}
+        self._dropped: deque[tuple[str, int]] = deque()  # (key, seq): closed at publication
         self._version = 0
         self._published = -1
         self._closed = False
@@ -76,29 +82,51 @@ class Progress:
         self._thread.start()
 
     # -- the hot path: memory only ----------------------------------------------------------
-    def enter(self, key: str, kind: str) -> int:
-        """Record that this rank entered the next collective of ``key``; return its number."""
+    def enter(self, key: str, kind: str, waiting: bool = True) -> int:
+        """Record that this rank entered the next collective of ``key`` (``waiting``: blocked
+        in it; False: started asynchronously, see `blocked`); return its number."""
         with self._lock:
             g = self._groups.get(key)
             if g is None:
-                g = self._groups[key] = [0, kind, 0, 0.0, 0.0]
-            g[0] += 1
-            g[1], g[3] = kind, time.time()
+                g = self._groups[key] = {"n": 0, "open": {}, "last": None}
+            seq = g["n"] = g["n"] + 1
+            g["open"][seq] = [kind, time.time(), waiting]
             self._version += 1
-            return g[0]
+            return seq
+
+    def blocked(self, key: str, seq: int) -> None:
+        """Record that this rank now waits for collective ``seq`` of ``key``, which it started
+        asynchronously (``enter(..., waiting=False)``)."""
+        with self._lock:
+            entry = self._groups[key]["open"].get(seq)
+            if entry is not None:
+                entry[2] = True
+                self._version += 1
 
     def leave(self, key: str, seq: int) -> None:
-        """Record that collective ``seq`` of ``key`` finished (or failed) on this rank."""
+        """Record that collective ``seq`` of ``key`` finished, failed, or was abandoned on this
+        rank; the others stay open whatever their numbers. A second call does nothing."""
         with self._lock:
             g = self._groups[key]
-            if seq > g[2]:
-                g[2], g[4] = seq, time.time()
-            self._version += 1
+            entry = g["open"].pop(seq, None)
+            if entry is not None:
+                g["last"] = [seq, entry[0], time.time()]
+                self._version += 1
+
+    def dropped(self, key: str, seq: int) -> None:
+        """Record that collective ``seq`` of ``key``, started asynchronously, was dropped
+        unwaited (its handle was garbage collected): this rank will never wait in it. Takes no
+        lock, so a garbage collector's callback may call it on any thread at any moment; the
+        record closes it (without making it the last one finished) when next published."""
+        self._dropped.append((key, seq))
 
     # -- publication ----------------------------------------------------------------------------
     def publish(self) -> None:
         """Write this rank's record to the store now."""
         with self._lock:
+            while self._dropped:
+                key, seq = self._dropped.popleft()
+                self._groups[key]["open"].pop(seq, None)
             version = self._version
             data = json.dumps({"t": time.time(), "closed": self._closed, "groups": self._groups})
         with self._io:
@@ -107,7 +135,7 @@ class Progress:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            if self._version != self._published:
+            if self._dropped or self._version != self._published:
                 try:
                     self.publish()
                 except RuntimeError:  # the store is gone (the job is ending): nowhere to write
@@ -168,7 +196,7 @@ class Progress:
 def _entered(record: dict | None, key: str) -> int:
     """The last collective of ``key`` that ``record``'s rank entered (0: none)."""
     g = (record or {}).get("groups", {}).get(key)
-    return g[0] if g else 0
+    return g["n"] if g else 0
 
 
 def _reached(record: dict | None, key: str) -> str:
@@ -184,22 +212,33 @@ def _where(key: str) -> str:
 
 
 def _activity(record: dict | None, now: float) -> str:
-    """What a rank was doing, from its record: the collectives it is inside, else the last one
-    it finished and for how long it has been out of collectives."""
+    """What a rank was doing, from its record: the collectives it waits in, else the last one
+    it finished and for how long it has been out of collectives; then those it started
+    asynchronously and has not waited for yet."""
     if record is None:
         return ("no progress record (its communicator was never created, or cannot reach the "
                 "store)")
-    groups = record["groups"]
-    busy = [f"inside {g[1]}{_where(k)} (#{g[0]}) for {now - g[3]:.1f} s"
-            for k, g in groups.items() if g[0] > g[2]]
-    if busy:
-        text = ", ".join(busy)
-    elif groups:
-        k, g = max(groups.items(), key=lambda kg: kg[1][4])
-        text = (f"in no collective for {now - g[4]:.1f} s (its last: {g[1]}{_where(k)} "
-                f"#{g[0]}): busy outside sbpflow's collectives, or calling different ones")
-    else:
-        text = f"no collective yet, {now - record['t']:.1f} s after its communicator was made"
+    groups, inside, started = record["groups"], [], []
+    for k, g in groups.items():
+        for seq, (kind, at, waiting) in sorted(g["open"].items(), key=lambda kv: int(kv[0])):
+            if waiting:
+                inside.append(f"inside {kind}{_where(k)} (#{seq}) for {now - at:.1f} s")
+            else:
+                started.append(f"{kind}{_where(k)} (#{seq}) started {now - at:.1f} s ago, "
+                               f"not waited for yet")
+    parts = [", ".join(inside) if inside else _idle(record, now)] + started
     if record["closed"]:
-        text += "; its communicator is closed (its function returned or failed)"
-    return text
+        parts.append("its communicator is closed (its function returned or failed)")
+    return "; ".join(parts)
+
+
+def _idle(record: dict, now: float) -> str:
+    """What a rank waiting in no collective was doing: since when, after which collective."""
+    done = [(g["last"], k) for k, g in record["groups"].items() if g["last"]]
+    if done:
+        (seq, kind, at), k = max(done, key=lambda lk: lk[0][2])
+        return (f"in no collective for {now - at:.1f} s (its last: {kind}{_where(k)} #{seq}): "
+                f"busy outside sbpflow's collectives, or calling different ones")
+    if record["groups"]:
+        return "in no collective (none finished yet): busy outside sbpflow's collectives"
+    return f"no collective yet, {now - record['t']:.1f} s after its communicator was made"

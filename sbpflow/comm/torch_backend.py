@@ -14,6 +14,7 @@ import pickle
 import sys
 import threading
 import traceback
+import weakref
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -212,12 +213,17 @@ class TorchCommunicator(Communicator):
 
     def _all_reduce(self, tensor, group, op):
         """The backend's all-reduce on a copy (the input is left unchanged)."""
-        return self._all_reduce_start(tensor, group, op).wait()
+        return self._all_reduce_start(tensor, group, op, now=True).wait()
 
-    def _all_reduce_start(self, tensor, group, op, inplace=False) -> Pending:
+    def _all_reduce_start(self, tensor, group, op, inplace=False, now=False) -> Pending:
         """Start the backend's all-reduce on a copy (``inplace``: on ``tensor`` itself when it
         is contiguous and on the wire's device); the returned `Pending` waits for it (gloo and
-        NCCL progress it on their own threads / streams meanwhile)."""
+        NCCL progress it on their own threads / streams meanwhile). ``now``: the caller waits
+        at once (a synchronous all-reduce).
+
+        The progress record holds it open, as started and not waited for, until ``wait()``
+        blocks in it, and then until it ends; a `Pending` dropped unwaited closes it then (the
+        rank will never wait in it)."""
         wire, cuda = self._wire(tensor.device)
         if inplace and tensor.device == wire and tensor.is_contiguous():
             buf = tensor.detach()
@@ -225,22 +231,28 @@ class TorchCommunicator(Communicator):
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire).copy_(tensor.detach())
         pg = self._pg(group, cuda)
         what = f"all_reduce({op})"
-        key = self._key(group, cuda)
-        seq = self.progress.enter(key, what)
+        key, progress = self._key(group, cuda), self.progress
+        seq = progress.enter(key, what, waiting=now)
         try:
             work = pg.allreduce([buf.view(-1)], _OPS[op])
         except RuntimeError as exc:
-            self.progress.leave(key, seq)
+            progress.leave(key, seq)
             raise self._error(what, group, exc, cuda, seq) from exc
 
         def finish() -> torch.Tensor:
+            if not now:
+                dropped.detach()
+                progress.blocked(key, seq)
             try:
                 work.wait()
             except RuntimeError as exc:
                 raise self._error(what, group, exc, cuda, seq) from exc
             finally:
-                self.progress.leave(key, seq)
+                progress.leave(key, seq)
             return buf.to(tensor.device)
+        if not now:  # ``finish`` dies with a Pending dropped unwaited
+            dropped = weakref.finalize(finish, progress.dropped, key, seq)
+            dropped.atexit = False
         return Pending(finish)
 
     def _broadcast(self, tensor, src, group):

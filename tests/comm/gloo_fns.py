@@ -253,3 +253,33 @@ def p2p_timeout_fn() -> None:
     if comm.rank == 1:
         time.sleep(60)  # the parent stops it
     comm.recv((2,), torch.float32, 1)
+
+
+def async_progress_fn() -> dict:
+    """2 ranks: this rank's progress record of the world group (collective numbers counted
+    from the first all-reduce here; the open ones, each marked waited for or not) after each
+    step: an all-reduce started, a synchronous one meanwhile, the first waited for, one
+    dropped unwaited; and the values all-reduced."""
+    from sbpflow.comm.progress import group_key
+    comm = current()
+    key = group_key(range(comm.world_size))
+
+    def record(first: int = 0) -> tuple[int, dict[int, bool]]:
+        comm.progress.publish()
+        g = comm.progress.read([comm.rank])[comm.rank]["groups"][key]
+        return g["n"] - first, {int(s) - first: e[2] for s, e in g["open"].items()}
+
+    x = torch.tensor([float(comm.rank + 1)])
+    comm.all_reduce(x, (0, 1))
+    first, out = record()[0], {}
+    pending = comm.all_reduce_start(x, (0, 1))
+    out["started"] = record(first)
+    out["sync"] = comm.all_reduce(x * 10, (0, 1)).item()
+    out["after_sync"] = record(first)
+    out["async"] = pending.wait().item()
+    out["waited"] = record(first)
+    dropped = comm.all_reduce_start(x * 100, (0, 1))
+    del dropped  # never waited for
+    out["dropped"] = record(first)
+    out["next"] = comm.all_reduce(x * 1000, (0, 1)).item()
+    return out

@@ -35,17 +35,19 @@ def test_enter_numbers_each_group_in_call_order(ranks):
     w, s = group_key(range(3)), group_key((0, 1))
     assert [p.enter(w, "barrier"), p.enter(s, "barrier"), p.enter(w, "barrier")] == [1, 1, 2]
     p.leave(w, 2)
-    p.leave(w, 1)  # finishing out of order never lowers the finished number
+    p.leave(w, 1)  # out of order: each closes its own
+    p.leave(w, 1)  # a second leave changes nothing
     p.publish()
     g = ranks[1].read([0])[0]["groups"]
-    assert g[w][:3] == [2, "barrier", 2] and g[s][:3] == [1, "barrier", 0]
+    assert (g[w]["n"], g[w]["open"], g[w]["last"][:2]) == (2, {}, [1, "barrier"])
+    assert (g[s]["n"], list(g[s]["open"]), g[s]["last"]) == (1, ["1"], None)
 
 
 def test_the_thread_publishes_changes_without_being_asked(ranks):
     key = group_key(range(3))
     ranks[2].enter(key, "all_reduce(sum)")
     deadline = time.monotonic() + 30  # expected within 2 periods; generous on a loaded machine
-    while ranks[0].read([2])[2]["groups"].get(key, [0])[0] != 1:
+    while ranks[0].read([2])[2]["groups"].get(key, {}).get("n") != 1:
         assert time.monotonic() < deadline, "the record was never published"
         time.sleep(PERIOD)
 
@@ -88,3 +90,63 @@ def test_report_when_everyone_arrived_and_for_point_to_point(ranks):
     text = ranks[0].report(P2P, None, [1, 2])
     assert re.search(r"rank 1: inside barrier over ranks \[0, 1\] \(#1\) for [\d.]+ s; "
                      r"rank 2: inside exchange with ranks \[1\] \(#1\)", text), text
+
+
+def _activity_of(ranks, r: int) -> str:
+    """What rank ``r`` is doing, as a timeout report on another rank says it."""
+    return ranks[(r + 1) % 3].report(P2P, None, [r])
+
+
+def test_a_later_collective_does_not_close_an_earlier_open_one(ranks):
+    """#1 is started asynchronously, #2 runs to its end: #1 is still open (a record keeping
+    only the highest finished number said rank 0 was in no collective)."""
+    w = group_key(range(3))
+    p = ranks[0]
+    first = p.enter(w, "all_reduce(sum)", waiting=False)
+    p.leave(w, p.enter(w, "barrier"))
+    text = _activity_of(ranks, 0)
+    assert re.search(r"^rank 0: in no collective for [\d.]+ s \(its last: barrier over ranks "
+                     r"\[0, 1, 2\] #2\): .*; all_reduce\(sum\) over ranks \[0, 1, 2\] \(#1\) "
+                     r"started [\d.]+ s ago, not waited for yet$", text), text
+    p.blocked(w, first)  # now the rank waits in it
+    assert re.search(r"^rank 0: inside all_reduce\(sum\) over ranks \[0, 1, 2\] \(#1\) for "
+                     r"[\d.]+ s$", _activity_of(ranks, 0))
+    p.leave(w, first)
+    assert "its last: all_reduce(sum) over ranks [0, 1, 2] #1)" in _activity_of(ranks, 0)
+
+
+def test_synchronous_collective_open_under_a_finished_later_number(ranks):
+    """The same with plain ``enter``: #1 is left after #2 finished; until then the rank is
+    inside #1, whatever the highest finished number is."""
+    w = group_key(range(3))
+    p = ranks[1]
+    first = p.enter(w, "all_gather")
+    p.leave(w, p.enter(w, "barrier"))
+    assert re.search(r"^rank 1: inside all_gather over ranks \[0, 1, 2\] \(#1\) for [\d.]+ s$",
+                     _activity_of(ranks, 1))
+    p.leave(w, first)
+    assert "in no collective for" in _activity_of(ranks, 1)
+
+
+def test_a_dropped_collective_is_closed_at_the_next_publication(ranks):
+    """A `Pending` dropped unwaited: ``dropped`` (callable from a garbage collector's callback,
+    it takes no lock) closes it at the next publication, without making it the last one
+    finished; the thread publishes it by itself."""
+    w = group_key(range(3))
+    p = ranks[2]
+    p.leave(w, p.enter(w, "barrier"))
+    p.publish()
+    p.dropped(w, p.enter(w, "all_reduce(sum)", waiting=False))
+    with p._lock:  # the lock held (as when a collection runs inside it): dropped does not block
+        p.dropped(w, 99)
+    deadline = time.monotonic() + 30
+    while ranks[0].read([2])[2]["groups"][w]["open"]:
+        assert time.monotonic() < deadline, "the drop was never published"
+        time.sleep(PERIOD)
+    assert re.search(r"^rank 2: in no collective for [\d.]+ s \(its last: barrier over ranks "
+                     r"\[0, 1, 2\] #1\): busy outside sbpflow's collectives, or calling "
+                     r"different ones$", _activity_of(ranks, 2))
+    p.dropped(w, p.enter(w, "all_reduce(sum)", waiting=False))
+    p.enter(P2P, "exchange with ranks [0]")
+    assert re.search(r"^rank 2: inside exchange with ranks \[0\] \(#1\) for [\d.]+ s$",
+                     _activity_of(ranks, 2))

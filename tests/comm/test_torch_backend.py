@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from gloo_fns import (P, collectives_fn, crash_fn, fail_fn, mismatch_fn, p2p_timeout_fn,
-                      skip_collective_fn, sleep_fn, timeout_fn, unpicklable_exc_fn)
+from gloo_fns import (P, async_progress_fn, collectives_fn, crash_fn, fail_fn, mismatch_fn,
+                      p2p_timeout_fn, skip_collective_fn, sleep_fn, timeout_fn,
+                      unpicklable_exc_fn)
 from sbpflow.comm import launch
 from sbpflow.errors import CommError, CommTimeout, SbpError
 
@@ -135,3 +136,16 @@ def test_p2p_timeout_says_what_the_peer_is_doing():
     assert re.search(r"^exchange with ranks \[1\] timed out on rank 0 after 2 s: rank 1: in no "
                      r"collective for [\d.]+ s \(its last: barrier over ranks \[0, 1\] #1\)",
                      msg), msg
+
+
+@pytest.mark.gloo
+def test_progress_records_of_asynchronous_all_reduces():
+    """An all-reduce started and not waited for is open (not waited in) until ``wait()``,
+    whatever finishes meanwhile; one dropped unwaited is closed (the rank will never wait in
+    it). Numbers count from the first all-reduce of `async_progress_fn`."""
+    for r, out in enumerate(launch(async_progress_fn, 2, backend="torch", timeout=60)):
+        assert out["started"] == (1, {1: False}), (r, out)
+        assert out["after_sync"] == (2, {1: False}), (r, out)  # #2 ended: #1 is still open
+        assert out["waited"] == (2, {}), (r, out)
+        assert out["dropped"] == (3, {}), (r, out)
+        assert (out["sync"], out["async"], out["next"]) == (30.0, 3.0, 3000.0), (r, out)
