@@ -107,3 +107,20 @@ class DataLoaderError(SbpError, RuntimeError):
 class DataLoaderConfigError(SbpError, ValueError):
     """Bad arguments to ``sf.data.DataLoader`` (batch size, prefetch, a partial layout, a
     dataset that is not map-style)."""
+
+
+class PlanError(SbpError, ValueError):
+    """An actor plan is inconsistent (unknown kind, duplicate actor, an input naming no actor
+    or register, a slot count below 1, producers and consumers firing different numbers of
+    times a run)."""
+
+
+class ActorAborted(CommAborted):
+    """An actor on another rank failed (or timed out): this rank's runtime stopped. The message
+    names that rank, that actor and its exception."""
+
+
+class ActorTimeout(CommTimeout):
+    """An actor could not fire for longer than ``SBPFLOW_TIMEOUT`` seconds: the message names
+    it and the register it waits for (an input's req, a free output slot, or a consumer's
+    ack)."""

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import CommError
 from ..sbp import REDUCE_OPS
+from .channels import tensor_bytes
 from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_traffic,
                     scatter_traffic)
 
@@ -273,6 +274,25 @@ class Communicator:
         if len(group) > 1:
             self._barrier(group)
 
+    # -- message channels (sbpflow.comm.channels): asynchronous, any sender ------------------
+    def post(self, dst: int, channel: str, message: object) -> None:
+        """Queue ``message`` for rank ``dst``'s ``channel`` and return at once. ``message`` is
+        any picklable object; the tensors in it (counted as kind "message") are copied.
+        Messages from one sender to one channel arrive in the order posted."""
+        if not 0 <= dst < self.world_size:
+            raise CommError(f"post on rank {self.rank}: destination rank {dst} is outside the "
+                            f"world of {self.world_size}")
+        self._count("message", tensor_bytes(message), 0)
+        self._post(dst, channel, message)
+
+    def inbox(self, channel: str, timeout: float) -> list[tuple[int, object]]:
+        """The messages posted to this rank's ``channel`` since the last call, as ``(src,
+        message)`` in arrival order; waits at most ``timeout`` s for the first (none: ``[]``)."""
+        got = self._inbox(channel, timeout)
+        if got:
+            self._count("message", 0, sum(tensor_bytes(m) for _, m in got))
+        return got
+
     # -- shape exchange for callers that do not know them (counted as "meta") -----------------
     def _exchange_shapes(self, tensor: torch.Tensor, group: tuple) -> list[tuple]:
         dims = torch.tensor(list(tensor.shape), dtype=torch.int64)
@@ -307,6 +327,12 @@ class Communicator:
         raise NotImplementedError
 
     def _barrier(self, group):
+        raise NotImplementedError
+
+    def _post(self, dst, channel, message):
+        raise NotImplementedError
+
+    def _inbox(self, channel, timeout):
         raise NotImplementedError
 
     def device(self, device_type: str) -> torch.device:

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CommAborted, CommError, CommTimeout
 from .base import Communicator, reduce_tensors
+from .channels import ThreadChannels, copy_tensors
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "default_timeout"]
 
@@ -178,6 +179,7 @@ class ThreadWorld:
         self.blocked: dict[int, list[tuple[What, Callable[[], list[int]]]]] = {}
         self.verdicts: dict[int, str] = {}  # a rank's wait must raise CommError(this)
         self.idents: dict[int, int] = {}  # rank -> thread id, to say where a stuck rank is
+        self.channels = ThreadChannels()  # Communicator.post / inbox
 
     def abort(self, rank: int, exc: BaseException) -> None:
         """Record the first failure (``rank`` -1: the caller of launch) and wake every wait."""
@@ -425,6 +427,15 @@ class ThreadCommunicator(Communicator):
                             f"{tuple(t.shape)}; sends and recvs between a pair must match "
                             f"in order, dtype and shape")
         return t.to(device)
+
+    def _post(self, dst, channel, message):
+        self.world.check_alive(self.rank, lambda: f"post to rank {dst} on channel {channel!r}")
+        self.world.channels.post(self.rank, dst, channel, copy_tensors(message))
+
+    def _inbox(self, channel, timeout):
+        return self.world.channels.take(
+            self.rank, channel, timeout,
+            lambda: self.world.check_alive(self.rank, lambda: f"inbox of channel {channel!r}"))
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":

@@ -24,6 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, nbytes, reduce_tensors
+from .channels import StoreChannels
 from .current import current_process, set_current
 from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
 from .progress import P2P, Progress, group_key, period_for
@@ -68,6 +69,8 @@ class TorchCommunicator(Communicator):
         self.progress = Progress(self.rank, c10d._get_default_store(),
                                  period_for(self.timeout.total_seconds()))
         self._keys: dict[tuple, str] = {}  # (group, cuda) -> its progress key
+        self._channels: StoreChannels | None = None  # post / inbox, made on first use
+        self._channels_lock = threading.Lock()  # the runtime posts and reads from threads
 
     def _key(self, group: tuple, cuda: bool) -> str:
         """``group_key(group, cuda)``, cached (this is on every collective's path)."""
@@ -112,6 +115,8 @@ class TorchCommunicator(Communicator):
         groups, self._groups = list(self._groups.values()), {}
         self.world_pg = None
         self.progress.close()
+        if self._channels is not None:  # wake and stop the channel readers
+            self._channels.close()
         for pg in groups:
             try:
                 pg.shutdown()
@@ -159,6 +164,18 @@ class TorchCommunicator(Communicator):
         return CommTimeout(f"{call} timed out on rank {self.rank} after {secs:g} s: {detail}. "
                            f"torch: {text}. If the ranks are only slow, raise the timeout "
                            f"(SBPFLOW_TIMEOUT=<seconds>, or launch(..., timeout=<seconds>))")
+
+    def _chan(self) -> StoreChannels:
+        with self._channels_lock:
+            if self._channels is None:
+                self._channels = StoreChannels(self.rank, c10d._get_default_store())
+            return self._channels
+
+    def _post(self, dst, channel, message):
+        self._chan().post(self.rank, dst, channel, message)
+
+    def _inbox(self, channel, timeout):
+        return self._chan().take(self.rank, channel, timeout, lambda: None)
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":

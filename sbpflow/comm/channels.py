@@ -1,0 +1,191 @@
+"""Message channels: asynchronous point-to-point queues of Python objects between ranks.
+
+`Communicator.post(dst, channel, message)` queues a message for rank ``dst`` and returns at
+once; `Communicator.inbox(channel, timeout)` returns what arrived for this rank as ``(src,
+message)`` pairs, in the order each sender posted. Unlike ``send`` / ``recv``, the receiver
+needs to know neither the sender nor the shapes, and an idle channel is not a hang: the actor
+runtime's req / ack messages travel here. `ThreadChannels` keeps one deque a (rank, channel)
+in the world (tensors copied on post); `StoreChannels` uses the c10d store's queues
+(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel. See docs/runtime.md,
+'Message channels'.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError
+
+__all__ = ["ThreadChannels", "StoreChannels", "copy_tensors", "tensor_bytes"]
+
+_CLOSE = b""  # a reader's own wake-up: pickled messages are never empty
+_READ_TIMEOUT = datetime.timedelta(hours=1)  # a blocked pop; re-entered on expiry
+
+
+def copy_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts) replaced by a detached copy, so
+    the receiver never sees the sender change it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(copy_tensors(o) for o in obj) if obj else obj
+    if isinstance(obj, dict):
+        return {k: copy_tensors(v) for k, v in obj.items()}
+    return obj
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside ``obj`` (tuples, lists, dicts): what a message moves."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    return 0
+
+
+class ThreadChannels:
+    """The channels of one in-process world: a deque and a condition per (rank, channel), all
+    sharing one lock (a post wakes only the receiver it is for)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[int, str], tuple[deque, threading.Condition]] = {}
+
+    def _box(self, rank: int, channel: str) -> tuple[deque, threading.Condition]:
+        box = self._boxes.get((rank, channel))
+        if box is None:
+            box = self._boxes[(rank, channel)] = (deque(), threading.Condition(self._lock))
+        return box
+
+    def post(self, src: int, dst: int, channel: str, message: Any) -> None:
+        with self._lock:
+            queue, cond = self._box(dst, channel)
+            queue.append((src, message))
+            cond.notify()
+
+    def take(self, rank: int, channel: str, timeout: float,
+             alive: Callable[[], None]) -> list[tuple[int, Any]]:
+        """Everything queued for ``rank`` on ``channel``, waiting up to ``timeout`` s for the
+        first message; when none came, ``alive()`` may raise (the world was aborted)."""
+        with self._lock:
+            queue, cond = self._box(rank, channel)
+            if not queue and timeout > 0:
+                cond.wait(timeout)
+            out = list(queue)
+            queue.clear()
+        if not out:
+            alive()
+        return out
+
+
+class StoreChannels:
+    """One process's channels over the c10d store: rank r's channel c is the store queue
+    ``sbpflow/channel/c/r``. Posts go through one connection of their own; each channel read
+    gets a daemon thread blocked in ``queue_pop`` on another, which feeds a local deque."""
+
+    def __init__(self, rank: int, store: dist.Store) -> None:
+        self.rank = rank
+        while isinstance(store, dist.PrefixStore):  # the job-wide store all ranks share
+            store = store.underlying_store
+        self._root = store
+        self._post_conn = self._connection()
+        self._post_lock = threading.Lock()
+        self._readers: dict[str, _Reader] = {}
+        self._lock = threading.Lock()
+
+    def _connection(self) -> dist.Store:
+        try:
+            conn = self._root.clone()
+        except (RuntimeError, AttributeError):  # a store without clone: share it
+            return self._root
+        conn.set_timeout(_READ_TIMEOUT)
+        return conn
+
+    @staticmethod
+    def key(rank: int, channel: str) -> str:
+        return f"sbpflow/channel/{channel}/{rank}"
+
+    def post(self, src: int, dst: int, channel: str, message: Any) -> None:
+        data = pickle.dumps((src, message), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._post_lock:
+            self._post_conn.queue_push(self.key(dst, channel), data)
+
+    def take(self, rank: int, channel: str, timeout: float,
+             alive: Callable[[], None]) -> list[tuple[int, Any]]:
+        with self._lock:
+            reader = self._readers.get(channel)
+            if reader is None:
+                reader = self._readers[channel] = _Reader(self._connection(),
+                                                          self.key(rank, channel))
+        return reader.take(timeout)
+
+    def close(self) -> None:
+        """Wake and stop the reader threads (a close message on each one's own queue)."""
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            reader.stop(self._post_conn, self._post_lock)
+
+
+class _Reader:
+    """A daemon thread that pops one store queue into a local deque."""
+
+    def __init__(self, conn: dist.Store, key: str) -> None:
+        self.conn, self.key = conn, key
+        self.cond = threading.Condition()
+        self.queue: deque = deque()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"sbpflow-channel-{key}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                data = self.conn.queue_pop(self.key)
+            except dist.DistStoreError as exc:
+                if "timeout" in str(exc).lower():
+                    continue  # an idle hour: wait again
+                self._fail(exc)
+                return
+            except RuntimeError as exc:  # the store is gone (its host process ended)
+                self._fail(exc)
+                return
+            if data == _CLOSE:
+                return
+            with self.cond:
+                self.queue.append(pickle.loads(data))
+                self.cond.notify()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self.cond:
+            self.error = exc
+            self.cond.notify()
+
+    def take(self, timeout: float) -> list[tuple[int, Any]]:
+        with self.cond:
+            if not self.queue and self.error is None and timeout > 0:
+                self.cond.wait(timeout)
+            out = list(self.queue)
+            self.queue.clear()
+            if not out and self.error is not None:
+                raise CommError(f"message channel {self.key!r}: the c10d store failed: "
+                                f"{self.error}")
+        return out
+
+    def stop(self, conn: dist.Store, lock: threading.Lock) -> None:
+        try:
+            with lock:
+                conn.queue_push(self.key, _CLOSE)
+        except RuntimeError:  # the store is gone: so is the reader's blocked pop
+            return
+        self.thread.join(5.0)

@@ -1,0 +1,99 @@
+"""Drawing the runtime's firings: a Chrome trace, a Gantt chart, micro-batches in flight.
+
+An event is ``{"rank", "actor", "kind", "stage", "micro_batch", "start", "end"}`` (seconds on
+one clock for all ranks). `save_trace` writes the Chrome trace JSON that Perfetto and
+chrome://tracing open (a process a rank, a thread a queue); `save_timeline` draws a PNG with
+matplotlib (a row a rank, forward and backward in two colours, micro-batch numbers on the
+bars); `in_flight` reads, per stage, the most forward micro-batches whose backward had not
+ended. See docs/runtime.md, 'Schedules as register budgets'.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+from .specs import QUEUES
+
+__all__ = ["save_trace", "save_timeline", "in_flight", "COLOURS"]
+
+COLOURS = {"forward": "#4C78A8", "backward": "#F58518", "send": "#54A24B", "recv": "#54A24B",
+           "collective": "#B279A2", "load": "#9D755D", "update": "#E45756",
+           "compute": "#72B7B2"}
+
+
+def _origin(events: Sequence[dict]) -> float:
+    return min((e["start"] for e in events), default=0.0)
+
+
+def save_trace(events: Iterable[dict], path: str) -> None:
+    """Write ``events`` as a Chrome trace (JSON object format; times in µs from the first
+    start): one process a rank, one thread a queue (compute, comm, data)."""
+    events = list(events)
+    t0 = _origin(events)
+    queues = sorted({QUEUES.get(e["kind"], "compute") for e in events})
+    tid = {q: i for i, q in enumerate(queues)}
+    out = []
+    for r in sorted({e["rank"] for e in events}):
+        out.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+        out += [{"ph": "M", "name": "thread_name", "pid": r, "tid": tid[q],
+                 "args": {"name": q}} for q in queues]
+    for e in events:
+        out.append({"name": f"{e['actor']} #{e['micro_batch']}", "cat": e["kind"], "ph": "X",
+                    "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
+                    "pid": e["rank"], "tid": tid[QUEUES.get(e["kind"], "compute")],
+                    "args": {"stage": e["stage"], "micro_batch": e["micro_batch"]}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+
+
+def save_timeline(events: Iterable[dict], path: str, title: str | None = None) -> None:
+    """Draw ``events`` as a Gantt chart PNG: a row a rank (rank 0 on top), a bar a firing
+    coloured by kind, labelled with its micro-batch when the bar is wide enough."""
+    from matplotlib.figure import Figure  # not pyplot: no display, the caller's backend kept
+    from matplotlib.patches import Patch
+
+    events = list(events)
+    t0 = _origin(events)
+    ranks = sorted({e["rank"] for e in events})
+    row = {r: i for i, r in enumerate(ranks)}
+    span = max((e["end"] for e in events), default=t0) - t0 or 1.0
+    fig = Figure(figsize=(12, 0.6 * len(ranks) + 1.6), dpi=120)
+    ax = fig.subplots()
+    for e in events:
+        x, w = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
+        ax.barh(row[e["rank"]], w, left=x, height=0.8, color=COLOURS.get(e["kind"], "#999"),
+                edgecolor="white", linewidth=0.5)
+        if w > span * 1e3 / 120:  # room for a label
+            ax.text(x + w / 2, row[e["rank"]], str(e["micro_batch"]), ha="center",
+                    va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    kinds = [k for k in COLOURS if any(e["kind"] == k for e in events)]
+    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], ncol=len(kinds),
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
+              fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def in_flight(events: Iterable[dict]) -> dict[int, int]:
+    """Per stage, the most micro-batches at once whose forward had started and whose
+    backward had not ended (read from the ``"forward"`` / ``"backward"`` events)."""
+    marks: dict[int, list[tuple[float, int]]] = {}
+    for e in events:
+        if e["kind"] == "forward":
+            marks.setdefault(e["stage"], []).append((e["start"], 1))
+        elif e["kind"] == "backward":
+            marks.setdefault(e["stage"], []).append((e["end"], -1))
+    peak = {}
+    for stage, ms in marks.items():
+        n = best = 0
+        for _, d in sorted(ms):  # at equal times an end (-1) counts before a start
+            n += d
+            best = max(best, n)
+        peak[stage] = best
+    return peak
