@@ -92,6 +92,16 @@ def _assert_holds(path: str, step: int | None, expected: dict) -> int:
     return step
 
 
+def _failed_load(path: str):
+    """Rank function: load ``path`` into a fresh model; (the error caught, whether the
+    parameters are unchanged, the optimizer state)."""
+    m, opt = _build()
+    before = {n: p.full_tensor() for n, p in m.named_parameters()}
+    err = _catching(sf.load, path, m, opt)
+    after = {n: p.full_tensor() for n, p in m.named_parameters()}
+    return err, all(torch.equal(before[n], after[n]) for n in before), dict(opt.state)
+
+
 def _listing(path: str) -> list:
     return sorted(os.listdir(path))
 
@@ -363,14 +373,7 @@ def test_damage_is_found_before_the_model_changes(tmp_path, saved, expected):
     shutil.copytree(saved, path)
     _flip(0.5)(_find(path, "rank0.pt"))
 
-    def body():
-        m, opt = _build()
-        before = {n: p.full_tensor() for n, p in m.named_parameters()}
-        err = _catching(sf.load, path, m, opt)
-        after = {n: p.full_tensor() for n, p in m.named_parameters()}
-        return err, all(torch.equal(before[n], after[n]) for n in before), dict(opt.state)
-
-    for err, unchanged, state in sf.launch(body, world_size=WORLD):
+    for err, unchanged, state in sf.launch(_failed_load, args=(path,), world_size=WORLD):
         assert err[0] == "CheckpointError" and "rank0.pt" in err[1]
         assert unchanged and state == {}
 
@@ -525,14 +528,8 @@ def test_pieces_that_do_not_cover_a_region_fail_the_load_before_any_change(tmp_p
     torch.save(shards, os.path.join(gen, "rank1.pt"))
     _reseal(path, ["rank1.json", "rank1.pt"])
 
-    def body():
-        m, opt = _build()
-        before = {n: p.full_tensor() for n, p in m.named_parameters()}
-        err = _catching(sf.load, path, m, opt)
-        after = {n: p.full_tensor() for n, p in m.named_parameters()}
-        return err, all(torch.equal(before[n], after[n]) for n in before), dict(opt.state)
-
-    for err, unchanged, state in sf.launch(body, world_size=WORLD, timeout=20):
+    for err, unchanged, state in sf.launch(_failed_load, args=(path,), world_size=WORLD,
+                                           timeout=20):
         assert err[0] == "CheckpointError" and key in err[1] and "cover" in err[1], err
         assert unchanged and state == {}
 
