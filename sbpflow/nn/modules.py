@@ -8,7 +8,9 @@ random streams. State dicts hold *logical* values. See docs/internals.md, 'Modul
 
 from __future__ import annotations
 
+import itertools
 import math
+import warnings
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, NamedTuple
 
@@ -25,10 +27,35 @@ from . import init
 from .init import fill_regions_
 from .parameter import Parameter
 
-__all__ = ["Parameter", "Module", "StateDictError", "Linear", "Embedding", "LayerNorm", "Dropout",
+__all__ = ["Parameter", "Module", "RemovableHandle", "StateDictError", "Linear", "Embedding", "LayerNorm", "Dropout",
            "GELU", "ReLU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "Conv2d",
            "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Flatten", "Sequential", "ModuleList",
            "ModuleDict"]
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class RemovableHandle:
+    """What registering a forward hook returns (torch's ``RemovableHandle``): ``remove()``
+    unregisters the hook (again: nothing); as a context manager it removes it on exit."""
+
+    _ids = itertools.count()
+
+    def __init__(self, hooks: dict, *extra: dict) -> None:
+        self.id = next(RemovableHandle._ids)
+        self._dicts = (hooks, *extra)
+
+    def remove(self) -> None:
+        for d in self._dicts:
+            d.pop(self.id, None)
+
+    def __enter__(self) -> "RemovableHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -47,12 +74,96 @@ class Module:
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_non_persistent", set())
         object.__setattr__(self, "_modules", OrderedDict())
+        for key in _HOOK_DICTS:
+            object.__setattr__(self, key, OrderedDict())
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        d = self.__dict__
+        if not (d.get("_forward_pre_hooks") or d.get("_forward_hooks")):
+            return self.forward(*args, **kwargs)
+        return self._call_with_hooks(args, kwargs)
+
+    # -- forward hooks (torch.nn.Module's protocol) ----------------------------------------------
+    def register_forward_pre_hook(self, hook, *, prepend: bool = False,
+                                  with_kwargs: bool = False) -> "RemovableHandle":
+        """Run ``hook(module, args)`` before every ``forward``, as torch: a non-None result
+        replaces the positional arguments (a non-tuple is wrapped in one). With
+        ``with_kwargs=True`` it is ``hook(module, args, kwargs)`` and may return
+        ``(args, kwargs)``. Hooks run in registration order; ``prepend`` puts this one first."""
+        handle = RemovableHandle(self._forward_pre_hooks, self._forward_pre_hooks_with_kwargs)
+        self._forward_pre_hooks[handle.id] = hook
+        if with_kwargs:
+            self._forward_pre_hooks_with_kwargs[handle.id] = True
+        if prepend:
+            self._forward_pre_hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
+                              always_call: bool = False) -> "RemovableHandle":
+        """Run ``hook(module, args, output)`` after every ``forward`` (``args``: what the
+        pre-hooks gave ``forward``), as torch: a non-None result replaces the output. With
+        ``with_kwargs=True`` it is ``hook(module, args, kwargs, output)``. ``always_call``: also
+        run it (output None) when a pre-hook or ``forward`` raises; its own exception is then a
+        warning and the original one propagates."""
+        handle = RemovableHandle(self._forward_hooks, self._forward_hooks_with_kwargs,
+                                 self._forward_hooks_always_called)
+        self._forward_hooks[handle.id] = hook
+        if with_kwargs:
+            self._forward_hooks_with_kwargs[handle.id] = True
+        if always_call:
+            self._forward_hooks_always_called[handle.id] = True
+        if prepend:
+            self._forward_hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def _call_with_hooks(self, args: tuple, kwargs: dict):
+        """``forward`` between the pre-hooks and the hooks; on an exception, the hooks
+        registered with ``always_call`` that have not run yet run before it propagates."""
+        call = {"args": args, "kwargs": kwargs, "result": None, "called": set()}
+        try:
+            return self._hooked_forward(call)
+        except Exception:
+            for hook_id, hook in list(self._forward_hooks.items()):
+                if hook_id not in self._forward_hooks_always_called or hook_id in call["called"]:
+                    continue
+                try:
+                    self._run_forward_hook(hook_id, hook, call)
+                except Exception as exc:
+                    warnings.warn(f"module forward hook with ``always_call=True`` raised an "
+                                  f"exception that was silenced as another error was raised "
+                                  f"in forward: {exc}", stacklevel=2)
+            raise
+
+    def _hooked_forward(self, call: dict):
+        for hook_id, hook in list(self._forward_pre_hooks.items()):
+            if hook_id in self._forward_pre_hooks_with_kwargs:
+                out = hook(self, call["args"], call["kwargs"])
+                if out is not None:
+                    if not (isinstance(out, tuple) and len(out) == 2):
+                        raise RuntimeError(f"forward pre-hook must return None or a tuple of "
+                                           f"(new_args, new_kwargs), but got {out}.")
+                    call["args"], call["kwargs"] = out
+            else:
+                out = hook(self, call["args"])
+                if out is not None:
+                    call["args"] = out if isinstance(out, tuple) else (out,)
+        call["result"] = self.forward(*call["args"], **call["kwargs"])
+        for hook_id, hook in list(self._forward_hooks.items()):
+            if hook_id in self._forward_hooks_always_called:
+                call["called"].add(hook_id)
+            self._run_forward_hook(hook_id, hook, call)
+        return call["result"]
+
+    def _run_forward_hook(self, hook_id: int, hook, call: dict) -> None:
+        if hook_id in self._forward_hooks_with_kwargs:
+            out = hook(self, call["args"], call["kwargs"], call["result"])
+        else:
+            out = hook(self, call["args"], call["result"])
+        if out is not None:
+            call["result"] = out
 
     # -- registration --------------------------------------------------------------------------
     def _check_init(self, what: str) -> None:

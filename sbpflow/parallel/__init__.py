@@ -1,6 +1,9 @@
-"""``sf.parallel``: parallel layouts of whole models (by parameter name, or any function of it)."""
+"""``sf.parallel``: parallel layouts of whole models (by parameter name, or any function of it;
+pipeline stages over several placements)."""
 
 from .apply import UnmatchedParameterError, apply, match_rules
+from .pipeline import Pipeline, pipeline, pipeline_of
 from .relayout import relayout
 
-__all__ = ["apply", "match_rules", "relayout", "UnmatchedParameterError"]
+__all__ = ["apply", "match_rules", "relayout", "pipeline", "pipeline_of", "Pipeline",
+           "UnmatchedParameterError"]

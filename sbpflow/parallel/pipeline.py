@@ -1,0 +1,343 @@
+"""``sf.parallel.pipeline``: lay a model out stage by stage over placements and insert the
+stage-boundary moves, without touching the model's code (issue 14, part 2, eager mode)::
+
+    sf.parallel.pipeline(model, [pl0, pl1, pl2, pl3], split=["blocks.2", "blocks.4", "blocks.6"])
+
+Stage 0 starts at the model, stage i at module ``split[i-1]``, in ``model.named_modules()``
+order. Stage i's parameters and buffers go to ``placements[i]`` (``rules[i]`` as in
+`sf.parallel.apply`; default replicated). Forward pre-hooks move, on entering stage i, the
+global-tensor arguments of its first module and the model's own global-tensor inputs (so
+``pos`` or ``targets`` reach the stage that reads them) to ``placements[i]``. Placements may
+not share ranks. Eager mode runs the stages one after another (correct, serial). Not done here:
+micro-batches, GPipe / 1F1B schedules and overlap (graph mode, actor runtime).
+See docs/runtime.md, 'Pipeline stages'.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from typing import Mapping, Sequence
+
+from .. import comm as _comm
+from ..errors import ParallelizeError, SbpError
+from ..nn.modules import Module, Parameter, RemovableHandle
+from ..placement import Placement
+from ..sbp import B, format_nd_sbp, parse_nd_sbp
+from ..tensor import GlobalTensor
+from .apply import match_rules
+from .relayout import relayout
+
+__all__ = ["pipeline", "pipeline_of", "Pipeline"]
+
+_WHO = "sf.parallel.pipeline"
+
+
+class Pipeline:
+    """What `pipeline` did to a model: ``placements`` and ``split`` (one stage each, the split
+    points), ``module_stage`` (every module name of ``named_modules(remove_duplicate=False)`` ->
+    its stage) and the hooks; ``stage_of(name)`` for a module or parameter name. ``remove()``
+    takes the hooks off (parameters and buffers stay where they are)."""
+
+    def __init__(self, placements: tuple, split: tuple, module_stage: dict, sbp: tuple) -> None:
+        self.placements, self.split, self.module_stage = placements, split, module_stage
+        self.sbp = sbp
+        self.handles: list[RemovableHandle] = []
+        self._frames: list[list] = []   # per model call in progress: its routed inputs
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placements)
+
+    def stage_of(self, name: str) -> int:
+        """The stage of a module (``"blocks.2"``) or parameter / buffer (``"blocks.2.ln1.weight"``)
+        name."""
+        if name in self.module_stage:
+            return self.module_stage[name]
+        owner = name.rpartition(".")[0]
+        if owner in self.module_stage:
+            return self.module_stage[owner]
+        raise KeyError(f"{_WHO}: {name!r} names no module or parameter of the model")
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __repr__(self) -> str:
+        starts = ["(model)"] + list(self.split)
+        body = ", ".join(f"{s}@{p}" for s, p in zip(starts, self.placements))
+        return f"Pipeline({body})"
+
+    # -- the moves ---------------------------------------------------------------------------
+    def layout_entering(self, t: GlobalTensor, stage: int) -> tuple:
+        """The nd-sbp ``t`` takes on entering ``stage``: ``sbp[stage]`` (an nd-sbp, or a
+        function of the tensor), else its own nd-sbp on a mesh of the same ndim, else
+        replicated."""
+        spec, pl = self.sbp[stage], self.placements[stage]
+        if spec is None:
+            return t.sbp if t.placement.ndim == pl.ndim else (B,) * pl.ndim
+        return spec(t) if callable(spec) else spec
+
+    def move(self, t: GlobalTensor, stage: int, what: str) -> GlobalTensor:
+        """``t`` on ``placements[stage]`` (itself when already there; a differentiable boxing
+        otherwise). An `SbpError` names the stage and the tensor."""
+        pl = self.placements[stage]
+        if t.placement is pl or t.placement == pl:
+            return t
+        try:
+            return t.to_global(pl, self.layout_entering(t, stage))
+        except SbpError as exc:
+            raise type(exc)(f"{_WHO}: moving {what} (shape {tuple(t.shape)}, {t.placement}, "
+                            f"sbp {format_nd_sbp(t.sbp)}) into stage {stage} on {pl}: "
+                            f"{exc}") from None
+
+    def enter_model(self, module: Module, args: tuple, kwargs: dict) -> None:
+        """Root pre-hook: remember the model's global-tensor inputs (restored by `leave_model`)
+        and put each on stage 0 (its home, from which every later stage's copy is moved)."""
+        frame: list = []
+        self._frames.append(frame)      # first: `leave_model` pops it even if a move fails
+        for t in _global_inputs(args, kwargs):
+            saved = _fields(t)
+            home = self.move(_snapshot(t), 0, "a model input")
+            frame.append((t, saved, home))
+            _set_fields(t, _fields(home))
+
+    def leave_model(self, module: Module, args: tuple, kwargs: dict, output) -> None:
+        """Root hook (also when forward raises): give the inputs back their own layouts."""
+        if self._frames:
+            for t, saved, _ in self._frames.pop():
+                _set_fields(t, saved)
+
+    def enter_stage(self, stage: int, args: tuple, kwargs: dict) -> tuple:
+        """Pre-hook of stage ``stage``'s first module: the model's inputs follow (rebound in
+        place, so the model's own references see them there) and the module's global-tensor
+        arguments are moved; returns the new ``(args, kwargs)``."""
+        if self._frames:
+            for t, _, home in self._frames[-1]:
+                _set_fields(t, _fields(self.move(home, stage, "a model input")))
+        new_args = tuple(self._arg(a, stage, f"argument {i}") for i, a in enumerate(args))
+        new_kwargs = {k: self._arg(v, stage, f"argument {k!r}") for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def _arg(self, a, stage: int, what: str):
+        if not isinstance(a, GlobalTensor):
+            return a
+        return self.move(a, stage, f"{what} of {self._first(stage)!r}")
+
+    def _first(self, stage: int) -> str:
+        return self.split[stage - 1] if stage else "(model)"
+
+
+# -- in-place rebinding of the model's inputs ------------------------------------------------------
+# The model's forward holds its inputs by reference (``targets`` is read after the last stage's
+# modules), so an input follows the stages by taking, in place, the fields of its copy on the
+# current stage -- as torch's ``.data =`` swaps a tensor's storage. Autograd is untouched: each
+# copy's shard hangs off the home shard through the boxing, so gradients flow back to it.
+def _fields(t: GlobalTensor) -> tuple:
+    return t._local, t._placement, t._sbp, t._key
+
+
+def _set_fields(t: GlobalTensor, fields: tuple) -> None:
+    t._local, t._placement, t._sbp, t._key = fields
+
+
+def _snapshot(t: GlobalTensor) -> GlobalTensor:
+    """A new wrapper of ``t``'s current shard and layout (unaffected by rebinding ``t``)."""
+    return GlobalTensor(t.local, tuple(t.shape), t.placement, t.sbp)
+
+
+def _global_inputs(args: tuple, kwargs: dict) -> list[GlobalTensor]:
+    """The distinct global tensors among the top-level arguments (parameters excluded: they
+    belong to a stage)."""
+    out, seen = [], set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, GlobalTensor) and not isinstance(a, Parameter) and id(a) not in seen:
+            seen.add(id(a))
+            out.append(a)
+    return out
+
+
+# -- checks ------------------------------------------------------------------------------------------
+def _check_placements(placements, split) -> tuple:
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise ParallelizeError(f"{_WHO}: placements must be a list of sf.placement, one a stage, "
+                               f"got {placements!r}")
+    if isinstance(split, str) or not isinstance(split, Sequence) \
+            or not all(isinstance(s, str) for s in split):
+        raise ParallelizeError(f"{_WHO}: split must be a list of module names, got {split!r}")
+    if len(placements) != len(split) + 1:
+        raise ParallelizeError(
+            f"{_WHO}: {len(split)} split point(s) {list(split)} make {len(split) + 1} stage(s) "
+            f"but {len(placements)} placement(s) were given: give one placement a stage")
+    world = _comm.world_size()
+    for i, pl in enumerate(placements):
+        if not isinstance(pl, Placement):
+            raise ParallelizeError(f"{_WHO}: placement of stage {i} is {pl!r}, not an "
+                                   f"sf.placement")
+        try:
+            pl.check_world(world)
+        except SbpError as exc:
+            raise type(exc)(f"{_WHO}: placement of stage {i}: {exc}") from None
+    for i in range(len(placements)):
+        for j in range(i + 1, len(placements)):
+            shared = sorted(set(placements[i].flat_ranks) & set(placements[j].flat_ranks))
+            if shared:
+                raise ParallelizeError(
+                    f"{_WHO}: stages {i} ({placements[i]}) and {j} ({placements[j]}) share "
+                    f"rank(s) {shared}; a rank may be in one stage only (give each stage its "
+                    f"own ranks)")
+    return tuple(placements)
+
+
+def _per_stage(value, n: int, what: str) -> list:
+    """``value`` as one entry a stage: None -> Nones; a list must have ``n`` entries."""
+    if value is None:
+        return [None] * n
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ParallelizeError(f"{_WHO}: {what} must be a list with one entry a stage ({n}), "
+                               f"got {value!r}")
+    return list(value)
+
+
+def _check_sbp_specs(specs: list, placements: tuple) -> tuple:
+    out = []
+    for i, (spec, pl) in enumerate(zip(specs, placements)):
+        if spec is not None and not callable(spec):
+            try:
+                spec = parse_nd_sbp(spec, pl.ndim)
+            except SbpError as exc:
+                raise type(exc)(f"{_WHO}: sbp of stage {i} on {pl}: {exc}") from None
+        out.append(spec)
+    return tuple(out)
+
+
+def _split_positions(listing: list, split: Sequence[str]) -> list[int]:
+    """Each split point's position in ``listing`` (``named_modules(remove_duplicate=False)``),
+    checked: a module of the model, not the model itself, used under one name, in order."""
+    index = {name: k for k, (name, _) in enumerate(listing)}
+    positions = []
+    for name in split:
+        if name == "":
+            raise ParallelizeError(f"{_WHO}: '' (the model itself) cannot be a split point: "
+                                   f"stage 0 starts at the model")
+        if name not in index:
+            near = difflib.get_close_matches(name, [n for n in index if n], n=3)
+            raise ParallelizeError(f"{_WHO}: split point {name!r} is not a module of the "
+                                   f"model (named_modules()); close names: {near}")
+        module = listing[index[name]][1]
+        aliases = [n for n, m in listing if m is module]
+        if len(aliases) > 1:
+            raise ParallelizeError(f"{_WHO}: split point {name!r} is one module under several "
+                                   f"names {aliases}: split at a module used once")
+        if name in split[:len(positions)]:
+            raise ParallelizeError(f"{_WHO}: split point {name!r} is given twice in {list(split)}")
+        if positions and index[name] <= positions[-1]:
+            raise ParallelizeError(f"{_WHO}: split points must follow the order of "
+                                   f"named_modules(): {name!r} does not come after "
+                                   f"{split[len(positions) - 1]!r}")
+        positions.append(index[name])
+    return positions
+
+
+def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list]:
+    """(module name -> stage, the split modules). A parameter or buffer reached from modules of
+    two stages (tied, or a shared module) is refused: it can live on one placement only."""
+    listing = list(model.named_modules(remove_duplicate=False))
+    positions = _split_positions(listing, split)
+    stages = {name: bisect.bisect_right(positions, k) for k, (name, _) in enumerate(listing)}
+    owners: dict = {}
+    for name, m in listing:
+        for key in ("_parameters", "_buffers"):
+            for pname, t in m.__dict__[key].items():
+                if t is not None:
+                    owners.setdefault(id(t), []).append(f"{name}.{pname}" if name else pname)
+    for names in owners.values():
+        used = sorted({stages[n.rpartition(".")[0]] for n in names})
+        if len(used) > 1:
+            raise ParallelizeError(f"{_WHO}: {names} are one tensor used by stages {used}; a "
+                                   f"tensor lives on one placement (untie it, or move the split "
+                                   f"points so that its users share a stage)")
+    return stages, [listing[k][1] for k in positions]
+
+
+# -- the layout -----------------------------------------------------------------------------------
+def _param_layouts(model: Module, p_stage: dict, placements: tuple, rules: list) -> dict:
+    """``{parameter name: (placement, nd-sbp)}``: ``rules[stage]`` by name, else replicated."""
+    names_by_stage: list[list[str]] = [[] for _ in placements]
+    for name, _ in model.named_parameters():
+        names_by_stage[p_stage[name]].append(name)
+    out = {}
+    for i, (pl, names) in enumerate(zip(placements, names_by_stage)):
+        rule = {"*": (B,) * pl.ndim} if rules[i] is None else rules[i]
+        if not isinstance(rule, Mapping):
+            raise ParallelizeError(f"{_WHO}: rules of stage {i} must be a dict of name "
+                                   f"patterns to nd-sbps (as sf.parallel.apply), got {rule!r}")
+        try:
+            layouts = match_rules(names, rule, pl)
+        except SbpError as exc:
+            raise type(exc)(f"{_WHO}: stage {i}: {exc}") from None
+        out.update({n: (pl, nd) for n, nd in layouts.items()})
+    return out
+
+
+def _move_buffers(model: Module, pipe: Pipeline) -> None:
+    """Each buffer onto its module's stage (tensors entering a stage keep their nd-sbp on a mesh
+    of the same ndim, else are replicated; ``sbp[stage]`` overrides)."""
+    moved: dict = {}
+    for name, m in model.named_modules():
+        stage = pipe.stage_of(name)
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                if id(b) not in moved:
+                    moved[id(b)] = pipe.move(b, stage, f"buffer {name}.{key}".lstrip("."))
+                m._buffers[key] = moved[id(b)]
+
+
+def _install_hooks(model: Module, pipe: Pipeline, firsts: list) -> None:
+    pipe.handles.append(model.register_forward_pre_hook(pipe.enter_model, with_kwargs=True))
+    pipe.handles.append(model.register_forward_hook(pipe.leave_model, with_kwargs=True,
+                                                    always_call=True))
+    for stage, m in enumerate(firsts, start=1):
+        # prepend: the move happens before any hook the user registered on the module
+        pipe.handles.append(m.register_forward_pre_hook(
+            lambda _m, args, kwargs, s=stage: pipe.enter_stage(s, args, kwargs),
+            with_kwargs=True, prepend=True))
+
+
+def pipeline(model: Module, placements: Sequence[Placement], split: Sequence[str],
+             rules: Sequence[Mapping | None] | None = None,
+             sbp: Sequence | None = None) -> Module:
+    """Lay ``model`` out as ``len(placements)`` pipeline stages; returns ``model``.
+
+    Stage 0 starts at the model, stage i at the module named ``split[i-1]`` (a name of
+    ``model.named_modules()``, in that order). Each stage's parameters are boxed to its
+    placement by ``rules[i]`` (fnmatch patterns -> nd-sbp, as `sf.parallel.apply`; None:
+    replicated), its buffers moved there. Tensors entering stage i take ``sbp[i]`` (an nd-sbp
+    or a function of the tensor; None: their own nd-sbp when the mesh ndim is the same, else
+    replicated). Every rank must call it alike (the boxing is collective); build the optimizer
+    afterwards. Calling it again replaces the previous pipeline's hooks. `ParallelizeError` on
+    a wrong split, placements that share ranks, or a tensor used by two stages."""
+    if not isinstance(model, Module):
+        raise ParallelizeError(f"{_WHO}: expected an sf.nn.Module, got {type(model).__name__}")
+    placements = _check_placements(placements, split)
+    n = len(placements)
+    rules_ = _per_stage(rules, n, "rules")
+    specs = _check_sbp_specs(_per_stage(sbp, n, "sbp"), placements)
+    module_stage, firsts = _module_stages(model, split)
+    old = pipeline_of(model)
+    if old is not None:
+        old.remove()
+    pipe = Pipeline(placements, tuple(split), module_stage, specs)
+    p_stage = {name: pipe.stage_of(name) for name, _ in model.named_parameters()}
+    layouts = _param_layouts(model, p_stage, placements, rules_)
+    relayout(model, lambda name, _: layouts[name], _WHO)
+    _move_buffers(model, pipe)
+    _install_hooks(model, pipe, firsts)
+    object.__setattr__(model, "_sf_pipeline", pipe)
+    return model
+
+
+def pipeline_of(model: Module) -> Pipeline | None:
+    """The `Pipeline` that `pipeline` made of ``model`` (None if it was not pipelined)."""
+    return model.__dict__.get("_sf_pipeline")
