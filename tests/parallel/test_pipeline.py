@@ -144,6 +144,9 @@ def test_routed_input_gradient_buffer_and_restore():
         out = dict(sd0=sd0, loss=loss.item(), x_grad=x.grad.full_tensor(), grads=grads,
                    buffer=m.s.w.placement.ranks, x=(x.placement.ranks, x.sbp),
                    t=(t.placement.ranks, t.sbp))
+        everyone = sf.placement("cpu", [0, 1, 2, 3])   # inputs made off stage 0 go there first
+        out["loss_everyone"] = m(sf.tensor(x_full, everyone, sf.S(0)),
+                                 sf.tensor(t_full, everyone, sf.B)).item()
         m.fail = True
         with pytest.raises(RuntimeError, match="boom"):
             m(x, t)
@@ -158,6 +161,7 @@ def test_routed_input_gradient_buffer_and_restore():
     loss = tm(x, t_full)
     loss.backward()
     _close(out["loss"], loss.item(), "loss")
+    _close(out["loss_everyone"], loss.item(), "loss, inputs on every rank")
     _close(out["x_grad"], x.grad, "input gradient (two stages read it)")
     for n, p in tm.named_parameters():
         _close(out["grads"][n], p.grad, n)
