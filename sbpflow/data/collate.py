@@ -57,6 +57,9 @@ def read_samples(dataset: Any, indices: Sequence[int], where: str,
     return out
 
 
+_NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}  # as default_collate
+
+
 def _leaf(value: Any, index: int, element: int | None, where: str) -> torch.Tensor:
     """One value of a sample as a tensor (numbers as ``default_collate``: int -> int64,
     float -> float64, bool -> bool)."""
@@ -64,22 +67,46 @@ def _leaf(value: Any, index: int, element: int | None, where: str) -> torch.Tens
         return value
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
         return torch.as_tensor(value)
-    if isinstance(value, bool):
-        return torch.tensor(value)
-    if isinstance(value, int):
-        return torch.tensor(value, dtype=torch.int64)
-    if isinstance(value, float):
-        return torch.tensor(value, dtype=torch.float64)
+    if type(value) in _NUMBERS:
+        return torch.tensor(value, dtype=_NUMBERS[type(value)])
     part = f" element {element}" if element is not None else ""
     raise DataLoaderError(f"DataLoader: sample {index}{part} ({where}) is a "
                           f"{type(value).__name__}; the loader batches tensors, numeric numpy "
                           f"arrays and numbers (return those from __getitem__)")
 
 
-def _leaves(sample: Any, index: int, where: str) -> tuple[bool, list[torch.Tensor]]:
-    if isinstance(sample, (tuple, list)):
-        return True, [_leaf(v, index, k, where) for k, v in enumerate(sample)]
-    return False, [_leaf(sample, index, None, where)]
+def _stack_column(values: Sequence, indices: Sequence[int], k: int | None,
+                  where: str) -> torch.Tensor:
+    """Element ``k`` of every sample stacked. The common cases (all tensors, all numbers of
+    one type) take one torch call; anything else goes through `_checked_stack`, which names
+    the sample that differs."""
+    kinds = {type(v) for v in values}
+    if len(kinds) == 1:
+        kind = next(iter(kinds))
+        if kind in _NUMBERS:
+            return torch.tensor(values, dtype=_NUMBERS[kind])
+        if issubclass(kind, torch.Tensor) and len({v.dtype for v in values}) == 1:
+            try:
+                return torch.stack(values)
+            except RuntimeError:
+                pass  # shapes differ: name them below
+    return _checked_stack([_leaf(v, i, k, where) for v, i in zip(values, indices)], indices,
+                          k, where)
+
+
+def _checked_stack(leaves: list, indices: Sequence[int], k: int | None,
+                   where: str) -> torch.Tensor:
+    ref, element = leaves[0], "" if k is None else f" element {k}"
+    for leaf, i in zip(leaves[1:], indices[1:]):
+        if leaf.shape != ref.shape:
+            raise ShapeError(f"DataLoader: sample {i}{element} has shape {tuple(leaf.shape)} "
+                             f"but sample {indices[0]} has {tuple(ref.shape)} ({where}); the "
+                             f"samples of a batch must have equal shapes (pad them in the "
+                             f"dataset)")
+        if leaf.dtype != ref.dtype:
+            raise DtypeMismatchError(f"DataLoader: sample {i}{element} is {leaf.dtype} but "
+                                     f"sample {indices[0]} is {ref.dtype} ({where})")
+    return torch.stack(leaves)
 
 
 def stack_samples(samples: Sequence, indices: Sequence[int],
@@ -87,30 +114,25 @@ def stack_samples(samples: Sequence, indices: Sequence[int],
     """Stack samples (read from ``indices``) into ``(is_tuple, [tensor of shape (len, *item)
     per element])``. Samples must agree in structure, shapes and dtypes, as for torch's
     ``default_collate``; otherwise the error names the two samples that differ."""
-    first_tuple, first = _leaves(samples[0], indices[0], where)
-    columns = [[leaf] for leaf in first]
-    for sample, i in zip(samples[1:], indices[1:]):
-        is_tuple, leaves = _leaves(sample, i, where)
-        if is_tuple != first_tuple or len(leaves) != len(first):
-            raise DataLoaderError(
-                f"DataLoader: sample {i} ({where}) has another structure than sample "
-                f"{indices[0]}: {_structure(is_tuple, leaves)} vs {_structure(first_tuple, first)}")
-        for k, (leaf, ref) in enumerate(zip(leaves, first)):
-            if leaf.shape != ref.shape:
-                raise ShapeError(f"DataLoader: sample {i} element {k} has shape "
-                                 f"{tuple(leaf.shape)} but sample {indices[0]} has "
-                                 f"{tuple(ref.shape)} ({where}); the samples of a batch must "
-                                 f"have equal shapes (pad them in the dataset)")
-            if leaf.dtype != ref.dtype:
-                raise DtypeMismatchError(f"DataLoader: sample {i} element {k} is {leaf.dtype} "
-                                         f"but sample {indices[0]} is {ref.dtype} ({where})")
-            columns[k].append(leaf)
-    return first_tuple, [torch.stack(col) for col in columns]
+    is_tuple = isinstance(samples[0], (tuple, list))
+    if not is_tuple:
+        _check_structure(samples, indices, None, where)
+        return False, [_stack_column(samples, indices, None, where)]
+    width = len(samples[0])
+    _check_structure(samples, indices, width, where)
+    return True, [_stack_column(col, indices, k, where) for k, col in enumerate(zip(*samples))]
 
 
-def _structure(is_tuple: bool, leaves: list) -> str:
-    shapes = [tuple(leaf.shape) for leaf in leaves]
-    return f"a tuple of {len(leaves)} {shapes}" if is_tuple else f"one value {shapes[0]}"
+def _check_structure(samples: Sequence, indices: Sequence[int], width: int | None,
+                     where: str) -> None:
+    """Every sample is a tuple / list of ``width`` values (``None``: none is)."""
+    for sample, i in zip(samples, indices):
+        is_tuple = isinstance(sample, (tuple, list))
+        if is_tuple != (width is not None) or (is_tuple and len(sample) != width):
+            mine = f"a tuple of {len(sample)}" if is_tuple else "one value"
+            first = "one value" if width is None else f"a tuple of {width}"
+            raise DataLoaderError(f"DataLoader: sample {i} ({where}) is {mine} but sample "
+                                  f"{indices[0]} is {first}")
 
 
 def cut_shard(rows: torch.Tensor, n_rows: int, placement: Placement, nd_sbp: Sequence[Sbp],

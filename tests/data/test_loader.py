@@ -300,9 +300,17 @@ def test_bad_arguments_and_samples():
     with pytest.raises(sf.DataLoaderConfigError, match="map-style"):
         sf.data.DataLoader(Stream(), 2, pl)
     ragged = [torch.zeros(3), torch.zeros(4)]
-    with pytest.raises(sf.ShapeError, match=r"sample 1 element 0 has shape \(4,\) but sample 0 "
-                                            r"has \(3,\)"):
+    with pytest.raises(sf.ShapeError, match=r"sample 1 has shape \(4,\) but sample 0 has \(3,\)"):
         next(iter(sf.data.DataLoader(ragged, 2, pl, shuffle=False)))
+    pairs = [(0, torch.zeros(3)), (1, torch.zeros(3)), (2, torch.zeros(2, 3))]
+    with pytest.raises(sf.ShapeError, match=r"sample 2 element 1 has shape \(2, 3\)"):
+        next(iter(sf.data.DataLoader(pairs, 3, pl, shuffle=False)))
+    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.int64)]   # torch.stack would promote
+    with pytest.raises(sf.DtypeMismatchError, match="sample 1 is torch.int64 but sample 0"):
+        next(iter(sf.data.DataLoader(mixed, 2, pl, shuffle=False)))
+    with pytest.raises(sf.DataLoaderError, match="sample 1 .* is one value but sample 0 is a "
+                                                 "tuple of 2"):
+        next(iter(sf.data.DataLoader([(1, 2), 3], 2, pl, shuffle=False)))
     with pytest.raises(sf.DataLoaderError, match="sample 1 .* is a str"):
         next(iter(sf.data.DataLoader([1, "a"], 2, pl, shuffle=False, prefetch=0)))
 

@@ -1,0 +1,110 @@
+"""Throughput of a training step fed by ``sf.data.DataLoader`` vs the same step fed by batches
+already in memory (issue 14's loader goal: >= 0.95 of the in-memory throughput).
+
+The data is scikit-learn's digits (1797 images of 8x8, 10 classes; bundled with sklearn, no
+download), read one sample at a time through a map-style dataset, as a torch user would. The
+step is a data-parallel MLP (64 -> hidden -> hidden -> 10, SGD) on ``--ranks`` thread ranks,
+the batch split ``S(0)``. The in-memory run trains on the same batches, built before the timed
+epochs as global tensors. Rounds alternate the two feeds (loader, memory, loader, ...) in one
+process and the median epoch time of each is reported, so machine noise hits both alike:
+
+    .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256]
+        [--epochs 3] [--rounds 5] [--prefetch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import sbpflow as sf
+
+
+class Digits(torch.utils.data.Dataset):
+    """scikit-learn's digits: (64 float32 pixels scaled to [0, 1], int label) per sample."""
+
+    def __init__(self) -> None:
+        from sklearn.datasets import load_digits
+        data = load_digits()
+        self.x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+        self.y = torch.tensor(data.target, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], int(self.y[i])
+
+
+def _model(pl, hidden: int):
+    sf.manual_seed(0)
+    model = sf.nn.Sequential(sf.nn.Linear(64, hidden), sf.nn.ReLU(),
+                             sf.nn.Linear(hidden, hidden), sf.nn.ReLU(), sf.nn.Linear(hidden, 10))
+    sf.parallel.apply(model, pl, {"*": sf.B})
+    return model, sf.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _epoch(model, opt, batches) -> tuple[float, int]:
+    """Seconds and samples of one pass of training steps over ``batches``."""
+    start, samples = time.perf_counter(), 0
+    for x, y in batches:
+        opt.zero_grad()
+        sf.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        samples += x.shape[0]
+    return time.perf_counter() - start, samples
+
+
+def _in_memory(ds: Digits, loader, pl) -> list:
+    """The loader's batches of its current epoch, built as global tensors beforehand."""
+    order = sf.data.batch_indices(len(ds), loader.batch_size, shuffle=True, seed=loader.seed,
+                                  epoch=loader.epoch, drop_last=loader.drop_last)
+    return [(sf.tensor(ds.x[idx], pl, sf.S(0)), sf.tensor(ds.y[idx], pl, sf.S(0)))
+            for idx in order]
+
+
+def _rank(ds: Digits, args) -> dict:
+    """On every rank: alternate loader-fed and memory-fed epochs; the per-epoch times."""
+    pl = sf.placement("cpu", list(range(args.ranks)))
+    model, opt = _model(pl, args.hidden)
+    loader = sf.data.DataLoader(ds, args.batch, pl, prefetch=args.prefetch)
+    _epoch(model, opt, loader)  # warm-up: dispatch caches, allocator
+    times: dict = {"loader": [], "memory": []}
+    for r in range(args.rounds):
+        for e in range(args.epochs):
+            loader.set_epoch(r * args.epochs + e)
+            memory = _in_memory(ds, loader, pl)
+            times["loader"].append(_epoch(model, opt, loader))
+            times["memory"].append(_epoch(model, opt, memory))
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prefetch", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    ds = Digits()
+    times = sf.launch(_rank, args.ranks, args=(ds, args))[0]
+    print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} thread ranks, "
+          f"MLP 64-{args.hidden}-{args.hidden}-10, prefetch {args.prefetch}; "
+          f"{len(times['loader'])} epochs each, alternated")
+    rate = {}
+    for feed in ("memory", "loader"):
+        seconds = statistics.median(t for t, _ in times[feed])
+        rate[feed] = times[feed][0][1] / seconds
+        print(f"  {feed:6s}: {seconds * 1e3:7.1f} ms / epoch (median), "
+              f"{rate[feed]:8.0f} samples/s")
+    print(f"  loader / memory throughput: {rate['loader'] / rate['memory']:.3f} (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()
