@@ -787,7 +787,21 @@ class Flatten(Module):
 
 
 # -- containers -----------------------------------------------------------------------------------
-class Sequential(Module):
+class _ModuleSequence(Module):
+    """What `Sequential` and `ModuleList` share: sub-modules numbered in order."""
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def append(self, module: Module) -> "_ModuleSequence":
+        self.add_module(str(len(self)), module)
+        return self
+
+
+class Sequential(_ModuleSequence):
     """Modules applied in order; ``Sequential(OrderedDict(name=module, ...))`` names them."""
 
     def __init__(self, *args) -> None:
@@ -810,18 +824,8 @@ class Sequential(Module):
             return Sequential(OrderedDict(mods[idx]))
         return mods[idx][1]
 
-    def __len__(self) -> int:
-        return len(self._modules)
 
-    def __iter__(self):
-        return iter(self._modules.values())
-
-    def append(self, module: Module) -> "Sequential":
-        self.add_module(str(len(self)), module)
-        return self
-
-
-class ModuleList(Module):
+class ModuleList(_ModuleSequence):
     def __init__(self, modules: Iterable[Module] | None = None) -> None:
         super().__init__()
         for m in modules or ():
@@ -841,15 +845,6 @@ class ModuleList(Module):
     def __setitem__(self, idx: int, module: Module) -> None:
         self.add_module(self._index(idx), module)
 
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self):
-        return iter(self._modules.values())
-
-    def append(self, module: Module) -> "ModuleList":
-        self.add_module(str(len(self)), module)
-        return self
 
     def extend(self, modules: Iterable[Module]) -> "ModuleList":
         for m in modules:
