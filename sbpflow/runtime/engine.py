@@ -26,7 +26,8 @@ from .specs import Plan
 __all__ = ["Runtime"]
 
 _POLL = 0.05  # s between the supervisor's timeout checks and the inbox's liveness checks
-_STOP_GRACE = 1.5  # s a failed run waits for its threads (an actor may be inside its fn)
+_STOP_GRACE = 0.75  # s a failed run waits for its threads (an actor may be inside its fn);
+# below the 1 s `launch` gives a failed world, so a rank reports what its runtime says
 
 
 class Runtime:
