@@ -285,10 +285,12 @@ def test_search_beats_baselines_and_best_megatron():
 def test_gpt3_on_1024_devices_coordinate_descent_is_fast():
     g = model_graphs.gpt(96, 12288, 96, 2048, 1536, 51200)
     c = sf.cost.Cluster.preset("dgx-a100", nodes=128)
+    # the two searches: 6 s and 2 s unloaded, 18 s and 7 s on 2 cores beside 4 CPU hogs; the
+    # bounds (60 s, 40 s) leave room for a loaded CI machine and still catch a 10x slowdown
     t0 = time.perf_counter()
     r = sf.auto.search(g, c, "cd", seed=0, restarts=0, memory_limit=float("inf"))
     seconds = time.perf_counter() - t0
-    assert seconds < 30, seconds
+    assert seconds < 60, seconds
     dp = sf.auto.evaluate(g, sf.auto.baselines.data_parallel(g, c), c)
     assert r.cost < dp.time and len(r.strategy) == 96 * 5 + 2
     t0 = time.perf_counter()
