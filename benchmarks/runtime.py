@@ -1,0 +1,112 @@
+"""The actor runtime's efficiency on a synthetic pipeline, and the cost of one actor firing.
+
+Pipeline: S = 4 stages on 4 ranks, forward and backward kernels of fixed time t_f = t_b (a
+sleep, which releases the GIL like a device kernel), M = 8 and 16 micro-batches, 1F1B and
+GPipe (`sbpflow.runtime.pipeline_plan`). The ideal step is (M + S - 1)(t_f + t_b); the
+efficiency is ideal / measured (median of the runs after a warm-up); 'kernel eff.' puts the
+kernels' measured mean time in the ideal (a 5 ms sleep lasts ~5.1 ms), leaving the runtime's
+own cost; the peak number of micro-batches in flight per stage is read from the timeline.
+Firing cost: a chain of K actors with empty functions, M firings each, on one rank (all on one
+queue thread, and each actor on its own), and a producer -> consumer pair across two ranks.
+Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T]
+       [--timeline x.png] [--trace x.json]   (the last 1F1B M = 8 step's events)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import sbpflow as sf
+from sbpflow.runtime import ActorSpec, Input, Plan, Runtime, in_flight, pipeline_plan
+from sbpflow.runtime import save_timeline, save_trace
+
+
+def _sleeper(t: float):
+    def kernel(mb, *inputs):
+        time.sleep(t)
+        return mb
+    return kernel
+
+
+def pipeline_rank(stages: int, m: int, schedule: str, t: float, runs: int) -> tuple:
+    """On each rank: the step times of ``runs`` runs (after one warm-up) and the last events."""
+    plan = pipeline_plan([_sleeper(t)] * stages, [_sleeper(t)] * stages, m, schedule)
+    rt = Runtime(plan)
+    rt.run(m)
+    steps = []
+    for _ in range(runs):
+        sf.comm.current().barrier()  # every rank starts the step together
+        t0 = time.perf_counter()
+        rt.run(m)
+        steps.append(time.perf_counter() - t0)
+    return steps, rt.timeline()
+
+
+def firing_rank(k: int, m: int, one_queue: bool, cross: bool) -> float:
+    """µs a firing: a chain of ``k`` empty actors (or, ``cross``, one producer on rank 0 and
+    one consumer on rank 1), ``m`` firings each, best of 3 runs."""
+    if cross:
+        plan = Plan({0: [ActorSpec("p", "load", lambda mb: mb)],
+                     1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
+                    name="cross")
+        n = m
+    else:
+        specs = [ActorSpec("a0", "compute", lambda mb: mb, queue="q" if one_queue else "q0")]
+        specs += [ActorSpec(f"a{i}", "compute", lambda mb, x: x, inputs=[f"a{i - 1}"],
+                            queue="q" if one_queue else f"q{i}") for i in range(1, k)]
+        plan = Plan({0: specs}, name="chain")
+        n = k * m
+    rt = Runtime(plan)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        rt.run(m)
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="threads", choices=["threads", "torch"])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ms", type=float, default=5.0, help="t_f = t_b, milliseconds")
+    ap.add_argument("--timeline", help="write the 1F1B M=8 step's Gantt chart here (PNG)")
+    ap.add_argument("--trace", help="write the 1F1B M=8 step's Chrome trace here (JSON)")
+    a = ap.parse_args()
+    stages, t = 4, a.ms / 1e3
+    print(f"pipeline: S = {stages}, t_f = t_b = {a.ms:g} ms, {a.backend} backend, median of "
+          f"{a.runs} steps")
+    print(f"{'schedule':>8} {'M':>3} {'ideal ms':>9} {'step ms':>8} {'efficiency':>10} "
+          f"{'kernel eff.':>11}  in flight")
+    for m in (8, 16):
+        for schedule in ("1f1b", "gpipe"):
+            res = sf.launch(pipeline_rank, stages, backend=a.backend,
+                            args=(stages, m, schedule, t, a.runs))
+            step = statistics.median(max(r[0][i] for r in res) for i in range(a.runs))
+            ideal = (m + stages - 1) * 2 * t
+            events = [e for r in res for e in r[1]]
+            peaks = [in_flight(events)[s] for s in range(stages)]
+            kern = statistics.mean(e["end"] - e["start"] for e in events
+                                   if e["kind"] in ("forward", "backward"))
+            print(f"{schedule:>8} {m:>3} {ideal * 1e3:>9.1f} {step * 1e3:>8.1f} "
+                  f"{ideal / step:>10.3f} {(m + stages - 1) * 2 * kern / step:>11.3f}  {peaks}")
+            if schedule == "1f1b" and m == 8:
+                if a.timeline:
+                    save_timeline(events, a.timeline, title=f"1F1B, S = {stages}, M = {m}, "
+                                  f"t_f = t_b = {a.ms:g} ms ({a.backend} backend)")
+                if a.trace:
+                    save_trace(events, a.trace)
+    print("\ncost of one firing (µs; empty actor functions):")
+    k, m = 4, 2000
+    one = sf.launch(firing_rank, 1, backend=a.backend, args=(k, m, True, False))[0]
+    own = sf.launch(firing_rank, 1, backend=a.backend, args=(k, m, False, False))[0]
+    cross = sf.launch(firing_rank, 2, backend=a.backend, args=(k, m, True, True))
+    print(f"  chain of {k} actors on one queue thread:      {one:7.1f}")
+    print(f"  chain of {k} actors, a queue thread each:     {own:7.1f}")
+    print(f"  producer -> consumer across two ranks:      {cross[0]:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
