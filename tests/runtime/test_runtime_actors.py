@@ -174,3 +174,24 @@ def test_describe_names_registers_and_consumers():
     text = plan.describe(0)
     assert "p (load, stage 0, data thread)" in text and "out[3 slots] -> c@1" in text
     assert "reads p.out@0" in plan.describe(1) and "the caller" in plan.describe(1)
+
+
+def test_loading_compute_and_communication_overlap_on_their_own_threads():
+    """A load (data thread) -> forward (compute thread) -> send (comm thread) chain of 10 ms
+    kernels: each stage works on the next micro-batch while the next stage works on this one,
+    so the run takes about (M + 2) kernels, not 3M."""
+    t, m = 0.01, 5
+    plan = Plan({0: [ActorSpec("load", "load", lambda mb: time.sleep(t) or mb),
+                     ActorSpec("fwd", "forward", lambda mb, x: time.sleep(t) or x,
+                               inputs=["load"]),
+                     ActorSpec("send", "send", lambda mb, x: time.sleep(t) or x,
+                               inputs=["fwd"])]})
+    rt, out = _run(plan, m)
+    assert out["send"] == list(range(m))
+    ev = rt.timeline()
+    load, fwd, send = _by(ev, "load"), _by(ev, "fwd"), _by(ev, "send")
+    for k in range(m - 1):  # send k runs beside forward k + 1, forward k beside load k + 1
+        assert send[k]["start"] < fwd[k + 1]["end"] and fwd[k + 1]["start"] < send[k]["end"]
+        assert fwd[k]["start"] < load[k + 1]["end"] and load[k + 1]["start"] < fwd[k]["end"]
+    span = max(e["end"] for e in ev) - min(e["start"] for e in ev)
+    assert span < 0.75 * 3 * m * t
