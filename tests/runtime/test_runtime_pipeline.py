@@ -52,11 +52,13 @@ def test_1f1b_keeps_at_most_s_minus_s_in_flight_and_gpipe_reaches_m(stages, m):
 
 
 def test_1f1b_step_time_is_close_to_the_ideal():
-    """S = 4, M = 8, t_f = t_b = 5 ms: the ideal is (M + S - 1)(t_f + t_b) = 110 ms. The step
+    """S = 4, M = 8, t_f = t_b = 20 ms: the ideal is (M + S - 1)(t_f + t_b) = 440 ms. The step
     cannot beat it (each rank's kernels are serial) and the runtime adds little; without the
-    overlap of stages it would take S·M·(t_f + t_b) = 320 ms. Loose bound (2 shared cores);
+    overlap of stages it would take S·M·(t_f + t_b) = 1280 ms. Loose bound (2 shared cores):
+    measured 1.03x the ideal unloaded, up to 1.4x beside 4 CPU hogs (with 5 ms actors up to
+    2x: a thread's wake-up delay under load is not small beside them);
     benchmarks/runtime.py measures the efficiency (about 0.92)."""
-    t, stages, m = 0.005, 4, 8
+    t, stages, m = 0.02, 4, 8
     ev, dt, _ = _pipeline(stages, m, "1f1b", t=t, runs=3)
     ideal = (m + stages - 1) * 2 * t
     span = max(e["end"] for e in ev) - min(e["start"] for e in ev)
