@@ -63,6 +63,19 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list
 
 
+def _add_hook(hooks: OrderedDict, hook, prepend: bool, flags: list) -> "RemovableHandle":
+    """Register ``hook`` in ``hooks`` (first if ``prepend``), marking it in each flag table
+    ``(table, on)`` that is on; the handle removes it from all of them."""
+    handle = RemovableHandle(hooks, *(table for table, _ in flags))
+    hooks[handle.id] = hook
+    for table, on in flags:
+        if on:
+            table[handle.id] = True
+    if prepend:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
 class Module:
     """Base class of sbpflow modules (torch.nn.Module's registration and traversal API)."""
 
@@ -93,13 +106,8 @@ class Module:
         replaces the positional arguments (a non-tuple is wrapped in one). With
         ``with_kwargs=True`` it is ``hook(module, args, kwargs)`` and may return
         ``(args, kwargs)``. Hooks run in registration order; ``prepend`` puts this one first."""
-        handle = RemovableHandle(self._forward_pre_hooks, self._forward_pre_hooks_with_kwargs)
-        self._forward_pre_hooks[handle.id] = hook
-        if with_kwargs:
-            self._forward_pre_hooks_with_kwargs[handle.id] = True
-        if prepend:
-            self._forward_pre_hooks.move_to_end(handle.id, last=False)
-        return handle
+        return _add_hook(self._forward_pre_hooks, hook, prepend,
+                         [(self._forward_pre_hooks_with_kwargs, with_kwargs)])
 
     def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
                               always_call: bool = False) -> "RemovableHandle":
@@ -108,16 +116,9 @@ class Module:
         ``with_kwargs=True`` it is ``hook(module, args, kwargs, output)``. ``always_call``: also
         run it (output None) when a pre-hook or ``forward`` raises; its own exception is then a
         warning and the original one propagates."""
-        handle = RemovableHandle(self._forward_hooks, self._forward_hooks_with_kwargs,
-                                 self._forward_hooks_always_called)
-        self._forward_hooks[handle.id] = hook
-        if with_kwargs:
-            self._forward_hooks_with_kwargs[handle.id] = True
-        if always_call:
-            self._forward_hooks_always_called[handle.id] = True
-        if prepend:
-            self._forward_hooks.move_to_end(handle.id, last=False)
-        return handle
+        return _add_hook(self._forward_hooks, hook, prepend,
+                         [(self._forward_hooks_with_kwargs, with_kwargs),
+                          (self._forward_hooks_always_called, always_call)])
 
     def _call_with_hooks(self, args: tuple, kwargs: dict):
         """``forward`` between the pre-hooks and the hooks; on an exception, the hooks
