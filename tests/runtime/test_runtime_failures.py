@@ -10,6 +10,12 @@ import pytest
 import sbpflow as sf
 from sbpflow.runtime import ActorSpec, Input, Plan, Runtime, pipeline_plan
 
+# Timing asserts leave room for a loaded 2-core CI machine (seconds of scheduling delay): what
+# a broken runtime would wait (a stuck actor, a collective or actor timeout) lasts HANG s or
+# more (the default timeout is 300 s), and the test asserts the run ended within PROMPT s.
+HANG = 30.0
+PROMPT = 10.0
+
 
 def _sleeper(t):
     return lambda mb, *x: time.sleep(t) or mb
@@ -61,7 +67,7 @@ def test_a_failing_actor_stops_every_rank_and_the_caller_gets_it():
         assert isinstance(other, sf.CommAborted), (r, other)
         assert "actor 'bwd2' (backward, stage 2, micro-batch 3) on rank 2 failed with Boom: " \
                "boom at micro-batch 3" in str(other)
-        assert at - failed["at"] < 2.0
+        assert at - failed["at"] < PROMPT
     assert log[2][0] is exc
     time.sleep(0.05)
     assert set(threading.enumerate()) - before == set()
@@ -85,17 +91,20 @@ def test_a_rank_inside_a_long_actor_stops_when_it_returns():
     exc, at = log[1]
     assert isinstance(exc, sf.ActorAborted) and "actor 'load' (load, stage 0, micro-batch 0)" \
         " on rank 0 failed with Boom: load failed" in str(exc)
-    assert 0.3 < at - failed["at"] < 2.0
+    assert 0.3 < at - failed["at"] < PROMPT
 
 
 def test_an_actor_stuck_in_its_function_is_left_behind_after_the_grace():
-    log = {}
+    log, release = {}, threading.Event()
     plan = Plan({0: [ActorSpec("load", "load", lambda mb: 1 / 0)],
-                 1: [ActorSpec("stuck", "compute", _sleeper(3.0))]})
+                 1: [ActorSpec("stuck", "compute", lambda mb: release.wait(HANG) and mb)]})
     t = time.monotonic()
-    with pytest.raises(ZeroDivisionError):
-        sf.launch(_recording(plan, 2, log), world_size=2)
-    assert time.monotonic() - t < 2.5
+    try:
+        with pytest.raises(ZeroDivisionError):
+            sf.launch(_recording(plan, 2, log), world_size=2)
+        assert time.monotonic() - t < PROMPT  # waiting for the stuck actor takes HANG
+    finally:
+        release.set()
     exc, _ = log[1]
     assert isinstance(exc, sf.ActorAborted)
     assert any("threads ['sbpflow-rank1-compute'] still inside actor(s) ['stuck'] 0.75 s after "
@@ -115,7 +124,7 @@ def test_a_missing_input_times_out_naming_the_actor_and_register(monkeypatch):
     t = time.monotonic()
     with pytest.raises(sf.ActorTimeout) as info:
         sf.launch(body, world_size=2)
-    assert 0.3 <= time.monotonic() - t < 1.5
+    assert 0.3 <= time.monotonic() - t < PROMPT
     msg = str(info.value)
     assert msg.startswith("actor 'c' (forward, stage 1) on rank 0 waited ")
     assert "for input register p.out of rank 1 (no req for value 0 yet); it fired 0 of 2 " \
@@ -165,7 +174,7 @@ def test_a_rank_failing_outside_the_runtime_stops_the_others():
         sf.launch(body, world_size=2)
     exc, at = log[0]
     assert isinstance(exc, sf.CommAborted) and "Boom: before the run" in str(exc)
-    assert at - log["at"] < 1.0
+    assert at - log["at"] < PROMPT
 
 
 def test_no_thread_is_left_after_failed_runs():

@@ -41,7 +41,7 @@ def test_failure_on_gloo_processes():
     assert r0["type"] == "ActorAborted"
     assert r0["message"] == ("actor 'f' (forward, stage 0, micro-batch 2) on rank 1 failed "
                              "with KeyError: 'bad micro-batch 2'; the runtime of rank 0 stopped")
-    assert r0["end"] - r1["end"] < 2.0
+    assert r0["end"] - r1["end"] < 10.0  # room for a loaded machine; the timeout is 300 s
 
 
 @pytest.mark.gloo
@@ -50,4 +50,4 @@ def test_timeout_on_gloo_processes():
     assert r0["type"] == "ActorTimeout"
     assert r0["message"].startswith("actor 'c' (forward, stage 0) on rank 0 waited ")
     assert "for input register p.out of rank 1 (no req for value 0 yet)" in r0["message"]
-    assert 0.5 <= r0["seconds"] < 2.0
+    assert 0.5 <= r0["seconds"] < 10.0  # the timeout is 0.5 s; room for a loaded machine
