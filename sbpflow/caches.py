@@ -31,8 +31,8 @@ _REGISTRY: dict[str, _Registered] = {}
 
 
 def _register(name: str, clear: Callable[[], None], size: Callable[[], int], maxsize: int) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"a cache named {name!r} is already registered")
+    """Register a cache; a later registration of the same name (a reloaded module) replaces
+    the earlier one."""
     _REGISTRY[name] = _Registered(clear, size, maxsize)
 
 
@@ -68,6 +68,13 @@ class BoundedDict(dict):
             self.clear()
         self[key] = value
         return value
+
+    def setdefault(self, key: Hashable, default: Any = None) -> Any:
+        """``dict.setdefault`` within the bound: the value stored first wins (atomic under the
+        GIL, so threads that race agree on it)."""
+        if len(self) >= self.maxsize:
+            self.clear()
+        return dict.setdefault(self, key, default)
 
 
 def clear_caches() -> None:

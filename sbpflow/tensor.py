@@ -74,14 +74,14 @@ def _parse_for(sbp: SbpLike, placement: Placement, shape: Sequence[int]) -> tupl
 def _binary(name: str, reflected: bool = False):
     def method(self, other):
         return apply_op(name, other, self) if reflected else apply_op(name, self, other)
-    method.__name__ = name
+    method.__name__ = method.__qualname__ = name
     return method
 
 
 def _unary(name: str):
     def method(self, *args, **kwargs):
         return apply_op(name, self, *args, **kwargs)
-    method.__name__ = name
+    method.__name__ = method.__qualname__ = name
     return method
 
 
@@ -696,7 +696,8 @@ def _layout_key(t: GlobalTensor) -> int:
 
 def _intern_layout(shape: tuple, dtype: torch.dtype, sbp: tuple) -> int:
     key = _LAYOUT_KEYS.get((shape, dtype, sbp))
-    return key if key is not None else _LAYOUT_KEYS.put((shape, dtype, sbp), next(_LAYOUT_IDS))
+    return key if key is not None else \
+        _LAYOUT_KEYS.setdefault((shape, dtype, sbp), next(_LAYOUT_IDS))
 
 
 def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:

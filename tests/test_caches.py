@@ -37,8 +37,16 @@ def test_memoize_registers_and_clears():
     sf.clear_caches()
     assert sf.cache_info()["tests.memoize_demo"].size == 0
     assert square(3) == 9 and calls == [3, 3]
-    with pytest.raises(ValueError):
-        memoize(4, name="tests.memoize_demo")(lambda x: x)   # one name, one cache
+    again = memoize(4, name="tests.memoize_demo")(lambda x: -x)   # a reloaded module: replaces
+    again(2)
+    assert sf.cache_info()["tests.memoize_demo"].size == 1
+
+
+def test_bounded_dict_setdefault_keeps_the_first_value_within_the_bound():
+    d = BoundedDict("tests.setdefault_demo", maxsize=2)
+    assert d.setdefault("a", 1) == 1 and d.setdefault("a", 2) == 1
+    d.setdefault("b", 3)
+    assert d.setdefault("c", 4) == 4 and dict(d) == {"c": 4}
 
 
 def test_clearing_caches_between_ops_keeps_results():

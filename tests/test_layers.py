@@ -32,6 +32,7 @@ LAYERS = [
     {"__main__"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+RANK["__package__"] = len(LAYERS)  # `import sbpflow`: the face that re-exports everything
 
 
 def _modules() -> dict[tuple, pathlib.Path]:
@@ -39,8 +40,11 @@ def _modules() -> dict[tuple, pathlib.Path]:
 
 
 def _imports(parts: tuple, path: pathlib.Path) -> list[tuple[int, tuple]]:
-    """(line, imported module path inside the package) for each import in a module."""
-    pkg = list(parts[:-1]) if parts[-1] != "__init__" else list(parts[:-1])
+    """(line, imported module path inside the package) for each import in a module: relative
+    and absolute imports, ``from sbpflow import x``, and ``importlib.import_module("sbpflow.x")``
+    / ``__import__`` with a constant name. ``import sbpflow`` itself is ``("__package__",)``: the
+    package face, above every layer."""
+    pkg = list(parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
@@ -50,12 +54,30 @@ def _imports(parts: tuple, path: pathlib.Path) -> list[tuple[int, tuple]]:
                     out.append((node.lineno, tuple(base + node.module.split("."))))
                 else:
                     out += [(node.lineno, tuple(base + [a.name])) for a in node.names]
+            elif node.module == "sbpflow":
+                out += [(node.lineno, (a.name,)) for a in node.names]
             elif node.module and node.module.split(".")[0] == "sbpflow":
                 out.append((node.lineno, tuple(node.module.split(".")[1:])))
         elif isinstance(node, ast.Import):
-            out += [(node.lineno, tuple(a.name.split(".")[1:])) for a in node.names
+            out += [(node.lineno, _absolute(a.name)) for a in node.names
                     if a.name.split(".")[0] == "sbpflow"]
+        elif isinstance(node, ast.Call) and _dynamic_import(node):
+            out.append((node.lineno, _absolute(node.args[0].value)))
     return [(line, t) for line, t in out if t]
+
+
+def _absolute(name: str) -> tuple:
+    rest = tuple(name.split(".")[1:])
+    return rest or ("__package__",)
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    """``importlib.import_module("sbpflow...")`` or ``__import__("sbpflow...")``."""
+    f = call.func
+    named = (isinstance(f, ast.Attribute) and f.attr == "import_module") or \
+        (isinstance(f, ast.Name) and f.id in ("__import__", "import_module"))
+    return named and bool(call.args) and isinstance(call.args[0], ast.Constant) and \
+        isinstance(call.args[0].value, str) and call.args[0].value.split(".")[0] == "sbpflow"
 
 
 def test_every_top_level_name_has_a_layer():

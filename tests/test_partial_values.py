@@ -51,14 +51,19 @@ class _Holder(sf.nn.Module):
         self.w = sf.nn.Parameter(w)
 
 
-@pytest.mark.parametrize("sbp", [(sf.P("max"), sf.B), (sf.P("min"), sf.P("min")), (sf.P, sf.B)],
-                         ids=["Pmax-B", "Pmin-Pmin", "P-B"])
-def test_saved_and_loaded_partial_keeps_its_value(sbp, tmp_path):
-    value = _value(3)
+@pytest.mark.parametrize("saved,sbp", [
+    ((sf.P("max"), sf.B), (sf.P("max"), sf.B)), ((sf.P("min"), sf.P("min")), (sf.P("min"), sf.P("min"))),
+    ((sf.P, sf.B), (sf.P, sf.B)), ((sf.B, sf.B), (sf.P, sf.P("max"))),
+    ((sf.S(0), sf.B), (sf.P("max"), sf.P)), ((sf.P("max"), sf.B), (sf.P, sf.P("min")))],
+    ids=["Pmax-B", "Pmin-Pmin", "P-B", "into-P-Pmax", "into-Pmax-P", "Pmax-into-P-Pmin"])
+def test_saved_and_loaded_partial_keeps_its_value(saved, sbp, tmp_path):
+    """Saved in one layout, loaded into another (mixed partial layouts too): the logical value,
+    negative entries included, is the saved one and no shard holds an infinity."""
+    value = _value(3) - 1.0
 
     def body():
         mesh = sf.placement("cpu", ranks=MESH)
-        src = _Holder(sf.tensor(value, mesh, sbp))
+        src = _Holder(sf.tensor(value, mesh, saved))
         sf.save(str(tmp_path / "ckpt"), src)
         dst = _Holder(sf.zeros(3, 5, placement=mesh, sbp=sbp))
         sf.load(str(tmp_path / "ckpt"), dst)

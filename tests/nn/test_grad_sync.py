@@ -1,4 +1,4 @@
-"""Gradient all-reduces started during backward (sf.optim.grad_sync): they run inside
+"""Gradient all-reduces started during backward (sbpflow.gradsync): they run inside
 backward, the step adds none, results equal the blocking path and torch, gradient
 accumulation stays correct (with and without ``no_sync``), a second optimizer takes the
 parameters over, and the torch backend's asynchronous all-reduce gives the same weights."""
@@ -191,7 +191,8 @@ def test_bucket_buffers_are_reused_unless_a_reduced_gradient_is_held(backend):
 
 
 def test_cpu_gradients_get_no_small_first_bucket():
-    # on a CPU the first bucket is as large as the others (grad_sync's docstring says why);
+    # on a CPU the first bucket is as large as the others (docs/internals.md,
+    # 'Gradient synchronisation', says why);
     # a first_bucket_bytes given is kept
     def body():
         m, _, _, _ = _dp_model("dp2")
