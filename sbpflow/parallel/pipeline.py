@@ -7,7 +7,8 @@ Stage 0 starts at the model, stage i at module ``split[i-1]``, in ``model.named_
 order. Stage i's parameters and buffers go to ``placements[i]`` (``rules[i]`` as in
 `sf.parallel.apply`; default replicated). Forward pre-hooks move, on entering stage i, the
 global-tensor arguments of its first module and the model's own global-tensor inputs (so
-``pos`` or ``targets`` reach the stage that reads them) to ``placements[i]``. Placements may
+``pos`` or ``targets`` reach the stage that reads them) to ``placements[i]``; the model's
+``forward`` is wrapped so that its inputs get their own layouts back however the call ends. Placements may
 not share ranks. Eager mode runs the stages one after another (correct, serial). Not done here:
 micro-batches, GPipe / 1F1B schedules and overlap (graph mode, actor runtime).
 See docs/runtime.md, 'Pipeline stages'.
@@ -44,6 +45,7 @@ class Pipeline:
         self.sbp = sbp
         self.handles: list[RemovableHandle] = []
         self._frames: list[list] = []   # per model call in progress: its routed inputs
+        self._unwrap = None             # undoes `_wrap_forward`
 
     @property
     def num_stages(self) -> int:
@@ -60,9 +62,13 @@ class Pipeline:
         raise KeyError(f"{_WHO}: {name!r} names no module or parameter of the model")
 
     def remove(self) -> None:
+        """Take the stage hooks and the model's forward wrapper off."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
 
     def __repr__(self) -> str:
         starts = ["(model)"] + list(self.split)
@@ -92,22 +98,36 @@ class Pipeline:
                             f"sbp {format_nd_sbp(t.sbp)}) into stage {stage} on {pl}: "
                             f"{exc}") from None
 
-    def enter_model(self, module: Module, args: tuple, kwargs: dict) -> None:
-        """Root pre-hook: remember the model's global-tensor inputs (restored by `leave_model`)
-        and put each on stage 0 (its home, from which every later stage's copy is moved)."""
-        frame: list = []
-        self._frames.append(frame)      # first: `leave_model` pops it even if a move fails
+    def enter_model(self, frame: list, args: tuple, kwargs: dict) -> None:
+        """Fill ``frame`` (already on ``_frames``): remember the model's global-tensor inputs
+        (restored by `leave_model`) and put each on stage 0 (its home, from which every later
+        stage's copy is moved)."""
         for t in _global_inputs(args, kwargs):
             saved = _fields(t)
             home = self.move(_snapshot(t), 0, "a model input")
             frame.append((t, saved, home))
             _set_fields(t, _fields(home))
 
-    def leave_model(self, module: Module, args: tuple, kwargs: dict, output) -> None:
-        """Root hook (also when forward raises): give the inputs back their own layouts."""
-        if self._frames:
-            for t, saved, _ in self._frames.pop():
-                _set_fields(t, saved)
+    def leave_model(self, frame: list) -> None:
+        """Take ``frame`` off ``_frames`` and give its inputs back their own layouts."""
+        for k in range(len(self._frames) - 1, -1, -1):
+            if self._frames[k] is frame:
+                del self._frames[k]
+                break
+        for t, saved, _ in reversed(frame):
+            _set_fields(t, saved)
+
+    def call_model(self, forward, args: tuple, kwargs: dict):
+        """``forward(*args, **kwargs)`` with the inputs routed; they get their own layouts back
+        however it ends -- also on a BaseException (KeyboardInterrupt), which a forward hook
+        with ``always_call`` would not see (it runs on Exception only, as torch's)."""
+        frame: list = []
+        self._frames.append(frame)
+        try:
+            self.enter_model(frame, args, kwargs)
+            return forward(*args, **kwargs)
+        finally:
+            self.leave_model(frame)
 
     def enter_stage(self, stage: int, args: tuple, kwargs: dict) -> tuple:
         """Pre-hook of stage ``stage``'s first module: the model's inputs follow (rebound in
@@ -294,10 +314,31 @@ def _move_buffers(model: Module, pipe: Pipeline) -> None:
                 m._buffers[key] = moved[id(b)]
 
 
+def _wrap_forward(model: Module, pipe: Pipeline) -> None:
+    """Route the model's inputs around its ``forward`` (an instance attribute, found before the
+    class's): the pipeline's own try/finally restores them, whatever the hooks do."""
+    had = "forward" in model.__dict__
+    previous = model.__dict__.get("forward")
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        return pipe.call_model(inner, args, kwargs)
+
+    object.__setattr__(model, "forward", forward)
+
+    def unwrap() -> None:
+        if model.__dict__.get("forward") is not forward:
+            return                      # replaced since by someone else: leave theirs
+        if had:
+            object.__setattr__(model, "forward", previous)
+        else:
+            del model.__dict__["forward"]
+
+    pipe._unwrap = unwrap
+
+
 def _install_hooks(model: Module, pipe: Pipeline, firsts: list) -> None:
-    pipe.handles.append(model.register_forward_pre_hook(pipe.enter_model, with_kwargs=True))
-    pipe.handles.append(model.register_forward_hook(pipe.leave_model, with_kwargs=True,
-                                                    always_call=True))
+    _wrap_forward(model, pipe)
     for stage, m in enumerate(firsts, start=1):
         # prepend: the move happens before any hook the user registered on the module
         pipe.handles.append(m.register_forward_pre_hook(

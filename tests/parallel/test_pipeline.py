@@ -170,6 +170,49 @@ def test_routed_input_gradient_buffer_and_restore():
     assert out["after_error"] == ([0, 1], [0, 1], 0)
 
 
+class _Interrupt(BaseException):
+    """Not an Exception (as KeyboardInterrupt): forward hooks with ``always_call`` miss it."""
+
+
+def test_inputs_restored_when_a_later_stage_raises_a_base_exception():
+    """A BaseException (custom, KeyboardInterrupt) raised in stage 1 leaves the inputs with
+    their own shards and layouts and no frame behind; the model then runs as its torch twin."""
+    x_full, t_full, w = _net_data()
+
+    def raising(exc, inputs: tuple, seen: list):
+        def hook(module, args):         # on stage 1's module, after the inputs were moved there
+            seen.append(tuple(i.placement.ranks for i in inputs))
+            raise exc()
+        return hook
+
+    def fn():
+        pl0, pl1 = sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])
+        sf.manual_seed(0)
+        m = _net(sf.nn, sf.nn.functional, sf.tensor(w, sf.placement("cpu", [0, 1, 2, 3]),
+                                                     sf.B)).double()
+        sd0 = m.state_dict()
+        sf.parallel.pipeline(m, [pl0, pl1], split=["b"])
+        x = sf.tensor(x_full, pl0, sf.S(0))
+        t = sf.tensor(t_full, pl0, sf.B)
+        own, after, seen = (x.local, t.local), [], []
+        for exc in (_Interrupt, KeyboardInterrupt):
+            handle = m.s.register_forward_pre_hook(raising(exc, (x, t), seen))
+            with pytest.raises(exc):
+                m(x, t)
+            handle.remove()
+            after.append((x.placement.ranks, x.sbp, t.placement.ranks, t.sbp,
+                          x.local is own[0] and t.local is own[1],
+                          len(sf.parallel.pipeline_of(m)._frames)))
+        return sd0, seen, after, m(x, t).item()
+
+    sd0, seen, after, loss = sf.launch(fn, world_size=4)[0]
+    assert seen == [([2, 3], [2, 3])] * 2
+    assert after == [([0, 1], (sf.S(0),), [0, 1], (sf.B,), True, 0)] * 2
+    tm = _net(torch.nn, torch.nn.functional, w)
+    tm.double().load_state_dict(sd0)
+    _close(loss, tm(x_full, t_full).item(), "loss after the interrupts")
+
+
 def test_pipeline_again_replaces_hooks():
     """A second call leaves only its own hooks; the stage move runs before a hook the user
     had put on the stage's first module (it sees the moved activation)."""
@@ -186,11 +229,14 @@ def test_pipeline_again_replaces_hooks():
                  if mod._forward_pre_hooks}
         tok, pos, tgt = batch(0, 2)
         loss = m(*(sf.tensor(v, pls[0], sf.B) for v in (tok, pos, tgt)))
+        pipe.remove()                  # the first pipeline's forward wrapper went with it too
+        removed = ("forward" in m.__dict__, m.blocks[3]._forward_pre_hooks)
         return hooks, pipe.stage_of("blocks.2.ln1.weight"), pipe.stage_of("blocks.3"), \
-            m.head.weight.placement.ranks, loss.placement.ranks, seen
+            m.head.weight.placement.ranks, loss.placement.ranks, seen, removed
 
-    hooks, s2, s3, head, loss, seen = sf.launch(fn, world_size=4)[0]
-    assert hooks == {"": 1, "blocks.3": 2}       # the stage move and the user's hook
+    hooks, s2, s3, head, loss, seen, removed = sf.launch(fn, world_size=4)[0]
+    assert hooks == {"blocks.3": 2}              # the stage move and the user's hook
+    assert removed[0] is False and len(removed[1]) == 1
     assert (s2, s3, head, loss) == (0, 1, [1], [1])
     assert seen == ["cpu[1]"]
 
