@@ -8,6 +8,7 @@ abandoned loading threads stop; a training loop fed by the loader equals one fed
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 
@@ -181,8 +182,34 @@ def _ahead(ds, rank: int, batch_of: dict) -> int:
     return max((batch_of[i] for r, i in list(ds.reads) if r == rank), default=-1)
 
 
+def _parked(thread: threading.Thread) -> bool:
+    """``thread`` has ended or sits in a ``threading`` wait (a lock, semaphore, event or
+    condition with nothing to take): it cannot read another sample until it is woken."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wait" and code.co_filename == threading.__file__:
+            return True
+        frame = frame.f_back
+    return not thread.is_alive()
+
+
+def _settle(ds, rank: int, batch_of: dict, want: int, thread) -> int:
+    """Once the loading thread (None: no thread) has read batch ``want`` and then parked
+    (waiting for a slot) or ended: the last batch it has read from (`_ahead`). Gives up after
+    30 s (a thread that does not run ahead, or never parks)."""
+    deadline = time.monotonic() + 30
+    while _ahead(ds, rank, batch_of) < want and time.monotonic() < deadline:
+        time.sleep(0.005)
+    while thread is not None and not _parked(thread) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return _ahead(ds, rank, batch_of)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_prefetch_loads_at_most_its_budget_ahead(prefetch):
+    """While the consumer holds batch k the loading thread reads up to batch k + prefetch and
+    no further: checked once it has parked, so an overrun would already have been read."""
     n, bs = 40, 4
     index_batches, _ = torch_batches(Encoded(n), bs)
     batch_of, ds = _batch_of(index_batches), Encoded(n)
@@ -191,13 +218,16 @@ def test_prefetch_loads_at_most_its_budget_ahead(prefetch):
         me, seen = sf.rank(), []
         loader = sf.data.DataLoader(ds, bs, sf.placement("cpu", [0, 1]), seed=SEED,
                                     prefetch=prefetch)
+        before = set(threading.enumerate())
+        thread = None
         for k, _ in enumerate(loader):
+            if k == 0:   # it cannot have ended yet: the last batch is more than a budget away
+                mine = [t for t in set(threading.enumerate()) - before
+                        if t.name == f"sbpflow-data-rank{me}"]
+                assert len(mine) == (1 if prefetch else 0), mine
+                thread = mine[0] if mine else None
             want = min(k + prefetch, len(index_batches) - 1)
-            deadline = time.monotonic() + 2   # give the loading thread time to run ahead
-            while _ahead(ds, me, batch_of) < want and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(0.02)                  # ... and to overrun its budget, if it would
-            seen.append((k, _ahead(ds, me, batch_of)))
+            seen.append((k, _settle(ds, me, batch_of, want, thread)))
         return seen
 
     for seen in sf.launch(fn, 2):
@@ -229,7 +259,8 @@ def _data_threads() -> set:
     return {t for t in threading.enumerate() if t.name.startswith("sbpflow-data")}
 
 
-def _stopped(threads, seconds: float = 2.0) -> bool:
+def _stopped(threads, seconds: float = 30.0) -> bool:
+    """All ``threads`` end within ``seconds`` (generous: join returns as soon as they do)."""
     for t in threads:
         t.join(seconds)
     return not any(t.is_alive() for t in threads)
@@ -271,19 +302,27 @@ def test_the_thread_stops_when_its_rank_ends():
 
 
 def test_a_hung_sample_times_out_naming_it():
-    class Slow(Encoded):
+    """Sample 3 hangs (30 s, unless released): the consumer's 0.3 s timeout fires long before
+    (< 10 s) and names it."""
+    release = threading.Event()
+
+    class Hung(Encoded):
         def __getitem__(self, i):
             if i == 3:
-                time.sleep(1.5)
+                release.wait(30)
             return super().__getitem__(i)
 
-    loader = sf.data.DataLoader(Slow(8), 8, sf.placement("cpu", [0]), shuffle=False,
+    loader = sf.data.DataLoader(Hung(8), 8, sf.placement("cpu", [0]), shuffle=False,
                                 timeout=0.3)
     start = time.monotonic()
-    with pytest.raises(sf.DataLoaderError, match=r"waited 0.3 s for batch 0 .*reading "
-                                                 r"sample\(s\) 3 of batch 0"):
-        next(iter(loader))
-    assert time.monotonic() - start < 1.2
+    try:
+        with pytest.raises(sf.DataLoaderError, match=r"waited 0.3 s for batch 0 .*reading "
+                                                     r"sample\(s\) 3 of batch 0"):
+            next(iter(loader))
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()                   # the loading thread finishes its read and stops
+    assert 0.3 <= elapsed < 10
 
 
 def test_bad_arguments_and_samples():
