@@ -37,8 +37,9 @@ _WHO = "sf.parallel.pipeline"
 class Pipeline:
     """What `pipeline` did to a model: ``placements`` and ``split`` (one stage each, the split
     points), ``module_stage`` (every module name of ``named_modules(remove_duplicate=False)`` ->
-    its stage) and the hooks; ``stage_of(name)`` for a module or parameter name. ``remove()``
-    takes the hooks off (parameters and buffers stay where they are)."""
+    its stage) and the stage hooks; ``stage_of(name)`` for a module or parameter name.
+    ``remove()`` takes the hooks and the model's ``forward`` wrapper off (parameters and buffers
+    stay where they are)."""
 
     def __init__(self, placements: tuple, split: tuple, module_stage: dict, sbp: tuple) -> None:
         self.placements, self.split, self.module_stage = placements, split, module_stage
