@@ -115,9 +115,17 @@ class StoreChannels:
         return f"sbpflow/channel/{channel}/{rank}"
 
     def post(self, src: int, dst: int, channel: str, message: Any) -> None:
+        """Push ``message`` onto ``dst``'s store queue; a store failure (connection lost,
+        store host gone: ``DistNetworkError``, ``DistStoreError``, ``RuntimeError``) raises
+        `CommError`, as every communication failure does."""
         data = pickle.dumps((src, message), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._post_lock:
-            self._post_conn.queue_push(self.key(dst, channel), data)
+        try:
+            with self._post_lock:
+                self._post_conn.queue_push(self.key(dst, channel), data)
+        except (RuntimeError, OSError) as exc:  # DistError subclasses RuntimeError
+            raise CommError(f"post from rank {src} to rank {dst} on message channel "
+                            f"{channel!r}: the c10d store failed: {type(exc).__name__}: "
+                            f"{exc}") from exc
 
     def take(self, rank: int, channel: str, timeout: float,
              alive: Callable[[], None]) -> list[tuple[int, Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..comm.base import Communicator
@@ -28,6 +29,46 @@ __all__ = ["Runtime"]
 _POLL = 0.05  # s between the supervisor's timeout checks and the inbox's liveness checks
 _STOP_GRACE = 0.75  # s a failed run waits for its threads (an actor may be inside its fn);
 # below the 1 s `launch` gives a failed world, so a rank reports what its runtime says
+_INBOX_GRACE = 10.0  # s a run waits for its inbox thread, which runs no user code and returns
+# within _POLL: left alive it would steal the next run's messages
+_GATED = ("collective", "send", "recv")  # kinds whose fn may talk to the communicator directly:
+# they fire only once every rank of the plan started the run with no thread left behind, so
+# they never pair with a previous run's abandoned collective
+
+
+class _CommState:
+    """What the runtimes of one communicator share: the run counter and the early messages of
+    each channel (a fresh `Runtime` on the same plan name goes on counting, so it never reads
+    a previous one's leftover messages as its own) and the threads failed runs left behind."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: dict[str, int] = {}
+        self.early: dict[str, list[tuple[int, tuple]]] = {}
+        self.left_behind: list[tuple[threading.Thread, str]] = []  # (thread, its actors)
+
+    def next_run(self, channel: str) -> int:
+        with self.lock:
+            self.runs[channel] = self.runs.get(channel, 0) + 1
+            return self.runs[channel]
+
+    def alive(self) -> list[str]:
+        """The left-behind threads still running, as "name (inside actors)"."""
+        with self.lock:
+            self.left_behind = [(t, a) for t, a in self.left_behind if t.is_alive()]
+            return [f"{t.name} (inside {a})" for t, a in self.left_behind]
+
+
+_STATES: "weakref.WeakKeyDictionary[Communicator, _CommState]" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _state(comm: Communicator) -> _CommState:
+    with _STATES_LOCK:
+        st = _STATES.get(comm)
+        if st is None:
+            st = _STATES[comm] = _CommState()
+        return st
 
 
 class Runtime:
@@ -45,8 +86,9 @@ class Runtime:
                             f"world of {self.comm.world_size}")
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.channel = f"sbpflow.runtime/{plan.name}"
-        self.runs = 0  # runs started; messages carry it, so a late one is never misread
-        self.early: list[tuple[int, tuple]] = []  # messages of a later run than the current
+        self.shared = _state(self.comm)  # run ids and early messages per (comm, channel)
+        self.runs = 0  # the id of the last run started: messages carry it, so a late one is
+        # never misread (counted per communicator and channel, not per Runtime)
         self._step: _Step | None = None
 
     def run(self, micro_batches: int) -> dict[str, list]:
@@ -55,12 +97,14 @@ class Runtime:
         Returns the values of the registers no actor reads, in order, keyed by actor (by
         ``actor.register`` when it has several registers). Raises an actor's own exception
         (noted with its rank and actor), `ActorAborted` when an actor of another rank failed,
-        or `ActorTimeout`.
+        or `ActorTimeout`. Raises `CommError` (and aborts the other ranks' run) while a
+        thread a failed run left behind is still inside an actor on this rank's communicator:
+        its collective would pair with this run's.
         """
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise PlanError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
         self.plan.check_rates(micro_batches)
-        self.runs += 1
+        self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)
         return self._step.execute()
 
@@ -94,17 +138,23 @@ class _Step:
         self.events: list[dict] = []
         self.results: dict[str, list] = {}
         self.peers = [r for r in rt.plan.ranks if r != self.rank]
+        # the ranks whose "start" has not arrived: until then gated actors (_GATED) wait
+        self.unstarted = set(self.peers)
+        self.t0 = now
+
+    def gated(self, a: Actor) -> bool:
+        return bool(self.unstarted) and a.spec.kind in _GATED
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> dict[str, list]:
-        early, self.rt.early = self.rt.early, []
-        self._dispatch(early)
+        self._start()
         threads = [threading.Thread(target=self._queue_loop, args=(q,), daemon=True,
                                     name=f"sbpflow-rank{self.rank}-{q}") for q in self.queues]
+        inbox = None
         if self.peers:
-            threads.append(threading.Thread(target=self._inbox_loop, daemon=True,
-                                            name=f"sbpflow-rank{self.rank}-inbox"))
-        for t in threads:
+            inbox = threading.Thread(target=self._inbox_loop, daemon=True,
+                                     name=f"sbpflow-rank{self.rank}-inbox")
+        for t in threads + ([inbox] if inbox else []):
             t.start()
         try:
             self._supervise()
@@ -112,10 +162,29 @@ class _Step:
             self._fail(exc, None)
             raise
         finally:
-            self._stop(threads)
+            self._stop(threads, inbox)
         if self.failure is not None:
             raise self.failure
         return self.results
+
+    def _start(self) -> None:
+        """Tell the other ranks this run started, or refuse it (`CommError`, and their run
+        aborts) while a thread a failed run left behind is inside an actor: a collective of
+        that thread would pair with this run's and give every rank wrong values."""
+        stale = self.rt.shared.alive()
+        problem = None
+        if stale:
+            problem = (f"rank {self.rank} cannot start run {self.run_id} of plan "
+                       f"{self.rt.plan.name!r}: threads {stale} of a failed run are still "
+                       f"running (their collectives would pair with this run's); wait until "
+                       f"they return (at most the communication timeout) and run again")
+        for r in self.peers:
+            self._post(r, ("start", self.run_id, problem))
+        if problem is not None:
+            raise CommError(problem)
+        with self.rt.shared.lock:
+            early = self.rt.shared.early.pop(self.rt.channel, [])
+        self._dispatch(early)
 
     def _supervise(self) -> None:
         """Wait until every actor finished (or the run failed), checking for timeouts."""
@@ -130,24 +199,34 @@ class _Step:
         if exc is not None:
             self._fail(exc, None)
 
-    def _stop(self, threads: list[threading.Thread]) -> None:
+    def _stop(self, threads: list[threading.Thread], inbox: threading.Thread | None) -> None:
         """Wake every thread, wait for them (a bounded time after a failure) and name on the
-        exception the threads left inside an actor's function."""
+        exception the threads left inside an actor's function; they are remembered, so the
+        next run on this communicator refuses to start while they live."""
         with self.lock:
             self.over = True
             for c in self.conds.values():
                 c.notify_all()
-        if self.peers:
+        if inbox is not None:
             self._post(self.rank, ("wake", self.run_id))  # the inbox returns at once
         grace = _STOP_GRACE if self.failure is not None else self.rt.timeout
         deadline = time.monotonic() + grace
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
-        if stuck and self.failure is not None and hasattr(self.failure, "add_note"):
+        if inbox is not None:  # on its own deadline: it runs no user code, returns in _POLL
+            inbox.join(_INBOX_GRACE)
+            threads = threads + [inbox]
+        stuck = [t for t in threads if t.is_alive()]
+        if not stuck:
+            return
+        with self.lock:
             busy = [a.name for a in self.actors.values() if a.busy]
-            self.failure.add_note(f"rank {self.rank}: threads {stuck} still inside actor(s) "
-                                  f"{busy} {grace:g} s after the failure, left behind")
+        with self.rt.shared.lock:
+            self.rt.shared.left_behind.extend((t, f"actor(s) {busy}") for t in stuck)
+        if self.failure is not None and hasattr(self.failure, "add_note"):
+            self.failure.add_note(f"rank {self.rank}: threads {[t.name for t in stuck]} still "
+                                  f"inside actor(s) {busy} {grace:g} s after the failure, "
+                                  f"left behind")
 
     # -- threads ------------------------------------------------------------------------------
     def _queue_loop(self, queue: str) -> None:
@@ -157,7 +236,7 @@ class _Step:
         try:
             with self.lock:
                 while not self.over:
-                    a = next((a for a in actors if a.can_fire()), None)
+                    a = next((a for a in actors if a.can_fire() and not self.gated(a)), None)
                     if a is not None:
                         self._fire(a)
                     elif all(a.fired >= a.times for a in actors):
@@ -189,7 +268,7 @@ class _Step:
                  for q, k in zip(a.inputs, a.repeats)]
         emit = (index + 1) % a.every == 0
         slots = [reg.free.popleft() for reg in a.outputs] if emit else []
-        a.busy = True
+        a.busy, a.since = True, time.perf_counter()  # since: for a timeout inside fn
         self.lock.release()
         remote: list[tuple[int, tuple]] = []
         try:
@@ -205,9 +284,11 @@ class _Step:
                 a.busy = False
                 remote = self._publish(a, index, taken, slots, values, start, end)
         finally:
-            for dst, msg in remote:
-                self._post(dst, msg)
-            self.lock.acquire()
+            try:
+                for dst, msg in remote:
+                    self._post(dst, msg)
+            finally:  # whatever a post raised, return with the lock held (the caller's with)
+                self.lock.acquire()
 
     def _publish(self, a: Actor, index: int, taken: list, slots: list, values: tuple,
                  start: float, end: float) -> list[tuple[int, tuple]]:
@@ -236,7 +317,9 @@ class _Step:
                 else:
                     remote.append((c.rank, msg))
         for i, ((rank, producer, _, reg), entry) in enumerate(zip(a.sources, taken)):
-            if len(entry) > 3:  # read again by the next firing: no ack yet
+            if len(entry) > 3:  # read again by the next firing: no ack yet, but the producer
+                if rank == self.rank:  # waiting for it is not idle (GPipe's flush)
+                    self.actors[producer].since = end
                 continue
             msg = ("ack", self.run_id, producer, reg, entry[0], (self.rank, a.name, i))
             if rank == self.rank:
@@ -249,11 +332,18 @@ class _Step:
 
     # -- messages -----------------------------------------------------------------------------
     def _post(self, dst: int, msg: tuple) -> None:
+        """Post ``msg``; never raises (it runs while stopping): a failed post fails the run."""
         try:
             self.comm.post(dst, self.rt.channel, msg)
-        except CommError as exc:  # the world is aborted: stop too (no-op when already over)
-            if msg[0] != "abort":
-                self._fail(exc, None)
+        except Exception as exc:  # noqa: BLE001 - e.g. the world aborted, the store is gone
+            if msg[0] in ("abort", "wake"):  # already stopping: the first failure stands
+                return
+            if not isinstance(exc, CommError):
+                err = CommError(f"rank {self.rank}: posting a {msg[0]!r} message to rank {dst} "
+                                f"on channel {self.rt.channel!r} failed with "
+                                f"{type(exc).__name__}: {exc}")
+                err.__cause__, exc = exc, err
+            self._fail(exc, None)
 
     def _dispatch(self, msgs: list[tuple[int, tuple]]) -> None:
         if not msgs:
@@ -262,7 +352,8 @@ class _Step:
         with self.lock:
             for src, msg in msgs:
                 if msg[1] > self.run_id:
-                    self.rt.early.append((src, msg))
+                    with self.rt.shared.lock:
+                        self.rt.shared.early.setdefault(self.rt.channel, []).append((src, msg))
                 elif msg[1] < self.run_id or msg[0] == "wake":
                     continue
                 elif msg[0] == "req":
@@ -271,6 +362,10 @@ class _Step:
                     self._on_ack(msg)
                 elif msg[0] == "abort":
                     aborts.append(msg[2])
+                elif msg[0] == "start":
+                    if msg[2] is not None:
+                        aborts.append(msg[2])
+                    self._on_start(src)
             if self.left == 0:
                 self.main.notify()
         for text in aborts:
@@ -287,6 +382,20 @@ class _Step:
         a.inputs[i].append((slot, index, value))
         a.since = time.perf_counter()
         self.conds[a.spec.queue].notify()
+
+    def _on_start(self, src: int) -> None:
+        """Rank ``src`` started this run: once all did, the gated actors may fire (their
+        wait for a timeout starts now)."""
+        if src not in self.unstarted:
+            return
+        self.unstarted.discard(src)
+        if not self.unstarted:
+            now = time.perf_counter()
+            for a in self.actors.values():
+                if a.spec.kind in _GATED and not a.busy:
+                    a.since = now
+            for c in self.conds.values():
+                c.notify_all()
 
     def _on_ack(self, msg: tuple) -> None:
         _, _, actor, reg, slot, consumer = msg
@@ -328,7 +437,22 @@ class _Step:
         """An `ActorTimeout` for the first actor waiting longer than the timeout (lock held)."""
         now, limit = time.perf_counter(), self.rt.timeout
         for a in self.actors.values():
-            if now - a.since < limit or a.busy or a.can_fire() or a.finished():
+            if now - a.since < limit or a.finished():
+                continue
+            if a.busy:  # a timeout inside its function: a hung collective, an endless loop
+                return ActorTimeout(
+                    f"actor {a.name!r} ({a.spec.kind}, stage {a.spec.stage}) on rank "
+                    f"{self.rank} has been inside its function for {now - a.since:.3g} s "
+                    f"(micro-batch {a.fired}); it fired {a.fired} of {a.times} times (timeout "
+                    f"{limit:g} s, SBPFLOW_TIMEOUT)")
+            if self.gated(a):
+                return ActorTimeout(
+                    f"actor {a.name!r} ({a.spec.kind}, stage {a.spec.stage}) on rank "
+                    f"{self.rank} waited {now - a.since:.3g} s for ranks "
+                    f"{sorted(self.unstarted)} to start run {self.run_id} of plan "
+                    f"{self.rt.plan.name!r} (every rank of a plan calls run() as often; "
+                    f"timeout {limit:g} s, SBPFLOW_TIMEOUT)")
+            if a.can_fire():
                 continue
             return ActorTimeout(
                 f"actor {a.name!r} ({a.spec.kind}, stage {a.spec.stage}) on rank {self.rank} "

@@ -83,3 +83,16 @@ def test_copy_and_count_tensors_in_messages():
     t.add_(1)
     assert torch.equal(c[2]["x"], torch.ones(3, dtype=torch.float64)) and c[2]["y"][1] == 2
     assert tensor_bytes(msg) == 2 * 3 * 8 and tensor_bytes(("wake", 3)) == 0
+
+
+def test_a_store_failure_in_post_is_a_comm_error():
+    """A dead store (DistNetworkError, a RuntimeError) raises CommError from post, which the
+    runtime handles as every communication failure (not a bare RuntimeError)."""
+    class DeadStore:
+        def queue_push(self, key, data):
+            raise dist.DistNetworkError("Broken pipe")
+
+    ch = StoreChannels(0, DeadStore())
+    with pytest.raises(CommError, match=r"post from rank 0 to rank 1 on message channel 'c': "
+                                        r"the c10d store failed: DistNetworkError: Broken pipe"):
+        ch.post(0, 1, "c", ("req", 1))

@@ -144,11 +144,14 @@ def test_no_free_slot_times_out_naming_the_output_register():
 
 
 def test_missing_acks_time_out_and_abort_the_other_rank():
+    """Rank 0 (timeout 0.3 s) waits for the ack of a consumer busy for 1 s on rank 1 (timeout
+    HANG s, so the consumer does not time out inside its function first)."""
     log = {}
     plan = Plan({0: [ActorSpec("p", "load", _sleeper(0))],
                  1: [ActorSpec("c", "compute", _sleeper(1.0), inputs=[Input("p", rank=0)])]})
+    bodies = [_recording(plan, 1, log, timeout=0.3), _recording(plan, 1, log, timeout=HANG)]
     with pytest.raises(sf.ActorTimeout) as info:
-        sf.launch(_recording(plan, 1, log, timeout=0.3), world_size=2)
+        sf.launch(lambda: bodies[sf.comm.rank()](), world_size=2)
     assert "actor 'p' (load, stage 0) on rank 0 waited" in str(info.value)
     assert "for the acks of its output register 'out' (slot 0 (value 0) not acked by 'c' on " \
            "rank 1); it fired 1 of 1 times" in str(info.value)
