@@ -3,8 +3,10 @@
 No central loop orders the work: each queue thread (compute, comm, data, ...) fires the first
 of its actors that the firing rule allows, publishes its outputs (``req`` to each consumer) and
 acks its inputs; messages to other ranks go over the Communicator's message channel, read by
-an inbox thread. A failing actor aborts every rank of the plan; an actor that cannot fire for
-``SBPFLOW_TIMEOUT`` s raises `ActorTimeout`. Every firing is a timeline event. What is not
+an inbox thread. A failing actor aborts every rank of the plan; an actor that cannot fire, or
+stays inside its function, for ``SBPFLOW_TIMEOUT`` s raises `ActorTimeout`; a run refuses to
+start while a failed run's thread is left inside an actor (its collective would pair with the
+new run's). Every firing is a timeline event. What is not
 done yet: plans cannot change between runs, and the torch backend's messages go through the
 c10d store (pickled; fine for control messages, slow for large tensors). See
 docs/runtime.md, 'Actors and registers'.

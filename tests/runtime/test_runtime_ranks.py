@@ -89,7 +89,8 @@ def test_ranks_of_different_speeds_over_several_runs():
     plan = Plan({
         0: [ActorSpec("p", "load", lambda mb: mb, outputs=4)],
         1: [ActorSpec("c", "compute", lambda mb, x: x * 10, inputs=[Input("p", rank=0)]),
-            ActorSpec("tail", "compute", lambda mb, x: time.sleep(0.01 * (mb == 4)) or x + 1,
+            # 1 s: room for rank 0 to finish and start the next run on a loaded machine
+            ActorSpec("tail", "compute", lambda mb, x: time.sleep(1.0 * (mb == 4)) or x + 1,
                       inputs=["c"])],
     })
 
@@ -129,7 +130,9 @@ def test_no_thread_left_after_a_cross_rank_run():
     plan = Plan({0: [ActorSpec("p", "load", lambda mb: mb)],
                  1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]})
     _on_ranks(plan, 3, 2, runs=2)
-    time.sleep(0.05)  # the rank threads of launch end after their results are in
+    deadline = time.monotonic() + 10  # the rank threads of launch end after their results
+    while set(threading.enumerate()) != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert set(threading.enumerate()) == before
 
 
