@@ -29,16 +29,19 @@ def test_a_collective_left_behind_refuses_the_next_run_instead_of_pairing_with_i
     """Rank 1's load fails while rank 0's all_reduce (micro-batch 0) waits for it: that thread
     is left behind. Rank 1's next all_reduce would pair with it and both ranks would get wrong
     values; instead rank 0 refuses the run and rank 1's aborts."""
-    first = {"run": True}
+    first, entered = {"run": True}, threading.Event()
 
     def load(mb):
         r = sf.comm.rank()
         if r == 1 and first["run"]:
-            time.sleep(0.2)  # rank 0's all_reduce of micro-batch 0 is waiting by now
+            entered.wait(HANG)  # rank 0's all_reduce of micro-batch 0 is (about to be) waiting
+            time.sleep(0.1)
             raise ValueError("load failed")
         return torch.tensor([100.0 * r + mb])
 
     def reduce(mb, x):
+        if sf.comm.rank() == 0:
+            entered.set()
         return sf.comm.current().all_reduce(x, group=[0, 1])
 
     plan = Plan({r: [ActorSpec("x", "load", load),
@@ -62,11 +65,15 @@ def test_a_collective_left_behind_refuses_the_next_run_instead_of_pairing_with_i
 def test_a_fresh_runtime_on_the_same_plan_never_reads_the_previous_ones_messages():
     """Rank 0's slow producer publishes (posts a req) after rank 1's failed run ended: the
     next Runtime of rank 1 must not take it for its own run's value 0."""
+    inside = threading.Event()
+
     def slow(mb):
+        inside.set()
         time.sleep(0.3)
         return torch.full((2,), 100.0 + mb)
 
     def fail(mb):
+        inside.wait(HANG)  # rank 0 publishes value 0 after this run ended on rank 1
         raise ValueError("boom")
 
     def consumer(mb, x):
