@@ -142,7 +142,6 @@ class _Step:
         self.peers = [r for r in rt.plan.ranks if r != self.rank]
         # the ranks whose "start" has not arrived: until then gated actors (_GATED) wait
         self.unstarted = set(self.peers)
-        self.t0 = now
 
     def gated(self, a: Actor) -> bool:
         return bool(self.unstarted) and a.spec.kind in _GATED
