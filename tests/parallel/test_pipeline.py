@@ -126,16 +126,23 @@ def _net_data():
             torch.tensor([1.0, -2.0, 3.0], dtype=F64))
 
 
+def _pipelined_net(w):
+    """Rank function part: the small net in float64, its state before, pipelined in two
+    stages on ranks [0, 1] and [2, 3] at module "b"."""
+    pl0, pl1 = sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])
+    sf.manual_seed(0)
+    m = _net(sf.nn, sf.nn.functional, sf.tensor(w, sf.placement("cpu", [0, 1, 2, 3]),
+                                                 sf.B)).double()
+    sd0 = m.state_dict()
+    sf.parallel.pipeline(m, [pl0, pl1], split=["b"])
+    return m, sd0, pl0, pl1
+
+
 def test_routed_input_gradient_buffer_and_restore():
     x_full, t_full, w = _net_data()
 
     def fn():
-        pl0, pl1 = sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])
-        sf.manual_seed(0)
-        m = _net(sf.nn, sf.nn.functional, sf.tensor(w, sf.placement("cpu", [0, 1, 2, 3]),
-                                                     sf.B)).double()
-        sd0 = m.state_dict()
-        sf.parallel.pipeline(m, [pl0, pl1], split=["b"])
+        m, sd0, pl0, pl1 = _pipelined_net(w)
         x = sf.tensor(x_full, pl0, sf.S(0)).requires_grad_()
         t = sf.tensor(t_full, pl0, sf.S(0))
         loss = m(x, t=t)
@@ -186,12 +193,7 @@ def test_inputs_restored_when_a_later_stage_raises_a_base_exception():
         return hook
 
     def fn():
-        pl0, pl1 = sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])
-        sf.manual_seed(0)
-        m = _net(sf.nn, sf.nn.functional, sf.tensor(w, sf.placement("cpu", [0, 1, 2, 3]),
-                                                     sf.B)).double()
-        sd0 = m.state_dict()
-        sf.parallel.pipeline(m, [pl0, pl1], split=["b"])
+        m, sd0, pl0, pl1 = _pipelined_net(w)
         x = sf.tensor(x_full, pl0, sf.S(0))
         t = sf.tensor(t_full, pl0, sf.B)
         own, after, seen = (x.local, t.local), [], []
