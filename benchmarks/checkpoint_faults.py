@@ -39,6 +39,9 @@ import torch
 
 import sbpflow as sf
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "nn"))
+from checkpoint_damage import FILE_DAMAGE, overwrite  # noqa: E402  (the tests' catalogue)
+
 
 # -- the model and the values of each step --------------------------------------------------------
 def _model(width: int, ranks: int):
@@ -192,24 +195,6 @@ def probe_kills(args, workdir: str) -> dict:
 
 
 # -- (b) corruptions ------------------------------------------------------------------------------
-def _flip(at: float):
-    def damage(p: str, _other: str) -> None:
-        with open(p, "r+b") as f:
-            n = f.seek(0, 2)
-            f.seek(min(int(n * at), n - 1))
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
-    return damage
-
-
-def _write(data: bytes):
-    def damage(p: str, _other: str) -> None:
-        with open(p, "wb") as f:
-            f.write(data)
-    return damage
-
-
 def _wrong_type(p: str, _other: str) -> None:
     with open(p) as f:
         m = json.load(f)
@@ -218,20 +203,17 @@ def _wrong_type(p: str, _other: str) -> None:
         json.dump(m, f)
 
 
-def _append(p: str, _other: str) -> None:
-    with open(p, "ab") as f:
-        f.write(b"\x00garbage\n")
+def _one_file(damage):
+    """A damage of the file alone, called as the probe calls every damage: (path, the same
+    file of another save)."""
+    return lambda p, _other: damage(p)
 
 
-DAMAGE = {
-    "flip first byte": _flip(0.0), "flip middle byte": _flip(0.5), "flip last byte": _flip(1.0),
-    "truncate to half": lambda p, o: os.truncate(p, os.path.getsize(p) // 2),
-    "drop last byte": lambda p, o: os.truncate(p, os.path.getsize(p) - 1),
-    "append garbage": _append, "delete": lambda p, o: os.remove(p),
-    "file of another save": lambda p, o: shutil.copyfile(o, p),
-}
-MANIFEST_DAMAGE = {"bad JSON": _write(b'{"format": 2, "save_id": '), "empty": _write(b""),
-                   "field of wrong type": _wrong_type}
+# the file damages of the tests (tests/nn/checkpoint_damage.py), plus one needing a second save
+DAMAGE = {**{kind: _one_file(f) for kind, f in FILE_DAMAGE.items()},
+          "file-of-another-save": lambda p, other: shutil.copyfile(other, p)}
+MANIFEST_DAMAGE = {"bad-json": _one_file(overwrite(b'{"format": 2, "save_id": ')),
+                   "empty": _one_file(overwrite(b"")), "field-of-wrong-type": _wrong_type}
 
 
 def _files(path: str) -> dict:

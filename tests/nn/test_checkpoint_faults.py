@@ -22,6 +22,7 @@ import torch
 
 import sbpflow as sf
 from sbpflow.optim.optimizer import state_like
+from checkpoint_damage import FILE_DAMAGE, flip, overwrite
 from nn_twin import OPTIMIZERS, layout, sf_mlp, sf_train
 
 WORLD = 2
@@ -275,37 +276,6 @@ def _find(path: str, name: str) -> str:
     raise AssertionError(f"no {name} in {path}")
 
 
-def _flip(where: float):
-    def damage(p):
-        with open(p, "r+b") as f:
-            n = f.seek(0, 2)
-            f.seek(min(int(n * where), n - 1))
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
-    return damage
-
-
-def _truncate(p):
-    os.truncate(p, os.path.getsize(p) // 2)
-
-
-def _drop_last_byte(p):
-    os.truncate(p, os.path.getsize(p) - 1)
-
-
-def _append(p):
-    with open(p, "ab") as f:
-        f.write(b"\x00garbage\n")
-
-
-def _write(text: str):
-    def damage(p):
-        with open(p, "w") as f:
-            f.write(text)
-    return damage
-
-
 def _manifest_field(key: str, value):
     """Set a manifest field to ``value`` and re-seal the manifest (its checksum valid), as a
     buggy or foreign writer would: only the schema check can tell."""
@@ -340,14 +310,12 @@ def _rank_index_entry_box(p):
 
 
 FILES = ["manifest.json", "common.pt", "rank0.pt", "rank1.pt", "rank0.json", "rank1.json"]
-DAMAGE = {"flip-first-byte": _flip(0.0), "flip-middle-byte": _flip(0.5),
-          "flip-last-byte": _flip(1.0), "truncate-half": _truncate,
-          "drop-last-byte": _drop_last_byte, "append-garbage": _append, "delete": os.remove}
+DAMAGE = FILE_DAMAGE
 CASES = [(f, d) for f in FILES for d in DAMAGE] + [
     ("manifest.json", "bad-json"), ("manifest.json", "empty"),
     ("manifest.json", "world_size-is-a-string"), ("manifest.json", "tensors-is-a-list"),
     ("manifest.json", "generation-elsewhere"), ("rank0.json", "box-is-a-string")]
-SPECIAL = {"bad-json": _write('{"format": 2, "save_id": '), "empty": _write(""),
+SPECIAL = {"bad-json": overwrite(b'{"format": 2, "save_id": '), "empty": overwrite(b""),
            "world_size-is-a-string": _manifest_field("world_size", "2"),
            "tensors-is-a-list": _manifest_field("tensors", []),
            "generation-elsewhere": _manifest_field("generation", "../../etc"),
@@ -371,7 +339,7 @@ def test_damage_is_found_before_the_model_changes(tmp_path, saved, expected):
     verifies (it learns of the damage from rank 0)."""
     path = str(tmp_path / "c")
     shutil.copytree(saved, path)
-    _flip(0.5)(_find(path, "rank0.pt"))
+    flip(0.5)(_find(path, "rank0.pt"))
 
     for err, unchanged, state in sf.launch(_failed_load, args=(path,), world_size=WORLD):
         assert err[0] == "CheckpointError" and "rank0.pt" in err[1]
@@ -387,7 +355,7 @@ def _gloo_load(path):
 def test_damage_raises_on_every_process_over_gloo(tmp_path, saved):
     path = str(tmp_path / "c")
     shutil.copytree(saved, path)
-    _flip(0.5)(_find(path, "rank0.pt"))  # found by rank 0 only
+    flip(0.5)(_find(path, "rank0.pt"))  # found by rank 0 only
     got = sf.launch(_gloo_load, world_size=WORLD, backend="torch", timeout=60, args=(path,))
     for g in got:
         assert g is not None and g[0] == "CheckpointError" and "rank0.pt" in g[1], g
