@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
+from .progress import own_connection
 
 __all__ = ["ThreadChannels", "StoreChannels", "copy_tensors", "tensor_bytes"]
 
@@ -94,21 +95,14 @@ class StoreChannels:
 
     def __init__(self, rank: int, store: dist.Store) -> None:
         self.rank = rank
-        while isinstance(store, dist.PrefixStore):  # the job-wide store all ranks share
-            store = store.underlying_store
-        self._root = store
+        self._store = store
         self._post_conn = self._connection()
         self._post_lock = threading.Lock()
         self._readers: dict[str, _Reader] = {}
         self._lock = threading.Lock()
 
     def _connection(self) -> dist.Store:
-        try:
-            conn = self._root.clone()
-        except (RuntimeError, AttributeError):  # a store without clone: share it
-            return self._root
-        conn.set_timeout(_READ_TIMEOUT)
-        return conn
+        return own_connection(self._store, _READ_TIMEOUT)
 
     @staticmethod
     def key(rank: int, channel: str) -> str:

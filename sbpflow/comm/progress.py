@@ -38,18 +38,19 @@ def period_for(timeout: float) -> float:
     return min(1.0, max(0.05, timeout / 10))
 
 
-def _own_connection(store: dist.Store) -> dist.Store:
-    """``store``'s root with a connection of its own (``clone``: safe beside the caller's own
-    use, e.g. a rendezvous blocked in ``wait``), under sbpflow's progress prefix."""
+def own_connection(store: dist.Store, timeout: datetime.timedelta) -> dist.Store:
+    """The job-wide root of ``store`` (every rank reads the others' keys there) with a
+    connection of its own (``clone``: safe beside the caller's own use, e.g. a rendezvous blocked
+    in ``wait``) and ``timeout``; a store that cannot be cloned is shared as it is."""
     root = store
-    while isinstance(root, dist.PrefixStore):  # the job-wide store: every rank reads the others'
+    while isinstance(root, dist.PrefixStore):
         root = root.underlying_store
     try:
         conn = root.clone()
-        conn.set_timeout(_IO_TIMEOUT)
-    except (RuntimeError, AttributeError):  # a store without clone is safe to share
-        conn = root
-    return dist.PrefixStore(_PREFIX, conn)
+        conn.set_timeout(timeout)
+    except (RuntimeError, AttributeError):
+        return root
+    return conn
 
 
 class Progress:
@@ -65,7 +66,7 @@ class Progress:
 
     def __init__(self, rank: int, store: dist.Store, period: float) -> None:
         self.rank, self.period = rank, period
-        self._store = _own_connection(store)
+        self._store = dist.PrefixStore(_PREFIX, own_connection(store, _IO_TIMEOUT))
         self._lock = threading.Lock()  # the record
         self._io = threading.Lock()  # the store connection (the thread's and report's reads)
         # key -> {"n": last entered seq, "open": {seq: [kind, entered at, waiting for it]},

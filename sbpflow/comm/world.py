@@ -10,13 +10,11 @@ from typing import Any, Callable, Sequence
 
 from ..errors import CommAborted, SbpError
 from .base import Communicator
-from .current import (_local, current, current_process, is_initialized, rank, rank_local,
-                      reset_stats, set_current, stats, world_size)
+from .current import _local, current, set_current
 from .threads import ThreadCommunicator, ThreadWorld
 from .torch_backend import init_from_env, launch_processes
 
-__all__ = ["current", "rank_local", "rank", "world_size", "launch", "init", "stats", "reset_stats",
-           "is_initialized", "set_current", "current_process"]
+__all__ = ["launch", "init"]
 
 
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
