@@ -96,7 +96,3 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the thread (it finishes the sample it is reading, if any)."""
         self._close()
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread

@@ -81,7 +81,7 @@ class Actor:
         for q in self.inputs:
             if not q:
                 return False
-        if (self.fired + 1) % self.every == 0:
+        if self.emits_now():
             for reg in self.outputs:
                 if not reg.free:
                     return False

@@ -267,7 +267,7 @@ class _Step:
         # a value read ``repeat`` times stays at its queue's head until its last firing
         taken = [q.popleft() if (index + 1) % k == 0 else q[0] + (False,)
                  for q, k in zip(a.inputs, a.repeats)]
-        emit = (index + 1) % a.every == 0
+        emit = a.emits_now()  # index == a.fired until _publish counts it
         slots = [reg.free.popleft() for reg in a.outputs] if emit else []
         a.busy, a.since = True, time.perf_counter()  # since: for a timeout inside fn
         self.lock.release()
