@@ -42,7 +42,9 @@ _META = _MetaState()
 # by identity, so a recipe never passes to a new object that reuses a dead tensor's id; dropped
 # when the tensor is collected. State, not a cache: sf.clear_caches() leaves it alone.
 _RECIPES: dict[int, tuple[weakref.ref, list]] = {}
-_RECIPES_LOCK = threading.Lock()   # rank threads of the threads backend build concurrently
+# rank threads build concurrently; reentrant, since a collected tensor's finalizer (_forget)
+# may run on a thread that already holds it (garbage collection inside record())
+_RECIPES_LOCK = threading.RLock()
 
 
 @contextmanager

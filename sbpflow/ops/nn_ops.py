@@ -53,10 +53,9 @@ def check_index_range(index: torch.Tensor, size: int, ignore: int | None,
     lo, hi = torch.aminmax(index)
     if lo.item() >= 0 and hi.item() < size:
         return
-    if _first_outside(index, size, ignore) is not None:
-        err = error()
-        if err is not None:
-            raise err
+    err = error()  # None when every element outside is the ignored one
+    if err is not None:
+        raise err
 
 
 def _assert_in_range(index: torch.Tensor, size: int, ignore: int | None) -> None:
