@@ -35,8 +35,7 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
 def _norm_shape(shape) -> tuple[int, ...]:
     """The sizes ``*shape`` (or one sequence of them) as a tuple of ints. As torch, a size that
     is not an integer (6.5, '4', a nested tuple) or is negative is refused: `ShapeError`."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-        shape = tuple(shape[0])
+    shape = _shape_args(shape)
     try:
         out = tuple(operator.index(s) for s in shape)
     except TypeError:  # int() would truncate 6.5 to 6 silently

@@ -447,9 +447,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
                     for e, msgs in m.loads)
             continue
         g = math.prod(m.mesh[j] for j in m.dims)
-        b += _per_device(m.kind, nbytes, g)
+        n = _about(m.kind, nbytes, g)
+        b += volume(m.kind, n, g)
         if cluster is not None:
-            n = _about(m.kind, nbytes, g)
             t += micro_batches * _coll_time(cluster, m.kind, n / micro_batches, m.mesh, m.dims)
             if m.copy:
                 t += cluster.copy_time(m.copy * itemsize)

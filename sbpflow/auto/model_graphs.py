@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from .graph import Graph, Layer
 
-__all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp"]
+__all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp", "linear_layer"]
 
 
-def _linear(name, tokens, d_in, d_out, accepts_partial=False, **attrs):
+def linear_layer(name, tokens, d_in, d_out, accepts_partial=False, **attrs) -> Layer:
+    """A linear layer: input ``(tokens, d_in)``, weight ``(d_in, d_out)`` (the transpose of
+    torch's), output ``(tokens, d_out)``."""
     return Layer(name, "linear", (tokens, d_in), (d_in, d_out), (tokens, d_out),
                  2.0 * tokens * d_in * d_out, accepts_partial, attrs)
 
@@ -31,15 +33,15 @@ def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, 
                  {"megatron": "vocab"})]
     for i in range(layers):
         out += [
-            _linear(f"h{i}.qkv", t, d, 3 * d, megatron="col"),
+            linear_layer(f"h{i}.qkv", t, d, 3 * d, megatron="col"),
             Layer(f"h{i}.attn", "attention", (t, 3 * d), None, (t, d),
                   4.0 * batch * seq * seq * d, False,
                   {"batch": batch, "heads": heads, "megatron": "heads"}),
-            _linear(f"h{i}.proj", t, d, d, megatron="row"),
-            _linear(f"h{i}.fc1", t, d, 4 * d, megatron="col"),
-            _linear(f"h{i}.fc2", t, 4 * d, d, megatron="row"),
+            linear_layer(f"h{i}.proj", t, d, d, megatron="row"),
+            linear_layer(f"h{i}.fc1", t, d, 4 * d, megatron="col"),
+            linear_layer(f"h{i}.fc2", t, 4 * d, d, megatron="row"),
         ]
-    out.append(_linear("head", t, d, vocab, megatron="col"))
+    out.append(linear_layer("head", t, d, vocab, megatron="col"))
     return Graph(out, name=f"gpt-{layers}x{d_model}", itemsize=itemsize)
 
 
@@ -65,9 +67,9 @@ def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
             i += 1
             layers.append(_conv(f"conv{i}", batch, c, v, hw, hw, 3))
             c = v
-    layers += [_linear("fc1", batch, c * hw * hw, 4096, megatron="col"),
-               _linear("fc2", batch, 4096, 4096, megatron="row"),
-               _linear("fc3", batch, 4096, num_classes, megatron="col")]
+    layers += [linear_layer("fc1", batch, c * hw * hw, 4096, megatron="col"),
+               linear_layer("fc2", batch, 4096, 4096, megatron="row"),
+               linear_layer("fc3", batch, 4096, num_classes, megatron="col")]
     return Graph(layers, name="vgg13", itemsize=itemsize)
 
 
@@ -79,9 +81,9 @@ def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> Gra
         _conv("conv3", n, 192, 384, 13, 13, 3),
         _conv("conv4", n, 384, 256, 13, 13, 3),
         _conv("conv5", n, 256, 256, 13, 13, 3), _pool("pool5", n, 256, 13, 6),
-        _linear("fc1", n, 256 * 6 * 6, 4096, megatron="col"),
-        _linear("fc2", n, 4096, 4096, megatron="row"),
-        _linear("fc3", n, 4096, num_classes, megatron="col"),
+        linear_layer("fc1", n, 256 * 6 * 6, 4096, megatron="col"),
+        linear_layer("fc2", n, 4096, 4096, megatron="row"),
+        linear_layer("fc3", n, 4096, num_classes, megatron="col"),
     ]
     return Graph(layers, name="alexnet", itemsize=itemsize)
 
@@ -98,7 +100,7 @@ def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000
                     2.0 * n * tables * dim, False, {"megatron": "vocab"})]
     d = dense
     for i, w in enumerate(bottom):
-        layers.append(_linear(f"bot{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
+        layers.append(linear_layer(f"bot{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
         d = w
     f = tables + 1
     inter_out = f * (f - 1) // 2 + dim
@@ -106,7 +108,7 @@ def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000
                         2.0 * n * f * f * dim, False, {"megatron": "rep"}))
     d = inter_out
     for i, w in enumerate(top):
-        layers.append(_linear(f"top{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
+        layers.append(linear_layer(f"top{i}", n, d, w, megatron="col" if i % 2 == 0 else "row"))
         d = w
     names = [l.name for l in layers]
     nb = len(bottom)
@@ -120,7 +122,7 @@ def mlp(sizes=(1024, 4096, 1024), batch: int = 64, activation: bool = True,
         itemsize: int = 4) -> Graph:
     """A chain of linears. Without an activation the layers are a product of matrices, so a
     partial-sum output may flow into the next layer unreduced."""
-    layers = [_linear(f"fc{i}", batch, a, b, accepts_partial=(not activation and i > 0),
+    layers = [linear_layer(f"fc{i}", batch, a, b, accepts_partial=(not activation and i > 0),
                       megatron="col" if i % 2 == 0 else "row")
               for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
     return Graph(layers, name="mlp", itemsize=itemsize)

@@ -17,6 +17,7 @@ import torch
 from ..errors import SbpError, TraceError
 from ..sbp import B
 from .graph import Graph, Layer
+from .model_graphs import linear_layer
 
 __all__ = ["trace", "TraceError"]
 
@@ -115,7 +116,8 @@ def _layers(records: list) -> list:
     linear_i = 0
     for lname, kind, xs, ys, m in records:
         if kind == "linear":
-            layers.append(_linear_layer(lname, xs, m, "col" if linear_i % 2 == 0 else "row"))
+            layers.append(linear_layer(lname, math.prod(xs[:-1]), m.in_features, m.out_features,
+                                       megatron="col" if linear_i % 2 == 0 else "row"))
             linear_i += 1
         elif kind == "embedding":
             tokens = math.prod(xs)
@@ -125,15 +127,6 @@ def _layers(records: list) -> list:
         else:
             layers.append(_conv_layer(lname, xs, ys, m))
     return layers
-
-
-def _linear_layer(lname: str, xs: tuple, m, role: str) -> Layer:
-    """A linear: ``(tokens, in)`` with ``tokens`` the product of the leading input axes, its
-    weight ``(in, out)`` (the transpose of the module's)."""
-    tokens = math.prod(xs[:-1])
-    return Layer(lname, "linear", (tokens, m.in_features), (m.in_features, m.out_features),
-                 (tokens, m.out_features), 2.0 * tokens * m.in_features * m.out_features, False,
-                 {"megatron": role})
 
 
 def _conv_layer(lname: str, xs: tuple, ys: tuple, m) -> Layer:

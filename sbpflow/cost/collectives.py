@@ -101,7 +101,7 @@ def _comm_time(step: Step, cluster: Cluster) -> float:
     if step.kind == "transfer":
         return _transfer_time(step, cluster)
     worst = 0.0
-    for g in step_groups(step):
+    for g in placement_groups(step.src_placement, step.dims):  # no list copy per step
         p = len(g)
         if p == 1:
             continue

@@ -22,8 +22,6 @@ from .formulas import CollectiveFit, CostError, latency_messages, volume
 
 __all__ = ["fit_alpha_beta", "fit_collective", "fit_copy"]
 
-_FITTABLE = LINEAR_KINDS
-
 
 def _rows(samples: Iterable[Sequence], algorithm: str = "") -> tuple[list, set]:
     """Checked samples as ``(m, v, seconds)`` rows (α count and per-rank bytes of ``algorithm``'s
@@ -34,8 +32,8 @@ def _rows(samples: Iterable[Sequence], algorithm: str = "") -> tuple[list, set]:
             kind, p, n, t = s
         except (TypeError, ValueError):
             raise CostError(f"a sample is (kind, p, nbytes, seconds), got {s!r}") from None
-        if kind not in _FITTABLE:
-            raise CostError(f"cannot fit samples of kind {kind!r}; one of {_FITTABLE}")
+        if kind not in LINEAR_KINDS:
+            raise CostError(f"cannot fit samples of kind {kind!r}; one of {LINEAR_KINDS}")
         if isinstance(p, bool) or not isinstance(p, int) or p < 2:
             raise CostError(f"sample {s!r}: group size must be an int >= 2")
         if not (n >= 0 and t > 0 and math.isfinite(t)):

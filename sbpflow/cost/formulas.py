@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..comm.kinds import ALGORITHMS, KINDS, TABLE, VARIANTS, Form
+from ..comm.kinds import ALGORITHMS, KINDS, LINEAR_KINDS, TABLE, VARIANTS, Form
 from ..errors import CostError
 
 __all__ = ["CostError", "Link", "CollectiveFit", "KINDS", "ALGORITHMS", "collective_time",
@@ -87,8 +87,8 @@ def form(kind: str, algorithm: str = "") -> Form:
     """The linear form of ``kind``, or of its variant ``algorithm`` (`sbpflow.comm.kinds`)."""
     spec = TABLE.get(kind)
     if spec is None or spec.form is None:
-        linear = [k for k, v in TABLE.items() if v.form is not None]
-        raise CostError(f"{kind!r} has no linear alpha-beta form; one of {sorted(linear)}")
+        raise CostError(f"{kind!r} has no linear alpha-beta form; one of "
+                        f"{sorted(LINEAR_KINDS)}")
     if not algorithm:
         return spec.form
     try:
