@@ -10,7 +10,7 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
 from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
-from .errors import ActorAborted, ActorTimeout, PlanError
+from .errors import ActorAborted, ActorTimeout, GraphError, PlanError
 from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CommAborted, CommError,
                      CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
                      DtypeMismatchError, IndexOutOfRange,
@@ -26,6 +26,9 @@ from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
 from . import runtime  # noqa: E402  (graph | runtime layer)
+from . import graph  # noqa: E402
+nn.Graph = graph.Graph  # sf.nn.Graph, OneFlow's name (the class lives in the graph layer)
+nn.GraphConfig = graph.GraphConfig
 from . import data  # noqa: E402  (above nn, optim, tensor)
 from . import auto  # noqa: E402
 from .nn.amp import autocast  # noqa: E402
@@ -39,7 +42,7 @@ __all__ = [
     "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
     "manual_seed", "clear_caches", "cache_info", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
     "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "ActorAborted", "ActorTimeout", "PlanError",
+    "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
     "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto",

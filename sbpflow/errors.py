@@ -115,6 +115,12 @@ class PlanError(SbpError, ValueError):
     times a run)."""
 
 
+class GraphError(SbpError, ValueError):
+    """``sf.nn.Graph`` cannot compile or run a step: ``build`` used a value it cannot replay
+    (computed outside sbpflow's ops), placements that cannot be cut into stages, inputs that
+    cannot be split into micro-batches, a bad config value."""
+
+
 class ActorAborted(CommAborted):
     """An actor on another rank failed (or timed out): this rank's runtime stopped. The message
     names that rank, that actor and its exception."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import threading
 import weakref
 from typing import NamedTuple, Sequence
 
@@ -29,7 +30,41 @@ from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, l
 from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
-           "ones", "full", "arange", "manual_seed", "apply_op", "cat"]
+           "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
+           "fresh"]
+
+
+# -- graph tracing hooks -------------------------------------------------------------------------
+# While `sf.nn.Graph` traces ``build`` on a thread, the recorder set here is told of every op,
+# boxing, detach, creation and backward (sbpflow.graph.trace: what it keeps and why). A lower
+# layer cannot import the graph: it only calls the recorder it was given.
+class _Tracing(threading.local):
+    recorder = None
+
+
+_tracing = _Tracing()
+
+
+def recording() -> bool:
+    """Whether this thread is tracing a graph (eager shortcuts that the graph cannot replay,
+    such as a mean whose count is still in flight, are then not taken)."""
+    return _tracing.recorder is not None
+
+
+def set_recorder(recorder):
+    """Make ``recorder`` this thread's graph recorder (None: stop); returns the previous one."""
+    previous, _tracing.recorder = _tracing.recorder, recorder
+    return previous
+
+
+def fresh(make) -> "GlobalTensor":
+    """``make()``, a tensor that a graph recomputes on every replay instead of keeping it as a
+    constant (a random value drawn from the default seed stream, a dropout seed)."""
+    t = make()
+    rec = _tracing.recorder
+    if rec is not None:
+        rec.thunk(t, lambda: make()._local)
+    return t
 
 
 def _norm_shape(shape) -> tuple[int, ...]:
@@ -106,6 +141,8 @@ class GlobalTensor:
         self._placement = placement
         self._sbp = tuple(sbp)
         self._key = None
+        if _tracing.recorder is not None:  # made outside the ops: the graph cannot replay it
+            _tracing.recorder.made(local)
 
     # -- metadata ----------------------------------------------------------------------------
     @property
@@ -174,8 +211,10 @@ class GlobalTensor:
         if dst_pl == self._placement and dst_sbp == self._sbp:
             return self
         plan = plan_layouts(self._shape, self.dtype, self._placement, self._sbp, dst_pl, dst_sbp)
-        local = run_plan(plan, self._local)
-        return GlobalTensor(local, self._shape, dst_pl, dst_sbp)
+        out = GlobalTensor(run_plan(plan, self._local), self._shape, dst_pl, dst_sbp)
+        if _tracing.recorder is not None:
+            _tracing.recorder.box(plan, self, out)
+        return out
 
     def full_tensor(self) -> torch.Tensor:
         """The logical value, as a plain torch tensor, on every rank of the world."""
@@ -218,7 +257,10 @@ class GlobalTensor:
         state.setdefault("retained_grads", weakref.WeakSet()).add(self._local)
 
     def detach(self) -> "GlobalTensor":
-        return GlobalTensor(self._local.detach(), self._shape, self._placement, self._sbp)
+        out = GlobalTensor(self._local.detach(), self._shape, self._placement, self._sbp)
+        if _tracing.recorder is not None:
+            _tracing.recorder.detach(self, out)
+        return out
 
     def backward(self, gradient: "GlobalTensor | None" = None, retain_graph: bool = False) -> None:
         """Backpropagate from this tensor; every rank of the world must call it.
@@ -231,6 +273,9 @@ class GlobalTensor:
         if not self._local.requires_grad:
             raise SbpError(f"backward: the tensor of {_describe(self)} does not require grad "
                            f"(as torch: no input of it requires grad, or it was detached)")
+        if _tracing.recorder is not None:  # a graph runs it at replay, per micro-batch
+            _tracing.recorder.backward(self, seed)
+            return
         torch.autograd.backward(self._local, seed, retain_graph=retain_graph)
 
     def _seed(self, gradient: "GlobalTensor | None") -> torch.Tensor:
@@ -362,7 +407,10 @@ def _create(shape: tuple, placement, sbp, dtype, requires_grad: bool, make) -> G
             local = torch.zeros(tuple(n for _, n in box), dtype=dtype, device=device)
     else:
         local = empty_local(dtype, device)
-    return GlobalTensor(local.requires_grad_(requires_grad), shape, placement, nd)
+    out = GlobalTensor(local.requires_grad_(requires_grad), shape, placement, nd)
+    if _tracing.recorder is not None:  # made from its arguments alone: a graph constant
+        _tracing.recorder.constant(out)
+    return out
 
 
 def manual_seed(seed: int) -> None:
@@ -390,6 +438,9 @@ def _random(kind: str, shape, placement, sbp, dtype, seed, generator, requires_g
     if not (dt.is_floating_point or dt.is_complex):  # torch: "normal_kernel_cpu" not implemented
         raise DtypeMismatchError(f"sf.{kind}: random values of shape {shape} need a floating-point "
                                  f"dtype, as in torch; got {dt}")
+    if seed is None and generator is None:  # a graph draws a new value on every replay
+        return fresh(lambda: _random(kind, shape, placement, sbp, dtype, _next_seed(None, None),
+                                     None, requires_grad))
     s = _next_seed(seed, generator)
     return _create(shape, placement, sbp, dt, requires_grad,
                    lambda box: generate_region(kind, shape, box, s, dt))
@@ -580,7 +631,10 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     choice = entry.choice
     dtype = _autocast_dtype(name, pl)
     locals_ = tuple(_connected_empty(boxed, dtype or m.dtype) for m in choice.out_metas)
-    return _wrap_outputs(entry, locals_, pl, len(locals_) > 1)
+    out = _wrap_outputs(entry, locals_, pl, len(locals_) > 1)
+    if _tracing.recorder is not None:  # an op of another placement: kept for the logical graph
+        _tracing.recorder.op(entry, args, boxed, None, attrs, out, pl)
+    return out
 
 
 def _dispatch_key(name: str, args: tuple, sbp, attrs: dict) -> tuple:
@@ -640,9 +694,13 @@ def _run_kernel(entry: _Entry, args: tuple, boxed: list, tensors: list, pl: Plac
     multi = isinstance(result, (tuple, list))
     if not multi and not entry.detach:  # the common case: one output
         meta = choice.out_metas[0]
-        return _wrap(result, meta.shape, pl, choice.outs[0],
-                     entry.out_keys[0] if result.dtype is meta.dtype else None)
-    return _wrap_outputs(entry, tuple(result) if multi else (result,), pl, multi)
+        out = _wrap(result, meta.shape, pl, choice.outs[0],
+                    entry.out_keys[0] if result.dtype is meta.dtype else None)
+    else:
+        out = _wrap_outputs(entry, tuple(result) if multi else (result,), pl, multi)
+    if _tracing.recorder is not None:
+        _tracing.recorder.op(entry, args, boxed, local_args, attrs, out, pl)
+    return out
 
 
 def _rank_context(entry: _Entry, tensors: list, pl: Placement, me: int) -> KernelContext:

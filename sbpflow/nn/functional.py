@@ -15,7 +15,7 @@ from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, _next_seed, apply_op, full
+from ..tensor import GlobalTensor, _next_seed, apply_op, fresh, full
 from .pending_mean import mean_over_count
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -370,8 +370,11 @@ def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: boo
         return x
     if p == 1.0:
         return x * 0.0
-    s = _next_seed(seed, None) % (1 << 63)
-    seed_t = full((), s, placement=x.placement, sbp=(B,) * x.placement.ndim, dtype=torch.int64)
+    def seed_tensor():  # a graph draws a new seed on every replay unless ``seed`` is given
+        return full((), _next_seed(seed, None) % (1 << 63), placement=x.placement,
+                    sbp=(B,) * x.placement.ndim, dtype=torch.int64)
+
+    seed_t = seed_tensor() if seed is not None else fresh(seed_tensor)
     return apply_op("dropout", x, seed_t, p=float(p))
 
 

@@ -19,7 +19,7 @@ from ..caches import memoize
 from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
-from ..tensor import GlobalTensor, retains_grads
+from ..tensor import GlobalTensor, recording, retains_grads
 
 __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
 
@@ -79,7 +79,7 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     comm = _comm.current()
     reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
     if group is None or not total.requires_grad or count.requires_grad or \
-            not torch.is_grad_enabled():
+            not torch.is_grad_enabled() or recording():  # a graph replays the plain quotient
         return _as_dtype(total / count.to_global(sbp=reduced), total.dtype)
     stream_ = _stream((stream, pl, count.sbp))
     stream_.settle()

@@ -1,0 +1,149 @@
+"""One compiled graph: the tapes of its micro-batch shapes, their stages, the runtime plan.
+
+Compiling traces ``build`` once per distinct micro-batch shape (balanced micro-batches have at
+most two); each trace runs the forward eagerly (its ``backward()`` is recorded, not run), so
+compiling costs about one forward a shape. A call then splits the inputs, runs the plan on the
+actor runtime, and assembles the outputs: with one micro-batch the values themselves, with
+several each scalar output as the weighted sum of the micro-batches' (the batch mean of a mean
+loss; non-scalar outputs are refused). See docs/runtime.md, 'Graph mode'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from .. import comm as _comm
+from ..boxing import empty_local
+from ..errors import GraphError
+from ..runtime import Runtime
+from ..tensor import GlobalTensor, set_recorder
+from .lower import lower, stages_of
+from .microbatch import signature, split_inputs
+from .nodes import Env
+from .plan import Call, graph_plan
+from .show import describe
+from .trace import OutConst, OutSlot, Recorder, Tape, out_slots
+
+__all__ = ["Compiled", "trace"]
+
+
+def trace(graph, args: list) -> Tape:
+    """Run ``graph.build(*args)`` eagerly with a `Recorder` on this thread."""
+    rec = Recorder()
+    for a in args:
+        rec.add_input(a)
+    previous = set_recorder(rec)
+    try:
+        result = graph.build(*args)
+    finally:
+        set_recorder(previous)
+    return rec.tape(result)
+
+
+class Compiled:
+    """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts)."""
+
+    def __init__(self, graph, inputs: tuple) -> None:
+        cfg = graph.config
+        self.graph, self.k, self.cfg = graph, cfg.micro_batches, cfg
+        self.comm = _comm.current()
+        mbs = split_inputs(inputs, self.k, cfg.split_inputs)
+        self.tapes: dict[tuple, Tape] = {}
+        for args in mbs.args:
+            sig = signature(args)
+            if sig not in self.tapes:
+                self.tapes[sig] = trace(graph, args)
+        tapes = list(self.tapes.values())
+        self.stages = stages_of(tapes[0])
+        for t in tapes[1:]:
+            if stages_of(t) != self.stages:
+                raise GraphError("graph: micro-batches of different sizes use different stages")
+        self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
+        self.out_slots = tuple(out_slots(tapes[0].outputs))
+        self._check_outputs(tapes[0])
+        pls = tapes[0].placements()
+        self.env = Env(self.comm, pls[0].device_type if pls else "cpu")
+        state = self.comm.state
+        state["graph_plans"] = state.get("graph_plans", 0) + 1  # the same count on every rank
+        first = self.lowered[signature(mbs.args[0])]
+        self.call: Call | None = None
+        self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
+                               cfg.schedule, bool(graph._optimizers),
+                               name=f"graph{state['graph_plans']}")
+        self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
+            else None
+        self.timeline_calls = 0
+
+    def _check_outputs(self, tape: Tape) -> None:
+        if self.k == 1:
+            return
+        big = [tape.metas[s].shape for s in self.out_slots if tape.metas[s].shape != ()]
+        if big:
+            raise GraphError(f"graph: with {self.k} micro-batches build may return only "
+                             f"scalars (combined as the batch's weighted mean), not tensors of "
+                             f"shapes {big}; return them from a graph without gradient "
+                             f"accumulation")
+
+    # -- a call ---------------------------------------------------------------------------------
+    def run(self, inputs: tuple) -> Any:
+        mbs = split_inputs(inputs, self.k, self.cfg.split_inputs)
+        total = sum(mbs.sizes)
+        weights = [n / total for n in mbs.sizes] if self.cfg.loss_reduction == "mean" \
+            else [1.0] * self.k
+        if self.k == 1:
+            weights = [1.0]
+        lowered = [self.lowered[signature(a)] for a in mbs.args]
+        self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
+                          for args in mbs.args], lowered, weights, self.out_slots, {},
+                         self._sync, self._update)
+        try:
+            if self.runtime is not None:
+                self.runtime.run(self.k)
+            return self._assemble(self.tapes[signature(mbs.args[0])].outputs, self.call)
+        finally:
+            self.call = self.call._replace(inputs=[], outputs={})  # free the batch
+
+    def _sync(self, mb: int):
+        """No gradient all-reduce but in the last micro-batch's backward."""
+        if mb == self.k - 1:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for opt, _ in self.graph._optimizers:
+            if hasattr(opt, "no_sync"):
+                stack.enter_context(opt.no_sync())
+        return stack
+
+    def _update(self) -> None:
+        for opt, sch in self.graph._optimizers:
+            opt.step()
+            opt.zero_grad()
+            if sch is not None:
+                sch.step()
+
+    def _assemble(self, template: Any, call: Call) -> Any:
+        if isinstance(template, OutSlot):
+            return self._output(template.slot, call)
+        if isinstance(template, OutConst):
+            return template.value
+        if isinstance(template, dict):
+            return {k: self._assemble(v, call) for k, v in template.items()}
+        return type(template)(self._assemble(v, call) for v in template)
+
+    def _output(self, slot: int, call: Call) -> GlobalTensor:
+        meta = next(iter(self.tapes.values())).metas[slot]
+        parts = [call.outputs.get(m, {}).get(slot) for m in range(self.k)]
+        if any(p is None for p in parts):  # computed on another stage
+            local = empty_local(meta.dtype, self.comm.device(meta.placement.device_type))
+        elif self.k == 1:
+            local = parts[0]
+        else:
+            local = sum(p * w for p, w in zip(parts, call.weights))
+        return GlobalTensor(local, meta.shape, meta.placement, meta.sbp)
+
+    # -- what the graph shows -----------------------------------------------------------------
+    def events(self) -> list[dict]:
+        return self.runtime.timeline() if self.runtime is not None else []
+
+    def describe(self) -> str:
+        return describe(self.graph, next(iter(self.lowered.values())), self.stages, self.k)

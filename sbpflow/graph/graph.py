@@ -1,0 +1,177 @@
+"""``sf.nn.Graph``: a training step traced once, lowered to actors, replayed on every call.
+
+    class TrainStep(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(8)
+        def build(self, x, y):
+            loss = self.model(x, y)
+            loss.backward()
+            return loss
+
+The first call with given input shapes and layouts compiles (`Compiled`): ``build`` is traced on
+each distinct micro-batch shape, cut into stages where the placement changes, and turned into a
+runtime plan; later calls only run the plan. See docs/runtime.md, 'Graph mode'.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from .. import comm as _comm
+from ..comm.threads import default_timeout
+from ..errors import GraphError
+from ..runtime import save_timeline as _save_timeline
+from ..runtime import save_trace as _save_trace
+from ..runtime.schedules import SCHEDULES
+from .compiled import Compiled
+from .microbatch import signature
+
+__all__ = ["Graph", "GraphConfig"]
+
+
+class GraphConfig:
+    """How a `Graph` runs a step. Set in the subclass's ``__init__``, before the first call."""
+
+    def __init__(self) -> None:
+        self.micro_batches = 1
+        self.schedule = "1f1b"
+        self.loss_reduction = "mean"
+        self.split_inputs: tuple | None = None
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Split the inputs into ``steps`` micro-batches (axis 0, balanced), accumulate their
+        gradients, update once a call."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise GraphError(f"gradient accumulation steps must be an int >= 1, got {steps!r}")
+        self.micro_batches = steps
+
+    def set_pipeline_schedule(self, schedule: str) -> None:
+        """``"1f1b"`` (default: stage s of S keeps at most S - s micro-batches' activations)
+        or ``"gpipe"`` (all forwards, then all backwards)."""
+        if schedule not in SCHEDULES:
+            raise GraphError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
+        self.schedule = schedule
+
+    def set_loss_reduction(self, reduction: str) -> None:
+        """``"mean"`` (default): a scalar output is a mean over the batch, so micro-batch m's
+        loss and gradient are weighted by its share of the batch; ``"sum"``: weight 1."""
+        if reduction not in ("mean", "sum"):
+            raise GraphError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.loss_reduction = reduction
+
+    def set_split_inputs(self, *flags: bool) -> None:
+        """Which inputs of ``build`` are cut into micro-batches (default: the global tensors
+        whose axis 0 has the first input's size); the others go whole to each micro-batch."""
+        self.split_inputs = tuple(bool(f) for f in flags)
+
+    def __repr__(self) -> str:
+        return (f"GraphConfig(micro_batches={self.micro_batches}, schedule={self.schedule!r}, "
+                f"loss_reduction={self.loss_reduction!r})")
+
+
+class Graph:
+    """Subclass it, register modules and optimizers in ``__init__``, write ``build``. Calling
+    the graph runs one training step: ``build`` on each micro-batch (its ``backward()``), then
+    each added optimizer's ``step()`` and ``zero_grad()``. Every rank calls it."""
+
+    def __init__(self) -> None:
+        self.config = GraphConfig()
+        self._optimizers: list[tuple] = []
+        self._compiled: dict[tuple, Compiled] = {}
+        self._last: Compiled | None = None
+        self._lock = threading.Lock()
+
+    def add_optimizer(self, optimizer, lr_sch=None) -> None:
+        """Run ``optimizer.step()``, ``optimizer.zero_grad()`` and ``lr_sch.step()`` after the
+        micro-batches of each call."""
+        if not hasattr(optimizer, "step") or not hasattr(optimizer, "zero_grad"):
+            raise GraphError(f"add_optimizer needs an optimizer, got {type(optimizer).__name__}")
+        self._optimizers.append((optimizer, lr_sch))
+
+    def build(self, *inputs: Any) -> Any:
+        raise GraphError(f"{type(self).__name__} must define build(self, *inputs)")
+
+    def __call__(self, *inputs: Any) -> Any:
+        key = (signature(inputs), self.config.micro_batches, self.config.schedule,
+               self.config.loss_reduction, self.config.split_inputs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = Compiled(self, inputs)
+        self._last = compiled
+        return compiled.run(inputs)
+
+    # -- what a user reads ----------------------------------------------------------------------
+    def _current(self) -> Compiled:
+        if self._last is None:
+            raise GraphError(f"{type(self).__name__} has not been called yet: call it once "
+                             f"(which compiles it) first")
+        return self._last
+
+    def plan(self, rank: int | None = None) -> str:
+        """The actors of ``rank`` (default: this rank) with their registers."""
+        c = self._current()
+        return c.plan.describe(_comm.rank() if rank is None else rank)
+
+    def timeline(self) -> list[dict]:
+        """The last call's firings on every rank (every rank calls it: the events are
+        exchanged), ``{"rank", "actor", "kind", "stage", "micro_batch", "start", "end"}``,
+        seconds on one clock from the first start."""
+        return _gather_events(self._current())
+
+    def save_timeline(self, path: str) -> None:
+        """Draw the last call's Gantt chart (a row a rank); written by rank 0."""
+        events = self.timeline()
+        if _comm.rank() == 0:
+            _save_timeline(events, path, title=f"{type(self).__name__}: "
+                           f"{self.config.micro_batches} micro-batches, {self.config.schedule}")
+
+    def save_trace(self, path: str) -> None:
+        """The last call's Chrome trace (opens in Perfetto); written by rank 0."""
+        events = self.timeline()
+        if _comm.rank() == 0:
+            _save_trace(events, path)
+
+    def __repr__(self) -> str:
+        if self._last is None:
+            return f"{type(self).__name__}(not compiled yet; {self.config})"
+        return f"{type(self).__name__}({self.config})\n{self._last.describe()}"
+
+
+_TIMELINE_CHANNEL = "sbpflow.graph.timeline"
+
+
+def _gather_events(c: Compiled) -> list[dict]:
+    """Every rank's events of the last run, on the wall clock (the ranks of one machine share
+    it; `time.perf_counter` is per process), from the earliest start."""
+    comm = _comm.current()
+    offset = time.time() - time.perf_counter()
+    mine = [dict(e, start=e["start"] + offset, end=e["end"] + offset) for e in c.events()]
+    c.timeline_calls += 1
+    tag = (c.plan.name, c.timeline_calls)
+    early = comm.state.setdefault("graph_timeline_early", {})  # messages for a later call
+    for r in range(comm.world_size):
+        if r != comm.rank:
+            comm.post(r, _TIMELINE_CHANNEL, (tag, mine))
+    events = list(mine)
+    want = comm.world_size - 1
+    deadline = time.monotonic() + default_timeout()
+    got = early.pop(tag, [])
+    while len(got) < want:
+        if time.monotonic() > deadline:
+            raise GraphError(f"graph.timeline(): {want - len(got)} rank(s) did not send their "
+                             f"events; every rank must call timeline() (or save_timeline)")
+        for _, (t, evs) in comm.inbox(_TIMELINE_CHANNEL, 0.05):
+            if t == tag:
+                got.append(evs)
+            else:
+                early.setdefault(t, []).append(evs)
+    for evs in got:
+        events.extend(evs)
+    t0 = min((e["start"] for e in events), default=0.0)
+    return sorted((dict(e, start=e["start"] - t0, end=e["end"] - t0) for e in events),
+                  key=lambda e: (e["start"], e["rank"]))

@@ -1,0 +1,152 @@
+"""Lowering a `Tape` to stages: which tasks each stage runs, and the transfers between stages.
+
+A stage is a set of ranks: values on placements with the same ranks belong to one stage (a
+2-D mesh and its 1-D view are the same devices). Stages must not share ranks. A boxing step list
+that changes stage is cut in three: the steps on the source placement (run by the source's
+forward), the one transfer step (a send actor on the source, a recv actor on the destination),
+the steps on the destination placement (run by the destination's forward). Stages are ordered so
+that every transfer goes forward. See docs/runtime.md, 'Graph mode'.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..boxing import Step
+from ..errors import GraphError
+from ..placement import Placement
+from .nodes import BackwardNode, BoxNode
+from .trace import Meta, Tape
+
+__all__ = ["Transfer", "Lowered", "stages_of", "lower"]
+
+
+class Transfer(NamedTuple):
+    """A value moving from stage ``src_stage`` (slot ``src``) to ``dst_stage`` (slot ``out``);
+    ``grad``: its gradient goes back (the dual step) in backward."""
+
+    step: Step
+    src: int
+    out: int
+    src_stage: int
+    dst_stage: int
+    meta: Meta
+    grad: bool
+
+
+class Lowered(NamedTuple):
+    """One tape cut into stages: ``forward[s]`` the tasks of stage s in order, ``transfers`` in
+    tape order, ``backwards[s]`` the backward seeds of stage s, ``nslots`` (the tape's and the
+    slots the cuts added)."""
+
+    tape: Tape
+    forward: dict
+    transfers: list
+    backwards: dict
+    nslots: int
+
+    def into(self, stage: int, src: int | None = None) -> list[Transfer]:
+        return [t for t in self.transfers
+                if t.dst_stage == stage and (src is None or t.src_stage == src)]
+
+    def out_of(self, stage: int, dst: int | None = None) -> list[Transfer]:
+        return [t for t in self.transfers
+                if t.src_stage == stage and (dst is None or t.dst_stage == dst)]
+
+
+def _ranks(pl: Placement) -> frozenset:
+    return frozenset(pl.flat_ranks)
+
+
+def stages_of(tape: Tape) -> list[frozenset]:
+    """The stages (rank sets) of a tape, ordered so that every transfer goes forward (ties: first
+    appearance). Raises `GraphError` when two placements share some ranks but not all, or when
+    transfers go both ways between stages."""
+    sets: list[frozenset] = []
+    for pl in tape.placements():
+        r = _ranks(pl)
+        if r in sets:
+            continue
+        for other in sets:
+            if r & other:
+                raise GraphError(
+                    f"graph: placements on ranks {sorted(r)} and {sorted(other)} share ranks "
+                    f"{sorted(r & other)}; graph mode cuts pipeline stages where the placement "
+                    f"changes and needs each stage on its own ranks (or on exactly the same "
+                    f"ranks)")
+        sets.append(r)
+    after: dict[frozenset, set] = {r: set() for r in sets}
+    for node in tape.nodes:
+        if isinstance(node, BoxNode):
+            a, b = _ranks(tape.metas[node.src].placement), _ranks(node.placement)
+            if a != b:
+                after[a].add(b)
+    order: list[frozenset] = []
+    state: dict[frozenset, int] = {}
+
+    def visit(r: frozenset) -> None:  # depth-first: a stage goes after all its sources
+        if state.get(r) == 2:
+            return
+        if state.get(r) == 1:
+            raise GraphError(f"graph: values go from the stage on ranks {sorted(r)} to later "
+                             f"stages and back; pipeline stages must form a chain without "
+                             f"cycles")
+        state[r] = 1
+        for nxt in sorted(after[r], key=sets.index):
+            visit(nxt)
+        state[r] = 2
+        order.append(r)
+
+    for r in sets:
+        visit(r)
+    return order[::-1]
+
+
+def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
+    """Cut ``tape`` into ``stages`` (from `stages_of`; every tape of one graph gives the same)."""
+    index = {r: i for i, r in enumerate(stages)}
+
+    def stage(pl: Placement) -> int:
+        try:
+            return index[_ranks(pl)]
+        except KeyError:
+            raise GraphError(f"graph: a value on {pl} is on none of the stages "
+                             f"{[sorted(s) for s in stages]} the first micro-batch used "
+                             f"(micro-batches of different sizes must use the same "
+                             f"placements)") from None
+
+    forward: dict[int, list] = {i: [] for i in range(len(stages))}
+    transfers: list[Transfer] = []
+    nslots = tape.nslots
+    for node in tape.nodes:
+        if isinstance(node, BoxNode) and stage(tape.metas[node.src].placement) != \
+                stage(node.placement):
+            nslots = _cut(node, tape, stage, forward, transfers, nslots)
+        else:
+            forward[stage(node.placement)].append(node)
+    backwards: dict[int, list[BackwardNode]] = {i: [] for i in range(len(stages))}
+    for b in tape.backwards:
+        backwards[stage(b.placement)].append(b)
+    return Lowered(tape, forward, transfers, backwards, nslots)
+
+
+def _cut(node: BoxNode, tape: Tape, stage, forward: dict, transfers: list, nslots: int) -> int:
+    """Cut a stage-changing boxing into source steps, one transfer, destination steps."""
+    cross = [i for i, st in enumerate(node.steps) if st.kind == "transfer"]
+    if len(cross) != 1:
+        raise GraphError(f"graph: a boxing between stages has {len(cross)} transfer steps "
+                         f"({[st.describe() for st in node.steps]}); expected one")
+    i = cross[0]
+    meta = tape.metas[node.src]
+    a, b = stage(meta.placement), stage(node.placement)
+    src = node.src
+    if i > 0:  # steps on the source placement, run by the source stage's forward
+        src, nslots = nslots, nslots + 1
+        forward[a].append(node._replace(steps=node.steps[:i], out=src,
+                                        placement=node.steps[i].src_placement))
+    out = node.out
+    if i + 1 < len(node.steps):
+        out, nslots = nslots, nslots + 1
+        forward[b].append(node._replace(steps=node.steps[i + 1:], src=out))
+    transfers.append(Transfer(node.steps[i], src, out, a, b, meta, meta.grad))
+    return nslots

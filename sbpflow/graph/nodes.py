@@ -1,0 +1,160 @@
+"""The records of a traced graph: one named tuple a kind of task, each with ``run(vals, env)``.
+
+Values live in slots of a per-micro-batch list ``vals`` (local shards). An `OpNode` calls its op's
+torch kernel with the signature fixed at trace time; a `BoxNode` runs a boxing plan; a
+`DetachNode` detaches; a `ThunkNode` recomputes a value that must change on every replay (a
+random draw); a `BackwardNode` is the ``loss.backward()`` of ``build`` (run by the backward actor,
+not here). ``mode`` is the grad mode and autocast dtype the task was traced under.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..boxing import apply_step
+from ..placement import Placement
+
+__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "BackwardNode", "run_nodes"]
+
+
+class Env(NamedTuple):
+    """What a replay needs besides the slots: the rank's communicator, the device type."""
+
+    comm: Any
+    device_type: str
+
+
+class Mode(NamedTuple):
+    """What torch's thread-local state was when a task was traced (runtime threads start with
+    torch's defaults, so replay sets it)."""
+
+    grad: bool
+    autocast: torch.dtype | None  # the autocast dtype of the placement's device type, if on
+
+    @classmethod
+    def now(cls, device_type: str) -> "Mode":
+        on = torch.is_autocast_enabled(device_type)
+        return cls(torch.is_grad_enabled(), torch.get_autocast_dtype(device_type) if on else None)
+
+    def enter(self, device_type: str) -> None:
+        torch.set_grad_enabled(self.grad)
+        torch.set_autocast_enabled(device_type, self.autocast is not None)
+        if self.autocast is not None:
+            torch.set_autocast_dtype(device_type, self.autocast)
+
+
+class OpNode(NamedTuple):
+    """``outs = kernel(*args)`` with the tensor arguments read from ``slots`` ((position, slot)
+    pairs) and the constants kept in ``args``; ``ins``/``outs_sbp`` are the signature chosen."""
+
+    name: str
+    kernel: Callable | None      # None: an op of a placement this rank is not in
+    args: tuple
+    slots: tuple
+    attrs: dict
+    outs: tuple
+    multi: bool
+    detach: bool
+    placement: Placement
+    mode: Mode
+    ins: tuple                   # nd-sbp of each tensor input (after boxing)
+    outs_sbp: tuple
+
+    def run(self, vals: list, env: Any) -> None:
+        a = list(self.args)
+        for pos, s in self.slots:
+            a[pos] = vals[s]
+        r = self.kernel(*a, **self.attrs)
+        if self.multi:
+            for o, t in zip(self.outs, r):
+                vals[o] = t.detach() if self.detach else t
+        else:
+            vals[self.outs[0]] = r.detach() if self.detach else r
+
+
+class BoxNode(NamedTuple):
+    """``vals[out]`` = the boxing ``steps`` run on ``vals[src]`` (steps that change placement
+    are cut out by the lowering: a stage-to-stage transfer is an actor of its own)."""
+
+    steps: tuple
+    src: int
+    out: int
+    placement: Placement         # the destination's
+    mode: Mode
+
+    def run(self, vals: list, env: Any) -> None:
+        x = vals[self.src]
+        for step in self.steps:
+            x = apply_step(step, x, env.comm)
+        vals[self.out] = x
+
+    @property
+    def name(self) -> str:
+        return "box"
+
+
+class DetachNode(NamedTuple):
+    src: int
+    out: int
+    placement: Placement
+    mode: Mode
+
+    def run(self, vals: list, env: Any) -> None:
+        vals[self.out] = vals[self.src].detach()
+
+    @property
+    def name(self) -> str:
+        return "detach"
+
+
+class ThunkNode(NamedTuple):
+    """``vals[out] = make()``: a value drawn again at every replay (``make`` returns a shard)."""
+
+    make: Callable[[], torch.Tensor]
+    out: int
+    placement: Placement
+    mode: Mode
+
+    def run(self, vals: list, env: Any) -> None:
+        vals[self.out] = self.make()
+
+    @property
+    def name(self) -> str:
+        return "draw"
+
+
+class BackwardNode(NamedTuple):
+    """``vals[loss].backward(seed)``; ``seed`` a slot or (``seed_slot`` None) the constant
+    ``seed_value`` (the logical 1 in layout dual(sbp))."""
+
+    loss: int
+    seed_slot: int | None
+    seed_value: torch.Tensor | None
+    placement: Placement
+    mode: Mode
+
+    def seed(self, vals: list) -> torch.Tensor:
+        return self.seed_value if self.seed_slot is None else vals[self.seed_slot]
+
+    @property
+    def name(self) -> str:
+        return "backward"
+
+
+def run_nodes(nodes: list, vals: list, env: Any) -> None:
+    """Run ``nodes`` in order on ``vals``, each under the torch mode it was traced in (the
+    thread's grad mode and autocast state are restored after)."""
+    dev = env.device_type
+    saved = Mode.now(dev)
+    mode = saved
+    try:
+        for n in nodes:
+            if n.mode != mode:
+                mode = n.mode
+                mode.enter(dev)
+            n.run(vals, env)
+    finally:
+        if mode != saved:
+            saved.enter(dev)

@@ -1,0 +1,192 @@
+"""The actors of a lowered graph: what each rank runs for one call of the graph.
+
+Per rank of stage s (every rank of a stage runs the same actors):
+
+* ``fwd`` (forward): the micro-batch's tasks of stage s; keeps its slots (activations and their
+  autograd graph) in register ``saved``, whose slot count is the schedule's budget
+  (`sbpflow.runtime.activation_slots`: 1F1B S - s, GPipe M);
+* ``send>t`` / ``recv<p`` (send / recv): the stage-to-stage transfers, one actor per pair of
+  stages and direction, each on its own thread (a recv waiting for data never blocks a send);
+* ``bwd`` (backward): ``torch.autograd.backward`` from the stage's loss seeds and the gradients
+  received from later stages (``gradrecv<t``); the gradients of its received values go back by
+  ``gradsend>p``;
+* ``flush`` (GPipe only, on stages with a loss): no backward before the last forward;
+* ``grads`` then ``update``: once the last backward is done, each added optimizer's ``step()``
+  and ``zero_grad()`` (and its scheduler's ``step()``).
+
+Values cross ranks only inside transfers (the boxing transfer step's point-to-point
+exchange), so the plan's registers are all rank-local. See docs/runtime.md, 'Graph mode'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from ..boxing import dual_step, empty_local, run_step
+from ..runtime import ActorSpec, Input, Plan, activation_slots
+from ..sbp import local_shape
+from .lower import Lowered
+from .nodes import Env, run_nodes
+
+__all__ = ["Call", "graph_plan"]
+
+
+class Call(NamedTuple):
+    """What one call of the graph hands the actors: per micro-batch its input shards, its tape's
+    lowering and its loss weight; ``outputs`` is filled by the forward that holds them;
+    ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last)."""
+
+    inputs: list
+    lowered: list
+    weights: list
+    out_slots: tuple
+    outputs: dict
+    sync: Callable[[int], Any]
+    update: Callable[[], None] | None
+
+
+class _Stage:
+    """The functions of the actors of stage ``s`` on this rank, reading the current `Call`."""
+
+    def __init__(self, s: int, env: Env, call: Callable[[], Call], first: Lowered) -> None:
+        self.s, self.env, self.call = s, env, call
+        self.sources = sorted({t.src_stage for t in first.into(s)})
+        self.targets = sorted({t.dst_stage for t in first.out_of(s)})
+        self.grad_from = [t for t in self.targets if any(x.grad for x in first.out_of(s, t))]
+        self.grad_to = [p for p in self.sources if any(x.grad for x in first.into(s, p))]
+
+    def forward(self, mb: int, *received: list) -> list:
+        c = self.call()
+        low = c.lowered[mb]
+        vals = low.tape.new_vals(c.inputs[mb]) + [None] * (low.nslots - low.tape.nslots)
+        for p, locals_ in zip(self.sources, received):
+            for t, local in zip(low.into(self.s, p), locals_):
+                vals[t.out] = local
+        run_nodes(low.forward[self.s], vals, self.env)
+        # the caller reads the outputs this stage computed (detached: the activations of the
+        # micro-batch are freed by its backward, not kept until the call ends)
+        c.outputs[mb] = {k: vals[k].detach() for k in c.out_slots if vals[k] is not None}
+        return vals
+
+    def send(self, t: int) -> Callable:
+        def send(mb: int, vals: list) -> None:
+            with torch.no_grad():
+                for x in self.call().lowered[mb].out_of(self.s, t):
+                    run_step(x.step, vals[x.src].detach(), self.env.comm)
+        return send
+
+    def recv(self, p: int) -> Callable:
+        def recv(mb: int) -> list:
+            out = []
+            with torch.no_grad():
+                for x in self.call().lowered[mb].into(self.s, p):
+                    local = run_step(x.step, _empty(x, self.env), self.env.comm)
+                    out.append(local.requires_grad_(True) if x.grad else local)
+            return out
+        return recv
+
+    def backward(self, mb: int, vals: list, *rest: Any) -> dict:
+        c = self.call()
+        low, w = c.lowered[mb], c.weights[mb]
+        tensors, grads = [], []
+        for b in low.backwards[self.s]:
+            tensors.append(vals[b.loss])
+            seed = b.seed(vals)
+            grads.append(seed if w == 1.0 else seed * w)
+        for t, received in zip(self.grad_from, rest):
+            for x, g in zip([x for x in low.out_of(self.s, t) if x.grad], received):
+                if vals[x.src].requires_grad:
+                    tensors.append(vals[x.src])
+                    grads.append(g)
+        if tensors:
+            with c.sync(mb):
+                torch.autograd.backward(tensors, grads)
+        return {p: [vals[x.out].grad for x in low.into(self.s, p) if x.grad]
+                for p in self.grad_to}
+
+    def grad_send(self, p: int) -> Callable:
+        def grad_send(mb: int, grads: dict) -> None:
+            xs = [x for x in self.call().lowered[mb].into(self.s, p) if x.grad]
+            with torch.no_grad():
+                for x, g in zip(xs, grads[p]):
+                    if g is None:  # the value did not reach the loss: its gradient is zero
+                        g = torch.zeros(_local_shape(x, dst=True, env=self.env),
+                                        dtype=x.meta.dtype, device=_empty(x, self.env).device)
+                    run_step(dual_step(x.step), g.contiguous(), self.env.comm)
+        return grad_send
+
+    def grad_recv(self, t: int) -> Callable:
+        def grad_recv(mb: int) -> list:
+            xs = [x for x in self.call().lowered[mb].out_of(self.s, t) if x.grad]
+            with torch.no_grad():
+                return [run_step(dual_step(x.step), _empty(x, self.env), self.env.comm)
+                        for x in xs]
+        return grad_recv
+
+
+def _empty(x, env: Env) -> torch.Tensor:
+    return empty_local(x.meta.dtype, env.comm.device(x.meta.placement.device_type))
+
+
+def _local_shape(x, dst: bool, env: Env) -> tuple:
+    st = x.step
+    pl, sbp = (st.dst_placement, st.dst_sbp) if dst else (st.src_placement, st.src_sbp)
+    return local_shape(st.shape, pl.shape, sbp, pl.coord_of(env.comm.rank))
+
+
+def _noop(mb: int, *values: Any) -> None:
+    return None
+
+
+def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
+                  trains: bool, update: bool) -> list[ActorSpec]:
+    """Stage ``st.s``'s actors; ``trains``: the graph runs a backward."""
+    s = st.s
+    keep = trains or bool(st.targets)
+    slots = activation_slots(schedule, s, stages, micro_batches) if trains else 2
+    fwd_inputs = [Input(f"recv<{p}") for p in st.sources]
+    fwd = st.forward if keep else (lambda mb, *r: st.forward(mb, *r) and None)
+    specs = [ActorSpec("fwd", "forward", fwd, stage=s, inputs=fwd_inputs,
+                       outputs={"saved": slots})]
+    specs += [ActorSpec(f"recv<{p}", "recv", st.recv(p), stage=s, queue=f"recv<{p}")
+              for p in st.sources]
+    specs += [ActorSpec(f"send>{t}", "send", st.send(t), stage=s, inputs=[Input("fwd", "saved")],
+                        queue=f"send>{t}") for t in st.targets]
+    if not trains:
+        return specs
+    bwd_inputs = [Input("fwd", "saved")] + [Input(f"gradrecv<{t}") for t in st.grad_from]
+    bwd = st.backward
+    if schedule == "gpipe":
+        specs.append(ActorSpec("flush", "compute", _noop, stage=s,
+                               inputs=[Input("fwd", "saved")], emit_every=micro_batches,
+                               outputs=1))
+        bwd_inputs.append(Input("flush", repeat=micro_batches))
+        bwd = (lambda mb, vals, *rest: st.backward(mb, vals, *rest[:-1]))
+    specs.append(ActorSpec("bwd", "backward", bwd, stage=s, inputs=bwd_inputs))
+    specs += [ActorSpec(f"gradrecv<{t}", "recv", st.grad_recv(t), stage=s,
+                        queue=f"gradrecv<{t}") for t in st.grad_from]
+    specs += [ActorSpec(f"gradsend>{p}", "send", st.grad_send(p), stage=s,
+                        inputs=[Input("bwd")], queue=f"gradsend>{p}") for p in st.grad_to]
+    if update:
+        specs.append(ActorSpec("grads", "compute", _noop, stage=s, inputs=[Input("bwd")],
+                               emit_every=micro_batches, outputs=1))
+        specs.append(ActorSpec("update", "update", lambda mb, _: st.call().update(), stage=s,
+                               inputs=[Input("grads")], times=1))
+    return specs
+
+
+def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
+               call: Callable[[], Call], micro_batches: int, schedule: str, update: bool,
+               name: str) -> Plan:
+    """The plan of every rank (each runs its own; the others' tell it who its peers are)."""
+    trains = bool(first.tape.backwards)
+    actors = {}
+    for s, ranks in enumerate(stages):
+        st = _Stage(s, env, call, first)
+        for r in ranks:
+            actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
+                                      update and trains)
+    return Plan(actors, name=name)

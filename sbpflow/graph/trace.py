@@ -1,0 +1,201 @@
+"""Tracing ``build`` into a `Tape`: the ops, boxing steps and backward of one micro-batch.
+
+`Recorder` is what `sbpflow.tensor` calls while ``build`` runs eagerly once (on real shards: every
+op also runs, so shapes and signatures are the eager ones). Values are known by their local shard
+(``id``, kept alive while tracing). A tensor read by a task but made by no recorded task is an
+*external*: a parameter, a buffer, or a constant created in ``build`` (its shard is re-read at
+each replay). A value computed outside sbpflow's ops (``from_local`` on a torch result, a shard
+edited in torch) cannot be replayed: reading it raises `GraphError`. ``loss.backward()`` is
+recorded, not run. See docs/runtime.md, 'Graph mode'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import GraphError
+from ..placement import Placement
+from ..sbp import format_nd_sbp
+from ..tensor import GlobalTensor
+from .nodes import BackwardNode, BoxNode, DetachNode, Mode, OpNode, ThunkNode
+
+__all__ = ["Meta", "Tape", "Recorder", "OutSlot", "OutConst", "out_slots"]
+
+
+class OutSlot(NamedTuple):
+    """A tensor the graph returns: the value of ``slot``."""
+
+    slot: int
+
+
+class OutConst(NamedTuple):
+    """A value the graph returns that is not a tensor (returned as traced)."""
+
+    value: Any
+
+
+def out_slots(template: Any) -> list[int]:
+    """The slots of the tensors in an output template, in order."""
+    if isinstance(template, OutSlot):
+        return [template.slot]
+    if isinstance(template, OutConst):
+        return []
+    items = template.values() if isinstance(template, dict) else template
+    return [s for t in items for s in out_slots(t)]
+
+
+class Meta(NamedTuple):
+    """A value's logical metadata: what wraps its shard back into a `GlobalTensor`."""
+
+    shape: tuple
+    dtype: torch.dtype
+    placement: Placement
+    sbp: tuple
+    grad: bool      # required grad when traced
+
+    def describe(self) -> str:
+        return f"{self.shape} {format_nd_sbp(self.sbp)}"
+
+
+class Tape(NamedTuple):
+    """One micro-batch's program on one rank: ``nodes`` in order, ``inputs`` (slot of each
+    build input, None for a non-tensor), ``externals`` ((slot, tensor) re-read at each replay),
+    ``backwards`` (the `BackwardNode`s), ``outputs`` (the returned structure, tensors as
+    `OutSlot`, other values as `OutConst`), ``metas`` (slot -> `Meta`), ``nslots``."""
+
+    nodes: list
+    inputs: tuple
+    externals: list
+    backwards: list
+    outputs: Any
+    metas: dict
+    nslots: int
+
+    def new_vals(self, input_locals: list) -> list:
+        """A fresh slot list holding the inputs' and the externals' shards."""
+        vals = [None] * self.nslots
+        for slot, local in zip(self.inputs, input_locals):
+            if slot is not None:
+                vals[slot] = local
+        for slot, t in self.externals:
+            vals[slot] = t._local
+        return vals
+
+    def placements(self) -> list[Placement]:
+        """The distinct placements of the values, in order of first appearance."""
+        seen: list[Placement] = []
+        for m in self.metas.values():
+            if m.placement not in seen:
+                seen.append(m.placement)
+        return seen
+
+
+class Recorder:
+    """Collects the tasks ``build`` runs on this rank (the hooks of `sbpflow.tensor`)."""
+
+    def __init__(self) -> None:
+        self.nodes: list = []
+        self.slot_of: dict[int, int] = {}   # id(local shard) -> slot
+        self.keep: list = []                # the shards whose ids are in use
+        self.untraced: set[int] = set()     # shards made outside the recorded tasks
+        self.externals: list = []
+        self.backwards: list = []
+        self.metas: dict[int, Meta] = {}
+        self.inputs: list = []
+
+    # -- slots -------------------------------------------------------------------------------
+    def _new(self, t: GlobalTensor) -> int:
+        slot = len(self.metas)
+        local = t._local
+        self.slot_of[id(local)] = slot
+        self.keep.append(local)
+        self.untraced.discard(id(local))
+        self.metas[slot] = Meta(t._shape, local.dtype, t._placement, t._sbp, local.requires_grad)
+        return slot
+
+    def read(self, t: GlobalTensor, by: str) -> int:
+        """The slot of ``t``'s shard, read by task ``by`` (a new external when no task made
+        it)."""
+        local = t._local
+        slot = self.slot_of.get(id(local))
+        if slot is not None:
+            return slot
+        if id(local) in self.untraced or local.grad_fn is not None:
+            raise GraphError(
+                f"graph: {by} reads a tensor of shape {t._shape} on {t._placement} with sbp "
+                f"{format_nd_sbp(t._sbp)} that build computed outside sbpflow's ops (from_local "
+                f"on a torch result, a shard changed in torch, activation checkpointing, a "
+                f"gradient read in build); a graph cannot replay it. Compute it with sbpflow "
+                f"ops, or pass it to the graph as an input")
+        slot = self._new(t)
+        self.externals.append((slot, t))
+        return slot
+
+    def add_input(self, t: Any) -> None:
+        self.inputs.append(self._new(t) if isinstance(t, GlobalTensor) else None)
+
+    # -- the hooks of sbpflow.tensor ------------------------------------------------------------
+    def made(self, local: torch.Tensor) -> None:
+        """A `GlobalTensor` was built around ``local`` outside the recorded tasks."""
+        self.untraced.add(id(local))
+        self.keep.append(local)
+
+    def constant(self, t: GlobalTensor) -> None:
+        self.untraced.discard(id(t._local))
+
+    def op(self, entry, args: tuple, boxed: list, local_args, attrs: dict, out, pl) -> None:
+        name = entry.op.name
+        it = iter(boxed)
+        consts, slots = [], []
+        for pos, a in enumerate(args):
+            if isinstance(a, GlobalTensor):
+                slots.append((pos, self.read(next(it), f"op {name}")))
+                consts.append(None)
+            else:
+                consts.append(a)
+        multi = isinstance(out, tuple)
+        outs = tuple(self._new(t) for t in (out if multi else (out,)))
+        kernel = entry.op.kernel if local_args is not None else None
+        self.nodes.append(OpNode(name, kernel, tuple(consts), tuple(slots), dict(attrs), outs,
+                                 multi, entry.detach, pl, Mode.now(pl.device_type),
+                                 entry.choice.ins, entry.choice.outs))
+
+    def box(self, plan, src: GlobalTensor, out: GlobalTensor) -> None:
+        s = self.read(src, "a boxing step")
+        self.nodes.append(BoxNode(plan.steps, s, self._new(out), out._placement,
+                                  Mode.now(out._placement.device_type)))
+
+    def detach(self, src: GlobalTensor, out: GlobalTensor) -> None:
+        s = self.read(src, "detach")
+        self.nodes.append(DetachNode(s, self._new(out), out._placement,
+                                     Mode.now(out._placement.device_type)))
+
+    def thunk(self, t: GlobalTensor, make) -> None:
+        self.nodes.append(ThunkNode(make, self._new(t), t._placement,
+                                    Mode.now(t._placement.device_type)))
+
+    def backward(self, loss: GlobalTensor, seed: torch.Tensor) -> None:
+        slot = self.read(loss, "backward")
+        seed_slot = self.slot_of.get(id(seed))
+        node = BackwardNode(slot, seed_slot, None if seed_slot is not None else seed.detach(),
+                            loss._placement, Mode.now(loss._placement.device_type))
+        self.backwards.append(node)
+
+    # -- the result ----------------------------------------------------------------------------
+    def _template(self, value: Any) -> Any:
+        if isinstance(value, GlobalTensor):
+            return OutSlot(self.read(value, "the graph's output"))
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._template(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._template(v) for k, v in value.items()}
+        return OutConst(value)
+
+    def tape(self, result: Any) -> Tape:
+        outputs = self._template(result)
+        tape = Tape(self.nodes, tuple(self.inputs), self.externals, self.backwards, outputs,
+                    self.metas, len(self.metas))
+        self.keep, self.slot_of, self.untraced = [], {}, set()
+        return tape
