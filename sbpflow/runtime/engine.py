@@ -21,7 +21,7 @@ from typing import Any
 
 from ..comm.base import Communicator
 from ..comm.current import current, set_current
-from ..comm.threads import default_timeout
+from ..comm.threads import default_timeout, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
 from .specs import Plan
@@ -233,6 +233,7 @@ class _Step:
     def _queue_loop(self, queue: str) -> None:
         """Fire this queue's actors, first ready first, until all fired their times."""
         set_current(self.comm)  # actors' collectives use this rank's communicator
+        waits_alongside(True)  # a rank's queue threads may wait at once (a recv, a compute)
         actors, cond = self.queues[queue], self.conds[queue]
         try:
             with self.lock:
@@ -247,6 +248,7 @@ class _Step:
         except BaseException as exc:  # noqa: BLE001 - a runtime bug: stop the run, say where
             self._fail(exc, None)
         finally:
+            waits_alongside(False)
             set_current(None)
 
     def _inbox_loop(self) -> None:
