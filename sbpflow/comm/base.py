@@ -33,6 +33,26 @@ Assemble = Callable[[list], object]  # receives the pieces (valid only during th
 _REDUCERS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+class _Stream(threading.local):
+    name: str | None = None
+
+
+_stream = _Stream()
+
+
+def collective_stream() -> str | None:
+    """The calling thread's collective stream (None: the default one)."""
+    return _stream.name
+
+
+def set_collective_stream(name: str | None) -> str | None:
+    """Make the calling thread's collectives pair only with the same stream's on the other
+    ranks, in that stream's own order (an actor's collectives on each rank of a stage pair up
+    whichever order the rank's actors fire in). Returns the previous stream."""
+    previous, _stream.name = _stream.name, name
+    return previous
+
+
 def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     """Reduce ``tensors`` in the given order into a new tensor (same order on every rank, so
     every rank computes bit-identical results)."""

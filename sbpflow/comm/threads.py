@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import CommAborted, CommError, CommTimeout
-from .base import Communicator, reduce_tensors
+from .base import Communicator, collective_stream, reduce_tensors
 from .channels import ThreadChannels, copy_tensors
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "default_timeout"]
@@ -347,9 +347,11 @@ class ThreadCommunicator(Communicator):
         """Deposit ``payload`` and signature ``sig`` (see `_disagreement`), wait for the other
         members, return ``compute(payloads by rank)``."""
         w, rank = self.world, self.rank
-        seq = self._seq[group]
-        self._seq[group] = seq + 1
-        key = (group, seq)
+        stream = collective_stream()
+        series = group if stream is None else (group, stream)  # each stream its own order
+        seq = self._seq[series]
+        self._seq[series] = seq + 1
+        key = (series, seq)
         what = lambda: _call_text(kind, group, seq)  # noqa: E731 - formatted only on errors
         w.check_alive(rank, what)
         with w.cond:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
-from .base import Communicator, Pending, nbytes, reduce_tensors
+from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
 from .channels import StoreChannels
 from .current import current_process, set_current
 from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
@@ -73,22 +73,27 @@ class TorchCommunicator(Communicator):
         self._channels_lock = threading.Lock()  # the runtime posts and reads from threads
 
     def _key(self, group: tuple, cuda: bool) -> str:
-        """``group_key(group, cuda)``, cached (this is on every collective's path)."""
-        key = self._keys.get((group, cuda))
+        """``group_key(group, cuda)`` (and the collective stream), cached (this is on every
+        collective's path)."""
+        stream = collective_stream()
+        key = self._keys.get((group, cuda, stream))
         if key is None:
-            key = self._keys[(group, cuda)] = group_key(group, cuda)
+            key = group_key(group, cuda) + ("" if stream is None else f"/{stream}")
+            self._keys[(group, cuda, stream)] = key
         return key
 
     # -- process groups and devices --------------------------------------------------------
     def _pg(self, group: tuple, cuda: bool):
         """The process group of ``group``'s members (ranks sorted), created on first use."""
         ranks = tuple(sorted(group))
-        if ranks == tuple(range(self.world_size)):
+        stream = collective_stream()  # a stream has process groups of its own (its order)
+        if stream is None and ranks == tuple(range(self.world_size)):
             return self.world_pg
-        key = (ranks, cuda)
+        key = (ranks, cuda, stream)
         pg = self._groups.get(key)
         if pg is None:
-            name = f"sbpflow/{'nccl' if cuda else 'gloo'}/{'_'.join(map(str, ranks))}/"
+            name = f"sbpflow/{'nccl' if cuda else 'gloo'}/{'_'.join(map(str, ranks))}/" + \
+                ("" if stream is None else f"{stream}/")
             store = dist.PrefixStore(name, c10d._get_default_store())
             me = ranks.index(self.rank)
             what = "creating the process group"  # collective #1 of the group: a rendezvous

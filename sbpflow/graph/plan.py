@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from ..boxing import dual_step, empty_local, run_step
+from ..comm import set_collective_stream
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered
@@ -141,15 +142,29 @@ def _noop(mb: int, *values: Any) -> None:
     return None
 
 
+def _in_stream(stream: str, fn: Callable) -> Callable:
+    """``fn`` with its collectives in ``stream``: an actor's collectives pair with the same
+    actor's on the other ranks of its stage, whatever order each rank's actors fire in (the
+    forward of one micro-batch and the backward of another may swap between ranks)."""
+    def run(*args: Any) -> Any:
+        previous = set_collective_stream(stream)
+        try:
+            return fn(*args)
+        finally:
+            set_collective_stream(previous)
+    return run
+
+
 def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
-                  trains: bool, update: bool) -> list[ActorSpec]:
+                  trains: bool, update: bool, name: str) -> list[ActorSpec]:
     """Stage ``st.s``'s actors; ``trains``: the graph runs a backward."""
     s = st.s
     keep = trains or bool(st.targets)
     slots = activation_slots(schedule, s, stages, micro_batches) if trains else 2
     fwd_inputs = [Input(f"recv<{p}") for p in st.sources]
     fwd = st.forward if keep else (lambda mb, *r: st.forward(mb, *r) and None)
-    specs = [ActorSpec("fwd", "forward", fwd, stage=s, inputs=fwd_inputs,
+    specs = [ActorSpec("fwd", "forward", _in_stream(f"{name}/fwd", fwd), stage=s,
+                       inputs=fwd_inputs,
                        outputs={"saved": slots})]
     specs += [ActorSpec(f"recv<{p}", "recv", st.recv(p), stage=s, queue=f"recv<{p}")
               for p in st.sources]
@@ -165,7 +180,8 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
                                outputs=1))
         bwd_inputs.append(Input("flush", repeat=micro_batches))
         bwd = (lambda mb, vals, *rest: st.backward(mb, vals, *rest[:-1]))
-    specs.append(ActorSpec("bwd", "backward", bwd, stage=s, inputs=bwd_inputs))
+    specs.append(ActorSpec("bwd", "backward", _in_stream(f"{name}/bwd", bwd), stage=s,
+                           inputs=bwd_inputs))
     specs += [ActorSpec(f"gradrecv<{t}", "recv", st.grad_recv(t), stage=s,
                         queue=f"gradrecv<{t}") for t in st.grad_from]
     specs += [ActorSpec(f"gradsend>{p}", "send", st.grad_send(p), stage=s,
@@ -188,5 +204,5 @@ def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
         st = _Stage(s, env, call, first)
         for r in ranks:
             actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
-                                      update and trains)
+                                      update and trains, name)
     return Plan(actors, name=name)
