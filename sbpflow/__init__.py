@@ -25,7 +25,7 @@ from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_se
 from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
-from . import runtime  # noqa: E402  (graph | runtime layer)
+from . import runtime  # noqa: E402  (runtime, then graph: it lowers steps to runtime plans)
 from . import graph  # noqa: E402
 nn.Graph = graph.Graph  # sf.nn.Graph, OneFlow's name (the class lives in the graph layer)
 nn.GraphConfig = graph.GraphConfig

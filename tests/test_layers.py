@@ -23,7 +23,8 @@ LAYERS = [
     {"gradsync"},
     {"nn", "optim"},
     {"memory"},
-    {"graph", "runtime"},
+    {"runtime"},  # generic actors and registers (data loading and cyclic DP use them too)
+    {"graph"},    # lowers a traced step to runtime plans
     {"data"},
     {"parallel", "models"},
     {"auto"},

@@ -6,6 +6,6 @@ stages into actors (forward, backward, send / recv, update) whose register budge
 pipeline schedule; `Compiled` runs them per call. See docs/runtime.md, 'Graph mode'.
 """
 
-from .graph import Graph, GraphConfig
+from .nn_graph import Graph, GraphConfig
 
 __all__ = ["Graph", "GraphConfig"]

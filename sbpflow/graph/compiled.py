@@ -23,7 +23,7 @@ from .microbatch import signature, split_inputs
 from .nodes import Env
 from .plan import Call, graph_plan
 from .show import describe
-from .trace import OutConst, OutSlot, Recorder, Tape, out_slots
+from .recorder import OutConst, OutSlot, Recorder, Tape, out_slots
 
 __all__ = ["Compiled", "trace"]
 

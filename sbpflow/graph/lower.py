@@ -16,7 +16,7 @@ from ..boxing import Step
 from ..errors import GraphError
 from ..placement import Placement
 from .nodes import BackwardNode, BoxNode
-from .trace import Meta, Tape
+from .recorder import Meta, Tape
 
 __all__ = ["Transfer", "Lowered", "stages_of", "lower"]
 

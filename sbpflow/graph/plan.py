@@ -1,21 +1,15 @@
 """The actors of a lowered graph: what each rank runs for one call of the graph.
 
-Per rank of stage s (every rank of a stage runs the same actors):
-
-* ``fwd`` (forward): the micro-batch's tasks of stage s; keeps its slots (activations and their
-  autograd graph) in register ``saved``, whose slot count is the schedule's budget
-  (`sbpflow.runtime.activation_slots`: 1F1B S - s, GPipe M);
-* ``send>t`` / ``recv<p`` (send / recv): the stage-to-stage transfers, one actor per pair of
-  stages and direction, each on its own thread (a recv waiting for data never blocks a send);
-* ``bwd`` (backward): ``torch.autograd.backward`` from the stage's loss seeds and the gradients
-  received from later stages (``gradrecv<t``); the gradients of its received values go back by
-  ``gradsend>p``;
-* ``flush`` (GPipe only, on stages with a loss): no backward before the last forward;
-* ``grads`` then ``update``: once the last backward is done, each added optimizer's ``step()``
-  and ``zero_grad()`` (and its scheduler's ``step()``).
-
-Values cross ranks only inside transfers (the boxing transfer step's point-to-point
-exchange), so the plan's registers are all rank-local. See docs/runtime.md, 'Graph mode'.
+Per rank of stage s (all ranks of a stage run the same actors): ``fwd`` runs the micro-batch's
+tasks and keeps its slots (activations, autograd graph) in register ``saved``, whose slot count
+is the schedule (`sbpflow.runtime.activation_slots`: 1F1B S - s, GPipe M); ``send>t`` /
+``recv<p`` move values between stages, one actor a pair of stages, each on its own thread (a
+recv waiting never blocks a send); ``bwd`` runs ``torch.autograd.backward`` from the stage's
+loss seeds and the gradients ``gradrecv<t`` got, and ``gradsend>p`` sends its inputs' gradients
+back; ``flush`` (GPipe) holds the backwards until the last forward; ``grads`` then ``update``
+run each optimizer's ``step()`` and ``zero_grad()`` after the last backward. Values cross ranks
+only inside transfers (the transfer step's point-to-point exchange): the registers are all
+rank-local. See docs/runtime.md, 'Graph mode'.
 """
 
 from __future__ import annotations

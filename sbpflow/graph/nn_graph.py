@@ -1,19 +1,10 @@
 """``sf.nn.Graph``: a training step traced once, lowered to actors, replayed on every call.
 
-    class TrainStep(sf.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-            self.config.set_gradient_accumulation_steps(8)
-        def build(self, x, y):
-            loss = self.model(x, y)
-            loss.backward()
-            return loss
-
-The first call with given input shapes and layouts compiles (`Compiled`): ``build`` is traced on
-each distinct micro-batch shape, cut into stages where the placement changes, and turned into a
-runtime plan; later calls only run the plan. See docs/runtime.md, 'Graph mode'.
+A subclass registers modules and optimizers (``add_optimizer``) in ``__init__`` and writes
+``build(*inputs)`` (forward, ``loss.backward()``, return the loss). The first call with given
+input shapes and layouts compiles (`Compiled`): ``build`` is traced on each distinct micro-batch
+shape, cut into stages where the placement changes, and turned into a runtime plan; later calls
+only run the plan. See docs/runtime.md, 'Graph mode'.
 """
 
 from __future__ import annotations
