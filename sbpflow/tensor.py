@@ -31,7 +31,7 @@ from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
-           "fresh"]
+           "fresh", "guard"]
 
 
 # -- graph tracing hooks -------------------------------------------------------------------------
@@ -55,6 +55,15 @@ def set_recorder(recorder):
     """Make ``recorder`` this thread's graph recorder (None: stop); returns the previous one."""
     previous, _tracing.recorder = _tracing.recorder, recorder
     return previous
+
+
+def guard(t: "GlobalTensor", check) -> None:
+    """Run ``check(t.local)`` (it raises on bad values, e.g. an index out of range); a graph runs
+    it again on every replay, since the values change while the traced ops stay."""
+    check(t._local)
+    rec = _tracing.recorder
+    if rec is not None:
+        rec.guard(t, check)
 
 
 def fresh(make) -> "GlobalTensor":

@@ -16,7 +16,7 @@ import torch
 from ..boxing import apply_step
 from ..placement import Placement
 
-__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "BackwardNode", "run_nodes"]
+__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode", "BackwardNode", "run_nodes"]
 
 
 class Env(NamedTuple):
@@ -123,6 +123,22 @@ class ThunkNode(NamedTuple):
     @property
     def name(self) -> str:
         return "draw"
+
+
+class GuardNode(NamedTuple):
+    """``check(vals[src])``: a check of values (an index range) that must run on each call."""
+
+    check: Callable[[torch.Tensor], None]
+    src: int
+    placement: Placement
+    mode: Mode
+
+    def run(self, vals: list, env: Any) -> None:
+        self.check(vals[self.src])
+
+    @property
+    def name(self) -> str:
+        return "check"
 
 
 class BackwardNode(NamedTuple):

@@ -19,7 +19,7 @@ from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor
-from .nodes import BackwardNode, BoxNode, DetachNode, Mode, OpNode, ThunkNode
+from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, ThunkNode
 
 __all__ = ["Meta", "Tape", "Recorder", "OutSlot", "OutConst", "out_slots"]
 
@@ -174,6 +174,10 @@ class Recorder:
 
     def thunk(self, t: GlobalTensor, make) -> None:
         self.nodes.append(ThunkNode(make, self._new(t), t._placement,
+                                    Mode.now(t._placement.device_type)))
+
+    def guard(self, t: GlobalTensor, check) -> None:
+        self.nodes.append(GuardNode(check, self.read(t, "a value check"), t._placement,
                                     Mode.now(t._placement.device_type)))
 
     def backward(self, loss: GlobalTensor, seed: torch.Tensor) -> None:

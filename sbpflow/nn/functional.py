@@ -15,7 +15,7 @@ from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, _next_seed, apply_op, fresh, full
+from ..tensor import GlobalTensor, _next_seed, apply_op, fresh, full, guard
 from .pending_mean import mean_over_count
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -178,8 +178,9 @@ def _check_replicated_ids(ids: GlobalTensor, weight: GlobalTensor) -> bool:
     else:
         return False
     vocab = weight.shape[0]
-    check_index_range(ids.local, vocab, None, lambda: id_out_of_range(
-        ids.local, vocab, _layouts(("ids", ids), ("weight", weight))))
+    where = _layouts_later(("ids", ids), ("weight", weight))
+    guard(ids, lambda local: check_index_range(local, vocab, None, lambda: id_out_of_range(
+        local, vocab, where())))
     return True
 
 
@@ -331,8 +332,9 @@ def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_inde
     else:
         return False
     n = logits.shape[-1]
-    check_index_range(target.local, n, ignore_index, lambda: target_out_of_range(
-        target.local, n, ignore_index, _layouts(("logits", logits), ("target", target))))
+    where = _layouts_later(("logits", logits), ("target", target))
+    guard(target, lambda local: check_index_range(local, n, ignore_index, lambda: (
+        target_out_of_range(local, n, ignore_index, where()))))
     return True
 
 
@@ -352,10 +354,21 @@ def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index:
             f"{_layouts(('logits', logits), ('target', target))}") from None
 
 
+def _layouts_later(*named: tuple):
+    """`_layouts` of the tensors' metadata as they are now, formatted when called (an error
+    message a graph's value check may need on any later call: it keeps no tensor alive)."""
+    meta = [(n, tuple(t.shape), t.sbp) for n, t in named]
+    pl = named[0][1].placement
+
+    def text() -> str:
+        parts = [f"{n} of shape {shape} with sbp {format_nd_sbp(sbp)}" for n, shape, sbp in meta]
+        return f"{', '.join(parts)} on {pl}"
+    return text
+
+
 def _layouts(*named: tuple) -> str:
     """``name of shape (..) with sbp (..)`` for each (name, global tensor), and the placement."""
-    parts = [f"{n} of shape {tuple(t.shape)} with sbp {format_nd_sbp(t.sbp)}" for n, t in named]
-    return f"{', '.join(parts)} on {named[0][1].placement}"
+    return _layouts_later(*named)()
 
 
 def dropout(x: GlobalTensor, p: float = 0.5, training: bool = True, inplace: bool = False,
