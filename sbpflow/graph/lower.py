@@ -15,8 +15,8 @@ from typing import NamedTuple
 from ..boxing import Step
 from ..errors import GraphError
 from ..placement import Placement
-from .nodes import BackwardNode, BoxNode
-from .recorder import Meta, Tape
+from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, ThunkNode
+from .recorder import Meta, Tape, out_slots
 
 __all__ = ["Transfer", "Lowered", "stages_of", "lower"]
 
@@ -35,12 +35,14 @@ class Transfer(NamedTuple):
 
 
 class Lowered(NamedTuple):
-    """One tape cut into stages: ``forward[s]`` the tasks of stage s in order, ``transfers`` in
-    tape order, ``backwards[s]`` the backward seeds of stage s, ``nslots`` (the tape's and the
-    slots the cuts added)."""
+    """One tape cut into stages: ``forward[s]`` the tasks of stage s in order, ``frees[s][i]``
+    the slots to drop after task i (their last use), ``transfers`` in tape order,
+    ``backwards[s]`` the backward seeds of stage s, ``nslots`` (the tape's and the slots the
+    cuts added)."""
 
     tape: Tape
     forward: dict
+    frees: dict
     transfers: list
     backwards: dict
     nslots: int
@@ -118,7 +120,7 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
     forward: dict[int, list] = {i: [] for i in range(len(stages))}
     transfers: list[Transfer] = []
     nslots = tape.nslots
-    for node in tape.nodes:
+    for node in live_nodes(tape):
         if isinstance(node, BoxNode) and stage(tape.metas[node.src].placement) != \
                 stage(node.placement):
             nslots = _cut(node, tape, stage, forward, transfers, nslots)
@@ -127,7 +129,72 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
     backwards: dict[int, list[BackwardNode]] = {i: [] for i in range(len(stages))}
     for b in tape.backwards:
         backwards[stage(b.placement)].append(b)
-    return Lowered(tape, forward, transfers, backwards, nslots)
+    frees = {s: _frees(forward[s], _kept(s, tape, transfers, backwards[s]))
+             for s in forward}
+    return Lowered(tape, forward, frees, transfers, backwards, nslots)
+
+
+def reads(node) -> tuple:
+    """The slots a task reads."""
+    if isinstance(node, OpNode):
+        return tuple(s for _, s in node.slots)
+    if isinstance(node, (BoxNode, DetachNode, GuardNode)):
+        return (node.src,)
+    return ()
+
+
+def writes(node) -> tuple:
+    """The slots a task writes."""
+    if isinstance(node, OpNode):
+        return node.outs
+    if isinstance(node, (BoxNode, DetachNode, ThunkNode)):
+        return (node.out,)
+    return ()
+
+
+def live_nodes(tape: Tape) -> list:
+    """The tasks the outputs and the backward need (value checks and random draws always:
+    they raise, or advance a seed stream every rank must advance alike). The moves of model
+    inputs into stages that never read them drop out here."""
+    need = set(out_slots(tape.outputs))
+    for b in tape.backwards:
+        need.add(b.loss)
+        if b.seed_slot is not None:
+            need.add(b.seed_slot)
+    live = []
+    for node in reversed(tape.nodes):
+        if isinstance(node, (GuardNode, ThunkNode)) or any(w in need for w in writes(node)):
+            live.append(node)
+            need.update(reads(node))
+    return live[::-1]
+
+
+def _kept(stage: int, tape: Tape, transfers: list, backwards: list) -> set:
+    """The slots of a stage's forward that must outlive it: what its sends read, the received
+    values whose gradient goes back, its outputs, its backward's losses and seeds."""
+    kept = set(out_slots(tape.outputs))
+    kept.update(t.src for t in transfers if t.src_stage == stage)
+    kept.update(t.out for t in transfers if t.dst_stage == stage and t.grad)
+    for b in backwards:
+        kept.add(b.loss)
+        if b.seed_slot is not None:
+            kept.add(b.seed_slot)
+    return kept
+
+
+def _frees(nodes: list, kept: set) -> list[tuple]:
+    """Per task, the slots whose last reader it is (and that nothing after the forward
+    reads): dropping them frees what autograd does not keep, as eager's locals going out of
+    scope do."""
+    last: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for s in reads(node):
+            last[s] = i
+    out: list[list] = [[] for _ in nodes]
+    for s, i in last.items():
+        if s not in kept:
+            out[i].append(s)
+    return [tuple(f) for f in out]
 
 
 def _cut(node: BoxNode, tape: Tape, stage, forward: dict, transfers: list, nslots: int) -> int:

@@ -16,7 +16,8 @@ import torch
 from ..boxing import apply_step
 from ..placement import Placement
 
-__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode", "BackwardNode", "run_nodes"]
+__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode",
+           "BackwardNode", "run_nodes"]
 
 
 class Env(NamedTuple):
@@ -159,18 +160,22 @@ class BackwardNode(NamedTuple):
         return "backward"
 
 
-def run_nodes(nodes: list, vals: list, env: Any) -> None:
+def run_nodes(nodes: list, vals: list, env: Any, frees: list | None = None) -> None:
     """Run ``nodes`` in order on ``vals``, each under the torch mode it was traced in (the
-    thread's grad mode and autocast state are restored after)."""
+    thread's grad mode and autocast state are restored after); ``frees[i]``: slots dropped
+    after node i."""
     dev = env.device_type
     saved = Mode.now(dev)
     mode = saved
     try:
-        for n in nodes:
+        for i, n in enumerate(nodes):
             if n.mode != mode:
                 mode = n.mode
                 mode.enter(dev)
             n.run(vals, env)
+            if frees is not None:
+                for s in frees[i]:
+                    vals[s] = None
     finally:
         if mode != saved:
             saved.enter(dev)

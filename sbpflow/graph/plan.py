@@ -60,7 +60,7 @@ class _Stage:
         for p, locals_ in zip(self.sources, received):
             for t, local in zip(low.into(self.s, p), locals_):
                 vals[t.out] = local
-        run_nodes(low.forward[self.s], vals, self.env)
+        run_nodes(low.forward[self.s], vals, self.env, low.frees[self.s])
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
         c.outputs[mb] = {k: vals[k].detach() for k in c.out_slots if vals[k] is not None}
