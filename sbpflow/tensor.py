@@ -31,7 +31,7 @@ from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
-           "fresh", "guard"]
+           "fresh", "guard", "source"]
 
 
 # -- graph tracing hooks -------------------------------------------------------------------------
@@ -55,6 +55,13 @@ def set_recorder(recorder):
     """Make ``recorder`` this thread's graph recorder (None: stop); returns the previous one."""
     previous, _tracing.recorder = _tracing.recorder, recorder
     return previous
+
+
+def source(load):
+    """``load()``: the next batch of a data source (a tuple of global tensors, or one). A graph
+    calls ``load`` once per call, in a loading actor, and hands each micro-batch its rows."""
+    rec = _tracing.recorder
+    return load() if rec is None else rec.source(load)
 
 
 def guard(t: "GlobalTensor", check) -> None:

@@ -3,8 +3,9 @@
 Every rank runs the loader and reads only the samples of its shard of each logical batch; the
 batches are the same whatever the placement (`batch_order`). A background thread a rank loads
 at most ``prefetch`` batches ahead (`prefetch.Prefetcher`); the global tensors are made on the
-consumer with `from_local` (no communication). Eager mode only: the graph-mode loading actor
-is not built yet. See docs/runtime.md, 'Data loading'.
+consumer with `from_local` (no communication). Called (``loader()``), it gives the next batch
+and goes on into the next epoch; inside an ``sf.nn.Graph``'s ``build`` that call is the graph's
+loading actor. See docs/runtime.md, 'Data loading'.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..comm.threads import default_timeout
 from ..errors import DataLoaderConfigError
 from ..placement import Placement
 from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
-from ..tensor import from_local
+from ..tensor import from_local, source
 from .batch_order import batch_indices, num_batches, row_range
 from .collate import Shards, cut_shard, read_samples, stack_samples
 from .prefetch import Prefetcher
@@ -79,6 +80,24 @@ class DataLoader:
         self.seed = seed
         self.shuffle, self.drop_last, self.timeout = bool(shuffle), bool(drop_last), timeout
         self.epoch = 0
+        self._feed: "LoaderIterator | None" = None  # what `__call__` reads
+
+    def __call__(self):
+        """The next batch, going on into the next epoch (``epoch + 1``) at the end of one.
+        Inside a graph's ``build`` this is a data source: the graph loads one batch a call in
+        its loading actor and hands each micro-batch its rows."""
+        return source(self._next_batch)
+
+    def _next_batch(self):
+        for _ in range(2):
+            if self._feed is None:
+                self._feed = LoaderIterator(self)
+            try:
+                return next(self._feed)
+            except StopIteration:
+                self._feed = None
+                self.epoch += 1
+        raise DataLoaderConfigError(f"DataLoader: {self!r} has no batch in an epoch")
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next iteration on (call it on every rank)."""

@@ -28,9 +28,8 @@ from .recorder import OutConst, OutSlot, Recorder, Tape, out_slots
 __all__ = ["Compiled", "trace"]
 
 
-def trace(graph, args: list) -> Tape:
-    """Run ``graph.build(*args)`` eagerly with a `Recorder` on this thread."""
-    rec = Recorder()
+def trace(graph, args: list, rec: Recorder) -> Tape:
+    """Run ``graph.build(*args)`` eagerly with ``rec`` recording on this thread."""
     for a in args:
         rec.add_input(a)
     previous = set_recorder(rec)
@@ -49,11 +48,17 @@ class Compiled:
         self.graph, self.k, self.cfg = graph, cfg.micro_batches, cfg
         self.comm = _comm.current()
         mbs = split_inputs(inputs, self.k, cfg.split_inputs)
+        self.batches: list = []  # what data sources in build gave while compiling
         self.tapes: dict[tuple, Tape] = {}
-        for args in mbs.args:
-            sig = signature(args)
-            if sig not in self.tapes:
-                self.tapes[sig] = trace(graph, args)
+        self.keys: list[tuple] = []  # micro-batch m's tape
+        for m, args in enumerate(mbs.args):
+            key = (signature(args), self._source_shapes(m))
+            if key not in self.tapes:
+                tape = trace(graph, args, Recorder(m, self.k, self.batches))
+                key = (signature(args), self._source_shapes(m))  # the sources are known now
+                self.tapes.setdefault(key, tape)
+            self.keys.append(key)
+        self.weights = self._weights(mbs.sizes)
         tapes = list(self.tapes.values())
         self.stages = stages_of(tapes[0])
         for t in tapes[1:]:
@@ -66,7 +71,7 @@ class Compiled:
         self.env = Env(self.comm, pls[0].device_type if pls else "cpu")
         state = self.comm.state
         state["graph_plans"] = state.get("graph_plans", 0) + 1  # the same count on every rank
-        first = self.lowered[signature(mbs.args[0])]
+        first = self.lowered[self.keys[0]]
         self.call: Call | None = None
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
@@ -74,6 +79,32 @@ class Compiled:
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
+
+    def _source_shapes(self, m: int) -> tuple:
+        """The shapes of micro-batch m's rows of each batch data sources gave."""
+        out = []
+        for batch in self.batches:
+            values = batch if isinstance(batch, tuple) else (batch,)
+            piece = split_inputs(values, self.k, [True] * len(values)).args[m]
+            out.append(tuple(tuple(v.shape) for v in piece))
+        return tuple(out)
+
+    def _weights(self, sizes: list | None) -> list[float]:
+        """Each micro-batch's loss weight: its share of the batch (mean losses), else 1."""
+        if sizes is None and self.batches:
+            values = self.batches[0] if isinstance(self.batches[0], tuple) else \
+                (self.batches[0],)
+            sizes = split_inputs(values, self.k, [True] * len(values)).sizes
+        if self.k == 1:
+            return [1.0]
+        if sizes is None:
+            raise GraphError(f"graph: {self.k} micro-batches but nothing to split: no input of "
+                             f"build has the batch on axis 0 (see config.set_split_inputs) and "
+                             f"build reads no data source")
+        if self.cfg.loss_reduction == "sum":
+            return [1.0] * self.k
+        total = sum(sizes)
+        return [n / total for n in sizes]
 
     def _check_outputs(self, tape: Tape) -> None:
         if self.k == 1:
@@ -88,19 +119,16 @@ class Compiled:
     # -- a call ---------------------------------------------------------------------------------
     def run(self, inputs: tuple) -> Any:
         mbs = split_inputs(inputs, self.k, self.cfg.split_inputs)
-        total = sum(mbs.sizes)
-        weights = [n / total for n in mbs.sizes] if self.cfg.loss_reduction == "mean" \
-            else [1.0] * self.k
-        if self.k == 1:
-            weights = [1.0]
-        lowered = [self.lowered[signature(a)] for a in mbs.args]
+        lowered = [self.lowered[key] for key in self.keys]
+        # the first call trains on the batches the sources gave while compiling
+        preloaded, self.batches = self.batches, []
         self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
-                          for args in mbs.args], lowered, weights, self.out_slots, {},
-                         self._sync, self._update)
+                          for args in mbs.args], lowered, self.weights, self.out_slots, {},
+                         self._sync, self._update, preloaded)
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
-            return self._assemble(self.tapes[signature(mbs.args[0])].outputs, self.call)
+            return self._assemble(self.tapes[self.keys[0]].outputs, self.call)
         finally:
             self.call = self.call._replace(inputs=[], outputs={})  # free the batch
 

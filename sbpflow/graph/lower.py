@@ -15,7 +15,7 @@ from typing import NamedTuple
 from ..boxing import Step
 from ..errors import GraphError
 from ..placement import Placement
-from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, ThunkNode
+from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
 from .recorder import Meta, Tape, out_slots
 
 __all__ = ["Transfer", "Lowered", "stages_of", "lower"]
@@ -36,13 +36,14 @@ class Transfer(NamedTuple):
 
 class Lowered(NamedTuple):
     """One tape cut into stages: ``forward[s]`` the tasks of stage s in order, ``frees[s][i]``
-    the slots to drop after task i (their last use), ``transfers`` in tape order,
-    ``backwards[s]`` the backward seeds of stage s, ``nslots`` (the tape's and the slots the
-    cuts added)."""
+    the slots to drop after task i (their last use), ``sources[s]`` its data sources (its
+    loading actor's), ``transfers`` in tape order, ``backwards[s]`` the backward seeds of stage
+    s, ``nslots`` (the tape's and the slots the cuts added)."""
 
     tape: Tape
     forward: dict
     frees: dict
+    sources: dict
     transfers: list
     backwards: dict
     nslots: int
@@ -118,10 +119,13 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
                              f"placements)") from None
 
     forward: dict[int, list] = {i: [] for i in range(len(stages))}
+    sources: dict[int, list] = {i: [] for i in range(len(stages))}
     transfers: list[Transfer] = []
     nslots = tape.nslots
     for node in live_nodes(tape):
-        if isinstance(node, BoxNode) and stage(tape.metas[node.src].placement) != \
+        if isinstance(node, SourceNode):
+            sources[stage(node.placement)].append(node)
+        elif isinstance(node, BoxNode) and stage(tape.metas[node.src].placement) != \
                 stage(node.placement):
             nslots = _cut(node, tape, stage, forward, transfers, nslots)
         else:
@@ -131,7 +135,7 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
         backwards[stage(b.placement)].append(b)
     frees = {s: _frees(forward[s], _kept(s, tape, transfers, backwards[s]))
              for s in forward}
-    return Lowered(tape, forward, frees, transfers, backwards, nslots)
+    return Lowered(tape, forward, frees, sources, transfers, backwards, nslots)
 
 
 def reads(node) -> tuple:
@@ -149,13 +153,15 @@ def writes(node) -> tuple:
         return node.outs
     if isinstance(node, (BoxNode, DetachNode, ThunkNode)):
         return (node.out,)
+    if isinstance(node, SourceNode):
+        return node.outs
     return ()
 
 
 def live_nodes(tape: Tape) -> list:
-    """The tasks the outputs and the backward need (value checks and random draws always:
-    they raise, or advance a seed stream every rank must advance alike). The moves of model
-    inputs into stages that never read them drop out here."""
+    """The tasks the outputs and the backward need (value checks, random draws and data
+    sources always: they raise, or advance a stream every rank must advance alike). The moves
+    of model inputs into stages that never read them drop out here."""
     need = set(out_slots(tape.outputs))
     for b in tape.backwards:
         need.add(b.loss)
@@ -163,7 +169,8 @@ def live_nodes(tape: Tape) -> list:
             need.add(b.seed_slot)
     live = []
     for node in reversed(tape.nodes):
-        if isinstance(node, (GuardNode, ThunkNode)) or any(w in need for w in writes(node)):
+        if isinstance(node, (GuardNode, ThunkNode, SourceNode)) or \
+                any(w in need for w in writes(node)):
             live.append(node)
             need.update(reads(node))
     return live[::-1]

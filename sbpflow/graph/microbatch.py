@@ -21,7 +21,8 @@ __all__ = ["MicroBatches", "split_inputs", "signature"]
 
 
 class MicroBatches(NamedTuple):
-    """``args[m]``: the build arguments of micro-batch m; ``sizes[m]``: its rows."""
+    """``args[m]``: the build arguments of micro-batch m; ``sizes[m]``: its rows (None: no
+    input was cut)."""
 
     args: list
     sizes: list
@@ -79,12 +80,9 @@ def split_inputs(args: Sequence[Any], k: int, split: Sequence[bool] | None) -> M
         raise GraphError(f"graph: set_split_inputs got {len(split)} flags for {len(args)} "
                          f"inputs")
     cut = [a for a, f in zip(args, split) if f]
-    if k == 1 or not cut:
-        if k > 1:
-            raise GraphError(f"graph: {k} micro-batches but no input to split along axis 0; "
-                             f"give batched global tensors (or set_split_inputs)")
-        n = cut[0].shape[0] if cut else 1
-        return MicroBatches([list(args)], [n])
+    if k == 1 or not cut:  # nothing to cut: every micro-batch gets the inputs whole (the batch
+        # may come from a data source in build; `Compiled` checks that something is split)
+        return MicroBatches([list(args)] * k, None)
     for a in cut:
         if not isinstance(a, GlobalTensor) or a.ndim == 0 or a.shape[0] != cut[0].shape[0]:
             raise GraphError(f"graph: the inputs split into micro-batches must be global "

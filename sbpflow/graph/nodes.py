@@ -16,7 +16,7 @@ import torch
 from ..boxing import apply_step
 from ..placement import Placement
 
-__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode",
+__all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode", "SourceNode",
            "BackwardNode", "run_nodes"]
 
 
@@ -124,6 +124,23 @@ class ThunkNode(NamedTuple):
     @property
     def name(self) -> str:
         return "draw"
+
+
+class SourceNode(NamedTuple):
+    """The ``index``-th data source ``build`` reads (``sf.tensor.source``): ``load()`` gives the
+    next whole batch, whose values ``metas`` describe; micro-batch m's rows go to slots ``outs``.
+    Run by the stage's loading actor, once a call, not by `run_nodes`."""
+
+    load: Callable[[], Any]
+    index: int
+    outs: tuple
+    metas: tuple
+    placement: Placement
+    mode: Mode
+
+    @property
+    def name(self) -> str:
+        return "load"
 
 
 class GuardNode(NamedTuple):

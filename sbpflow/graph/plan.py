@@ -21,9 +21,11 @@ import torch
 
 from ..boxing import dual_step, empty_local, run_step
 from ..comm import set_collective_stream
+from ..errors import GraphError
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered
+from .microbatch import split_inputs
 from .nodes import Env, run_nodes
 
 __all__ = ["Call", "graph_plan"]
@@ -32,7 +34,8 @@ __all__ = ["Call", "graph_plan"]
 class Call(NamedTuple):
     """What one call of the graph hands the actors: per micro-batch its input shards, its tape's
     lowering and its loss weight; ``outputs`` is filled by the forward that holds them;
-    ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last)."""
+    ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last); ``update``
+    runs the optimizers."""
 
     inputs: list
     lowered: list
@@ -41,6 +44,7 @@ class Call(NamedTuple):
     outputs: dict
     sync: Callable[[int], Any]
     update: Callable[[], None] | None
+    preloaded: list          # batches the data sources gave while compiling (first call)
 
 
 class _Stage:
@@ -52,14 +56,40 @@ class _Stage:
         self.targets = sorted({t.dst_stage for t in first.out_of(s)})
         self.grad_from = [t for t in self.targets if any(x.grad for x in first.out_of(s, t))]
         self.grad_to = [p for p in self.sources if any(x.grad for x in first.into(s, p))]
+        self.loads = bool(first.sources[s])
 
-    def forward(self, mb: int, *received: list) -> list:
+    def load(self, mb: int) -> list:
+        """Each data source's next batch, cut into the call's micro-batches: per source, per
+        micro-batch, the shards (`GraphError` when a batch's shape or layout changed)."""
+        c = self.call()
+        k = len(c.lowered)
+        out = []
+        for node in c.lowered[0].sources[self.s]:
+            batch = c.preloaded[node.index] if c.preloaded else node.load()
+            values = batch if isinstance(batch, tuple) else (batch,)
+            got = tuple((tuple(v.shape), v.dtype, v.placement, v.sbp) for v in values)
+            if got != node.metas:
+                raise GraphError(f"graph: data source {node.index} gave a batch of "
+                                 f"{[g[0] for g in got]} where the compiled plan has "
+                                 f"{[m[0] for m in node.metas]} (a last smaller batch?); "
+                                 f"use drop_last=True, or call the graph with the batch")
+            mbs = split_inputs(values, k, [True] * len(values))
+            out.append([tuple(t.local for t in args) for args in mbs.args])
+        return out
+
+    def forward(self, mb: int, *inputs: list) -> list:
+        """Inputs: the values received from each source stage, then (a stage with data
+        sources) the loaded batches' micro-batches."""
         c = self.call()
         low = c.lowered[mb]
         vals = low.tape.new_vals(c.inputs[mb]) + [None] * (low.nslots - low.tape.nslots)
-        for p, locals_ in zip(self.sources, received):
+        for p, locals_ in zip(self.sources, inputs):
             for t, local in zip(low.into(self.s, p), locals_):
                 vals[t.out] = local
+        if self.loads:
+            for node, pieces in zip(low.sources[self.s], inputs[len(self.sources)]):
+                for slot, local in zip(node.outs, pieces[mb]):
+                    vals[slot] = local
         run_nodes(low.forward[self.s], vals, self.env, low.frees[self.s])
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
@@ -156,12 +186,16 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     keep = trains or bool(st.targets)
     slots = activation_slots(schedule, s, stages, micro_batches) if trains else 2
     fwd_inputs = [Input(f"recv<{p}") for p in st.sources]
+    if st.loads:  # one batch a call, read by every micro-batch's forward
+        fwd_inputs.append(Input("load", repeat=micro_batches))
     fwd = st.forward if keep else (lambda mb, *r: st.forward(mb, *r) and None)
     specs = [ActorSpec("fwd", "forward", _in_stream(f"{name}/fwd", fwd), stage=s,
                        inputs=fwd_inputs,
                        outputs={"saved": slots})]
     specs += [ActorSpec(f"recv<{p}", "recv", st.recv(p), stage=s, queue=f"recv<{p}")
               for p in st.sources]
+    if st.loads:
+        specs.append(ActorSpec("load", "load", st.load, stage=s, times=1, outputs=1))
     specs += [ActorSpec(f"send>{t}", "send", st.send(t), stage=s, inputs=[Input("fwd", "saved")],
                         queue=f"send>{t}") for t in st.targets]
     if not trains:

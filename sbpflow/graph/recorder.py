@@ -19,7 +19,9 @@ from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor
-from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, ThunkNode
+from .microbatch import split_inputs
+from .nodes import (BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, SourceNode,
+                    ThunkNode)
 
 __all__ = ["Meta", "Tape", "Recorder", "OutSlot", "OutConst", "out_slots"]
 
@@ -95,7 +97,13 @@ class Tape(NamedTuple):
 class Recorder:
     """Collects the tasks ``build`` runs on this rank (the hooks of `sbpflow.tensor`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, micro_batch: int = 0, micro_batches: int = 1,
+                 batches: list | None = None) -> None:
+        # the micro-batch traced, of how many; the batches data sources gave this compile
+        # (shared by the traces of its micro-batch shapes, so each batch is loaded once)
+        self.micro_batch, self.micro_batches = micro_batch, micro_batches
+        self.batches = [] if batches is None else batches
+        self.sources = 0
         self.nodes: list = []
         self.slot_of: dict[int, int] = {}   # id(local shard) -> slot
         self.keep: list = []                # the shards whose ids are in use
@@ -175,6 +183,26 @@ class Recorder:
     def thunk(self, t: GlobalTensor, make) -> None:
         self.nodes.append(ThunkNode(make, self._new(t), t._placement,
                                     Mode.now(t._placement.device_type)))
+
+    def source(self, load) -> Any:
+        """Micro-batch ``micro_batch``'s rows of the next batch of ``load`` (loaded once a
+        compile), recorded as a `SourceNode`."""
+        i = self.sources
+        self.sources += 1
+        if i == len(self.batches):
+            self.batches.append(load())
+        batch = self.batches[i]
+        values = batch if isinstance(batch, tuple) else (batch,)
+        if not values or not all(isinstance(v, GlobalTensor) for v in values):
+            raise GraphError(f"graph: a data source must give a global tensor or a tuple of "
+                             f"them, got {type(batch).__name__}")
+        mbs = split_inputs(values, self.micro_batches, [True] * len(values))
+        piece = mbs.args[self.micro_batch]
+        metas = tuple((tuple(v.shape), v.dtype, v.placement, v.sbp) for v in values)
+        pl = values[0].placement
+        self.nodes.append(SourceNode(load, i, tuple(self._new(t) for t in piece), metas, pl,
+                                     Mode.now(pl.device_type)))
+        return tuple(piece) if isinstance(batch, tuple) else piece[0]
 
     def guard(self, t: GlobalTensor, check) -> None:
         self.nodes.append(GuardNode(check, self.read(t, "a value check"), t._placement,
