@@ -16,6 +16,7 @@ from typing import Any
 from .. import comm as _comm
 from ..comm.threads import default_timeout
 from ..errors import GraphError
+from ..nn.modules import Module
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace
 from ..runtime.schedules import SCHEDULES
@@ -88,7 +89,9 @@ class Graph:
         raise GraphError(f"{type(self).__name__} must define build(self, *inputs)")
 
     def __call__(self, *inputs: Any) -> Any:
-        key = (signature(inputs), self.config.micro_batches, self.config.schedule,
+        # a module's train / eval mode changes what build does (dropout): compiled apart
+        modes = tuple(v.training for v in vars(self).values() if isinstance(v, Module))
+        key = (signature(inputs), modes, self.config.micro_batches, self.config.schedule,
                self.config.loss_reduction, self.config.split_inputs)
         compiled = self._compiled.get(key)
         if compiled is None:
