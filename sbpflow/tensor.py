@@ -147,8 +147,9 @@ class GlobalTensor:
     `to_global`; read it whole with `full_tensor`.
     """
 
-    # ``_key``: an int naming (shape, dtype, nd-sbp), set on first dispatch (see `_layout_key`)
-    __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "__weakref__")
+    # ``_key``: an int naming (shape, dtype, nd-sbp), set on first dispatch (see `_layout_key`);
+    # ``_boxes``: the versions of this tensor ops boxed it to (see `_boxed_for_op`), or None
+    __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "_boxes", "__weakref__")
 
     def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
                  sbp: tuple) -> None:
@@ -157,6 +158,7 @@ class GlobalTensor:
         self._placement = placement
         self._sbp = tuple(sbp)
         self._key = None
+        self._boxes = None
         if _tracing.recorder is not None:  # made outside the ops: the graph cannot replay it
             _tracing.recorder.made(local)
 
@@ -639,7 +641,7 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
                                                 grad, pinned))
     if entry.mixed:
         _check_dtypes(name, tensors, pl)
-    boxed = [t if t._sbp == nd else t.to_global(sbp=nd)
+    boxed = [t if t._sbp == nd else _boxed_for_op(t, nd)
              for t, nd in zip(tensors, entry.choice.ins)] if entry.moves else tensors
     me = (_rank_local.comm or _comm.current()).rank
     if me in pl._index:
@@ -650,6 +652,42 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     out = _wrap_outputs(entry, locals_, pl, len(locals_) > 1)
     if _tracing.recorder is not None:  # an op of another placement: kept for the logical graph
         _tracing.recorder.op(entry, args, boxed, None, attrs, out, pl)
+    return out
+
+
+class _Boxed(NamedTuple):
+    """A boxed version of a tensor, valid while the tensor's shard is the same object at the
+    same version (an in-place op or an optimizer update bumps it) and the grad mode is the
+    same. ``kept`` holds the boxed shard for a value (an activation, an input); for a
+    parameter (a leaf that requires grad) only ``ref`` does, weakly: a gathered weight is
+    reused while backward keeps it anyway, never kept alive by the cache (ZeRO frees it)."""
+
+    source: "weakref.ref"
+    version: int
+    grad: bool
+    kept: torch.Tensor | None
+    ref: "weakref.ref"
+
+
+def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
+    """``t`` laid out as ``nd`` for an op: boxed once for all the consumers that need that
+    layout while ``t`` is alive and unchanged (docs/internals.md, 'Boxing once for all
+    consumers'); backward then runs the dual boxing once, on the summed gradient."""
+    local = t._local
+    boxes = t._boxes
+    if boxes is not None:
+        hit = boxes.get(nd)
+        if hit is not None and hit.source() is local and hit.version == local._version and \
+                hit.grad == torch.is_grad_enabled():
+            shard = hit.kept if hit.kept is not None else hit.ref()
+            if shard is not None:
+                return _wrap(shard, t._shape, t._placement, nd)
+    out = t.to_global(sbp=nd)
+    if boxes is None:
+        boxes = t._boxes = {}
+    parameter = local.requires_grad and local.is_leaf
+    boxes[nd] = _Boxed(weakref.ref(local), local._version, torch.is_grad_enabled(),
+                       None if parameter else out._local, weakref.ref(out._local))
     return out
 
 
@@ -752,6 +790,7 @@ def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,
     its `_layout_key` when the caller knows it."""
     t = object.__new__(GlobalTensor)
     t._local, t._shape, t._placement, t._sbp, t._key = local, shape, placement, sbp, key
+    t._boxes = None
     return t
 
 

@@ -127,6 +127,7 @@ class PendingMean(GlobalTensor):
               count_dtype: torch.dtype) -> "PendingMean":
         t = object.__new__(cls)
         t._shape, t._placement, t._sbp, t._key = total._shape, total._placement, total._sbp, None
+        t._boxes = None
         t._total, t._pending, t._guess, t._value = total._local, pending, guess, None
         # divided by a count tensor, as waiting does, so a right guess gives the same bits
         t._spec = t._quotient(torch.full((), guess, dtype=count_dtype, device=total.device))
