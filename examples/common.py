@@ -1,5 +1,5 @@
 """Shared by the training examples: arguments, launching, layouts by name, the training loop
-with its progress bar and the summary it prints.
+(eager, or one `sf.nn.Graph` call a step with ``--graph``) with its progress bar and summary.
 
 A script defines ``main(args)`` — the body every rank runs — and ends with
 ``common.run(main, args)``, which runs it:
@@ -8,6 +8,9 @@ A script defines ``main(args)`` — the body every rank runs — and ends with
   ``sbpflow run -n 4 [--backend torch] script.py``: `sf.init` joined it);
 * else on ``-n`` new ranks with ``sf.launch`` (``--backend threads``, the default: one thread a
   rank in this process; ``--backend torch``: gloo processes).
+
+Graph mode (``--graph``, ``--micro-batches``, ``--schedule``, ``--timeline``) and the pipeline
+layouts (``pp``, ``pp-dp``: `pipeline_stages`) are described in docs/runtime.md, 'Graph mode'.
 """
 
 from __future__ import annotations
@@ -16,14 +19,21 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 import sbpflow as sf
 from sbpflow.models import LAYOUT_NAMES, Layout, layout
+from sbpflow.runtime import in_flight
 
 __all__ = ["parser", "run", "get_layout", "train", "accuracy", "TrainResult", "fmt_bytes",
-           "on_rank0"]
+           "on_rank0", "TrainStep", "PIPELINE_LAYOUTS", "Stages", "pipeline_stages"]
+
+# layouts whose model is cut into stages on disjoint placements (`sf.parallel.pipeline`);
+# a script that can split its model offers them (``parser(layouts=...)``)
+PIPELINE_LAYOUTS = ("pp", "pp-dp")
+DEFAULT_PIPELINE_MICRO_BATCHES = 8
 
 
 def parser(description: str, *, layouts=LAYOUT_NAMES, layout_default: str = "dp",
@@ -46,11 +56,53 @@ def parser(description: str, *, layouts=LAYOUT_NAMES, layout_default: str = "dp"
     p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--no-bar", action="store_true", help="no progress bar")
+    _graph_arguments(p)
     return p
+
+
+def _graph_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("graph mode (docs/runtime.md)")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--graph", dest="graph", action="store_true", default=None,
+                      help="run each step as one sf.nn.Graph call (compiled on the first step, "
+                           "replayed after); implied by the pipeline layouts")
+    mode.add_argument("--eager", dest="graph", action="store_false",
+                      help="run eagerly (a pipeline layout then runs its stages one after "
+                           "another)")
+    g.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                   help="graph mode: split each batch into K micro-batches, accumulate their "
+                        f"gradients, one update a step (default 1; "
+                        f"{DEFAULT_PIPELINE_MICRO_BATCHES} for the pipeline layouts)")
+    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="pipeline schedule in graph mode (default 1f1b)")
+    g.add_argument("--timeline", default=None, metavar="PNG",
+                   help="graph mode: save the last step's Gantt chart (a row a rank)")
+    g.add_argument("--trace", default=None, metavar="JSON",
+                   help="graph mode: save the last step's Chrome trace (opens in Perfetto)")
+    g.add_argument("--show-graph", action="store_true",
+                   help="graph mode: print the logical graph and rank 0's actors")
+
+
+def _resolve(args) -> None:
+    """Fill the graph-mode defaults that depend on the layout; refuse what cannot run."""
+    pipelined = getattr(args, "layout", None) in PIPELINE_LAYOUTS
+    if args.graph is None:
+        args.graph = pipelined
+    if args.micro_batches is None:
+        args.micro_batches = DEFAULT_PIPELINE_MICRO_BATCHES if pipelined and args.graph else 1
+    if args.micro_batches < 1:
+        raise SystemExit(f"--micro-batches must be >= 1, not {args.micro_batches}")
+    if not args.graph:
+        asked = [o for o, v in (("--micro-batches", args.micro_batches > 1),
+                                ("--timeline", args.timeline), ("--trace", args.trace),
+                                ("--show-graph", args.show_graph)) if v]
+        if asked:
+            raise SystemExit(f"{', '.join(asked)} need graph mode: add --graph")
 
 
 def run(main, args):
     """Run ``main(args)`` on every rank (see the module docstring); returns rank 0's result."""
+    _resolve(args)
     sf.init()
     if sf.world_size() > 1:  # already a rank of a world: every rank runs the script
         if args.nproc != sf.world_size() and on_rank0():
@@ -67,6 +119,36 @@ def on_rank0() -> bool:
 def get_layout(model: str, args) -> Layout:
     """The named layout ``args.layout`` of ``model`` on this world's ranks."""
     return layout(model, args.layout, sf.world_size())
+
+
+class Stages(NamedTuple):
+    """A pipeline layout: one placement a stage (disjoint ranks) and the inputs' nd-sbp on
+    stage 0's placement, where the inputs are made."""
+
+    name: str
+    placements: list
+    data_sbp: tuple
+
+    def describe(self) -> str:
+        where = " | ".join(",".join(map(str, p.flat_ranks)) for p in self.placements)
+        return (f"layout {self.name}: {len(self.placements)} pipeline stages on ranks {where}, "
+                f"inputs {self.data_sbp[0]!r}")
+
+
+def pipeline_stages(name: str, world: int) -> Stages:
+    """``pp``: ``world`` single-rank stages; ``pp-dp``: ``world // 2`` stages of two ranks
+    each, data parallel inside a stage (parameters B, the batch split S(0))."""
+    if name == "pp":
+        if world < 2:
+            raise SystemExit(f"layout pp needs at least 2 ranks (one a stage), not {world}")
+        return Stages(name, [sf.placement("cpu", [r]) for r in range(world)], (sf.B,))
+    if name == "pp-dp":
+        if world < 4 or world % 2:
+            raise SystemExit(f"layout pp-dp needs an even number of ranks >= 4 (stages of 2), "
+                             f"not {world}")
+        return Stages(name, [sf.placement("cpu", [r, r + 1]) for r in range(0, world, 2)],
+                      (sf.S(0),))
+    raise ValueError(f"unknown pipeline layout {name!r}; one of {PIPELINE_LAYOUTS}")
 
 
 def accuracy(logits: sf.GlobalTensor, labels: torch.Tensor, what: str,
@@ -98,6 +180,8 @@ class TrainResult:
     throughput: float = 0.0                      # units / s, after the first (warm-up) step
     unit: str = "samples"
     comm_per_step: dict = field(default_factory=dict)  # kind -> (bytes sent, calls) per step
+    mode: str = "eager"                          # or "graph"
+    in_flight: dict = field(default_factory=dict)  # graph: stage -> peak micro-batches (last step)
 
     def comm_line(self) -> str:
         if not self.comm_per_step:
@@ -126,12 +210,62 @@ def _progress_bar(total, desc: str):
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
+class TrainStep(sf.nn.Graph):
+    """One training step as a graph: ``loss = model(*inputs)``, ``loss.backward()``, then the
+    optimizer's ``step()`` and ``zero_grad()`` (the graph runs them after ``build``).
+    ``split_inputs``: which inputs are cut into micro-batches (`GraphConfig.set_split_inputs`;
+    default: those whose axis 0 is the batch size)."""
+
+    def __init__(self, model, opt, micro_batches: int = 1, schedule: str = "1f1b",
+                 split_inputs: tuple | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.set_gradient_accumulation_steps(micro_batches)
+        self.config.set_pipeline_schedule(schedule)
+        if split_inputs is not None:
+            self.config.set_split_inputs(*split_inputs)
+
+    def build(self, *inputs):
+        loss = self.model(*inputs)
+        loss.backward()
+        return loss
+
+
+def _eager_step(model, opt):
+    def step(*inputs):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
 def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
-          desc: str = "train") -> TrainResult:
+          desc: str = "train", split_inputs: tuple | None = None) -> TrainResult:
     """``args.steps`` steps (and/or until ``args.seconds``) of: ``loss = model(*batch_fn(step))``,
-    backward, ``opt.step()``. Shows a progress bar on rank 0 (loss, ``unit``/s with
-    ``per_step`` units a step) and prints a summary there. Returns a `TrainResult`."""
-    res = TrainResult(unit=unit)
+    backward, ``opt.step()`` — eagerly, or with ``args.graph`` as one `TrainStep` call a step
+    (``args.micro_batches``, ``args.schedule``; ``split_inputs`` as `TrainStep`'s). Shows a
+    progress bar on rank 0 (loss, ``unit``/s with ``per_step`` units a step) and prints a
+    summary there. Returns a `TrainResult`."""
+    res = TrainResult(unit=unit, mode="graph" if args.graph else "eager")
+    graph = TrainStep(model, opt, args.micro_batches, args.schedule, split_inputs) \
+        if args.graph else None
+    _loop(graph or _eager_step(model, opt), batch_fn, args, res, per_step, desc)
+    if on_rank0():
+        first, last = res.losses[0][1], res.losses[-1][1]
+        rate = f"{res.throughput:.0f} {unit}/s" if res.steps > 1 else f"no {unit}/s (1 step)"
+        print(f"{desc}: {res.steps} steps in {res.seconds:.1f} s, loss {first:.4f} -> {last:.4f}, "
+              f"{rate}")
+        print(f"  communication: {res.comm_line()}")
+    if graph is not None:
+        _graph_report(graph, args, res)
+    return res
+
+
+def _loop(step_fn, batch_fn, args, res: TrainResult, per_step: int, desc: str) -> None:
+    """Run the steps, filling ``res`` (losses, times, throughput, communication per step)."""
     max_steps = args.steps
     if max_steps is None:
         max_steps = args.default_steps if args.seconds is None else sys.maxsize
@@ -143,15 +277,11 @@ def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
     step = 0
     while step < max_steps:
         before = sf.comm.stats()
-        opt.zero_grad()
-        loss = model(*batch_fn(step))
-        loss.backward()
-        opt.step()
-        value = loss.item()
+        value = step_fn(*batch_fn(step)).item()
         now = time.perf_counter() - t0
         after = sf.comm.stats()
         if step == 0:
-            t_warm = now  # the first step also chooses signatures: left out of the rates
+            t_warm = now  # the first step also chooses signatures (compiles): not in the rates
         else:
             for kind, k in after.kinds.items():
                 b = before[kind]
@@ -164,7 +294,7 @@ def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
             res.throughput = per_step * (step - 1) / (now - t_warm)
         if bar is not None:
             bar.set_postfix({"loss": f"{value:.4f}",
-                             f"{unit}/s": f"{res.throughput:.0f}" if step > 1 else "-"},
+                             f"{res.unit}/s": f"{res.throughput:.0f}" if step > 1 else "-"},
                             refresh=False)
             bar.update(1)
         if args.seconds is not None and _time_is_up(now >= args.seconds):
@@ -175,10 +305,36 @@ def train(model, opt, batch_fn, args, *, per_step: int, unit: str = "samples",
     measured = max(step - 1, 1)
     res.comm_per_step = {k: (s / measured, c / measured) for k, (s, c) in comm_sum.items()
                          if s or c}
-    if on_rank0():
-        first, last = res.losses[0][1], res.losses[-1][1]
-        rate = f"{res.throughput:.0f} {unit}/s" if res.steps > 1 else f"no {unit}/s (1 step)"
-        print(f"{desc}: {res.steps} steps in {res.seconds:.1f} s, loss {first:.4f} -> {last:.4f}, "
-              f"{rate}")
-        print(f"  communication: {res.comm_line()}")
-    return res
+
+
+def _graph_report(graph: TrainStep, args, res: TrainResult) -> None:
+    """Graph mode, after training (every rank: the timeline is collective): the in-flight
+    micro-batches per stage of the last step, the graph and plan if asked, the saved files."""
+    events = graph.timeline()
+    res.in_flight = stage_in_flight(events)
+    if args.timeline:
+        graph.save_timeline(args.timeline)
+    if args.trace:
+        graph.save_trace(args.trace)
+    if not on_rank0():
+        return
+    if args.show_graph:
+        print(graph)
+        print(graph.plan())
+    cfg = graph.config
+    peaks = ", ".join(f"stage {s}: {n}" for s, n in sorted(res.in_flight.items()))
+    print(f"  graph mode: {cfg.micro_batches} micro-batch(es) a step, schedule {cfg.schedule}; "
+          f"last step's micro-batches holding activations at once (per rank): {peaks}")
+    for path, what in ((args.timeline, "timeline"), (args.trace, "trace")):
+        if path:
+            print(f"  {what} of the last step saved to {path}")
+
+
+def stage_in_flight(events: list) -> dict:
+    """Per stage, the peak micro-batches in flight on one of its ranks (`in_flight` counts a
+    stage's ranks together: a stage of two ranks would read twice its budget)."""
+    peak: dict = {}
+    for r in sorted({e["rank"] for e in events}):
+        for stage, n in in_flight([e for e in events if e["rank"] == r]).items():
+            peak[stage] = max(peak.get(stage, 0), n)
+    return peak

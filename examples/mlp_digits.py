@@ -3,11 +3,13 @@
     python examples/mlp_digits.py --layout dp
     python examples/mlp_digits.py --layout tp      # class-split logits: model-parallel softmax
     sbpflow run -n 4 --backend torch examples/mlp_digits.py --layout zero
+    python examples/mlp_digits.py --layout 2d --graph --micro-batches 4   # graph mode
 
 Layouts: dp, tp (64 -> 128 column, 128 -> 128 row, 128 -> 10 column), 2d, zero, replicated.
 Prints the test accuracy at the end.
 """
 
+import argparse
 import os
 import sys
 
@@ -55,7 +57,11 @@ def main(args):
     return res, acc
 
 
-if __name__ == "__main__":
+def arguments() -> argparse.ArgumentParser:
     p = common.parser(__doc__.splitlines()[0], steps=300, batch=64, lr=3e-3)
     p.add_argument("--hidden", type=int, default=128)
-    common.run(main, p.parse_args())
+    return p
+
+
+if __name__ == "__main__":
+    common.run(main, arguments().parse_args())

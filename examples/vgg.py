@@ -3,10 +3,12 @@
     python examples/vgg.py --layout dp
     python examples/vgg.py --layout tp    # conv output channels, then input channels (partial sums)
     sbpflow run -n 4 --backend torch examples/vgg.py --layout 2d
+    python examples/vgg.py --layout dp --graph    # each step one sf.nn.Graph call
 
 Layouts: dp, tp (convs and classifier in Megatron pairs), 2d, zero, replicated.
 """
 
+import argparse
 import os
 import sys
 
@@ -59,8 +61,12 @@ def main(args):
     return res, acc
 
 
-if __name__ == "__main__":
+def arguments() -> argparse.ArgumentParser:
     p = common.parser(__doc__.splitlines()[0], steps=100, batch=32, lr=3e-3)
     p.add_argument("--image", type=int, default=16)
     p.add_argument("--channels", type=int, nargs=2, default=(8, 16))
-    common.run(main, p.parse_args())
+    return p
+
+
+if __name__ == "__main__":
+    common.run(main, arguments().parse_args())

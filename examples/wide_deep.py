@@ -3,12 +3,14 @@
     python examples/wide_deep.py --layout tp     # table split over vocab rows (partial sums)
     python examples/wide_deep.py --layout 2d     # data parallel x vocab-parallel
     sbpflow run -n 4 --backend torch examples/wide_deep.py --layout dp
+    python examples/wide_deep.py --layout tp --graph   # each step one sf.nn.Graph call
 
 Layouts: dp, tp (embedding S(0) over the vocabulary, deep MLP column -> row), 2d, zero,
 replicated. Labels come from a hidden rule on the ids and dense features, so the model can
 learn them; prints the accuracy on fresh samples at the end.
 """
 
+import argparse
 import os
 import sys
 
@@ -61,7 +63,7 @@ def main(args):
     return res, common.accuracy(logits, y, "1024 fresh samples")
 
 
-if __name__ == "__main__":
+def arguments() -> argparse.ArgumentParser:
     p = common.parser(__doc__.splitlines()[0], layout_default="tp", steps=300, batch=128,
                       lr=1e-2)
     p.add_argument("--vocab", type=int, default=10000)
@@ -69,4 +71,8 @@ if __name__ == "__main__":
     p.add_argument("--fields", type=int, default=8)
     p.add_argument("--dense", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
-    common.run(main, p.parse_args())
+    return p
+
+
+if __name__ == "__main__":
+    common.run(main, arguments().parse_args())

@@ -1,13 +1,16 @@
-"""`sbpflow demo`: boxing on simulated ranks, then a GPT trained in a 2-D hybrid layout.
+"""`sbpflow demo`: boxing on simulated ranks, a GPT trained in a 2-D hybrid layout, then the
+same kind of GPT as a 4-stage pipeline in graph mode.
 
 1. Boxing: each row plans a redistribution of one tensor, runs it on 4 in-process ranks,
    checks the logical value is unchanged and that the bytes the communicator counted equal
    the plan's cost.
 2. Training: a small character-level GPT (`sbpflow.models`) on a generated corpus, on 4
-   simulated ranks as a 2×2 mesh — data parallel across the two groups, Megatron tensor
-   parallel inside each — for ``--seconds`` (default 60). Prints the loss curve, the
-   communication per step by collective kind, a generated sample, and saves a loss plot
-   (``--plot``; skipped with a message without matplotlib).
+   simulated ranks as a 2×2 mesh for ``--seconds`` (default 60): the loss curve, the
+   communication per step by kind, a generated sample, a loss plot (``--plot``).
+3. Pipeline: a 4-block GPT cut into 4 single-rank stages (`sf.parallel.pipeline`), each step
+   one `sf.nn.Graph` call of 8 micro-batches under 1F1B, then one GPipe step: the losses, the
+   micro-batches in flight per stage read from the timeline, and the last 1F1B step's Gantt
+   chart (``--timeline``). See docs/runtime.md, 'Graph mode'.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import torch
 from . import comm as _comm
 from . import nn, optim, parallel
 from .boxing import plan
+from .runtime import in_flight
 from .models import CharData, char_corpus, generate, gpt_class, layout, param_count
 from .placement import placement
 from .sbp import B, P, S, format_nd_sbp
 from .tensor import arange, from_local, manual_seed, randn, tensor
 
-__all__ = ["main", "add_arguments", "train_gpt"]
+__all__ = ["main", "add_arguments", "train_gpt", "pipeline_gpt", "PipelineStep"]
 
 LINE = placement("cpu", [0, 1, 2, 3])
 MESH = placement("cpu", [[0, 1], [2, 3]])
@@ -51,6 +55,9 @@ SHAPE = (1024, 768)
 
 # the demo's GPT: ~0.1 s a step on 4 simulated ranks on 2 cores
 GPT_CONFIG = dict(d=64, heads=4, layers=2, seq=64, batch=16, lr=3e-3)
+# the pipeline section's GPT: one block a stage, 8 micro-batches of 2 sequences
+PIPE_CONFIG = dict(d=64, heads=4, layers=4, seq=64, batch=16, lr=3e-3, micro_batches=8)
+PIPE_SPLIT = ["blocks.1", "blocks.2", "blocks.3"]
 
 
 # -- 1. boxing ------------------------------------------------------------------------------------
@@ -242,6 +249,87 @@ def _plot(losses: list, times: list, path: str) -> None:
     print(f"\n   loss plot saved to {path}")
 
 
+# -- 3. pipeline ----------------------------------------------------------------------------------
+class PipelineStep(nn.Graph):
+    """One training step of the pipelined GPT: 8 micro-batches under ``schedule``."""
+
+    def __init__(self, model, opt, schedule: str) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.set_gradient_accumulation_steps(PIPE_CONFIG["micro_batches"])
+        self.config.set_pipeline_schedule(schedule)
+        self.config.set_split_inputs(True, False, True)  # positions go whole to each
+
+    def build(self, x, pos, y):
+        loss = self.model(x, pos, y)
+        loss.backward()
+        return loss
+
+
+def pipeline_gpt(steps: int, timeline: str | None) -> dict:
+    """Runs on every rank (inside `launch`): the pipelined GPT trained ``steps`` 1F1B steps,
+    then one GPipe step (a graph of its own over the same model). Returns, per schedule, the
+    losses, the step times and the in-flight peaks per stage of its last step; saves the last
+    1F1B step's timeline to ``timeline`` (rank 0 writes; `Graph.save_timeline` is collective).
+    """
+    cfg = PIPE_CONFIG
+    data = CharData(char_corpus(), cfg["seq"], cfg["batch"])
+    stages = [placement("cpu", [r]) for r in range(_comm.world_size())]
+    manual_seed(0)
+    model = gpt_class(nn, nn.functional)(data.vocab, cfg["d"], cfg["heads"], cfg["layers"],
+                                         cfg["seq"])
+    parallel.pipeline(model, stages, split=PIPE_SPLIT)
+    opt = optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    pos = arange(cfg["seq"], placement=stages[0], sbp=B)
+    out, done = {"params": param_count(model), "vocab": data.vocab}, 0
+    for schedule, n in (("1f1b", steps), ("gpipe", 1)):
+        step, losses, times = PipelineStep(model, opt, schedule), [], []
+        for i in range(done, done + n):
+            x, y = data.batch(i)
+            t = time.perf_counter()
+            losses.append(step(tensor(x, stages[0], B), pos, tensor(y, stages[0], B)).item())
+            times.append(time.perf_counter() - t)
+        done += n
+        out[schedule] = dict(losses=losses, times=times, in_flight=in_flight(step.timeline()))
+        if schedule == "1f1b" and timeline:
+            out["saved"] = _save_timeline(step, timeline)
+    return out
+
+
+def _save_timeline(step: nn.Graph, path: str) -> str:
+    """Save ``step``'s last timeline (every rank calls: it is collective); '' if it could
+    not be drawn (no matplotlib), else ``path``."""
+    try:
+        step.save_timeline(path)
+    except ImportError:
+        return ""
+    return path
+
+
+def _report_pipeline(r0: dict) -> None:
+    cfg, s = PIPE_CONFIG, len(PIPE_SPLIT) + 1
+    print(f"\n== 3. a pipeline: a GPT of {r0['params']:,} parameters ({cfg['layers']} blocks), "
+          f"cut into {s} stages, one a rank ({', '.join(PIPE_SPLIT)} start stages 1-{s - 1}); "
+          f"each step one sf.nn.Graph call of {cfg['micro_batches']} micro-batches")
+    print(f"\n   {'schedule':<8} {'step':>4} {'loss':>8} {'ms':>8}")
+    for schedule in ("1f1b", "gpipe"):
+        for i, (loss, t) in enumerate(zip(r0[schedule]["losses"], r0[schedule]["times"])):
+            note = "  (compiles: traces build, plans the actors)" if i == 0 else ""
+            print(f"   {schedule:<8} {i + 1:>4} {loss:>8.4f} {t * 1e3:>8.1f}{note}")
+    print("\n   micro-batches holding activations at once, per stage (from the last step's "
+          "timeline):")
+    for schedule, why in (("1f1b", f"stage s keeps at most {s} - s: its register budget"),
+                          ("gpipe", "every forward before the first backward")):
+        peaks = r0[schedule]["in_flight"]
+        print(f"     {schedule:<6} " + " ".join(f"{peaks.get(i, 0):>2}" for i in range(s)) +
+              f"   ({why})")
+    if r0.get("saved"):
+        print(f"\n   the last 1F1B step's timeline (a row a rank) saved to {r0['saved']}")
+    elif "saved" in r0:
+        print("\n   (matplotlib is not installed: no timeline picture)")
+
+
 # -- command line ---------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=60.0,
@@ -251,6 +339,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="stop training after this many steps if --seconds has not run out")
     p.add_argument("--no-boxing", action="store_true", help="skip the boxing section")
+    p.add_argument("--pipeline-steps", type=int, default=10,
+                   help="1F1B steps of the pipeline section (default 10; 0 skips it)")
+    p.add_argument("--timeline", default="sbpflow-demo-timeline.png",
+                   help="where to save the pipeline's timeline (PNG); '' for none")
     return p
 
 
@@ -265,6 +357,9 @@ def main(argv=None) -> None:
     ok = True if args.no_boxing else boxing_section()
     results = _comm.launch(train_gpt, 4, args=(args.seconds, args.steps or 10**9))
     _report(results, args.plot or None)
+    if args.pipeline_steps > 0:
+        piped = _comm.launch(pipeline_gpt, 4, args=(args.pipeline_steps, args.timeline or None))
+        _report_pipeline(piped[0])
     print(f"\ndemo done in {time.perf_counter() - t0:.0f} s")
     if not ok:
         raise SystemExit("demo: a boxing changed the value or moved unplanned bytes")

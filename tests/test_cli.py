@@ -42,11 +42,14 @@ def test_run_threads_leaves_main_and_argv_as_they_were(tmp_path):
 
 def test_demo_runs_and_checks_bytes(capsys, tmp_path):
     """A short demo: the boxing table (every row's value kept and bytes as planned), then the
-    GPT trained a few steps: loss lines going down, the communication table, the plot."""
-    plot = tmp_path / "loss.png"
-    main(["demo", "--seconds", "60", "--steps", "12", "--plot", str(plot)])
+    GPT trained a few steps: loss lines going down, the communication table, the plot; then
+    the pipeline: 1F1B steps and a GPipe step, the in-flight peaks per stage, the timeline."""
+    plot, timeline = tmp_path / "loss.png", tmp_path / "timeline.png"
+    main(["demo", "--seconds", "60", "--steps", "12", "--plot", str(plot),
+          "--pipeline-steps", "2", "--timeline", str(timeline)])
     out = capsys.readouterr().out
     boxing, training = out.split("== 2. training a GPT")
+    training, pipeline = training.split("== 3. a pipeline")
     rows = [line for line in boxing.splitlines() if line.rstrip().endswith("  ok")]
     assert len(rows) == 11, boxing
     assert "CHANGED" not in boxing and "!= PLANNED" not in boxing
@@ -60,12 +63,19 @@ def test_demo_runs_and_checks_bytes(capsys, tmp_path):
     comm = training.split("by collective kind:")[1]
     assert "all_reduce" in comm
     assert re.search(r"total\s+[\d.]+ [KM]iB\s+[\d.]+ [KM]iB", comm)
+    # the pipeline: 2 1F1B steps and a GPipe step, loss going down; the register budgets
+    lines = re.findall(r"^\s+(1f1b|gpipe)\s+(\d+)\s+(\d+\.\d+)\s+\d+\.\d+", pipeline, re.M)
+    assert [(s, int(i)) for s, i, _ in lines] == [("1f1b", 1), ("1f1b", 2), ("gpipe", 1)]
+    assert float(lines[-1][2]) < float(lines[0][2])
+    assert re.search(r"1f1b\s+4\s+3\s+2\s+1\s", pipeline)
+    assert re.search(r"gpipe\s+8\s+8\s+8\s+8\s", pipeline)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in out
     else:
         assert plot.stat().st_size > 1000 and f"loss plot saved to {plot}" in out
+        assert timeline.stat().st_size > 1000 and f"saved to {timeline}" in pipeline
 
 
 @pytest.mark.gloo
@@ -116,19 +126,25 @@ def test_launch_without_a_main_guard_says_how_to_fix_it(tmp_path):
     assert "died with exit code" in res.stderr
 
 
-EXAMPLES = [("gpt.py", "2d", "tok/s"), ("gpt.py", "tp", "sample:"),
-            ("mlp_digits.py", "tp", "test accuracy"), ("vgg.py", "2d", "accuracy"),
-            ("wide_deep.py", "tp", "embedding.weight (S(0),)")]
+EXAMPLES = [("gpt.py", "2d", "tok/s", []), ("gpt.py", "tp", "sample:", []),
+            ("gpt.py", "dp", "graph mode: 2 micro-batch(es)", ["--graph", "--micro-batches", "2"]),
+            ("gpt.py", "pp", "stage 0: 2, stage 1: 2, stage 2: 2, stage 3: 1",
+             ["--micro-batches", "2", "--layers", "4"]),
+            ("mlp_digits.py", "tp", "test accuracy", []), ("vgg.py", "2d", "accuracy", []),
+            ("wide_deep.py", "tp", "embedding.weight (S(0),)", []),
+            ("wide_deep.py", "2d", "graph mode: 1 micro-batch(es)", ["--graph"])]
 
 
-@pytest.mark.parametrize("script,layout,expect", EXAMPLES,
-                         ids=[f"{s[:-3]}-{l}" for s, l, _ in EXAMPLES])
-def test_examples_train_a_few_steps(script, layout, expect, capsys, monkeypatch):
-    """Each training example runs (threads backend, 4 ranks) and prints its summary."""
+@pytest.mark.parametrize("script,layout,expect,extra", EXAMPLES,
+                         ids=[f"{s[:-3]}-{l}{'-graph' if e else ''}" for s, l, _, e in EXAMPLES])
+def test_examples_train_a_few_steps(script, layout, expect, extra, capsys, monkeypatch):
+    """Each training example runs (threads backend, 4 ranks) and prints its summary; in graph
+    mode also the micro-batches in flight per stage (a pipeline of 2 micro-batches: at most
+    min(4 - s, 2) on stage s)."""
     import runpy
     if script == "mlp_digits.py":
         pytest.importorskip("sklearn")
-    argv = [script, "--layout", layout, "--steps", "3", "--no-bar"]
+    argv = [script, "--layout", layout, "--steps", "3", "--no-bar"] + extra
     if script == "gpt.py":
         argv += ["--sample", "2", "--d", "32", "--seq", "16"]
     monkeypatch.setattr(sys, "argv", argv)
