@@ -1,0 +1,96 @@
+"""Pipelines in graph mode equal one-device torch (float64): the GPT of `graph_fns` cut by
+`sf.parallel.pipeline` into 2, 3 and 4 single-rank stages, GPipe and 1F1B, 1 to 16 micro-batches
+(uneven ones too), and 2 stages of 2 data-parallel, 2 tensor-parallel and 2x2 ranks, trained 3
+AdamW steps as a graph, give the torch twin's losses and weights. The timeline of the last step
+keeps the schedule's bound on each rank: 1F1B S - s micro-batches in flight on stage s (exactly
+that once M >= S - s), GPipe all M."""
+
+import pytest
+import torch
+
+import sbpflow as sf
+from graph_fns import gpt_pipeline, torch_gpt
+from sbpflow.models import TP_RULES
+from sbpflow.runtime import in_flight
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+SPLITS = {2: ["blocks.2"], 3: ["blocks.1", "blocks.3"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
+TP = dict(TP_RULES["gpt"])
+TP2D = {k: (sf.B, v) for k, v in TP.items()}
+
+
+def _close(a, b, what: str) -> None:
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
+                               torch.as_tensor(b, dtype=torch.float64), **TOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _check(results: list, n: int) -> None:
+    """Rank 0's losses and final weights equal the torch twin's, every weight trained; every
+    rank saw the same losses."""
+    run = results[0]
+    t_losses, t_sd = torch_gpt(run["sd0"], n)
+    for r in results[1:]:
+        assert r["losses"] == run["losses"]
+    _close(run["losses"], t_losses, "losses")
+    assert set(run["sd"]) == set(t_sd)
+    for k, v in t_sd.items():
+        _close(run["sd"][k], v, f"weight {k}")
+        assert not torch.equal(v, run["sd0"][k]), f"{k} was not trained"
+    assert run["builds"] <= 2  # one trace a distinct micro-batch shape, then replays only
+
+
+def _bound(schedule: str, s: int, stages: int, m: int) -> int:
+    return m if schedule == "gpipe" else min(stages - s, m)
+
+
+def _check_in_flight(results: list, stage_ranks: list, m: int, schedule: str) -> None:
+    """Per rank (``in_flight`` counts every event it is given: one rank's at a time)."""
+    events = results[0]["events"]
+    for s, ranks in enumerate(stage_ranks):
+        for r in torch.tensor(ranks).flatten().tolist():
+            mine = [e for e in events if e["rank"] == r]
+            assert in_flight(mine) == {s: _bound(schedule, s, len(stage_ranks), m)}, (r, s)
+
+
+# (stages, micro-batches, schedule, batch): 10 rows in 8 or 5 micro-batches are uneven (2 or 1
+# rows), 16 micro-batches need 16 rows
+SINGLE = [(2, 1, "1f1b", 10), (2, 2, "gpipe", 10), (2, 5, "1f1b", 10), (3, 5, "1f1b", 10),
+          (3, 5, "gpipe", 10), (4, 8, "1f1b", 10), (4, 8, "gpipe", 10), (4, 16, "1f1b", 16),
+          (4, 16, "gpipe", 16)]
+
+
+@pytest.mark.parametrize("stages,m,schedule,n", SINGLE,
+                         ids=[f"S{s}-M{m}-{sch}" for s, m, sch, _ in SINGLE])
+def test_single_rank_stages_equal_torch(stages, m, schedule, n):
+    ranks = [[r] for r in range(stages)]
+    results = sf.launch(gpt_pipeline, world_size=stages,
+                        args=(ranks, SPLITS[stages], None, sf.B, n, m, schedule))
+    _check(results, n)
+    _check_in_flight(results, ranks, m, schedule)
+
+
+# 2 stages of 2 ranks: data parallel (10 rows: each rank's 5 cut 2, 2, 1 -> micro-batches of 4,
+# 4, 2), tensor parallel (10 replicated rows in 4, 3, 3)
+PAIRS = [("dp", 3, "1f1b", 10), ("dp", 2, "gpipe", 12), ("tp", 3, "1f1b", 10),
+         ("tp", 2, "gpipe", 12)]
+
+
+@pytest.mark.parametrize("kind,m,schedule,n", PAIRS,
+                         ids=[f"{k}-M{m}-{sch}" for k, m, sch, _ in PAIRS])
+def test_stages_of_two_ranks_equal_torch(kind, m, schedule, n):
+    ranks = [[0, 1], [2, 3]]
+    rules, data = ([{"*": sf.B}] * 2, sf.S(0)) if kind == "dp" else ([TP, TP], sf.B)
+    results = sf.launch(gpt_pipeline, world_size=4,
+                        args=(ranks, SPLITS[2], rules, data, n, m, schedule))
+    _check(results, n)
+    _check_in_flight(results, ranks, m, schedule)
+
+
+def test_stages_on_2x2_meshes_equal_torch():
+    """Each stage a 2x2 mesh: data parallel over its rows, tensor parallel inside a row."""
+    ranks = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    results = sf.launch(gpt_pipeline, world_size=8,
+                        args=(ranks, SPLITS[2], [TP2D, TP2D], (sf.S(0), sf.B), 8, 2, "1f1b"))
+    _check(results, 8)
+    _check_in_flight(results, ranks, 2, "1f1b")
