@@ -7,8 +7,10 @@ step is a data-parallel MLP (64 -> hidden -> hidden -> 10, SGD) on ``--ranks`` t
 the batch split ``S(0)``; one line per ``--hidden`` width: a small width makes a step of
 Python dispatch (which holds the GIL, so the loading thread's Python cannot overlap it), a
 large one a step of kernels (which release it, as device kernels would). The in-memory run
-trains on the same batches, built as global tensors before the timed epochs. Epochs alternate
-the two feeds in one process; the medians are reported, with the rank thread's CPU time:
+trains on the same batches, built as global tensors before the timed epochs. In graph mode
+(``sf.nn.Graph``) the loader is called inside ``build``: a loading actor of the plan, against
+the same graph called with in-memory batches. Epochs alternate the feeds in one process; the
+medians are reported, with the rank thread's CPU time:
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
         [--epochs 3] [--rounds 3] [--prefetch 2]
@@ -60,6 +62,42 @@ def _epoch(model, opt, batches) -> tuple[float, float, int]:
     return time.perf_counter() - start, time.thread_time() - cpu, samples
 
 
+def _graphs(model, opt, loader):
+    """Two training steps in graph mode: one that loads its batch (``loader()`` in build: the
+    plan's loading actor), one called with a batch."""
+    def train(graph, x, y):
+        loss = sf.nn.functional.cross_entropy(graph.model(x), y)
+        loss.backward()
+        return loss
+
+    class Loading(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+
+        def build(self):
+            return train(self, *loader())
+
+    class Fed(Loading):
+        def build(self, x, y):
+            return train(self, x, y)
+
+    return Loading(), Fed()
+
+
+def _graph_epoch(step, batches, count: int, batch: int) -> tuple[float, float, int]:
+    """`_epoch` for a graph: ``count`` calls, fed ``batches`` (None: the graph loads)."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    if batches is None:
+        for _ in range(count):
+            step()
+    else:
+        for x, y in batches:
+            step(x, y)
+    return time.perf_counter() - start, time.thread_time() - cpu, count * batch
+
+
 def _in_memory(ds: Digits, loader, pl) -> list:
     """The loader's batches of its current epoch, built as global tensors beforehand."""
     order = sf.data.batch_indices(len(ds), loader.batch_size, shuffle=True, seed=loader.seed,
@@ -74,25 +112,34 @@ def _rank(ds: Digits, args, hidden: int) -> dict:
     model, opt = _model(pl, hidden)
     loader = sf.data.DataLoader(ds, args.batch, pl, prefetch=args.prefetch)
     _epoch(model, opt, loader)  # warm-up: dispatch caches, allocator
-    times: dict = {"loader": [], "memory": []}
+    loading, fed = _graphs(model, opt, sf.data.DataLoader(ds, args.batch, pl,
+                                                          prefetch=args.prefetch))
+    memory = _in_memory(ds, loader, pl)
+    n = len(memory)
+    _graph_epoch(loading, None, 2, args.batch)  # compiles
+    _graph_epoch(fed, memory[:2], 2, args.batch)
+    times: dict = {"loader": [], "memory": [], "graph loader": [], "graph memory": []}
     for r in range(args.rounds):
         for e in range(args.epochs):
             loader.set_epoch(r * args.epochs + e)
             memory = _in_memory(ds, loader, pl)
             times["loader"].append(_epoch(model, opt, loader))
             times["memory"].append(_epoch(model, opt, memory))
+            times["graph loader"].append(_graph_epoch(loading, None, n, args.batch))
+            times["graph memory"].append(_graph_epoch(fed, memory, n, args.batch))
     return times
 
 
 def _report(times: dict) -> None:
     rate = {}
-    for feed in ("memory", "loader"):
+    for feed in ("memory", "loader", "graph memory", "graph loader"):
         wall = statistics.median(t for t, _, _ in times[feed])
         cpu = statistics.median(c for _, c, _ in times[feed])
         rate[feed] = times[feed][0][2] / wall
-        print(f"  {feed:6s}: {wall * 1e3:7.1f} ms / epoch, rank thread CPU {cpu * 1e3:7.1f} ms, "
+        print(f"  {feed:12s}: {wall * 1e3:7.1f} ms / epoch, rank thread CPU {cpu * 1e3:7.1f} ms, "
               f"{rate[feed]:8.0f} samples/s")
-    print(f"  loader / memory throughput: {rate['loader'] / rate['memory']:.3f} (goal >= 0.95)")
+    print(f"  loader / memory throughput: eager {rate['loader'] / rate['memory']:.3f}, graph "
+          f"{rate['graph loader'] / rate['graph memory']:.3f} (goal >= 0.95)")
 
 
 def main() -> None:

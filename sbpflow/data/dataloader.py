@@ -10,6 +10,7 @@ loading actor. See docs/runtime.md, 'Data loading'.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -81,6 +82,9 @@ class DataLoader:
         self.shuffle, self.drop_last, self.timeout = bool(shuffle), bool(drop_last), timeout
         self.epoch = 0
         self._feed: "LoaderIterator | None" = None  # what `__call__` reads
+        # the rank thread that made the loader: `__call__`'s loading threads live as long as
+        # it does (a graph calls it from its loading actor's thread, which ends with each call)
+        self._owner = threading.current_thread()
 
     def __call__(self):
         """The next batch, going on into the next epoch (``epoch + 1``) at the end of one.
@@ -91,7 +95,7 @@ class DataLoader:
     def _next_batch(self):
         for _ in range(2):
             if self._feed is None:
-                self._feed = LoaderIterator(self)
+                self._feed = LoaderIterator(self, owner=self._owner)
             try:
                 return next(self._feed)
             except StopIteration:
@@ -163,7 +167,7 @@ class LoaderIterator:
     """One pass over an epoch's batches on the calling rank. Closing it (`close`, or dropping
     the last reference to it) stops its loading thread."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader, owner: threading.Thread | None = None) -> None:
         comm = current()
         loader.placement.check_world(comm.world_size)
         self._loader = loader  # keeps the loader alive while iterating
@@ -173,7 +177,7 @@ class LoaderIterator:
         if loader.prefetch > 0 and self._count > 0:
             self._prefetcher = Prefetcher(
                 self._job, self._count, loader.prefetch, f"sbpflow-data-rank{comm.rank}",
-                _timeout(loader, comm), self._job.describe)
+                _timeout(loader, comm), self._job.describe, owner)
 
     def __iter__(self) -> "LoaderIterator":
         return self

@@ -55,17 +55,20 @@ def _halt(stop: threading.Event, slots: threading.Semaphore) -> None:
 class Prefetcher:
     """Loads batches ``0..count-1`` with ``load`` on a daemon thread named ``name``, at most
     ``budget`` (>= 1) batches ahead of `get`. ``describe()`` says what the loading is doing
-    (for the timeout message)."""
+    (for the timeout message). The thread stops when ``owner`` (default: the calling thread)
+    has ended."""
 
     def __init__(self, load: Callable[[int], Any], count: int, budget: int, name: str,
-                 timeout: float, describe: Callable[[], str]) -> None:
+                 timeout: float, describe: Callable[[], str],
+                 owner: threading.Thread | None = None) -> None:
         self._slots = threading.Semaphore(budget)
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._timeout, self._describe, self._name = timeout, describe, name
         self._thread = threading.Thread(
             target=_produce, name=name, daemon=True,
-            args=(load, count, self._slots, self._out, self._stop, threading.current_thread()))
+            args=(load, count, self._slots, self._out, self._stop,
+                  owner or threading.current_thread()))
         self._close = weakref.finalize(self, _halt, self._stop, self._slots)
         self._thread.start()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from functools import partial
 from typing import Any
 
 from ..comm.base import Communicator
@@ -24,6 +25,7 @@ from ..comm.current import current, set_current
 from ..comm.threads import default_timeout, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
+from .workers import Job, Workers
 from .specs import Plan
 
 __all__ = ["Runtime"]
@@ -47,7 +49,7 @@ class _CommState:
         self.lock = threading.Lock()
         self.runs: dict[str, int] = {}
         self.early: dict[str, list[tuple[int, tuple]]] = {}
-        self.left_behind: list[tuple[threading.Thread, str]] = []  # (thread, its actors)
+        self.left_behind: list[tuple[Job, str]] = []  # (thread, its actors)
 
     def next_run(self, channel: str) -> int:
         with self.lock:
@@ -92,6 +94,7 @@ class Runtime:
         self.runs = 0  # the id of the last run started: messages carry it, so a late one is
         # never misread (counted per communicator and channel, not per Runtime)
         self._step: _Step | None = None
+        self.workers = Workers()  # the queues' threads, kept from run to run
 
     def run(self, micro_batches: int) -> dict[str, list]:
         """Run every actor of this rank its number of times (default ``micro_batches``).
@@ -109,6 +112,10 @@ class Runtime:
         self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)
         return self._step.execute()
+
+    def close(self) -> None:
+        """End the threads the runtime keeps between runs (also done when it is garbage)."""
+        self.workers.close()
 
     def timeline(self) -> list[dict]:
         """This rank's firings of the last run: ``{"rank", "actor", "kind", "stage",
@@ -149,14 +156,12 @@ class _Step:
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> dict[str, list]:
         self._start()
-        threads = [threading.Thread(target=self._queue_loop, args=(q,), daemon=True,
-                                    name=f"sbpflow-rank{self.rank}-{q}") for q in self.queues]
+        workers = self.rt.workers
+        threads = [workers.submit(f"sbpflow-rank{self.rank}-{q}", partial(self._queue_loop, q))
+                   for q in self.queues]
         inbox = None
         if self.peers:
-            inbox = threading.Thread(target=self._inbox_loop, daemon=True,
-                                     name=f"sbpflow-rank{self.rank}-inbox")
-        for t in threads + ([inbox] if inbox else []):
-            t.start()
+            inbox = workers.submit(f"sbpflow-rank{self.rank}-inbox", self._inbox_loop)
         try:
             self._supervise()
         except BaseException as exc:  # e.g. KeyboardInterrupt: stop every rank
@@ -165,6 +170,7 @@ class _Step:
         finally:
             self._stop(threads, inbox)
         if self.failure is not None:
+            workers.close()  # the next run starts on fresh threads
             raise self.failure
         return self.results
 
@@ -200,7 +206,7 @@ class _Step:
         if exc is not None:
             self._fail(exc, None)
 
-    def _stop(self, threads: list[threading.Thread], inbox: threading.Thread | None) -> None:
+    def _stop(self, threads: list[Job], inbox: Job | None) -> None:
         """Wake every thread, wait for them (a bounded time after a failure) and name on the
         exception the threads left inside an actor's function; they are remembered, so the
         next run on this communicator refuses to start while they live."""

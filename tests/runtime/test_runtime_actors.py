@@ -113,6 +113,11 @@ def test_repeated_runs_reset_counters_and_leak_no_threads():
         assert rt.run(m) == {"b": [x + 1 for x in range(m)]}
         assert rt.counters() == {"a": m, "b": m}
         assert len(rt.timeline()) == 2 * m
+    kept = set(threading.enumerate()) - before  # one thread a queue, kept between runs
+    assert sorted(t.name for t in kept) == ["sbpflow-rank0-compute", "sbpflow-rank0-data"]
+    rt.close()
+    for t in kept:
+        t.join(5)
     assert set(threading.enumerate()) == before
 
 

@@ -69,7 +69,9 @@ def test_a_failing_actor_stops_every_rank_and_the_caller_gets_it():
                "boom at micro-batch 3" in str(other)
         assert at - failed["at"] < PROMPT
     assert log[2][0] is exc
-    time.sleep(0.05)
+    # the failed runs' queue threads end once closed (after a failure) or once their rank
+    # thread has ended (launch's): within a fraction of a second
+    _wait_for(lambda: set(threading.enumerate()) - before == set())
     assert set(threading.enumerate()) - before == set()
 
 
@@ -180,6 +182,12 @@ def test_a_rank_failing_outside_the_runtime_stops_the_others():
     assert at - log["at"] < PROMPT
 
 
+def _wait_for(done, seconds: float = 3.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_no_thread_is_left_after_failed_runs():
     before = set(threading.enumerate())
     plan = Plan({0: [ActorSpec("a", "load", _sleeper(0)),
@@ -192,4 +200,6 @@ def test_no_thread_is_left_after_failed_runs():
                "runtime)" in info.value.__notes__
         assert rt.counters() == {"a": 3, "b": 2} or rt.counters() == {"a": 4, "b": 2}
     assert rt.run(2) == {"b": [-0.5, -1.0]}  # the runtime is usable again
+    rt.close()  # its queue threads are kept between runs until then
+    _wait_for(lambda: set(threading.enumerate()) - before == set())
     assert set(threading.enumerate()) - before == set()
