@@ -101,12 +101,15 @@ def _losses(loss, everyone) -> float:
     return loss.to_global(everyone, (sf.B,) * everyone.ndim).local.item()
 
 
-def graph_vs_eager(name: str, layout_name: str, k: int, n: int, split: bool = False) -> dict:
-    """On every rank: the example ``name`` laid out by ``layout_name`` on the world, trained
-    STEPS steps of AdamW eagerly (whole batch of ``n``) and, from the same initial state, by a
-    graph with ``k`` micro-batches. Returns per mode its losses, final state dict, optimizer
-    state dict, and the graph's trace count."""
+def graph_vs_eager(name: str, layout_name: str, k: int, n, split: bool = False) -> dict:
+    """On every rank: the example ``name`` laid out by ``layout_name`` on the world, trained by
+    AdamW eagerly (whole batches) and, from the same initial state, by a graph with ``k``
+    micro-batches (``split``: the batch inputs named by ``config.set_split_inputs``, else found
+    by their size). ``n``: the batch size of each of STEPS steps, or a list of them (one step
+    each). Returns per mode its losses, final state dict and optimizer state dict; for the
+    graph also the traces of build after each call, ``print(graph)`` and this rank's plan."""
     ex = EXAMPLES[name]
+    sizes = [n] * STEPS if isinstance(n, int) else list(n)
     lay = layout(name, layout_name, sf.comm.world_size())
     everyone = sf.placement("cpu", list(range(sf.comm.world_size())))
     replicated = (sf.B,) * lay.placement.ndim
@@ -118,12 +121,13 @@ def graph_vs_eager(name: str, layout_name: str, k: int, n: int, split: bool = Fa
         opt = _opt(model)
         step = TrainStep(model, opt, k, split=ex.batch if split else None) \
             if mode == "graph" else None
-        losses = []
-        for i in range(STEPS):
+        losses, builds = [], []
+        for i, rows in enumerate(sizes):
             inputs = [sf.tensor(v, lay.placement, lay.data_sbp if b else replicated)
-                      for v, b in zip(ex.data(i, n), ex.batch)]
+                      for v, b in zip(ex.data(i, rows), ex.batch)]
             if step is not None:
                 loss = step(*inputs)
+                builds.append(step.builds)
             else:
                 opt.zero_grad()
                 loss = model(*inputs)
@@ -131,18 +135,21 @@ def graph_vs_eager(name: str, layout_name: str, k: int, n: int, split: bool = Fa
                 opt.step()
             losses.append(_losses(loss, everyone))
         out[mode] = dict(losses=losses, sd=model.state_dict(), opt=opt.state_dict(),
-                         builds=step.builds if step else 0)
+                         builds=builds)
+        if step is not None:
+            out[mode].update(text=str(step), plan=step.plan())
     return out
 
 
 # -- the GPT pipeline ---------------------------------------------------------------------------
 def gpt_pipeline(stage_ranks: list, split: list, rules, data_sbp, n: int, k: int,
-                 schedule: str, steps: int = STEPS) -> dict:
+                 schedule: str, steps: int = STEPS, files: str | None = None) -> dict:
     """On every rank: the GPT (seed 0) pipelined over ``sf.placement("cpu", r)`` for each ``r``
     of ``stage_ranks``, trained ``steps`` steps by a graph of ``k`` micro-batches; inputs on
     stage 0 (tokens and targets ``data_sbp``, positions replicated). Returns the initial state
     dict, the losses, the final state dict, the last call's timeline, the plan and the graph's
-    text (rank 0's), the traces of build."""
+    text, the traces of build. ``files``: a directory where every rank calls
+    ``save_timeline`` and ``save_trace`` with its own file names (rank 0 writes)."""
     stages = [sf.placement("cpu", r) for r in stage_ranks]
     everyone = sf.placement("cpu", list(range(sf.comm.world_size())))
     sf.manual_seed(0)
@@ -157,6 +164,9 @@ def gpt_pipeline(stage_ranks: list, split: list, rules, data_sbp, n: int, k: int
         loss = step(sf.tensor(tok, stages[0], data_sbp), sf.tensor(pos, stages[0], replicated),
                     sf.tensor(tgt, stages[0], data_sbp))
         losses.append(_losses(loss, everyone))
+    if files is not None:
+        step.save_timeline(f"{files}/timeline{sf.comm.rank()}.png")
+        step.save_trace(f"{files}/trace{sf.comm.rank()}.json")
     return dict(sd0=sd0, losses=losses, sd=model.state_dict(), events=step.timeline(),
                 plan=step.plan(), text=str(step), builds=step.builds)
 
