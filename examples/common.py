@@ -312,8 +312,12 @@ def _graph_report(graph: TrainStep, args, res: TrainResult) -> None:
     micro-batches per stage of the last step, the graph and plan if asked, the saved files."""
     events = graph.timeline()
     res.in_flight = stage_in_flight(events)
+    drawn = args.timeline
     if args.timeline:
-        graph.save_timeline(args.timeline)
+        try:
+            graph.save_timeline(args.timeline)  # rank 0 draws, after the ranks' exchange
+        except ImportError:
+            drawn = None
     if args.trace:
         graph.save_trace(args.trace)
     if not on_rank0():
@@ -325,9 +329,11 @@ def _graph_report(graph: TrainStep, args, res: TrainResult) -> None:
     peaks = ", ".join(f"stage {s}: {n}" for s, n in sorted(res.in_flight.items()))
     print(f"  graph mode: {cfg.micro_batches} micro-batch(es) a step, schedule {cfg.schedule}; "
           f"last step's micro-batches holding activations at once (per rank): {peaks}")
-    for path, what in ((args.timeline, "timeline"), (args.trace, "trace")):
+    for path, what in ((drawn, "timeline"), (args.trace, "trace")):
         if path:
             print(f"  {what} of the last step saved to {path}")
+    if args.timeline and not drawn:
+        print("  (matplotlib is not installed: no timeline picture; --trace writes JSON)")
 
 
 def stage_in_flight(events: list) -> dict:

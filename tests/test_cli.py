@@ -154,6 +154,33 @@ def test_examples_train_a_few_steps(script, layout, expect, extra, capsys, monke
     assert f" {layout}: 3 steps in " in out and "communication:" in out and expect in out
 
 
+@pytest.mark.gloo
+def test_gpt_pipeline_example_on_gloo_processes(tmp_path):
+    """`examples/gpt.py --layout pp --backend torch`: 4 gloo processes, one stage each, 1F1B
+    over 4 micro-batches; the same summary (losses) as the threads backend's run, the in-flight
+    bound, and the timeline written by rank 0."""
+    png = tmp_path / "t.png"
+    argv = ["--layout", "pp", "--steps", "2", "--no-bar", "--sample", "0", "--d", "16",
+            "--heads", "2", "--seq", "8", "--batch", "8", "--micro-batches", "4"]
+    runs = {}
+    for backend in ("torch", "threads"):
+        res = subprocess.run([sys.executable, str(ROOT / "examples" / "gpt.py"), "--backend",
+                              backend, "--timeline", str(png)] + argv, capture_output=True,
+                             text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[backend] = res.stdout
+    summary = [re.search(r"gpt pp: 2 steps in .* s, (loss [\d.]+ -> [\d.]+)", out).group(1)
+               for out in runs.values()]
+    assert summary[0] == summary[1], runs
+    assert "stage 0: 4, stage 1: 3, stage 2: 2, stage 3: 1" in runs["torch"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in runs["torch"]
+    else:
+        assert f"timeline of the last step saved to {png}" in runs["torch"] and png.exists()
+
+
 def test_calibrate_command_writes_a_cluster_file(tmp_path, capsys):
     out = tmp_path / "cluster.json"
     assert main(["calibrate", "-n", "2", "--backend", "threads", "--out", str(out),
