@@ -123,12 +123,13 @@ class Compiled:
         # the first call trains on the batches the sources gave while compiling
         preloaded, self.batches = self.batches, []
         self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
-                          for args in mbs.args], lowered, self.weights, self.out_slots, {},
-                         self._sync, self._update, preloaded)
+                          for args in mbs.args], lowered, self.weights, {}, self._sync,
+                         self._update, preloaded)
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
-            return self._assemble(self.tapes[self.keys[0]].outputs, self.call)
+            return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
+                                  iter(range(len(self.out_slots))))
         finally:
             self.call = self.call._replace(inputs=[], outputs={})  # free the batch
 
@@ -149,18 +150,20 @@ class Compiled:
             if sch is not None:
                 sch.step()
 
-    def _assemble(self, template: Any, call: Call) -> Any:
+    def _assemble(self, template: Any, call: Call, index) -> Any:
+        """The outputs, ``index`` counting the tensors in template order (each micro-batch's
+        tape has its own slots: the i-th tensor output of each is combined)."""
         if isinstance(template, OutSlot):
-            return self._output(template.slot, call)
+            return self._output(template.slot, next(index), call)
         if isinstance(template, OutConst):
             return template.value
         if isinstance(template, dict):
-            return {k: self._assemble(v, call) for k, v in template.items()}
-        return type(template)(self._assemble(v, call) for v in template)
+            return {k: self._assemble(v, call, index) for k, v in template.items()}
+        return type(template)(self._assemble(v, call, index) for v in template)
 
-    def _output(self, slot: int, call: Call) -> GlobalTensor:
-        meta = next(iter(self.tapes.values())).metas[slot]
-        parts = [call.outputs.get(m, {}).get(slot) for m in range(self.k)]
+    def _output(self, slot: int, i: int, call: Call) -> GlobalTensor:
+        meta = self.tapes[self.keys[0]].metas[slot]
+        parts = [call.outputs[m][i] if m in call.outputs else None for m in range(self.k)]
         if any(p is None for p in parts):  # computed on another stage
             local = empty_local(meta.dtype, self.comm.device(meta.placement.device_type))
         elif self.k == 1:

@@ -27,6 +27,7 @@ from ..sbp import local_shape
 from .lower import Lowered
 from .microbatch import split_inputs
 from .nodes import Env, run_nodes
+from .recorder import out_slots
 
 __all__ = ["Call", "graph_plan"]
 
@@ -40,7 +41,6 @@ class Call(NamedTuple):
     inputs: list
     lowered: list
     weights: list
-    out_slots: tuple
     outputs: dict
     sync: Callable[[int], Any]
     update: Callable[[], None] | None
@@ -93,7 +93,8 @@ class _Stage:
         run_nodes(low.forward[self.s], vals, self.env, low.frees[self.s])
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
-        c.outputs[mb] = {k: vals[k].detach() for k in c.out_slots if vals[k] is not None}
+        c.outputs[mb] = [None if vals[k] is None else vals[k].detach()
+                         for k in out_slots(low.tape.outputs)]
         return vals
 
     def send(self, t: int) -> Callable:
