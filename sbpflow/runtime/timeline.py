@@ -17,9 +17,12 @@ from .specs import QUEUES
 
 __all__ = ["save_trace", "save_timeline", "in_flight", "COLOURS"]
 
-COLOURS = {"forward": "#4C78A8", "backward": "#F58518", "send": "#54A24B", "recv": "#54A24B",
+COLOURS = {"forward": "#4C78A8", "backward": "#F58518", "send": "#54A24B", "recv": "#A6D49F",
            "collective": "#B279A2", "load": "#9D755D", "update": "#E45756",
            "compute": "#72B7B2"}
+# kinds drawn on a thin strip under their rank's row: they run on their own threads, and a
+# recv's bar spans its whole wait, which would hide the kernels it overlaps
+_STRIP = frozenset({"send", "recv", "load", "collective"})
 
 
 def _origin(events: Sequence[dict]) -> float:
@@ -49,7 +52,8 @@ def save_trace(events: Iterable[dict], path: str) -> None:
 
 def save_timeline(events: Iterable[dict], path: str, title: str | None = None) -> None:
     """Draw ``events`` as a Gantt chart PNG: a row a rank (rank 0 on top), a bar a firing
-    coloured by kind, labelled with its micro-batch when the bar is wide enough."""
+    coloured by kind, labelled with its micro-batch when the bar is wide enough; transfers and
+    loads on a thin strip under the row."""
     from matplotlib.figure import Figure  # not pyplot: no display, the caller's backend kept
     from matplotlib.patches import Patch
 
@@ -62,11 +66,13 @@ def save_timeline(events: Iterable[dict], path: str, title: str | None = None) -
     ax = fig.subplots()
     for e in events:
         x, w = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
-        ax.barh(row[e["rank"]], w, left=x, height=0.8, color=COLOURS.get(e["kind"], "#999"),
-                edgecolor="white", linewidth=0.5)
-        if w > span * 1e3 / 120:  # room for a label
-            ax.text(x + w / 2, row[e["rank"]], str(e["micro_batch"]), ha="center",
-                    va="center", fontsize=7, color="white")
+        strip = e["kind"] in _STRIP
+        y = row[e["rank"]] + (0.33 if strip else -0.1)
+        ax.barh(y, w, left=x, height=0.2 if strip else 0.6,
+                color=COLOURS.get(e["kind"], "#999"), edgecolor="white", linewidth=0.5)
+        if not strip and w > span * 1e3 / 120:  # room for a label
+            ax.text(x + w / 2, y, str(e["micro_batch"]), ha="center", va="center", fontsize=7,
+                    color="white")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
