@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("args", nargs=argparse.REMAINDER)
     from .demo import add_arguments as demo_arguments
     demo_arguments(sub.add_parser("demo", help="boxing on 4 simulated ranks, then train a GPT "
-                                  "in a 2x2 layout (--seconds)"))
+                                  "in a 2x2 layout (--seconds), then on a 4-stage pipeline "
+                                  "in graph mode"))
     from .cost.calibrate import add_arguments as calibrate_arguments
     calibrate_arguments(sub.add_parser("calibrate", help="time collectives on N ranks, fit "
                                        "alpha/beta, write a cluster file"))
