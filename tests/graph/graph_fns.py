@@ -188,11 +188,56 @@ def torch_gpt(sd0: dict, n: int, steps: int = STEPS) -> tuple[list, dict]:
 
 # -- failures on gloo processes (returned as data: every rank's outcome is seen) ---------------
 def outcome(fn: Callable) -> dict:
-    """``fn()``'s result, or its exception as data, with when it ended."""
+    """``fn()``'s result, or its exception as data (its class and base classes' names, message,
+    notes), with when it ended."""
     t = time.monotonic()
     try:
         return {"result": fn(), "seconds": time.monotonic() - t}
     except Exception as exc:  # noqa: BLE001 - returned for the test to read
-        return {"type": type(exc).__name__, "message": str(exc),
+        return {"type": type(exc).__name__, "types": [c.__name__ for c in type(exc).__mro__],
+                "message": str(exc),
                 "notes": list(getattr(exc, "__notes__", [])), "end": time.time(),
                 "seconds": time.monotonic() - t}
+
+
+def _mlp_setup(pipelined: bool):
+    """The MLP (sizes 6-16-8-4) on the world: pipelined in one single-rank stage a rank (cut
+    at its layers), or data parallel; its graph; the placement and sbp of its inputs."""
+    world = sf.comm.world_size()
+    sf.manual_seed(0)
+    model = EXAMPLES["mlp"].make(sf.nn, sf.nn.functional).double()
+    if pipelined:
+        stages = [sf.placement("cpu", [r]) for r in range(world)]
+        sf.parallel.pipeline(model, stages, split=[f"net.{2 * i}" for i in range(1, world)])
+        pl, sbp = stages[0], sf.B
+    else:
+        pl, sbp = sf.placement("cpu", list(range(world))), sf.S(0)
+        sf.parallel.apply(model, pl, {"*": sf.B})
+    return TrainStep(model, _opt(model), 2), pl, sbp
+
+
+def failing_call(pipelined: bool) -> dict:
+    """The MLP's graph called twice on 8 rows in 2 micro-batches; the second call's targets
+    hold class 7 (of 4) in the last row, which the last rank reads (its rows of the split
+    batch, or the last stage). Returns the second call's outcome, after a moment for the
+    other ranks to stop (a rank returning from the launched function may be seen by a
+    collective of another rank before the abort message is)."""
+    step, pl, sbp = _mlp_setup(pipelined)
+    x, y = EXAMPLES["mlp"].data(0, 8)
+    step(sf.tensor(x, pl, sbp), sf.tensor(y, pl, sbp))
+    bad = y.clone()
+    bad[-1] = 7
+    out = outcome(lambda: step(sf.tensor(x, pl, sbp), sf.tensor(bad, pl, sbp)))
+    time.sleep(0.2)
+    return out
+
+
+def absent_rank(pipelined: bool) -> dict:
+    """The MLP's graph called once by every rank, then again by all but the last rank, which
+    returns at once (run with a small SBPFLOW_TIMEOUT). Returns the second call's outcome."""
+    step, pl, sbp = _mlp_setup(pipelined)
+    x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
+    step(x, y)
+    if sf.comm.rank() == sf.comm.world_size() - 1:
+        return {}
+    return outcome(lambda: step(x, y))
