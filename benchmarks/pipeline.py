@@ -1,17 +1,17 @@
 """GPT pipeline training step: sbpflow graph mode vs ``torch.distributed.pipelining``.
 
-The GPT (`sbpflow.models.gpt_class`) is cut into S stages (-n, default 4, one gloo process
+The GPT (`sbpflow.models.gpt_class`, the same weights) is cut into S stages (-n, a gloo process
 each) at the same blocks: stage 0 = embeddings + its blocks, the last = its blocks + ln_f + head.
-sbpflow: `sf.parallel.pipeline` + an `sf.nn.Graph` with M micro-batches and the 1F1B or GPipe
-schedule; torch: `PipelineStage` (a stage module a rank) with `Schedule1F1B` / `ScheduleGPipe`
-and the loss on the last stage. Same batch, same AdamW (fused, sbpflow's default on a CPU),
-same mean loss (torch's ``scale_grads`` averages the micro-batches' gradients as sbpflow's
-weights do). Prints median step times (barrier to barrier, sbpflow and torch taking turns),
-the ratio, and the micro-batches each sbpflow stage held at once (read from its timeline).
+sbpflow: `sf.parallel.pipeline` + an `sf.nn.Graph` (M micro-batches, 1F1B or GPipe); torch:
+`PipelineStage` with `Schedule1F1B` / `ScheduleGPipe`, the loss on the last stage. Same batch,
+fused AdamW (sbpflow's default on a CPU), mean loss (torch's ``scale_grads``). Prints median
+step times (barrier to barrier, taking turns), their ratio, the first losses and the most
+micro-batches each sbpflow stage held (its timeline). ``--profile``: per rank, wall and CPU,
+forward / backward / update time, hop latencies, thread CPU by kind and the runtime's start
+handshake, for both (wraps runtime internals: `_profile_rank`).
 
-    python benchmarks/pipeline.py [--d 64] [--layers 4] [--batch 32] [--seq 32] [--steps 8]
-                                  [--micro-batches 8 16] [-n 4] [--timeline t.png]
-    python benchmarks/pipeline.py --profile   # where an sbpflow step's time goes
+    python benchmarks/pipeline.py [--d 64] [--layers 4] [--batch 32] [--seq 32] [--steps 15]
+                                  [--micro-batches 8 16] [-n 4] [--timeline t.png] [--profile]
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from sbpflow.models import gpt_class
 from sbpflow.runtime import in_flight
 
 
-def _timed(steps_to_time: list, steps: int) -> list[float]:
+def _timed(steps_to_time: list, steps: int) -> tuple[list[float], float]:
     """Median seconds per step of each step function, barrier to barrier, taking turns step by
-    step (A B A B ...) after two warm-up steps each (the first compiles)."""
+    step (A B A B ...) after two warm-up steps each (the first compiles); and the median of the
+    per-turn ratios A / B (each pair ran within a fraction of a second: load from outside,
+    which drifts over seconds on a shared 2-core machine, cancels)."""
     for step in steps_to_time:
         step()
         step()
@@ -44,7 +46,8 @@ def _timed(steps_to_time: list, steps: int) -> list[float]:
             step()
             dist.barrier()
             times[k].append(time.perf_counter() - t)
-    return [statistics.median(ts) for ts in times]
+    paired = statistics.median(a / b for a, b in zip(times[0], times[1]))
+    return [statistics.median(ts) for ts in times], paired
 
 
 def _data(cfg: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +188,11 @@ def _bench(cfg: dict, steps: int, mbs: list[int], timeline: str | None):
             sf_step, graph = _sf_step(cfg, m, schedule)
             torch_step = _torch_step(cfg, m, schedule)[0]
             first = _first_losses(sf_step(), torch_step())
-            t_sf, t_torch = _timed([sf_step, torch_step], steps)
+            (t_sf, t_torch), paired = _timed([sf_step, torch_step], steps)
             events = graph.timeline()  # collective: every rank
             peaks = in_flight(events)
-            rows.append((schedule, m, t_sf, t_torch, [peaks.get(s) for s in sorted(peaks)],
-                         first))
+            rows.append((schedule, m, t_sf, t_torch, paired,
+                         [peaks.get(s) for s in sorted(peaks)], first))
             if timeline and schedule == "1f1b" and m == mbs[0]:
                 graph.save_timeline(timeline)
     return rows if dist.get_rank() == 0 else None
@@ -282,68 +285,82 @@ def _summary(events: list[dict], rank: int, stages: int) -> dict:
             "hop_f": hops_f, "hop_b": hops_b}
 
 
-def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
-    """This rank's figures for the sbpflow and the torch step (taking turns, as `_timed`)."""
-    from sbpflow.runtime import engine
-    rank, n = dist.get_rank(), dist.get_world_size()
-    marks: dict[str, float] = {}
-    on_start = getattr(engine._Step, "_on_start", None)  # the runtime's own: private, guarded
+class _RuntimeMarks:
+    """Times of this rank's last graph run: ``run`` / ``ran`` around `Runtime.run`, ``started``
+    when the last peer's start message arrived (gated actors, send / recv, wait for it).
+    Wraps the runtime's private ``_Step._on_start`` while in a ``with`` block."""
 
-    def _on_start(self, src):
-        on_start(self, src)
-        if not self.unstarted and "started" not in marks:
-            marks["started"] = time.perf_counter()
-    if on_start is not None:
-        engine._Step._on_start = _on_start
+    def __init__(self, runtime) -> None:
+        self.marks: dict[str, float] = {}
+        run = runtime.run
+
+        def timed_run(k):
+            self.marks["run"] = time.perf_counter()
+            try:
+                return run(k)
+            finally:
+                self.marks["ran"] = time.perf_counter()
+        runtime.run = timed_run
+
+    def __enter__(self) -> "_RuntimeMarks":
+        from sbpflow.runtime import engine
+        self._step = engine._Step
+        self._on_start = on_start = self._step._on_start
+        marks = self.marks
+
+        def _on_start(step, src):
+            on_start(step, src)
+            if not step.unstarted and "started" not in marks:
+                marks["started"] = time.perf_counter()
+        self._step._on_start = _on_start
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._step._on_start = self._on_start
+
+    def figures(self, wall: float) -> dict:
+        m = self.marks
+        return {"outside": wall - (m["ran"] - m["run"]),
+                "handshake": m.get("started", m["run"]) - m["run"]}
+
+
+def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
+    """This rank's figures for the sbpflow and the torch step (taking turns, as `_timed`):
+    the medians of `_summary`'s, wall, process CPU, and per thread kind the mean CPU a step."""
+    rank, n = dist.get_rank(), dist.get_world_size()
     sf_step, graph = _sf_step(cfg, m, schedule)
     torch_step, module, opt = _torch_step(cfg, m, schedule)
     hooks = _TorchEvents(module, opt, rank)
     for _ in range(2):
         sf_step(), torch_step()
-    runtime = next(iter(graph._compiled.values())).runtime
-    run = runtime.run
-
-    def timed_run(k):
-        marks["run"] = time.perf_counter()
-        try:
-            return run(k)
-        finally:
-            marks["ran"] = time.perf_counter()
-    runtime.run = timed_run
     rows: dict[str, list] = {"sbpflow": [], "torch": []}
-    cpu0 = {"sbpflow": {}, "torch": {}}
-    cpu1 = {"sbpflow": {}, "torch": {}}
-    for _ in range(steps):
-        for name, step in (("sbpflow", sf_step), ("torch", torch_step)):
-            hooks.new_step()
-            marks.clear()
-            dist.barrier()
-            before = _thread_cpu()
-            c, t = time.process_time(), time.perf_counter()
-            step()
-            t, c = time.perf_counter() - t, time.process_time() - c
-            after = _thread_cpu()
-            for k, v in after.items():
-                cpu1[name][k] = cpu1[name].get(k, 0.0) + v - before.get(k, 0.0)
-            if name == "sbpflow":
-                events = graph.timeline()  # collective
-                extra = {"outside": t - (marks["ran"] - marks["run"]),
-                         "handshake": marks.get("started", marks["run"]) - marks["run"]}
-            else:
-                events = [e for evs in _all_gather(hooks.events) for e in evs]
-                extra = {}
-            rows[name].append(dict(_summary(events, rank, n), wall=t, cpu=c, **extra))
-    out = {}
-    for name, rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]
-               if not k.startswith("hop")}
-        for k in ("hop_f", "hop_b"):
-            hops = [h for r in rs for h in r[k]]
-            med[k] = statistics.median(hops) if hops else float("nan")
-        med["threads"] = {k: v / steps for k, v in cpu1[name].items()}
-        out[name] = med
-    if on_start is not None:
-        engine._Step._on_start = on_start
+    cpu: dict[str, dict] = {"sbpflow": {}, "torch": {}}
+    with _RuntimeMarks(next(iter(graph._compiled.values())).runtime) as marks:
+        for _ in range(steps):
+            for name, step in (("sbpflow", sf_step), ("torch", torch_step)):
+                hooks.new_step()
+                marks.marks.clear()
+                dist.barrier()
+                before = _thread_cpu()
+                c, t = time.process_time(), time.perf_counter()
+                step()
+                t, c = time.perf_counter() - t, time.process_time() - c
+                for k, v in _thread_cpu().items():
+                    cpu[name][k] = cpu[name].get(k, 0.0) + (v - before.get(k, 0.0)) / steps
+                if name == "sbpflow":
+                    events, extra = graph.timeline(), marks.figures(t)  # collective
+                else:
+                    events, extra = [e for evs in _all_gather(hooks.events) for e in evs], {}
+                rows[name].append(dict(_summary(events, rank, n), wall=t, cpu=c, **extra))
+    return {name: dict(_medians(rs), threads=cpu[name]) for name, rs in rows.items()}
+
+
+def _medians(rows: list[dict]) -> dict:
+    """The median of each figure over the steps (of every hop of every step, for the hops)."""
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if not k.startswith("hop")}
+    for k in ("hop_f", "hop_b"):
+        hops = [h for r in rows for h in r[k]]
+        out[k] = statistics.median(hops) if hops else float("nan")
     return out
 
 
@@ -373,7 +390,7 @@ def _print_profile(config: str, per_rank: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -407,11 +424,12 @@ def main(argv=None) -> int:
         return 0
     rows = sf.launch(_bench, world_size=args.ranks, backend="torch",
                      args=(cfg, args.steps, args.micro_batches, args.timeline))[0]
-    print(f"{'schedule':<9}{'M':>3}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
+    print(f"{'schedule':<9}{'M':>3}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}{'paired':>7}"
           f"{'1st loss sf / torch':>22}  sbpflow in flight per stage")
-    for schedule, m, t_sf, t_torch, peaks, (l_sf, l_torch) in rows:
+    for schedule, m, t_sf, t_torch, paired, peaks, (l_sf, l_torch) in rows:
         print(f"{schedule:<9}{m:>3}{t_sf * 1e3:>11.1f}{t_torch * 1e3:>10.1f}"
-              f"{t_sf / t_torch:>7.2f}{l_sf:>11.5f} / {l_torch:<8.5f}  {peaks}")
+              f"{t_sf / t_torch:>7.2f}{paired:>7.2f}{l_sf:>11.5f} / {l_torch:<8.5f}  {peaks}")
+    print("(ratio: of the medians; paired: the median of each turn's sbpflow / torch)")
     print("(in flight: micro-batches whose forward started and backward had not ended, per "
           "stage; 1F1B's bound is S - s, GPipe's M)")
     if args.timeline:

@@ -3,18 +3,16 @@
 * data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``, whose
   ``torch.optim.AdamW`` runs torch's default kernel (one parameter at a time on a CPU) and, in
   the "DDP fused" row, the fused kernel sbpflow's AdamW uses by default (the same update: that
-  row shows what the framework itself costs);
-* tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``
-  with ``ColwiseParallel`` / ``RowwiseParallel``;
-* per-op eager overhead on small tensors: sbpflow ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's,
-  each minus the local torch kernel's own time.
+  row shows what the framework itself costs); "dp graph": the same step as an ``sf.nn.Graph``;
+* tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``;
+* per-op overhead on small tensors (each minus the local torch kernel's time): sbpflow eager
+  ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's, and sbpflow graph mode vs eager.
 
 Prints median step times (ms), the ratio, and the bytes sbpflow moved per step against the
-minimum its layouts imply.
+minimum its layouts imply.  ``--graph``: the graph rows and tables only.
 
     python benchmarks/train_gpt.py [--steps 10] [--d 128] [--layers 2] [--batch 8] [--seq 64]
-    python benchmarks/train_gpt.py -n 2    # one process a core on a 2-core machine
-    python benchmarks/train_gpt.py --phases -n 2   # where a data-parallel step's time goes
+    python benchmarks/train_gpt.py --phases [-n 2]   # where a dp step's time goes (graph too)
 """
 
 from __future__ import annotations
@@ -96,6 +94,35 @@ def _sf_step(cfg, layout: str):
     return _as_step(forward, opt), model
 
 
+def _graph_step(cfg, micro_batches: int = 1):
+    """The data-parallel step of `_sf_step` as an ``sf.nn.Graph`` (traced once, replayed by the
+    actor runtime: forward, backward with the overlapped gradient all-reduce, fused AdamW).
+    Returns (step, graph)."""
+    pl = sf.placement("cpu", list(range(dist.get_world_size())))
+    sf.manual_seed(0)
+    model = gpt_class(sf.nn, sf.nn.functional)(cfg["vocab"], cfg["d"], cfg["heads"],
+                                               cfg["layers"], cfg["seq"])
+    sf.parallel.apply(model, pl, {"*": sf.B})
+    opt = sf.optim.AdamW(model.parameters(), lr=1e-3)
+
+    class TrainStep(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(micro_batches)
+
+        def build(self, x, pos, y):
+            loss = self.model(x, pos, y)
+            loss.backward()
+            return loss
+    graph = TrainStep()
+    x, y = _data(cfg)
+    xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+    pos = sf.arange(cfg["seq"], placement=pl, sbp=sf.B)
+    return (lambda: graph(xs, pos, ys)), graph
+
+
 def _torch_model(cfg):
     TorchGPT = gpt_class(torch.nn, torch.nn.functional)
     torch.manual_seed(0)
@@ -175,15 +202,68 @@ def _op_overhead(iters: int = 500, repeats: int = 7) -> dict:
     return out
 
 
-def _bench(cfg, steps):
+def _op_graph(op, n: int):
+    """A forward-only graph whose build applies ``op`` ``n`` times."""
+    class Ops(sf.nn.Graph):
+        def build(self, x, w):
+            for _ in range(n):
+                x = op(x, w)
+            return x
+    return Ops()
+
+
+def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
+    """Per op: (graph, eager, kernel) seconds per op on small tensors, and the graph's fixed
+    cost per call. A graph whose build does ``n`` ops against one that does 1: the difference
+    over ``n - 1`` ops is the replayed op's time, the one-op graph's time less one kernel the
+    cost of a call (the runtime's start, firing, the inputs and outputs). Eager: ``n`` ops in
+    a loop; kernel: the same loop on the local tensors. Interleaved, best of ``repeats``, each
+    rank on its own (the layouts need no boxing; the graph's runtime only posts its start to
+    the other ranks)."""
+    pl = sf.placement("cpu", list(range(dist.get_world_size())))
+    xs = sf.randn(16, 8, placement=pl, sbp=sf.S(0), seed=0)
+    ws = sf.tensor(torch.eye(8), pl, sf.B)  # x @ w keeps x's values (no overflow in the chain)
+    xl, wl = xs.local, ws.local
+    out = {}
+    for name, op in [("add", lambda x, w: x + x), ("matmul", lambda x, w: x @ w),
+                     ("relu", lambda x, w: x.relu())]:
+        big, one = _op_graph(op, n), _op_graph(op, 1)
+
+        def eager(x=xs, op=op):
+            for _ in range(n):
+                x = op(x, ws)
+
+        def kernel(x=xl, op=op):
+            for _ in range(n):
+                x = op(x, wl)
+        fns = [lambda: big(xs, ws), lambda: one(xs, ws), eager, kernel]
+        best = [float("inf")] * len(fns)
+        for f in fns:  # the graphs compile on their first call
+            for _ in range(3):
+                f()
+        for _ in range(repeats):
+            for i, f in enumerate(fns):
+                dist.barrier()
+                t = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t)
+        k = best[3] / n
+        out[name] = ((best[0] - best[1]) / (n - 1), best[2] / n, k, best[1] - k)
+    return out
+
+
+def _bench(cfg, steps, graph_only: bool = False):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
     fused = lambda c: _ddp_step(c, fused=True)  # noqa: E731
-    for layout, ref_name, ref in [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused),
-                                  ("dp/sum", "DDP", _ddp_step),
-                                  ("tp", "DTensor TP", _dtensor_tp_step)]:
-        sf_step, _ = _sf_step(cfg, layout)
+    cases = [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused), ("dp/sum", "DDP", _ddp_step),
+             ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
+             ("dp graph", "DDP fused", fused)]
+    for layout, ref_name, ref in cases:
+        if graph_only and layout != "dp graph":
+            continue
+        sf_step = _graph_step(cfg)[0] if layout == "dp graph" else _sf_step(cfg, layout)[0]
         sf_step()
         sf.comm.reset_stats()
         sf_step()
@@ -193,34 +273,78 @@ def _bench(cfg, steps):
         t_sf, t_ref = _timed([sf_step, ref(cfg)], steps)
         rows.append((layout, ref_name, t_sf, t_ref, int(moved), dict(
             (k, v.sent) for k, v in st.kinds.items())))
-    ops = _op_overhead()
-    return (rows, ops) if dist.get_rank() == 0 else None
+    ops = {} if graph_only else _op_overhead()
+    graph_ops = _graph_op_overhead()
+    return (rows, ops, graph_ops) if dist.get_rank() == 0 else None
+
+
+def _eager_phases(step):
+    """One eager step cut at its phases: [(thread CPU, wall)] at the start and after forward,
+    backward, the optimizer step."""
+    forward, opt = step.parts
+    marks = [(time.thread_time(), time.perf_counter())]
+    loss = forward()
+    marks.append((time.thread_time(), time.perf_counter()))
+    loss.backward()
+    marks.append((time.thread_time(), time.perf_counter()))
+    opt.step()
+    opt.zero_grad()
+    marks.append((time.thread_time(), time.perf_counter()))
+    return marks
+
+
+def _graph_phases(step, graph):
+    """A graph step's phases, as `_eager_phases`: each is the (thread CPU, wall) time inside the
+    forward, backward and update actors (they run on the runtime's compute thread); the wall
+    time of the call around them is the ``rest`` of the step. Wraps the actors' functions of
+    the compiled plan (sbpflow internals: ``graph._last.plan``)."""
+    got: dict = {}
+    for spec in graph._last.plan.actors[dist.get_rank()]:
+        if spec.kind in ("forward", "backward", "update") and not hasattr(spec.fn, "timed"):
+            def timed(*args, fn=spec.fn, kind=spec.kind):
+                c, t = time.thread_time(), time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    cpu, wall = got.get(kind, (0.0, 0.0))
+                    got[kind] = (cpu + time.thread_time() - c, wall + time.perf_counter() - t)
+            timed.timed = True
+            spec.fn = timed
+
+    def run():
+        got.clear()
+        step()
+        marks, cpu, wall = [(0.0, 0.0)], 0.0, 0.0
+        for kind in ("forward", "backward", "update"):
+            c, w = got.get(kind, (0.0, 0.0))
+            cpu, wall = cpu + c, wall + w
+            marks.append((cpu, wall))
+        return marks
+    return run
 
 
 def _phases(cfg, steps):
-    """Per rank, the median CPU time (this thread's) and wall time of each phase of a data
-    parallel step — forward, backward, optimizer step — for sbpflow and DDP (both AdamW
-    kernels), taking turns step by step."""
-    steps_by_name = {"sbpflow dp": _sf_step(cfg, "dp")[0], "DDP": _ddp_step(cfg),
-                     "DDP fused": _ddp_step(cfg, fused=True)}
-    times = {name: [[] for _ in range(6)] for name in steps_by_name}
+    """Per rank, the median CPU time (of the thread running it) and wall time of each phase of
+    a data parallel step — forward, backward, optimizer step, and the rest of the call — for
+    sbpflow eager and graph mode and DDP (both AdamW kernels), taking turns step by step."""
+    graph_step, graph = _graph_step(cfg)
+    graph_step()  # compiles
+    runs = {"sbpflow dp": (lambda s: lambda: _eager_phases(s))(_sf_step(cfg, "dp")[0]),
+            "sf graph": _graph_phases(graph_step, graph),
+            "DDP": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg)),
+            "DDP fused": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg, fused=True))}
+    times = {name: [[] for _ in range(7)] for name in runs}
     for i in range(steps + 3):
-        for name, step in steps_by_name.items():
-            forward, opt = step.parts
+        for name, run in runs.items():
             dist.barrier()
-            marks = [(time.thread_time(), time.perf_counter())]
-            loss = forward()
-            marks.append((time.thread_time(), time.perf_counter()))
-            loss.backward()
-            marks.append((time.thread_time(), time.perf_counter()))
-            opt.step()
-            opt.zero_grad()
-            marks.append((time.thread_time(), time.perf_counter()))
+            t = time.perf_counter()
+            marks = run()
+            total = time.perf_counter() - t
             if i >= 3:  # warm-up steps set up buckets and caches
                 for k in range(3):
                     times[name][2 * k].append(marks[k + 1][0] - marks[k][0])
                     times[name][2 * k + 1].append(marks[k + 1][1] - marks[k][1])
-            del loss
+                times[name][6].append(total - (marks[3][1] - marks[0][1]))
     return {name: [statistics.median(v) for v in vs] for name, vs in times.items()}
 
 
@@ -230,7 +354,7 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
     if layout == "dp/sum":  # one all-reduce of every gradient
         return 2 * (n - 1) * params * 4
-    if layout == "dp":
+    if layout in ("dp", "dp graph"):
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
         # targets: a float32 scalar, so the mean is over the whole batch, as on one device
         return 2 * (n - 1) * params * 4 + 2 * (n - 1) * 4
@@ -255,6 +379,8 @@ def main(argv=None) -> int:
                     help="gloo processes (default 4; batch and heads must divide by it)")
     ap.add_argument("--phases", action="store_true",
                     help="instead: CPU and wall time of each phase of a data-parallel step")
+    ap.add_argument("--graph", action="store_true",
+                    help="only the graph-mode rows and the graph's per-op overhead")
     args = ap.parse_args(argv)
     if args.ranks < 1 or args.batch % args.ranks or args.heads % args.ranks:
         ap.error(f"-n {args.ranks}: the batch ({args.batch}) and the heads ({args.heads}) must "
@@ -268,28 +394,43 @@ def main(argv=None) -> int:
         per_rank = sf.launch(_phases, world_size=args.ranks, backend="torch",
                              args=(cfg, args.steps))
         print(f"{'rank':<5}{'':<12}{'forward cpu / wall':>20}{'backward cpu / wall':>21}"
-              f"{'step cpu / wall':>18}   (ms)")
+              f"{'step cpu / wall':>18}{'rest wall':>11}   (ms)")
         for r, phases in enumerate(per_rank):
             for name, v in phases.items():
                 print(f"{r:<5}{name:<12}" + "".join(
                     f"{v[2 * k] * 1e3:>{12 if k else 13}.2f} / {v[2 * k + 1] * 1e3:<5.2f}"
-                    for k in range(3)))
+                    for k in range(3)) + f"{v[6] * 1e3:>9.2f}")
+        print("sf graph: the phases are the forward, backward and update actors (on the "
+              "runtime's compute thread);\nrest: the call's wall time outside them (split "
+              "inputs, the runtime's start, firing, threads, the outputs)")
         return 0
-    rows, ops = sf.launch(_bench, world_size=args.ranks, backend="torch",
-                          args=(cfg, args.steps))[0]
-    print(f"{'layout':<7}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
+    _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",
+                            args=(cfg, args.steps, args.graph))[0], cfg, args.ranks)
+    return 0
+
+
+def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) -> None:
+    print(f"{'layout':<9}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
-        print(f"{layout:<7}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
-              f"{moved:>14}{_min_bytes(cfg, layout, args.ranks):>14}  rank0: {kinds}")
-    print(f"\nper-op eager time on small tensors, {args.ranks} ranks (us per call, best of 7 x "
-          "500); overhead = time - torch kernel")
-    print(f"  {'op':<8}{'sbpflow':>9}{'DTensor':>9}{'kernel':>8}{'sf ovh':>8}{'DT ovh':>8}"
-          f"{'ratio':>7}")
-    for name, (a, b, k) in ops.items():
-        print(f"  {name:<8}{a * 1e6:>9.1f}{b * 1e6:>9.1f}{k * 1e6:>8.1f}{(a - k) * 1e6:>8.1f}"
-              f"{(b - k) * 1e6:>8.1f}{(a - k) / (b - k):>7.2f}")
-    return 0
+        print(f"{layout:<9}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
+              f"{moved:>14}{_min_bytes(cfg, layout, ranks):>14}  rank0: {kinds}")
+    if ops:
+        print(f"\nper-op eager time on small tensors, {ranks} ranks (us per call, best of 7 x "
+              "500); overhead = time - torch kernel")
+        print(f"  {'op':<8}{'sbpflow':>9}{'DTensor':>9}{'kernel':>8}{'sf ovh':>8}{'DT ovh':>8}"
+              f"{'ratio':>7}")
+        for name, (a, b, k) in ops.items():
+            print(f"  {name:<8}{a * 1e6:>9.1f}{b * 1e6:>9.1f}{k * 1e6:>8.1f}"
+                  f"{(a - k) * 1e6:>8.1f}{(b - k) * 1e6:>8.1f}{(a - k) / (b - k):>7.2f}")
+    print(f"\nper-op time in graph mode vs eager on small tensors, {ranks} ranks (us per "
+          "op, best of 7; graph: a build of 2000 ops less one of 1 op, over 1999); overhead = "
+          "time - torch kernel; call: a one-op graph's call less its kernel")
+    print(f"  {'op':<8}{'graph':>8}{'eager':>8}{'kernel':>8}{'gr ovh':>8}{'eg ovh':>8}"
+          f"{'ratio':>7}{'call':>9}")
+    for name, (g, e, k, call) in graph_ops.items():
+        print(f"  {name:<8}{g * 1e6:>8.1f}{e * 1e6:>8.1f}{k * 1e6:>8.1f}{(g - k) * 1e6:>8.1f}"
+              f"{(e - k) * 1e6:>8.1f}{(g - k) / (e - k):>7.2f}{call * 1e6:>9.1f}")
 
 
 if __name__ == "__main__":
