@@ -232,12 +232,22 @@ def failing_call(pipelined: bool) -> dict:
     return out
 
 
-def absent_rank(pipelined: bool) -> dict:
+_DONE = "tests.graph.done"  # the message channel the waiting ranks tell the blocked one on
+
+
+def blocked_rank(pipelined: bool) -> dict:
     """The MLP's graph called once by every rank, then again by all but the last rank, which
-    returns at once (run with a small SBPFLOW_TIMEOUT). Returns the second call's outcome."""
+    blocks instead (run with a small SBPFLOW_TIMEOUT) until each other rank has posted that its
+    call ended. Returns the second call's outcome (the last rank: {})."""
     step, pl, sbp = _mlp_setup(pipelined)
     x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
     step(x, y)
-    if sf.comm.rank() == sf.comm.world_size() - 1:
+    comm, last = sf.comm.current(), sf.comm.world_size() - 1
+    if comm.rank == last:
+        got, deadline = 0, time.monotonic() + 60
+        while got < last and time.monotonic() < deadline:
+            got += len(comm.inbox(_DONE, 0.05))
         return {}
-    return outcome(lambda: step(x, y))
+    out = outcome(lambda: step(x, y))
+    comm.post(last, _DONE, comm.rank)
+    return out

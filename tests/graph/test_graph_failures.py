@@ -12,7 +12,7 @@ import time
 import pytest
 
 import sbpflow as sf
-from graph_fns import EXAMPLES, _mlp_setup, failing_call, outcome
+from graph_fns import blocked_rank, failing_call
 
 # what a broken runtime would wait is the default timeout (300 s); a loaded 2-core machine
 # needs room: the calls must end within PROMPT s
@@ -61,29 +61,13 @@ def test_the_failing_op_raises_the_error_eager_raises():
     assert "cross_entropy: Target 7 is out of bounds" in res[3]["message"]
 
 
-def _blocked(pipelined: bool, release: threading.Event, done: threading.Barrier) -> dict:
-    """Every rank calls the MLP's graph; then the last rank blocks (until the others have
-    finished their second call) instead of calling it again."""
-    step, pl, sbp = _mlp_setup(pipelined)
-    x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
-    step(x, y)
-    if sf.comm.rank() == sf.comm.world_size() - 1:
-        release.wait(3 * PROMPT)
-        return {}
-    out = outcome(lambda: step(x, y))
-    done.wait(3 * PROMPT)
-    release.set()
-    return out
-
-
 def test_a_blocked_rank_times_out_the_data_parallel_collective(monkeypatch):
     """The forward's all-reduce (the loss's row count) waits for rank 3: the collective's
     `CommTimeout` naming it and rank 3 (or the runtime's `ActorTimeout` naming the forward
     stuck inside it, whichever is first), or an abort naming either, on every waiting rank."""
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))
     before = set(threading.enumerate())
-    res = sf.launch(_blocked, world_size=4, args=(False, threading.Event(),
-                                                  threading.Barrier(3)))
+    res = sf.launch(blocked_rank, world_size=4, args=(False,))
     assert res[3] == {}
     collective = (re.escape("all_reduce over ranks [0, 1, 2, 3] (call #2 on this group) on rank ")
                   + r"\d timed out after 0.5 s waiting for rank\(s\) \[3\] \(SBPFLOW_TIMEOUT\)")
@@ -102,8 +86,7 @@ def test_a_blocked_rank_times_out_the_previous_stage(monkeypatch):
     stage 1: an `ActorTimeout` naming the waiting actor of rank 0 and the timeout."""
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))
     before = set(threading.enumerate())
-    res = sf.launch(_blocked, world_size=2, args=(True, threading.Event(),
-                                                  threading.Barrier(1)))
+    res = sf.launch(blocked_rank, world_size=2, args=(True,))
     r = res[0]
     assert r["type"] == "ActorTimeout", r
     # the forward waits for its consumers' acks, the send for rank 1 to start the run

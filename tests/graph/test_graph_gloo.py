@@ -1,0 +1,54 @@
+"""Graph mode on the torch backend (gloo processes, messages over the c10d store): a 2-stage
+GPT pipeline with 2 micro-batches trains as its one-device torch twin; an op failing on the
+last stage's data stops the other process promptly with an abort naming rank and actor; a
+process that blocks instead of calling the graph makes the other time out naming the waiting
+actor, never hang."""
+
+import pytest
+import torch
+
+import sbpflow as sf
+from graph_fns import blocked_rank, failing_call, gpt_pipeline, torch_gpt
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+PROMPT = 10.0  # room for a loaded machine (the default timeout is 300 s)
+TIMEOUT = 0.5
+
+
+@pytest.mark.gloo
+def test_pipeline_on_gloo_processes_equals_torch():
+    res = sf.launch(gpt_pipeline, world_size=2, backend="torch",
+                    args=([[0], [1]], ["blocks.2"], None, sf.B, 10, 2, "1f1b"))
+    t_losses, t_sd = torch_gpt(res[0]["sd0"], 10)
+    assert res[1]["losses"] == res[0]["losses"]
+    torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(t_losses), **TOL)
+    for k, v in t_sd.items():
+        torch.testing.assert_close(res[0]["sd"][k], v, **TOL, msg=lambda m: f"{k}: {m}")
+    events = res[0]["events"]
+    assert {e["rank"] for e in events} == {0, 1}
+    fwd = {(e["stage"], e["micro_batch"]): e for e in events if e["kind"] == "forward"}
+    assert all(fwd[1, m]["start"] >= fwd[0, m]["end"] for m in range(2))  # one clock
+
+
+@pytest.mark.gloo
+def test_a_failing_op_on_gloo_processes():
+    r0, r1 = sf.launch(failing_call, world_size=2, backend="torch", args=(True,))
+    where = "actor 'fwd' (forward, stage 1, micro-batch 1) on rank 1"
+    assert "IndexError" in r1["types"] and "Target 7 is out of bounds" in r1["message"]
+    assert f"raised by {where} (sbpflow runtime)" in r1["notes"]
+    assert r0["type"] == "ActorAborted"
+    assert r0["message"] == (f"{where} failed with {r1['type']}: {r1['message']}; the runtime "
+                             f"of rank 0 stopped")
+    assert r0["end"] - r1["end"] < PROMPT and r0["seconds"] < PROMPT
+
+
+@pytest.mark.gloo
+def test_a_blocked_process_times_out_the_previous_stage(monkeypatch):
+    monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))  # the rank processes inherit it
+    r0, r1 = sf.launch(blocked_rank, world_size=2, backend="torch", args=(True,))
+    assert r1 == {}
+    assert r0["type"] == "ActorTimeout", r0
+    assert r0["message"].startswith(("actor 'fwd' (forward, stage 0) on rank 0 waited ",
+                                     "actor 'send>1' (send, stage 0) on rank 0 waited "))
+    assert f"(timeout {TIMEOUT:g} s, SBPFLOW_TIMEOUT)" in r0["message"]
+    assert TIMEOUT <= r0["seconds"] < PROMPT
