@@ -10,6 +10,7 @@ rules and why they are safe).
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from functools import lru_cache
@@ -19,6 +20,7 @@ import torch
 
 from ..caches import memoize
 from ..errors import AdvancedIndexError, IndexOutOfRange
+from ..sbp import shard_box
 from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
 __all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
@@ -51,19 +53,76 @@ def _box_shape(box) -> tuple:
 
 
 def view_signatures(xs: tuple, ys: tuple) -> list[Signature]:
-    """A reshape of ``xs`` into ``ys``: ``S(a) -> S(b)`` where the prefix products agree (each
-    rank's part is then one contiguous block of the row-major order in both), then pass-through."""
-    sigs = []
+    """A reshape of ``xs`` into ``ys`` (docs/internals.md, 'Shape-op signatures'): first
+    ``S(a) -> S(b)`` where the prefix products agree (each rank's part is then one contiguous
+    block of the row-major order in both), then ``S(a) -> S(b)`` for every other pair of axes
+    that overlap in the row-major order (the prefix-product spans ``[prod(xs[:a]),
+    prod(xs[:a+1]))`` and ``[prod(ys[:b]), prod(ys[:b+1]))`` intersect: where a nested split can
+    land), then pass-through. Only the first kind is valid on its own; a combination over mesh
+    dims is valid iff every rank's input and output shards hold the same elements, which the
+    context kernels check exactly (`same_shards`)."""
+    sigs, nested = [], []
     if math.prod(xs) > 0:
         for a in range(len(xs)):
             if xs[a] == 1:
                 continue
-            before = math.prod(xs[:a])
+            lo = math.prod(xs[:a])
             for b in range(len(ys)):
-                if ys[b] != 1 and math.prod(ys[:b]) == before:
+                if ys[b] == 1:
+                    continue
+                lo_b = math.prod(ys[:b])
+                if lo_b == lo:
                     sigs.append(Signature([f"S({a})"], [f"S({b})"]))
-                    break
-    return sigs + _passthrough()
+                elif max(lo, lo_b) < min(lo * xs[a], lo_b * ys[b]):
+                    nested.append(Signature([f"S({a})"], [f"S({b})"]))
+    return sigs + nested + _passthrough()
+
+
+def flat_runs(shape: tuple, box: tuple) -> tuple | None:
+    """A canonical form of the set of row-major flat indices that ``box`` (a `shard_box` of a
+    tensor of ``shape``) covers: equal forms iff equal sets (None: the empty set). Axes of size
+    1 are dropped, then an axis merges into the one before it when it is taken whole or the one
+    before holds a single index; what is left is a tuple of ``(size, start, length)``."""
+    runs: list = []
+    for n, (start, length) in zip(shape, box):
+        if length == 0:
+            return None
+        if n == 1:
+            continue
+        runs.append((n, start, length))
+        while len(runs) > 1:
+            (n1, s1, l1), (n2, s2, l2) = runs[-2], runs[-1]
+            if s2 == 0 and l2 == n2:        # inner taken whole: a block of whole rows
+                runs[-2:] = [(n1 * n2, s1 * n2, l1 * n2)]
+            elif l1 == 1:                   # one outer index: a run inside one row
+                runs[-2:] = [(n1 * n2, s1 * n2 + s2, l2)]
+            else:
+                break
+    return tuple(runs)
+
+
+@memoize(4096)
+def same_shards(xs: tuple, ys: tuple, mesh_shape: tuple, in_nd: tuple, out_nd: tuple) -> bool:
+    """Whether a reshape of ``xs`` laid out ``in_nd`` into ``ys`` laid out ``out_nd`` is local:
+    on every rank of the mesh the input shard and the output shard cover the same row-major
+    flat indices (both list them in increasing order, so the local reshape is then exact)."""
+    for coord in itertools.product(*(range(m) for m in mesh_shape)):
+        if flat_runs(xs, shard_box(xs, mesh_shape, in_nd, coord)) != \
+                flat_runs(ys, shard_box(ys, mesh_shape, out_nd, coord)):
+            return False
+    return True
+
+
+def _local_view(x: torch.Tensor, ys: tuple, ctx) -> torch.Tensor:
+    """The local shard of a reshape to the logical ``ys`` under the rank's context; a
+    RuntimeError (the registry then rejects the candidate) unless the layouts keep every
+    rank's elements (`same_shards`): a local shape that fits is not enough."""
+    xs = tuple(ctx.in_shapes[0])
+    if not same_shards(xs, tuple(ys), tuple(ctx.placement.shape), ctx.ins[0], ctx.outs[0]):
+        raise RuntimeError(f"reshape {xs} -> {tuple(ys)} from {ctx.ins[0]} to {ctx.outs[0]} "
+                           f"on a mesh of shape {tuple(ctx.placement.shape)} moves elements "
+                           f"between ranks")
+    return x.reshape(_box_shape(ctx.out_boxes[0]))
 
 
 def resolve_shape(numel: int, shape) -> tuple:
@@ -143,7 +202,7 @@ def local_view_shape(local: tuple, shape: tuple) -> tuple:
 def _reshape(x, shape, ctx=None):
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if ctx is not None:
-        return x.reshape(_box_shape(ctx.out_boxes[0]))
+        return _local_view(x, resolve_shape(math.prod(ctx.in_shapes[0]), shape), ctx)
     return x.reshape(local_view_shape(tuple(x.shape), shape))
 
 
@@ -152,12 +211,19 @@ def _reshape_signatures(x: TensorMeta, shape) -> list[Signature]:
     return view_signatures(x.shape, tuple(_meta(x.shape).reshape(shape).shape))
 
 
-def _flatten(x, start_dim=0, end_dim=-1):
+def _flatten(x, start_dim=0, end_dim=-1, ctx=None):
+    if ctx is not None:  # a context kernel: nested splits may land on the merged axis
+        return _local_view(x, _flattened(tuple(ctx.in_shapes[0]), start_dim, end_dim), ctx)
     return torch.flatten(x, start_dim, end_dim)
 
 
+@memoize(1024)
+def _flattened(shape: tuple, start_dim: int, end_dim: int) -> tuple:
+    return tuple(torch.flatten(_meta(shape), start_dim, end_dim).shape)
+
+
 def _flatten_signatures(x: TensorMeta, start_dim=0, end_dim=-1) -> list[Signature]:
-    return view_signatures(x.shape, tuple(torch.flatten(_meta(x.shape), start_dim, end_dim).shape))
+    return view_signatures(x.shape, _flattened(tuple(x.shape), start_dim, end_dim))
 
 
 def _unsqueeze(x, dim):
@@ -421,7 +487,7 @@ register("transpose", lambda x, dim0, dim1: torch.transpose(x, dim0, dim1), _tra
          doc="swap two axes; splits follow")
 register("permute", lambda x, dims: x.permute(tuple(dims)), _permute_signatures,
          doc="reorder axes; splits follow")
-register("flatten", _flatten, _flatten_signatures,
+register("flatten", _flatten, _flatten_signatures, context=True,
          doc="merge axes start_dim..end_dim; a split of start_dim stays on the merged axis")
 register("unsqueeze", _unsqueeze, _unsqueeze_signatures, doc="insert a size-1 axis")
 register("squeeze", _squeeze, _squeeze_signatures, doc="remove size-1 axes (dim: int, tuple, None)")

@@ -37,11 +37,11 @@ def _split_axes(layouts):
 @pytest.mark.parametrize("ranks", MESHES)
 @pytest.mark.parametrize("src,dst,axes", [
     ((6, 35), (6, 5, 7), {0, 1}),          # S(1) -> S(1) only where 35 = 5 x 7 splits evenly
-    ((5, 7), (35,), {0}),                  # uneven: S(0) is rejected by the local-shape check
-    ((3, 5, 7), (15, 7), {0, 2}),
+    ((5, 7), (35,), {0, 1}),               # uneven: S(0) is rejected by the local-shape check;
+    ((3, 5, 7), (15, 7), {0, 1, 2}),       # S(1) -> S(0) only nested (under a split of axis 0)
     ((4, 3, 10), (4, 3, 2, 5), {0, 1, 2}),  # (B, T, H*D) -> (B, T, H, D)
     ((12, 5), (4, 3, 5), {0, 1}),          # unflatten a batch axis
-    ((5, 7), (7, 5), {0}),                 # nothing lines up but the first axis
+    ((5, 7), (7, 5), {0, 1}),              # the axes overlap: nested candidates, never valid here
     ((6, 1, 5), (6, 5), {0, 2}),
 ])
 def test_reshape(ranks, src, dst, axes):
