@@ -77,7 +77,10 @@ def _torch_gpt(cfg: dict) -> torch.nn.Module:
 
 def _sf_step(cfg: dict, m: int, schedule: str):
     """The sbpflow graph-mode step (a callable returning the loss, a global tensor on the last
-    stage) and its graph; the weights are the torch twin's."""
+    stage) and its graph; the weights are the torch twin's. The loss is computed in ``build``
+    from the logits and targets held by the last stage, as torch's schedule does
+    (``cfg["targets_in_model"]``: passed to the model with the tokens, so the graph sends them
+    from the first stage to the last, a transfer a micro-batch)."""
     n = sf.comm.current().world_size
     stages = [sf.placement("cpu", [r]) for r in range(n)]
     model = gpt_class(sf.nn, sf.nn.functional)(cfg["vocab"], cfg["d"], cfg["heads"],
@@ -96,16 +99,21 @@ def _sf_step(cfg: dict, m: int, schedule: str):
             self.config.set_split_inputs(True, False, True)  # positions go whole
 
         def build(self, x, pos, y):
-            loss = self.model(x, pos, y)
+            if in_model:
+                loss = self.model(x, pos, y)
+            else:
+                logits = self.model(x, pos)
+                loss = sf.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                      y.reshape(-1))
             loss.backward()
             return loss
 
+    in_model = cfg.get("targets_in_model", False)
     graph = TrainStep()
     x, y = _data(cfg)
-    # the model's inputs on its first stage (the pipeline moves them there; targets placed on
-    # the last stage would go to the first and back: refused as a cycle); the graph sends the
-    # targets straight to the last stage, which reads them
-    xs, ys = sf.tensor(x, stages[0], sf.B), sf.tensor(y, stages[0], sf.B)
+    # targets given to the model go on its first stage (the pipeline moves its inputs there:
+    # on the last stage they would go to the first and back, refused as a cycle)
+    xs, ys = sf.tensor(x, stages[0], sf.B), sf.tensor(y, stages[0 if in_model else -1], sf.B)
     pos = sf.arange(cfg["seq"], placement=stages[0], sbp=sf.B)
     return (lambda: graph(xs, pos, ys)), graph
 
@@ -400,6 +408,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("-n", "--ranks", type=int, default=4, help="stages, a gloo process each")
     ap.add_argument("--timeline", help="write the first M's 1F1B step's Gantt chart (PNG)")
+    ap.add_argument("--targets-in-model", action="store_true",
+                    help="sbpflow: the model computes the loss (the targets go from the first "
+                         "stage to the last)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: per rank, where each step's time goes (both frameworks)")
     args = ap.parse_args(argv)
@@ -410,7 +421,7 @@ def main(argv=None) -> int:
         ap.error(f"--batch {args.batch} must divide by the micro-batches {bad} (torch's "
                  "schedules split it evenly)")
     cfg = dict(vocab=args.vocab, d=args.d, heads=args.heads, layers=args.layers,
-               batch=args.batch, seq=args.seq)
+               batch=args.batch, seq=args.seq, targets_in_model=args.targets_in_model)
     print(f"GPT d={args.d} layers={args.layers} heads={args.heads} batch={args.batch} "
           f"seq={args.seq} vocab={args.vocab}; {args.ranks} stages, a gloo process each "
           f"(split at {_split_names(args.layers, args.ranks)}); median of {args.steps} steps, "
