@@ -94,3 +94,17 @@ def test_stages_on_2x2_meshes_equal_torch():
                         args=(ranks, SPLITS[2], [TP2D, TP2D], (sf.S(0), sf.B), 8, 2, "1f1b"))
     _check(results, 8)
     _check_in_flight(results, ranks, 2, "1f1b")
+
+
+# stages on ranks in any order, of different sizes
+MIXED = {"reversed": ([[3], [2], [1], [0]], SPLITS[4], 4),
+         "1-2-1": ([[0], [1, 2], [3]], SPLITS[3], 5)}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_stages_on_any_ranks_equal_torch(case):
+    ranks, split, m = MIXED[case]
+    results = sf.launch(gpt_pipeline, world_size=4,
+                        args=(ranks, split, None, sf.B, 10, m, "1f1b"))
+    _check(results, 10)
+    _check_in_flight(results, ranks, m, "1f1b")
