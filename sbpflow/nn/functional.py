@@ -289,15 +289,16 @@ def _float_target(logits: GlobalTensor, target: GlobalTensor) -> Exception:
 def _class_pick_rows(input: GlobalTensor, target: GlobalTensor, weight, valid: GlobalTensor,
                      ignore_index: int, checked: bool, label_smoothing: float) -> tuple:
     """Row losses and row weights from a log-sum-exp and the pick of each target's logit
-    (class-split logits: only the row max and exp-sum are all-reduced; the target logit is a
-    partial sum from the rank owning its class), with class weights and label smoothing."""
+    (class-split logits: only the row max and exp-sum are all-reduced, in forward; the
+    log-sum-exp and the target logit are partial sums whose gradients are local, so backward
+    all-reduces nothing), with class weights and label smoothing."""
     c = input.ndim - 1
     n_classes = input.shape[c]
     pick = {"ignore_index": ignore_index}
     if checked:  # the class pick's own target check is skipped: done by the caller
         pick["checked"] = True
     z = input - _max_over(input, c)
-    lse = _sum_over(z.exp(), c, keepdim=False).log()
+    lse = apply_op("class_logsumexp", z, _sum_over(z.detach().exp(), c, keepdim=False))
     picked = apply_op("pick_class", z, target, **pick)
     if weight is None:
         row_weight = valid
@@ -309,9 +310,9 @@ def _class_pick_rows(input: GlobalTensor, target: GlobalTensor, weight, valid: G
     if label_smoothing:
         # Σ_c w_c·(lse - z_c): the cross-entropy against the uniform distribution
         if weight is None:
-            smooth = lse * float(n_classes) - _sum_over(z, c, keepdim=False)
+            smooth = lse * float(n_classes) - z.sum(c)
         else:
-            smooth = lse * weight.sum() - _sum_over(z * w_rows, c, keepdim=False)
+            smooth = lse * weight.sum() - (z * w_rows).sum(c)
         loss = loss * (1.0 - label_smoothing) + smooth * valid * (label_smoothing / n_classes)
     return loss, row_weight
 

@@ -1,5 +1,5 @@
 """Transformer ops: softmax / log_softmax, layer_norm, embedding, dropout, the causal mask, fused
-attention, and the class pick of cross-entropy.
+attention, and the class pick and row log-sum-exp of cross-entropy.
 
 See docs/internals.md, 'Transformer-op signatures'.
 """
@@ -19,7 +19,7 @@ from .registry import Signature, TensorMeta, register
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
            "dropout_signatures", "causal_mask_signatures", "attention_signatures",
            "row_cross_entropy_signatures", "cross_entropy_sum_signatures",
-           "pick_class_signatures", "count_dtype", "check_index_range",
+           "pick_class_signatures", "class_logsumexp_signatures", "count_dtype", "check_index_range",
            "id_out_of_range", "target_out_of_range"]
 
 
@@ -349,3 +349,35 @@ def target_out_of_range(target: torch.Tensor, classes: int, ignore_index: int,
 
 register("pick_class", _pick_class, pick_class_signatures, context=True,
          doc="logits (..., C) at integer target (...); class split gives a partial sum")
+
+
+# -- the log-sum-exp of cross-entropy rows, classes split --------------------------------------------
+def class_logsumexp_signatures(z: TensorMeta, s: TensorMeta) -> list[Signature]:
+    last = z.ndim - 1
+    sigs = _same_split(2, last)
+    sigs.insert(-1, Signature([f"S({last})", "B"], ["P"]))
+    return sigs
+
+
+def _class_logsumexp(z, s, *, ctx=None):
+    """``log(s)`` per row, where ``s`` is ``Σ_c exp(z)`` over ALL classes (all-reduced by the
+    caller, carrying no gradient), with the gradient of the true log-sum-exp: ``exp(z) / s``
+    on the local classes. With the class axis split the output is a partial sum: the first
+    rank of the class-split mesh dims holds ``log(s)``, the others 0. Its gradient is then
+    ``B`` (every rank holds the whole upstream gradient, the dual of ``P``), so each rank's
+    gradient of its logits is local: the backward needs no all-reduce (DTensor's
+    ``loss_parallel`` does the same)."""
+    e = z.exp().sum(-1)
+    # value 0, gradient exp(z) / s: the log-sum-exp's derivative, through the local classes
+    grad_path = (e - e.detach()) / s
+    if ctx is not None:
+        last = len(ctx.in_shapes[0]) - 1
+        if any(c != 0 for c, sbp in zip(ctx.coord, ctx.ins[0])
+               if isinstance(sbp, Split) and sbp.axis == last):
+            return grad_path
+    return s.log() + grad_path
+
+
+register("class_logsumexp", _class_logsumexp, class_logsumexp_signatures, context=True,
+         doc="log of a row's all-reduced exp-sum (cross-entropy, classes split: a partial "
+             "sum whose backward is local)")
