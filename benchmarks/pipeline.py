@@ -17,6 +17,7 @@ handshake, for both (wraps runtime internals: `_profile_rank`).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -215,7 +216,6 @@ def _thread_cpu() -> dict[str, float]:
     runtime's compute queue), "transfer" (its send / recv queues), "inbox" (its message reader
     and the store channel readers), "main", "gloo" (gloo's I/O threads), "other" (Linux:
     /proc/self/task; clock ticks, so read it over many steps)."""
-    import os
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -300,6 +300,7 @@ class _RuntimeMarks:
 
     def __init__(self, runtime) -> None:
         self.marks: dict[str, float] = {}
+        self.runtime = runtime
         run = runtime.run
 
         def timed_run(k):
@@ -327,9 +328,13 @@ class _RuntimeMarks:
         self._step._on_start = self._on_start
 
     def figures(self, wall: float) -> dict:
-        m = self.marks
+        """``outside``: the call's time outside `Runtime.run`; ``head``: from the run's start
+        to its first firing; ``tail``: from its last firing's end to its return."""
+        m, events = self.marks, self.runtime.timeline()  # this rank's, on its perf_counter
         return {"outside": wall - (m["ran"] - m["run"]),
-                "handshake": m.get("started", m["run"]) - m["run"]}
+                "handshake": m.get("started", m["run"]) - m["run"],
+                "head": min(e["start"] for e in events) - m["run"],
+                "tail": m["ran"] - max(e["end"] for e in events)}
 
 
 def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
@@ -343,6 +348,7 @@ def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
         sf_step(), torch_step()
     rows: dict[str, list] = {"sbpflow": [], "torch": []}
     cpu: dict[str, dict] = {"sbpflow": {}, "torch": {}}
+    last: dict[str, list] = {}  # the last step's events of every rank
     with _RuntimeMarks(next(iter(graph._compiled.values())).runtime) as marks:
         for _ in range(steps):
             for name, step in (("sbpflow", sf_step), ("torch", torch_step)):
@@ -360,7 +366,9 @@ def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
                 else:
                     events, extra = [e for evs in _all_gather(hooks.events) for e in evs], {}
                 rows[name].append(dict(_summary(events, rank, n), wall=t, cpu=c, **extra))
-    return {name: dict(_medians(rs), threads=cpu[name]) for name, rs in rows.items()}
+                last[name] = events
+    return {name: dict(_medians(rs), threads=cpu[name], events=last[name])
+            for name, rs in rows.items()}
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -378,22 +386,37 @@ def _all_gather(obj) -> list:
     return got
 
 
+def _save_both(profile: dict, path: str, config: str) -> None:
+    """The last profiled step's Gantt charts: sbpflow's at ``path``, torch's (forward,
+    backward and update only: what its hooks see) beside it, ``-torch`` before the suffix."""
+    from sbpflow.runtime import save_timeline
+    root, dot, ext = path.rpartition(".")
+    other = f"{root}-torch.{ext}" if dot else f"{path}-torch"
+    for name, where in (("sbpflow", path), ("torch", other)):
+        save_timeline(profile[name]["events"], where, title=f"{name}: {config}")
+    print(f"timelines of the last profiled {config} step: {path}, {other}")
+
+
 def _print_profile(config: str, per_rank: list[dict]) -> None:
     ms = lambda v: f"{v * 1e3:6.1f}"  # noqa: E731
     print(f"\n{config}: per rank, medians per step (ms); hop = a micro-batch's forward (backward)"
           " start on the next (previous) stage minus its end here")
     print(f"{'':<9}{'rank':>4}{'wall':>7}{'cpu':>7}{'fwd':>7}{'bwd':>7}{'update':>7}"
-          f"{'hop f':>7}{'hop b':>7}  sbpflow: outside run / start handshake; thread cpu")
+          f"{'hop f':>7}{'hop b':>7}  sbpflow: outside run / handshake / head / tail; thread cpu")
     for name in ("sbpflow", "torch"):
         for r, res in enumerate(per_rank):
             v = res[name]
             line = (f"{name if r == 0 else '':<9}{r:>4}" + "".join(
                 ms(v[k]) + " " for k in ("wall", "cpu", "fwd", "bwd", "update", "hop_f", "hop_b")))
             if name == "sbpflow":
-                line += f" {v['outside'] * 1e3:.2f} / {v['handshake'] * 1e3:.2f}; "
+                line += " " + " / ".join(f"{v[k] * 1e3:.2f}" for k in (
+                    "outside", "handshake", "head", "tail")) + "; "
             line += " ".join(f"{k} {t * 1e3:.1f}" for k, t in sorted(
                 v["threads"].items(), key=lambda kv: -kv[1]) if t > 0)
             print(line)
+        total, cores = sum(res[name]["cpu"] for res in per_rank), os.cpu_count() or 1
+        print(f"{'':<9} all   CPU of the ranks together {total * 1e3:.1f} ms a step: at least "
+              f"{total / cores * 1e3:.1f} ms on {cores} cores")
 
 
 def main(argv=None) -> int:
@@ -407,7 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("-n", "--ranks", type=int, default=4, help="stages, a gloo process each")
-    ap.add_argument("--timeline", help="write the first M's 1F1B step's Gantt chart (PNG)")
+    ap.add_argument("--timeline", help="write the first M's 1F1B step's Gantt chart (PNG; with "
+                                       "--profile, torch's too)")
     ap.add_argument("--targets-in-model", action="store_true",
                     help="sbpflow: the model computes the loss (the targets go from the first "
                          "stage to the last)")
@@ -432,6 +456,8 @@ def main(argv=None) -> int:
                 per_rank = sf.launch(_profile_rank, world_size=args.ranks, backend="torch",
                                      args=(cfg, m, schedule, args.steps))
                 _print_profile(f"{schedule} M={m}", per_rank)
+                if args.timeline and (m, schedule) == (args.micro_batches[0], "1f1b"):
+                    _save_both(per_rank[0], args.timeline, f"{schedule}, M = {m}")
         return 0
     rows = sf.launch(_bench, world_size=args.ranks, backend="torch",
                      args=(cfg, args.steps, args.micro_batches, args.timeline))[0]
