@@ -8,6 +8,7 @@ as ``dual(s)``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -31,7 +32,7 @@ from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
-           "fresh", "guard", "source"]
+           "fresh", "guard", "source", "errors_as", "error_rule"]
 
 
 # -- graph tracing hooks -------------------------------------------------------------------------
@@ -40,6 +41,7 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
 # layer cannot import the graph: it only calls the recorder it was given.
 class _Tracing(threading.local):
     recorder = None
+    translate = None  # the rule `errors_as` set: kept with the ops a graph records
 
 
 _tracing = _Tracing()
@@ -55,6 +57,28 @@ def set_recorder(recorder):
     """Make ``recorder`` this thread's graph recorder (None: stop); returns the previous one."""
     previous, _tracing.recorder = _tracing.recorder, recorder
     return previous
+
+
+@contextlib.contextmanager
+def errors_as(translate):
+    """Inside the block, an exception an op raises becomes ``translate(exc)`` when that is not
+    None (e.g. torch's IndexError as an `IndexOutOfRange` naming the layouts). A graph keeps
+    the rule with the ops it records there, so a replay raises what eager raises."""
+    previous, _tracing.translate = _tracing.translate, translate
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - the rule decides; others re-raised as they are
+        new = translate(exc)
+        if new is None:
+            raise
+        raise new from None
+    finally:
+        _tracing.translate = previous
+
+
+def error_rule():
+    """The `errors_as` rule in force on this thread (None: none)."""
+    return _tracing.translate
 
 
 def source(load):

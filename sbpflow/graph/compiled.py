@@ -29,14 +29,19 @@ __all__ = ["Compiled", "trace"]
 
 
 def trace(graph, args: list, rec: Recorder) -> Tape:
-    """Run ``graph.build(*args)`` eagerly with ``rec`` recording on this thread."""
+    """Run ``graph.build(*args)`` eagerly with ``rec`` recording on this thread. The default
+    seed stream is wound back after: the calls make the draws (the first call's are the ones
+    an eager step would have made)."""
     for a in args:
         rec.add_input(a)
+    state = _comm.current().state
+    counter = state.get("seed_counter", 0)
     previous = set_recorder(rec)
     try:
         result = graph.build(*args)
     finally:
         set_recorder(previous)
+        state["seed_counter"] = counter
     return rec.tape(result)
 
 
@@ -122,12 +127,16 @@ class Compiled:
         lowered = [self.lowered[key] for key in self.keys]
         # the first call trains on the batches the sources gave while compiling
         preloaded, self.batches = self.batches, []
+        state = self.comm.state
+        base = state.get("seed_counter", 0)
         self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
                           for args in mbs.args], lowered, self.weights, {}, self._sync,
-                         self._update, preloaded)
+                         self._update, preloaded, base)
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
+            # every rank's stream goes on after the call's draws, whichever stage made them
+            state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
                                   iter(range(len(self.out_slots))))
         finally:

@@ -21,10 +21,12 @@ __all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "Guard
 
 
 class Env(NamedTuple):
-    """What a replay needs besides the slots: the rank's communicator, the device type."""
+    """What a replay needs besides the slots: the rank's communicator, the device type, and
+    the position in the default seed stream of the micro-batch's first random draw."""
 
     comm: Any
     device_type: str
+    draw_base: int = 0
 
 
 class Mode(NamedTuple):
@@ -62,12 +64,22 @@ class OpNode(NamedTuple):
     mode: Mode
     ins: tuple                   # nd-sbp of each tensor input (after boxing)
     outs_sbp: tuple
+    translate: Callable | None = None   # the `errors_as` rule it was traced under
 
     def run(self, vals: list, env: Any) -> None:
         a = list(self.args)
         for pos, s in self.slots:
             a[pos] = vals[s]
-        r = self.kernel(*a, **self.attrs)
+        if self.translate is None:
+            r = self.kernel(*a, **self.attrs)
+        else:
+            try:
+                r = self.kernel(*a, **self.attrs)
+            except Exception as exc:  # noqa: BLE001 - the rule decides, as in eager
+                new = self.translate(exc)
+                if new is None:
+                    raise
+                raise new from None
         if self.multi:
             for o, t in zip(self.outs, r):
                 vals[o] = t.detach() if self.detach else t
@@ -111,14 +123,18 @@ class DetachNode(NamedTuple):
 
 
 class ThunkNode(NamedTuple):
-    """``vals[out] = make()``: a value drawn again at every replay (``make`` returns a shard)."""
+    """``vals[out] = make()``: a value drawn again at every replay (``make`` returns a shard).
+    It is draw ``index`` of the tape: it takes that place in the default seed stream, so every
+    rank's stream agrees with eager's whichever stage runs the draw."""
 
     make: Callable[[], torch.Tensor]
     out: int
     placement: Placement
     mode: Mode
+    index: int
 
     def run(self, vals: list, env: Any) -> None:
+        env.comm.state["seed_counter"] = env.draw_base + self.index
         vals[self.out] = self.make()
 
     @property

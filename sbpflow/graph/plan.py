@@ -45,6 +45,7 @@ class Call(NamedTuple):
     sync: Callable[[int], Any]
     update: Callable[[], None] | None
     preloaded: list          # batches the data sources gave while compiling (first call)
+    draw_base: int           # where the call's random draws start in the default seed stream
 
 
 class _Stage:
@@ -90,7 +91,8 @@ class _Stage:
             for node, pieces in zip(low.sources[self.s], inputs[len(self.sources)]):
                 for slot, local in zip(node.outs, pieces[mb]):
                     vals[slot] = local
-        run_nodes(low.forward[self.s], vals, self.env, low.frees[self.s])
+        env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws)
+        run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
         c.outputs[mb] = [None if vals[k] is None else vals[k].detach()

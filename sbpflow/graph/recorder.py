@@ -18,7 +18,7 @@ import torch
 from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import format_nd_sbp
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, error_rule
 from .microbatch import split_inputs
 from .nodes import (BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, SourceNode,
                     ThunkNode)
@@ -65,7 +65,8 @@ class Tape(NamedTuple):
     """One micro-batch's program on one rank: ``nodes`` in order, ``inputs`` (slot of each
     build input, None for a non-tensor), ``externals`` ((slot, tensor) re-read at each replay),
     ``backwards`` (the `BackwardNode`s), ``outputs`` (the returned structure, tensors as
-    `OutSlot`, other values as `OutConst`), ``metas`` (slot -> `Meta`), ``nslots``."""
+    `OutSlot`, other values as `OutConst`), ``metas`` (slot -> `Meta`), ``nslots``,
+    ``draws``."""
 
     nodes: list
     inputs: tuple
@@ -74,6 +75,7 @@ class Tape(NamedTuple):
     outputs: Any
     metas: dict
     nslots: int
+    draws: int      # random draws (`ThunkNode`s) a micro-batch makes
 
     def new_vals(self, input_locals: list) -> list:
         """A fresh slot list holding the inputs' and the externals' shards."""
@@ -104,6 +106,7 @@ class Recorder:
         self.micro_batch, self.micro_batches = micro_batch, micro_batches
         self.batches = [] if batches is None else batches
         self.sources = 0
+        self.draws = 0
         self.nodes: list = []
         self.slot_of: dict[int, int] = {}   # id(local shard) -> slot
         self.keep: list = []                # the shards whose ids are in use
@@ -117,6 +120,10 @@ class Recorder:
     def _new(self, t: GlobalTensor) -> int:
         slot = len(self.metas)
         local = t._local
+        if id(local) in self.slot_of:  # a task handed back a shard it read (a boxing that
+            # passes it through on a rank outside its placements, a no-op kernel): give the
+            # new value its own object, or later reads of the old one would find the new slot
+            local = t._local = local.view_as(local)
         self.slot_of[id(local)] = slot
         self.keep.append(local)
         self.untraced.discard(id(local))
@@ -168,7 +175,7 @@ class Recorder:
         kernel = entry.op.kernel if local_args is not None else None
         self.nodes.append(OpNode(name, kernel, tuple(consts), tuple(slots), dict(attrs), outs,
                                  multi, entry.detach, pl, Mode.now(pl.device_type),
-                                 entry.choice.ins, entry.choice.outs))
+                                 entry.choice.ins, entry.choice.outs, error_rule()))
 
     def box(self, plan, src: GlobalTensor, out: GlobalTensor) -> None:
         s = self.read(src, "a boxing step")
@@ -182,7 +189,8 @@ class Recorder:
 
     def thunk(self, t: GlobalTensor, make) -> None:
         self.nodes.append(ThunkNode(make, self._new(t), t._placement,
-                                    Mode.now(t._placement.device_type)))
+                                    Mode.now(t._placement.device_type), self.draws))
+        self.draws += 1
 
     def source(self, load) -> Any:
         """Micro-batch ``micro_batch``'s rows of the next batch of ``load`` (loaded once a
@@ -228,6 +236,6 @@ class Recorder:
     def tape(self, result: Any) -> Tape:
         outputs = self._template(result)
         tape = Tape(self.nodes, tuple(self.inputs), self.externals, self.backwards, outputs,
-                    self.metas, len(self.metas))
+                    self.metas, len(self.metas), self.draws)
         self.keep, self.slot_of, self.untraced = [], {}, set()
         return tape

@@ -15,7 +15,7 @@ from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, _next_seed, apply_op, fresh, full, guard
+from ..tensor import GlobalTensor, _next_seed, apply_op, errors_as, fresh, full, guard
 from .pending_mean import mean_over_count
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -344,15 +344,17 @@ def _row_op(name: str, logits: GlobalTensor, target: GlobalTensor, ignore_index:
     checks the targets it sees (its ``IndexError`` becomes `IndexOutOfRange`, naming the
     layouts): a replicated target is checked whole on every rank; split rows, by the ranks
     holding them (as DDP: the launcher stops the others)."""
-    try:
+    classes, where = logits.shape[-1], _layouts_later(("logits", logits), ("target", target))
+
+    def translate(exc: Exception) -> IndexOutOfRange | None:
+        if not isinstance(exc, IndexError) or isinstance(exc, IndexOutOfRange):
+            return None
+        return IndexOutOfRange(f"cross_entropy: {exc} {classes} classes (targets must lie in "
+                               f"[0, {classes}) or equal ignore_index {ignore_index}); "
+                               f"{where()}")
+
+    with errors_as(translate):
         return apply_op(name, logits, target, ignore_index=ignore_index)
-    except IndexOutOfRange:
-        raise
-    except IndexError as exc:
-        raise IndexOutOfRange(
-            f"cross_entropy: {exc} {logits.shape[-1]} classes (targets must lie in "
-            f"[0, {logits.shape[-1]}) or equal ignore_index {ignore_index}); "
-            f"{_layouts(('logits', logits), ('target', target))}") from None
 
 
 def _layouts_later(*named: tuple):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch.utils.checkpoint as _tc
 
 from .. import comm as _comm
-from ..tensor import GlobalTensor
+from ..errors import GraphError
+from ..tensor import GlobalTensor, recording
 
 __all__ = ["checkpoint"]
 
@@ -27,7 +28,12 @@ __all__ = ["checkpoint"]
 def checkpoint(function, *args, preserve_rng_state: bool = True, **kwargs):
     """``function(*args, **kwargs)`` with its activations recomputed in backward. ``args`` may
     mix global tensors and constants; the result is a global tensor or a tuple / list of them
-    (other values are passed through unchanged)."""
+    (other values are passed through unchanged). Not in a graph's ``build`` (`GraphError`): its
+    replay would keep the activations, which is not what checkpointing is asked for."""
+    if recording():
+        raise GraphError("sf.nn.checkpoint (activation checkpointing) in a graph's build is not "
+                         "supported yet: a graph would keep the activations it is asked to "
+                         "drop. Call the module directly in build, or train in eager mode")
     slots = [i for i, a in enumerate(args) if isinstance(a, GlobalTensor)]
     metas = {i: (tuple(args[i].shape), args[i].placement, args[i].sbp) for i in slots}
     state = _comm.current().state

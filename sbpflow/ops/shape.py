@@ -113,15 +113,17 @@ def same_shards(xs: tuple, ys: tuple, mesh_shape: tuple, in_nd: tuple, out_nd: t
     return True
 
 
-def _local_view(x: torch.Tensor, ys: tuple, ctx) -> torch.Tensor:
-    """The local shard of a reshape to the logical ``ys`` under the rank's context; a
-    RuntimeError (the registry then rejects the candidate) unless the layouts keep every
-    rank's elements (`same_shards`): a local shape that fits is not enough."""
-    xs = tuple(ctx.in_shapes[0])
-    if not same_shards(xs, tuple(ys), tuple(ctx.placement.shape), ctx.ins[0], ctx.outs[0]):
-        raise RuntimeError(f"reshape {xs} -> {tuple(ys)} from {ctx.ins[0]} to {ctx.outs[0]} "
-                           f"on a mesh of shape {tuple(ctx.placement.shape)} moves elements "
-                           f"between ranks")
+def _local_view(x: torch.Tensor, ys, ctx) -> torch.Tensor:
+    """The local shard of a reshape to the logical shape ``ys()`` under the rank's context.
+    On meta tensors (the registry validating a candidate) a RuntimeError, which rejects it,
+    unless the layouts keep every rank's elements (`same_shards`: a local shape that fits is
+    not enough); real calls run only signatures validated so, and skip the check."""
+    if x.is_meta:
+        xs, out = tuple(ctx.in_shapes[0]), tuple(ys())
+        mesh = tuple(ctx.placement.shape)
+        if not same_shards(xs, out, mesh, ctx.ins[0], ctx.outs[0]):
+            raise RuntimeError(f"reshape {xs} -> {out} from {ctx.ins[0]} to {ctx.outs[0]} on a "
+                               f"mesh of shape {mesh} moves elements between ranks")
     return x.reshape(_box_shape(ctx.out_boxes[0]))
 
 
@@ -202,7 +204,7 @@ def local_view_shape(local: tuple, shape: tuple) -> tuple:
 def _reshape(x, shape, ctx=None):
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if ctx is not None:
-        return _local_view(x, resolve_shape(math.prod(ctx.in_shapes[0]), shape), ctx)
+        return _local_view(x, lambda: resolve_shape(math.prod(ctx.in_shapes[0]), shape), ctx)
     return x.reshape(local_view_shape(tuple(x.shape), shape))
 
 
@@ -213,7 +215,8 @@ def _reshape_signatures(x: TensorMeta, shape) -> list[Signature]:
 
 def _flatten(x, start_dim=0, end_dim=-1, ctx=None):
     if ctx is not None:  # a context kernel: nested splits may land on the merged axis
-        return _local_view(x, _flattened(tuple(ctx.in_shapes[0]), start_dim, end_dim), ctx)
+        return _local_view(x, lambda: _flattened(tuple(ctx.in_shapes[0]), start_dim, end_dim),
+                           ctx)
     return torch.flatten(x, start_dim, end_dim)
 
 
