@@ -11,7 +11,10 @@ loss; non-scalar outputs are refused). See docs/runtime.md, 'Graph mode'.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any
+
+import torch
 
 from .. import comm as _comm
 from ..boxing import empty_local
@@ -70,6 +73,7 @@ class Compiled:
             if stages_of(t) != self.stages:
                 raise GraphError("graph: micro-batches of different sizes use different stages")
         self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
+        self._check_ranks_agree(self.lowered[self.keys[0]])
         self.out_slots = tuple(out_slots(tapes[0].outputs))
         self._check_outputs(tapes[0])
         pls = tapes[0].placements()
@@ -84,6 +88,27 @@ class Compiled:
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
+
+    def _check_ranks_agree(self, low) -> None:
+        """Every rank traced the whole program and lowered it alone: check (one small
+        all-gather) that they found the same stages and transfers, so a disagreement is a
+        `GraphError` naming it, not a hang."""
+        shape = (tuple(sorted(r) for r in self.stages),
+                 tuple((t.src_stage, t.dst_stage, t.meta.shape, str(t.meta.dtype), t.grad)
+                       for t in low.transfers),
+                 tuple(len(low.backwards[s]) for s in sorted(low.backwards)))
+        digest = int.from_bytes(hashlib.sha256(repr(shape).encode()).digest()[:7], "little")
+        world = tuple(range(self.comm.world_size))
+        if len(world) == 1:
+            return
+        got = self.comm.all_gather(torch.tensor([digest], dtype=torch.int64), world,
+                                   [(1,)] * len(world), count_as="meta")
+        differ = [r for r, d in zip(world, got) if int(d) != digest]
+        if differ:
+            raise GraphError(f"graph: ranks {differ} lowered build to other stages or transfers "
+                             f"than rank {self.comm.rank} ({len(self.stages)} stages, "
+                             f"{len(low.transfers)} transfers here); build must run the same "
+                             f"ops on every rank")
 
     def _source_shapes(self, m: int) -> tuple:
         """The shapes of micro-batch m's rows of each batch data sources gave."""
