@@ -200,7 +200,7 @@ def outcome(fn: Callable) -> dict:
                 "seconds": time.monotonic() - t}
 
 
-def _mlp_setup(pipelined: bool):
+def mlp_setup(pipelined: bool):
     """The MLP (sizes 6-16-8-4) on the world: pipelined in one single-rank stage a rank (cut
     at its layers), or data parallel; its graph; the placement and sbp of its inputs."""
     world = sf.comm.world_size()
@@ -222,7 +222,7 @@ def failing_call(pipelined: bool) -> dict:
     batch, or the last stage). Returns the second call's outcome, after a moment for the
     other ranks to stop (a rank returning from the launched function may be seen by a
     collective of another rank before the abort message is)."""
-    step, pl, sbp = _mlp_setup(pipelined)
+    step, pl, sbp = mlp_setup(pipelined)
     x, y = EXAMPLES["mlp"].data(0, 8)
     step(sf.tensor(x, pl, sbp), sf.tensor(y, pl, sbp))
     bad = y.clone()
@@ -239,7 +239,7 @@ def blocked_rank(pipelined: bool) -> dict:
     """The MLP's graph called once by every rank, then again by all but the last rank, which
     blocks instead (run with a small SBPFLOW_TIMEOUT) until each other rank has posted that its
     call ended. Returns the second call's outcome (the last rank: {})."""
-    step, pl, sbp = _mlp_setup(pipelined)
+    step, pl, sbp = mlp_setup(pipelined)
     x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
     step(x, y)
     comm, last = sf.comm.current(), sf.comm.world_size() - 1

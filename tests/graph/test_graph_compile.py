@@ -127,9 +127,6 @@ def test_eval_mode_compiles_apart_and_train_mode_is_found_again(dropout_run):
     assert run["builds_eval"] == 2 and run["builds"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="graph: tracing build draws the dropout seed once more "
-                   "(the first call then draws again), so call i of the graph uses eager's draw "
-                   "i + 1 from the same sf.manual_seed")
 def test_dropout_masks_follow_eagers_seed_stream(dropout_run):
     run = dropout_run[0]
     for i in range(3):
@@ -179,10 +176,6 @@ def test_eager_keeps_every_ranks_seed_stream_alike():
     assert torch.equal(r0, r1)
 
 
-@pytest.mark.xfail(strict=True, reason="graph bug: a random draw in build is replayed only on "
-                   "its stage's ranks, so ranks outside it stop advancing the default seed "
-                   "stream (eager advances it on every rank): a later replicated sf.randn "
-                   "differs between ranks")
 def test_a_graph_keeps_every_ranks_seed_stream_alike():
     r0, r1 = sf.launch(_stream_after, world_size=2, args=(True,))
     assert torch.equal(r0, r1)

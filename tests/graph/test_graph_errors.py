@@ -203,9 +203,6 @@ def test_a_gradient_read_in_build():
         _on_2_ranks(_linear_fn("grad"))
 
 
-@pytest.mark.xfail(strict=True, reason="graph: sf.nn.checkpoint in build is traced through "
-                   "(values right, but replay keeps the activations: no recomputation) instead "
-                   "of the documented GraphError")
 def test_activation_checkpointing_in_build():
     with pytest.raises(sf.GraphError, match="activation checkpointing"):
         _on_2_ranks(_linear_fn("checkpoint"))

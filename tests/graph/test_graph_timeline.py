@@ -108,10 +108,6 @@ def test_plan_lists_the_actors_with_the_schedule_budget(run):
         assert (f"  gradsend>{r - 1} (send" in plan) == (r > 0)
 
 
-@pytest.mark.xfail(strict=True, reason="graph bug: a boxing that passes a shard through (ranks "
-                   "outside a transfer) aliases two values in the recorder, so rank 3 lowers "
-                   "the targets' move 0 -> 3 as a transfer 2 -> 3 (no recv<0) while rank 0 has "
-                   "send>3")
 def test_the_ranks_plans_agree_on_the_transfers(run):
     """A ``send>t`` on the ranks of stage s is a ``recv<s`` on those of stage t (the targets
     go from stage 0 straight to the last stage, which reads them), and the events too."""
