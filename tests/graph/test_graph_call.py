@@ -2,8 +2,9 @@
 `graph_fns` on 2 thread ranks (batch split), SGD with momentum, 3 calls, equals the same eager
 loop (losses, weights, gradients) with an lr scheduler stepped after the update, a summed loss
 over uneven micro-batches, outputs in a dict / tuple with constants, parameters loaded between
-calls, no optimizer (gradients accumulate across calls, as eager's), a second (evaluation)
-graph on the same model between calls, and micro-batches changed after the first call."""
+calls, no optimizer (gradients accumulate across calls, as eager's), two optimizers, a frozen
+weight, a second (evaluation) graph on the same model between calls, and micro-batches
+changed after the first call."""
 
 import pytest
 import torch
@@ -21,10 +22,10 @@ class _Step(sf.nn.Graph):
     """``cross_entropy(model(x), y, reduction)`` backward; returns the loss, or (``"dict"``) a
     dict of it, twice it, a constant and a tuple of it and a string."""
 
-    def __init__(self, model, opt, sch, k: int, reduction: str, out: str) -> None:
+    def __init__(self, model, opts, sch, k: int, reduction: str, out: str) -> None:
         super().__init__()
         self.model = model
-        if opt is not None:
+        for opt in opts:
             self.add_optimizer(opt, lr_sch=sch)
         self.config.set_gradient_accumulation_steps(k)
         self.config.set_loss_reduction(reduction)
@@ -60,23 +61,38 @@ def _values(r, pl) -> tuple:
     return (v(r),)
 
 
+def _optimizers(model, case: str) -> list:
+    if case == "no optimizer":
+        return []
+    if case == "two optimizers":  # AdamW on the weights, SGD on the biases
+        named = list(model.named_parameters())
+        return [sf.optim.AdamW([p for n, p in named if n.endswith("weight")], lr=0.01),
+                sf.optim.SGD([p for n, p in named if n.endswith("bias")], lr=0.1,
+                             momentum=0.9)]
+    if case == "frozen":  # the first layer's weight does not train
+        model.net[0].weight.requires_grad_(False)
+    return [sf.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                         momentum=0.9)]
+
+
 def _run(case: str) -> dict:
     """The case's loop eagerly, then from the same state as a graph: per call its values, then
     the final weights and gradients."""
     pl = sf.placement("cpu", [0, 1])
     batches = [tuple(sf.tensor(v, pl, sf.S(0)) for v in EX.data(i, 10)) for i in range(CALLS)]
     reduction = "sum" if case == "sum" else "mean"
-    k = 2 if case in ("sum", "dict", "no optimizer") else 1  # 10 rows: 5 a rank, 3 + 2
+    k = 1 if case in ("scheduler", "load", "evaluation", "micro-batches") else 2  # 10 rows:
+    # 5 a rank, in 3 + 2
     out = {}
     for mode in ("eager", "graph"):
         sf.manual_seed(0)
         model = EX.make(sf.nn, F).double()
         sf.parallel.apply(model, pl, {"*": sf.B})
-        opt = None if case == "no optimizer" else \
-            sf.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opts = _optimizers(model, case)
+        opt = opts[0] if opts else None
         sch = sf.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if case == "scheduler" else None
         shape = "dict" if case == "dict" else "loss"
-        step = _Step(model, opt, sch, k, reduction, shape)
+        step = _Step(model, opts, sch, k, reduction, shape)
         logits = _Logits(model)
         vals = []
         for i, (x, y) in enumerate(batches):
@@ -89,9 +105,9 @@ def _run(case: str) -> dict:
                 vals.append(_values(step(x, y), pl))
             else:  # what the graph runs after build: step(), zero_grad(), lr_sch.step()
                 vals.append(_values(_step(model, x, y, reduction, shape), pl))
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad()
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
                 if sch is not None:
                     sch.step()
             if case == "evaluation":
@@ -103,7 +119,7 @@ def _run(case: str) -> dict:
 
 
 @pytest.mark.parametrize("case", ["scheduler", "sum", "dict", "load", "no optimizer",
-                                  "evaluation", "micro-batches"])
+                                  "two optimizers", "frozen", "evaluation", "micro-batches"])
 def test_a_call_is_an_eager_step(case):
     run = sf.launch(_run, world_size=2, args=(case,))[0]
     eager, graph = run["eager"], run["graph"]
