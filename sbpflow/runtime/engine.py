@@ -36,8 +36,8 @@ _STOP_GRACE = 0.75  # s a failed run waits for its threads (an actor may be insi
 _INBOX_GRACE = 10.0  # s a run waits for its inbox thread, which runs no user code and returns
 # within _POLL: left alive it would steal the next run's messages
 _GATED = ("collective", "send", "recv")  # kinds whose fn may talk to the communicator directly:
-# they fire only once every rank of the plan started the run with no thread left behind, so
-# they never pair with a previous run's abandoned collective
+# after a failed run they fire only once every rank of the plan started the run with no thread
+# left behind, so they never pair with that run's abandoned collective
 
 
 class _CommState:
@@ -50,6 +50,10 @@ class _CommState:
         self.runs: dict[str, int] = {}
         self.early: dict[str, list[tuple[int, tuple]]] = {}
         self.left_behind: list[tuple[Job, str]] = []  # (thread, its actors)
+        # a run failed on this communicator (an abort reaches every rank of the plan, so then
+        # every rank's flag is set): from then on transfers and collectives wait for the start
+        # handshake (no left-behind thread anywhere); until then they need not wait for it
+        self.failed = False
 
     def next_run(self, channel: str) -> int:
         with self.lock:
@@ -147,11 +151,13 @@ class _Step:
         self.events: list[dict] = []
         self.results: dict[str, list] = {}
         self.peers = [r for r in rt.plan.ranks if r != self.rank]
-        # the ranks whose "start" has not arrived: until then gated actors (_GATED) wait
+        # the ranks whose "start" has not arrived: until then gated actors (_GATED) wait, once a
+        # run has failed on this communicator (`_CommState.failed`)
         self.unstarted = set(self.peers)
+        self.careful = rt.shared.failed
 
     def gated(self, a: Actor) -> bool:
-        return bool(self.unstarted) and a.spec.kind in _GATED
+        return self.careful and bool(self.unstarted) and a.spec.kind in _GATED
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> dict[str, list]:
@@ -430,6 +436,7 @@ class _Step:
             first = self.failure is None
             if first:
                 self.failure, self.over = exc, True
+                self.rt.shared.failed = True
                 for c in self.conds.values():
                     c.notify_all()
                 self.main.notify_all()
