@@ -2,7 +2,8 @@
 layouts and replayed after (a new shape or layout compiles again, an old one is found again),
 the results staying eager's; a module's train / eval mode is part of what a plan is compiled
 for; random values drawn in ``build`` (dropout) are drawn anew on every call; ``print(graph)``
-names the ops, parameters and boxing with the bytes it moves; ``graph.plan()`` the actors."""
+names the ops, parameters and boxing with the bytes it moves (those a replay moves);
+``graph.plan()`` the actors."""
 
 import re
 
@@ -11,6 +12,7 @@ import torch
 
 import sbpflow as sf
 from graph_fns import EXAMPLES, TrainStep, graph_vs_eager
+from sbpflow.models import layout
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -214,3 +216,27 @@ def test_repr_before_the_first_call():
     step.config.set_gradient_accumulation_steps(4)
     assert repr(step) == ("Step(not compiled yet; GraphConfig(micro_batches=4, "
                           "schedule='1f1b', loss_reduction='mean'))")
+
+
+def _bytes_fn() -> tuple:
+    """The MLP in tp on 4 ranks, a forward-only graph of 12 rows: its text, and this rank's
+    communication counters over one replay."""
+    lay = layout("mlp", "tp", 4)
+    sf.manual_seed(0)
+    model = EXAMPLES["mlp"].make(sf.nn, sf.nn.functional).double()
+    sf.parallel.apply(model, lay.placement, lay.rules)
+    graph = _Forward(model)
+    x = sf.tensor(EXAMPLES["mlp"].data(0, 12)[0], lay.placement, lay.data_sbp)
+    graph(x)
+    sf.comm.reset_stats()
+    graph(x)
+    return str(graph), sf.comm.current().stats()
+
+
+def test_the_bytes_print_shows_are_the_bytes_a_replay_moves():
+    res = sf.launch(_bytes_fn, world_size=4)
+    text = res[0][0]
+    shown = [int(b.replace(",", "")) for b in re.findall(r"\[\w+ ([\d,]+) B\]", text)]
+    assert shown == [0, 2304, 2304]  # the bias turning partial, reduce-scatter, all-gather
+    assert sum(stats.sent for _, stats in res) == sum(shown)
+    assert sum(stats.recv for _, stats in res) == sum(shown)
