@@ -5,6 +5,7 @@ pipelined and trained as a graph, and its torch twin on one device (float64 ever
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, NamedTuple
 
@@ -235,10 +236,12 @@ def failing_call(pipelined: bool) -> dict:
 _DONE = "tests.graph.done"  # the message channel the waiting ranks tell the blocked one on
 
 
-def blocked_rank(pipelined: bool) -> dict:
+def blocked_rank(pipelined: bool, out_dir: str | None = None) -> dict:
     """The MLP's graph called once by every rank, then again by all but the last rank, which
     blocks instead (run with a small SBPFLOW_TIMEOUT) until each other rank has posted that its
-    call ended. Returns the second call's outcome (the last rank: {})."""
+    call ended. Returns the second call's outcome (the last rank: {}), also written as JSON to
+    ``out_dir``/rank<r>.json when given (gloo: a timed-out point-to-point op closes the pair, so
+    the launcher's closing barrier may fail and hide the results)."""
     step, pl, sbp = mlp_setup(pipelined)
     x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
     step(x, y)
@@ -250,4 +253,7 @@ def blocked_rank(pipelined: bool) -> dict:
         return {}
     out = outcome(lambda: step(x, y))
     comm.post(last, _DONE, comm.rank)
+    if out_dir is not None:
+        with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
+            json.dump({k: v for k, v in out.items() if k != "result"}, f)
     return out
