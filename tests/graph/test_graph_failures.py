@@ -2,8 +2,8 @@
 target out of range in its rows) stops every rank's call promptly, the failing rank raising the
 op's own exception noted with its rank and actor, the others `sf.ActorAborted` naming them; a
 rank that blocks instead of calling the graph makes the others time out (`SBPFLOW_TIMEOUT`)
-naming what waits, never hang; no runtime thread is left behind (docs/runtime.md, 'Actors and
-registers')."""
+naming what waits, never hang; no runtime thread is left behind; a call after a failed one
+is refused promptly or runs as a clean step (docs/runtime.md, 'Actors and registers')."""
 
 import re
 import threading
@@ -68,7 +68,8 @@ def test_a_blocked_rank_times_out_the_data_parallel_collective(monkeypatch):
     res = sf.launch(blocked_rank, world_size=4, args=(False,))
     assert res[3] == {}
     collective = (re.escape("all_reduce over ranks [0, 1, 2, 3] (call #2 on this group) on rank ")
-                  + rf"\d timed out after {TIMEOUT:g} s waiting for rank\(s\) \[3\] \(SBPFLOW_TIMEOUT\)")
+                  + rf"\d timed out after {TIMEOUT:g} s waiting for rank\(s\) \[3\] "
+                  + r"\(SBPFLOW_TIMEOUT\)")
     actor = (r"actor 'fwd' \(forward, stage 0\) on rank \d has been inside its function for "
              r"[\d.]+ s \(micro-batch 0\)")
     assert any("CommTimeout" in r["types"] for r in res[:3])  # at least one timed out itself
