@@ -25,6 +25,8 @@ from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_se
 from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
+from . import memory  # noqa: E402  (above nn and optim)
+from .memory import memory_stats  # noqa: E402
 from . import runtime  # noqa: E402  (runtime, then graph: it lowers steps to runtime plans)
 from . import graph  # noqa: E402
 nn.Graph = graph.Graph  # sf.nn.Graph, OneFlow's name (the class lives in the graph layer)
@@ -45,5 +47,5 @@ __all__ = [
     "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto",
+    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
 ]

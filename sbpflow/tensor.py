@@ -21,8 +21,8 @@ import torch
 from . import comm as _comm
 from .boxing import empty_local, plan_layouts, run_plan
 from .caches import BoundedDict
-from .errors import (DtypeMismatchError, IndexOutOfRange, PlacementError, PlacementMismatchError,
-                     SbpError, SbpParseError, ShapeError, SignatureError)
+from .errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
+                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, resolve_shape, squeeze_dims
 from .placement import Placement
@@ -283,6 +283,10 @@ class GlobalTensor:
     @property
     def grad(self) -> "GlobalTensor | None":
         """The gradient, laid out as ``dual(sbp)`` (a B tensor's gradient is P, and so on)."""
+        if _tracing.recorder is not None:  # backward is recorded, not run, while tracing
+            raise GraphError(f"graph: build reads .grad of the tensor of {_describe(self)}; a "
+                             f"graph runs backward after build, so its gradients are not there "
+                             f"yet (read them after the call)")
         g = self._local.grad
         if g is None:
             return None

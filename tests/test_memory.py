@@ -17,12 +17,8 @@ from sbpflow.models import gpt_class, layout, mlp_class
 B, S = sf.B, sf.S
 F32 = 4  # bytes of a float32
 
-# The parameter-bytes tests of layouts holding a 1-D S(0) parameter fail until sf.nn.Parameter
-# copies a shard that is a slice of the whole tensor: boxing B -> S(0) gives a view, detach()
-# drops its _base, and the Parameter keeps the view, so each rank holds the whole tensor's
-# storage (memory_stats counts that storage, which is what the rank holds).
-VIEW_BUG = pytest.mark.xfail(strict=True, reason="sf.nn.Parameter keeps a B -> S(0) slice as a "
-                             "view of the whole tensor (nn/parameter.py)")
+# (A 1-D S(0) parameter once kept its shard as a view of the whole tensor, and each rank held the
+# whole storage; memory_stats counts storages, so the tp / zero cases below catch that.)
 
 # -- memory_stats: exact bytes per rank ----------------------------------------------------------
 SIZES = (16, 32, 32, 8)   # W0 32x16, b0 32, W1 32x32, b1 32, W2 8x32, b2 8: 1864 elements
@@ -72,8 +68,7 @@ def test_grads_and_adamw_state_per_rank_are_the_formula(name):
         assert s["total"] == s["params"] + s["grads"] + s["optimizer"]
 
 
-@pytest.mark.parametrize("name", ["dp", pytest.param("tp", marks=VIEW_BUG),
-                                  pytest.param("zero", marks=VIEW_BUG), "2d"])
+@pytest.mark.parametrize("name", ["dp", "tp", "zero", "2d"])
 def test_param_bytes_per_rank_are_the_formula(name):
     for r in mlp_results(name):
         for stage in ("before", "backward", "step"):
@@ -289,8 +284,6 @@ def _graph_peaks():
     return peaks
 
 
-@pytest.mark.xfail(strict=True, reason="the runtime's queue threads run a replay's forward; "
-                   "runtime/engine.py must attach the rank's trackers there (memory.attach)")
 def test_a_graph_replay_is_tracked_like_eager():
     want = BATCH // 2 * (SIZES[0] + SIZES[1] + SIZES[2]) * F32
     for peaks in sf.launch(_graph_peaks, 2):
@@ -360,7 +353,7 @@ AGREE = [(name, cat) for name in ("dp", "tp", "2d", "zero")
 
 
 @pytest.mark.parametrize("name,category", [
-    pytest.param(n, c, marks=VIEW_BUG) if c == "params" and n in ("tp", "zero") else (n, c)
+    (n, c)
     for n, c in AGREE], ids=[f"{n}-{c}" for n, c in AGREE])
 def test_measured_bytes_agree_with_evaluate(name, category):
     """evaluate's params / grads / optimizer per device count the weights of the graph's

@@ -355,6 +355,12 @@ class Communicator:
     def _inbox(self, channel, timeout):
         raise NotImplementedError
 
+    def interrupt(self, reason: str) -> None:
+        """Make this rank's collectives in a named stream (`set_collective_stream`) that are
+        waiting now raise `CommAborted` with ``reason``: a failed run of a plan whose actors
+        rename their streams after a failure abandons them. The threads backend does; a torch
+        process group cannot cancel a call, which ends by its timeout."""
+
     def device(self, device_type: str) -> torch.device:
         """The torch device this rank uses for ``device_type`` placements."""
         raise NotImplementedError

@@ -192,8 +192,16 @@ class ThreadWorld:
         self.finished: set[int] = set()
         self.blocked: dict[int, list[tuple[What, Callable[[], list[int]]]]] = {}
         self.verdicts: dict[int, str] = {}  # a rank's wait must raise CommError(this)
+        # rank -> (count, reason): waits that began before the count grew raise CommAborted
+        self.interrupts: dict[int, tuple[int, str]] = {}
         self.idents: dict[int, int] = {}  # rank -> thread id, to say where a stuck rank is
         self.channels = ThreadChannels()  # Communicator.post / inbox
+
+    def check_epoch(self, rank: int, epoch: int, what: What) -> None:
+        """Raise `CommAborted` if ``rank`` was interrupted since ``epoch`` (its count then)."""
+        count, reason = self.interrupts.get(rank, (0, ""))
+        if count != epoch:
+            raise CommAborted(f"{what()} on rank {rank} abandoned: {reason}")
 
     def abort(self, rank: int, exc: BaseException) -> None:
         """Record the first failure (``rank`` -1: the caller of launch) and wake every wait."""
@@ -242,7 +250,7 @@ class ThreadWorld:
             (f" (it is{where})" if where else "")
 
     def wait(self, ready: Callable[[], bool], what: What, missing: Callable[[], list[int]],
-             rank: int) -> None:
+             rank: int, epoch: int | None = None) -> None:
         """Wait on ``self.cond`` (held by the caller) until ``ready()``; never forever."""
         if ready():
             return
@@ -256,6 +264,8 @@ class ThreadWorld:
             while not ready():
                 now = time.monotonic()
                 self._check(rank, what, missing, deadline - now, alone and now - start >= _POLL)
+                if epoch is not None:
+                    self.check_epoch(rank, epoch, what)
                 self.cond.wait(min(deadline - now, _POLL))
         finally:
             waits.remove(entry)
@@ -339,6 +349,7 @@ class ThreadCommunicator(Communicator):
         super().__init__(rank, world.world_size)
         self.world = world
         self._seq: dict[tuple, int] = defaultdict(int)
+        self._epochs: dict[str, int] = {}  # named stream -> the interrupt count at first use
         world.idents[rank] = threading.get_ident()
 
     # -- the rendezvous ------------------------------------------------------------------------
@@ -354,6 +365,12 @@ class ThreadCommunicator(Communicator):
         key = (series, seq)
         what = lambda: _call_text(kind, group, seq)  # noqa: E731 - formatted only on errors
         w.check_alive(rank, what)
+        # a named stream belongs to the interrupt count of its first call: after an
+        # `interrupt` its calls are abandoned at once (the runtime moves on to a new stream)
+        epoch = None if stream is None else \
+            self._epochs.setdefault(stream, w.interrupts.get(rank, (0, ""))[0])
+        if epoch is not None:
+            w.check_epoch(rank, epoch, what)
         with w.cond:
             slot = w.slots.get(key)
             if slot is None:
@@ -364,8 +381,17 @@ class ThreadCommunicator(Communicator):
                 slot.verdict = _disagreement(group, seq, slot.sigs)
                 w.cond.notify_all()
             else:
-                w.wait(lambda: len(slot.data) == len(group), what,
-                       lambda: [r for r in group if r not in slot.data], rank)
+                try:  # a named stream's wait may be interrupted (`interrupt`): its series is
+                    # renamed after the failure, so nobody pairs with it; take the input back
+                    w.wait(lambda: len(slot.data) == len(group), what,
+                           lambda: [r for r in group if r not in slot.data], rank, epoch)
+                except CommAborted:
+                    if len(slot.data) < len(group):
+                        slot.data.pop(rank, None)
+                        slot.sigs.pop(rank, None)
+                        if not slot.data:
+                            w.slots.pop(key, None)
+                    raise
         try:
             if slot.verdict is not None:
                 raise CommError(slot.verdict)
@@ -444,6 +470,13 @@ class ThreadCommunicator(Communicator):
                             f"{tuple(t.shape)}; sends and recvs between a pair must match "
                             f"in order, dtype and shape")
         return t.to(device)
+
+    def interrupt(self, reason: str) -> None:
+        w = self.world
+        with w.cond:
+            count = w.interrupts.get(self.rank, (0, ""))[0]
+            w.interrupts[self.rank] = (count + 1, reason)
+            w.cond.notify_all()
 
     def _post(self, dst, channel, message):
         # never raises for an aborted world: a post does not wait, and the runtime's own abort

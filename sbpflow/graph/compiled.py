@@ -84,7 +84,8 @@ class Compiled:
         self.call: Call | None = None
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
-                               name=f"graph{state['graph_plans']}")
+                               name=f"graph{state['graph_plans']}",
+                               failures=lambda: self.runtime.failures if self.runtime else 0)
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
@@ -164,6 +165,11 @@ class Compiled:
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
                                   iter(range(len(self.out_slots))))
+        except BaseException:
+            # the micro-batches whose backward ran left gradients: a failed call is no step
+            for opt, _ in self.graph._optimizers:
+                opt.zero_grad()
+            raise
         finally:
             self.call = self.call._replace(inputs=[], outputs={})  # free the batch
 

@@ -169,12 +169,14 @@ def _noop(mb: int, *values: Any) -> None:
     return None
 
 
-def _in_stream(stream: str, fn: Callable) -> Callable:
+def _in_stream(stream: str, fn: Callable, failures: Callable[[], int]) -> Callable:
     """``fn`` with its collectives in ``stream``: an actor's collectives pair with the same
     actor's on the other ranks of its stage, whatever order each rank's actors fire in (the
-    forward of one micro-batch and the backward of another may swap between ranks)."""
+    forward of one micro-batch and the backward of another may swap between ranks). The stream
+    is renamed after each failed run (``failures()``): an aborted collective leaves the ranks'
+    call counts apart, and a new series starts them together again."""
     def run(*args: Any) -> Any:
-        previous = set_collective_stream(stream)
+        previous = set_collective_stream(f"{stream}/{failures()}")
         try:
             return fn(*args)
         finally:
@@ -183,7 +185,8 @@ def _in_stream(stream: str, fn: Callable) -> Callable:
 
 
 def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
-                  trains: bool, update: bool, name: str) -> list[ActorSpec]:
+                  trains: bool, update: bool, name: str,
+                  failures: Callable[[], int]) -> list[ActorSpec]:
     """Stage ``st.s``'s actors; ``trains``: the graph runs a backward."""
     s = st.s
     keep = trains or bool(st.targets)
@@ -192,7 +195,7 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     if st.loads:  # one batch a call, read by every micro-batch's forward
         fwd_inputs.append(Input("load", repeat=micro_batches))
     fwd = st.forward if keep else (lambda mb, *r: st.forward(mb, *r) and None)
-    specs = [ActorSpec("fwd", "forward", _in_stream(f"{name}/fwd", fwd), stage=s,
+    specs = [ActorSpec("fwd", "forward", _in_stream(f"{name}/fwd", fwd, failures), stage=s,
                        inputs=fwd_inputs,
                        outputs={"saved": slots})]
     specs += [ActorSpec(f"recv<{p}", "recv", st.recv(p), stage=s, queue=f"recv<{p}")
@@ -211,7 +214,7 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
                                outputs=1))
         bwd_inputs.append(Input("flush", repeat=micro_batches))
         bwd = (lambda mb, vals, *rest: st.backward(mb, vals, *rest[:-1]))
-    specs.append(ActorSpec("bwd", "backward", _in_stream(f"{name}/bwd", bwd), stage=s,
+    specs.append(ActorSpec("bwd", "backward", _in_stream(f"{name}/bwd", bwd, failures), stage=s,
                            inputs=bwd_inputs))
     specs += [ActorSpec(f"gradrecv<{t}", "recv", st.grad_recv(t), stage=s,
                         queue=f"gradrecv<{t}") for t in st.grad_from]
@@ -220,20 +223,22 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     if update:
         specs.append(ActorSpec("grads", "compute", _noop, stage=s, inputs=[Input("bwd")],
                                emit_every=micro_batches, outputs=1))
-        specs.append(ActorSpec("update", "update", lambda mb, _: st.call().update(), stage=s,
-                               inputs=[Input("grads")], times=1))
+        update_fn = _in_stream(f"{name}/update", lambda mb, _: st.call().update(), failures)
+        specs.append(ActorSpec("update", "update", update_fn, stage=s, inputs=[Input("grads")],
+                               times=1))
     return specs
 
 
 def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
                call: Callable[[], Call], micro_batches: int, schedule: str, update: bool,
-               name: str) -> Plan:
-    """The plan of every rank (each runs its own; the others' tell it who its peers are)."""
+               name: str, failures: Callable[[], int]) -> Plan:
+    """The plan of every rank (each runs its own; the others' tell it who its peers are).
+    ``failures()``: the runtime's count of failed runs (the actors' collective streams)."""
     trains = bool(first.tape.backwards)
     actors = {}
     for s, ranks in enumerate(stages):
         st = _Stage(s, env, call, first)
         for r in ranks:
             actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
-                                      update and trains, name)
+                                      update and trains, name, failures)
     return Plan(actors, name=name)

@@ -26,8 +26,10 @@ class Parameter(GlobalTensor):
         elif not isinstance(data, GlobalTensor):
             raise TypeError(f"Parameter needs an sf.GlobalTensor or torch.Tensor, got "
                             f"{type(data).__name__}")
-        local = data.local.detach()
-        if local._base is not None or not local.is_contiguous():
+        local = data.local.detach()  # (detach drops `_base`: a view's storage shows it)
+        if local._base is not None or not local.is_contiguous() or (
+                local.device.type != "meta" and
+                local.untyped_storage().nbytes() != local.numel() * local.element_size()):
             local = local.clone(memory_format=torch.contiguous_format)
         super().__init__(local.requires_grad_(requires_grad), tuple(data.shape), data.placement,
                          data.sbp)

@@ -20,6 +20,7 @@ import weakref
 from functools import partial
 from typing import Any
 
+from .. import memory
 from ..comm.base import Communicator
 from ..comm.current import current, set_current
 from ..comm.threads import default_timeout, waits_alongside
@@ -54,6 +55,7 @@ class _CommState:
         # every rank's flag is set): from then on transfers and collectives wait for the start
         # handshake (no left-behind thread anywhere); until then they need not wait for it
         self.failed = False
+        self.failures = 0  # failed runs (see `Runtime.failures`)
 
     def next_run(self, channel: str) -> int:
         with self.lock:
@@ -115,7 +117,20 @@ class Runtime:
         self.plan.check_rates(micro_batches)
         self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)
-        return self._step.execute()
+        try:
+            return self._step.execute()
+        except BaseException:
+            with self.shared.lock:
+                self.shared.failures += 1
+            raise
+
+    @property
+    def failures(self) -> int:
+        """How many runs failed on this communicator (a failure aborts every rank of the plan,
+        so the ranks count alike): a plan whose actors name their collective streams after it
+        starts new series after a failure, whose aborted collectives left each rank's call
+        counts apart."""
+        return self.shared.failures
 
     def close(self) -> None:
         """End the threads the runtime keeps between runs (also done when it is garbage)."""
@@ -155,6 +170,7 @@ class _Step:
         # run has failed on this communicator (`_CommState.failed`)
         self.unstarted = set(self.peers)
         self.careful = rt.shared.failed
+        self.trackers = memory.active_trackers()  # the caller's `sf.memory.track()` blocks
 
     def gated(self, a: Actor) -> bool:
         return self.careful and bool(self.unstarted) and a.spec.kind in _GATED
@@ -248,7 +264,8 @@ class _Step:
         waits_alongside(True)  # a rank's queue threads may wait at once (a recv, a compute)
         actors, cond = self.queues[queue], self.conds[queue]
         try:
-            with self.lock:
+            # tensors the actors save for backward count in the caller's `sf.memory.track()`
+            with memory.attach(self.trackers), self.lock:
                 while not self.over:
                     a = next((a for a in actors if a.can_fire() and not self.gated(a)), None)
                     if a is not None:
@@ -437,6 +454,10 @@ class _Step:
             if first:
                 self.failure, self.over = exc, True
                 self.rt.shared.failed = True
+                # the run's threads waiting in a collective or receive give up now (threads
+                # backend): a peer that failed will never join it
+                self.comm.interrupt(f"run {self.run_id} of plan {self.rt.plan.name!r} failed "
+                                    f"({type(exc).__name__}: {exc})")
                 for c in self.conds.values():
                     c.notify_all()
                 self.main.notify_all()

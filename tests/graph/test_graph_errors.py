@@ -198,8 +198,8 @@ def _linear_fn(how: str):
 
 
 def test_a_gradient_read_in_build():
-    with pytest.raises(sf.GraphError, match=r"op mul reads a tensor of shape \(4, 4\) on "
-                       r"cpu\[0,1\] with sbp \(P,\) that build computed outside sbpflow's ops"):
+    with pytest.raises(sf.GraphError, match=r"build reads \.grad of the tensor of shape \(4, 4\) "
+                       r"on cpu\[0,1\] with sbp \(B,\); a graph runs backward after build"):
         _on_2_ranks(_linear_fn("grad"))
 
 

@@ -143,10 +143,6 @@ def test_a_pipeline_call_after_a_failed_one_is_refused_promptly_or_clean(monkeyp
     assert r1["second"]["type"] == "ActorAborted"
 
 
-@pytest.mark.xfail(strict=True, reason="graph bug: after a call failed on one rank, the ranks' "
-                   "collective streams are out of step (the next call waits for "
-                   "SBPFLOW_TIMEOUT: 300 s by default) and the gradients the failed call "
-                   "accumulated stay")
 def test_a_data_parallel_call_after_a_failed_one_is_a_clean_step(monkeypatch):
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))
     res = sf.launch(_retry, world_size=4, args=(False,))
