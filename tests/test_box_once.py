@@ -100,3 +100,33 @@ def test_a_parameter_boxed_version_is_held_only_weakly():
         assert reused == 1
         assert held == [False]  # nothing holds the gathered weight after backward
         torch.testing.assert_close(after, w_new * WS[1])
+
+
+def _block_fn():
+    """A transformer block as torch's tensor-parallel example has it (dim 16, 4 heads, separate
+    q / k / v column-parallel, output and MLP row-parallel; input batch-split on 4 ranks): the
+    bytes its forward sends a rank."""
+    F = sf.nn.functional
+    d, heads, b, t = 16, 4, 8, 16
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+
+    def w(o, i, s, seed):
+        return sf.randn(o, i, placement=pl, sbp=s, seed=seed)
+    wq, wk, wv = (w(d, d, sf.S(0), i) for i in (1, 2, 3))
+    wo, w1, w2 = w(d, d, sf.S(1), 4), w(4 * d, d, sf.S(0), 5), w(d, 4 * d, sf.S(1), 6)
+    ln_w = sf.ones(d, placement=pl, sbp=sf.B)
+    ln_b = sf.zeros(d, placement=pl, sbp=sf.B)
+    x = sf.randn(b, t, d, placement=pl, sbp=sf.S(0), seed=0)
+    sf.comm.reset_stats()
+    a = F.layer_norm(x, (d,), ln_w, ln_b)
+    q, k, v = (F.linear(a, wi).reshape(b, t, heads, d // heads).transpose(1, 2)
+               for wi in (wq, wk, wv))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+    h = x + F.linear(y, wo)
+    h + F.linear(F.gelu(F.linear(F.layer_norm(h, (d,), ln_w, ln_b), w1)), w2)
+    return sf.comm.stats().sent
+
+
+def test_a_tensor_parallel_blocks_forward_sends_no_more_than_dtensors_plan():
+    # DTensor's plan for this block sends 76,800 bytes a rank (issue 18)
+    assert all(sent <= 76_800 for sent in sf.launch(_block_fn, world_size=4))

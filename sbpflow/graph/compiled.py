@@ -111,21 +111,20 @@ class Compiled:
                              f"{len(low.transfers)} transfers here); build must run the same "
                              f"ops on every rank")
 
+    def _split_batch(self, batch: Any):
+        """A batch a data source gave, cut into the micro-batches (all its values)."""
+        values = batch if isinstance(batch, tuple) else (batch,)
+        return split_inputs(values, self.k, [True] * len(values))
+
     def _source_shapes(self, m: int) -> tuple:
         """The shapes of micro-batch m's rows of each batch data sources gave."""
-        out = []
-        for batch in self.batches:
-            values = batch if isinstance(batch, tuple) else (batch,)
-            piece = split_inputs(values, self.k, [True] * len(values)).args[m]
-            out.append(tuple(tuple(v.shape) for v in piece))
-        return tuple(out)
+        return tuple(tuple(tuple(v.shape) for v in self._split_batch(b).args[m])
+                     for b in self.batches)
 
     def _weights(self, sizes: list | None) -> list[float]:
         """Each micro-batch's loss weight: its share of the batch (mean losses), else 1."""
         if sizes is None and self.batches:
-            values = self.batches[0] if isinstance(self.batches[0], tuple) else \
-                (self.batches[0],)
-            sizes = split_inputs(values, self.k, [True] * len(values)).sizes
+            sizes = self._split_batch(self.batches[0]).sizes
         if self.k == 1:
             return [1.0]
         if sizes is None:
