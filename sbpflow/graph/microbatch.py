@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+from ..caches import memoize
 from ..errors import GraphError
 from ..sbp import Split, format_nd_sbp, local_shape
 from ..tensor import GlobalTensor
@@ -35,7 +36,12 @@ def _parts(n: int, k: int) -> list[int]:
 def _split_sizes(t: GlobalTensor, k: int) -> list[int]:
     """The rows of each micro-batch of ``t`` when every rank cuts its shard in k balanced
     pieces, checked against the layout (`GraphError` when the pieces are not a layout)."""
-    pl, nd, shape = t.placement, t.sbp, tuple(t.shape)
+    return list(_layout_split_sizes(tuple(t.shape), t.placement, t.sbp, k))
+
+
+@memoize(1024)
+def _layout_split_sizes(shape: tuple, pl, nd: tuple, k: int) -> tuple:
+    """`_split_sizes` of a layout (every call of a graph splits the same layouts)."""
     mesh = pl.shape
     rows = {c: _parts(local_shape(shape, mesh, nd, c)[0], k) for c in pl.coords()}
     dims = [d for d, s in enumerate(nd) if isinstance(s, Split) and s.axis == 0]
@@ -55,7 +61,7 @@ def _split_sizes(t: GlobalTensor, k: int) -> list[int]:
                 f"balanced layout of each micro-batch and hold at least one row; use a batch "
                 f"size that is a multiple of {k * ways} (the micro-batches times the ranks "
                 f"splitting the batch), or fewer micro-batches")
-    return sizes
+    return tuple(sizes)
 
 
 def _piece(t: GlobalTensor, k: int, m: int, n: int):
