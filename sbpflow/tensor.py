@@ -695,6 +695,13 @@ class _Boxed(NamedTuple):
     grad: bool
     kept: torch.Tensor | None
     ref: "weakref.ref"
+    trace: "weakref.ref | None"  # the graph recorder it was made under: a trace reuses only
+    # its own boxings (recorded), eager only eager ones
+
+
+def _same_trace(trace: "weakref.ref | None") -> bool:
+    rec = _tracing.recorder
+    return rec is None if trace is None else (rec is not None and trace() is rec)
 
 
 def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
@@ -706,7 +713,7 @@ def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
     if boxes is not None:
         hit = boxes.get(nd)
         if hit is not None and hit.source() is local and hit.version == local._version and \
-                hit.grad == torch.is_grad_enabled():
+                hit.grad == torch.is_grad_enabled() and _same_trace(hit.trace):
             shard = hit.kept if hit.kept is not None else hit.ref()
             if shard is not None:
                 return _wrap(shard, t._shape, t._placement, nd)
@@ -715,7 +722,8 @@ def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
         boxes = t._boxes = {}
     parameter = local.requires_grad and local.is_leaf
     boxes[nd] = _Boxed(weakref.ref(local), local._version, torch.is_grad_enabled(),
-                       None if parameter else out._local, weakref.ref(out._local))
+                       None if parameter else out._local, weakref.ref(out._local),
+                       None if _tracing.recorder is None else weakref.ref(_tracing.recorder))
     return out
 
 

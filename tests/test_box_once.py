@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import sbpflow as sf
@@ -14,6 +15,7 @@ import sbpflow as sf
 G = torch.Generator().manual_seed(0)
 X = torch.randn(8, 16, generator=G, dtype=torch.float64)
 WS = [torch.randn(16, 16, generator=G, dtype=torch.float64) for _ in range(3)]
+XL = torch.randn(64, 16, generator=G, dtype=torch.float64)
 
 
 def _qkv_fn():
@@ -130,3 +132,28 @@ def _block_fn():
 def test_a_tensor_parallel_blocks_forward_sends_no_more_than_dtensors_plan():
     # DTensor's plan for this block sends 76,800 bytes a rank (issue 18)
     assert all(sent <= 76_800 for sent in sf.launch(_block_fn, world_size=4))
+
+
+def _graph_after_eager_fn():
+    pl = sf.placement("cpu", [0, 1])
+    c = sf.tensor(WS[0], pl, sf.S(0))        # a constant the graph reads (split rows)
+    x = sf.tensor(XL, pl, sf.S(0))           # 64 rows: gathering c is cheaper than x
+    sf.nn.functional.linear(x * 1.0, c)      # eager: c kept gathered on the wrapper
+    assert c._boxes, "the eager op should have gathered c"
+
+    class G(sf.nn.Graph):
+        def build(self, h):
+            return sf.nn.functional.linear(h, c).sum()
+
+    g = G()
+    first = g(x * 1.0).item()
+    c.local.mul_(2.0)                        # the graph re-reads c: its boxing is recorded
+    second = g(x * 1.0).item()
+    return first, second
+
+
+def test_a_graph_records_its_own_boxing_of_a_tensor_eager_code_boxed_before():
+    want = (XL @ WS[0].T).sum().item()
+    for first, second in sf.launch(_graph_after_eager_fn, world_size=2):
+        assert first == pytest.approx(want, rel=1e-12)
+        assert second == pytest.approx(2 * want, rel=1e-12)
