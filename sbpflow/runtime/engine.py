@@ -177,7 +177,7 @@ class _Step:
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> dict[str, list]:
-        self._start()
+        self._refuse_if_stale()
         workers = self.rt.workers
         threads = [workers.submit(f"sbpflow-rank{self.rank}-{q}", partial(self._queue_loop, q))
                    for q in self.queues]
@@ -185,6 +185,9 @@ class _Step:
         if self.peers:
             inbox = workers.submit(f"sbpflow-rank{self.rank}-inbox", self._inbox_loop)
         try:
+            # announced once the queues run: on the torch backend a post is a store round trip,
+            # and the actors need not wait for them (only after a failure, see `gated`)
+            self._start()
             self._supervise()
         except BaseException as exc:  # e.g. KeyboardInterrupt: stop every rank
             self._fail(exc, None)
@@ -196,21 +199,25 @@ class _Step:
             raise self.failure
         return self.results
 
-    def _start(self) -> None:
-        """Tell the other ranks this run started, or refuse it (`CommError`, and their run
-        aborts) while a thread a failed run left behind is inside an actor: a collective of
-        that thread would pair with this run's and give every rank wrong values."""
+    def _refuse_if_stale(self) -> None:
+        """Refuse the run (`CommError`, and tell the other ranks, whose run aborts) while a
+        thread a failed run left behind is inside an actor: a collective of that thread would
+        pair with this run's and give every rank wrong values."""
         stale = self.rt.shared.alive()
-        problem = None
         if stale:
             problem = (f"rank {self.rank} cannot start run {self.run_id} of plan "
                        f"{self.rt.plan.name!r}: threads {stale} of a failed run are still "
                        f"running (their collectives would pair with this run's); wait until "
                        f"they return (at most the communication timeout) and run again")
-        for r in self.peers:
-            self._post(r, ("start", self.run_id, problem))
-        if problem is not None:
+            for r in self.peers:
+                self._post(r, ("start", self.run_id, problem))
             raise CommError(problem)
+
+    def _start(self) -> None:
+        """Tell the other ranks this run started; hand the messages that came early to the
+        actors."""
+        for r in self.peers:
+            self._post(r, ("start", self.run_id, None))
         with self.rt.shared.lock:
             early = self.rt.shared.early.pop(self.rt.channel, [])
         self._dispatch(early)
