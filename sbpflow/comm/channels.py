@@ -112,6 +112,12 @@ class StoreChannels:
         """Push ``message`` onto ``dst``'s store queue; a store failure (connection lost,
         store host gone: ``DistNetworkError``, ``DistStoreError``, ``RuntimeError``) raises
         `CommError`, as every communication failure does."""
+        if dst == self.rank:  # to itself: straight into its reader's deque, no store round trip
+            with self._lock:
+                reader = self._readers.get(channel)
+            if reader is not None:
+                reader.put((src, pickle.loads(pickle.dumps(message))))  # a copy, as a post
+                return
         data = pickle.dumps((src, message), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with self._post_lock:
@@ -164,9 +170,12 @@ class _Reader:
                 return
             if data == _CLOSE:
                 return
-            with self.cond:
-                self.queue.append(pickle.loads(data))
-                self.cond.notify()
+            self.put(pickle.loads(data))
+
+    def put(self, item: tuple) -> None:
+        with self.cond:
+            self.queue.append(item)
+            self.cond.notify()
 
     def _fail(self, exc: BaseException) -> None:
         with self.cond:
