@@ -313,12 +313,14 @@ def _strategy(graph, cluster, name):
                             for l in graph.layers])
 
 
-def _gpt_step(name):
+def _gpt_step(name, dtype=torch.float32):
     """Lay out the GPT as ``name`` (dp / tp / 2d: sf.auto.parallelize with the baseline
     strategy; zero: the old all-S(0) layout by sf.parallel.apply), run one AdamW step and
     return the measured bytes and evaluate's prediction for the same strategy."""
     sf.manual_seed(0)
     m = gpt_class(sf.nn, sf.nn.functional)(**GPT)
+    if dtype != torch.float32:
+        m.to(dtype)
     cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4)
     pl = sf.placement("cpu", [0, 1, 2, 3])
     graph, modules = trace(m, _gpt_inputs())
@@ -344,8 +346,8 @@ def _gpt_step(name):
 
 
 @functools.cache
-def gpt_results(name):
-    return sf.launch(_gpt_step, 4, args=(name,))
+def gpt_results(name, dtype=torch.float32):
+    return sf.launch(_gpt_step, 4, args=(name, dtype))
 
 
 AGREE = [(name, cat) for name in ("dp", "tp", "2d", "zero")
@@ -364,3 +366,11 @@ def test_measured_bytes_agree_with_evaluate(name, category):
         want = r["predicted"][category]
         assert r["weights"][category] == pytest.approx(want, rel=1e-9)
         assert want <= r["model"][category] <= 1.10 * want
+
+
+def test_float64_optimizer_state_agrees_with_evaluate():
+    """A traced float64 model: AdamW keeps its two states in float64, and evaluate prices them
+    so (the graph's optimizer_itemsize is the parameters' dtype)."""
+    for r in gpt_results("dp", torch.float64):
+        assert r["weights"]["optimizer"] == pytest.approx(r["predicted"]["optimizer"], rel=1e-9)
+        assert r["weights"]["params"] == pytest.approx(r["predicted"]["params"], rel=1e-9)

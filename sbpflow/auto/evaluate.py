@@ -577,7 +577,7 @@ class Evaluator:
                 gt, gb = gt + 2 * m * t, gb + 2 * m * b
             n = _local_numel(ws, mesh, st)
             mem["params"] = mem["grads"] = n * it
-            mem["optimizer"] = n * 4 * self.graph.optimizer_states
+            mem["optimizer"] = n * self.graph.optimizer_itemsize * self.graph.optimizer_states
         mem["activations"] = (_local_numel(layer.input_shape, mesh, s.input) +
                               _local_numel(layer.output_shape, mesh, s.output)) * it / m
         ft = fb = bt = bb = 0.0

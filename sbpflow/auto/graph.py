@@ -46,11 +46,14 @@ class Graph:
     """Layers in a topological order plus (producer, consumer) edges (default: a chain)."""
 
     def __init__(self, layers, edges=None, name: str = "model", itemsize: int = 2,
-                 optimizer_states: int = 2):
+                 optimizer_states: int = 2, optimizer_itemsize: int = 4):
         self.name = name
         self.layers: list[Layer] = list(layers)
         self.itemsize = int(itemsize)          # bytes per element of activations and weights
-        self.optimizer_states = optimizer_states  # fp32 states per parameter (Adam: 2)
+        self.optimizer_states = optimizer_states  # states per parameter element (Adam: 2)
+        # bytes of a state element: fp32 beside 16-bit weights (mixed precision); a traced
+        # sbpflow model's own dtype (its AdamW keeps the states in the parameter's dtype)
+        self.optimizer_itemsize = int(optimizer_itemsize)
         self.index = {l.name: i for i, l in enumerate(self.layers)}
         if len(self.index) != len(self.layers):
             raise ValueError("layer names must be unique")

@@ -52,8 +52,9 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
         raise TraceError(f"sf.auto.trace: the forward of {type(model).__name__} called no "
                          f"Linear, Embedding or Conv2d module")
     floats = [p.dtype for p in params if p.dtype.is_floating_point]
-    graph = Graph(layers, name=name or type(model).__name__,
-                  itemsize=_torch_itemsize(floats[0] if floats else params[0].dtype))
+    itemsize = _torch_itemsize(floats[0] if floats else params[0].dtype)
+    graph = Graph(layers, name=name or type(model).__name__, itemsize=itemsize,
+                  optimizer_itemsize=itemsize)
     return graph, {r[0]: r[4] for r in records}
 
 
