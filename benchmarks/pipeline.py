@@ -27,26 +27,16 @@ import torch
 import torch.distributed as dist
 
 import sbpflow as sf
+from timing import take_turns
 from sbpflow.models import gpt_class
 from sbpflow.runtime import in_flight
 
 
 def _timed(steps_to_time: list, steps: int) -> tuple[list[float], float]:
-    """Median seconds per step of each step function, barrier to barrier, taking turns step by
-    step (A B A B ...) after two warm-up steps each (the first compiles); and the median of the
-    per-turn ratios A / B (each pair ran within a fraction of a second: load from outside,
-    which drifts over seconds on a shared 2-core machine, cancels)."""
-    for step in steps_to_time:
-        step()
-        step()
-    times: list[list[float]] = [[] for _ in steps_to_time]
-    for _ in range(steps):
-        for k, step in enumerate(steps_to_time):
-            dist.barrier()
-            t = time.perf_counter()
-            step()
-            dist.barrier()
-            times[k].append(time.perf_counter() - t)
+    """Median seconds per step of each step function (`timing.take_turns`), and the median of
+    the per-turn ratios A / B (each pair ran within a fraction of a second: load from outside
+    cancels)."""
+    times = take_turns(steps_to_time, steps)
     paired = statistics.median(a / b for a, b in zip(times[0], times[1]))
     return [statistics.median(ts) for ts in times], paired
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import sbpflow as sf
+from timing import take_turns
 from sbpflow.models import gpt_class
 
 TP_RULES = {"*.attn.qkv.*": sf.S(0), "*.attn.proj.weight": sf.S(1), "*.mlp.fc.*": sf.S(0),
@@ -33,21 +34,8 @@ TP_RULES = {"*.attn.qkv.*": sf.S(0), "*.attn.proj.weight": sf.S(1), "*.mlp.fc.*"
 
 
 def _timed(steps_to_time: list, steps: int) -> list[float]:
-    """Median seconds per step of each step function, barrier to barrier. The functions take
-    turns step by step (A B A B ...), so load from outside and the processes' contention for
-    the cores hit them alike instead of whichever ran in a noisier minute."""
-    for step in steps_to_time:
-        step()
-        step()
-    times: list[list[float]] = [[] for _ in steps_to_time]
-    for _ in range(steps):
-        for k, step in enumerate(steps_to_time):
-            dist.barrier()
-            t = time.perf_counter()
-            step()
-            dist.barrier()
-            times[k].append(time.perf_counter() - t)
-    return [statistics.median(ts) for ts in times]
+    """Median seconds per step of each step function (`timing.take_turns`)."""
+    return [statistics.median(ts) for ts in take_turns(steps_to_time, steps)]
 
 
 def _data(cfg, seed=0):
