@@ -197,6 +197,10 @@ class ThreadWorld:
         self.idents: dict[int, int] = {}  # rank -> thread id, to say where a stuck rank is
         self.channels = ThreadChannels()  # Communicator.post / inbox
 
+    def interrupt_count(self, rank: int) -> int:
+        """How many times ``rank`` was interrupted (`ThreadCommunicator.interrupt`)."""
+        return self.interrupts.get(rank, (0, ""))[0]
+
     def check_epoch(self, rank: int, epoch: int, what: What) -> None:
         """Raise `CommAborted` if ``rank`` was interrupted since ``epoch`` (its count then)."""
         count, reason = self.interrupts.get(rank, (0, ""))
@@ -368,7 +372,7 @@ class ThreadCommunicator(Communicator):
         # a named stream belongs to the interrupt count of its first call: after an
         # `interrupt` its calls are abandoned at once (the runtime moves on to a new stream)
         epoch = None if stream is None else \
-            self._epochs.setdefault(stream, w.interrupts.get(rank, (0, ""))[0])
+            self._epochs.setdefault(stream, w.interrupt_count(rank))
         if epoch is not None:
             w.check_epoch(rank, epoch, what)
         with w.cond:
@@ -474,8 +478,7 @@ class ThreadCommunicator(Communicator):
     def interrupt(self, reason: str) -> None:
         w = self.world
         with w.cond:
-            count = w.interrupts.get(self.rank, (0, ""))[0]
-            w.interrupts[self.rank] = (count + 1, reason)
+            w.interrupts[self.rank] = (w.interrupt_count(self.rank) + 1, reason)
             w.cond.notify_all()
 
     def _post(self, dst, channel, message):

@@ -26,7 +26,7 @@ from .microbatch import signature, split_inputs
 from .nodes import Env
 from .plan import Call, graph_plan
 from .show import describe
-from .recorder import OutConst, OutSlot, Recorder, Tape, out_slots
+from .recorder import OutConst, OutSlot, Recorder, Tape
 
 __all__ = ["Compiled", "trace"]
 
@@ -74,7 +74,6 @@ class Compiled:
                 raise GraphError("graph: micro-batches of different sizes use different stages")
         self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
         self._check_ranks_agree(self.lowered[self.keys[0]])
-        self.out_slots = tuple(out_slots(tapes[0].outputs))
         self._check_outputs(tapes[0])
         pls = tapes[0].placements()
         self.env = Env(self.comm, pls[0].device_type if pls else "cpu")
@@ -139,7 +138,7 @@ class Compiled:
     def _check_outputs(self, tape: Tape) -> None:
         if self.k == 1:
             return
-        big = [tape.metas[s].shape for s in self.out_slots if tape.metas[s].shape != ()]
+        big = [tape.metas[s].shape for s in tape.outs if tape.metas[s].shape != ()]
         if big:
             raise GraphError(f"graph: with {self.k} micro-batches build may return only "
                              f"scalars (combined as the batch's weighted mean), not tensors of "
@@ -163,7 +162,7 @@ class Compiled:
             # every rank's stream goes on after the call's draws, whichever stage made them
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
-                                  iter(range(len(self.out_slots))))
+                                  iter(range(len(self.tapes[self.keys[0]].outs))))
         except BaseException:
             # the micro-batches whose backward ran left gradients: a failed call is no step
             for opt, _ in self.graph._optimizers:

@@ -16,7 +16,7 @@ from ..boxing import Step
 from ..errors import GraphError
 from ..placement import Placement
 from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
-from .recorder import Meta, Tape, out_slots
+from .recorder import Meta, Tape
 
 __all__ = ["Transfer", "Lowered", "stages_of", "lower"]
 
@@ -162,7 +162,7 @@ def live_nodes(tape: Tape) -> list:
     """The tasks the outputs and the backward need (value checks, random draws and data
     sources always: they raise, or advance a stream every rank must advance alike). The moves
     of model inputs into stages that never read them drop out here."""
-    need = set(out_slots(tape.outputs))
+    need = set(tape.outs)
     for b in tape.backwards:
         need.add(b.loss)
         if b.seed_slot is not None:
@@ -179,7 +179,7 @@ def live_nodes(tape: Tape) -> list:
 def _kept(stage: int, tape: Tape, transfers: list, backwards: list) -> set:
     """The slots of a stage's forward that must outlive it: what its sends read, the received
     values whose gradient goes back, its outputs, its backward's losses and seeds."""
-    kept = set(out_slots(tape.outputs))
+    kept = set(tape.outs)
     kept.update(t.src for t in transfers if t.src_stage == stage)
     kept.update(t.out for t in transfers if t.dst_stage == stage and t.grad)
     for b in backwards:

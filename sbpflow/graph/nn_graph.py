@@ -9,7 +9,6 @@ only run the plan. See docs/runtime.md, 'Graph mode'.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -76,7 +75,6 @@ class Graph:
         self._optimizers: list[tuple] = []
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
-        self._lock = threading.Lock()
 
     def add_optimizer(self, optimizer, lr_sch=None) -> None:
         """Run ``optimizer.step()``, ``optimizer.zero_grad()`` and ``lr_sch.step()`` after the

@@ -14,7 +14,6 @@ rank-local. See docs/runtime.md, 'Graph mode'.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -27,7 +26,6 @@ from ..sbp import local_shape
 from .lower import Lowered
 from .microbatch import split_inputs
 from .nodes import Env, run_nodes
-from .recorder import out_slots
 
 __all__ = ["Call", "graph_plan"]
 
@@ -96,7 +94,7 @@ class _Stage:
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
         c.outputs[mb] = [None if vals[k] is None else vals[k].detach()
-                         for k in out_slots(low.tape.outputs)]
+                         for k in low.tape.outs]
         return vals
 
     def send(self, t: int) -> Callable:
@@ -141,8 +139,8 @@ class _Stage:
             with torch.no_grad():
                 for x, g in zip(xs, grads[p]):
                     if g is None:  # the value did not reach the loss: its gradient is zero
-                        g = torch.zeros(_local_shape(x, dst=True, env=self.env),
-                                        dtype=x.meta.dtype, device=_empty(x, self.env).device)
+                        g = torch.zeros(_received_shape(x, self.env), dtype=x.meta.dtype,
+                                        device=self.env.comm.device(x.meta.placement.device_type))
                     run_step(dual_step(x.step), g.contiguous(), self.env.comm)
         return grad_send
 
@@ -159,10 +157,11 @@ def _empty(x, env: Env) -> torch.Tensor:
     return empty_local(x.meta.dtype, env.comm.device(x.meta.placement.device_type))
 
 
-def _local_shape(x, dst: bool, env: Env) -> tuple:
+def _received_shape(x, env: Env) -> tuple:
+    """This rank's shard shape of transfer ``x``'s received value."""
     st = x.step
-    pl, sbp = (st.dst_placement, st.dst_sbp) if dst else (st.src_placement, st.src_sbp)
-    return local_shape(st.shape, pl.shape, sbp, pl.coord_of(env.comm.rank))
+    pl = st.dst_placement
+    return local_shape(st.shape, pl.shape, st.dst_sbp, pl.coord_of(env.comm.rank))
 
 
 def _noop(mb: int, *values: Any) -> None:

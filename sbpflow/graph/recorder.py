@@ -66,7 +66,7 @@ class Tape(NamedTuple):
     build input, None for a non-tensor), ``externals`` ((slot, tensor) re-read at each replay),
     ``backwards`` (the `BackwardNode`s), ``outputs`` (the returned structure, tensors as
     `OutSlot`, other values as `OutConst`), ``metas`` (slot -> `Meta`), ``nslots``,
-    ``draws``."""
+    ``draws``, ``outs``."""
 
     nodes: list
     inputs: tuple
@@ -76,6 +76,7 @@ class Tape(NamedTuple):
     metas: dict
     nslots: int
     draws: int      # random draws (`ThunkNode`s) a micro-batch makes
+    outs: tuple     # the slots of the tensors in ``outputs``, in order (`out_slots`)
 
     def new_vals(self, input_locals: list) -> list:
         """A fresh slot list holding the inputs' and the externals' shards."""
@@ -236,6 +237,6 @@ class Recorder:
     def tape(self, result: Any) -> Tape:
         outputs = self._template(result)
         tape = Tape(self.nodes, tuple(self.inputs), self.externals, self.backwards, outputs,
-                    self.metas, len(self.metas), self.draws)
+                    self.metas, len(self.metas), self.draws, tuple(out_slots(outputs)))
         self.keep, self.slot_of, self.untraced = [], {}, set()
         return tape
