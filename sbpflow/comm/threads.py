@@ -186,7 +186,8 @@ class ThreadWorld:
         self.timeout = default_timeout() if timeout is None else timeout
         self.cond = threading.Condition()
         self.slots: dict[tuple, _Slot] = {}
-        self.mailboxes: dict[tuple[int, int], deque] = defaultdict(deque)
+        # (src, dst, collective stream): a stream's messages pair only with its own receives
+        self.mailboxes: dict[tuple[int, int, str | None], deque] = defaultdict(deque)
         self.failure: tuple[int, BaseException] | None = None
         self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()
@@ -356,6 +357,16 @@ class ThreadCommunicator(Communicator):
         self._epochs: dict[str, int] = {}  # named stream -> the interrupt count at first use
         world.idents[rank] = threading.get_ident()
 
+    def _epoch(self, stream: str | None, what: What) -> int | None:
+        """The interrupt count a named stream belongs to (that of its first call), after
+        checking it is still current: after an `interrupt` the stream's calls and receives are
+        abandoned at once (the runtime moves on to a new stream); None for the default stream."""
+        if stream is None:
+            return None
+        epoch = self._epochs.setdefault(stream, self.world.interrupt_count(self.rank))
+        self.world.check_epoch(self.rank, epoch, what)
+        return epoch
+
     # -- the rendezvous ------------------------------------------------------------------------
     def _collective(self, kind: str, group: tuple, payload, sig: tuple,
                     compute: Callable[[dict], object]):
@@ -369,12 +380,7 @@ class ThreadCommunicator(Communicator):
         key = (series, seq)
         what = lambda: _call_text(kind, group, seq)  # noqa: E731 - formatted only on errors
         w.check_alive(rank, what)
-        # a named stream belongs to the interrupt count of its first call: after an
-        # `interrupt` its calls are abandoned at once (the runtime moves on to a new stream)
-        epoch = None if stream is None else \
-            self._epochs.setdefault(stream, w.interrupt_count(rank))
-        if epoch is not None:
-            w.check_epoch(rank, epoch, what)
+        epoch = self._epoch(stream, what)
         with w.cond:
             slot = w.slots.get(key)
             if slot is None:
@@ -450,22 +456,25 @@ class ThreadCommunicator(Communicator):
         self._collective("barrier", group, None, (("barrier",), None), lambda d: None)
 
     def _exchange(self, sends, recvs):
-        w = self.world
+        w, stream = self.world, collective_stream()
         w.check_alive(self.rank, lambda: "point-to-point exchange")
         with w.cond:
             for dst, t in sends:
                 # Copy on send: the sender may change its tensor as soon as we return.
-                w.mailboxes[(self.rank, dst)].append(t.detach().clone())
+                w.mailboxes[(self.rank, dst, stream)].append(t.detach().clone())
             if sends:
                 w.cond.notify_all()
-        return [self._recv(src, shape, dtype, device) for src, shape, dtype, device in recvs]
+        return [self._recv(src, shape, dtype, device, stream)
+                for src, shape, dtype, device in recvs]
 
-    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device):
+    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device,
+              stream: str | None):
         w = self.world
-        box = w.mailboxes[(src, self.rank)]
+        box = w.mailboxes[(src, self.rank, stream)]
+        what = lambda: f"recv from rank {src}"  # noqa: E731
+        epoch = self._epoch(stream, what)  # a failed run's receive gives up at `interrupt`
         with w.cond:
-            w.wait(lambda: len(box) > 0, lambda: f"recv from rank {src}",
-                   lambda: [] if box else [src], self.rank)
+            w.wait(lambda: len(box) > 0, what, lambda: [] if box else [src], self.rank, epoch)
             t = box.popleft()
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise CommError(f"recv on rank {self.rank} from rank {src}: the ranks disagree: "

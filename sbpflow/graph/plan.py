@@ -189,6 +189,12 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     """Stage ``st.s``'s actors; ``trains``: the graph runs a backward."""
     s = st.s
     keep = trains or bool(st.targets)
+
+    def wire(src: int, dst: int, fn: Callable, what: str = "value") -> Callable:
+        # both ends of a transfer name one stream: a receive of a failed run is abandoned at
+        # the runtime's interrupt instead of taking the next run's message
+        return _in_stream(f"{name}/{what}{src}>{dst}", fn, failures)
+
     slots = activation_slots(schedule, s, stages, micro_batches) if trains else 2
     fwd_inputs = [Input(f"recv<{p}") for p in st.sources]
     if st.loads:  # one batch a call, read by every micro-batch's forward
@@ -197,12 +203,13 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     specs = [ActorSpec("fwd", "forward", _in_stream(f"{name}/fwd", fwd, failures), stage=s,
                        inputs=fwd_inputs,
                        outputs={"saved": slots})]
-    specs += [ActorSpec(f"recv<{p}", "recv", st.recv(p), stage=s, queue=f"recv<{p}")
-              for p in st.sources]
+    specs += [ActorSpec(f"recv<{p}", "recv", wire(p, s, st.recv(p)), stage=s,
+                        queue=f"recv<{p}") for p in st.sources]
     if st.loads:
         specs.append(ActorSpec("load", "load", st.load, stage=s, times=1, outputs=1))
-    specs += [ActorSpec(f"send>{t}", "send", st.send(t), stage=s, inputs=[Input("fwd", "saved")],
-                        queue=f"send>{t}") for t in st.targets]
+    specs += [ActorSpec(f"send>{t}", "send", wire(s, t, st.send(t)), stage=s,
+                        inputs=[Input("fwd", "saved")], queue=f"send>{t}")
+              for t in st.targets]
     if not trains:
         return specs
     bwd_inputs = [Input("fwd", "saved")] + [Input(f"gradrecv<{t}") for t in st.grad_from]
@@ -215,9 +222,9 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
         bwd = (lambda mb, vals, *rest: st.backward(mb, vals, *rest[:-1]))
     specs.append(ActorSpec("bwd", "backward", _in_stream(f"{name}/bwd", bwd, failures), stage=s,
                            inputs=bwd_inputs))
-    specs += [ActorSpec(f"gradrecv<{t}", "recv", st.grad_recv(t), stage=s,
+    specs += [ActorSpec(f"gradrecv<{t}", "recv", wire(t, s, st.grad_recv(t), "grad"), stage=s,
                         queue=f"gradrecv<{t}") for t in st.grad_from]
-    specs += [ActorSpec(f"gradsend>{p}", "send", st.grad_send(p), stage=s,
+    specs += [ActorSpec(f"gradsend>{p}", "send", wire(s, p, st.grad_send(p), "grad"), stage=s,
                         inputs=[Input("bwd")], queue=f"gradsend>{p}") for p in st.grad_to]
     if update:
         specs.append(ActorSpec("grads", "compute", _noop, stage=s, inputs=[Input("bwd")],

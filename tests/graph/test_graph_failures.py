@@ -3,7 +3,7 @@ target out of range in its rows) stops every rank's call promptly, the failing r
 op's own exception noted with its rank and actor, the others `sf.ActorAborted` naming them; a
 rank that blocks instead of calling the graph makes the others time out (`SBPFLOW_TIMEOUT`)
 naming what waits, never hang; no runtime thread is left behind; a call after a failed one
-is refused promptly or runs as a clean step (docs/runtime.md, 'Actors and registers')."""
+runs as a clean step (docs/runtime.md, 'Actors and registers')."""
 
 import re
 import threading
@@ -123,24 +123,19 @@ def _clean_step(pipelined: bool) -> dict:
     return step.model.state_dict()
 
 
-def test_a_pipeline_call_after_a_failed_one_is_refused_promptly_or_clean(monkeypatch):
-    """After a failed call, stage 0's gradient receiver may still be inside its receive (it
-    returns at the timeout): the next call then refuses at once, naming it, instead of pairing
-    with it; or it runs as a clean step. Never a hang."""
+def test_a_pipeline_call_after_a_failed_one_is_a_clean_step(monkeypatch):
+    """After a failed call, stage 0's gradient receiver was inside its receive: the runtime's
+    interrupt abandons it (its transfer stream is renamed), so the next call neither pairs with
+    it nor waits for it, and runs as a clean step."""
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))
     r0, r1 = sf.launch(_retry, world_size=2, args=(True,))
     assert "IndexError" in r1["first"]["types"] and r0["first"]["type"] == "ActorAborted"
-    assert all(r["second"]["seconds"] < PROMPT for r in (r0, r1))
-    if r0["sd"] is not None:
-        clean = sf.launch(_clean_step, world_size=2, args=(True,))[0]
-        for k, v in clean.items():
-            torch.testing.assert_close(r0["sd"][k], v, rtol=1e-12, atol=1e-12)
-        return
-    assert r0["second"]["type"] == "CommError", r0["second"]
-    assert r0["second"]["message"].startswith(
-        "rank 0 cannot start run 2 of plan 'graph1': threads [\"sbpflow-rank0-gradrecv<1 "
-        "(inside actor(s) ['gradrecv<1'])\"] of a failed run are still running")
-    assert r1["second"]["type"] == "ActorAborted"
+    for r in (r0, r1):
+        assert "type" not in r["second"], r["second"]
+        assert r["second"]["seconds"] < PROMPT
+    clean = sf.launch(_clean_step, world_size=2, args=(True,))[0]
+    for k, v in clean.items():
+        torch.testing.assert_close(r0["sd"][k], v, rtol=1e-12, atol=1e-12)
 
 
 def test_a_data_parallel_call_after_a_failed_one_is_a_clean_step(monkeypatch):
