@@ -7,6 +7,9 @@ bucket's all-reduce starts when all its gradients are ready, strictly in order, 
 hands the reduced gradient to the optimizer (None if the gradient changed after its bucket
 started). ``no_sync()`` starts nothing. See docs/internals.md, 'Gradient synchronisation'
 (bucket sizes and why, buffer reuse, stale results).
+
+A parameter given an *update layout* (`set_update_layout`: ZeRO stage 1, docs/zero.md) has its
+gradient reduce-scattered to that layout by the optimizer instead, and is left out here.
 """
 
 from __future__ import annotations
@@ -22,9 +25,31 @@ from .boxing import plan_layouts
 from .sbp import dual_nd
 from .tensor import GlobalTensor
 
-__all__ = ["GradSync", "collect", "drop_started"]
+__all__ = ["GradSync", "collect", "drop_started", "set_update_layout", "update_layout"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
+
+# parameter -> the nd-sbp its optimizer state, reduced gradient and update live in, when not its
+# own (ZeRO stage 1); read by optim (the update) and nn.serialization (loading that state)
+_UPDATE_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
+    """Keep ``p``'s optimizer state in ``nd_sbp`` and update ``p`` there: its gradient is boxed
+    to ``nd_sbp`` (a reduce-scatter), the shard of ``p`` inside it updated, and the result
+    gathered back into ``p``'s own layout. Each shard of ``nd_sbp`` must lie inside ``p``'s
+    shard on the same rank (`sbpflow.optim.zero.stored_layout` gives such a layout). None, or
+    ``p``'s own layout: the default again."""
+    if nd_sbp is None or tuple(nd_sbp) == tuple(p.sbp):
+        _UPDATE_LAYOUTS.pop(p, None)
+    else:
+        _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
+
+
+def update_layout(p: GlobalTensor) -> tuple:
+    """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
+    ``p``'s own)."""
+    return _UPDATE_LAYOUTS.get(p, p.sbp)
 
 
 class _Bucket:
@@ -85,7 +110,7 @@ class GradSync:
     def _single_all_reduce(p: GlobalTensor, rank: int):
         """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
         that group is more than this rank, else None."""
-        if not p.local.requires_grad:
+        if not p.local.requires_grad or p in _UPDATE_LAYOUTS:
             return None
         pl = p.placement
         plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)

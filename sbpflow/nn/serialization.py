@@ -22,6 +22,7 @@ from .. import comm as _comm
 from ..boxing import identity_value
 from ..boxing.boxes import box_numel, box_shape, intersect, relative
 from ..errors import SbpError, ShapeError
+from ..gradsync import update_layout
 from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
@@ -530,9 +531,16 @@ def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[_Targ
         targets += _plan_optimizer(reader, model, optimizer)
     out = []
     for key, t, skey in targets:
-        box = _box_to_read(t)
+        # optimizer state lives in the parameter's update layout (split for ZeRO stage 1)
+        box = _box_to_read(t if skey is None else _in_update_layout(t))
         out.append(_Target(key, t, skey, None if box is None else reader.region(key, box)))
     return out
+
+
+def _in_update_layout(p: GlobalTensor) -> GlobalTensor:
+    """``p``'s metadata with its update layout (`sbpflow.gradsync.update_layout`)."""
+    lay = update_layout(p)
+    return p if lay == p.sbp else GlobalTensor(p.local, tuple(p.shape), p.placement, lay)
 
 
 def _plan_optimizer(reader: _Reader, model: Module, optimizer) -> list[tuple]:
@@ -588,7 +596,7 @@ def _load_optimizer(reader: _Reader, model: Module, optimizer, targets: list) ->
             entry = dict(optim["scalars"].get(names[id(p)], {}))
             for x in tensors.get(id(p), []):
                 dt = _files.dtype_of(x.key, reader.described(x.key)["dtype"])
-                t = _sf_zeros(*p.shape, placement=p.placement, sbp=p.sbp, dtype=dt)
+                t = _sf_zeros(*p.shape, placement=p.placement, sbp=update_layout(p), dtype=dt)
                 _restore(reader, x, t)
                 entry[x.skey] = t
             if entry:

@@ -24,9 +24,10 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import GradSync, collect, zero_grads
+from ..gradsync import GradSync, collect, update_layout, zero_grads
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
+from . import zero as _zero
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -40,7 +41,8 @@ def _boxed_cache() -> "weakref.WeakKeyDictionary":
 
 
 def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | None:
-    """``p.grad`` in ``p``'s own layout (a collective unless the layouts agree). A result kept by
+    """``p.grad`` in ``p``'s update layout (its own, or the split one of ZeRO stage 1:
+    `sbpflow.gradsync.update_layout`; a collective unless the layouts agree). A result kept by
     ``remember=True`` (as `clip_grad_norm_` does) is reused while ``p``'s gradient is unchanged,
     so clipping then stepping reduces each gradient once."""
     g_local = p.local.grad
@@ -58,7 +60,7 @@ def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | Non
     if hit is not None and hit[0] is g_local and g_local._version == hit[1]:
         return hit[2]
     with torch.no_grad():
-        boxed = p.grad.to_global(p.placement, p.sbp)
+        boxed = p.grad.to_global(p.placement, update_layout(p))
     if remember:
         cache[p] = (g_local, g_local._version, boxed)
     return boxed
@@ -70,13 +72,15 @@ _BUCKET_BYTES = 32 << 20  # gradients all-reduced together, at most this many by
 def boxed_grads(params: list, *, remember: bool = False) -> list:
     """`boxed_grad` of every parameter (None where there is no gradient), with the gradients
     whose boxing is one all-reduce over the same ranks coalesced into few large all-reduces
-    (bucketed as DDP does: the same bytes, far fewer messages). Every rank must call it with
-    the same parameters in the same order."""
+    (bucketed as DDP does: the same bytes, far fewer messages), and those of ZeRO stage 1
+    (reduce-scattered to their update layout) into few reduce-scatters. Every rank must call
+    it with the same parameters in the same order."""
     from ..boxing import plan_layouts
     from ..sbp import dual_nd
     comm = _comm.current()
     out: list = [None] * len(params)
     buckets: dict = {}
+    sharded: list = []   # (index, geometry) of ZeRO stage-1 gradients
     cache = _boxed_cache()
     cache.update(collect(params))  # all-reduces started during backward (gradsync)
     for i, p in enumerate(params):
@@ -86,6 +90,12 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
         hit = cache.get(p)
         if hit is not None and hit[0] is g and g._version == hit[1]:
             out[i] = hit[2]
+            continue
+        lay = update_layout(p)
+        if lay != p.sbp:
+            geo = _zero.geometry(tuple(p.shape), p.placement, p.sbp, lay, comm.rank)
+            if geo is not None:
+                sharded.append((i, geo))
             continue
         pl = p.placement
         plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
@@ -117,6 +127,14 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
                 out[i] = GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
                 if remember:
                     cache[p] = (p.local.grad, p.local.grad._version, out[i])
+    if sharded:
+        with torch.no_grad():
+            shards = _zero.reduce_scatter([(params[i].local.grad, geo) for i, geo in sharded])
+        for (i, _), shard in zip(sharded, shards):
+            p = params[i]
+            out[i] = GlobalTensor(shard, tuple(p.shape), p.placement, update_layout(p))
+            if remember:
+                cache[p] = (p.local.grad, p.local.grad._version, out[i])
     return out
 
 
@@ -132,7 +150,8 @@ def _forget(p: GlobalTensor) -> None:
 
 def state_like(p: GlobalTensor, fill: float = 0.0) -> GlobalTensor:
     """A state tensor for ``p``: same shape, dtype and layout, filled with ``fill`` on every
-    shard (meant for elementwise state; no communication)."""
+    shard (meant for elementwise state; no communication). The update sees a ZeRO stage-1
+    parameter in its split update layout, so its state is split too."""
     local = torch.full_like(p.local, fill).detach()
     return GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
 
@@ -251,17 +270,25 @@ class Optimizer(torch.optim.Optimizer):
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
             self._sync_params = params
         grads = iter(boxed_grads(params))
+        gather = []   # ZeRO stage 1: (parameter shard, geometry) to all-gather after the update
         for group in self.param_groups:
-            ps, gs = [], []
+            ps, gs, sts = [], [], []
             for p in group["params"]:
                 g = next(grads)
                 if g is None:
                     continue
                 _forget(p)
+                sts.append(self.state[p])
+                if g.sbp != p.sbp:   # update the split shard in place, gather it afterwards
+                    gather.append((p.local.detach(), _zero.geometry(
+                        tuple(p.shape), p.placement, p.sbp, g.sbp, _comm.rank())))
+                    p = _zero.shard_view(p, g.sbp)
                 ps.append(p)
                 gs.append(g.local)
             if ps:
-                self._update_group(ps, gs, [self.state[p] for p in ps], group)
+                self._update_group(ps, gs, sts, group)
+        if gather:
+            _zero.all_gather_into(gather)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -351,6 +378,9 @@ class Optimizer(torch.optim.Optimizer):
     def _load_value(p: GlobalTensor, key: str, v: Any) -> Any:
         if key == "step":
             return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+        lay = update_layout(p)
+        if lay != p.sbp:     # ZeRO stage 1: the state lives in the split update layout
+            p = _zero.shard_view(p, lay)
         if isinstance(v, GlobalTensor):
             if tuple(v.shape) != tuple(p.shape):
                 raise ShapeError(f"optimizer state {key!r} has shape {tuple(v.shape)}, its "

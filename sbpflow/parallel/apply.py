@@ -12,6 +12,10 @@ Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if 
 `sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` (requires grad as before)
 under every name it has: tied parameters stay tied (`sf.parallel.relayout`). Call it before
 building the optimizer: the optimizer holds the parameter objects.
+
+``zero=1|2|3`` adds ZeRO along each parameter's data-parallel dims (where its rule says ``B``):
+optimizer state, gradients, parameters stored split (docs/zero.md). Stage 2 and 3 parameters
+are materialised directly in their split layout.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ..errors import SbpError, UnmatchedParameterError
 from ..nn.modules import Module
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
+from . import zero as _zero
 from .relayout import relayout
 
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
@@ -50,12 +55,28 @@ def match_rules(names, rules: Mapping, placement: Placement) -> dict:
     return out
 
 
-def apply(model: Module, placement: Placement, rules: Mapping) -> Module:
+def apply(model: Module, placement: Placement, rules: Mapping, zero: int = 0,
+          zero_min_size: int = 0) -> Module:
     """Re-lay every parameter of ``model`` onto ``placement`` by ``rules``; returns ``model``.
 
     Every rank must call it (the boxing is collective), with the same rules. A model built
-    under `sf.nn.init.meta_init` is materialised in these layouts (`relayout`)."""
+    under `sf.nn.init.meta_init` is materialised in these layouts (`relayout`). ``zero``: the
+    ZeRO stage (0: none) along the dims where a rule says ``B``, for parameters of at least
+    ``zero_min_size`` elements (`sf.parallel.zero.shard`)."""
     if not isinstance(placement, Placement):
         raise SbpError(f"sf.parallel.apply: expected an sf.placement, got {placement!r}")
-    layouts = match_rules([n for n, _ in model.named_parameters()], rules, placement)
-    return relayout(model, lambda name, _: (placement, layouts[name]), "sf.parallel.apply")
+    stage = _zero.check_stage(zero, "sf.parallel.apply")
+    names = [n for n, _ in model.named_parameters()]
+    layouts = match_rules(names, rules, placement)
+    stored = {}   # stages 2 and 3: straight to the split layout (no whole copy on each rank)
+    if stage >= 2:
+        for name, p in model.named_parameters():
+            st = _zero.stored_layout(tuple(p.shape), layouts[name], placement)
+            if st is not None and p.numel() >= zero_min_size and p.requires_grad:
+                stored[name] = st
+    relayout(model, lambda name, _: (placement, stored.get(name, layouts[name])),
+             "sf.parallel.apply")
+    if stage:
+        compute = {id(p): layouts[name] for name, p in model.named_parameters()}
+        _zero.shard(model, stage, zero_min_size, compute=compute)
+    return model
