@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import sbpflow as sf
+from gpt_twin import torch_gpt_train
 from sbpflow.models import gpt_class, layout, mlp_class, vgg_class, wide_deep_class
 
 F64 = torch.float64
@@ -174,17 +175,7 @@ def gpt_pipeline(stage_ranks: list, split: list, rules, data_sbp, n: int, k: int
 
 def torch_gpt(sd0: dict, n: int, steps: int = STEPS) -> tuple[list, dict]:
     """The same training of the torch twin on one device: (losses, final state dict)."""
-    model = gpt_class(torch.nn, torch.nn.functional)(**GPT).double()
-    model.load_state_dict(sd0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
-    losses = []
-    for i in range(steps):
-        opt.zero_grad()
-        loss = model(*gpt_data(i, n))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return torch_gpt_train(sd0, GPT, lambda step: gpt_data(step, n), steps, LR)
 
 
 # -- failures on gloo processes (returned as data: every rank's outcome is seen) ---------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import sbpflow as sf
+from gpt_twin import torch_gpt_train
 from sbpflow.models import gpt_class
 
 F64 = torch.float64
@@ -59,14 +60,4 @@ def train_gpt(stage_ranks: list, split: list, rules, data_sbp, n: int, sbp=None,
 
 def torch_train(sd0: dict, n: int) -> tuple[list, dict]:
     """The same training of the torch twin on one device: (losses, final state dict)."""
-    model = gpt_class(torch.nn, torch.nn.functional)(**GPT).double()
-    model.load_state_dict(sd0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(*batch(step, n))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return torch_gpt_train(sd0, GPT, lambda step: batch(step, n), STEPS, LR)
