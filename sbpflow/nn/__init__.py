@@ -6,6 +6,7 @@ from .init import materialize_, meta_init
 from .modules import (GELU, CrossEntropyLoss, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
                       Identity, LayerNorm, Linear, MaxPool2d, Module, ModuleDict, ModuleList,
                       Parameter, ReLU, Sequential, SiLU, Sigmoid, Softmax, StateDictError, Tanh)
+from .norm import BatchNorm1d, BatchNorm2d, GroupNorm, RMSNorm
 from .recompute import checkpoint
 from .serialization import CheckpointError, load, save
 
@@ -14,3 +15,4 @@ __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "Stat
            "SiLU", "Identity", "Softmax", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
            "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
            "save", "load", "CheckpointError", "meta_init", "materialize_", "CrossEntropyLoss"]
+__all__ += ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm"]

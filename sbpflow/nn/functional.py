@@ -17,9 +17,11 @@ from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
 from ..tensor import GlobalTensor, _next_seed, apply_op, errors_as, fresh, full, guard
 from .pending_mean import mean_over_count
+from .functional_norm import batch_norm, group_norm, rms_norm
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
            "layer_norm", "embedding", "cross_entropy", "dropout", "scaled_dot_product_attention"]
+__all__ += ["batch_norm", "group_norm", "rms_norm"]  # sbpflow/nn/functional_norm.py
 
 
 def linear(x: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = None) -> GlobalTensor:

@@ -6,6 +6,7 @@ Each family module registers its ops on import; `sbpflow.tensor` dispatches to t
 from . import elementwise, matmul  # noqa: F401  (registrations)
 from . import nn_ops  # noqa: F401  (registrations: transformer ops)
 from . import conv  # noqa: F401  (registrations: conv2d and pooling)
+from . import norm_ops  # noqa: F401  (registrations: batch / group / rms norm)
 from . import reduce, shape  # noqa: F401  (registrations: reductions, shape ops)
 from .registry import (OPS, Choice, KernelContext, Op, Signature, TensorMeta, choose, detaches,
                        get_op, hashable, out_metas, register, tensor_metas)
