@@ -22,7 +22,7 @@ from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
                      randn, tensor, zeros)
-from .tensor import cat
+from .tensor import UnsupportedTorchFunction, cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
 from . import memory  # noqa: E402  (above nn and optim)
@@ -47,5 +47,5 @@ __all__ = [
     "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
+    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
 ]

@@ -24,7 +24,7 @@ from .caches import BoundedDict
 from .errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
-from .ops.shape import encode_index, resolve_shape, squeeze_dims
+from .ops.shape import encode_index, list_index, resolve_shape, squeeze_dims
 from .placement import Placement
 from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
@@ -32,7 +32,39 @@ from .utils import generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
-           "fresh", "guard", "source", "errors_as", "error_rule"]
+           "fresh", "guard", "source", "errors_as", "error_rule", "UnsupportedTorchFunction",
+           "set_torch_dispatch", "lift", "watch_resplit"]
+
+
+try:
+    from .errors import UnsupportedTorchFunction
+except ImportError:  # stopgap until sbpflow/errors.py defines it (asked of its owner); delete then
+    UnsupportedTorchFunction = type("UnsupportedTorchFunction", (SbpError, NotImplementedError), {
+        "__doc__": "A torch function or Tensor method that sbpflow does not run on global "
+                   "tensors (the message names it and what to use instead).",
+        "__module__": "sbpflow.errors"})
+
+
+# -- torch functions on global tensors ----------------------------------------------------------
+# ``torch.*``, ``torch.nn.functional.*`` and Tensor methods called with a global tensor reach
+# `GlobalTensor.__torch_function__`, which hands them to the dispatcher the nn layer installs
+# (sbpflow/nn/torch_functions.py: the table of torch functions and their sbpflow versions). A
+# lower layer cannot import nn: it only calls what it was given, as with the graph recorder.
+class _TorchHooks:
+    dispatch = None  # dispatch(func, args, kwargs)
+
+
+def set_torch_dispatch(dispatch) -> None:
+    """Install ``dispatch(func, args, kwargs)``: how torch functions run on global tensors."""
+    _TorchHooks.dispatch = dispatch
+
+
+def _torch_dispatch(func, args: tuple, kwargs: dict):
+    dispatch = _TorchHooks.dispatch
+    if dispatch is None:  # sbpflow.nn not imported (it always is through ``import sbpflow``)
+        raise UnsupportedTorchFunction(f"{getattr(func, '__name__', func)}: torch functions on "
+                                       f"global tensors need sbpflow.nn imported")
+    return dispatch(func, args, kwargs)
 
 
 # -- graph tracing hooks -------------------------------------------------------------------------
@@ -185,6 +217,28 @@ class GlobalTensor:
         self._boxes = None
         if _tracing.recorder is not None:  # made outside the ops: the graph cannot replay it
             _tracing.recorder.made(local)
+
+    # -- torch functions (sbpflow/nn/torch_functions.py) ----------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.*`` / ``torch.nn.functional.*`` / Tensor methods called with a global tensor
+        run as sbpflow ops, or raise `UnsupportedTorchFunction` naming what to use instead."""
+        return _torch_dispatch(func, args, kwargs or {})
+
+    def __getattr__(self, name: str):
+        """A ``torch.Tensor`` method or property this class does not define (reached only when
+        normal lookup fails): run through `__torch_function__`. Private and dunder names, and
+        names torch.Tensor lacks, stay an AttributeError (``hasattr`` keeps its meaning)."""
+        func = None if name.startswith("_") else getattr(torch.Tensor, name, None)
+        if func is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        if not callable(func):  # a property (``data``, ``is_cuda``, ...)
+            return _torch_dispatch(func, (self,), {})
+
+        def method(*args, **kwargs):
+            return _torch_dispatch(func, (self,) + args, kwargs)
+        method.__name__ = name
+        return method
 
     # -- metadata ----------------------------------------------------------------------------
     @property
@@ -352,6 +406,10 @@ class GlobalTensor:
     add, sub, mul, div, pow = (_binary(n) for n in ("add", "sub", "mul", "div", "pow"))
     matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
     eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
+    # bool tensors (masks): torch's | & ^ ~ on bools are the logical ops
+    __or__, __and__ = _binary("logical_or"), _binary("logical_and")
+    __ror__, __rand__ = _binary("logical_or", True), _binary("logical_and", True)
+    __invert__ = _unary("logical_not")
     __neg__ = _unary("neg")
     exp, log, sqrt, rsqrt, abs = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "abs"))
     sin, cos, tanh, sigmoid, relu = (_unary(n) for n in ("sin", "cos", "tanh", "sigmoid", "relu"))
@@ -390,17 +448,76 @@ class GlobalTensor:
         try:
             encoded = encode_index(index)
         except SbpError:  # again, naming the tensor (described only when needed: it costs)
+            listed = list_index(index, self._shape)
+            if listed is not None:  # one list of ints: basic indexing, then index_select
+                basic, dim, picks = listed
+                return apply_op("index_select", self[basic], dim=dim, index=picks)
             encoded = encode_index(index, f"indexing a tensor of {_describe(self)}")
         return apply_op("getitem", self, index=encoded)
 
+    def __setitem__(self, index, value) -> None:
+        _torch_dispatch(torch.Tensor.__setitem__, (self, index, value), {})
+
     def split(self, split_size, dim: int = 0):
+        if _RESPLITS and self._sbp:
+            _watch_resplit(self, dim)
         return apply_op("split", self, split_size=split_size, dim=dim)
 
     def chunk(self, chunks: int, dim: int = 0):
+        if _RESPLITS and self._sbp:
+            _watch_resplit(self, dim)
         return apply_op("chunk", self, chunks=chunks, dim=dim)
 
-    def to(self, dtype: torch.dtype) -> "GlobalTensor":
-        return self if dtype == self.dtype else apply_op("to_dtype", self, dtype=dtype)
+    def to(self, *args, **kwargs) -> "GlobalTensor":
+        """``to(dtype)``, ``to(device)``, ``to(device, dtype)``, ``to(other)``, ``to(dtype=...)``
+        as torch: the dtype is cast shard by shard; a device of the placement's device type is
+        where the shards already are. Moving to another device type is ``to_global`` onto a
+        placement of that type (`UnsupportedTorchFunction` here)."""
+        dtype = _to_dtype(self, args, kwargs)
+        return self if dtype is None or dtype == self.dtype else \
+            apply_op("to_dtype", self, dtype=dtype)
+
+    # -- in-place ops (torch's semantics: the tensor object takes the new value) ----------------
+    def _assign_(self, result: "GlobalTensor") -> "GlobalTensor":
+        """Make this tensor hold ``result`` (same logical shape), as torch's in-place ops do.
+
+        A tensor in the autograd graph (not a leaf, grad enabled) takes ``result``'s shard and
+        layout: no copy, and backward is ``result``'s (views taken earlier keep the old value,
+        unlike torch). Any other tensor (a parameter under ``no_grad``, a buffer, a constant)
+        keeps its shard object and layout: ``result`` is boxed to it and copied in, so holders of
+        the shard (optimizers, ``.grad``) still see it. A leaf that requires grad under grad
+        mode raises as torch does."""
+        if result is self:
+            return self
+        if not isinstance(result, GlobalTensor):
+            raise UnsupportedTorchFunction(f"in-place op on the tensor of {_describe(self)} "
+                                           f"produced {type(result).__name__}")
+        if result._shape != self._shape:
+            raise ShapeError(f"in-place op: the result has shape {result._shape} but the "
+                             f"tensor it writes into has {_describe(self)} (torch: output "
+                             f"shape doesn't match the broadcast shape)")
+        if result.dtype != self.dtype:
+            result = result.to(self.dtype)
+        local = self._local
+        if torch.is_grad_enabled() and local.requires_grad and not local.is_leaf:
+            self._local, self._placement, self._sbp = result._local, result._placement, result._sbp
+            self._key, self._boxes = result._key, None
+            return self
+        src = result.to_global(self._placement, self._sbp)._local
+        local.copy_(src)
+        return self
+
+    def __iadd__(self, other):
+        return self._assign_(apply_op("add", self, other))
+
+    def __isub__(self, other):
+        return self._assign_(apply_op("sub", self, other))
+
+    def __imul__(self, other):
+        return self._assign_(apply_op("mul", self, other))
+
+    def __itruediv__(self, other):
+        return self._assign_(apply_op("div", self, other))
 
     def float(self) -> "GlobalTensor":
         return self.to(torch.float32)
@@ -422,10 +539,83 @@ class GlobalTensor:
         return (f"GlobalTensor(shape={self._shape}, dtype={dt}, placement={self._placement}, "
                 f"sbp={format_nd_sbp(self._sbp)}, local_shape={tuple(self._local.shape)}{grad})")
 
+    def __bool__(self) -> bool:
+        """The truth of a one-element tensor (collective, as `item`); torch refuses others."""
+        if self.numel() != 1:
+            raise ShapeError(f"Boolean value of a tensor with {self.numel()} elements is "
+                             f"ambiguous (as torch); this one has {_describe(self)}")
+        return bool(self.item())
+
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d global tensor")
         return self._shape[0]
+
+
+def _to_dtype(t: GlobalTensor, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype a ``to(...)`` call asks for (None: keep); refuses another device type."""
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (GlobalTensor, torch.Tensor)):
+            dtype = a.dtype
+            device = a.device
+        elif isinstance(a, (str, torch.device, int)):
+            device = a
+        else:
+            raise UnsupportedTorchFunction(f"to({a!r}): expected a dtype, a device or a tensor "
+                                           f"(tensor of {_describe(t)})")
+    if device is not None:
+        kind = torch.device(device).type if not isinstance(device, int) else "cuda"
+        if kind != t._placement.device_type:
+            raise UnsupportedTorchFunction(
+                f"to({device!r}): the tensor of {_describe(t)} lives on "
+                f"{t._placement.device_type} devices; move it with .to_global(placement="
+                f"sf.placement({kind!r}, ranks)) (a placement names the devices)")
+    return dtype
+
+
+# -- plain torch tensors mixed with global ones ------------------------------------------------
+def lift(value: torch.Tensor, placement: Placement) -> GlobalTensor:
+    """A plain torch tensor taken as replicated on ``placement`` (every rank of it holds the
+    whole value, which must be the same on every rank: a mask, positions, a constant). One
+    that requires grad (a torch parameter left in a model) is refused: convert the model."""
+    if value.requires_grad:
+        raise UnsupportedTorchFunction(
+            f"a plain torch tensor of shape {tuple(value.shape)} that requires grad (a torch "
+            f"parameter?) is mixed with global tensors on {placement}; convert its module with "
+            f"sf.nn.from_torch (or sf.parallel.apply), or wrap it with sf.tensor / "
+            f"sf.nn.Parameter")
+    device = _device(placement)
+    local = value.to(device) if _comm.rank() in placement else \
+        empty_local(value.dtype, device)
+    return GlobalTensor(local, tuple(value.shape), placement, (B,) * placement.ndim)
+
+
+def _lift_args(args: tuple) -> tuple | None:
+    """``args`` with each plain torch tensor lifted (`lift`) onto the placement of the first
+    global tensor; None when there is nothing to lift."""
+    pl = next((a._placement for a in args if isinstance(a, GlobalTensor)), None)
+    if pl is None or not any(isinstance(a, torch.Tensor) for a in args):
+        return None
+    return tuple(lift(a, pl) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+# -- costly re-splits (sf.nn.torch_layouts: a fused projection's output cut along its split) ---
+# id(tensor) -> (weakref to it, callback(tensor, dim)); consulted by split / chunk while not empty
+_RESPLITS: dict = {}
+
+
+def watch_resplit(t: GlobalTensor, callback) -> None:
+    """Call ``callback(t, dim)`` if ``t`` is cut by ``split`` / ``chunk`` (once)."""
+    _RESPLITS[id(t)] = (weakref.ref(t), callback)
+
+
+def _watch_resplit(t: GlobalTensor, dim: int) -> None:
+    entry = _RESPLITS.pop(id(t), None)
+    if entry is not None and entry[0]() is t:
+        entry[1](t, dim)
 
 
 def retains_grads() -> bool:
@@ -659,9 +849,16 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     Chooses the signature whose boxing of the inputs moves the fewest bytes (cached), boxes the
     inputs, runs the kernel on the local shards, and wraps the outputs. ``sbp=`` forces the
     inputs' layouts (one nd-sbp or None per tensor input). All tensor inputs must share one
-    placement: moving a tensor to another placement is an explicit ``to_global``.
+    placement: moving a tensor to another placement is an explicit ``to_global``. A plain torch
+    tensor among ``args`` is taken as replicated on that placement (`lift`).
     """
-    key, tensors, pl, grad, attrs_key, forced = _dispatch_key(name, args, sbp, attrs)
+    try:
+        key, tensors, pl, grad, attrs_key, forced = _dispatch_key(name, args, sbp, attrs)
+    except SignatureError:
+        lifted = _lift_args(args)  # plain torch tensors: taken as replicated (`lift`)
+        if lifted is None:
+            raise
+        return apply_op(name, *lifted, sbp=sbp, **attrs)
     entry = _CHOICES.get(key)
     if entry is None:
         pinned = tuple(t._local.requires_grad and t._local.is_leaf for t in tensors)

@@ -9,10 +9,13 @@ from .modules import (GELU, CrossEntropyLoss, AdaptiveAvgPool2d, AvgPool2d, Conv
 from .norm import BatchNorm1d, BatchNorm2d, GroupNorm, RMSNorm
 from .recompute import checkpoint
 from .serialization import CheckpointError, load, save
+from . import torch_functions, torch_handlers  # noqa: F401  (torch functions on global tensors)
+from .torch_modules import from_torch
 
 __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
            "SiLU", "Identity", "Softmax", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
            "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
-           "save", "load", "CheckpointError", "meta_init", "materialize_", "CrossEntropyLoss"]
+           "save", "load", "CheckpointError", "meta_init", "materialize_", "CrossEntropyLoss",
+           "from_torch"]
 __all__ += ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm"]

@@ -82,7 +82,8 @@ UNARY = {
     "relu": (torch.relu, _nonlinear), "silu": (F.silu, _nonlinear),
     "gelu": (F.gelu, _nonlinear), "square": (torch.square, _nonlinear),
     "reciprocal": (torch.reciprocal, _nonlinear), "logical_not": (torch.logical_not, _nonlinear),
-    "isnan": (torch.isnan, _nonlinear),
+    "isnan": (torch.isnan, _nonlinear), "erfinv": (torch.erfinv, _nonlinear),
+    "clamp": (torch.clamp, _nonlinear),  # attributes min / max: constants
     "clone": (torch.clone, _linear_unary), "contiguous": (lambda x: x.contiguous(), _linear_unary),
 }
 

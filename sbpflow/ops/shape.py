@@ -1,9 +1,10 @@
 """Shape ops: reshape, transpose, permute, flatten, unsqueeze, squeeze, narrow, expand, getitem
-(basic indexing), cat, split, chunk. None of them computes anything: they move elements, so a
-split axis can often be followed through, and partial sums pass through unchanged.
+(basic indexing), index_select, cat, split, chunk. None of them computes anything: they move
+elements, so a split axis can often be followed through, and partial sums pass through unchanged.
 
-``getitem`` takes basic indices only (`AdvancedIndexError` otherwise); an index out of range
-raises `IndexOutOfRange` on every rank. ``reshape`` and ``expand`` are context kernels (their
+``getitem`` takes basic indices; one list of ints (``x[:, [-1]]``) is basic indexing then
+``index_select`` (`list_index`); other advanced indices raise `AdvancedIndexError`. An index
+out of range raises `IndexOutOfRange` on every rank. ``reshape`` and ``expand`` are context kernels (their
 attribute is a logical shape). See docs/internals.md, 'Shape-op signatures' (the split-axis
 rules and why they are safe).
 """
@@ -23,7 +24,8 @@ from ..errors import AdvancedIndexError, IndexOutOfRange
 from ..sbp import shard_box
 from .registry import Signature, TensorMeta, register, register_attr_type, tensor_metas
 
-__all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "view_signatures",
+__all__ = ["AdvancedIndexError", "Slice", "encode_index", "decode_index", "list_index",
+           "view_signatures",
            "local_view_shape", "resolve_shape", "PARTIALS"]
 
 PARTIALS = ("P",)
@@ -447,6 +449,58 @@ def _getitem_signatures(x: TensorMeta, index) -> list[Signature]:
         + _passthrough()
 
 
+# -- list indices: basic indexing, then index_select ---------------------------------------------
+def _is_pick_list(it) -> bool:
+    """A list / tuple of ints or a 1-D integer torch tensor (torch's advanced index)."""
+    if isinstance(it, torch.Tensor):
+        return it.ndim == 1 and not it.dtype.is_floating_point and it.dtype != torch.bool
+    return isinstance(it, list) and all(type(v) is int for v in it)
+
+
+def list_index(index, shape: tuple) -> tuple | None:
+    """An index holding one list of ints (``x[:, [-1], :]``) as ``(basic, dim, picks)``: the
+    basic index with the list taken whole, the output axis the list applies to and its
+    entries made non-negative; then ``index_select(dim, picks)`` gives torch's result. None
+    when the index is not of that form (bools, several lists: not supported)."""
+    items = index if isinstance(index, tuple) else (index,)
+    lists = [i for i, it in enumerate(items) if _is_pick_list(it)]
+    if len(lists) != 1:
+        return None
+    at = lists[0]
+    picks = items[at].tolist() if isinstance(items[at], torch.Tensor) else list(items[at])
+    basic = items[:at] + (slice(None),) + items[at + 1:]
+    encoded = encode_index(basic)  # raises for anything that is not basic
+    consumed = sum(1 for it in encoded if it is not None and it is not Ellipsis)
+    out_dim, in_dim = 0, 0
+    for it in encoded[:at]:
+        if it is Ellipsis:
+            out_dim += len(shape) - consumed
+            in_dim += len(shape) - consumed
+        elif it is None:
+            out_dim += 1
+        else:
+            out_dim += 0 if type(it) is int else 1
+            in_dim += 1
+    if in_dim >= len(shape):
+        raise IndexError(f"too many indices for a tensor of shape {shape}")
+    n = shape[in_dim]
+    bad = [p for p in picks if not -n <= p < n]
+    if bad:
+        raise IndexOutOfRange(f"getitem: index {bad[0]} is out of range for axis {in_dim} of "
+                              f"size {n} (tensor of shape {shape})")
+    return encoded, out_dim, tuple(p % n for p in picks)
+
+
+def _index_select(x, dim, index):
+    return torch.index_select(x, dim, torch.tensor(index, dtype=torch.long, device=x.device))
+
+
+def _index_select_signatures(x: TensorMeta, dim, index) -> list[Signature]:
+    d = _norm(dim, x.ndim)
+    return [Signature([f"S({a})"], [f"S({a})"]) for a in range(x.ndim) if a != d] \
+        + _passthrough()
+
+
 # -- cat / split / chunk ---------------------------------------------------------------------------
 def _cat(*xs, dim=0):
     return torch.cat(xs, dim)
@@ -499,6 +553,8 @@ register("expand", _expand, _expand_signatures, context=True,
 register("narrow", _narrow, _narrow_signatures, doc="a range of one axis (not split)")
 register("getitem", _getitem, _getitem_signatures,
          doc="basic indexing; indexed axes are not split, axes taken whole keep their split")
+register("index_select", _index_select, _index_select_signatures,
+         doc="the entries index (a tuple of non-negative ints) of axis dim (not split)")
 register("cat", _cat, _cat_signatures, doc="concatenate along dim (not split)")
 register("split", _split, _split_signatures,
          doc="pieces of split_size (int or list) along dim (not split); a tuple")

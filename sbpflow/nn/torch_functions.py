@@ -1,0 +1,159 @@
+"""torch functions on global tensors: what `GlobalTensor.__torch_function__` runs.
+
+``torch.*``, ``torch.nn.functional.*``, ``torch.nn.init.*`` and ``torch.Tensor`` methods called
+with a global tensor are looked up, in order: a handler of the table (`torch_handlers`: the
+sbpflow version of the function); the `GlobalTensor` method of the same name (``torch.flatten(x,
+1)`` is ``x.flatten(1)``); for an in-place method ``name_``, ``name`` and then
+`GlobalTensor._assign_`. Anything else raises `UnsupportedTorchFunction` naming the function and
+what to use instead. Plain torch tensors among the arguments (positions, masks, constants) are
+first taken as replicated on the global tensors' placement (`sbpflow.tensor.lift`). The
+resolution is cached per function. See docs/torch_models.md, 'What runs'.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..sbp import format_nd_sbp
+from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift, set_torch_dispatch
+
+__all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
+
+# torch function (or Tensor property descriptor) -> handler(*args, **kwargs)
+_HANDLERS: dict = {}
+
+# The GlobalTensor methods a torch function of the same name may NOT fall back to: their
+# torch meaning differs (``max(dim)`` gives values and indices; sbpflow's max is amax).
+_NO_FALLBACK = frozenset({"max", "min"})
+
+# What to say for functions with no sbpflow op, by name (the rest get the general advice).
+_ADVICE = {
+    "max": "Use x.amax(dim) for the values (the indices torch.max(x, dim) also gives are not "
+           "supported)",
+    "min": "Use x.amin(dim) for the values (the indices are not supported)",
+    "numpy": "Use x.full_tensor().numpy() (the whole value, on every rank)",
+    "__setitem__": "Use torch.where(mask, value, x) or x.masked_fill(mask, value), which make "
+                   "a new tensor",
+}
+_GENERAL = ("sbpflow has no op for it: compute it on the whole value (x.full_tensor(), then "
+            "torch, on every rank) or on this rank's shard (x.local) when the axes it works on "
+            "are not split. The functions that run are listed in docs/torch_models.md")
+
+
+def register(func, handler: Callable) -> None:
+    """Run ``handler(*args, **kwargs)`` when torch function ``func`` meets a global tensor."""
+    _HANDLERS[func] = handler
+
+
+def torch_name(func) -> str:
+    """``torch.nn.functional.linear``, ``Tensor.masked_fill``, ``torch.cat``: how a user wrote it."""
+    name = getattr(func, "__name__", None) or getattr(getattr(func, "fget", None), "__name__",
+                                                      repr(func))
+    qual = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", None) or ""
+    if qual.startswith(("TensorBase.", "Tensor.")) or isinstance(
+            func, type(torch.Tensor.is_cuda)) or not module:
+        return f"Tensor.{name}"
+    if module.startswith("torch._C") or module in ("torch.functional", "torch._tensor"):
+        module = "torch"
+    return f"{module}.{name}"
+
+
+def _described(args: tuple, kwargs: dict) -> str:
+    shown = [f"shape {tuple(a.shape)} with sbp {format_nd_sbp(a.sbp)}"
+             for a in list(args) + list(kwargs.values()) if isinstance(a, GlobalTensor)]
+    pl = next((a.placement for a in list(args) + list(kwargs.values())
+               if isinstance(a, GlobalTensor)), None)
+    return f"global tensor(s) of {'; '.join(shown)} on {pl}" if shown else "global tensors"
+
+
+def unsupported(func, why: str = "") -> Callable:
+    """A handler that refuses ``func`` with `UnsupportedTorchFunction`: its name, the
+    arguments' layouts, why (if given) and what to use instead."""
+    name = torch_name(func)
+    short = name.rsplit(".", 1)[-1]
+    advice = _ADVICE.get(short, _GENERAL)
+
+    def refuse(*args, **kwargs):
+        reason = f" ({why})" if why else ""
+        raise UnsupportedTorchFunction(f"{name} is not supported on sbpflow global tensors"
+                                       f"{reason}; called with {_described(args, kwargs)}. "
+                                       f"{advice}")
+    refuse.refuses = True
+    return refuse
+
+
+def _method(name: str) -> Callable:
+    def call(self, *args, **kwargs):
+        return getattr(self, name)(*args, **kwargs)
+    return call
+
+
+def _in_place(out_of_place: Callable) -> Callable:
+    def call(self, *args, **kwargs):
+        return self._assign_(out_of_place(self, *args, **kwargs))
+    return call
+
+
+def handler_for(func) -> Callable:
+    """The handler of ``func``: the table's, else a same-named GlobalTensor method, else an
+    in-place method built from its out-of-place version, else a refusal (cached)."""
+    handler = _HANDLERS.get(func)
+    if handler is not None:
+        return handler
+    name = getattr(func, "__name__", "")
+    if name and not name.startswith("_") and name not in _NO_FALLBACK and \
+            callable(getattr(GlobalTensor, name, None)):
+        handler = _method(name)
+    elif name.endswith("_") and not name.startswith("_") and \
+            hasattr(torch.Tensor, name[:-1]):
+        base = handler_for(getattr(torch.Tensor, name[:-1]))
+        handler = _in_place(base) if not getattr(base, "refuses", False) else unsupported(func)
+    else:
+        handler = unsupported(func)
+    _HANDLERS[func] = handler
+    return handler
+
+
+def _placement_of(args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, GlobalTensor):
+            return a.placement
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, GlobalTensor):
+                    return b.placement
+    return None
+
+
+def _lifted(value, pl):
+    if isinstance(value, torch.Tensor):
+        return lift(value, pl)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(lift(v, pl) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def _has_plain(args: tuple, kwargs: dict) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            return True
+    return False
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    """Run torch function ``func`` on ``args`` / ``kwargs`` holding global tensors."""
+    handler = _HANDLERS.get(func) or handler_for(func)
+    if _has_plain(args, kwargs):
+        pl = _placement_of(args, kwargs)
+        if pl is not None:
+            args = tuple(_lifted(a, pl) for a in args)
+            kwargs = {k: _lifted(v, pl) for k, v in kwargs.items()}
+    return handler(*args, **kwargs)
+
+
+set_torch_dispatch(dispatch)

@@ -1,0 +1,320 @@
+"""The table of torch functions with an sbpflow version (`torch_functions.register`).
+
+Each entry takes torch's arguments (names and defaults as torch's) and runs the sbpflow function
+of the same meaning: ``F.linear`` is `sf.nn.functional.linear`, ``F.scaled_dot_product_attention``
+the composite of `sbpflow.nn.functional`, ``Tensor.normal_`` the layout-independent fill of
+`sbpflow.nn.init` (sbpflow's random stream, not torch's). Arguments torch has and sbpflow does not
+implement (``F.embedding(max_norm=...)``, a deprecated ``size_average``) are refused by name.
+Functions whose name matches a GlobalTensor method need no entry (`torch_functions.handler_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as TF
+
+from ..sbp import B, Partial
+from ..tensor import GlobalTensor, UnsupportedTorchFunction, apply_op, cat, full
+from ..tensor import rand as _rand, randn as _randn, tensor as _tensor
+from . import functional as F
+from . import functional_conv as FC
+from . import init
+from .torch_functions import register, unsupported
+
+__all__ = ["install"]
+
+
+def _refuse_arg(func_name: str, arg: str, value, fix: str) -> UnsupportedTorchFunction:
+    return UnsupportedTorchFunction(f"{func_name}({arg}={value!r}) is not supported on sbpflow "
+                                    f"global tensors; {fix}")
+
+
+def _replicated_sbp(t: GlobalTensor) -> tuple:
+    """``t``'s layout with partial mesh dims replicated (a fresh value is not a partial sum)."""
+    return tuple(B if isinstance(s, Partial) else s for s in t.sbp)
+
+
+def _full_like(t: GlobalTensor, value, dtype=None, requires_grad: bool = False) -> GlobalTensor:
+    return full(tuple(t.shape), value, placement=t.placement, sbp=_replicated_sbp(t),
+                dtype=dtype or t.dtype, requires_grad=requires_grad)
+
+
+def _shape(size) -> tuple:
+    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) \
+        else tuple(size)
+
+
+# -- torch.nn.functional --------------------------------------------------------------------------
+def _linear(input, weight, bias=None):
+    return F.linear(input, weight, bias)
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return F.layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+               scale_grad_by_freq=False, sparse=False):
+    for arg, value, default in (("max_norm", max_norm, None), ("sparse", sparse, False),
+                                ("scale_grad_by_freq", scale_grad_by_freq, False)):
+        if value != default:
+            raise _refuse_arg("torch.nn.functional.embedding", arg, value,
+                              "renormalise the table yourself, or drop the argument")
+    return F.embedding(input, weight, padding_idx)
+
+
+def _activation(fn):
+    def run(input, inplace=False):
+        out = fn(input)
+        return input._assign_(out) if inplace else out
+    return run
+
+
+def _softmax_dim(ndim: int) -> int:
+    return 0 if ndim in (0, 1, 3) else 1  # torch's implicit dim (deprecated)
+
+
+def _softmax(input, dim=None, _stacklevel=3, dtype=None):
+    return F.softmax(input, _softmax_dim(input.ndim) if dim is None else dim, dtype)
+
+
+def _log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    return F.log_softmax(input, _softmax_dim(input.ndim) if dim is None else dim, dtype)
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    out = F.dropout(input, p, training)
+    return input._assign_(out) if inplace and out is not input else out
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    if enable_gqa:
+        raise _refuse_arg("torch.nn.functional.scaled_dot_product_attention", "enable_gqa",
+                          enable_gqa, "repeat the key / value heads first (repeat_interleave "
+                          "is not supported either: expand and reshape them)")
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                          scale)
+
+
+def _legacy_reduction(name: str, size_average, reduce) -> None:
+    if size_average is not None or reduce is not None:
+        raise _refuse_arg(f"torch.nn.functional.{name}", "size_average / reduce",
+                          (size_average, reduce), "give reduction='mean' / 'sum' / 'none'")
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100,
+                   reduce=None, reduction="mean", label_smoothing=0.0):
+    _legacy_reduction("cross_entropy", size_average, reduce)
+    return F.cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+
+
+def _mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    _legacy_reduction("mse_loss", size_average, reduce)
+    if weight is not None:
+        raise _refuse_arg("torch.nn.functional.mse_loss", "weight", "<tensor>",
+                          "multiply the squared error by the weights yourself")
+    d = input - target
+    d = d * d
+    return d if reduction == "none" else d.sum() if reduction == "sum" else d.mean()
+
+
+def _max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+                return_indices=False):
+    return FC.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode,
+                         return_indices)
+
+
+_FUNCTIONAL = {
+    TF.linear: _linear, TF.layer_norm: _layer_norm, TF.embedding: _embedding,
+    TF.relu: _activation(F.relu), TF.silu: _activation(F.silu),
+    TF.gelu: lambda input, approximate="none": F.gelu(input, approximate),
+    TF.tanh: F.tanh, TF.sigmoid: F.sigmoid,
+    TF.softmax: _softmax, TF.log_softmax: _log_softmax, TF.dropout: _dropout,
+    TF.scaled_dot_product_attention: _sdpa, TF.cross_entropy: _cross_entropy,
+    TF.mse_loss: _mse_loss, TF.conv2d: FC.conv2d, TF.max_pool2d: _max_pool2d,
+    TF.avg_pool2d: FC.avg_pool2d, TF.adaptive_avg_pool2d: FC.adaptive_avg_pool2d,
+}
+
+
+# -- torch.* --------------------------------------------------------------------------------------
+def _cat(tensors, dim=0, *, out=None):
+    if out is not None:
+        raise _refuse_arg("torch.cat", "out", "<tensor>", "use the returned tensor")
+    return cat(tensors, dim)
+
+
+def _stack(tensors, dim=0, *, out=None):
+    if out is not None:
+        raise _refuse_arg("torch.stack", "out", "<tensor>", "use the returned tensor")
+    return cat([t.unsqueeze(dim) for t in tensors], dim)
+
+
+def _where(condition, input=None, other=None, *, out=None):
+    if input is None or other is None:
+        return unsupported(torch.where, "the one-argument form (nonzero)")(condition)
+    return apply_op("where", condition, input, other)
+
+
+def _like(value):
+    def make(input, dtype=None, layout=None, device=None, requires_grad=False,
+             memory_format=None):
+        return _full_like(input, value, dtype, requires_grad)
+    return make
+
+
+def _full_like_fn(input, fill_value, dtype=None, layout=None, device=None, requires_grad=False,
+                  memory_format=None):
+    return _full_like(input, fill_value, dtype, requires_grad)
+
+
+def _random_like(make):
+    def run(input, dtype=None, layout=None, device=None, requires_grad=False,
+            memory_format=None):
+        return make(*input.shape, placement=input.placement, sbp=_replicated_sbp(input),
+                    dtype=dtype or input.dtype, requires_grad=requires_grad)
+    return run
+
+
+_TORCH = {
+    torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.stack: _stack,
+    torch.where: _where, torch.bmm: lambda input, mat2: input @ mat2,
+    torch.zeros_like: _like(0), torch.ones_like: _like(1), torch.empty_like: _like(0),
+    torch.full_like: _full_like_fn, torch.rand_like: _random_like(_rand),
+    torch.randn_like: _random_like(_randn),
+    torch.softmax: lambda input, dim, dtype=None: F.softmax(input, dim, dtype),
+    torch.log_softmax: lambda input, dim, dtype=None: F.log_softmax(input, dim, dtype),
+}
+
+
+# -- Tensor methods and properties --------------------------------------------------------------------
+def _new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False, **_):
+    return full(_shape((size,)) if isinstance(size, int) else tuple(size), fill_value,
+                placement=self.placement, sbp=(B,) * self.placement.ndim,
+                dtype=dtype or self.dtype, requires_grad=requires_grad)
+
+
+def _new_value(value):
+    def make(self, *size, dtype=None, device=None, requires_grad=False, **_):
+        return _new_full(self, _shape(size), value, dtype, device, requires_grad)
+    return make
+
+
+def _copy_(self, src, non_blocking=False):
+    if tuple(src.shape) != tuple(self.shape):
+        src = src.expand(*self.shape)
+    return self._assign_(src)
+
+
+def _count(mask: GlobalTensor, dim, keepdim: bool) -> GlobalTensor:
+    return mask.to(torch.int64).sum(dim, keepdim) if dim is not None else \
+        mask.to(torch.int64).sum()
+
+
+def _unbind(self, dim=0):
+    d = dim % max(self.ndim, 1)
+    return tuple(self[(slice(None),) * d + (i,)] for i in range(self.shape[d]))
+
+
+def _cast(dtype):
+    return lambda self, memory_format=None: self.to(dtype)
+
+
+def _device_move(kind: str):
+    def move(self, *args, **kwargs):
+        if self.placement.device_type == kind:
+            return self
+        raise UnsupportedTorchFunction(
+            f"Tensor.{kind}() on a global tensor on {self.placement}: a placement names its "
+            f"devices; move it with .to_global(placement=sf.placement({kind!r}, ranks))")
+    return move
+
+
+_METHODS = {
+    "masked_fill": lambda self, mask, value: apply_op("where", mask, value, self),
+    "zero_": lambda self: self._assign_(_full_like(self, 0)),
+    "fill_": lambda self, value: self._assign_(_full_like(self, value)),
+    "copy_": _copy_,
+    "normal_": lambda self, mean=0.0, std=1.0, *, generator=None:
+        init.normal_(self, mean, std, generator=generator),
+    "uniform_": lambda self, a=0.0, b=1.0, *, generator=None:
+        init.uniform_(self, a, b, generator=generator),
+    "type_as": lambda self, other: self.to(other.dtype),
+    "view_as": lambda self, other: self.reshape(tuple(other.shape)),
+    "reshape_as": lambda self, other: self.reshape(tuple(other.shape)),
+    "expand_as": lambda self, other: self.expand(*other.shape),
+    "new_zeros": _new_value(0), "new_ones": _new_value(1), "new_empty": _new_value(0),
+    "new_full": _new_full,
+    "new_tensor": lambda self, data, dtype=None, device=None, requires_grad=False: _tensor(
+        data, self.placement, (B,) * self.placement.ndim, dtype=dtype,
+        requires_grad=requires_grad),
+    "any": lambda self, dim=None, keepdim=False: _count(self.ne(0), dim, keepdim) > 0,
+    "all": lambda self, dim=None, keepdim=False: _count(self.eq(0), dim, keepdim) == 0,
+    "unbind": _unbind, "tolist": lambda self: self.full_tensor().tolist(),
+    "long": _cast(torch.int64), "int": _cast(torch.int32), "bool": _cast(torch.bool),
+    "half": _cast(torch.float16), "bfloat16": _cast(torch.bfloat16),
+    "short": _cast(torch.int16),
+    "cpu": _device_move("cpu"), "cuda": _device_move("cuda"),
+    "is_floating_point": lambda self: self.dtype.is_floating_point,
+    "is_complex": lambda self: self.dtype.is_complex,
+    "element_size": lambda self: self.local.element_size(),
+    "ndimension": lambda self: self.ndim, "nelement": lambda self: self.numel(),
+    "get_device": lambda self: self.local.get_device(),
+    "is_contiguous": lambda self, memory_format=None: True,
+}
+
+_PROPERTIES = {
+    "data": lambda self: self.detach(),
+    "is_cuda": lambda self: self.placement.device_type == "cuda",
+    "is_cpu": lambda self: self.placement.device_type == "cpu",
+    "is_meta": lambda self: self.local.is_meta,
+    "grad_fn": lambda self: self.local.grad_fn,
+    "layout": lambda self: torch.strided,
+    "itemsize": lambda self: self.local.element_size(),
+    "nbytes": lambda self: self.numel() * self.local.element_size(),
+    "mT": lambda self: self.transpose(-2, -1),
+    "is_sparse": lambda self: False, "is_quantized": lambda self: False,
+    "is_nested": lambda self: False,
+}
+
+
+# -- torch.nn.init (those that check for __torch_function__; the others call Tensor methods) ------
+_INIT = {
+    torch.nn.init.uniform_: lambda tensor, a=0.0, b=1.0, generator=None:
+        init.uniform_(tensor, a, b, generator=generator),
+    torch.nn.init.normal_: lambda tensor, mean=0.0, std=1.0, generator=None:
+        init.normal_(tensor, mean, std, generator=generator),
+    torch.nn.init.constant_: lambda tensor, val: init.constant_(tensor, val),
+    torch.nn.init.kaiming_uniform_: lambda tensor, a=0, mode="fan_in",
+        nonlinearity="leaky_relu", generator=None: init.kaiming_uniform_(
+            tensor, a, mode, nonlinearity, generator=generator),
+}
+
+
+def install() -> None:
+    """Register every entry of the tables (done on import of ``sbpflow.nn``)."""
+    for table in (_FUNCTIONAL, _TORCH, _INIT):
+        for func, handler in table.items():
+            register(func, handler)
+    for name, handler in _METHODS.items():
+        register(getattr(torch.Tensor, name), handler)
+    for name, handler in _PROPERTIES.items():
+        register(getattr(torch.Tensor, name), handler)
+    for name in ("max", "min", "numpy", "__setitem__"):
+        register(getattr(torch.Tensor, name), unsupported(getattr(torch.Tensor, name)))
+    for func, values in ((torch.max, "amax"), (torch.min, "amin")):
+        register(func, _values_only(func, values))
+
+
+def _values_only(func, values: str):
+    """``torch.max(x)``: the value (``amax``); with a dim (values and indices): refused."""
+    refuse = unsupported(func)
+
+    def run(input, *args, **kwargs):
+        if args or kwargs:
+            return refuse(input, *args, **kwargs)
+        return getattr(input, values)()
+    return run
+
+
+install()
