@@ -17,7 +17,7 @@ import torch
 from ..errors import PlacementMismatchError, ShapeError
 from ..ops.norm_ops import stats_dtype
 from ..sbp import B, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, apply_op
+from ..tensor import GlobalTensor, apply_op, recording
 
 __all__ = ["batch_norm", "group_norm", "rms_norm"]
 
@@ -82,19 +82,24 @@ def batch_norm(input: GlobalTensor, running_mean: GlobalTensor | None,
     if count == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input "
                          f"size {tuple(input.shape)}")
-    shift = running_mean  # the same on every rank: the sums are taken around it
+    # the sums are taken around the running mean (the same on every rank); a copy, because
+    # the update below writes the running mean before the normalisation reads the shift
+    shift = None if running_mean is None else apply_op("clone", running_mean)
     sums = _reduced(apply_op("batch_norm_stats", input, shift))
-    out = apply_op("batch_norm_train", input, sums, shift, weight, bias, count=count,
-                   eps=float(eps))
+    after = None
     if running_mean is not None:
-        _update_running(running_mean, running_var, sums, num_batches_tracked, count, momentum)
-    return out
+        after = _update_running(running_mean, running_var, sums, num_batches_tracked, count,
+                                momentum)
+    return apply_op("batch_norm_train", input, sums, shift, weight, bias, after, count=count,
+                    eps=float(eps))
 
 
 def _update_running(running_mean: GlobalTensor, running_var: GlobalTensor, sums: GlobalTensor,
-                    nbt: GlobalTensor | None, count: int, momentum: float | None) -> None:
+                    nbt: GlobalTensor | None, count: int,
+                    momentum: float | None) -> GlobalTensor:
     """The in-place update op, told to keep each buffer in its own layout (so its kernel
-    writes into the buffers' shards; the sums are boxed to them)."""
+    writes into the buffers' shards; the sums are boxed to them). Returns its 0-d result,
+    which the normalisation reads: a graph keeps only the ops its outputs need."""
     if momentum is None and nbt is None:
         raise ValueError("batch_norm: momentum=None (a cumulative average) needs "
                          "num_batches_tracked")
@@ -103,9 +108,16 @@ def _update_running(running_mean: GlobalTensor, running_var: GlobalTensor, sums:
                          f"running statistics' placement; {_describe(('it', nbt))}")
     tensors = [running_mean, running_var, sums.detach()] + ([nbt] if nbt is not None else [])
     forced = [running_mean.sbp, running_var.sbp, None] + ([nbt.sbp] if nbt is not None else [])
+    buffers = [t for t in (running_mean, running_var, nbt) if t is not None]
+    # a graph's trace runs build once before its first call replays it on the same batch:
+    # undo the traced update, or that batch would count twice
+    before = [t.local.clone() for t in buffers] if recording() else None
     with torch.no_grad():
-        apply_op("batch_norm_update_", *tensors, sbp=forced, count=count,
-                 momentum=None if momentum is None else float(momentum))
+        done = apply_op("batch_norm_update_", *tensors, sbp=forced, count=count,
+                        momentum=None if momentum is None else float(momentum))
+        for t, value in zip(buffers, before or ()):
+            t.local.copy_(value)
+    return done
 
 
 def group_norm(input: GlobalTensor, num_groups: int, weight: GlobalTensor | None = None,

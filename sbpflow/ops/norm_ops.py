@@ -146,20 +146,25 @@ class _Normalize(torch.autograd.Function):
 
 def batch_norm_signatures(x: TensorMeta, a: TensorMeta, b2: TensorMeta | None = None,
                           w: TensorMeta | None = None, b: TensorMeta | None = None,
-                          *_consts, **_attrs) -> list[Signature]:
+                          after: TensorMeta | None = None, **_attrs) -> list[Signature]:
     """Per-channel vectors (statistics, running stats, weight, bias) follow the channels: all
     ``B`` beside a batch / spatial split, split with a channel split. ``a`` is (2, C) shifted
-    sums (channels on its axis 1) or the (C,) running mean; ``b2`` the shift or running var."""
+    sums (channels on its axis 1) or the (C,) running mean; ``b2`` the shift or running var;
+    ``after`` (0-d, replicated) the running statistics update's result."""
     vec_split = "S(1)" if a.ndim == 2 else "S(0)"
     vecs = [vec_split] + ["S(0)"] * _present(b2, w, b)
-    n = len(vecs)
-    sigs = [Signature([f"S({ax})"] + ["B"] * n, [f"S({ax})"]) for ax in range(x.ndim) if ax != 1]
-    sigs.append(Signature(["S(1)"] + vecs, ["S(1)"]))
-    sigs.append(Signature(["B"] * (1 + n), ["B"]))
+    n, tail = len(vecs), ["B"] * _present(after)
+    sigs = [Signature([f"S({ax})"] + ["B"] * n + tail, [f"S({ax})"])
+            for ax in range(x.ndim) if ax != 1]
+    sigs.append(Signature(["S(1)"] + vecs + tail, ["S(1)"]))
+    sigs.append(Signature(["B"] * (1 + n) + tail, ["B"]))
     return sigs
 
 
-def _batch_norm_train(x, s, k=None, w=None, b=None, count: int = 1, eps: float = 1e-5):
+def _batch_norm_train(x, s, k=None, w=None, b=None, after=None, count: int = 1,
+                      eps: float = 1e-5):
+    """``after``: read only so that the running statistics update is ordered before this op
+    and, in a graph, kept (a graph runs only the ops its outputs need)."""
     mean, var = _mean_var(s, k, count)
     acc = stats_dtype(x.dtype)
     return _Normalize.apply(x, mean.to(acc), var.to(acc), w, b, eps)

@@ -324,3 +324,53 @@ def test_small_resnet_trains_data_parallel_as_torch():
         _close(state[key], value, key)
     ref.eval()
     _close(y_eval, ref(batches[0][0]).detach(), "eval output")
+
+
+class _Step(sf.nn.Graph):
+    def __init__(self, model, opt):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = sf.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def test_graph_mode_updates_running_statistics_as_eager():
+    """The update is an op that the normalisation reads, so a graph replays it on every call
+    (and the trace's own run does not count the first batch twice)."""
+    batches = [(_rand(8, 3, 6, 6, seed=60 + s),
+                torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(70 + s)))
+               for s in range(3)]
+
+    def body(graph):
+        sf.manual_seed(0)
+        model = _resnet(sf.nn, F64)
+        for m in model.modules():
+            if isinstance(m, sf.nn.BatchNorm2d):
+                m.momentum = None   # the factor comes from num_batches_tracked at each replay
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        sf.parallel.apply(model, pl, {"*": sf.B})
+        opt = sf.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = _Step(model, opt)
+        losses = []
+        for x, y in batches:
+            x, y = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+            if graph:
+                loss = step(x, y)
+            else:
+                opt.zero_grad()
+                loss = sf.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            losses.append(loss.to_global(pl, sf.B).local.item())
+        return losses, model.state_dict()
+
+    (eager_losses, eager), (graph_losses, graph) = (sf.launch(body, world_size=4, args=(g,))[0]
+                                                    for g in (False, True))
+    _close(torch.tensor(graph_losses), torch.tensor(eager_losses), "losses")
+    assert int(graph["1.num_batches_tracked"]) == 3
+    for key, value in eager.items():
+        _close(graph[key], value, key)
