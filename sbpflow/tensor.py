@@ -229,6 +229,9 @@ class GlobalTensor:
         """A ``torch.Tensor`` method or property this class does not define (reached only when
         normal lookup fails): run through `__torch_function__`. Private and dunder names, and
         names torch.Tensor lacks, stay an AttributeError (``hasattr`` keeps its meaning)."""
+        if name == "__name__":  # read by torch.typename: torch.optim's refusal then says why
+            return (f"{type(self).__name__} (an sbpflow global tensor: torch.optim updates torch "
+                    f"tensors only; use sf.optim.AdamW, Adam or SGD, which take these)")
         func = None if name.startswith("_") else getattr(torch.Tensor, name, None)
         if func is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")

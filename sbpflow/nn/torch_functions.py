@@ -98,13 +98,17 @@ def _in_place(out_of_place: Callable) -> Callable:
 
 
 def handler_for(func) -> Callable:
-    """The handler of ``func``: the table's, else a same-named GlobalTensor method, else an
-    in-place method built from its out-of-place version, else a refusal (cached)."""
+    """The handler of ``func``: the table's, else that of the Tensor method of its name, else a
+    same-named GlobalTensor method, else an in-place method built from its out-of-place version,
+    else a refusal (cached)."""
     handler = _HANDLERS.get(func)
     if handler is not None:
         return handler
     name = getattr(func, "__name__", "")
-    if name and not name.startswith("_") and name not in _NO_FALLBACK and \
+    method = getattr(torch.Tensor, name, None) if name else None
+    if method is not None and method is not func and method in _HANDLERS:
+        handler = _HANDLERS[method]  # torch.is_floating_point(x) as x.is_floating_point()
+    elif name and not name.startswith("_") and name not in _NO_FALLBACK and \
             callable(getattr(GlobalTensor, name, None)):
         handler = _method(name)
     elif name.endswith("_") and not name.startswith("_") and \

@@ -125,6 +125,23 @@ def _max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mod
                          return_indices)
 
 
+def _norm_functions() -> dict:
+    """``F.batch_norm`` / ``group_norm`` / ``rms_norm`` (sbpflow/nn/functional_norm.py)."""
+    from . import functional_norm as FN
+
+    def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                   momentum=0.1, eps=1e-5):
+        # torch's functional form has no num_batches_tracked: momentum None is then refused
+        return FN.batch_norm(input, running_mean, running_var, weight, bias, training,
+                             momentum, eps)
+
+    return {TF.batch_norm: batch_norm,
+            TF.group_norm: lambda input, num_groups, weight=None, bias=None, eps=1e-5:
+                FN.group_norm(input, num_groups, weight, bias, eps),
+            TF.rms_norm: lambda input, normalized_shape, weight=None, eps=None:
+                FN.rms_norm(input, normalized_shape, weight, eps)}
+
+
 _FUNCTIONAL = {
     TF.linear: _linear, TF.layer_norm: _layer_norm, TF.embedding: _embedding,
     TF.relu: _activation(F.relu), TF.silu: _activation(F.silu),
@@ -293,7 +310,7 @@ _INIT = {
 
 def install() -> None:
     """Register every entry of the tables (done on import of ``sbpflow.nn``)."""
-    for table in (_FUNCTIONAL, _TORCH, _INIT):
+    for table in (_FUNCTIONAL, _norm_functions(), _TORCH, _INIT):
         for func, handler in table.items():
             register(func, handler)
     for name, handler in _METHODS.items():

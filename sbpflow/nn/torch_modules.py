@@ -34,7 +34,9 @@ class TorchConverted(Module):
     def to(self, *args, **kwargs) -> "TorchConverted":
         """``to(dtype)`` casts the parameters and buffers (`sf.nn.Module.to`); a device of the
         parameters' device type is where they are; another device is refused."""
-        probe = next(iter(self.parameters()), None) or next(iter(self.buffers()), None)
+        probe = next(iter(self.parameters()), None)
+        if probe is None:
+            probe = next(iter(self.buffers()), None)
         if probe is None:
             return self
         dtype = _to_dtype(probe, args, kwargs)
