@@ -55,7 +55,7 @@ def build(args, vocab: int):
         return model, stages.placements[0], stages.data_sbp, \
             f"{stages.describe()}, split before {', '.join(split)}"
     lay = common.get_layout("gpt", args)
-    sf.parallel.apply(model, lay.placement, lay.rules)
+    sf.parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
     return model, lay.placement, lay.data_sbp, lay.describe()
 
 

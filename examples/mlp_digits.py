@@ -37,7 +37,7 @@ def main(args):
     lay = common.get_layout("mlp", args)
     sf.manual_seed(args.seed)
     model = mlp_class(sf.nn, sf.nn.functional)((64, args.hidden, args.hidden, 10))
-    sf.parallel.apply(model, lay.placement, lay.rules)
+    sf.parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
     opt = sf.optim.AdamW(model.parameters(), lr=args.lr)
     if common.on_rank0():
         print(f"MLP: {param_count(model)} parameters, {len(xtr)} training / {len(xte)} test "

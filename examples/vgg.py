@@ -44,7 +44,7 @@ def main(args):
     sf.manual_seed(args.seed)
     channels = (3,) + tuple(args.channels)
     model = vgg_class(sf.nn, sf.nn.functional)(channels, args.image, CLASSES)
-    sf.parallel.apply(model, lay.placement, lay.rules)
+    sf.parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
     opt = sf.optim.AdamW(model.parameters(), lr=args.lr)
     if common.on_rank0():
         print(f"VGG: {param_count(model)} parameters, channels {channels}, "

@@ -45,7 +45,7 @@ def main(args):
     sf.manual_seed(args.seed)
     model = wide_deep_class(sf.nn, sf.nn.functional, sf.cat)(args.vocab, args.dim, args.fields,
                                                              args.dense, args.hidden)
-    sf.parallel.apply(model, lay.placement, lay.rules)
+    sf.parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
     opt = sf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if common.on_rank0():
         print(f"Wide&Deep: {param_count(model)} parameters (table {args.vocab}x{args.dim}), "

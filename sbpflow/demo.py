@@ -120,7 +120,7 @@ def train_gpt(seconds: float, max_steps: int = 10**9, lines: int = 10,
     manual_seed(0)
     model = gpt_class(nn, nn.functional)(data.vocab, cfg["d"], cfg["heads"], cfg["layers"],
                                          cfg["seq"])
-    parallel.apply(model, lay.placement, lay.rules)
+    parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
     opt = optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     pos = arange(cfg["seq"], placement=lay.placement, sbp=(B, B))
     talk = verbose and _comm.rank() == 0

@@ -8,8 +8,9 @@ distributed model, ``torch.nn`` its single-device twin (same parameter names and
     GPT = gpt_class(sf.nn, sf.nn.functional)        # global tensors, any layout
     TorchGPT = gpt_class(torch.nn, torch.nn.functional)
 
-``layout(model, name, world)`` gives the placement, the input layout and the parameter rules
-(for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero``, ``replicated``.
+``layout(model, name, world)`` gives the placement, the input layout, the parameter rules and
+the ZeRO stage (for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero``
+(ZeRO-3), ``zero1``, ``zero2``, ``row_split``, ``replicated``.
 Models get their ops from the namespace they are built with; this module imports only from
 ``sbp``, ``placement`` and ``tensor`` (for `generate`).
 """
@@ -26,8 +27,8 @@ from .placement import Placement, placement as _placement
 from .sbp import B, S
 
 __all__ = ["gpt_class", "mlp_class", "vgg_class", "wide_deep_class", "param_count",
-           "LAYOUT_NAMES", "TP_RULES", "Layout", "layout", "char_corpus", "CharData",
-           "generate"]
+           "LAYOUT_NAMES", "ZERO_STAGES", "TP_RULES", "Layout", "layout", "char_corpus",
+           "CharData", "generate"]
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -178,7 +179,8 @@ def param_count(model) -> int:
 
 
 # -- layouts by name ----------------------------------------------------------------------------
-LAYOUT_NAMES = ("dp", "tp", "2d", "zero", "replicated")
+LAYOUT_NAMES = ("dp", "tp", "2d", "zero", "zero1", "zero2", "row_split", "replicated")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero": 3}   # data parallel with ZeRO
 
 # 1-D tensor-parallel rules per model: Megatron column (S(0): output features) then row
 # (S(1): input features, its output a partial sum) parallel pairs; the rest replicated.
@@ -199,13 +201,15 @@ TP_RULES = {
 
 
 class Layout(NamedTuple):
-    """A named layout: the mesh, the nd-sbp of the inputs (batch on axis 0) and the parameter
-    rules for `sf.parallel.apply`."""
+    """A named layout: the mesh, the nd-sbp of the inputs (batch on axis 0), the parameter
+    rules and the ZeRO stage: ``sf.parallel.apply(model, lay.placement, lay.rules,
+    zero=lay.zero)``."""
 
     name: str
     placement: Placement
     data_sbp: tuple
     rules: dict
+    zero: int = 0
 
     def describe(self) -> str:
         from .sbp import format_nd_sbp
@@ -213,7 +217,8 @@ class Layout(NamedTuple):
         mesh = f"1-D mesh of {shape[0]}" if len(shape) == 1 else \
             "x".join(str(n) for n in shape) + " mesh"
         data = repr(self.data_sbp[0]) if len(self.data_sbp) == 1 else format_nd_sbp(self.data_sbp)
-        return f"layout {self.name} on a {mesh}, inputs {data}"
+        zero = f", ZeRO stage {self.zero}" if self.zero else ""
+        return f"layout {self.name} on a {mesh}, inputs {data}{zero}"
 
 
 def layout(model: str, name: str, world: int = 4) -> Layout:
@@ -223,7 +228,10 @@ def layout(model: str, name: str, world: int = 4) -> Layout:
     * ``tp``: 1-D mesh, the model's Megatron rules (`TP_RULES`), inputs B;
     * ``2d``: a (world/2)×2 mesh: data parallel across groups, tensor parallel inside a group
       (rules ``(B, tp)``), inputs ``(S(0), B)``;
-    * ``zero``: 1-D mesh, every parameter (and so its optimizer state) split S(0), inputs S(0);
+    * ``zero``, ``zero1``, ``zero2``: ``dp`` with ZeRO stage 3, 1, 2 (docs/zero.md: parameters,
+      gradients and optimizer state stored split S(0), gathered B for compute);
+    * ``row_split``: 1-D mesh, every parameter (and so its optimizer state) split S(0) and
+      computed so (the dispatch picks the ops' signatures for split weights), inputs S(0);
     * ``replicated``: 1-D mesh, everything B (every rank computes everything).
     """
     if model not in TP_RULES:
@@ -238,7 +246,9 @@ def layout(model: str, name: str, world: int = 4) -> Layout:
             raise ValueError(f"layout '2d' needs an even number of ranks >= 4, not {world}")
         mesh = _placement("cpu", [list(range(i, i + 2)) for i in range(0, world, 2)])
         return Layout(name, mesh, (S(0), B), {k: (B, v) for k, v in TP_RULES[model].items()})
-    if name == "zero":
+    if name in ZERO_STAGES:
+        return Layout(name, line, (S(0),), {"*": B}, ZERO_STAGES[name])
+    if name == "row_split":
         return Layout(name, line, (S(0),), {"*": S(0)})
     if name == "replicated":
         return Layout(name, line, (B,), {"*": B})

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ParallelizeError
 from ..parallel.relayout import relayout
+from ..parallel.zero import shard as _zero_shard
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes
@@ -324,15 +325,18 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
             strategy = _to_one_mesh(graph, strategy, cluster, notes)
         bd = Evaluator(graph, cluster).breakdown(strategy)
     seconds = time.perf_counter() - t0
-    if any(s.stored is not None and s.stored != s.weight for s in strategy.layers):
-        notes.append("ZeRO 'stored' layouts are not applied: weights are kept in their kernel "
-                     "layout")
     on = _placements_by_mesh(placement)
     placements = {l.name: on(s.mesh) for l, s in zip(graph.layers, strategy.layers)}
     stream = _stream(strategy, on, notes)
     layouts = _layouts(graph, strategy, modules, placements)
     replicated = (stream.placement, (B,) * stream.placement.ndim)
     relayout(model, lambda _, p: layouts.get(id(p), replicated)[:2], "parallelize")
+    zero = {id(p) for layer, s in zip(graph.layers, strategy.layers)
+            if s.stored is not None and s.stored != s.weight
+            for p in (modules[layer.name].weight, getattr(modules[layer.name], "bias", None))
+            if p is not None}
+    if zero:   # ZeRO-stored weights: stored split along their data-parallel dims, stage 3
+        _zero_shard(model, 3, only=zero)
     for layer, s in zip(graph.layers, strategy.layers):
         _wrap(modules[layer.name], layer.kind, s, placements[layer.name], stream)
     plan = ParallelPlan(graph, strategy, stream.placement, bd, modules, notes, seconds,

@@ -16,6 +16,8 @@ from .. import comm as _comm
 from ..comm.threads import default_timeout
 from ..errors import GraphError
 from ..nn.modules import Module
+from ..optim.zero import check_stage
+from ..optim.zero_units import shard_ as _zero_shard
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace
 from ..runtime.schedules import SCHEDULES
@@ -33,6 +35,8 @@ class GraphConfig:
         self.schedule = "1f1b"
         self.loss_reduction = "mean"
         self.split_inputs: tuple | None = None
+        self.zero_stage = 0
+        self.zero_min_size = 0
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Split the inputs into ``steps`` micro-batches (axis 0, balanced), accumulate their
@@ -60,9 +64,18 @@ class GraphConfig:
         whose axis 0 has the first input's size); the others go whole to each micro-batch."""
         self.split_inputs = tuple(bool(f) for f in flags)
 
+    def enable_zero(self, stage: int = 2, *, min_size: int = 0) -> None:
+        """ZeRO ``stage`` (1-3; 0: off) on the graph's modules' parameters along their
+        data-parallel dims, applied in place at the first call (docs/zero.md, 'Graph mode'):
+        the parameter objects, and so the optimizers built on them, stay the same.
+        Parameters with fewer than ``min_size`` elements stay as they are."""
+        self.zero_stage = check_stage(stage, "GraphConfig.enable_zero")
+        self.zero_min_size = int(min_size)
+
     def __repr__(self) -> str:
+        zero = f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"GraphConfig(micro_batches={self.micro_batches}, schedule={self.schedule!r}, "
-                f"loss_reduction={self.loss_reduction!r})")
+                f"loss_reduction={self.loss_reduction!r}{zero})")
 
 
 class Graph:
@@ -75,6 +88,7 @@ class Graph:
         self._optimizers: list[tuple] = []
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
+        self._zero_done = 0
 
     def add_optimizer(self, optimizer, lr_sch=None) -> None:
         """Run ``optimizer.step()``, ``optimizer.zero_grad()`` and ``lr_sch.step()`` after the
@@ -93,9 +107,19 @@ class Graph:
                self.config.loss_reduction, self.config.split_inputs)
         compiled = self._compiled.get(key)
         if compiled is None:
+            self._apply_zero()
             compiled = self._compiled[key] = Compiled(self, inputs)
         self._last = compiled
         return compiled.run(inputs)
+
+    def _apply_zero(self) -> None:
+        """`GraphConfig.enable_zero` on the registered modules, once per stage asked."""
+        stage = self.config.zero_stage
+        if stage and stage != self._zero_done:
+            for v in vars(self).values():
+                if isinstance(v, Module):
+                    _zero_shard(v, stage, self.config.zero_min_size)
+            self._zero_done = stage
 
     # -- what a user reads ----------------------------------------------------------------------
     def _current(self) -> Compiled:

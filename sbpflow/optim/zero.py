@@ -4,16 +4,13 @@ data-parallel dims), its optimizer state (stage 1), gradient (stage 2) and the p
 
 * `stored_layout` / `geometry`: the split layout and where each member's shard sits inside the
   compute-layout shard (a sub-box, so updates are in place and gathers are plain all-gathers).
-* `reduce_scatter` / `all_gather_into`: the stage-1 collectives, coalesced over parameters.
-* `shard_`: stages 2 and 3 in place on a model: each parameter is re-bound to its stored layout
-  and the modules that own it box it to the compute layout around their ``forward`` (the
-  boxing's dual is the gradient's reduce-scatter). Stage 1 only registers the update layout
-  (`sbpflow.gradsync.set_update_layout`); the optimizer does the rest.
+* `reduce_scatter` / `all_gather_into`: the collectives, coalesced over parameters (one per
+  bucket of parameters that share a group): stage 1's in the optimizer step, stages 2 and 3's
+  around a module's forward (`sbpflow.optim.zero_units`).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -21,13 +18,12 @@ import torch
 from .. import comm as _comm
 from ..caches import memoize
 from ..errors import SbpError
-from ..gradsync import set_update_layout
 from ..placement import Placement
 from ..sbp import Broadcast, Split, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor
 
 __all__ = ["stored_layout", "Geometry", "geometry", "reduce_scatter", "all_gather_into",
-           "shard_view", "shard_", "ZeroParam", "zero_param", "check_stage", "STAGES"]
+           "shard_view", "check_stage", "STAGES"]
 
 STAGES = (0, 1, 2, 3)
 _BUCKET_BYTES = 32 << 20   # a coalesced collective moves at most about this much at once
@@ -167,111 +163,6 @@ def all_gather_into(items: list) -> None:
                     offset += n
         with torch.no_grad():
             comm.all_gather(mine, group, shapes=shapes, assemble=assemble)
-
-
-# -- stages 2 and 3: parameters stored split, boxed to their compute layout around forward ------
-class ZeroParam(NamedTuple):
-    """A parameter ZeRO stores split: its ``compute`` layout (boxed to around the forward of
-    the modules that own it) and ``stage`` (2: the boxed copy lives until backward; 3: freed
-    after the forward, boxed again for backward when ``release`` is given)."""
-
-    compute: tuple
-    stage: int
-
-
-_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def zero_param(p: GlobalTensor) -> ZeroParam | None:
-    """The `ZeroParam` record of ``p`` (None: not stored split by `shard_`)."""
-    return _PARAMS.get(p)
-
-
-def _rebind(p: GlobalTensor, local: torch.Tensor, nd_sbp: tuple) -> None:
-    """Make ``p`` itself hold ``local`` in ``nd_sbp``: the objects the optimizer and the
-    modules hold stay the same (so a graph can enable ZeRO after its optimizer was built)."""
-    p._local = local.detach().requires_grad_(p._local.requires_grad)
-    p._sbp = tuple(nd_sbp)
-    p._key = None
-    p._boxes = None
-
-
-def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
-           release: Callable | None = None) -> list:
-    """ZeRO ``stage`` on ``model``'s parameters, in place; returns the names of the parameters
-    it shards. A parameter with a data-parallel dim (`stored_layout`) and at least ``min_size``
-    elements: stage 1 keeps it and registers its update layout; stages 2 and 3 box it to the
-    stored layout and register forward hooks on its modules. ``compute``: id(parameter) ->
-    compute layout, for parameters already laid out in their stored layout (by default a
-    parameter's own layout is its compute layout). ``release(swapped)``: stage 3's context
-    manager over one module call, which frees the boxed copies after forward (see
-    `sbpflow.parallel.zero`); without it stage 3 behaves as stage 2. Every rank calls it."""
-    stage = check_stage(stage, "ZeRO")
-    compute = compute or {}
-    names = []
-    hooked = set()
-    for name, p in model.named_parameters():
-        nd = tuple(compute.get(id(p), p.sbp))
-        st = stored_layout(tuple(p.shape), nd, p.placement)
-        if stage == 0 or st is None or p.numel() < min_size or not p.local.requires_grad:
-            continue
-        names.append(name)
-        if stage == 1:
-            set_update_layout(p, st)
-            continue
-        if tuple(p.sbp) != st:
-            with torch.no_grad():
-                _rebind(p, p.to_global(p.placement, st).local.clone(), st)
-        _PARAMS[p] = ZeroParam(nd, stage)
-        hooked.add(id(p))
-    if hooked:
-        for m in model.modules():
-            if any(p is not None and id(p) in hooked for p in m._parameters.values()):
-                _hook(m, release)
-    return names
-
-
-def _hook(module, release: Callable | None) -> None:
-    """Forward pre-hook and hook (once per module) that swap the module's ZeRO parameters for
-    their compute-layout boxing during its ``forward``."""
-    state = module.__dict__
-    state["_zero_release"] = release
-    if state.get("_zero_hooked"):
-        return
-    state["_zero_hooked"] = True
-    state["_zero_calls"] = []
-    module.register_forward_pre_hook(_pre_forward)
-    module.register_forward_hook(_post_forward, always_call=True)
-
-
-def _pre_forward(module, args) -> None:
-    swapped = []
-    params = module._parameters
-    for name, p in list(params.items()):
-        rec = _PARAMS.get(p) if p is not None else None
-        if rec is None:
-            continue
-        g = p.to_global(p.placement, rec.compute)
-        params[name] = g
-        swapped.append((name, p, g, rec))
-    release = module.__dict__.get("_zero_release")
-    ctx = None
-    if release is not None and any(rec.stage == 3 for *_, rec in swapped):
-        ctx = release([(p, g) for _, p, g, rec in swapped if rec.stage == 3])
-        if ctx is not None:
-            ctx.__enter__()
-    module.__dict__["_zero_calls"].append((swapped, ctx))
-
-
-def _post_forward(module, args, output) -> None:
-    calls = module.__dict__.get("_zero_calls")
-    if not calls:
-        return
-    swapped, ctx = calls.pop()
-    for name, p, _, _ in swapped:
-        module._parameters[name] = p
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
 
 
 def check_stage(stage, who: str) -> int:

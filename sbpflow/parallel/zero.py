@@ -1,14 +1,13 @@
 """ZeRO stages 1-3 on a laid-out model (docs/zero.md): `shard` (and ``sf.parallel.apply(...,
 zero=)``) store, along each parameter's data-parallel dims, its optimizer state (1), gradient
-(2) and the parameter itself (3) split; `sbpflow.optim.zero` has the layouts and the hooks.
+(2) and the parameter itself (3) split; `sbpflow.optim.zero_units` has the units and hooks.
 
-What this module adds is stage 3's *release*: while a module that owns stage-3 parameters runs
-its ``forward``, torch's saved-tensor hooks replace every saved view of a boxed (gathered)
-weight by a token, so the gathered copy is freed when the call ends; backward boxes the weight
-again when an op first unpacks it (freed once its ops are done). Other saved tensors go to the
-hooks that were active before (activation checkpointing, `sf.memory.track`). The gathered bytes
-count as ``"gathered"`` in the `sf.memory.track` blocks around the call while they are held.
-Not in a graph's trace: the graph keeps the boxed weights from forward to backward (stage 2).
+This module adds what needs `sf.memory`: a unit's gathered buffers count as ``"gathered"`` in
+the `sf.memory.track` blocks around the call while they are alive, and stage 3's *release*:
+during the unit's ``forward``, saved-tensor hooks replace every saved view of a gathered buffer
+by a token, so the buffer is freed when the call ends; backward gathers the unit again when an
+op first unpacks one (freed after the unit's reduce-scatter). Other saved tensors go to the
+hooks active before (activation checkpointing, `sf.memory.track`). Not in a graph's trace.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from .. import memory as _memory
 from ..nn.modules import Module
 from ..optim import zero as _core
-from ..tensor import recording
+from ..optim import zero_units as _units
 
 __all__ = ["shard", "stored_layout", "check_stage", "STAGES"]
 
@@ -30,16 +29,25 @@ check_stage = _core.check_stage
 STAGES = _core.STAGES
 
 
-def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None = None) -> list:
+def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None = None,
+          units: list | None = None, only: set | None = None) -> list:
     """ZeRO ``stage`` (0-3) on ``model``, in place (the parameter objects stay the same); see
-    `sbpflow.optim.zero.shard_`. Returns the names of the parameters it shards. Every rank
-    calls it, before the first step."""
-    return _core.shard_(model, stage, min_size, compute=compute, release=_release)
+    `sbpflow.optim.zero_units.shard_` (``compute``, ``units``, ``only``). Returns the names
+    of the parameters it shards. Every rank calls it, before building the optimizer (or
+    before its first step)."""
+    return _units.shard_(model, stage, min_size, compute=compute, on_gather=_on_gather,
+                         units=units, only=only)
 
 
-def _release(swapped: list):
-    """Stage 3's context over one module call (None in a graph's trace: replays keep them)."""
-    return None if recording() else _FreeAfterUse(swapped)
+def _on_gather(call) -> "_FreeAfterUse | None":
+    """Count the call's buffers as gathered while alive; stage 3: its release context."""
+    trackers = _memory.active_trackers()
+    if trackers:
+        for flat in call.flats:
+            _hold_while_alive(trackers, flat)
+    if _units.zero_param(call.items[0][0]).stage == 3:
+        return _FreeAfterUse(call, trackers)
+    return None
 
 
 def _top_hooks():
@@ -59,10 +67,15 @@ def _storage(t: torch.Tensor):
     return (t.device, s.data_ptr()), s.nbytes()
 
 
-def _hold(trackers, found) -> None:
-    # Tracker's counters (sbpflow.memory): a gathered weight is held, not saved by an op
+def _hold_while_alive(trackers, flat: torch.Tensor) -> None:
+    """Count ``flat`` in ``trackers`` as gathered until it is freed (Tracker's counters,
+    `sbpflow.memory`: a gathered buffer is held for use, not saved by an op)."""
+    found = _storage(flat)
+    if found is None:
+        return
     for tr in trackers:
         tr._add(found[0], found[1], "gathered")
+    weakref.finalize(flat, _let_go, trackers, found[0])
 
 
 def _let_go(trackers, key) -> None:
@@ -75,37 +88,21 @@ class _Outer(NamedTuple):
 
 
 class _Token(NamedTuple):
-    """A saved view of a gathered weight: enough to box the weight again and re-make the view."""
+    """A saved view of a gathered buffer: which buffer of the call, and the view's geometry."""
 
-    owner: "_FreeAfterUse"
-    param: object
-    compute: tuple
+    call: object
+    index: int
     size: tuple
     stride: tuple
-    offset: int        # storage offset relative to the gathered tensor's
-    base_stride: tuple
-
-    def restore(self) -> torch.Tensor:
-        base = self.owner.regather(self.param, self.compute, self.base_stride)
-        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
+    offset: int
 
 
 class _FreeAfterUse:
-    """Saved-tensor hooks over one module call holding stage-3 parameters ``swapped``
-    ((parameter, its gathered global tensor) pairs)."""
+    """Saved-tensor hooks over one stage-3 unit call (`UnitCall`)."""
 
-    def __init__(self, swapped: list) -> None:
-        self.gathered: dict = {}     # storage key -> (parameter, compute layout, local)
-        for p, g in swapped:
-            local = g.local
-            found = _storage(local)
-            # only a gathered tensor that owns its whole storage (never the shard itself)
-            if found is None or found[1] != local.numel() * local.element_size() or \
-                    _storage(p.local) == found:
-                continue
-            self.gathered[found[0]] = (p, tuple(g.sbp), local, found)
-        self.trackers = _memory.active_trackers()
-        self.regathered: dict = {}   # id(parameter) -> weakref to its backward copy
+    def __init__(self, call, trackers) -> None:
+        self.call, self.trackers = call, trackers
+        self.flats = {_storage(f)[0]: i for i, f in enumerate(call.flats) if _storage(f)}
         self.outer = None
         self.hooks = None
 
@@ -113,49 +110,36 @@ class _FreeAfterUse:
         self.outer = _top_hooks()
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
-        for *_, found in self.gathered.values():
-            _hold(self.trackers, found)
         return self
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)
-        for *_, found in self.gathered.values():
-            _let_go(self.trackers, found[0])
-        self.gathered = {}           # the gathered copies are freed with the call's references
+        self.call.flats = []   # the call's references: the buffers go with the module's
 
     def _pack(self, t: torch.Tensor):
-        if self.gathered:
-            found = _storage(t)
-            hit = self.gathered.get(found[0]) if found is not None else None
-            if hit is not None and hit[2].dtype == t.dtype:
-                p, compute, base, _ = hit
-                return _Token(self, p, compute, tuple(t.size()), tuple(t.stride()),
-                              t.storage_offset() - base.storage_offset(), tuple(base.stride()))
+        found = _storage(t) if self.flats else None
+        i = self.flats.get(found[0]) if found is not None else None
+        if i is not None and self.call.flats[i].dtype == t.dtype:
+            return _Token(self.call, i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         if self.outer is not None:
             return _Outer(self.outer[0](t))
         return t.detach()
 
     def _unpack(self, packed):
         if isinstance(packed, _Token):
-            return packed.restore()
+            flat = _regathered(packed.call, self.trackers)[packed.index]
+            return flat.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _Outer):
             return self.outer[1](packed.value)
         return packed
 
-    def regather(self, p, compute: tuple, stride: tuple) -> torch.Tensor:
-        """``p`` boxed to ``compute`` again (one copy per backward while an op holds it)."""
-        ref = self.regathered.get(id(p))
-        base = ref() if ref is not None else None
-        if base is not None:
-            return base
+
+def _regathered(call, trackers) -> list:
+    """The call's buffers gathered again for backward (once; kept until its reduce-scatter)."""
+    if call.regathered is None:
         with torch.no_grad():
-            base = p.to_global(p.placement, compute).local
-            if tuple(base.stride()) != stride:
-                base = torch.empty_strided(base.shape, stride, dtype=base.dtype,
-                                           device=base.device).copy_(base)
-        self.regathered[id(p)] = weakref.ref(base)
-        found = _storage(base)
-        if found is not None and self.trackers:
-            _hold(self.trackers, found)
-            weakref.finalize(base, _let_go, self.trackers, found[0])
-        return base
+            call.regathered = _units.gather(call.items)[1]
+        if trackers:
+            for flat in call.regathered:
+                _hold_while_alive(trackers, flat)
+    return call.regathered
