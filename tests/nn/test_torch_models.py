@@ -283,3 +283,12 @@ def test_a_split_fused_projection_cut_by_the_model_warns():
         warnings.simplefilter("always")
         assert sf.launch(body, world_size=2, args=(mlp,))[0] == 1
     assert not [w for w in got if issubclass(w.category, CostlyLayoutWarning)]
+
+
+def test_nanogpt_example_runs(monkeypatch):
+    import runpy
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts examples/ first
+    g = runpy.run_path(str(ROOT / "examples" / "nanogpt.py"))
+    tiny = ["--steps", "2", "--sample", "2", "--d", "16", "--seq", "8", "--batch", "4"]
+    dp, two_d = g["run"](tiny), g["run"](tiny + ["--layout", "2d"])
+    assert len(dp) == 2 and dp == pytest.approx(two_d, rel=1e-5)
