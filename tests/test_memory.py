@@ -1,6 +1,7 @@
 """Memory accounting (issue 15, part 2): `memory_stats` gives each rank's bytes of parameters,
-gradients and optimizer state exactly (formulas per layout; each storage once); `track` sees the
-tensors saved for backward and the parameters gathered for an op, per rank thread; and the
+gradients and optimizer state exactly (formulas per layout, ZeRO stages included; each storage
+once); `track` sees the tensors saved for backward and the parameters gathered for an op, per
+rank thread (ZeRO-2 holds every gathered unit until backward, ZeRO-3 one at a time); and the
 bytes agree with `sf.auto.evaluate`'s prediction for the same model and layout."""
 
 import functools
@@ -18,16 +19,19 @@ B, S = sf.B, sf.S
 F32 = 4  # bytes of a float32
 
 # (A 1-D S(0) parameter once kept its shard as a view of the whole tensor, and each rank held the
-# whole storage; memory_stats counts storages, so the tp / zero cases below catch that.)
+# whole storage; memory_stats counts storages, so the tp / row_split cases below catch that.)
 
 # -- memory_stats: exact bytes per rank ----------------------------------------------------------
 SIZES = (16, 32, 32, 8)   # W0 32x16, b0 32, W1 32x32, b1 32, W2 8x32, b2 8: 1864 elements
-ELEMENTS = {   # parameter elements per rank on 4 ranks
-    "dp": 512 + 32 + 1024 + 32 + 256 + 8,                              # all B
-    "zero": 512 // 4 + 32 // 4 + 1024 // 4 + 32 // 4 + 256 // 4 + 8 // 4,  # all S(0)
-    "tp": 512 // 4 + 32 // 4 + 1024 // 4 + 32 + 256 // 4 + 8 // 4,     # col, row (bias B), col
-    "2d": 512 // 2 + 32 // 2 + 1024 // 2 + 32 + 256 // 2 + 8 // 2,     # (B, tp) on 2x2
-}
+ALL = 512 + 32 + 1024 + 32 + 256 + 8
+QUARTER = ALL // 4   # every size divides by 4
+TP = 512 // 4 + 32 // 4 + 1024 // 4 + 32 + 256 // 4 + 8 // 4     # col, row (bias B), col
+D2 = 512 // 2 + 32 // 2 + 1024 // 2 + 32 + 256 // 2 + 8 // 2     # (B, tp) on 2x2
+# (params, grads, one optimizer state) elements per rank on 4 ranks
+ELEMENTS = {"dp": (ALL,) * 3, "row_split": (QUARTER,) * 3, "tp": (TP,) * 3, "2d": (D2,) * 3,
+            "zero1": (ALL, ALL, QUARTER),     # optimizer state split
+            "zero2": (QUARTER,) * 3,          # + gradients (and parameters between steps)
+            "zero": (QUARTER,) * 3}           # ZeRO-3: + parameters
 BATCH = 8
 
 
@@ -35,7 +39,7 @@ def _mlp_step(name):
     sf.manual_seed(0)
     m = mlp_class(sf.nn, sf.nn.functional)(SIZES)
     lay = layout("mlp", name, sf.world_size())
-    sf.parallel.apply(m, lay.placement, lay.rules)
+    sf.parallel.apply(m, lay.placement, lay.rules, zero=lay.zero)
     opt = sf.optim.AdamW(m.parameters(), lr=1e-3)
     x = sf.tensor(torch.randn(BATCH, SIZES[0], generator=torch.Generator().manual_seed(1)),
                   lay.placement, lay.data_sbp)
@@ -56,23 +60,55 @@ def mlp_results(name):
     return sf.launch(_mlp_step, 4, args=(name,))
 
 
-@pytest.mark.parametrize("name", ["dp", "tp", "zero", "2d"])
+NAMES = ["dp", "tp", "row_split", "2d", "zero1", "zero2", "zero"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_grads_and_adamw_state_per_rank_are_the_formula(name):
-    n = ELEMENTS[name] * F32
+    _, grads, state = (n * F32 for n in ELEMENTS[name])
     for r in mlp_results(name):
         assert r["before"]["grads"] == 0 and r["before"]["optimizer"] == 0
-        assert r["backward"]["grads"] == n and r["backward"]["optimizer"] == 0
-        # AdamW: exp_avg + exp_avg_sq in the parameter's layout; its step is an int (no bytes)
-        assert r["step"]["grads"] == n and r["step"]["optimizer"] == 2 * n
+        assert r["backward"]["grads"] == grads and r["backward"]["optimizer"] == 0
+        # AdamW: exp_avg + exp_avg_sq in the update layout; its step is an int (no bytes)
+        assert r["step"]["grads"] == grads and r["step"]["optimizer"] == 2 * state
         s = r["step"]
         assert s["total"] == s["params"] + s["grads"] + s["optimizer"]
 
 
-@pytest.mark.parametrize("name", ["dp", "tp", "zero", "2d"])
+@pytest.mark.parametrize("name", NAMES)
 def test_param_bytes_per_rank_are_the_formula(name):
     for r in mlp_results(name):
         for stage in ("before", "backward", "step"):
-            assert r[stage]["params"] == ELEMENTS[name] * F32, stage
+            assert r[stage]["params"] == ELEMENTS[name][0] * F32, stage
+
+
+def test_zero_stages_hold_a_quarter_of_data_parallelism_for_what_they_shard():
+    """On 4 ranks each ZeRO stage holds 1/4 (within 5 %) of data parallelism's bytes of what
+    it shards, and data parallelism's of the rest."""
+    dp = mlp_results("dp")[0]["step"]
+    # ZeRO-2 stores the parameters split between steps too (gathered in forward)
+    shards = {"zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
+              "zero": ("params", "grads", "optimizer")}
+    for name, cats in shards.items():
+        for r in mlp_results(name):
+            for cat in ("params", "grads", "optimizer"):
+                want = dp[cat] / 4 if cat in cats else dp[cat]
+                assert r["step"][cat] == pytest.approx(want, rel=0.05), (name, cat)
+
+
+def test_gathered_weights_zero2_holds_them_all_zero3_one_unit():
+    """ZeRO-2 keeps each unit's gathered weights from its forward to its backward (at the end of
+    forward all of them that backward needs: not the first layer's, whose input needs no
+    gradient); ZeRO-3 frees them after the unit's forward and gathers them again for its
+    backward: one unit at a time (the MLP's units are its Linear layers; the largest is the
+    32x32 one with its bias). The saved activations are data parallelism's."""
+    dp_saved = mlp_results("dp")[0]["by_kind"]["saved"]
+    for r in mlp_results("zero2"):
+        assert r["by_kind"] == {"saved": dp_saved, "gathered": (ALL - 512 - 32) * F32}
+        assert r["end"] == 0
+    for r in mlp_results("zero"):
+        assert r["by_kind"] == {"saved": dp_saved, "gathered": (1024 + 32) * F32}
+        assert r["end"] == 0
 
 
 def test_every_optimizer_state_tensor_is_counted():
@@ -302,7 +338,7 @@ def _gpt_inputs():
 
 
 def _strategy(graph, cluster, name):
-    if name == "dp":
+    if name in ("dp", "zero1", "zero2"):
         return sf.auto.baselines.data_parallel(graph, cluster)
     if name == "tp":
         return sf.auto.baselines.megatron(graph, cluster, tp=4)
@@ -315,8 +351,10 @@ def _strategy(graph, cluster, name):
 
 def _gpt_step(name, dtype=torch.float32):
     """Lay out the GPT as ``name`` (dp / tp / 2d: sf.auto.parallelize with the baseline
-    strategy; zero: the old all-S(0) layout by sf.parallel.apply), run one AdamW step and
-    return the measured bytes and evaluate's prediction for the same strategy."""
+    strategy; zero: parallelize with the ZeRO-stored strategy, which runs ZeRO-3; zero1 /
+    zero2: data parallel by sf.parallel.apply with that stage), run one AdamW step and return
+    the measured bytes and evaluate's prediction for the same strategy (zero1 / zero2: the
+    data-parallel one, and the ZeRO-stored one for what the stage shards)."""
     sf.manual_seed(0)
     m = gpt_class(sf.nn, sf.nn.functional)(**GPT)
     if dtype != torch.float32:
@@ -325,13 +363,17 @@ def _gpt_step(name, dtype=torch.float32):
     pl = sf.placement("cpu", [0, 1, 2, 3])
     graph, modules = trace(m, _gpt_inputs())
     strategy = _strategy(graph, cluster, name)
-    if name == "zero":
-        sf.parallel.apply(m, pl, {"*": S(0)})
+    if name in ("zero1", "zero2"):
+        sf.parallel.apply(m, pl, {"*": B}, zero=int(name[-1]))
         args = [sf.tensor(v, pl, B) for v in _gpt_inputs()]
     else:
         plan = sf.auto.parallelize(m, _gpt_inputs(), pl, cluster, strategy=strategy)
         args = [plan.input(v) for v in _gpt_inputs()]
-    predicted = sf.auto.evaluate(graph, strategy, cluster).memory
+    predicted = dict(sf.auto.evaluate(graph, strategy, cluster).memory)
+    if name in ("zero1", "zero2"):
+        zero = sf.auto.evaluate(graph, _strategy(graph, cluster, "zero"), cluster).memory
+        for cat in ("optimizer",) if name == "zero1" else ("params", "grads", "optimizer"):
+            predicted[cat] = zero[cat]
     # the graph's layers are the traced Linear / Embedding modules: their weights are what
     # evaluate counts; biases and norms are not in the graph
     weights = [modules[l.name].weight for l in graph.layers]
@@ -350,7 +392,7 @@ def gpt_results(name, dtype=torch.float32):
     return sf.launch(_gpt_step, 4, args=(name, dtype))
 
 
-AGREE = [(name, cat) for name in ("dp", "tp", "2d", "zero")
+AGREE = [(name, cat) for name in ("dp", "tp", "2d", "zero", "zero1", "zero2")
          for cat in ("params", "grads", "optimizer")]
 
 

@@ -139,7 +139,7 @@ def _pre_forward(module, args) -> None:
             if any(m._parameters.get(k) is p for m, k in owners)]
     items = [(p, _PARAMS[p].compute) for p, _ in live if p in _PARAMS]
     if not items:
-        module.__dict__["_zero_calls"].append(([], None))
+        module.__dict__["_zero_calls"].append(([], None, None))
         return
     if recording():   # the graph records (and replays) one boxing per parameter
         gathered = [p.to_global(p.placement, nd) for p, nd in items]
@@ -158,18 +158,20 @@ def _pre_forward(module, args) -> None:
     ctx = on_gather(call) if call is not None and on_gather is not None else None
     if ctx is not None:
         ctx.__enter__()
-    module.__dict__["_zero_calls"].append((swapped, ctx))
+    module.__dict__["_zero_calls"].append((swapped, ctx, call))
 
 
 def _post_forward(module, args, output) -> None:
     calls = module.__dict__.get("_zero_calls")
     if not calls:
         return
-    swapped, ctx = calls.pop()
+    swapped, ctx, call = calls.pop()
     for m, k, p in swapped:
         m._parameters[k] = p
     if ctx is not None:
         ctx.__exit__(None, None, None)
+    if call is not None:
+        call.flats = []   # the buffers live on only where autograd saved them (stage 2)
 
 
 def gather(items: list) -> tuple[list, list]:
@@ -233,5 +235,5 @@ class UnitGather(torch.autograd.Function):
         with torch.no_grad():
             shards = reduce_scatter([(g.contiguous(), geo) for _, g, geo in todo])
         for (i, _, _), s in zip(todo, shards):
-            out[i] = s
+            out[i] = s.clone()   # its own storage: the received buffer is freed
         return (None, *out)

@@ -114,7 +114,6 @@ class _FreeAfterUse:
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)
-        self.call.flats = []   # the call's references: the buffers go with the module's
 
     def _pack(self, t: torch.Tensor):
         found = _storage(t) if self.flats else None
