@@ -5,6 +5,8 @@
   the "DDP fused" row, the fused kernel sbpflow's AdamW uses by default (the same update: that
   row shows what the framework itself costs); "dp graph": the same step as an ``sf.nn.Graph``;
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``;
+* "dp torch": the same GPT written in plain torch, converted by ``sf.nn.from_torch`` and laid out
+  by ``sf.parallel.apply``, against the sf.nn GPT's data-parallel step (the "torch" column);
 * per-op overhead on small tensors (each minus the local torch kernel's time): sbpflow eager
   ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's, and sbpflow graph mode vs eager.
 
@@ -80,6 +82,19 @@ def _sf_step(cfg, layout: str):
                                                   ys.reshape(-1), reduction="sum") / tokens
         return model(xs, pos, ys)
     return _as_step(forward, opt), model
+
+
+def _converted_step(cfg):
+    """The data-parallel step of `_sf_step` on the GPT written in plain torch (the sf.nn GPT's
+    torch twin), converted by ``sf.nn.from_torch`` and laid out by ``sf.parallel.apply``: its
+    own forward runs, its torch calls dispatched to sbpflow ops. Returns (step, model)."""
+    pl = sf.placement("cpu", list(range(dist.get_world_size())))
+    model = sf.parallel.apply(sf.nn.from_torch(_torch_model(cfg), pl), pl, {"*": sf.B})
+    opt = sf.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _data(cfg)
+    xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+    pos = sf.arange(cfg["seq"], placement=pl, sbp=sf.B)
+    return _as_step(lambda: model(xs, pos, ys), opt), model
 
 
 def _graph_step(cfg, micro_batches: int = 1):
@@ -245,13 +260,15 @@ def _bench(cfg, steps, graph_only: bool = False):
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
     fused = lambda c: _ddp_step(c, fused=True)  # noqa: E731
+    sf_nn_dp = lambda c: _sf_step(c, "dp")[0]  # noqa: E731
     cases = [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused), ("dp/sum", "DDP", _ddp_step),
              ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
-             ("dp graph", "DDP fused", fused)]
+             ("dp graph", "DDP fused", fused), ("dp torch", "sf.nn dp", sf_nn_dp)]
     for layout, ref_name, ref in cases:
         if graph_only and layout != "dp graph":
             continue
-        sf_step = _graph_step(cfg)[0] if layout == "dp graph" else _sf_step(cfg, layout)[0]
+        sf_step = _graph_step(cfg)[0] if layout == "dp graph" else \
+            _converted_step(cfg)[0] if layout == "dp torch" else _sf_step(cfg, layout)[0]
         sf_step()
         sf.comm.reset_stats()
         sf_step()
@@ -342,7 +359,7 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
     if layout == "dp/sum":  # one all-reduce of every gradient
         return 2 * (n - 1) * params * 4
-    if layout in ("dp", "dp graph"):
+    if layout in ("dp", "dp graph", "dp torch"):
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
         # targets: a float32 scalar, so the mean is over the whole batch, as on one device
         return 2 * (n - 1) * params * 4 + 2 * (n - 1) * 4

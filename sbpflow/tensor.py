@@ -582,8 +582,9 @@ def _to_dtype(t: GlobalTensor, args: tuple, kwargs: dict) -> torch.dtype | None:
 # -- plain torch tensors mixed with global ones ------------------------------------------------
 def lift(value: torch.Tensor, placement: Placement) -> GlobalTensor:
     """A plain torch tensor taken as replicated on ``placement`` (every rank of it holds the
-    whole value, which must be the same on every rank: a mask, positions, a constant). One
-    that requires grad (a torch parameter left in a model) is refused: convert the model."""
+    whole value, which must be the same on every rank: a mask, positions, a constant); in a
+    graph's build, a constant of the graph. One that requires grad (a torch parameter left in
+    a model) is refused: convert the model."""
     if value.requires_grad:
         raise UnsupportedTorchFunction(
             f"a plain torch tensor of shape {tuple(value.shape)} that requires grad (a torch "
@@ -593,7 +594,10 @@ def lift(value: torch.Tensor, placement: Placement) -> GlobalTensor:
     device = _device(placement)
     local = value.to(device) if _comm.rank() in placement else \
         empty_local(value.dtype, device)
-    return GlobalTensor(local, tuple(value.shape), placement, (B,) * placement.ndim)
+    out = GlobalTensor(local, tuple(value.shape), placement, (B,) * placement.ndim)
+    if _tracing.recorder is not None:  # a graph constant, as sf.tensor(value) in build is
+        _tracing.recorder.constant(out)
+    return out
 
 
 def _lift_args(args: tuple) -> tuple | None:

@@ -292,3 +292,45 @@ def test_nanogpt_example_runs(monkeypatch):
     tiny = ["--steps", "2", "--sample", "2", "--d", "16", "--seq", "8", "--batch", "4"]
     dp, two_d = g["run"](tiny), g["run"](tiny + ["--layout", "2d"])
     assert len(dp) == 2 and dp == pytest.approx(two_d, rel=1e-5)
+
+
+def test_a_converted_model_runs_in_graph_mode_as_eager():
+    mod = _example_model()
+    torch.manual_seed(0)
+    model = mod.GPT(mod.GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2,
+                                  n_embd=16)).to(F64)
+    x, y = _tokens()
+
+    def body(graph: bool):
+        pl = sf.placement("cpu", [0, 1])
+        m = sf.parallel.apply(sf.nn.from_torch(model), pl, {"*": sf.B})
+        opt = sf.optim.AdamW(m.parameters(), lr=1e-2)
+        xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+        if not graph:
+            return _sf_losses(m, opt, xs, ys)
+
+        class Step(sf.nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = m
+                self.add_optimizer(opt)
+
+            def build(self, x, y):   # positions: torch.arange in forward, a graph constant
+                loss = self.model(x, y)[1]
+                loss.backward()
+                return loss
+        step = Step()
+        return [step(xs, ys).item() for _ in range(3)]
+    eager = sf.launch(body, world_size=2, args=(False,))[0]
+    assert sf.launch(body, world_size=2, args=(True,))[0] == pytest.approx(eager, rel=1e-12)
+
+
+def _sf_losses(m, opt, xs, ys, steps: int = 3) -> list:
+    out = []
+    for _ in range(steps):
+        loss = m(xs, ys)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
