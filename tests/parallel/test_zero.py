@@ -1,0 +1,476 @@
+"""ZeRO stages 1-3 (issue 15): training equals the torch twin on one device (float64) for the
+example models at every stage, on 1-D and 2-D meshes with uneven shards, with gradient
+accumulation and clipping, activation checkpointing, bf16 autocast and in graph mode; the bytes
+each stage sends per step are its formula; checkpoints move between ZeRO and other layouts.
+Memory per rank is in tests/test_memory.py."""
+
+import functools
+
+import pytest
+import torch
+
+import sbpflow as sf
+from sbpflow.models import TP_RULES, gpt_class, mlp_class, vgg_class, wide_deep_class
+
+B, S, F64 = sf.B, sf.S, torch.float64
+RTOL, ATOL = 1e-5, 1e-9
+# 18 features, 30 tokens: rows split 5, 5, 4, 4 over 4 ranks (uneven shards everywhere)
+GPT = dict(vocab=30, d=18, heads=2, layers=2, seq=8)
+BATCH = 8
+MESHES = {
+    "1d": ([0, 1, 2, 3], {"*": B}, (S(0),)),
+    "2d": ([[0, 1], [2, 3]], {k: (B, v) for k, v in TP_RULES["gpt"].items()}, (S(0), B)),
+}
+
+
+def _gpt(nn, F):
+    return gpt_class(nn, F)(**GPT)
+
+
+def _gpt_batch(step: int) -> list:
+    g = torch.Generator().manual_seed(100 + step)
+    tok = torch.randint(0, GPT["vocab"], (BATCH, GPT["seq"] + 1), generator=g)
+    return [tok[:, :-1].contiguous(), torch.arange(GPT["seq"]), tok[:, 1:].contiguous()]
+
+
+def _sf_args(batch: list, pl, data_sbp) -> list:
+    rep = (B,) * pl.ndim
+    return [sf.tensor(batch[0], pl, data_sbp), sf.tensor(batch[1], pl, rep),
+            sf.tensor(batch[2], pl, data_sbp)]
+
+
+def _micro(batch: list, k: int, n: int) -> list:
+    """Micro-batch ``k`` of ``n`` (rows of the tokens and targets)."""
+    rows = BATCH // n
+    return [batch[0][k * rows:(k + 1) * rows], batch[1], batch[2][k * rows:(k + 1) * rows]]
+
+
+def _train(model, opt, args_of, steps: int, micro: int, clip, on_sf: bool) -> list:
+    """``steps`` steps of ``micro`` accumulated micro-batches (the loss of each divided by
+    ``micro``: the mean over the batch; sbpflow's all but the last under ``opt.no_sync()``),
+    clipping to ``clip``; returns the losses."""
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for k in range(micro):
+            ctx = opt.no_sync() if on_sf and k < micro - 1 else _null()
+            with ctx:
+                loss = model(*args_of(step, k)) / micro
+                loss.backward()
+            total += loss.item()
+        if clip is not None:
+            (sf.optim.clip_grad_norm_ if on_sf else torch.nn.utils.clip_grad_norm_)(
+                model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+VARIANTS = {"plain": (3, 1, None), "accum-clip": (2, 2, 0.05)}   # steps, micro-batches, clip
+
+
+def _sf_gpt_runs(mesh: str, stages=(1, 2, 3)) -> dict:
+    ranks, rules, data_sbp = MESHES[mesh]
+    pl = sf.placement("cpu", ranks)
+    out = {}
+    for stage in stages:
+        for variant, (steps, micro, clip) in VARIANTS.items():
+            sf.manual_seed(0)
+            m = _gpt(sf.nn, sf.nn.functional).double()
+            sd0 = m.state_dict()
+            sf.parallel.apply(m, pl, rules, zero=stage)
+            sbps = {n: p.sbp for n, p in m.named_parameters()}
+            opt = sf.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.01)
+            losses = _train(m, opt, lambda s, k: _sf_args(_micro(_gpt_batch(s), k, micro), pl,
+                                                          data_sbp),
+                            steps, micro, clip, True)
+            state = {n: st["exp_avg"].local.shape for n, st in
+                     zip([n for n, _ in m.named_parameters()], opt.state.values())}
+            out[(stage, variant)] = dict(sd0=sd0, losses=losses, sd=m.state_dict(), sbps=sbps,
+                                         state=state)
+    return out
+
+
+def _torch_gpt(sd0: dict, variant: str):
+    steps, micro, clip = VARIANTS[variant]
+    m = _gpt(torch.nn, torch.nn.functional).double()
+    m.load_state_dict(sd0)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.01, foreach=False)
+    losses = _train(m, opt, lambda s, k: _micro(_gpt_batch(s), k, micro), steps, micro, clip,
+                    False)
+    return losses, m.state_dict()
+
+
+def _close(a, b, what: str) -> None:
+    torch.testing.assert_close(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64),
+                               rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+@functools.cache
+def gpt_runs(mesh: str):
+    return sf.launch(_sf_gpt_runs, 4, args=(mesh,))
+
+
+# what each stage must have done (so a rule typo cannot make a test vacuous): stored layouts
+STORED = {
+    ("1d", 1): {"blocks.0.attn.qkv.weight": (B,)},
+    ("1d", 3): {"blocks.0.attn.qkv.weight": (S(0),), "tok.weight": (S(0),),
+                "blocks.1.ln2.bias": (S(0),)},
+    # ZeRO along dp (mesh dim 0) inside the Megatron layout: a column-parallel weight splits
+    # its input axis (its output axis is cut by tp after dp), a row-parallel one its output
+    # axis; a column-parallel bias has no such axis and stays as it is; replicated ones split
+    # along both mesh dims
+    ("2d", 3): {"blocks.0.attn.qkv.weight": (S(1), S(0)), "blocks.0.attn.proj.weight":
+                (S(0), S(1)), "blocks.0.attn.qkv.bias": (B, S(0)), "head.weight": (S(0), S(0))},
+}
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_training_equals_torch(mesh, stage, variant):
+    """Every stage, both meshes; ``accum-clip``: two micro-batches (the first under
+    ``opt.no_sync()``) and ``clip_grad_norm_`` to a norm the gradients exceed."""
+    res = gpt_runs(mesh)
+    r0 = res[0][(stage, variant)]
+    want_losses, want_sd = _torch_gpt(r0["sd0"], variant)
+    for rank, r in enumerate(res):
+        got = r[(stage, variant)]
+        _close(got["losses"], want_losses, f"rank {rank} losses")
+        for k, v in want_sd.items():
+            _close(got["sd"][k], v, f"rank {rank} {k}")
+    for name, sbp in STORED.get((mesh, stage), {}).items():
+        assert r0["sbps"][name] == sbp, name
+    if (mesh, stage) == ("1d", 1):   # the optimizer state of a B weight is split: 54 rows
+        assert [r[(1, "plain")]["state"]["blocks.0.attn.qkv.weight"][0] for r in res] == \
+            [14, 14, 13, 13]
+
+
+# -- the other example models --------------------------------------------------------------------
+MODELS = {
+    "mlp": (lambda nn, F, cat: mlp_class(nn, F)((10, 13, 7, 5)),
+            lambda g: [torch.randn(8, 10, generator=g, dtype=F64),
+                       torch.randint(0, 5, (8,), generator=g)]),
+    "vgg": (lambda nn, F, cat: vgg_class(nn, F)((3, 4, 6), 8, 10, 12),
+            lambda g: [torch.randn(8, 3, 8, 8, generator=g, dtype=F64),
+                       torch.randint(0, 10, (8,), generator=g)]),
+    "wide_deep": (lambda nn, F, cat: wide_deep_class(nn, F, cat)(50, 4, 3, 5, 12),
+                  lambda g: [torch.randint(0, 50, (8, 3), generator=g),
+                             torch.randn(8, 5, generator=g, dtype=F64),
+                             torch.randint(0, 2, (8,), generator=g)]),
+}
+
+
+def _model_runs(name: str) -> dict:
+    build, inputs = MODELS[name]
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (1, 2, 3):
+        sf.manual_seed(0)
+        m = build(sf.nn, sf.nn.functional, sf.cat).double()
+        sd0 = m.state_dict()
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+        losses = []
+        for step in range(2):
+            args = [sf.tensor(v, pl, S(0)) for v in inputs(torch.Generator().manual_seed(step))]
+            loss = m(*args)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[stage] = (sd0, losses, m.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_other_models_train_as_torch_at_every_stage(name):
+    build, inputs = MODELS[name]
+    res = sf.launch(_model_runs, 4, args=(name,))
+    for stage in (1, 2, 3):
+        sd0, losses, sd = res[0][stage]
+        m = build(torch.nn, torch.nn.functional, torch.cat).double()
+        m.load_state_dict(sd0)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.02, foreach=False)
+        want = []
+        for step in range(2):
+            loss = m(*inputs(torch.Generator().manual_seed(step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want.append(loss.item())
+        _close(losses, want, f"{name} stage {stage} losses")
+        for k, v in m.state_dict().items():
+            _close(sd[k], v, f"{name} stage {stage} {k}")
+
+
+# -- bytes per step ------------------------------------------------------------------------------
+SIZES = (16, 32, 32, 8)   # every weight and bias divides by 4: 1864 float32 elements
+P = (16 * 32 + 32 + 32 * 32 + 32 + 32 * 8 + 8) * 4
+
+
+def _bytes_per_step() -> dict:
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (0, 1, 2, 3):
+        sf.manual_seed(0)
+        m = mlp_class(sf.nn, sf.nn.functional)(SIZES)
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        opt = sf.optim.AdamW(m.parameters())
+        x = sf.randn(8, SIZES[0], placement=pl, sbp=S(0), seed=1)
+        for step in range(2):   # the second step is measured
+            sf.comm.reset_stats()
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        st = sf.comm.stats()
+        out[stage] = {k: v.sent for k, v in st.kinds.items()}
+    return out
+
+
+def test_bytes_per_step_are_the_formulas():
+    """Per rank and step (N = 4): data parallelism all-reduces 2|P|(N-1)/N; stages 1 and 2
+    send the same as one reduce-scatter and one all-gather (stage 1 in the optimizer step,
+    stage 2 the all-gather in forward and the reduce-scatter in backward); stage 3 gathers in
+    forward and again in backward: 3|P|(N-1)/N, less the units whose weights backward does
+    not read (the first Linear: its input needs no gradient, so it saves no weight)."""
+    share = P * 3 // 4
+    first = (16 * 32 + 32) * 4 * 3 // 4
+    for r in sf.launch(_bytes_per_step, 4):
+        assert r[0] == {"all_reduce": 2 * share}
+        for stage in (1, 2):
+            assert r[stage] == {"reduce_scatter": share, "all_gather": share}, stage
+        assert r[3] == {"reduce_scatter": share, "all_gather": 2 * share - first}
+
+
+# -- checkpoints across layouts ------------------------------------------------------------------
+TARGETS = {   # name: (mesh, zero stage)
+    "dp": ("1d", 0), "zero1": ("1d", 1), "zero3": ("1d", 3), "2d": ("2d", 0),
+    "2d-zero3": ("2d", 3)}
+
+
+def _laid_out(name: str, seed: int):
+    mesh, stage = TARGETS[name]
+    ranks, rules, data_sbp = MESHES[mesh]
+    pl = sf.placement("cpu", ranks)
+    sf.manual_seed(seed)
+    m = _gpt(sf.nn, sf.nn.functional).double()
+    sf.parallel.apply(m, pl, rules, zero=stage)
+    opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+    loss = m(*_sf_args(_gpt_batch(seed), pl, data_sbp))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return m, opt, pl, data_sbp
+
+
+def _next_loss(m, opt, pl, data_sbp) -> float:
+    loss = m(*_sf_args(_gpt_batch(9), pl, data_sbp))
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _round_trips(path: str) -> dict:
+    src, sopt, spl, ssbp = _laid_out("zero3", 0)
+    sf.save(path + "/zero3", src, sopt)
+    want = (src.state_dict(), sopt.state_dict(), _next_loss(src, sopt, spl, ssbp))
+    out = {}
+    for name in TARGETS:
+        m, opt, pl, dsbp = _laid_out(name, 1)           # other weights, another state
+        sf.load(path + "/zero3", m, opt)
+        got = (m.state_dict(), opt.state_dict())
+        sf.save(path + f"/{name}", m, opt)              # and back into ZeRO-3
+        back, bopt, bpl, bsbp = _laid_out("zero3", 2)
+        sf.load(path + f"/{name}", back, bopt)
+        out[name] = (got, _next_loss(m, opt, pl, dsbp), back.state_dict(), bopt.state_dict(),
+                     _next_loss(back, bopt, bpl, bsbp))
+    return dict(want=want, out=out)
+
+
+def test_a_zero3_checkpoint_loads_into_any_layout_and_back(tmp_path):
+    res = sf.launch(_round_trips, 4, args=(str(tmp_path),))
+    for r in res:
+        sd, osd, loss = r["want"]
+        for name, (got, next_loss, back_sd, back_osd, back_loss) in r["out"].items():
+            for k, v in sd.items():
+                _close(got[0][k], v, f"{name}: {k}")
+                _close(back_sd[k], v, f"{name} and back: {k}")
+            for i, st in osd["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _close(got[1]["state"][i][key], st[key], f"{name}: state {i} {key}")
+                    _close(back_osd["state"][i][key], st[key], f"back: state {i} {key}")
+            # the next step is the same step
+            _close(next_loss, loss, f"{name}: next loss")
+            _close(back_loss, loss, f"{name} and back: next loss")
+
+
+# -- activation checkpointing, autocast, graph mode, parallelize ---------------------------------
+def _recompute_runs() -> dict:
+    F = sf.nn.functional
+    GPTClass = gpt_class(sf.nn, F)
+
+    class Recomputed(GPTClass):
+        def forward(self, tokens, positions, targets):
+            x = self.tok(tokens) + self.pos(positions)
+            for block in self.blocks:
+                x = sf.nn.checkpoint(block, x)
+            logits = self.head(self.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (2, 3):
+        sf.manual_seed(0)
+        m = Recomputed(**GPT).double()
+        sd0 = m.state_dict()
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.01)
+        losses = _train(m, opt, lambda s, k: _sf_args(_gpt_batch(s), pl, (S(0),)), 3, 1, None,
+                        True)
+        out[stage] = (sd0, losses, m.state_dict())
+    return out
+
+
+def test_activation_checkpointing_of_zero_units_equals_torch():
+    """Each block (a ZeRO unit) under ``sf.nn.checkpoint``: recomputation gathers the unit
+    again; the result is the torch twin's without checkpointing."""
+    res = sf.launch(_recompute_runs, 4)
+    for stage in (2, 3):
+        sd0, losses, sd = res[0][stage]
+        want_losses, want_sd = _torch_gpt(sd0, "plain")
+        _close(losses, want_losses, f"stage {stage} losses")
+        for k, v in want_sd.items():
+            _close(sd[k], v, f"stage {stage} {k}")
+
+
+def _autocast_runs() -> dict:
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (0, 3):
+        sf.manual_seed(0)
+        m = _gpt(sf.nn, sf.nn.functional)
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+        losses = []
+        for step in range(3):
+            with sf.autocast(torch.bfloat16):
+                loss = m(*_sf_args(_gpt_batch(step), pl, (S(0),)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[stage] = (losses, m.state_dict())
+    return out
+
+
+def test_bf16_autocast_zero3_equals_data_parallel():
+    """The same bf16 kernels on the gathered weights: ZeRO-3 gives data parallelism's losses
+    and weights (float32 master weights, up to the order of the gradient reductions)."""
+    res = sf.launch(_autocast_runs, 4)[0]
+    (dp_losses, dp_sd), (z_losses, z_sd) = res[0], res[3]
+    assert z_losses[0] != pytest.approx(z_losses[-1])   # it trains
+    torch.testing.assert_close(torch.tensor(z_losses), torch.tensor(dp_losses), rtol=1e-4,
+                               atol=1e-5)
+    for k, v in dp_sd.items():
+        torch.testing.assert_close(z_sd[k], v, rtol=1e-3, atol=1e-5, msg=k)
+
+
+class _Step(sf.nn.Graph):
+    def __init__(self, model, opt, stage):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.enable_zero(stage)
+
+    def build(self, *args):
+        loss = self.model(*args)
+        loss.backward()
+        return loss
+
+
+def _graph_runs(mesh: str) -> dict:
+    ranks, rules, data_sbp = MESHES[mesh]
+    pl = sf.placement("cpu", ranks)
+    out = {}
+    for stage in (1, 2, 3):
+        for graph in (False, True):
+            sf.manual_seed(0)
+            m = _gpt(sf.nn, sf.nn.functional).double()
+            sf.parallel.apply(m, pl, rules, zero=0 if graph else stage)
+            opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+            step = _Step(m, opt, stage) if graph else None
+            losses = []
+            for s in range(3):
+                args = _sf_args(_gpt_batch(s), pl, data_sbp)
+                if graph:
+                    losses.append(step(*args).item())
+                else:
+                    loss = m(*args)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+            out[(stage, graph)] = (losses, m.state_dict(),
+                                   {n: p.sbp for n, p in m.named_parameters()})
+    return out
+
+
+def test_graph_enable_zero_equals_eager():
+    """``config.enable_zero(stage)`` on a data-parallel model equals ``sf.parallel.apply(...,
+    zero=stage)`` run eagerly, and leaves the parameters in the same stored layouts."""
+    res = sf.launch(_graph_runs, 4, args=("1d",))[0]
+    for stage in (1, 2, 3):
+        (el, esd, esbp), (gl, gsd, gsbp) = res[(stage, False)], res[(stage, True)]
+        _close(gl, el, f"stage {stage} losses")
+        for k, v in esd.items():
+            _close(gsd[k], v, f"stage {stage} {k}")
+        assert gsbp == esbp
+    assert res[(3, True)][2]["blocks.0.mlp.fc.weight"] == (S(0),)
+
+
+def _parallelized() -> tuple:
+    from sbpflow.auto.space import Strategy, make_layer_strategy
+    from sbpflow.auto.trace import trace
+    sf.manual_seed(0)
+    m = _gpt(sf.nn, sf.nn.functional).double()
+    sd0 = m.state_dict()
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    batch = _gpt_batch(0)
+    graph, _ = trace(m, batch)
+    strategy = Strategy(graph, [make_layer_strategy(l, (4,), ("dp",), zero=True)
+                                for l in graph.layers])
+    plan = sf.auto.parallelize(m, batch, pl, strategy=strategy)
+    opt = sf.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.01)
+    losses = []
+    for s in range(3):
+        loss = m(*[plan.input(v) for v in _gpt_batch(s)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sd0, losses, m.state_dict(), {n: p.sbp for n, p in m.named_parameters()}
+
+
+def test_parallelize_runs_zero_stored_weights_as_stage_3():
+    sd0, losses, sd, sbps = sf.launch(_parallelized, 4)[0]
+    assert sbps["blocks.0.attn.qkv.weight"] == (S(0),) and sbps["head.weight"] == (S(0),)
+    want_losses, want_sd = _torch_gpt(sd0, "plain")
+    _close(losses, want_losses, "losses")
+    for k, v in want_sd.items():
+        _close(sd[k], v, k)
+
+
+def test_bad_stage_names_the_fix():
+    pl = sf.placement("cpu", [0])
+    with pytest.raises(sf.SbpError, match="zero must be one of"):
+        sf.parallel.apply(sf.nn.Linear(2, 2), pl, {"*": B}, zero=4)
