@@ -474,3 +474,26 @@ def test_bad_stage_names_the_fix():
     pl = sf.placement("cpu", [0])
     with pytest.raises(sf.SbpError, match="zero must be one of"):
         sf.parallel.apply(sf.nn.Linear(2, 2), pl, {"*": B}, zero=4)
+
+
+def _meta_vs_real() -> tuple:
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = []
+    for meta in (True, False):
+        sf.manual_seed(0)
+        with sf.nn.init.meta_init() if meta else _null():
+            m = _gpt(sf.nn, sf.nn.functional)
+        sf.parallel.apply(m, pl, {"*": B}, zero=3)
+        out.append(({n: (p.sbp, tuple(p.local.shape), p.local.is_meta)
+                     for n, p in m.named_parameters()}, m.state_dict()))
+    return out
+
+
+def test_a_meta_model_is_materialised_straight_into_its_zero3_shards():
+    res = sf.launch(_meta_vs_real, 4)
+    for (meta, meta_sd), (real, real_sd) in res:
+        assert meta == real and not any(is_meta for _, _, is_meta in meta.values())
+        for k, v in real_sd.items():
+            assert torch.equal(meta_sd[k], v), k
+    # 30 rows: 8, 8, 7, 7
+    assert [r[0][0]["tok.weight"][:2] for r in res] == [((S(0),), (n, 18)) for n in (8, 8, 7, 7)]
