@@ -1,44 +1,142 @@
-"""``launch`` (a new world of ranks: threads or processes) and ``init`` (join torchrun's world);
-the calling rank's communicator itself is kept in `sbpflow.comm.current`."""
+"""``launch`` (a new world of ranks: threads or processes; or, inside a world a launcher
+started, that world) and ``init`` (join torchrun's world); the calling rank's communicator
+itself is kept in `sbpflow.comm.current`."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pickle
 import threading
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from ..errors import CommAborted, SbpError
+import torch
+import torch.distributed as dist
+
+from ..errors import CommAborted, CommError, CommTimeout, SbpError
 from .base import Communicator
-from .current import _local, current, set_current
+from .current import _local, current, current_process, set_current
 from .threads import ThreadCommunicator, ThreadWorld
 from .torch_backend import init_from_env, launch_processes
 
 __all__ = ["launch", "init"]
 
 
-def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads",
+def launch(fn: Callable[..., Any], world_size: int | None, backend: str = "threads",
            args: Sequence[Any] = (), kwargs: dict | None = None,
            timeout: float | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on every rank of a new world; return the per-rank results.
+    """Run ``fn(*args, **kwargs)`` on every rank of a world; return the per-rank results.
 
-    ``backend="threads"`` runs one thread a rank in this process; ``backend="torch"`` spawns
-    ``world_size`` processes joined by torch.distributed (gloo on localhost); ``fn`` and its
-    arguments must then be picklable. If a rank raises, the others stop within about a second
-    and the first rank's original exception is re-raised here, with a note naming its rank;
-    with threads, ``launch`` raises about a second after the first failure even if a rank is
-    stuck in its own code (that rank is left running as a daemon thread, named in a note on
-    the exception and in a `RuntimeWarning`).
+    Outside any world: a new one. ``backend="threads"`` runs one thread a rank in this
+    process; ``backend="torch"`` spawns ``world_size`` processes joined by torch.distributed
+    (gloo on localhost); ``fn`` and its arguments must then be picklable. If a rank raises,
+    the others stop within about a second and the first rank's original exception is
+    re-raised here, with a note naming its rank; with threads, ``launch`` raises about a second
+    after the first failure even if a rank is stuck in its own code (that rank is left running
+    as a daemon thread, named in a note on the exception and in a `RuntimeWarning`).
     ``timeout`` (seconds, default ``SBPFLOW_TIMEOUT`` or 300) bounds every collective's wait.
+
+    Inside a world (this is a rank of ``launch`` or ``sbpflow run``, or a launcher such as
+    torchrun set ``RANK`` / ``WORLD_SIZE``, or torch.distributed is initialised): no second
+    world. ``fn`` runs on this rank of that world (joined with `init` if need be), and every
+    rank gets the list of all ranks' results (on the torch backend they must be picklable).
+    ``world_size`` must be that world's size (``None``: whatever it is), else `CommError`;
+    ``backend`` and ``timeout`` are not used.
     """
+    kwargs = kwargs or {}
+    comm = _existing_world()
+    if comm is not None:
+        return _run_in_world(comm, fn, world_size, tuple(args), kwargs)
+    if world_size is None:
+        raise SbpError("launch(world_size=None) runs on the world a launcher started "
+                       "(torchrun, sbpflow run), and there is none: give world_size")
     if not isinstance(world_size, int) or world_size < 1:
         raise SbpError(f"world_size must be a positive int, got {world_size!r}")
-    kwargs = kwargs or {}
     if backend == "threads":
         return _launch_threads(fn, world_size, tuple(args), kwargs, timeout)
     if backend == "torch":
         return launch_processes(fn, world_size, tuple(args), kwargs, timeout)
     raise SbpError(f"unknown backend {backend!r}; use 'threads' or 'torch'")
+
+
+# -- inside an existing world ----------------------------------------------------------------------
+def _existing_world() -> Communicator | None:
+    """This rank's communicator when the caller already is a rank of a world, else None: a
+    rank thread (`launch`, ``sbpflow run``), a process that joined torch.distributed, or one
+    whose launcher set ``RANK`` and ``WORLD_SIZE`` (joined here). The single-rank world plain
+    code gets on first use is not one (a `ThreadCommunicator` set process-wide)."""
+    comm = _local.comm
+    if comm is not None:
+        return comm
+    process = current_process()
+    if process is not None and not isinstance(process, ThreadCommunicator):
+        return process
+    if getattr(mp.current_process(), "_inheriting", False):
+        return None  # a spawned rank importing its main script: `launch_processes` says why
+    if dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return init()
+    return None
+
+
+def _run_in_world(comm: Communicator, fn: Callable, world_size: int | None, args: tuple,
+                  kwargs: dict) -> list[Any]:
+    n = comm.world_size
+    if world_size is not None and world_size != n:
+        started = ("sf.launch or `sbpflow run` (rank threads)" if _local.comm is not None else
+                   "torch.distributed: torchrun, `sbpflow run --backend torch`, or another "
+                   "launcher that set RANK / WORLD_SIZE")
+        raise CommError(
+            f"sf.launch(fn, world_size={world_size}) was called on rank {comm.rank} of a world "
+            f"of {n} rank(s) started by {started}. sbpflow runs fn on that world instead of "
+            f"starting a second one beside it: start {world_size} ranks (torchrun "
+            f"--nproc-per-node {world_size}, sbpflow run -n {world_size}), or pass "
+            f"world_size={n} (or None: the world's own size)")
+    result = fn(*args, **kwargs)
+    if n == 1:
+        return [result]
+    if isinstance(comm, ThreadCommunicator):
+        return _share_results(comm, result)
+    return _gather_results(comm, result)
+
+
+def _share_results(comm: ThreadCommunicator, result: Any) -> list[Any]:
+    """Every rank thread's result, on every rank: posted by reference on a message channel
+    (one per call; an aborted world raises while waiting)."""
+    calls = comm.state["launch_calls"] = comm.state.get("launch_calls", 0) + 1
+    channel = f"sbpflow.launch.results.{calls}"
+    n, me = comm.world_size, comm.rank
+    for dst in range(n):
+        if dst != me:
+            comm.post(dst, channel, result)
+    results: list[Any] = [None] * n
+    results[me] = result
+    missing = set(range(n)) - {me}
+    deadline = time.monotonic() + comm.world.timeout
+    while missing:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeout(f"sf.launch on rank {me}: rank(s) {sorted(missing)} did not "
+                              f"finish fn within {comm.world.timeout:g} s of this rank "
+                              f"(SBPFLOW_TIMEOUT)")
+        for src, value in comm.inbox(channel, min(left, 0.05)):
+            results[src] = value
+            missing.discard(src)
+    return results
+
+
+def _gather_results(comm: Communicator, result: Any) -> list[Any]:
+    """Every rank process's result, on every rank: pickled and all-gathered."""
+    try:
+        data = pickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001
+        raise CommError(f"sf.launch: the result of rank {comm.rank} cannot be pickled to the "
+                        f"other ranks ({exc!r}); return plain values (numbers, torch tensors, "
+                        f"dicts of them) or None") from None
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pieces = comm.all_gather(payload, list(range(comm.world_size)))
+    return [pickle.loads(p.numpy().tobytes()) for p in pieces]
 
 
 _GRACE = 1.0  # seconds the other ranks get to stop after the first failure
