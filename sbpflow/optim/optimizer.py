@@ -28,6 +28,7 @@ from ..gradsync import GradSync, collect, update_layout, zero_grads
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from . import zero as _zero
+from .zero_sync import ShardSync, collect as _collect_shards
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -67,6 +68,9 @@ def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | Non
 
 
 _BUCKET_BYTES = 32 << 20  # gradients all-reduced together, at most this many bytes at once
+# ZeRO-1 gradients reduce-scattered together during backward: small enough that the first
+# buckets start while backward goes on
+_SHARD_BUCKET = 4 << 20
 
 
 def boxed_grads(params: list, *, remember: bool = False) -> list:
@@ -83,6 +87,7 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
     sharded: list = []   # (index, geometry) of ZeRO stage-1 gradients
     cache = _boxed_cache()
     cache.update(collect(params))  # all-reduces started during backward (gradsync)
+    cache.update(_collect_shards(params))  # ZeRO-1 reduce-scatters started during backward
     for i, p in enumerate(params):
         g = p.local.grad
         if g is None:
@@ -189,6 +194,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state: defaultdict = defaultdict(dict)
         self.param_groups: list[dict] = []
         self._sync: GradSync | None = None
+        self._shard_sync: ShardSync | None = None
         self._sync_params: list = []
         groups = list(params)
         if not groups:
@@ -227,10 +233,10 @@ class Optimizer(torch.optim.Optimizer):
         """Backward passes inside start no gradient all-reduce: for all micro-batches but the
         last when accumulating (as DDP's ``no_sync``). Without it each backward's all-reduces
         are redone by the next, so accumulation stays correct but communicates k times."""
-        if self._sync is None:
-            yield
-            return
-        with self._sync.no_sync():
+        with contextlib.ExitStack() as stack:
+            for sync in (self._sync, self._shard_sync):
+                if sync is not None:
+                    stack.enter_context(sync.no_sync())
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -268,6 +274,7 @@ class Optimizer(torch.optim.Optimizer):
                     f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
         if self.overlap_grad_sync and self._sync_params != params:
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
+            self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
         grads = iter(boxed_grads(params))
         gather = []   # ZeRO stage 1: (parameter shard, geometry) to all-gather after the update

@@ -5,8 +5,8 @@ unit's ``forward``; stage 1 only registers the split update layout (the optimize
 A unit is a module whose parameters are gathered together: the model itself and each child of
 a numbered container (``ModuleList`` / ``Sequential``: a transformer's blocks), as FSDP2 is
 usually applied; a parameter belongs to the innermost unit around the module that owns it.
-Eagerly a unit's call is one coalesced all-gather (`UnitGather`) whose backward is one
-reduce-scatter (the dual of the boxing ``S -> B``, coalesced); in a graph's trace each
+Eagerly a unit's call is one coalesced all-gather whose backward is one reduce-scatter (the
+dual of the boxing ``S -> B``, coalesced: `sbpflow.optim.zero_gather`); in a graph's trace each
 parameter is boxed with ``to_global``, which the graph records and replays.
 """
 
@@ -17,13 +17,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import comm as _comm
 from ..gradsync import set_update_layout
-from ..sbp import local_shape
 from ..tensor import GlobalTensor, recording
-from .zero import all_gather_into, check_stage, geometry, reduce_scatter, stored_layout
+from .zero import check_stage, stored_layout
+from .zero_gather import UnitGather, begin_call, end_call
 
-__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "gather", "UnitGather", "UnitCall"]
+__all__ = ["ZeroParam", "zero_param", "shard_", "units_of"]
 
 
 class ZeroParam(NamedTuple):
@@ -111,6 +110,7 @@ def _hook_units(model, owned: dict, unit_names: list, on_gather) -> None:
                         first.startswith(u + "."))
             entries = by_unit.setdefault(unit, {})
             entries.setdefault(id(p), (p, []))[1].append((m, key))
+    by_unit.setdefault("", {})   # the model: the outermost call bounds a forward (prefetch)
     for unit, entries in by_unit.items():
         module = model.get_submodule(unit)
         state = module.__dict__
@@ -122,30 +122,28 @@ def _hook_units(model, owned: dict, unit_names: list, on_gather) -> None:
             module.register_forward_hook(_post_forward, always_call=True)
 
 
-class UnitCall:
-    """One eager call of a unit: ``items`` ((parameter, compute layout) pairs), the ``flats``
-    its gather made (one buffer per group and dtype) and ``regathered`` (stage 3's backward
-    copies, dropped once the unit's reduce-scatter ran)."""
-
-    __slots__ = ("items", "flats", "regathered", "__weakref__")
-
-    def __init__(self, items: list) -> None:
-        self.items, self.flats, self.regathered = items, [], None
+def _unit_items(module) -> tuple[list, list]:
+    """The unit's parameters still registered where it put them, with their owners, and its
+    (parameter, compute layout) items."""
+    entries, _ = module.__dict__["_zero_unit"]
+    live = [(p, owners) for p, owners in entries
+            if p in _PARAMS and any(m._parameters.get(k) is p for m, k in owners)]
+    return live, [(p, _PARAMS[p].compute) for p, _ in live]
 
 
 def _pre_forward(module, args) -> None:
-    entries, on_gather = module.__dict__["_zero_unit"]
-    live = [(p, owners) for p, owners in entries
-            if any(m._parameters.get(k) is p for m, k in owners)]
-    items = [(p, _PARAMS[p].compute) for p, _ in live if p in _PARAMS]
+    on_gather = module.__dict__["_zero_unit"][1]
+    live, items = _unit_items(module)
     if not items:
-        module.__dict__["_zero_calls"].append(([], None, None))
+        if not recording():
+            begin_call(module, items, None)
+        module.__dict__["_zero_calls"].append(([], None, module))
         return
     if recording():   # the graph records (and replays) one boxing per parameter
         gathered = [p.to_global(p.placement, nd) for p, nd in items]
         call = None
     else:
-        call = UnitCall(items)
+        call = begin_call(module, items, lambda m: _unit_items(m)[1])
         outs = UnitGather.apply(call, *[p.local for p, _ in items])
         gathered = [GlobalTensor(o, tuple(p.shape), p.placement, nd)
                     for o, (p, nd) in zip(outs, items)]
@@ -170,70 +168,8 @@ def _post_forward(module, args, output) -> None:
         m._parameters[k] = p
     if ctx is not None:
         ctx.__exit__(None, None, None)
-    if call is not None:
+    if call is module:
+        end_call(module)
+    elif call is not None:
         call.flats = []   # the buffers live on only where autograd saved them (stage 2)
-
-
-def gather(items: list) -> tuple[list, list]:
-    """The compute-layout locals of ``items`` ((parameter, compute layout)) and the flat
-    buffers they are views of: one coalesced all-gather per group and dtype (no autograd)."""
-    rank = _comm.rank()
-    outs: list = [None] * len(items)
-    flats: dict = {}
-    todo = []
-    for i, (p, nd) in enumerate(items):
-        geo = geometry(tuple(p.shape), p.placement, nd, p.sbp, rank)
-        if geo is None:
-            outs[i] = p.local.detach()
-            continue
-        shape = local_shape(tuple(p.shape), p.placement.shape, nd, p.placement.coord_of(rank))
-        flats.setdefault((geo.group, p.dtype, p.local.device), []).append((i, geo, shape))
-    buffers = []
-    for (_, dtype, device), members in flats.items():
-        sizes = [_numel(shape) for _, _, shape in members]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        buffers.append(flat)
-        offset = 0
-        for (i, geo, shape), n in zip(members, sizes):
-            full = flat[offset:offset + n].view(shape)
-            offset += n
-            full.narrow(geo.axis, *geo.parts[geo.index]).copy_(items[i][0].local.detach())
-            outs[i] = full
-            todo.append((full, geo))
-    all_gather_into(todo)
-    return outs, buffers
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-class UnitGather(torch.autograd.Function):
-    """Forward: `gather` (the unit's boxing ``stored -> compute``, coalesced); backward: the
-    gradients reduce-scattered to the stored shards (its dual, coalesced)."""
-
-    @staticmethod
-    def forward(ctx, call: UnitCall, *shards):
-        ctx.call = call
-        with torch.no_grad():
-            outs, call.flats = gather(call.items)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        call = ctx.call
-        call.regathered = None       # stage 3's backward copies are no longer needed
-        rank = _comm.rank()
-        todo, out = [], [None] * len(grads)
-        for i, ((p, nd), g) in enumerate(zip(call.items, grads)):
-            geo = geometry(tuple(p.shape), p.placement, nd, p.sbp, rank)
-            if geo is not None:
-                todo.append((i, g, geo))
-        with torch.no_grad():
-            shards = reduce_scatter([(g.contiguous(), geo) for _, g, geo in todo])
-        for (i, _, _), s in zip(todo, shards):
-            out[i] = s.clone()   # its own storage: the received buffer is freed
-        return (None, *out)
+        end_call(module)

@@ -20,6 +20,7 @@ import torch
 from .. import memory as _memory
 from ..nn.modules import Module
 from ..optim import zero as _core
+from ..optim import zero_gather as _gather
 from ..optim import zero_units as _units
 
 __all__ = ["shard", "stored_layout", "check_stage", "STAGES"]
@@ -119,6 +120,7 @@ class _FreeAfterUse:
         found = _storage(t) if self.flats else None
         i = self.flats.get(found[0]) if found is not None else None
         if i is not None and self.call.flats[i].dtype == t.dtype:
+            self.call.tokens += 1
             return _Token(self.call, i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         if self.outer is not None:
             return _Outer(self.outer[0](t))
@@ -134,10 +136,15 @@ class _FreeAfterUse:
 
 
 def _regathered(call, trackers) -> list:
-    """The call's buffers gathered again for backward (once; kept until its reduce-scatter)."""
+    """The call's buffers gathered again for backward (once; kept until its reduce-scatter
+    starts), and the gather of the call before it (backward's next) started."""
     if call.regathered is None:
-        with torch.no_grad():
-            call.regathered = _units.gather(call.items)[1]
+        call.regathered = _gather.start(call.items)
+    prev = call.prev() if call.prev is not None else None
+    if prev is not None and prev.tokens and prev.regathered is None:
+        prev.regathered = _gather.start(prev.items)
+    if not isinstance(call.regathered, list):
+        call.regathered = call.regathered.result()[1]
         if trackers:
             for flat in call.regathered:
                 _hold_while_alive(trackers, flat)
