@@ -3,6 +3,7 @@
     python examples/nanogpt.py                      # 4 simulated ranks (threads), data parallel
     python examples/nanogpt.py --layout 2d          # 2x2 mesh: data parallel x tensor parallel
     python examples/nanogpt.py --layout 2d --steps 200 --sample 80
+    python examples/nanogpt.py --layout tp-naive    # c_attn split by rows: warns, moves more
 
 The torch model goes through ``sf.nn.from_torch`` and ``sf.parallel.apply`` (its parameters laid
 out by name rules), then trains with ``sf.optim.AdamW`` on a generated English-like corpus.
@@ -24,15 +25,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.models import CharData, char_corpus  # noqa: E402
+from sbpflow.nn.torch_layouts import watch_fused_splits  # noqa: E402
 from torch_gpt_model import GPT, GPTConfig  # noqa: E402
 
 # name rules of sf.parallel.apply, per layout: (mesh shape, parameter rules, token layout).
 # 2d: Megatron's MLP split inside each pair of ranks; c_attn stays whole (its output is cut
 # into q | k | v: splitting its rows would gather it every step, and apply warns about it)
+# tp-naive: Megatron's rules written for c_attn as for any column-parallel layer; its output is
+# then cut into q | k | v across ranks (see the warning, and the bytes, against tp)
+MLP_TP = {"*.mlp.c_fc.*": sf.S(0), "*.mlp.c_proj.weight": sf.S(1)}
 LAYOUTS = {
     "dp": ((4,), {"*": sf.B}, (sf.S(0),)),
     "2d": ((2, 2), {"*.mlp.c_fc.*": (sf.B, sf.S(0)), "*.mlp.c_proj.weight": (sf.B, sf.S(1)),
                     "*": (sf.B, sf.B)}, (sf.S(0), sf.B)),
+    "tp": ((4,), {**MLP_TP, "*": sf.B}, (sf.B,)),
+    "tp-naive": ((4,), {"*.attn.c_attn.*": sf.S(0), "*.attn.c_proj.weight": sf.S(1), **MLP_TP,
+                        "*": sf.B}, (sf.B,)),
 }
 
 
@@ -74,9 +82,13 @@ def main(args, torch_model: torch.nn.Module, data: CharData):
     shape, rules, data_sbp = LAYOUTS[args.layout]
     mesh = mesh_of(shape)
     model = sf.parallel.apply(sf.nn.from_torch(torch_model, mesh), mesh, rules)
+    layouts = sf.parallel.match_rules([n for n, _ in model.named_parameters()], rules, mesh)
+    watch_fused_splits(model, mesh, layouts)  # (sf.parallel.apply will call it itself)
     opt = sf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
+        if step == args.steps - 1:
+            sf.comm.reset_stats()
         x, y = data.batch(step)
         _, loss = model(sf.tensor(x, mesh, data_sbp), sf.tensor(y, mesh, data_sbp))
         loss.backward()
@@ -86,8 +98,9 @@ def main(args, torch_model: torch.nn.Module, data: CharData):
         if sf.rank() == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - t0
+    sent = sf.comm.stats().sent  # this rank's bytes in the last step
     text = sample(model, data, mesh, "the ", args.sample) if args.sample else ""
-    return losses, seconds, text
+    return losses, seconds, text, sent
 
 
 def run(argv=None):
@@ -99,8 +112,10 @@ def run(argv=None):
     torch_model = GPT(cfg)  # plain torch, built once; every rank converts it
     print(f"torch GPT: {torch_model.num_params()} parameters; layout {args.layout} on "
           f"{mesh_of(LAYOUTS[args.layout][0])} (4 simulated ranks: threads)")
-    losses, seconds, text = sf.launch(main, world_size=4, args=(args, torch_model, data))[0]
-    print(f"{args.steps} steps in {seconds:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    losses, seconds, text, sent = sf.launch(main, world_size=4,
+                                            args=(args, torch_model, data))[0]
+    print(f"{args.steps} steps in {seconds:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+          f"rank 0 sent {sent} bytes in the last step")
     if text:
         print(f"sample: {text!r}")
     return losses

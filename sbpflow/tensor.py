@@ -225,23 +225,11 @@ class GlobalTensor:
         run as sbpflow ops, or raise `UnsupportedTorchFunction` naming what to use instead."""
         return _torch_dispatch(func, args, kwargs or {})
 
-    def __getattr__(self, name: str):
-        """A ``torch.Tensor`` method or property this class does not define (reached only when
-        normal lookup fails): run through `__torch_function__`. Private and dunder names, and
-        names torch.Tensor lacks, stay an AttributeError (``hasattr`` keeps its meaning)."""
-        if name == "__name__":  # read by torch.typename: torch.optim's refusal then says why
-            return (f"{type(self).__name__} (an sbpflow global tensor: torch.optim updates torch "
-                    f"tensors only; use sf.optim.AdamW, Adam or SGD, which take these)")
-        func = None if name.startswith("_") else getattr(torch.Tensor, name, None)
-        if func is None:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
-        if not callable(func):  # a property (``data``, ``is_cuda``, ...)
-            return _torch_dispatch(func, (self,), {})
-
-        def method(*args, **kwargs):
-            return _torch_dispatch(func, (self,) + args, kwargs)
-        method.__name__ = name
-        return method
+    # read by torch.typename: torch.optim's refusal of these tensors then says why (an instance
+    # property: the class's own __name__ stays "GlobalTensor")
+    __name__ = property(lambda self: (
+        f"{type(self).__name__} (an sbpflow global tensor: torch.optim updates torch tensors "
+        f"only; use sf.optim.AdamW, Adam or SGD, which take these)"))
 
     # -- metadata ----------------------------------------------------------------------------
     @property
@@ -623,6 +611,31 @@ def _watch_resplit(t: GlobalTensor, dim: int) -> None:
     entry = _RESPLITS.pop(id(t), None)
     if entry is not None and entry[0]() is t:
         entry[1](t, dim)
+
+
+def _torch_method(func, name: str):
+    def method(self, *args, **kwargs):
+        return _torch_dispatch(func, (self,) + args, kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"torch.Tensor.{name} on a global tensor (sbpflow/nn/torch_functions.py)."
+    method.torch_stub = True
+    return method
+
+
+def _bind_torch_methods(cls: type) -> None:
+    """Give ``cls`` each public ``torch.Tensor`` method and property it does not define, as a
+    call of `__torch_function__` (class attributes, not a ``__getattr__``: one on the class
+    would slow every attribute read of a global tensor, the dispatch's included)."""
+    for name in dir(torch.Tensor):
+        if name.startswith("_") or hasattr(cls, name):
+            continue
+        attr = getattr(torch.Tensor, name)
+        setattr(cls, name, _torch_method(attr, name) if callable(attr) else property(
+            lambda self, attr=attr: _torch_dispatch(attr, (self,), {}),
+            doc=f"torch.Tensor.{name} of a global tensor (sbpflow/nn/torch_functions.py)."))
+
+
+_bind_torch_methods(GlobalTensor)
 
 
 def retains_grads() -> bool:

@@ -109,7 +109,8 @@ def handler_for(func) -> Callable:
     if method is not None and method is not func and method in _HANDLERS:
         handler = _HANDLERS[method]  # torch.is_floating_point(x) as x.is_floating_point()
     elif name and not name.startswith("_") and name not in _NO_FALLBACK and \
-            callable(getattr(GlobalTensor, name, None)):
+            callable(getattr(GlobalTensor, name, None)) and \
+            not getattr(getattr(GlobalTensor, name), "torch_stub", False):
         handler = _method(name)
     elif name.endswith("_") and not name.startswith("_") and \
             hasattr(torch.Tensor, name[:-1]):

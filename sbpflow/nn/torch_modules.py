@@ -42,6 +42,30 @@ class TorchConverted(Module):
         dtype = _to_dtype(probe, args, kwargs)
         return self if dtype is None else super().to(dtype)
 
+    def _placed(self, value: torch.Tensor) -> GlobalTensor:
+        """A torch value replicated on the placement the model was converted for."""
+        pl = self.__dict__.get("_sf_placement") or \
+            Placement("cpu", list(range(_comm.world_size())))
+        if isinstance(value, torch.nn.Parameter):
+            return Parameter(value.detach(), requires_grad=value.requires_grad, placement=pl,
+                             sbp=(B,) * pl.ndim)
+        return _sf_tensor(value.detach(), pl, (B,) * pl.ndim)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        """As `sf.nn.Module`'s; a plain torch tensor (a cache a ``forward`` builds) is laid out
+        replicated on the placement the model was converted for."""
+        if isinstance(tensor, torch.Tensor):
+            tensor = self._placed(tensor)
+        super().register_buffer(name, tensor, persistent)
+
+    def __setattr__(self, name: str, value) -> None:
+        """As `sf.nn.Module`'s; a torch parameter, or a torch tensor given to a buffer's name,
+        is laid out replicated first (`_placed`)."""
+        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter) or
+                                                name in self.__dict__.get("_buffers", ())):
+            value = self._placed(value)
+        super().__setattr__(name, value)
+
     def _apply(self, fn, recurse: bool = True):
         raise UnsupportedTorchFunction(
             f"{type(self).__name__}: torch's Module._apply (cuda(), cpu(), half(), type(), "
@@ -203,6 +227,7 @@ def _convert(m: torch.nn.Module, pl: Placement, memo: dict, name: str) -> Module
         if k not in _TORCH_INTERNALS:
             object.__setattr__(new, k, v)
     object.__setattr__(new, "training", m.training)
+    object.__setattr__(new, "_sf_placement", pl)
     new._non_persistent.update(m._non_persistent_buffers_set)
     for key in _HOOKS:
         getattr(new, key).update(getattr(m, key))
