@@ -25,7 +25,8 @@ from .boxing import plan_layouts
 from .sbp import dual_nd
 from .tensor import GlobalTensor
 
-__all__ = ["GradSync", "collect", "drop_started", "set_update_layout", "update_layout"]
+__all__ = ["GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
+           "set_pending", "settle"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
 
@@ -50,6 +51,27 @@ def update_layout(p: GlobalTensor) -> tuple:
     """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
     ``p``'s own)."""
     return _UPDATE_LAYOUTS.get(p, p.sbp)
+
+
+def set_pending(p: GlobalTensor, future) -> None:
+    """``p``'s shard is being completed in the background by ``future`` (ZeRO stage 1's
+    all-gather after the update, docs/zero.md, 'Overlap'): `settle` waits for it."""
+    pending = _comm.current().state.get("pending_gathers")
+    if pending is None:
+        pending = _comm.current().state["pending_gathers"] = weakref.WeakKeyDictionary()
+    pending[p] = future
+
+
+def settle(params=None) -> None:
+    """Wait for the background completions of ``params`` (default: all of this rank's)
+    before their values are read or written."""
+    pending = _comm.current().state.get("pending_gathers")
+    if not pending:
+        return
+    for p in list(pending) if params is None else params:
+        fut = pending.pop(p, None)
+        if fut is not None:
+            fut.result()
 
 
 class _Bucket:

@@ -15,6 +15,7 @@ from typing import Any
 from .. import comm as _comm
 from ..comm.threads import default_timeout
 from ..errors import GraphError
+from ..gradsync import settle
 from ..nn.modules import Module
 from ..optim.zero import check_stage
 from ..optim.zero_units import shard_ as _zero_shard
@@ -105,6 +106,7 @@ class Graph:
         modes = tuple(v.training for v in vars(self).values() if isinstance(v, Module))
         key = (signature(inputs), modes, self.config.micro_batches, self.config.schedule,
                self.config.loss_reduction, self.config.split_inputs)
+        settle()   # ZeRO-1 parameters gathered in the background since the last update
         compiled = self._compiled.get(key)
         if compiled is None:
             self._apply_zero()

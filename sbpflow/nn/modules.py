@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from ..errors import ShapeError, StateDictError
-from ..gradsync import zero_grads
+from ..gradsync import settle, zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
@@ -388,7 +388,10 @@ class Module:
     # -- state dicts ---------------------------------------------------------------------------
     def _state_items(self, prefix: str = "") -> list[tuple[str, GlobalTensor]]:
         """(key, tensor) in torch's state_dict order: each module's parameters, then its
-        persistent buffers, then its children's, depth first."""
+        persistent buffers, then its children's, depth first. Parameters still being gathered
+        in the background (ZeRO stage 1 after a step) are waited for."""
+        if not prefix:
+            settle()
         out = []
         for name, p in self._parameters.items():
             if p is not None:

@@ -24,10 +24,11 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import GradSync, collect, update_layout, zero_grads
+from ..gradsync import GradSync, collect, set_pending, settle, update_layout, zero_grads
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from . import zero as _zero
+from . import zero_comm as _zero_comm
 from .zero_sync import ShardSync, collect as _collect_shards
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
@@ -264,6 +265,7 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         params = [p for group in self.param_groups for p in group["params"]]
+        settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
         for p in params:
             if p.local.grad is not None and not self.linear_update and \
                     any(isinstance(s, Partial) for s in p.sbp):
@@ -287,15 +289,18 @@ class Optimizer(torch.optim.Optimizer):
                 _forget(p)
                 sts.append(self.state[p])
                 if g.sbp != p.sbp:   # update the split shard in place, gather it afterwards
-                    gather.append((p.local.detach(), _zero.geometry(
+                    gather.append((p, p.local.detach(), _zero.geometry(
                         tuple(p.shape), p.placement, p.sbp, g.sbp, _comm.rank())))
                     p = _zero.shard_view(p, g.sbp)
                 ps.append(p)
                 gs.append(g.local)
             if ps:
                 self._update_group(ps, gs, sts, group)
-        if gather:
-            _zero.all_gather_into(gather)
+        if gather:   # in the background: the next forward's units wait for their own
+            for chunk in _zero.chunks(gather, _SHARD_BUCKET):
+                fut = _zero_comm.submit(_zero.all_gather_into, [it[1:] for it in chunk])
+                for it in chunk:
+                    set_pending(it[0], fut)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss

@@ -23,7 +23,7 @@ from ..sbp import Broadcast, Split, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor
 
 __all__ = ["stored_layout", "Geometry", "geometry", "reduce_scatter", "all_gather_into",
-           "shard_view", "check_stage", "STAGES"]
+           "chunks", "shard_view", "check_stage", "STAGES"]
 
 STAGES = (0, 1, 2, 3)
 _BUCKET_BYTES = 32 << 20   # a coalesced collective moves at most about this much at once
@@ -115,6 +115,22 @@ def _buckets(items: list, local_of: Callable) -> list:
                 chunk, size = [], 0
         if chunk:
             out.append((group, chunk))
+    return out
+
+
+def chunks(items: list, nbytes: int) -> list:
+    """``items`` (tuples whose second-last entry is a local tensor) cut in order into lists of
+    at most about ``nbytes``."""
+    out, chunk, size = [], [], 0
+    for it in items:
+        t = it[-2]
+        chunk.append(it)
+        size += t.numel() * t.element_size()
+        if size >= nbytes:
+            out.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        out.append(chunk)
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..gradsync import set_update_layout
+from ..gradsync import set_update_layout, settle
 from ..tensor import GlobalTensor, recording
 from .zero import check_stage, stored_layout
 from .zero_gather import UnitGather, begin_call, end_call
@@ -83,6 +83,7 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
         if stage == 0 or st is None or p.numel() < min_size or not p.local.requires_grad:
             continue
         names.append(name)
+        owned[id(p)] = name
         if stage == 1:
             set_update_layout(p, st)
             continue
@@ -90,7 +91,6 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
             with torch.no_grad():
                 _rebind(p, p.to_global(p.placement, st).local.clone(), st)
         _PARAMS[p] = ZeroParam(nd, stage)
-        owned[id(p)] = name
     if owned:
         _hook_units(model, owned, units if units is not None else units_of(model), on_gather)
     return names
@@ -132,7 +132,8 @@ def _unit_items(module) -> tuple[list, list]:
 
 
 def _pre_forward(module, args) -> None:
-    on_gather = module.__dict__["_zero_unit"][1]
+    entries, on_gather = module.__dict__["_zero_unit"]
+    settle([p for p, _ in entries])   # stage 1: the gathers after the last update
     live, items = _unit_items(module)
     if not items:
         if not recording():

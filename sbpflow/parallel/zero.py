@@ -18,13 +18,15 @@ from typing import NamedTuple
 import torch
 
 from .. import memory as _memory
+from ..gradsync import settle as _settle
 from ..nn.modules import Module
 from ..optim import zero as _core
 from ..optim import zero_gather as _gather
 from ..optim import zero_units as _units
 
-__all__ = ["shard", "stored_layout", "check_stage", "STAGES"]
+__all__ = ["shard", "stored_layout", "check_stage", "settle", "STAGES"]
 
+settle = _settle       # wait for ZeRO-1's background all-gathers (before reading p.local)
 stored_layout = _core.stored_layout
 check_stage = _core.check_stage
 STAGES = _core.STAGES

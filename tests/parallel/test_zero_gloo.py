@@ -29,6 +29,7 @@ def zero_fn() -> dict:
         opt = sf.optim.AdamW(m.parameters(), lr=0.02)
         losses = []
         for step in range(2):
+            sf.parallel.zero.settle()
             sf.comm.reset_stats()
             tok, pos, tgt = _batch(step)
             loss = m(sf.tensor(tok, pl, sf.S(0)), sf.tensor(pos, pl, sf.B),
@@ -37,6 +38,7 @@ def zero_fn() -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        sf.parallel.zero.settle()
         kinds = {k: v.sent for k, v in sf.comm.stats().kinds.items()}
         out[stage] = dict(sd0=sd0, losses=losses, sd=m.state_dict(), kinds=kinds)
     return out
