@@ -133,8 +133,10 @@ def _bench(cfg, steps: int):
     for name, ref in TIMED:
         sf_step = _step(*_sf_model(cfg, name))
         sf_step()
+        sf.parallel.zero.settle()   # zero1: the all-gather after the update runs in the background
         sf.comm.reset_stats()
         sf_step()
+        sf.parallel.zero.settle()
         moved[name] = sf.comm.stats().sent
         t_sf, t_ref = (statistics.median(ts) for ts in
                        take_turns([sf_step, _step(*_torch_model(cfg, ref))], steps))
