@@ -26,7 +26,7 @@ from .sbp import dual_nd
 from .tensor import GlobalTensor
 
 __all__ = ["GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
-           "set_pending", "settle"]
+           "set_pending", "settle", "set_backfill", "backfill", "mark_stale", "take_stale"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
 
@@ -51,6 +51,48 @@ def update_layout(p: GlobalTensor) -> tuple:
     """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
     ``p``'s own)."""
     return _UPDATE_LAYOUTS.get(p, p.sbp)
+
+
+# parameter -> (the whole compute-layout local its shard lies in, or None for the parameter's
+# own local; compute layout): after the parameter's update the optimizer all-gathers the other
+# members' shards into it (ZeRO stages 1 and 2, docs/zero.md)
+_BACKFILL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_backfill(p: GlobalTensor, whole: torch.Tensor | None, compute: tuple) -> None:
+    """After an update of ``p`` (laid out split), all-gather into ``whole`` (``p``'s shard is a
+    view of it; None: ``p``'s own local, whose update layout is split), laid out ``compute``."""
+    _BACKFILL[p] = (whole, tuple(compute))
+
+
+def backfill(p: GlobalTensor) -> tuple | None:
+    """(whole local, compute layout, split layout) to all-gather into after ``p``'s update."""
+    hit = _BACKFILL.get(p)
+    if hit is None:
+        return None
+    whole, compute = hit
+    if whole is None:
+        return p.local.detach(), tuple(p.sbp), update_layout(p)
+    return whole, compute, tuple(p.sbp)
+
+
+def mark_stale(p: GlobalTensor) -> None:
+    """``p``'s shard was written (a load): its whole copy, if it has one, is gathered again
+    before its next use (`take_stale`)."""
+    hit = _BACKFILL.get(p)
+    if hit is not None and hit[0] is not None:
+        _comm.current().state.setdefault("stale_wholes", weakref.WeakSet()).add(p)
+
+
+def take_stale(params) -> list:
+    """Those of ``params`` marked stale, unmarked."""
+    stale = _comm.current().state.get("stale_wholes")
+    if not stale:
+        return []
+    out = [p for p in params if p in stale]
+    for p in out:
+        stale.discard(p)
+    return out
 
 
 def set_pending(p: GlobalTensor, future) -> None:

@@ -30,7 +30,7 @@ D2 = 512 // 2 + 32 // 2 + 1024 // 2 + 32 + 256 // 2 + 8 // 2     # (B, tp) on 2x
 # (params, grads, one optimizer state) elements per rank on 4 ranks
 ELEMENTS = {"dp": (ALL,) * 3, "row_split": (QUARTER,) * 3, "tp": (TP,) * 3, "2d": (D2,) * 3,
             "zero1": (ALL, ALL, QUARTER),     # optimizer state split
-            "zero2": (QUARTER,) * 3,          # + gradients (and parameters between steps)
+            "zero2": (ALL, QUARTER, QUARTER),  # + gradients
             "zero": (QUARTER,) * 3}           # ZeRO-3: + parameters
 BATCH = 8
 
@@ -86,8 +86,7 @@ def test_zero_stages_hold_a_quarter_of_data_parallelism_for_what_they_shard():
     """On 4 ranks each ZeRO stage holds 1/4 (within 5 %) of data parallelism's bytes of what
     it shards, and data parallelism's of the rest."""
     dp = mlp_results("dp")[0]["step"]
-    # ZeRO-2 stores the parameters split between steps too (gathered in forward)
-    shards = {"zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
+    shards = {"zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
               "zero": ("params", "grads", "optimizer")}
     for name, cats in shards.items():
         for r in mlp_results(name):
@@ -96,15 +95,14 @@ def test_zero_stages_hold_a_quarter_of_data_parallelism_for_what_they_shard():
                 assert r["step"][cat] == pytest.approx(want, rel=0.05), (name, cat)
 
 
-def test_gathered_weights_zero2_holds_them_all_zero3_one_unit():
-    """ZeRO-2 keeps each unit's gathered weights from its forward to its backward (at the end of
-    forward all of them that backward needs: not the first layer's, whose input needs no
-    gradient); ZeRO-3 frees them after the unit's forward and gathers them again for its
-    backward: one unit at a time (the MLP's units are its Linear layers; the largest is the
-    32x32 one with its bias). The saved activations are data parallelism's."""
+def test_gathered_weights_zero2_none_zero3_one_unit():
+    """ZeRO-2 keeps whole parameters (counted by memory_stats, not as gathered); ZeRO-3 frees
+    the gathered weights after the unit's forward and gathers them again for its backward:
+    one unit at a time (the MLP's units are its Linear layers; the largest is the 32x32 one
+    with its bias). The saved activations are data parallelism's."""
     dp_saved = mlp_results("dp")[0]["by_kind"]["saved"]
     for r in mlp_results("zero2"):
-        assert r["by_kind"] == {"saved": dp_saved, "gathered": (ALL - 512 - 32) * F32}
+        assert r["by_kind"] == {"saved": dp_saved, "gathered": 0}
         assert r["end"] == 0
     for r in mlp_results("zero"):
         assert r["by_kind"] == {"saved": dp_saved, "gathered": (1024 + 32) * F32}
@@ -372,7 +370,7 @@ def _gpt_step(name, dtype=torch.float32):
     predicted = dict(sf.auto.evaluate(graph, strategy, cluster).memory)
     if name in ("zero1", "zero2"):
         zero = sf.auto.evaluate(graph, _strategy(graph, cluster, "zero"), cluster).memory
-        for cat in ("optimizer",) if name == "zero1" else ("params", "grads", "optimizer"):
+        for cat in ("optimizer",) if name == "zero1" else ("grads", "optimizer"):
             predicted[cat] = zero[cat]
     # the graph's layers are the traced Linear / Embedding modules: their weights are what
     # evaluate counts; biases and norms are not in the graph

@@ -120,7 +120,8 @@ class Graph:
         if stage and stage != self._zero_done:
             for v in vars(self).values():
                 if isinstance(v, Module):
-                    _zero_shard(v, stage, self.config.zero_min_size)
+                    # (stage 2: the replay gathers in forward, no whole copies are kept)
+                    _zero_shard(v, stage, self.config.zero_min_size, keep_whole=False)
             self._zero_done = stage
 
     # -- what a user reads ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from ..errors import ShapeError, StateDictError
-from ..gradsync import settle, zero_grads
+from ..gradsync import mark_stale, settle, zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
@@ -476,6 +476,7 @@ def assign_logical(t: GlobalTensor, value) -> None:
     if t.local.is_meta:
         init.record(t, lambda m: assign_logical(m, value))
         return
+    mark_stale(t)   # a ZeRO-2 parameter's whole copy is gathered again before its next use
     if isinstance(value, GlobalTensor):
         if tuple(value.shape) != tuple(t.shape):
             raise ShapeError(f"cannot assign a tensor of shape {tuple(value.shape)} to one of "

@@ -22,7 +22,7 @@ from .. import comm as _comm
 from ..boxing import identity_value
 from ..boxing.boxes import box_numel, box_shape, intersect, relative
 from ..errors import SbpError, ShapeError
-from ..gradsync import update_layout
+from ..gradsync import mark_stale, update_layout
 from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
@@ -457,6 +457,7 @@ def _restore(reader: _Reader, target: _Target, t: GlobalTensor) -> None:
     as planned."""
     if _comm.rank() not in t.placement:
         return
+    mark_stale(t)   # a ZeRO-2 parameter's whole copy is gathered again before its next use
     local = t.local
     with torch.no_grad():
         if target.region is None:

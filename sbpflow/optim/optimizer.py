@@ -24,7 +24,8 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import GradSync, collect, set_pending, settle, update_layout, zero_grads
+from ..gradsync import (GradSync, backfill, collect, set_pending, settle, update_layout,
+                        zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from . import zero as _zero
@@ -279,7 +280,7 @@ class Optimizer(torch.optim.Optimizer):
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
         grads = iter(boxed_grads(params))
-        gather = []   # ZeRO stage 1: (parameter shard, geometry) to all-gather after the update
+        gather = []   # ZeRO 1 and 2: (parameter, whole local, geometry) to fill after the update
         for group in self.param_groups:
             ps, gs, sts = [], [], []
             for p in group["params"]:
@@ -288,9 +289,14 @@ class Optimizer(torch.optim.Optimizer):
                     continue
                 _forget(p)
                 sts.append(self.state[p])
-                if g.sbp != p.sbp:   # update the split shard in place, gather it afterwards
-                    gather.append((p, p.local.detach(), _zero.geometry(
-                        tuple(p.shape), p.placement, p.sbp, g.sbp, _comm.rank())))
+                fill = backfill(p)
+                if fill is not None:
+                    whole, compute, split = fill
+                    geo = _zero.geometry(tuple(p.shape), p.placement, compute, split,
+                                         _comm.rank())
+                    if geo is not None:
+                        gather.append((p, whole, geo))
+                if g.sbp != p.sbp:   # stage 1: update the split shard in place
                     p = _zero.shard_view(p, g.sbp)
                 ps.append(p)
                 gs.append(g.local)

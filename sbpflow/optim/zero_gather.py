@@ -14,6 +14,7 @@ ZeRO worker (`sbpflow.optim.zero_comm`), so they overlap compute:
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from ..sbp import local_shape
 from .zero import all_gather_into, geometry, reduce_scatter
 from .zero_comm import submit
 
-__all__ = ["UnitCall", "UnitGather", "gather", "start", "begin_call", "end_call"]
+__all__ = ["UnitCall", "UnitGather", "gather", "start", "done", "begin_call", "end_call"]
 
 
 class UnitCall:
@@ -81,6 +82,13 @@ def _numel(shape) -> int:
 def start(items: list):
     """`gather` of ``items`` started on the worker (a future)."""
     return submit(gather, items)
+
+
+def done(result):
+    """A future already holding ``result``."""
+    fut = Future()
+    fut.set_result(result)
+    return fut
 
 
 # -- prefetch ------------------------------------------------------------------------------------

@@ -17,19 +17,24 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..gradsync import set_update_layout, settle
+from .. import comm as _comm
+from ..gradsync import set_backfill, set_update_layout, settle, take_stale
 from ..tensor import GlobalTensor, recording
-from .zero import check_stage, stored_layout
-from .zero_gather import UnitGather, begin_call, end_call
+from .zero import all_gather_into, check_stage, geometry, stored_layout
+from .zero_comm import submit
+from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call
 
 __all__ = ["ZeroParam", "zero_param", "shard_", "units_of"]
 
 
 class ZeroParam(NamedTuple):
-    """A parameter stored split by `shard_`: its ``compute`` layout and ZeRO ``stage``."""
+    """A parameter stored split by `shard_`: its ``compute`` layout, ZeRO ``stage`` and, for a
+    stage-2 parameter that keeps it, the ``whole`` compute-layout local its shard is a view of
+    (refilled after each update by the optimizer)."""
 
     compute: tuple
     stage: int
+    whole: torch.Tensor | None = None
 
 
 _PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -62,7 +67,7 @@ def units_of(model) -> list:
 
 def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
            on_gather: Callable | None = None, units: list | None = None,
-           only: set | None = None) -> list:
+           only: set | None = None, keep_whole: bool = True) -> list:
     """ZeRO ``stage`` on ``model``'s parameters, in place; returns the names it shards: those
     with a data-parallel dim (`stored_layout`), at least ``min_size`` elements and a gradient.
     Stage 1 registers the split update layout; stages 2 and 3 box each to its stored layout
@@ -71,7 +76,9 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
     `units_of`). ``on_gather(call)``, given an eager unit call (`UnitCall`) as it gathers,
     may return a context manager held over the call (stage 3's release of the gathered
     copies: `sbpflow.parallel.zero`). ``only``: ids of the parameters to consider (default
-    all). Every rank calls it, with the same arguments."""
+    all). ``keep_whole`` (stage 2): keep each parameter's whole compute-layout copy between
+    steps, its shard a view of it, refilled by an all-gather after each update (DeepSpeed's
+    stage 2; a graph passes False: its replay gathers in forward). Every rank calls it."""
     stage = check_stage(stage, "ZeRO")
     compute = compute or {}
     names, owned = [], {}
@@ -86,11 +93,19 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
         owned[id(p)] = name
         if stage == 1:
             set_update_layout(p, st)
+            set_backfill(p, None, nd)
             continue
-        if tuple(p.sbp) != st:
-            with torch.no_grad():
+        whole = None
+        with torch.no_grad():
+            if stage == 2 and keep_whole:
+                whole = p.to_global(p.placement, nd).local.clone()
+                geo = geometry(tuple(p.shape), p.placement, nd, st, _rank())
+                if geo is not None:
+                    _rebind(p, whole.narrow(geo.axis, *geo.parts[geo.index]), st)
+                    set_backfill(p, whole, nd)
+            elif tuple(p.sbp) != st:
                 _rebind(p, p.to_global(p.placement, st).local.clone(), st)
-        _PARAMS[p] = ZeroParam(nd, stage)
+        _PARAMS[p] = ZeroParam(nd, stage, whole)
     if owned:
         _hook_units(model, owned, units if units is not None else units_of(model), on_gather)
     return names
@@ -140,11 +155,17 @@ def _pre_forward(module, args) -> None:
             begin_call(module, items, None)
         module.__dict__["_zero_calls"].append(([], None, module))
         return
+    wholes = [_PARAMS[p].whole for p, _ in items]
     if recording():   # the graph records (and replays) one boxing per parameter
         gathered = [p.to_global(p.placement, nd) for p, nd in items]
         call = None
     else:
-        call = begin_call(module, items, lambda m: _unit_items(m)[1])
+        if all(w is not None for w in wholes):   # stage 2: the whole copies, kept
+            _refill(take_stale([p for p, _ in items]))
+            begin_call(module, [], None)
+            call = UnitCall(items, done(([w.view_as(w) for w in wholes], [])))
+        else:
+            call = begin_call(module, items, _gathered_items)
         outs = UnitGather.apply(call, *[p.local for p, _ in items])
         gathered = [GlobalTensor(o, tuple(p.shape), p.placement, nd)
                     for o, (p, nd) in zip(outs, items)]
@@ -158,6 +179,28 @@ def _pre_forward(module, args) -> None:
     if ctx is not None:
         ctx.__enter__()
     module.__dict__["_zero_calls"].append((swapped, ctx, call))
+
+
+def _gathered_items(module) -> list:
+    """The items a unit gathers in forward (none for one whose whole copies are kept)."""
+    items = _unit_items(module)[1]
+    return [] if any(_PARAMS[p].whole is not None for p, _ in items) else items
+
+
+def _refill(params: list) -> None:
+    """Gather the whole copies of ``params`` (stage 2) again after their shards were loaded."""
+    todo = []
+    for p in params:
+        rec = _PARAMS[p]
+        geo = geometry(tuple(p.shape), p.placement, rec.compute, tuple(p.sbp), _rank())
+        if geo is not None:
+            todo.append((rec.whole, geo))
+    if todo:
+        submit(all_gather_into, todo).result()
+
+
+def _rank() -> int:
+    return _comm.rank()
 
 
 def _post_forward(module, args, output) -> None:

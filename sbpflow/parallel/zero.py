@@ -43,13 +43,19 @@ def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None 
 
 
 def _on_gather(call) -> "_FreeAfterUse | None":
-    """Count the call's buffers as gathered while alive; stage 3: its release context."""
+    """Count the call's buffers as gathered while alive; stage 3: its release context; stage
+    2 with whole copies kept: hooks that keep their saved views out of `sf.memory.track`
+    (they are parameters, which `sf.memory_stats` counts)."""
     trackers = _memory.active_trackers()
     if trackers:
         for flat in call.flats:
             _hold_while_alive(trackers, flat)
-    if _units.zero_param(call.items[0][0]).stage == 3:
+    rec = _units.zero_param(call.items[0][0])
+    if rec.stage == 3:
         return _FreeAfterUse(call, trackers)
+    if rec.whole is not None and trackers:
+        return _FreeAfterUse(call, trackers, keep=[_units.zero_param(p).whole
+                                                   for p, _ in call.items])
     return None
 
 
@@ -101,11 +107,13 @@ class _Token(NamedTuple):
 
 
 class _FreeAfterUse:
-    """Saved-tensor hooks over one stage-3 unit call (`UnitCall`)."""
+    """Saved-tensor hooks over one unit call (`UnitCall`): views of its gathered buffers become
+    tokens (stage 3), views of ``keep`` (stage 2's whole copies) are saved as they are."""
 
-    def __init__(self, call, trackers) -> None:
+    def __init__(self, call, trackers, keep: list = ()) -> None:
         self.call, self.trackers = call, trackers
         self.flats = {_storage(f)[0]: i for i, f in enumerate(call.flats) if _storage(f)}
+        self.keep = {_storage(w)[0] for w in keep if _storage(w) is not None}
         self.outer = None
         self.hooks = None
 
@@ -119,7 +127,9 @@ class _FreeAfterUse:
         self.hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor):
-        found = _storage(t) if self.flats else None
+        found = _storage(t) if self.flats or self.keep else None
+        if found is not None and found[0] in self.keep:
+            return t.detach()
         i = self.flats.get(found[0]) if found is not None else None
         if i is not None and self.call.flats[i].dtype == t.dtype:
             self.call.tokens += 1
