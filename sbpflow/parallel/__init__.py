@@ -2,8 +2,9 @@
 pipeline stages over several placements)."""
 
 from .apply import UnmatchedParameterError, apply, match_rules
+from .cdp import CyclicDataParallel
 from .pipeline import Pipeline, pipeline, pipeline_of
 from .relayout import relayout
 
 __all__ = ["apply", "match_rules", "relayout", "pipeline", "pipeline_of", "Pipeline",
-           "UnmatchedParameterError"]
+           "UnmatchedParameterError", "CyclicDataParallel"]

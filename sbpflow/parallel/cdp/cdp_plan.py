@@ -1,0 +1,105 @@
+"""A run of the CDP schedule as a plan of the actor runtime: the tasks of one window of
+``2N`` time steps, on one rank.
+
+Each task is an actor that fires once a run. The rank's F and B actors form a chain in key
+order (the time-step table fixes their order; A and U fire as soon as their inputs are there);
+an actor also reads the register of the task of its rank that made each value it needs in
+this run (a value made in an earlier run is already on the rank). A transfer is a send actor
+on its sender's thread for that peer and a receive actor on the receiver's, chained in key
+order per pair, so the point-to-point messages pair up. Other ranks of the trainer get an
+idle actor each: they are the plan's peers, which an actor's failure aborts. See
+docs/cdp.md, 'How it runs'.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ...runtime import ActorSpec, Input, Plan, Runtime
+from ...errors import PlanError
+from .program import Transfer, Work
+from .rank_state import RankState
+
+__all__ = ["window_plan", "WindowRuntime"]
+
+_KIND = {"F": "forward", "B": "backward", "A": "compute", "U": "update"}
+
+
+def _idle(_mb: int) -> None:
+    return None
+
+
+def _inputs(own: str, key: tuple, needs: Sequence[tuple], made: dict, chain: str | None
+            ) -> list[Input]:
+    """The registers an actor reads: the chain's previous actor, then the producer in this
+    run of each value it needs (only producers ordered before it)."""
+    names = [chain] if chain else []
+    for value in needs:
+        p = made.get(value)
+        if p is not None and p[1] < key and p[0] not in names and p[0] != own:
+            names.append(p[0])
+    return [Input(n) for n in names]
+
+
+def _send_name(t: Transfer, k: int) -> str:
+    return f"send>{t.dst}#{k}"
+
+
+def _recv_name(t: Transfer, k: int) -> str:
+    return f"recv<{t.src}#{k}"
+
+
+def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work],
+                moves: Sequence[Transfer], state: RankState) -> Plan:
+    """``rank``'s actors for a run of ``works`` / ``moves`` (relative tasks of every rank,
+    in key order); ``state`` runs them."""
+    mine = [w for w in works if w.rank == rank]
+    sends = [t for t in moves if t.src == rank]
+    recvs = [t for t in moves if t.dst == rank]
+    made: dict[tuple, tuple[str, tuple]] = {}   # value -> (actor, key) that makes it here
+    count: dict[int, int] = {}
+    recv_names = []
+    for t in recvs:
+        k = count[t.src] = count.get(t.src, -1) + 1
+        recv_names.append(_recv_name(t, k))
+        made[t.payload] = (recv_names[-1], t.key)
+    for w in mine:
+        for value in w.makes:
+            made[value] = (w.name, w.key)
+    specs, chain = [], None
+    fns = {"F": state.forward, "B": state.backward, "A": state.accumulate, "U": state.update}
+    for w in mine:
+        inputs = _inputs(w.name, w.key, w.needs, made, chain if w.chained else None)
+        specs.append(ActorSpec(w.name, _KIND[w.kind], state.actor_fn(fns[w.kind], w, w.name),
+                               stage=w.stage, inputs=inputs, outputs=1))
+        if w.chained:
+            chain = w.name
+    last: dict[int, str] = {}
+    count = {}
+    for t in sends:
+        k = count[t.dst] = count.get(t.dst, -1) + 1
+        nm = _send_name(t, k)
+        inputs = _inputs(nm, t.key, [t.payload], made, last.get(t.dst))
+        specs.append(ActorSpec(nm, "send", state.actor_fn(state.send, t, nm), stage=t.stage,
+                               inputs=inputs, outputs=1, queue=f"to{t.dst}"))
+        last[t.dst] = nm
+    last = {}
+    for t, nm in zip(recvs, recv_names):
+        inputs = [Input(last[t.src])] if t.src in last else []
+        specs.append(ActorSpec(nm, "recv", state.actor_fn(state.recv, t, nm), stage=t.stage,
+                               inputs=inputs, outputs=1, queue=f"from{t.src}"))
+        last[t.src] = nm
+    actors = {r: [ActorSpec("idle", "compute", _idle)] for r in ranks if r != rank}
+    actors[rank] = specs or [ActorSpec("idle", "compute", _idle)]
+    return Plan(actors, name=name)
+
+
+class WindowRuntime(Runtime):
+    """A runtime whose plan changes from run to run (every plan of one trainer has the same
+    name, so its messages keep one run count): `run_plan` runs one window's plan."""
+
+    def run_plan(self, plan: Plan) -> dict:
+        if plan.name != self.plan.name:
+            raise PlanError(f"plan {plan.name!r} given to the runtime of {self.plan.name!r}")
+        self.plan = plan
+        return self.run(1)

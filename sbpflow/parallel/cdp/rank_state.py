@@ -1,0 +1,171 @@
+"""What one rank of a CDP trainer holds between runs, and the functions its actors run.
+
+The values of the schedule (activations, their gradients, gradient sums) live in ``values``
+until their one reader takes them; versions in the `VersionStore`; each in-flight
+micro-batch's autograd state in ``stash`` (F_j to B_j). An actor's task is stored relative to
+its run (`program.shift`), so one plan serves every run of the same shape; ``ctx`` is the
+current run's (first cycle, first step). Sends and receives go over the Communicator's
+point-to-point in a stream of the trainer's own. See docs/cdp.md, 'How it runs'.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from ...comm import current, set_collective_stream
+from ...placement import Placement
+from .program import Transfer, Work, shift
+from .rules import accumulate, version
+from .stage_runner import StageRunner
+from .version_store import StageOwner, VersionStore
+
+__all__ = ["RankState"]
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # makes a stage's input a non-leaf (see _Entry)
+
+
+class _Entry(torch.autograd.Function):
+    """A stage's input as a view of the received tensor that requires grad: autograd gives
+    its gradient, and it is not a leaf, so ``sf.memory.track`` counts what autograd saves of
+    it (no copy is made, and the received tensor is not kept a second time)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class RankState:
+    """Rank ``rank``'s part of a trainer of ``n`` stages (``runners``) under ``rule``.
+    ``shapes(cycle, worker, stage)`` gives an activation's shape and dtype; ``stream()`` the
+    collective stream of the trainer's transfers."""
+
+    def __init__(self, rank: int, n: int, rule: str, runners: Sequence[StageRunner],
+                 loss_fn: Callable, pl: Placement, store: VersionStore,
+                 shapes: Callable, stream: Callable[[], str]) -> None:
+        self.rank, self.n, self.rule, self.runners = rank, n, rule, list(runners)
+        self.loss_fn, self.pl, self.store = loss_fn, pl, store
+        self.shapes, self.stream = shapes, stream
+        self.owners: dict[int, StageOwner] = {}
+        self.values: dict[tuple, object] = {}
+        self.stash: dict[tuple, tuple] = {}
+        self.batches: dict[int, tuple[list, list]] = {}   # cycle -> (xs, ys) micro-batches
+        self.losses: list[tuple[int, int, float]] = []
+        self.ctx = (0, 0)  # the run's (first cycle, first step)
+        self.messages = self.nbytes = 0
+        self.count_lock = threading.Lock()  # each peer's send runs on a thread of its own
+        self.log: dict[str, tuple] = {}  # actor name -> (absolute task, version) of this run
+
+    def task(self, rel: Work | Transfer) -> Work | Transfer:
+        return shift(rel, *self.ctx)
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, rel: Work, name: str) -> None:
+        t = self.task(rel)
+        i, j, c = t.worker, t.stage, t.cycle
+        v = version(self.rule, c, i, j, self.n)
+        params = self.store.take(j, v)
+        self.store.hold(j, v)
+        xs, ys = self.batches[c]
+        if j == 0:
+            x_in = xs[i]
+        else:
+            x_in = _Entry.apply(self.values.pop(("act", i, c, j - 1)), _ANCHOR)
+        last = j == self.n - 1
+        out = self.runners[j].forward(params, x_in, self.pl, self.loss_fn if last else None,
+                                      ys[i] if last else None)
+        self.stash[(i, c, j)] = (x_in if j else None, params, out, v)
+        if last:
+            self.losses.append((c, i, float(out.detach())))
+        else:
+            self.values[("act", i, c, j)] = out.detach()
+        self.log[name] = (t, v)
+
+    def backward(self, rel: Work, name: str) -> None:
+        t = self.task(rel)
+        i, j, c = t.worker, t.stage, t.cycle
+        x_in, params, out, v = self.stash.pop((i, c, j))
+        grad = None if j == self.n - 1 else self.values.pop(("gact", i, c, j + 1))
+        inputs = ([x_in] if j else []) + list(params)
+        grads = StageRunner.backward(out, grad, inputs)
+        del out, x_in  # the micro-batch's activations of this stage go now
+        self.store.drop(j, v)
+        if j:
+            self.values[("gact", i, c, j)] = grads[0]
+        self.values[("g", i, c, j)] = grads[1:] if j else grads
+        self.log[name] = (t, v)
+
+    def accumulate(self, rel: Work, name: str) -> None:
+        t = self.task(rel)
+        i, j, c = t.worker, t.stage, t.cycle
+        g = self.values.pop(("g", i, c, j))
+        partial = self.values.pop(("gsum", i - 1, c, j)) if i else None
+        self.values[("gsum", i, c, j)] = accumulate(partial, g)
+        self.log[name] = (t, -1)
+
+    def update(self, rel: Work, name: str) -> None:
+        t = self.task(rel)
+        j, c = t.stage, t.cycle
+        total = self.values.pop(("gsum", self.n - 1, c, j))
+        latest = self.store.take(j, c)
+        self.store.put(j, c + 1, self.owners[j].step(latest, total))
+        self.log[name] = (t, c + 1)
+
+    # -- transfers ------------------------------------------------------------------------------
+    def _tensors(self, t: Transfer) -> list[torch.Tensor]:
+        kind = t.payload[0]
+        if kind == "param":
+            return [p.detach() for p in self.store.take(t.payload[1], t.payload[2])]
+        value = self.values.pop(t.payload)
+        return list(value) if kind == "gsum" else [value]
+
+    def _meta(self, t: Transfer) -> list[tuple]:
+        kind, a, b, *rest = t.payload
+        if kind in ("param", "gsum"):
+            r = self.runners[a if kind == "param" else rest[0]]
+            return list(zip(r.shapes, r.dtypes))
+        i, c, j = a, b, rest[0]
+        return [self.shapes(c, i, j if kind == "act" else j - 1)]
+
+    def send(self, rel: Transfer, name: str) -> None:
+        t = self.task(rel)
+        tensors = self._tensors(t)
+        previous = set_collective_stream(self.stream())
+        try:
+            current().exchange([(t.dst, x.contiguous()) for x in tensors], [])
+        finally:
+            set_collective_stream(previous)
+        with self.count_lock:
+            self.messages += 1
+            self.nbytes += sum(x.numel() * x.element_size() for x in tensors)
+        self.log[name] = (t, -1)
+
+    def recv(self, rel: Transfer, name: str) -> None:
+        t = self.task(rel)
+        comm = current()
+        device = comm.device(self.pl.device_type)
+        previous = set_collective_stream(self.stream())
+        try:
+            got = comm.exchange([], [(t.src, s, d, device) for s, d in self._meta(t)])
+        finally:
+            set_collective_stream(previous)
+        kind = t.payload[0]
+        if kind == "param":
+            self.store.put(t.payload[1], t.payload[2],
+                           [g.requires_grad_(True) for g in got])
+        else:
+            self.values[t.payload] = got if kind == "gsum" else got[0]
+        self.log[name] = (t, -1)
+
+    def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str) -> Callable:
+        """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``
+        (the runtime's firing index and input tokens are not needed)."""
+        def run(_mb: int, *_tokens) -> None:
+            fn(rel, name)
+        return run

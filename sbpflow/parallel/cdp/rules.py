@@ -1,0 +1,67 @@
+"""The update rules: which parameter version each (micro-batch, stage) uses, and the
+arithmetic of the update that every executor and the closed-form reference share.
+
+Version ``v`` of a stage is its parameters after ``v`` updates (``θ_0`` the initial ones;
+``θ_{-1} := θ_0``). Cycle ``c`` of worker ``i`` on stage ``j`` uses (0-based ``i``, ``j``):
+``dp`` ``θ_c``; ``v1`` ``θ_{c-1}``; ``v2`` ``θ_c`` when ``i + j >= N - 1`` (the spec's
+``j >= N - i + 1``), else ``θ_{c-1}``. The update of cycle ``c`` sums the workers' gradients
+in worker order and divides by N (`accumulate`, `average`), so the sums of every setting are
+bit-for-bit those of the reference. See docs/cdp.md, 'Rules and versions'.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...errors import PlanError
+
+__all__ = ["RULES", "timeline_of", "version", "fresh", "version_table", "accumulate",
+           "average", "check_rule"]
+
+RULES = ("dp", "v1", "v2")
+
+
+def check_rule(rule: str) -> None:
+    if rule not in RULES:
+        raise PlanError(f"unknown CDP rule {rule!r}; one of {RULES} (dp: synchronous "
+                        f"reference, v1: one version behind (PipeDream-2BW), v2: the latest "
+                        f"version published when F_j starts)")
+
+
+def timeline_of(rule: str) -> str:
+    """The timeline a rule runs on: DP's lock-step for ``dp``, the cyclic one for v1 / v2."""
+    check_rule(rule)
+    return "dp" if rule == "dp" else "cdp"
+
+
+def fresh(rule: str, worker: int, stage: int, n: int) -> bool:
+    """Whether (``worker``, ``stage``) uses the version of its own cycle (``θ_c``)."""
+    check_rule(rule)
+    if rule == "dp":
+        return True
+    return rule == "v2" and worker + stage >= n - 1
+
+
+def version(rule: str, cycle: int, worker: int, stage: int, n: int) -> int:
+    """The version (number of updates) cycle ``cycle`` of ``worker`` uses on ``stage``."""
+    return cycle if fresh(rule, worker, stage, n) else max(cycle - 1, 0)
+
+
+def version_table(rule: str, n: int) -> list[list[str]]:
+    """The spec's table (b): ``"F"`` (fresh θ_c) or ``"S"`` (stale θ_{c-1}), a row a worker."""
+    return [["F" if fresh(rule, i, j, n) else "S" for j in range(n)] for i in range(n)]
+
+
+def accumulate(partial: Sequence[torch.Tensor] | None,
+               grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The running sum of a stage's gradients: ``partial + grads`` (``grads`` when first)."""
+    if partial is None:
+        return list(grads)
+    return [a + b for a, b in zip(partial, grads)]
+
+
+def average(total: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The averaged gradient the optimizer steps with: the worker-ordered sum over N."""
+    return [t / n for t in total]

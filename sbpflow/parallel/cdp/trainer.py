@@ -1,0 +1,243 @@
+"""``sf.parallel.CyclicDataParallel``: train N stages with N micro-batches a step on the
+cyclic schedule, in one of five settings, on the actor runtime.
+
+Every rank of the world builds the trainer (it reads the stages' initial values, a
+collective) and calls `state_dict`, `stats` and `save_timeline` (collectives); the ranks of
+the trainer's placement call `step` and `flush` (others may: it does nothing there). Each
+`step` runs one window of ``2N`` time steps as one run of the runtime: the new cycle's first
+ops and the previous cycle's last ones. See docs/cdp.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ... import memory
+from ...comm import current
+from ...errors import PlanError
+from ...placement import Placement, placement as make_placement
+from ...tensor import GlobalTensor
+from .cdp_figure import draw_timeline
+from .cdp_plan import WindowRuntime, window_plan
+from .cdp_stats import Record, gather_records, summary
+from .cycles import check_n
+from .program import cycle_tasks, shift, version_uses, window
+from .rank_state import RankState
+from .roles import make_roles, ranks_needed
+from .rules import check_rule, timeline_of
+from .stage_runner import StageRunner
+from .stage_split import stage_list
+from .version_store import StageOwner, VersionStore
+
+__all__ = ["CyclicDataParallel"]
+
+
+def _trainer_id(comm) -> int:
+    """The trainer's number on this rank: ranks build trainers in the same order, so it
+    names the same trainer on every rank (its runtime channel and transfer stream)."""
+    k = comm.state.get("cdp.trainers", 0)
+    comm.state["cdp.trainers"] = k + 1
+    return k
+
+
+def _split_batch(t, n: int, what: str) -> list[torch.Tensor]:
+    if isinstance(t, GlobalTensor):
+        t = t.full_tensor()
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < n:
+        raise PlanError(f"CyclicDataParallel.step: {what} must be a tensor whose axis 0 holds "
+                        f"at least N = {n} samples (one micro-batch a worker), got "
+                        f"{getattr(t, 'shape', type(t).__name__)}")
+    return [p.clone() for p in torch.tensor_split(t.detach(), n)]
+
+
+class CyclicDataParallel:
+    """Cyclic Data Parallelism over ``stages`` (a list of ``sf.nn`` modules, or a Sequential
+    cut by ``split``): ``rule`` "dp" | "v1" | "v2", ``mode`` "single" | "dp" | "pp" | "mp" |
+    "zero" on the ranks of ``placement`` (default the first ranks of the world the mode
+    needs). ``loss_fn(out, y)`` gives a micro-batch's mean loss (global tensors);
+    ``optimizer(params)`` builds one stage's optimizer."""
+
+    def __init__(self, stages, loss_fn: Callable, optimizer: Callable, rule: str = "v2",
+                 mode: str = "single", placement: Placement | Sequence[int] | None = None,
+                 split=None) -> None:
+        check_rule(rule)
+        self.comm = comm = current()
+        modules = stage_list(stages, split)
+        self.n = n = len(modules)
+        check_n(n)
+        self.rule, self.mode, self.timeline = rule, mode, timeline_of(rule)
+        need = ranks_needed(mode, n, self.timeline)
+        if placement is None:
+            if need > comm.world_size:
+                raise PlanError(f"CDP mode {mode!r} with N = {n} needs {need} ranks; the world "
+                                f"has {comm.world_size} (launch with world_size={need})")
+            ranks, device = list(range(need)), "cpu"
+        elif isinstance(placement, Placement):
+            ranks, device = list(placement.flat_ranks), placement.device_type
+        else:
+            ranks, device = [int(r) for r in placement], "cpu"
+        self.roles = make_roles(mode, n, self.timeline, ranks)
+        self.runners = [StageRunner(m, j) for j, m in enumerate(modules)]
+        first = [r.initial() for r in self.runners]  # a collective, on every rank
+        self.uid = _trainer_id(comm)
+        self.name = f"cdp{self.uid}"
+        self.fed, self.window, self.pending = 0, 0, {}   # pending: cycle -> its first step
+        self.records: list[Record] = []
+        self.plans: dict = {}
+        self.broken: str | None = None
+        self.rank = comm.rank
+        self.state = None
+        if self.rank in self.roles.ranks:
+            self._setup(first, loss_fn, optimizer, device)
+
+    def _setup(self, first: list, loss_fn: Callable, optimizer: Callable, device: str) -> None:
+        n, roles, me = self.n, self.roles, self.rank
+        pl = make_placement(device, [me])
+        store = VersionStore(n, lambda j, v: version_uses(n, self.rule, roles, me, j, v))
+        self.shape_cache: dict = {}
+        self.state = RankState(me, n, self.rule, self.runners, loss_fn, pl, store,
+                               self._shape, self._stream)
+        dev = self.comm.device(device)
+        for j in range(n):
+            tensors = [t.to(dev).requires_grad_(True) for t in first[j]]
+            if me in roles.holders(j):
+                store.put(j, 0, tensors)
+            if roles.owner(j) == me:
+                self.state.owners[j] = StageOwner(tensors, pl, n, optimizer)
+        self.tracker = memory.Tracker(me)
+        self.runtime = WindowRuntime(window_plan(self.name, me, roles.ranks, [], [],
+                                                 self.state))
+        works, moves = cycle_tasks(0, 0, n, self.rule, roles)
+        self.span = max(t.step for t in list(works) + list(moves)) + 1
+
+    def _stream(self) -> str:
+        return f"{self.name}/p2p/{self.runtime.failures}"
+
+    def _shape(self, cycle: int, worker: int, stage: int) -> tuple:
+        """Shape and dtype of stage ``stage``'s output for ``worker``'s micro-batch."""
+        x = self.state.batches[cycle][0][worker]
+        key = (tuple(x.shape), x.dtype)
+        out = self.shape_cache.get(key)
+        if out is None:
+            out, shape, dtype = [], key[0], key[1]
+            for r in self.runners[:-1]:
+                shape, dtype = r.probe(shape, dtype, self.state.pl)
+                out.append((shape, dtype))
+            self.shape_cache[key] = out
+        return out[stage]
+
+    # -- running windows ------------------------------------------------------------------------
+    def _plan(self, active: list[tuple[int, int]], lo: int):
+        c_ref = max(c for c, _ in active)
+        period = self.roles.period
+        key = (tuple((c - c_ref, base - lo) for c, base in active), c_ref % period,
+               c_ref if c_ref < 2 else -1)
+        plan = self.plans.get(key)
+        if plan is None:
+            works, moves = window(active, lo, lo + 2 * self.n, self.n, self.rule, self.roles)
+            works = [shift(t, -c_ref, -lo) for t in works]
+            moves = [shift(t, -c_ref, -lo) for t in moves]
+            plan = self.plans[key] = window_plan(self.name, self.rank, self.roles.ranks,
+                                                 works, moves, self.state)
+        return plan, c_ref
+
+    def _run(self, active: list[tuple[int, int]]) -> None:
+        if self.broken:
+            raise PlanError(f"CyclicDataParallel: {self.broken}; build a new trainer")
+        lo = 2 * self.n * self.window
+        plan, c_ref = self._plan(active, lo)
+        st = self.state
+        st.ctx, st.log = (c_ref, lo), {}
+        try:
+            with memory.attach([self.tracker]):
+                self.runtime.run_plan(plan)
+        except BaseException as exc:
+            self.broken = (f"a run failed mid-schedule ({type(exc).__name__}: {exc}), leaving "
+                           f"its cycles half done")
+            raise
+        for e in self.runtime.timeline():
+            task, v = st.log.get(e["actor"], (None, -1))
+            if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
+                self.records.append(Record(task.kind, task.worker, task.stage, task.cycle,
+                                           task.step, v, self.rank, e["start"], e["end"]))
+        self.window += 1
+        hi = lo + 2 * self.n
+        for c in [c for c, base in active if base + self.span <= hi]:
+            del self.pending[c]
+            st.batches.pop(c, None)
+
+    def step(self, x, y) -> list[tuple[int, int, float]]:
+        """Feed one global batch (``x``, ``y``: axis 0 cut into N micro-batches, worker ``i``
+        the ``i``-th) and run one window. Returns the losses this rank finished during the
+        call, as ``(step, worker, value)``."""
+        if self.state is None:
+            return []
+        xs, ys = _split_batch(x, self.n, "x"), _split_batch(y, self.n, "y")
+        c = self.fed
+        self.state.batches[c] = (xs, ys)
+        self.pending[c] = 2 * self.n * self.window
+        self.fed += 1
+        return self._finish(lambda: self._run(sorted(self.pending.items())))
+
+    def flush(self) -> list[tuple[int, int, float]]:
+        """Finish the steps in flight (their updates applied); returns their losses."""
+        if self.state is None or not self.pending:
+            return []
+
+        def drain():
+            while self.pending:
+                self._run(sorted(self.pending.items()))
+        return self._finish(drain)
+
+    def _finish(self, run: Callable) -> list:
+        before = len(self.state.losses)
+        run()
+        return sorted(self.state.losses[before:])
+
+    # -- collectives: every rank of the world calls them ----------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The latest parameters (each stage's last update applied), logical values keyed
+        ``"{stage}.{name}"``, on every rank (a broadcast from each stage's owner)."""
+        group = list(range(self.comm.world_size))
+        out = {}
+        for j, r in enumerate(self.runners):
+            owner = self.roles.owner(j)
+            if self.rank == owner:
+                store = self.state.store
+                tensors = [t.detach() for t in store.peek(j, store.latest(j))]
+            else:
+                tensors = [torch.empty(s, dtype=d) for s, d in zip(r.shapes, r.dtypes)]
+            for name, t in zip(r.names, tensors):
+                out[f"{j}.{name}"] = self.comm.broadcast(t.contiguous(), owner, group)
+        return out
+
+    def _gather(self):
+        st = self.state
+        if st is None:
+            counters = [0.0] * (5 + self.n)
+        else:
+            counters = [1.0, st.messages, st.nbytes, self.tracker.peak, self.fed,
+                        *st.store.max_versions]
+        return gather_records(self.comm, self.records if st else [], counters)
+
+    def stats(self) -> dict:
+        """Peak live activations (micro-batch x stage units, from the executed time steps),
+        measured activation bytes (tensors saved for backward, largest rank), the most
+        versions of each stage held at once, messages and bytes sent per step, the most
+        gradient chunks made in one time step, the idle fraction of the ranks' time steps.
+        A collective: every rank of the world calls it."""
+        records, counters = self._gather()
+        return summary(records, counters, self.n, self.roles.ranks)
+
+    def save_timeline(self, path: str, steps: tuple[int, int] | None = None) -> None:
+        """Draw the executed schedule to ``path`` (rank 0 writes it; a collective): time
+        steps ``steps`` (default the first six cycles' windows)."""
+        records, _ = self._gather()
+        if self.rank != 0:
+            return
+        steps = steps or (0, 2 * self.n * 7)
+        rows_by = "worker" if self.mode == "single" else "rank"
+        draw_timeline(records, path, rows_by, f"CDP rule {self.rule}, mode {self.mode}, "
+                      f"N = {self.n} (ranks {list(self.roles.ranks)})", steps)

@@ -1,0 +1,174 @@
+"""`sf.parallel.CyclicDataParallel` (issue 16): every setting and rule gives, in float64,
+bit-for-bit the parameters and losses of the closed-form rule (N = 2..5, four steps with two
+flushes, the last batch uneven); the closed form itself against plain torch; the stats read
+from the executed schedule; measured activation bytes DP vs CDP; the gloo backend."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+import sbpflow as sf
+from cdp_fns import F64, LR, MOMENTUM, batches, make_stages, reference, train
+from sbpflow.parallel.cdp import CyclicDataParallel, ranks_needed, rules
+
+N_BY_MODE = {"single": (2, 3, 4, 5), "dp": (2, 3, 4, 5), "pp": (2, 3, 4, 5),
+             "zero": (2, 3, 4, 5), "mp": (2, 3, 4)}
+CASES = [(mode, rule, n) for mode, ns in N_BY_MODE.items() for n in ns
+         for rule in rules.RULES
+         # every (mode, rule) at N = 3; the other N with one rule each, in turn
+         if n == 3 or rule == rules.RULES[(n + len(mode)) % 3]]
+CASES.append(("mp", "v2", 5))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(n: int, rule: str) -> tuple[dict, list]:
+    return sf.launch(lambda: reference(n, rule), world_size=1)[0]
+
+
+def _check_equal(res: list, n: int, rule: str) -> dict:
+    want, want_losses = _reference(n, rule)
+    for r in res:
+        assert set(r["state"]) == set(want)
+        for k in want:
+            assert torch.equal(r["state"][k], want[k]), k
+    assert sorted(loss for r in res for loss in r["losses"]) == sorted(want_losses)
+    return res[0]["stats"]
+
+
+@pytest.mark.parametrize("mode,rule,n", CASES)
+def test_settings_equal_the_closed_form_rule(mode, rule, n):
+    world = ranks_needed(mode, n, rules.timeline_of(rule))
+    res = sf.launch(lambda: train(n, rule, mode), world_size=world)
+    st = _check_equal(res, n, rule)
+    dp = rule == "dp"
+    assert st["peak_live_activations"] == (n * n if dp else n * (n + 1) // 2)
+    assert st["max_grad_chunks_per_step"] == (n if dp else math.ceil(n / 2))
+    assert st["max_versions"] == {"dp": [1] * n, "v1": [2] * n, "v2": [2] * (n - 1) + [1]}[rule]
+    assert st["steps"] == 4
+
+
+@pytest.mark.parametrize("opt", ["adam", "adamw"])
+def test_other_optimizers(opt):
+    make = {"adam": lambda ps: sf.optim.Adam(ps, lr=0.05),
+            "adamw": lambda ps: sf.optim.AdamW(ps, lr=0.05, weight_decay=0.1)}[opt]
+    mode, rule = ("dp", "v2") if opt == "adam" else ("zero", "v1")
+    res = sf.launch(lambda: train(3, rule, mode, optimizer=make), world_size=3)
+    want, _ = sf.launch(lambda: reference(3, rule, optimizer=make), world_size=1)[0]
+    for k in want:
+        assert torch.equal(res[0]["state"][k], want[k]), k
+
+
+def _torch_rule(n: int, rule: str) -> list[torch.Tensor]:
+    """The spec's update rule in plain torch: an MLP as tensors, a history of versions,
+    heavy-ball SGD on the mean of the micro-batches' gradients."""
+    stages = sf.launch(lambda: [[p.full_tensor() for p in s.parameters()]
+                                for s in make_stages(n)], world_size=1)[0]
+    hist = [{0: [p.clone() for p in s]} for s in stages]
+    bufs = [None] * n
+    for c, (x, y) in enumerate(batches(n)):
+        totals = [None] * n
+        for i, (xi, yi) in enumerate(zip(torch.tensor_split(x, n), torch.tensor_split(y, n))):
+            ps = [[t.detach().clone().requires_grad_(True) for t in hist[j][rules.version(rule, c, i, j,
+                                                                                  n)]]
+                  for j in range(n)]
+            h = xi
+            for j in range(n - 1):
+                h = torch.tanh(h @ ps[j][0].T + ps[j][1])
+            loss = torch.nn.functional.cross_entropy(h @ ps[-1][0].T + ps[-1][1], yi)
+            loss.backward()
+            for j in range(n):
+                g = [p.grad for p in ps[j]]
+                totals[j] = g if totals[j] is None else [a + b for a, b in zip(totals[j], g)]
+        for j in range(n):
+            g = [t / n for t in totals[j]]
+            bufs[j] = g if bufs[j] is None else [MOMENTUM * b + d for b, d in zip(bufs[j], g)]
+            hist[j][c + 1] = [p - LR * b for p, b in zip(hist[j][c], bufs[j])]
+    return [t for j in range(n) for t in hist[j][len(batches(n))]]
+
+
+@pytest.mark.parametrize("rule", rules.RULES)
+def test_closed_form_is_the_spec_rule_in_plain_torch(rule):
+    n = 3
+    want = _torch_rule(n, rule)
+    got, _ = _reference(n, rule)
+    assert len(got) == len(want)
+    for g, w in zip(got.values(), want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_placement_and_ranks_outside_it():
+    """dp on ranks [1, 2, 3] of a world of 4: rank 0 builds the trainer, its step does
+    nothing, and it gets the state dict; messages are the ring all-reduce's count."""
+    n, rule = 3, "v2"
+
+    def fn():
+        out = train(n, rule, "dp", placement=sf.placement("cpu", [1, 2, 3]))
+        return out
+    res = sf.launch(fn, world_size=4)
+    assert res[0]["losses"] == []
+    st = _check_equal(res, n, rule)
+    nbytes = sum(p.numel() * 8 for s in sf.launch(lambda: [list(m.parameters()) for m in
+                                                            make_stages(n)], world_size=1)[0]
+                 for p in s)
+    # a stage's gradients: N - 1 hops to the last worker, its new version N - 1 hops back
+    assert st["messages_per_step"] == 2 * n * (n - 1)
+    assert st["bytes_per_step"] == 2 * (n - 1) * nbytes
+    assert sorted(st["activation_bytes_by_rank"]) == [1, 2, 3]
+
+
+def _act_bytes(rule: str) -> tuple[int, dict]:
+    n, width, mb = 4, 64, 16
+
+    def fn():
+        sf.manual_seed(0)
+        stages = [sf.nn.Sequential(sf.nn.Linear(width, width, dtype=F64), sf.nn.Tanh())
+                  for _ in range(n)]
+        t = CyclicDataParallel(stages, lambda o, y: (o * o).mean(),
+                               lambda ps: sf.optim.SGD(ps, lr=0.01), rule=rule)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            t.step(torch.randn(n * mb, width, dtype=F64, generator=g), torch.zeros(n * mb))
+        t.flush()
+        return t.stats()
+    return sf.launch(fn, world_size=1)[0]
+
+
+def test_measured_activation_bytes_dp_against_cdp():
+    dp, cdp = _act_bytes("dp"), _act_bytes("v2")
+    assert (dp["peak_live_activations"], cdp["peak_live_activations"]) == (16, 10)
+    assert cdp["peak_activation_bytes"] / dp["peak_activation_bytes"] <= 5 / 8 + 0.05
+    # a (micro-batch, stage) unit keeps its tanh output (the next stage's input): 16 x 64
+    assert dp["peak_activation_bytes"] >= 16 * 16 * 64 * 8
+
+
+def test_save_timeline_and_errors(tmp_path):
+    path = tmp_path / "cdp.png"
+
+    def fn():
+        t = CyclicDataParallel(make_stages(3), lambda o, y: sf.nn.functional.cross_entropy(o, y),
+                               lambda ps: sf.optim.SGD(ps, lr=0.1), rule="v1", mode="pp")
+        for x, y in batches(3, 3):
+            t.step(x, y)
+        t.save_timeline(str(path))
+        with pytest.raises(sf.PlanError, match="axis 0 holds at least N = 3"):
+            t.step(torch.zeros(2, 5), torch.zeros(2))
+        return True
+    sf.launch(fn, world_size=3)
+    assert path.stat().st_size > 10_000
+    with pytest.raises(sf.PlanError, match="needs 6 ranks; the world has 2"):
+        sf.launch(lambda: CyclicDataParallel(make_stages(3), None, None, rule="v2",
+                                             mode="mp"), world_size=2)
+    with pytest.raises(sf.PlanError, match="unknown CDP mode"):
+        sf.launch(lambda: CyclicDataParallel(make_stages(3), None, None, mode="tp"),
+                  world_size=1)
+
+
+@pytest.mark.gloo
+def test_dp_mode_on_gloo_processes():
+    from cdp_fns import train as gloo_train
+    n, rule = 3, "v2"
+    res = sf.launch(gloo_train, n, backend="torch", args=(n, rule, "dp"))
+    st = _check_equal(res, n, rule)
+    assert st["messages_per_step"] == 2 * n * (n - 1)
