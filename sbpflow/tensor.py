@@ -580,6 +580,8 @@ def lift(value: torch.Tensor, placement: Placement) -> GlobalTensor:
             f"sf.nn.from_torch (or sf.parallel.apply), or wrap it with sf.tensor / "
             f"sf.nn.Parameter")
     device = _device(placement)
+    if value.is_meta:  # made on an input's device while sf.auto.trace runs on shapes
+        device = value.device
     local = value.to(device) if _comm.rank() in placement else \
         empty_local(value.dtype, device)
     out = GlobalTensor(local, tuple(value.shape), placement, (B,) * placement.ndim)

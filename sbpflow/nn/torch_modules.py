@@ -152,23 +152,23 @@ def _converted_class(cls: type, twin: type | None) -> type:
     hit = _CLASSES.get(key)
     if hit is None:
         bases = (TorchConverted, twin, cls) if twin is not None else (TorchConverted, cls)
-        ns = {"forward": _twin_forward(twin, cls)} if twin is not None else \
-            _user_namespace(cls)
+        ns = {"__call__": _twin_call(cls)} if twin is not None else _user_namespace(cls)
         ns["__doc__"] = cls.__doc__
         hit = _CLASSES.setdefault(key, type(cls.__name__, bases, ns))
     return hit
 
 
-def _twin_forward(twin: type, cls: type):
-    """The twin's ``forward``, with plain torch tensor arguments (positions, masks) lifted onto
-    the placement of the global ones or of the module's parameters (`sbpflow.tensor.lift`), as
-    torch functions do; with no global tensor anywhere, torch's own ``forward`` on them."""
-    sf_forward, torch_forward = twin.forward, cls.forward
+def _twin_call(cls: type):
+    """``__call__`` of a layer taking its sf.nn twin's ``forward``: plain torch tensor arguments
+    (positions, masks) are lifted onto the placement of the global ones or of the layer's
+    parameters (`sbpflow.tensor.lift`) first, as torch functions do, so forward hooks and
+    wrappers see global tensors; with no global tensor anywhere, torch's own ``forward``."""
+    torch_forward = cls.forward
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         values = (*args, *kwargs.values())
         if not any(isinstance(v, torch.Tensor) for v in values):
-            return sf_forward(self, *args, **kwargs)
+            return Module.__call__(self, *args, **kwargs)
         pl = next((v.placement for v in values if isinstance(v, GlobalTensor)), None)
         if pl is None:
             pl = next((p.placement for p in self.parameters(recurse=False)), None)
@@ -176,9 +176,8 @@ def _twin_forward(twin: type, cls: type):
             return torch_forward(self, *args, **kwargs)
         args = tuple(lift(a, pl) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: lift(v, pl) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return sf_forward(self, *args, **kwargs)
-    forward.__doc__ = sf_forward.__doc__
-    return forward
+        return Module.__call__(self, *args, **kwargs)
+    return __call__
 
 
 # -- converting -------------------------------------------------------------------------------------

@@ -334,3 +334,24 @@ def _sf_losses(m, opt, xs, ys, steps: int = 3) -> list:
         opt.zero_grad()
         out.append(loss.item())
     return out
+
+
+class UntiedGPT(TiedGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 32, bias=False)   # tied weights in sf.auto: issue 19, part 4
+
+
+def test_auto_parallelize_lays_out_a_converted_model():
+    torch.manual_seed(0)
+    model = UntiedGPT().to(F64)
+    x, y = _tokens()
+    want = model(x, y).item()
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        m = sf.nn.from_torch(model, pl)
+        plan = sf.auto.parallelize(m, (sf.tensor(x, pl, sf.B), sf.tensor(y, pl, sf.B)), pl)
+        return m(plan.input(x), plan.input(y)).item(), len(plan.graph.layers)
+    loss, layers = sf.launch(body, world_size=4)[0]
+    assert loss == pytest.approx(want, rel=1e-12) and layers == 15
