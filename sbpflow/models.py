@@ -8,11 +8,10 @@ distributed model, ``torch.nn`` its single-device twin (same parameter names and
     GPT = gpt_class(sf.nn, sf.nn.functional)        # global tensors, any layout
     TorchGPT = gpt_class(torch.nn, torch.nn.functional)
 
-``layout(model, name, world)`` gives the placement, the input layout, the parameter rules and
-the ZeRO stage (for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero``
-(ZeRO-3), ``zero1``, ``zero2``, ``row_split``, ``replicated``.
-Models get their ops from the namespace they are built with; this module imports only from
-``sbp``, ``placement`` and ``tensor`` (for `generate`).
+``layout(model, name, world)`` gives the placement, input layout, parameter rules and ZeRO
+stage (for `sf.parallel.apply`) of a named layout: ``dp``, ``tp``, ``2d``, ``zero`` (ZeRO-3),
+``zero1``, ``zero2``, ``row_split``, ``replicated``. Models get their ops from the namespace
+they are built with; this module imports only ``sbp``, ``placement``, ``tensor``.
 """
 
 from __future__ import annotations

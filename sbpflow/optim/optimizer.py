@@ -114,6 +114,15 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
             buckets.setdefault(key, []).append(i)
         else:
             out[i] = boxed_grad(p, remember=remember)
+    _all_reduced(params, buckets, out, remember, comm)
+    _reduce_scattered(params, sharded, out, remember)
+    return out
+
+
+def _all_reduced(params: list, buckets: dict, out: list, remember: bool, comm) -> None:
+    """Fill ``out`` with the gradients of ``buckets`` ((group, op, dtype, device) -> indices),
+    all-reduced in bounded coalesced buckets, in parameter order."""
+    cache = _boxed_cache()
     for (group, op, _, _), idxs in buckets.items():
         start = 0
         while start < len(idxs):  # bounded buckets, in parameter order
@@ -134,15 +143,21 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
                 out[i] = GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
                 if remember:
                     cache[p] = (p.local.grad, p.local.grad._version, out[i])
-    if sharded:
-        with torch.no_grad():
-            shards = _zero.reduce_scatter([(params[i].local.grad, geo) for i, geo in sharded])
-        for (i, _), shard in zip(sharded, shards):
-            p = params[i]
-            out[i] = GlobalTensor(shard, tuple(p.shape), p.placement, update_layout(p))
-            if remember:
-                cache[p] = (p.local.grad, p.local.grad._version, out[i])
-    return out
+
+
+def _reduce_scattered(params: list, sharded: list, out: list, remember: bool) -> None:
+    """Fill ``out`` with the ZeRO stage-1 gradients ``sharded`` ((index, geometry)),
+    reduce-scattered to their update layout in coalesced buckets."""
+    if not sharded:
+        return
+    cache = _boxed_cache()
+    with torch.no_grad():
+        shards = _zero.reduce_scatter([(params[i].local.grad, geo) for i, geo in sharded])
+    for (i, _), shard in zip(sharded, shards):
+        p = params[i]
+        out[i] = GlobalTensor(shard, tuple(p.shape), p.placement, update_layout(p))
+        if remember:
+            cache[p] = (p.local.grad, p.local.grad._version, out[i])
 
 
 def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:

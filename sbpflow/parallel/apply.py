@@ -3,19 +3,14 @@
 ``rules`` maps fnmatch patterns over ``named_parameters()`` names to nd-sbps; the first pattern
 that matches a name wins (dict order), ``"*"`` is the usual fallback::
 
-    sf.parallel.apply(model, mesh, {
-        "*.fc1.weight": (sf.B, sf.S(0)), "*.fc1.bias": (sf.B, sf.S(0)),  # column parallel
-        "*.fc2.weight": (sf.B, sf.S(1)),   # row parallel (both inside a group)
-        "*": (sf.B, sf.B)})
+    sf.parallel.apply(model, mesh, {"*.fc1.*": (sf.B, sf.S(0)),   # column parallel
+                                    "*.fc2.weight": (sf.B, sf.S(1)), "*": (sf.B, sf.B)})
 
 Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if built under
-`sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` (requires grad as before)
-under every name it has: tied parameters stay tied (`sf.parallel.relayout`). Call it before
-building the optimizer: the optimizer holds the parameter objects.
-
-``zero=1|2|3`` adds ZeRO along each parameter's data-parallel dims (where its rule says ``B``):
-optimizer state, gradients, parameters stored split (docs/zero.md). Stage 2 and 3 parameters
-are materialised directly in their split layout.
+`sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` under every name it has:
+tied parameters stay tied (`sf.parallel.relayout`). Build the optimizer afterwards: it holds
+the parameter objects. ``zero=1|2|3`` adds ZeRO along the dims where a rule says ``B``
+(docs/zero.md); stage 2 and 3 parameters are materialised straight in their split layout.
 """
 
 from __future__ import annotations
