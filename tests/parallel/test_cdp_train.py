@@ -172,3 +172,19 @@ def test_dp_mode_on_gloo_processes():
     res = sf.launch(gloo_train, n, backend="torch", args=(n, rule, "dp"))
     st = _check_equal(res, n, rule)
     assert st["messages_per_step"] == 2 * n * (n - 1)
+
+
+def test_example_runs(monkeypatch, tmp_path):
+    """`examples/cdp_digits.py`, one epoch of v2 in pipeline mode: it learns, and draws."""
+    pytest.importorskip("sklearn")
+    import runpy
+    import sys
+    from pathlib import Path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    g = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "cdp_digits.py"))
+    png = tmp_path / "t.png"
+    args = g["arguments"]().parse_args(["--epochs", "2", "--mode", "pp", "--no-bar",
+                                        "--lr", "0.1", "--timeline", str(png)])
+    res = g["run"](args)
+    assert res["losses"][1] < res["losses"][0] < 2.31 and res["accuracy"] > 0.3
+    assert res["stats"]["peak_live_activations"] == 10 and png.stat().st_size > 10_000

@@ -233,11 +233,11 @@ class CyclicDataParallel:
 
     def save_timeline(self, path: str, steps: tuple[int, int] | None = None) -> None:
         """Draw the executed schedule to ``path`` (rank 0 writes it; a collective): time
-        steps ``steps`` (default the first six cycles' windows)."""
+        steps ``steps`` (default the first five windows of ``2N`` steps)."""
         records, _ = self._gather()
         if self.rank != 0:
             return
-        steps = steps or (0, 2 * self.n * 7)
+        steps = steps or (0, 2 * self.n * 5)
         rows_by = "worker" if self.mode == "single" else "rank"
         draw_timeline(records, path, rows_by, f"CDP rule {self.rule}, mode {self.mode}, "
                       f"N = {self.n} (ranks {list(self.roles.ranks)})", steps)

@@ -41,15 +41,15 @@ class VersionStore:
         self.max_versions[stage] = max(self.max_versions[stage], len(live))
 
     def put(self, stage: int, version: int, tensors: Sequence[torch.Tensor]) -> None:
-        """A new version arrived (or was made); kept for its reads on this rank."""
+        """A version arrived (or was made); kept for its reads on this rank."""
         reads = self.uses(stage, version)
         if reads <= 0:
             return
         key = (stage, version)
         with self.lock:
-            if key in self.entries:
-                self.entries[key][1] += reads
-            else:
+            # ``uses`` counts every read of the version on this rank, however many times it
+            # is delivered (ZeRO relays version 0 for cycles 0 and 1): a second copy is dropped
+            if key not in self.entries:
                 self.entries[key] = [list(tensors), reads]
             self._note(stage)
 
