@@ -121,6 +121,11 @@ class GraphError(SbpError, ValueError):
     cannot be split into micro-batches, a bad config value."""
 
 
+class UnsupportedTorchFunction(SbpError, NotImplementedError):
+    """A torch function or Tensor method that sbpflow does not run on global tensors (the
+    message names it and what to use instead)."""
+
+
 class ActorAborted(CommAborted):
     """An actor on another rank failed (or timed out): this rank's runtime stopped. The message
     names that rank, that actor and its exception."""

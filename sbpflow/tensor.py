@@ -22,7 +22,8 @@ from . import comm as _comm
 from .boxing import empty_local, plan_layouts, run_plan
 from .caches import BoundedDict
 from .errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
-                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError)
+                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
+                     UnsupportedTorchFunction)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
 from .ops.shape import encode_index, list_index, resolve_shape, squeeze_dims
 from .placement import Placement
@@ -34,15 +35,6 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
            "fresh", "guard", "source", "errors_as", "error_rule", "UnsupportedTorchFunction",
            "set_torch_dispatch", "lift", "watch_resplit"]
-
-
-try:
-    from .errors import UnsupportedTorchFunction
-except ImportError:  # stopgap until sbpflow/errors.py defines it (asked of its owner); delete then
-    UnsupportedTorchFunction = type("UnsupportedTorchFunction", (SbpError, NotImplementedError), {
-        "__doc__": "A torch function or Tensor method that sbpflow does not run on global "
-                   "tensors (the message names it and what to use instead).",
-        "__module__": "sbpflow.errors"})
 
 
 # -- torch functions on global tensors ----------------------------------------------------------
