@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     for name, ref, t_sf, t_ref in r0["times"]:
         print(f"{name:<8}{ref:<8}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
               f"{r0['moved'][name]:>12}  {_formula(cfg, name, n)}")
-    print(f"\nmemory per rank (bytes; rank 0; params / grads / optimizer after backward, peak: "
-          f"sf.memory.track over forward + backward)")
+    print("\nmemory per rank (bytes; rank 0; params / grads / optimizer after backward, peak: "
+          "sf.memory.track over forward + backward)")
     print(f"{'layout':<8}{'params':>11}{'grads':>11}{'optimizer':>11}{'states':>11}"
           f"{'vs dp':>7}{'peak':>11}{'saved':>11}{'gathered':>11}")
     dp = r0["memory"]["dp"]["total"]
