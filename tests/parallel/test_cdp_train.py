@@ -70,9 +70,8 @@ def _torch_rule(n: int, rule: str) -> list[torch.Tensor]:
     for c, (x, y) in enumerate(batches(n)):
         totals = [None] * n
         for i, (xi, yi) in enumerate(zip(torch.tensor_split(x, n), torch.tensor_split(y, n))):
-            ps = [[t.detach().clone().requires_grad_(True) for t in hist[j][rules.version(rule, c, i, j,
-                                                                                  n)]]
-                  for j in range(n)]
+            ps = [[t.detach().clone().requires_grad_(True)
+                   for t in hist[j][rules.version(rule, c, i, j, n)]] for j in range(n)]
             h = xi
             for j in range(n - 1):
                 h = torch.tanh(h @ ps[j][0].T + ps[j][1])

@@ -4,8 +4,9 @@ Each rank keeps a `Record` of every F, B and U task its runtime fired (its time 
 version it used, its wall-clock start and end); `gather_records` collects every rank's records
 and counters (an all-gather over the world); `summary` computes the stats: live activations
 per time step (the spec's convention: from F's step to B's, both included), gradient chunks
-per step (B tasks), the busy fraction of the ranks' time steps, messages and bytes sent, the
-measured activation bytes and the most parameter versions held. See docs/cdp.md, 'Stats'.
+per step (B tasks), the idle fraction of the ranks' op slots (the bubble: a rank runs a
+step's ops one after another), messages and bytes sent, the measured activation bytes and the
+most parameter versions held. See docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
@@ -69,14 +70,17 @@ def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: i
     stage]."""
     live = _live(records)
     chunks: dict[int, int] = {}
-    busy: set = set()
+    cells: dict[tuple, int] = {}   # (rank, step) -> ops the rank runs in that step
     for r in records:
         if r.kind == "B":
             chunks[r.step] = chunks.get(r.step, 0) + 1
         if r.kind in "FB":
-            busy.add((r.rank, r.step))
-    ops = [r.step for r in records if r.kind in "FB"]
-    span = (max(ops) - min(ops) + 1) if ops else 0
+            cells[(r.rank, r.step)] = cells.get((r.rank, r.step), 0) + 1
+    # a rank runs a step's ops one after another: the step lasts its busiest rank's count
+    longest: dict[int, int] = {}
+    for (_, k), c in cells.items():
+        longest[k] = max(longest.get(k, 0), c)
+    slots = sum(longest.values()) * len(ranks)
     mine = [c for c in counters if c and c[0]]
     steps = int(max((c[4] for c in mine), default=0))
     messages = sum(c[1] for c in mine)
@@ -92,5 +96,5 @@ def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: i
         "messages_per_step": messages / steps if steps else 0.0,
         "bytes_per_step": nbytes / steps if steps else 0.0,
         "max_grad_chunks_per_step": max(chunks.values(), default=0),
-        "bubble_fraction": 1 - len(busy) / (len(ranks) * span) if span else 0.0,
+        "bubble_fraction": 1 - sum(cells.values()) / slots if slots else 0.0,
     }

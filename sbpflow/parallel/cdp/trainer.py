@@ -226,7 +226,7 @@ class CyclicDataParallel:
         """Peak live activations (micro-batch x stage units, from the executed time steps),
         measured activation bytes (tensors saved for backward, largest rank), the most
         versions of each stage held at once, messages and bytes sent per step, the most
-        gradient chunks made in one time step, the idle fraction of the ranks' time steps.
+        gradient chunks made in one time step, the idle fraction of the ranks' op slots.
         A collective: every rank of the world calls it."""
         records, counters = self._gather()
         return summary(records, counters, self.n, self.roles.ranks)

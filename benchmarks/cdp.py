@@ -1,0 +1,233 @@
+"""Cyclic Data Parallelism (issue 16): memory, communication and pipeline figures, each beside
+its PyTorch equivalent in the same run.
+
+1. activations (mode single, one rank): peak live (micro-batch x stage) activations of the
+   executed schedule and measured bytes saved for backward, DP vs CDP v1 / v2, against torch
+   running the N micro-batches as one batch;
+2. dp (mode dp, N gloo processes): messages, bytes and the most gradient chunks made in one
+   time step, and step time, against torch DDP (one bucketed all-reduce a step);
+3. pp (mode pp, N gloo processes): step time and bubble fraction against
+   ``torch.distributed.pipelining.Schedule1F1B`` on the same stages, weights and batch.
+
+The model: N stages of Linear(width, width) + ReLU (balanced), cross-entropy over ``width``
+classes, SGD with momentum 0.9, N micro-batches of ``--micro-batch`` a step.
+
+    python benchmarks/cdp.py [--width 256] [--micro-batch 32] [--steps 20] [-n 4]
+                             [--parts activations dp pp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import sbpflow as sf
+from timing import take_turns
+
+LR, MOMENTUM = 0.01, 0.9
+
+
+def _stages(n: int, width: int) -> list:
+    sf.manual_seed(0)
+    return [sf.nn.Sequential(sf.nn.Linear(width, width), sf.nn.ReLU()) for _ in range(n)]
+
+
+def _torch_twin(stages: list) -> torch.nn.Sequential:
+    """The same stages as torch modules, with the same weights."""
+    mods = []
+    for s in stages:
+        lin = s[0]
+        t = torch.nn.Linear(lin.in_features, lin.out_features)
+        with torch.no_grad():
+            t.weight.copy_(lin.weight.full_tensor())
+            t.bias.copy_(lin.bias.full_tensor())
+        mods += [t, torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods)
+
+
+def _data(n: int, mb: int, width: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n * mb, width, generator=g),
+            torch.randint(0, width, (n * mb,), generator=g))
+
+
+def _loss(out, y):
+    return sf.nn.functional.cross_entropy(out, y)
+
+
+def _sgd(params):
+    return sf.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _trainer(args, rule: str, mode: str):
+    return sf.parallel.CyclicDataParallel(_stages(args.n, args.width), _loss, _sgd, rule=rule,
+                                          mode=mode)
+
+
+# -- 1. activations --------------------------------------------------------------------------
+def _activations_rank(args) -> list:
+    x, y = _data(args.n, args.micro_batch, args.width)
+    rows = []
+    for rule in ("dp", "v1", "v2"):
+        t = _trainer(args, rule, "single")
+        t.step(x, y)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            t.step(x, y)
+        per = (time.perf_counter() - start) / args.steps
+        t.flush()
+        st = t.stats()
+        rows.append((f"sbpflow {rule}", st["peak_live_activations"],
+                     st["peak_activation_bytes"], per))
+    model = _torch_twin(_stages(args.n, args.width))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    with sf.memory.track() as mem:
+        per = _torch_steps(model, opt, x, y, args.steps)
+    rows.append(("torch, N micro-batches as one batch", None, mem.peak, per))
+    return rows
+
+
+def _torch_steps(model, opt, x, y, steps: int) -> float:
+    for k in range(steps + 1):
+        if k == 1:
+            start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return (time.perf_counter() - start) / steps
+
+
+def activations(args) -> None:
+    n = args.n
+    rows = sf.launch(_activations_rank, world_size=1, args=(args,))[0]
+    dp_bytes = rows[0][2]
+    print(f"\n1. activations, mode single: N = {n}, micro-batch {args.micro_batch}, width "
+          f"{args.width} (balanced stages); mean of {args.steps} steps")
+    print(f"{'':<38}{'peak live':>10}{'saved bytes':>13}{'/ DP':>7}{'ms/step':>9}")
+    for name, live, nbytes, per in rows:
+        print(f"{name:<38}{'-' if live is None else live:>10}{nbytes:>13,}"
+              f"{nbytes / dp_bytes:>7.3f}{per * 1e3:>9.2f}")
+    print(f"(peak live: (micro-batch, stage) units, the spec's count from each F's step to its "
+          f"B's, of the executed schedule: DP N^2 = {n * n}, CDP N(N+1)/2 = "
+          f"{n * (n + 1) // 2}; (N+1)/(2N) = {(n + 1) / (2 * n):.3f}; saved bytes: "
+          f"sf.memory.track, tensors autograd saved, at the peak)")
+
+
+# -- 2. dp on gloo processes -----------------------------------------------------------------
+def _dp_rank(args) -> list:
+    x, y = _data(args.n, args.micro_batch, args.width)
+    r = dist.get_rank()
+    trainers = {rule: _trainer(args, rule, "dp") for rule in ("dp", "v2")}
+    model = torch.nn.parallel.DistributedDataParallel(_torch_twin(_stages(args.n, args.width)))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    xr, yr = torch.tensor_split(x, args.n)[r], torch.tensor_split(y, args.n)[r]
+
+    def ddp_step():
+        torch.nn.functional.cross_entropy(model(xr), yr).backward()
+        opt.step()
+        opt.zero_grad()
+    fns = [lambda t=t: t.step(x, y) for t in trainers.values()] + [ddp_step]
+    times = take_turns(fns, args.steps)
+    rows = []
+    for (rule, t), ts in zip(trainers.items(), times):
+        t.flush()
+        st = t.stats()
+        rows.append((f"sbpflow dp mode, rule {rule}", st["messages_per_step"],
+                     st["bytes_per_step"], st["max_grad_chunks_per_step"],
+                     statistics.median(ts)))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    ring = 2 * (args.n - 1) * params  # every rank sends 2(N-1)/N of the gradients
+    rows.append(("torch DDP (ring all-reduce)", None, ring, args.n, statistics.median(times[-1])))
+    return rows
+
+
+def dp(args) -> None:
+    rows = sf.launch(_dp_rank, world_size=args.n, backend="torch", args=(args,))[0]
+    print(f"\n2. mode dp on {args.n} gloo processes: per training step, all ranks; median of "
+          f"{args.steps} steps taking turns")
+    print(f"{'':<32}{'messages':>9}{'bytes':>12}{'max chunks/step':>17}{'ms/step':>9}")
+    for name, msgs, nbytes, chunks, per in rows:
+        print(f"{name:<32}{'-' if msgs is None else f'{msgs:g}':>9}{nbytes:>12,.0f}"
+              f"{chunks:>17}{per * 1e3:>9.2f}")
+    print("(sbpflow: point-to-point messages counted by the trainer: each stage's gradient "
+          "chain N-1 hops, its new version N-1 hops back; DDP: gloo's ring all-reduce volume, "
+          "2(N-1)/N of the gradients a rank; chunks: stage gradients made in one time step, "
+          "read from the executed schedule; DDP's N ranks finish each stage at once)")
+
+
+# -- 3. pp against torch.distributed.pipelining ------------------------------------------------
+def _pp_torch(args, x, y):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    r, n = dist.get_rank(), dist.get_world_size()
+    module = _torch_twin(_stages(args.n, args.width))[2 * r:2 * r + 2]
+    stage = PipelineStage(module, r, n, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n, loss_fn=torch.nn.functional.cross_entropy)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step():
+        if r == 0:
+            sched.step(x)
+        elif r == n - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _pp_rank(args) -> list:
+    import logging
+    torch._logging.set_logs(all=logging.ERROR)
+    x, y = _data(args.n, args.micro_batch, args.width)
+    trainers = {rule: _trainer(args, rule, "pp") for rule in ("dp", "v1", "v2")}
+    fns = [lambda t=t: t.step(x, y) for t in trainers.values()] + [_pp_torch(args, x, y)]
+    times = take_turns(fns, args.steps)
+    rows = []
+    for (rule, t), ts in zip(trainers.items(), times):
+        t.flush()
+        st = t.stats()
+        rows.append((f"sbpflow pp mode, rule {rule}", statistics.median(ts),
+                     st["bubble_fraction"]))
+    s = m = args.n
+    rows.append(("torch Schedule1F1B, M = N", statistics.median(times[-1]),
+                 (s - 1) / (m + s - 1)))
+    return rows
+
+
+def pp(args) -> None:
+    rows = sf.launch(_pp_rank, world_size=args.n, backend="torch", args=(args,))[0]
+    t_torch = rows[-1][1]
+    print(f"\n3. mode pp on {args.n} gloo processes (a stage each), N = {args.n} micro-batches "
+          f"of {args.micro_batch}; median of {args.steps} steps taking turns")
+    print(f"{'':<30}{'ms/step':>9}{'/ torch':>9}{'bubble':>8}")
+    for name, per, bubble in rows:
+        print(f"{name:<30}{per * 1e3:>9.2f}{per / t_torch:>9.2f}{bubble:>8.3f}")
+    print("(bubble: sbpflow, idle (rank, time step) cells of the executed schedule over all "
+          "steps, warm-up and final flush included (0 between them: the cycles overlap); torch, "
+          "1F1B's (S-1)/(M+S-1) a step, its schedule drains every step)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=4, help="N: stages, workers, micro-batches")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--parts", nargs="+", default=["activations", "dp", "pp"],
+                    choices=["activations", "dp", "pp"])
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    for part in args.parts:
+        {"activations": activations, "dp": dp, "pp": pp}[part](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
