@@ -39,8 +39,8 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
     """Keep ``p``'s optimizer state in ``nd_sbp`` and update ``p`` there: its gradient is boxed
     to ``nd_sbp`` (a reduce-scatter), the shard of ``p`` inside it updated, and the result
     gathered back into ``p``'s own layout. Each shard of ``nd_sbp`` must lie inside ``p``'s
-    shard on the same rank (`sbpflow.optim.zero.stored_layout` gives such a layout). None, or
-    ``p``'s own layout: the default again."""
+    shard on the same rank (`sbpflow.optim.zero_layout.stored_layout` gives such a layout).
+    None, or ``p``'s own layout: the default again."""
     if nd_sbp is None or tuple(nd_sbp) == tuple(p.sbp):
         _UPDATE_LAYOUTS.pop(p, None)
     else:

@@ -143,7 +143,9 @@ class Tracker:
         self._held: dict = {}          # storage key -> [references, bytes, kind]
         self._lock = threading.Lock()  # releases may come from another thread (autograd's)
 
-    def _add(self, key: tuple, nbytes: int, kind: str) -> None:
+    def hold(self, key: tuple, nbytes: int, kind: str) -> None:
+        """Count storage ``key`` (``nbytes``) as held, of ``kind`` (one of `KINDS`), until as
+        many `release` calls as holds; a storage is counted once however often it is held."""
         with self._lock:
             entry = self._held.get(key)
             if entry is not None:
@@ -155,7 +157,8 @@ class Tracker:
             self.peak = max(self.peak, self.current)
             self.peak_by_kind[kind] = max(self.peak_by_kind[kind], self.current_by_kind[kind])
 
-    def _release(self, key: tuple) -> None:
+    def release(self, key: tuple) -> None:
+        """One `hold` of storage ``key`` ends (unknown keys are ignored)."""
         with self._lock:
             entry = self._held.get(key)
             if entry is None:
@@ -192,7 +195,7 @@ class _Held:
 
     def __del__(self) -> None:
         for t in self.trackers:
-            t._release(self.key)
+            t.release(self.key)
 
 
 def _parameter_of(base: torch.Tensor) -> torch.Tensor | None:
@@ -226,7 +229,7 @@ def _pack(t: torch.Tensor):
         return t.detach()
     key, nbytes = found
     for tr in trackers:
-        tr._add(key, nbytes, kind)
+        tr.hold(key, nbytes, kind)
     return _Held(t.detach(), key, trackers)
 
 

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import ParallelizeError
+from ..nn.torch_modules import from_torch, is_torch_module
 from ..parallel.relayout import relayout
 from ..parallel.zero import shard as _zero_shard
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
@@ -45,6 +46,7 @@ class ParallelPlan:
     notes: list = field(default_factory=list)
     search_seconds: float = 0.0
     placements: dict = field(default_factory=dict)
+    model: object = None   # the model to call (a torch model's sbpflow conversion)
 
     def input(self, value, sbp=None):
         """A torch tensor (the same on every rank) as a global tensor on ``self.placement``
@@ -305,7 +307,8 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     layer on its strategy's mesh, activations on the stream placement between layers
     (docs/auto.md, 'Laying out a model'). Every rank calls it, with the same arguments; build
     the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh. Returns a
-    `ParallelPlan` (also ``model.auto_plan``)."""
+    `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
+    (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
     from ..cost import Cluster
 
     p = placement.size
@@ -314,6 +317,8 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if cluster.world_size != p:
         raise ParallelizeError(f"parallelize: cluster has {cluster.world_size} devices, "
                                f"placement {placement} has {p}")
+    if is_torch_module(model):
+        model = from_torch(model, placement)
     graph, modules = trace(model, example_inputs)
     notes: list = []
     t0 = time.perf_counter()
@@ -340,7 +345,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     for layer, s in zip(graph.layers, strategy.layers):
         _wrap(modules[layer.name], layer.kind, s, placements[layer.name], stream)
     plan = ParallelPlan(graph, strategy, stream.placement, bd, modules, notes, seconds,
-                        placements)
+                        placements, model)
     object.__setattr__(model, "auto_plan", plan)
     return plan
 

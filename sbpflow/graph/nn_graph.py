@@ -17,7 +17,7 @@ from ..comm.threads import default_timeout
 from ..errors import GraphError
 from ..gradsync import settle
 from ..nn.modules import Module
-from ..optim.zero import check_stage
+from ..optim.zero_layout import check_stage
 from ..optim.zero_units import shard_ as _zero_shard
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace

@@ -28,7 +28,7 @@ from ..gradsync import (GradSync, backfill, collect, set_pending, settle, update
                         zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
-from . import zero as _zero
+from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
 from .zero_sync import ShardSync, collect as _collect_shards
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm as _comm
 from ..sbp import local_shape
-from .zero import all_gather_into, geometry, reduce_scatter
+from .zero_layout import all_gather_into, geometry, reduce_scatter
 from .zero_comm import submit
 
 __all__ = ["UnitCall", "UnitGather", "gather", "start", "done", "begin_call", "end_call"]

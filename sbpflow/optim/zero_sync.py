@@ -18,7 +18,7 @@ import torch
 from .. import comm as _comm
 from ..gradsync import update_layout
 from ..tensor import GlobalTensor
-from .zero import geometry, reduce_scatter
+from .zero_layout import geometry, reduce_scatter
 from .zero_comm import submit
 
 __all__ = ["ShardSync", "collect"]

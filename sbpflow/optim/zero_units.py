@@ -20,7 +20,7 @@ import torch
 from .. import comm as _comm
 from ..gradsync import set_backfill, set_update_layout, settle, take_stale
 from ..tensor import GlobalTensor, recording
-from .zero import all_gather_into, check_stage, geometry, stored_layout
+from .zero_layout import all_gather_into, check_stage, geometry, stored_layout
 from .zero_comm import submit
 from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call
 

@@ -20,6 +20,8 @@ from typing import Mapping
 
 from ..errors import SbpError, UnmatchedParameterError
 from ..nn.modules import Module
+from ..nn.torch_layouts import watch_fused_splits
+from ..nn.torch_modules import from_torch, is_torch_module
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
 from . import zero as _zero
@@ -50,9 +52,11 @@ def match_rules(names, rules: Mapping, placement: Placement) -> dict:
     return out
 
 
-def apply(model: Module, placement: Placement, rules: Mapping, zero: int = 0,
+def apply(model, placement: Placement, rules: Mapping, zero: int = 0,
           zero_min_size: int = 0) -> Module:
-    """Re-lay every parameter of ``model`` onto ``placement`` by ``rules``; returns ``model``.
+    """Re-lay every parameter of ``model`` onto ``placement`` by ``rules``; returns the model
+    to call: ``model`` itself, or for a plain ``torch.nn.Module`` its sbpflow conversion
+    (`sf.nn.from_torch`; the torch model is left as it was).
 
     Every rank must call it (the boxing is collective), with the same rules. A model built
     under `sf.nn.init.meta_init` is materialised in these layouts (`relayout`). ``zero``: the
@@ -60,6 +64,8 @@ def apply(model: Module, placement: Placement, rules: Mapping, zero: int = 0,
     ``zero_min_size`` elements (`sf.parallel.zero.shard`)."""
     if not isinstance(placement, Placement):
         raise SbpError(f"sf.parallel.apply: expected an sf.placement, got {placement!r}")
+    if is_torch_module(model):
+        model = from_torch(model, placement)
     stage = _zero.check_stage(zero, "sf.parallel.apply")
     names = [n for n, _ in model.named_parameters()]
     layouts = match_rules(names, rules, placement)
@@ -74,4 +80,5 @@ def apply(model: Module, placement: Placement, rules: Mapping, zero: int = 0,
     if stage:
         compute = {id(p): layouts[name] for name, p in model.named_parameters()}
         _zero.shard(model, stage, zero_min_size, compute=compute)
+    watch_fused_splits(model, placement, layouts)  # warns of a split the model cuts again
     return model

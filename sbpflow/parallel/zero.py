@@ -20,7 +20,7 @@ import torch
 from .. import memory as _memory
 from ..gradsync import settle as _settle
 from ..nn.modules import Module
-from ..optim import zero as _core
+from ..optim import zero_layout as _core
 from ..optim import zero_gather as _gather
 from ..optim import zero_units as _units
 
@@ -83,13 +83,13 @@ def _hold_while_alive(trackers, flat: torch.Tensor) -> None:
     if found is None:
         return
     for tr in trackers:
-        tr._add(found[0], found[1], "gathered")
+        tr.hold(found[0], found[1], "gathered")
     weakref.finalize(flat, _let_go, trackers, found[0])
 
 
 def _let_go(trackers, key) -> None:
     for tr in trackers:
-        tr._release(key)
+        tr.release(key)
 
 
 class _Outer(NamedTuple):

@@ -119,7 +119,7 @@ def graph_vs_eager(name: str, layout_name: str, k: int, n, split: bool = False) 
     for mode in ("eager", "graph"):
         sf.manual_seed(0)
         model = ex.make(sf.nn, sf.nn.functional).double()
-        sf.parallel.apply(model, lay.placement, lay.rules)
+        sf.parallel.apply(model, lay.placement, lay.rules, zero=lay.zero)
         opt = _opt(model)
         step = TrainStep(model, opt, k, split=ex.batch if split else None) \
             if mode == "graph" else None

@@ -65,7 +65,7 @@ def _sf_run(model: str, layout_name: str, opt_names: tuple):
         sf.manual_seed(0)
         m = _build(model, sf.nn, sf.nn.functional, sf.cat).double()
         sd0 = m.state_dict()
-        sf.parallel.apply(m, lay.placement, lay.rules)
+        sf.parallel.apply(m, lay.placement, lay.rules, zero=lay.zero)
         sbps = {n: p.sbp for n, p in m.named_parameters()}
         opt = OPTIMIZERS[opt_name][0](m.parameters())
         bsbp = (sf.B,) * lay.placement.ndim

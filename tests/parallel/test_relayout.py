@@ -32,7 +32,7 @@ def _laid_out(name, meta, data):
     with sf.nn.init.meta_init() if meta else contextlib.nullcontext():
         m = _gpt(sf.nn, sf.nn.functional).double()
     lay = layout("gpt", name, sf.world_size())
-    sf.parallel.apply(m, lay.placement, lay.rules)
+    sf.parallel.apply(m, lay.placement, lay.rules, zero=lay.zero)
     params = {n: (p.placement is lay.placement, p.sbp, tuple(p.local.shape), p.local.is_meta)
               for n, p in m.named_parameters()}
     tok, pos, tgt = data

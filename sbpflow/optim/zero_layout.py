@@ -77,7 +77,7 @@ def geometry(shape: tuple, placement: Placement, compute: tuple, stored: tuple,
         if any(box[a] != base[a] for a in range(len(shape)) if a != axis):
             raise SbpError(f"ZeRO: the shard of {format_nd_sbp(stored)} on rank {r} does not lie "
                            f"inside the {format_nd_sbp(compute)} shard (tensor of shape {shape} "
-                           f"on {placement}); use sf.optim.zero.stored_layout")
+                           f"on {placement}); use sbpflow.optim.zero_layout.stored_layout")
         parts.append((box[axis][0] - base[axis][0], box[axis][1]))
     return Geometry(group, group.index(rank), axis, tuple(parts))
 
