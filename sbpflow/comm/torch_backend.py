@@ -213,11 +213,28 @@ class TorchCommunicator(Communicator):
 
     # -- hooks -------------------------------------------------------------------------------
     def _all_gather(self, tensor, group, shapes, assemble):
-        """Each member sends its tensor to every other member (``alltoall_base``)."""
+        """The backend's all-gather when every member's piece has one size; else each member
+        sends its tensor to every other member (``alltoall_base``, which takes any sizes)."""
         b = _bytes(tensor)
-        got = self._a2a([b] * len(group), [nbytes(s, tensor.dtype) for s in shapes], group,
-                        tensor.device, "all_gather")
+        sizes = [nbytes(s, tensor.dtype) for s in shapes]
+        if len(set(sizes)) == 1:
+            got = self._gather_even(b, group, tensor.device)
+        else:
+            got = self._a2a([b] * len(group), sizes, group, tensor.device, "all_gather")
         return assemble([_typed(g, tensor.dtype, s) for g, s in zip(got, shapes)])
+
+    def _gather_even(self, b: torch.Tensor, group: tuple, device: torch.device) -> list:
+        """``all_gather_into_tensor`` of the flat uint8 ``b`` (one size on every member): the
+        pieces in group order (views of one buffer on ``device``)."""
+        wire, cuda = self._wire(device)
+        inp = b.to(wire)
+        out = torch.empty(inp.numel() * len(group), dtype=torch.uint8, device=wire)
+        pg = self._pg(group, cuda)
+        self._run("all_gather", group, cuda,
+                  lambda: pg._allgather_base(out, inp))  # a pg of our own: not in c10d's map
+        views = out.to(device).split(inp.numel())   # in pg rank order: sorted(group)
+        order = sorted(group)
+        return [views[order.index(r)] for r in group]
 
     def _all_to_all(self, pieces, group, shapes, assemble):
         """``pieces[j]`` goes to ``group[j]``; ``shapes[j]`` comes from ``group[j]``."""
