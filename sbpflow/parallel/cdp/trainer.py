@@ -99,7 +99,7 @@ class CyclicDataParallel:
         self.shape_cache: dict = {}
         self.state = RankState(me, n, self.rule, self.runners, loss_fn, pl, store,
                                self._shape, self._stream)
-        dev = self.comm.device(device)
+        self.device = dev = self.comm.device(device)
         for j in range(n):
             tensors = [t.to(dev).requires_grad_(True) for t in first[j]]
             if me in roles.holders(j):
@@ -174,7 +174,8 @@ class CyclicDataParallel:
         call, as ``(step, worker, value)``."""
         if self.state is None:
             return []
-        xs, ys = _split_batch(x, self.n, "x"), _split_batch(y, self.n, "y")
+        xs = [t.to(self.device) for t in _split_batch(x, self.n, "x")]
+        ys = [t.to(self.device) for t in _split_batch(y, self.n, "y")]
         c = self.fed
         self.state.batches[c] = (xs, ys)
         self.pending[c] = 2 * self.n * self.window
