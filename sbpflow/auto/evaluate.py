@@ -19,7 +19,7 @@ import numpy as np
 
 from ..boxing.steps import is_local_change, is_valid_move
 from ..caches import BoundedDict, memoize
-from ..cost.formulas import volume
+from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps"]
@@ -469,22 +469,22 @@ def _transfer_time(cluster, nbytes, msgs, fine):
         cluster.copy_time(nbytes)
 
 
-# (id(cluster), kind, bytes, mesh, dims) -> (cluster, seconds): an entry holds its cluster, so
-# the id is not reused while the entry lives (clusters may hold unhashable fit tables)
-_TIME_CACHE = BoundedDict("auto.collective_times", 1 << 18)
+# (id(cluster), kind, mesh, dims) -> (cluster, fit): an entry holds its cluster, so the id is
+# not reused while the entry lives (clusters may hold unhashable fit tables)
+_FIT_CACHE = BoundedDict("auto.collective_fits", 1 << 16)
 
 
 def _coll_time(cluster, kind, nbytes, fine, dims):
     """Time of one collective over the group of ``dims`` of the fine mesh that holds rank 0
     (groups along a dim are translates of it, so they cross node boundaries alike when the
-    mesh dims align with nodes; they do for meshes whose dims are divisors in row-major)."""
-    key = (id(cluster), kind, nbytes, fine, dims)
-    hit = _TIME_CACHE.get(key)
-    if hit is not None and hit[0] is cluster:
-        return hit[1]
-    t = float(cluster.collective_time(kind, nbytes, list(_group_ranks(fine, dims))))
-    _TIME_CACHE.put(key, (cluster, t))
-    return t
+    mesh dims align with nodes; they do for meshes whose dims are divisors in row-major):
+    `sbpflow.cost.Cluster.collective_time`, with the group's fit looked up once per group."""
+    key = (id(cluster), kind, fine, dims)
+    hit = _FIT_CACHE.get(key)
+    if hit is None or hit[0] is not cluster:
+        ranks = _group_ranks(fine, dims)
+        hit = _FIT_CACHE.put(key, (cluster, len(ranks), cluster.fit(kind, ranks)))
+    return float(collective_time(kind, nbytes, hit[1], hit[2]))
 
 
 # ---- per-layer and per-edge terms --------------------------------------------------------------
@@ -603,16 +603,27 @@ class Evaluator:
         hit = self._edge.get(key)
         if hit is not None:
             return hit
-        ft, fb = self._redist(shape, a.mesh, a.output, b.mesh, b_in, self.micro)
-        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a.output):
-            bt = bb = 0.0
-        else:
-            bt, bb = self._redist(shape, b.mesh, dual_nd(b_in), a.mesh, dual_nd(a.output),
-                                  self.micro)
+        ft, fb, bt, bb = self._edge_pair(shape, a.mesh, a.output, b.mesh, b_in)
         out = {"fwd_time": ft, "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb,
                "time": ft + bt}
         self._edge[key] = out
         return out
+
+    def edge_time(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
+                  b_in: tuple) -> float:
+        """``edge_terms(...)["time"]`` from the layouts alone (``b_in`` already clipped to the
+        tensor's axes), not cached here: the search's edge tables are the cache."""
+        ft, _, bt, _ = self._edge_pair(shape, a_mesh, a_out, b_mesh, b_in)
+        return ft + bt
+
+    def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):
+        ft, fb = self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)
+        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
+            bt = bb = 0.0
+        else:
+            bt, bb = self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out),
+                                  self.micro)
+        return ft, fb, bt, bb
 
     def breakdown(self, strategy) -> Breakdown:
         g = self.graph

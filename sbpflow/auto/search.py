@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .evaluate import Breakdown, Evaluator
+from .evaluate import Breakdown, Evaluator, _to_ndim
 from .space import Strategy, layer_space
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
@@ -56,28 +56,20 @@ class _EdgeTable:
     An edge is a redistribution of the producer's output into the consumer's input layout, so
     its time depends on the two strategies only through (mesh, output layout) of the producer
     -- a row -- and (mesh, input layout) of the consumer -- a column. The table holds the
-    distinct rows x distinct columns; layers with equal keys and candidate lists share one
-    table, so the 96 blocks of a GPT fill it once. Unknown entries hold ``inf``."""
+    distinct rows x distinct columns of a tensor shape; edges with the same shape, rows and
+    columns share one table (`Problem`), so the 96 blocks of a GPT fill it once, and so do
+    edges between different layers with equal layouts (GPT-3's proj -> fc1, fc2 -> qkv and
+    fc2 -> head). Unknown entries hold ``inf``."""
 
-    def __init__(self, pb: "Problem", u: int, v: int):
-        gl = pb.graph.layers
-        self.pb, self.lu, self.lv = pb, gl[u], gl[v]
-        rows: dict = {}
-        cols: dict = {}
-        self.row_of = np.array([rows.setdefault((s.mesh, s.output), len(rows))
-                                for s in pb.cands[u]], dtype=np.int64)
-        self.col_of = np.array([cols.setdefault((s.mesh, s.input), len(cols))
-                                for s in pb.cands[v]], dtype=np.int64)
-        self.su = [None] * len(rows)   # one candidate strategy standing for each row / column
-        self.sv = [None] * len(cols)
-        for s, r in zip(pb.cands[u], self.row_of.tolist()):
-            self.su[r] = self.su[r] or s
-        for s, c in zip(pb.cands[v], self.col_of.tolist()):
-            self.sv[c] = self.sv[c] or s
+    def __init__(self, pb: "Problem", shape: tuple, rows: list, cols: list):
+        self.pb, self.shape = pb, shape
+        self.rows, self.cols = rows, cols        # (mesh, output) / (mesh, clipped input)
+        index = {k: i for i, k in enumerate(rows)}
         # the row whose output layout is this column's input layout (usually a free edge)
-        self.match = np.array([rows.get(k, -1) for k in cols], dtype=np.int64)
+        self.match = np.array([index.get(k, -1) for k in cols], dtype=np.int64)
         self.M = np.full((len(rows), len(cols)), np.inf)
         self.known = np.zeros(self.M.shape, dtype=bool)
+
 
     def fill(self, r: np.ndarray, c: np.ndarray) -> None:
         """Compute the unknown entries among the pairs (r[k], c[k])."""
@@ -88,9 +80,8 @@ class _EdgeTable:
         r, c = r[todo], c[todo]
         flat = np.unique(r * self.M.shape[1] + c)
         r, c = np.divmod(flat, self.M.shape[1])
-        edge, lu, lv, su, sv = self.pb.ev.edge_terms, self.lu, self.lv, self.su, self.sv
-        vals = np.array([edge(lu, su[i], lv, sv[j])["time"]
-                         for i, j in zip(r.tolist(), c.tolist())])
+        edge, shape, rows, cols = self.pb.ev.edge_time, self.shape, self.rows, self.cols
+        vals = np.array([edge(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
         self.M[r, c] = vals
         self.known[r, c] = True
         self.pb.edge_evaluations += len(vals)
@@ -116,6 +107,25 @@ class _EdgeTable:
         r, c = np.nonzero(~self.known)
         if len(r):
             self.fill(r, c)
+
+
+
+class _EdgeView:
+    """One edge class's view of a shared `_EdgeTable`: its candidates' rows and columns."""
+
+    def __init__(self, table: _EdgeTable, row_of: np.ndarray, col_of: np.ndarray):
+        self.table, self.row_of, self.col_of = table, row_of, col_of
+        self.M, self.known, self.match = table.M, table.known, table.match
+        self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
+        self.fill_all = table.fill_all
+
+
+def _layout_index(cands: list, key) -> tuple[list, np.ndarray]:
+    """The distinct ``key(s)`` of ``cands`` in order of first appearance and, per candidate,
+    the index of its key."""
+    keys: dict = {}
+    of = np.array([keys.setdefault(key(s), len(keys)) for s in cands], dtype=np.int64)
+    return list(keys), of
 
 
 def _best_per_row(t, fu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,11 +160,12 @@ def _seed_columns(t, F: np.ndarray, cols: np.ndarray, lim: np.ndarray | None) ->
         keep = F[r] < lim[c]
         r, c = r[keep], c[keep]
     t.fill(r, c)
-    ok = (t.match >= 0)
-    ok[ok] = np.isfinite(F[t.match[ok]])
+    match = t.match[cols]
+    ok = match >= 0
+    ok[ok] = np.isfinite(F[match[ok]])
     if lim is not None:
-        ok[ok] = F[t.match[ok]] < lim[ok]
-    t.fill(t.match[ok], cols[ok])
+        ok[ok] = F[match[ok]] < lim[cols[ok]]
+    t.fill(match[ok], cols[ok])
 
 
 class Problem:
@@ -184,17 +195,29 @@ class Problem:
             t, m = cache[key]
             self.node_t.append(t)
             self.node_m.append(m)
-        tables: dict = {}
         self.tables: dict = {}
-        gl = graph.layers
-        for u, v in graph.edges:
-            key = (gl[u].key, id(self.cands[u]), gl[v].key, id(self.cands[v]))
-            if key not in tables:
-                tables[key] = _EdgeTable(self, u, v)
-            self.tables[(u, v)] = tables[key]
+        self._share_tables()
         self.evaluations = 0
         self.edge_evaluations = 0     # edge-table entries computed
         self.nonnegative = True       # every edge time seen is >= 0 (pruning is exact)
+
+    def _share_tables(self) -> None:
+        """One `_EdgeView` per edge; views of edges with equal layer classes are one object,
+        and their tables are shared by content (shape, rows, columns)."""
+        gl, views, by_content = self.graph.layers, {}, {}
+        for u, v in self.graph.edges:
+            key = (gl[u].key, id(self.cands[u]), gl[v].key, id(self.cands[v]))
+            if key not in views:
+                shape = tuple(gl[u].output_shape)
+                nd = len(shape)
+                rows, row_of = _layout_index(self.cands[u], lambda s: (s.mesh, s.output))
+                cols, col_of = _layout_index(self.cands[v],
+                                             lambda s: (s.mesh, _to_ndim(s.input, nd)))
+                content = (shape, tuple(rows), tuple(cols))
+                if content not in by_content:
+                    by_content[content] = _EdgeTable(self, shape, rows, cols)
+                views[key] = _EdgeView(by_content[content], row_of, col_of)
+            self.tables[(u, v)] = views[key]
 
     # edge cost vectors ------------------------------------------------------------------------
     def in_vec(self, u: int, su: int, v: int) -> np.ndarray:
@@ -225,26 +248,41 @@ class Problem:
         may get ``inf`` or a value above its true minimum (both >= cap)."""
         t = self.tables[(u, v)]
         F, best = _best_per_row(t, fu)
-        cols = np.arange(t.M.shape[1])
         lim = _column_limits(t, cap, rest) if cap is not None and self.nonnegative else None
         if not self.nonnegative:
             t.fill_all()
-        else:
+        # rows that can give some column a sum below its limit, columns some row can: the
+        # others only ever hold sums >= cap (or none at all), so they are left out of the
+        # products (an excluded row's sums exceed every kept column's minimum: no ties)
+        rows = np.nonzero(np.isfinite(F))[0]
+        cols = np.arange(t.M.shape[1])
+        if lim is not None and len(rows):
+            rows = rows[F[rows] < lim.max()]
+            cols = cols[lim > F[rows].min()] if len(rows) else cols[:0]
+        g = np.full(t.M.shape[1], np.inf)
+        arg = np.zeros(t.M.shape[1], dtype=np.int64)
+        if not len(rows) or not len(cols):
+            return g[t.col_of], best[arg][t.col_of]
+        Fr = F[rows]
+        if self.nonnegative:
             _seed_columns(t, F, cols, lim)
         while True:
-            s = F[:, None] + t.M
-            arg = np.argmin(s, axis=0)
-            g = s[arg, cols]
+            s = Fr[:, None] + t.M[np.ix_(rows, cols)]
+            a = np.argmin(s, axis=0)
+            gc = s[a, np.arange(len(cols))]
             if not self.nonnegative:
                 break
-            need = (F[:, None] < g[None, :]) & ~t.known
+            need = (Fr[:, None] < gc[None, :]) & ~t.known[np.ix_(rows, cols)]
             if lim is not None:
-                need &= F[:, None] < lim[None, :]
+                need &= Fr[:, None] < lim[cols][None, :]
             if not need.any():
                 break
-            t.fill(*np.nonzero(need))
+            i, j = np.nonzero(need)
+            t.fill(rows[i], cols[j])
             if not self.nonnegative:   # a negative edge time seen: pruning is no longer exact
                 t.fill_all()
+        g[cols] = gc
+        arg[cols] = rows[a]
         return g[t.col_of], best[arg][t.col_of]
 
     # objective --------------------------------------------------------------------------------
@@ -275,6 +313,71 @@ class Problem:
             if w not in skip:
                 vec += self.out_vec(v, w, state[w])
         return vec
+
+    def local_objective(self, state, v: int, pen: np.ndarray) -> np.ndarray:
+        """``local_vec(state, v) + pen``, exact where it can be the least entry and ``inf``
+        elsewhere. Edge times are >= 0 and IEEE addition of non-negative terms never lowers a
+        sum, so node time plus ``pen`` plus the edges priced so far bounds a candidate's
+        objective from below: after each incident edge, a candidate whose bound exceeds the
+        current candidate's objective is dropped before the next edge is priced; it cannot
+        be (or tie with) the least entry."""
+        if not self.nonnegative:
+            return self.local_vec(state, v) + pen
+        seeds = self._seeds(state, v, self.node_t[v] + pen)
+        seed_obj = self._local_sums(state, v, seeds, None)[1] + pen[seeds]
+        ks, vec = self._local_sums(state, v, np.arange(len(pen)), (float(seed_obj.min()), pen))
+        if not self.nonnegative:   # a negative edge time seen: the bound no longer holds
+            return self.local_vec(state, v) + pen
+        out = np.full(len(pen), np.inf)
+        out[seeds] = seed_obj      # the current candidate's objective is always exact
+        out[ks] = vec + pen[ks]
+        return out
+
+    def _seeds(self, state, v: int, base: np.ndarray) -> np.ndarray:
+        """A few candidates of v likely to be near the best with the neighbours fixed (the
+        current one, the least ``base``, and per neighbour the least ``base`` among those
+        whose layout meets it without a redistribution): the least of their objectives caps
+        the bound of `local_objective` (any achieved value is at least the minimum)."""
+        out = [state[v], int(np.argmin(base))]
+        for u in self.graph.preds[v]:
+            t = self.tables[(u, v)]
+            cols = np.nonzero(t.match == t.row_of[state[u]])[0]
+            self._add_best(out, np.isin(t.col_of, cols), base)
+        for w in self.graph.succs[v]:
+            t = self.tables[(v, w)]
+            r = t.match[t.col_of[state[w]]]
+            self._add_best(out, t.row_of == r, base)
+        return np.unique(np.array(out, dtype=np.int64))
+
+    @staticmethod
+    def _add_best(out: list, mask: np.ndarray, base: np.ndarray) -> None:
+        if mask.any():
+            out.append(int(np.argmin(np.where(mask, base, np.inf))))
+
+    def _local_sums(self, state, v: int, ks: np.ndarray, prune):
+        """``(ks', sums)``: `local_vec` at the candidates ``ks`` of v (the same sums, in the
+        same order), keeping, with ``prune = (cap, pen)``, only the candidates whose partial
+        sum plus ``pen`` stays at most ``cap`` after each term."""
+        g = self.graph
+        vec = self.node_t[v][ks]
+
+        def keep(ks, vec):
+            if prune is None:
+                return ks, vec
+            ok = vec + prune[1][ks] <= prune[0]
+            return ks[ok], vec[ok]
+        ks, vec = keep(ks, vec)
+        for u in g.preds[v]:
+            t = self.tables[(u, v)]
+            r, c = int(t.row_of[state[u]]), t.col_of[ks]
+            t.fill(np.full(len(c), r), c)
+            ks, vec = keep(ks, vec + t.M[r, c])
+        for w in g.succs[v]:
+            t = self.tables[(v, w)]
+            c, r = int(t.col_of[state[w]]), t.row_of[ks]
+            t.fill(r, np.full(len(r), c))
+            ks, vec = keep(ks, vec + t.M[r, c])
+        return ks, vec
 
     def strategy(self, state) -> Strategy:
         return Strategy(self.graph, [self.cands[i][s] for i, s in enumerate(state)])
@@ -307,15 +410,18 @@ class Problem:
 
 # algorithms -------------------------------------------------------------------------------------
 def _single_sweep(pb: Problem, state, mem, out_of_time):
-    """Give each layer in turn its best strategy with the others fixed. Returns (changed, mem)."""
+    """Give each layer in turn its best strategy with the others fixed. Returns (changed, mem).
+
+    Edge times are >= 0, so node time plus penalty bounds a candidate's objective from below:
+    only candidates whose bound is at most the current choice's objective get their edge
+    entries priced (`Problem.local_objective`); the others cannot be the (first) minimum."""
     changed = False
     for v in range(len(state)):
         if out_of_time():
             break   # the state so far is never worse than the sweep's start
-        vec = pb.local_vec(state, v)
         m = mem - pb.node_m[v][state[v]] + pb.node_m[v]
-        obj = vec + pb.penalty(m)
-        pb.evaluations += len(vec)
+        obj = pb.local_objective(state, v, pb.penalty(m))
+        pb.evaluations += len(obj)
         k = int(np.argmin(obj))
         if obj[k] < obj[state[v]] - 1e-12 * max(1.0, abs(obj[state[v]])):
             mem = float(m[k])
@@ -480,15 +586,34 @@ def _random(pb: Problem, rng, budget_s, t0, trace, samples=None):
 
 
 def _dp_once(pb: Problem, price: float):
-    """Exact minimum of time + price * memory over an in-tree (children before parents)."""
+    """Exact minimum of time + price * memory over an in-tree (children before parents).
+
+    Bounded: a greedy pass gives an achievable value ``U``; a product entry whose prefix value
+    plus a lower bound of everything else (the least local term of every layer outside the
+    producer's subtree, edges >= 0) reaches ``U`` is never priced. Every entry on an optimal
+    path stays below ``U``, so the optimum is exact (`Problem.min_plus`)."""
     g = pb.graph
     n = len(g.layers)
+    loc = [pb.node_t[v] + price * pb.node_m[v] for v in range(n)]
+    cap = None
+    if pb.nonnegative:
+        greedy = _greedy_state(pb, loc)
+        value = sum(float(loc[v][k]) for v, k in enumerate(greedy)) + \
+            sum(pb.edge(u, greedy[u], v, greedy[v]) for u, v in g.edges)
+        cap = value * (1 + 1e-9) + 1e-300   # rounding of the bound's sums: keep ties inside
+        low = [float(x.min()) for x in loc]
+        sub = list(low)                      # least local terms over each layer's subtree
+        for v in range(n):
+            for u in g.preds[v]:
+                sub[v] += sub[u]
+        total = sum(low)
     f = [None] * n
     choice = [dict() for _ in range(n)]   # choice[v][u] = argmin over u for each candidate of v
     for v in range(n):
-        acc = pb.node_t[v] + price * pb.node_m[v]
+        acc = loc[v]
         for u in g.preds[v]:
-            best, arg = pb.min_plus(u, v, f[u])
+            rest = None if cap is None else loc[v] + (total - sub[u] - low[v])
+            best, arg = pb.min_plus(u, v, f[u], cap, rest)
             acc = acc + best
             choice[v][u] = arg
         f[v] = acc
@@ -498,6 +623,36 @@ def _dp_once(pb: Problem, price: float):
             state[v] = int(np.argmin(f[v]))
         for u, arg in choice[v].items():
             state[u] = int(arg[state[v]])
+    return state
+
+
+def _greedy_state(pb: Problem, loc: list) -> list:
+    """Each layer in order takes the candidate least in its local term plus the edges from
+    its producers' choices (pricing only candidates whose partial sum can still win)."""
+    g = pb.graph
+    state: list = []
+    for v in range(len(loc)):
+        base = loc[v]
+        seeds = [int(np.argmin(base))]
+        for u in g.preds[v]:
+            t = pb.tables[(u, v)]
+            cols = np.nonzero(t.match == t.row_of[state[u]])[0]
+            pb._add_best(seeds, np.isin(t.col_of, cols), base)
+        ks = np.unique(np.array(seeds, dtype=np.int64))
+        cap = math.inf
+        for prune in (False, True):
+            vec = base[ks]
+            for u in g.preds[v]:
+                t = pb.tables[(u, v)]
+                r, c = int(t.row_of[state[u]]), t.col_of[ks]
+                t.fill(np.full(len(c), r), c)
+                vec = vec + t.M[r, c]
+                if prune:
+                    ks, vec = ks[vec <= cap], vec[vec <= cap]
+            if not prune:
+                cap = float(vec.min())
+                ks = np.nonzero(base <= cap)[0]
+        state.append(int(ks[np.argmin(vec)]))
     return state
 
 
