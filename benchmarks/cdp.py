@@ -209,7 +209,7 @@ def pp(args) -> None:
     print(f"{'':<30}{'ms/step':>9}{'/ torch':>9}{'bubble':>8}")
     for name, per, bubble in rows:
         print(f"{name:<30}{per * 1e3:>9.2f}{per / t_torch:>9.2f}{bubble:>8.3f}")
-    print("(bubble: sbpflow, idle (rank, time step) cells of the executed schedule over all "
+    print("(bubble: sbpflow, idle op slots of the ranks in the executed schedule over all "
           "steps, warm-up and final flush included (0 between them: the cycles overlap); torch, "
           "1F1B's (S-1)/(M+S-1) a step, its schedule drains every step)")
 
