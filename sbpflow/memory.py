@@ -141,7 +141,9 @@ class Tracker:
         self.peak_by_kind = dict.fromkeys(KINDS, 0)
         self.cuda_max_allocated: int | None = None
         self._held: dict = {}          # storage key -> [references, bytes, kind]
-        self._lock = threading.Lock()  # releases may come from another thread (autograd's)
+        # releases come from other threads (autograd's) and from the garbage collector, which
+        # may run inside `hold` on this thread (a freed storage's finalizer): reentrant
+        self._lock = threading.RLock()
 
     def hold(self, key: tuple, nbytes: int, kind: str) -> None:
         """Count storage ``key`` (``nbytes``) as held, of ``kind`` (one of `KINDS`), until as

@@ -102,8 +102,11 @@ class Runtime:
         self._step: _Step | None = None
         self.workers = Workers()  # the queues' threads, kept from run to run
 
-    def run(self, micro_batches: int) -> dict[str, list]:
+    def run(self, micro_batches: int, plan: Plan | None = None) -> dict[str, list]:
         """Run every actor of this rank its number of times (default ``micro_batches``).
+        ``plan``: run this plan from now on instead (a schedule whose actors change from run
+        to run, as Cyclic Data Parallelism's windows); it must keep the plan's name, so its
+        messages go on counting runs on the same channel.
 
         Returns the values of the registers no actor reads, in order, keyed by actor (by
         ``actor.register`` when it has several registers). Raises an actor's own exception
@@ -114,6 +117,11 @@ class Runtime:
         """
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise PlanError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+        if plan is not None:
+            if plan.name != self.plan.name:
+                raise PlanError(f"plan {plan.name!r} given to the runtime of plan "
+                                f"{self.plan.name!r}: a new plan keeps the name")
+            self.plan = plan
         self.plan.check_rates(micro_batches)
         self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)

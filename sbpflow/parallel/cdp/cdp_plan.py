@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ...runtime import ActorSpec, Input, Plan, Runtime
-from ...errors import PlanError
+from ...runtime import ActorSpec, Input, Plan
 from .program import Transfer, Work
 from .rank_state import RankState
 
-__all__ = ["window_plan", "WindowRuntime"]
+__all__ = ["window_plan"]
 
 _KIND = {"F": "forward", "B": "backward", "A": "compute", "U": "update"}
 
@@ -92,14 +91,3 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     actors = {r: [ActorSpec("idle", "compute", _idle)] for r in ranks if r != rank}
     actors[rank] = specs or [ActorSpec("idle", "compute", _idle)]
     return Plan(actors, name=name)
-
-
-class WindowRuntime(Runtime):
-    """A runtime whose plan changes from run to run (every plan of one trainer has the same
-    name, so its messages keep one run count): `run_plan` runs one window's plan."""
-
-    def run_plan(self, plan: Plan) -> dict:
-        if plan.name != self.plan.name:
-            raise PlanError(f"plan {plan.name!r} given to the runtime of {self.plan.name!r}")
-        self.plan = plan
-        return self.run(1)

@@ -18,9 +18,10 @@ from ... import memory
 from ...comm import current
 from ...errors import PlanError
 from ...placement import Placement, placement as make_placement
+from ...runtime import Runtime
 from ...tensor import GlobalTensor
 from .cdp_figure import draw_timeline
-from .cdp_plan import WindowRuntime, window_plan
+from .cdp_plan import window_plan
 from .cdp_stats import Record, gather_records, summary
 from .cycles import check_n
 from .program import cycle_tasks, shift, version_uses, window
@@ -107,7 +108,7 @@ class CyclicDataParallel:
             if roles.owner(j) == me:
                 self.state.owners[j] = StageOwner(tensors, pl, n, optimizer)
         self.tracker = memory.Tracker(me)
-        self.runtime = WindowRuntime(window_plan(self.name, me, roles.ranks, [], [],
+        self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))
         works, moves = cycle_tasks(0, 0, n, self.rule, roles)
         self.span = max(t.step for t in list(works) + list(moves)) + 1
@@ -152,7 +153,7 @@ class CyclicDataParallel:
         st.ctx, st.log = (c_ref, lo), {}
         try:
             with memory.attach([self.tracker]):
-                self.runtime.run_plan(plan)
+                self.runtime.run(1, plan=plan)
         except BaseException as exc:
             self.broken = (f"a run failed mid-schedule ({type(exc).__name__}: {exc}), leaving "
                            f"its cycles half done")
