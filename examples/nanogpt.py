@@ -5,8 +5,9 @@
     python examples/nanogpt.py --layout 2d --steps 200 --sample 80
     python examples/nanogpt.py --layout tp-naive    # c_attn split by rows: warns, moves more
 
-The torch model goes through ``sf.nn.from_torch`` and ``sf.parallel.apply`` (its parameters laid
-out by name rules), then trains with ``sf.optim.AdamW`` on a generated English-like corpus.
+The torch model goes through ``sf.parallel.apply`` (converted by ``sf.nn.from_torch``, its
+parameters laid out by name rules), then trains with ``sf.optim.AdamW`` on a generated
+English-like corpus.
 Every line of the model file runs as written: its torch calls on global tensors are sbpflow ops.
 The training loop differs from a torch one only where a value must be read whole
 (``loss.item()``, ``logits.full_tensor()``); see docs/torch_models.md, 'Porting checklist'.
@@ -25,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.models import CharData, char_corpus  # noqa: E402
-from sbpflow.nn.torch_layouts import watch_fused_splits  # noqa: E402
 from torch_gpt_model import GPT, GPTConfig  # noqa: E402
 
 # name rules of sf.parallel.apply, per layout: (mesh shape, parameter rules, token layout).
@@ -81,9 +81,7 @@ def sample(model, data: CharData, mesh, prompt: str, n: int) -> str:
 def main(args, torch_model: torch.nn.Module, data: CharData):
     shape, rules, data_sbp = LAYOUTS[args.layout]
     mesh = mesh_of(shape)
-    model = sf.parallel.apply(sf.nn.from_torch(torch_model, mesh), mesh, rules)
-    layouts = sf.parallel.match_rules([n for n, _ in model.named_parameters()], rules, mesh)
-    watch_fused_splits(model, mesh, layouts)  # (sf.parallel.apply will call it itself)
+    model = sf.parallel.apply(torch_model, mesh, rules)  # converted (sf.nn.from_torch), laid out
     opt = sf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
