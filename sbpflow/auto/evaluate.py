@@ -22,7 +22,8 @@ from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 
-__all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps"]
+__all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
+           "edge_lower_bounds"]
 
 
 # ---- analytic redistribution -------------------------------------------------------------------
@@ -110,10 +111,17 @@ def _reduced_first(s: list, d: list, ndim: int) -> list:
 _TRANSFER_MAX_RANKS = 256
 
 
+@memoize(1 << 10)
+def _coords(fine: tuple) -> np.ndarray:
+    """Every coordinate of the mesh ``fine``, row-major, as an integer array."""
+    return np.array(list(itertools.product(*[range(m) for m in fine])))
+
+
+@memoize(1 << 12)
 def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
     rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
-    coords = np.array(list(itertools.product(*[range(m) for m in fine])), dtype=np.float64)
+    coords = _coords(fine).astype(np.float64)
     lo = np.zeros((len(coords), ndim))
     hi = np.ones((len(coords), ndim))
     for d, (x, m) in enumerate(zip(nd, fine)):
@@ -141,7 +149,7 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     return max((f for f, _ in t), default=0.0) * n, tuple((f * n, m) for f, m in t)
 
 
-@memoize(1 << 16)
+@memoize(1 << 18)
 def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
     that). The distinct source boxes tile the tensor as a grid, the product over axes of
@@ -168,14 +176,16 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     elems = (dhi - dlo).prod(axis=1) - inter.prod(axis=1)
     msgs = cells - meets_own
     receives = np.ones(len(slo), dtype=bool)   # a non-first rank of a P(sum) dim holds zeros
-    coords = np.array(list(itertools.product(*[range(m) for m in fine])))
+    coords = _coords(fine)
     for d, x in enumerate(dst):
         if isinstance(x, Partial) and x.op == "sum":
             receives &= coords[:, d] == 0
     need = receives & (elems > 1e-12)
     # the Pareto front of (elements, messages), elements compared to rounding
-    loads = sorted({(round(float(e), 12), int(round(m))) for e, m in zip(elems[need],
-                                                                           msgs[need])})
+    # (rounded once per distinct pair: ranks share a few loads)
+    pairs = np.unique(elems[need] + 1j * msgs[need])
+    loads = sorted({(round(e, 12), int(round(m))) for e, m in zip(pairs.real.tolist(),
+                                                                   pairs.imag.tolist())})
     front: list = []
     for e, m in reversed(loads):          # most elements first
         if not front or m > front[-1][1]:
@@ -227,6 +237,8 @@ def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
     d = tuple(dst[i] for i in ob)
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
     numel = math.prod(shape)
+    if math.prod(fine) > _TRANSFER_MAX_RANKS:
+        return None
     mids = [s] if not pdims else \
         [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
         [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(len(shape))]
@@ -241,6 +253,9 @@ def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
             pre.append(Move(kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy))
+            if best is not None and sum(_per_device(m.kind, m.numel, math.prod(
+                    fine[j] for j in m.dims)) for m in pre) >= best[0]:
+                continue   # the transfer only adds: this reduced layout cannot move fewer
         t = _transfer(shape, fine, mid, d)
         if t is None:
             return None
@@ -485,6 +500,60 @@ def _coll_time(cluster, kind, nbytes, fine, dims):
         ranks = _group_ranks(fine, dims)
         hit = _FIT_CACHE.put(key, (cluster, len(ranks), cluster.fit(kind, ranks)))
     return float(collective_time(kind, nbytes, hit[1], hit[2]))
+
+
+def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per ``(mesh, nd-sbp)``: the split factor of every tensor axis, and whether the layout
+    has a partial dim (column 0), a broadcast dim (1), a partial other than a sum (2)."""
+    f = np.ones((len(layouts), ndim))
+    kind = np.zeros((len(layouts), 3), dtype=bool)
+    for i, (mesh, nd) in enumerate(layouts):
+        for x, m in zip(nd, mesh):
+            if isinstance(x, Split):
+                f[i, x.axis] *= m
+        kind[i] = (any(isinstance(x, Partial) for x in nd),
+                   any(isinstance(x, Broadcast) for x in nd),
+                   any(isinstance(x, Partial) and x.op != "sum" for x in nd))
+    return f, kind
+
+
+def _lacks(own_s, own_d, ps, pd):
+    """Fraction of the tensor rank 0 must receive going from a layout where it holds
+    ``own_s`` (per axis) to one where it holds ``own_d``; ``ps`` / ``pd``: the layouts have
+    a partial dim. No partial: what it lacks of its new box. A partial source into a
+    destination without partials: its whole new box (every reduction the price uses sends a
+    rank at least the reduced piece it keeps, and what it lacks after that comes later).
+    Otherwise 0."""
+    both = np.minimum(own_s[:, None, :], own_d[None, :, :]).prod(axis=2)
+    box = own_d.prod(axis=1)[None, :]
+    lack = np.clip(box - both, 0.0, None)
+    plain = ~ps[:, None] & ~pd[None, :]
+    reduce = ps[:, None] & ~pd[None, :]
+    return np.where(plain, lack, 0.0) + np.where(reduce, np.broadcast_to(box, lack.shape), 0.0)
+
+
+def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list) -> np.ndarray:
+    """A lower bound of every edge time between producer layouts ``rows`` and consumer input
+    layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix: the elements rank 0 must
+    receive (`_lacks`), forward and backward (the duals: broadcast <-> partial), at the least
+    seconds per byte any of the cluster's links and fits charges. Rank 0 sits at coordinate
+    0 of every mesh, so it holds ``[0, 1/f_a)`` of every axis ``a`` split ``f_a`` ways, and
+    every move the price sums sends each receiver at least what it gets (a collective's
+    volume, a transfer's busiest receiver). Scaled by ``1 - 1e-9`` against rounding."""
+    betas = [cluster.intra.beta, cluster.inter.beta] + [f.beta for _, _, f in cluster.kinds]
+    beta = min(betas)
+    nd = len(shape)
+    if beta <= 0 or not rows or not cols:
+        return np.zeros((len(rows), len(cols)))
+    fs, ks = _axis_factors(rows, nd)
+    fd, kd = _axis_factors(cols, nd)
+    own_s, own_d = 1.0 / fs, 1.0 / fd
+    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0])
+    # backward: dual(input) -> dual(output); a dual has a partial where the layout broadcasts
+    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1]).T
+    odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
+    lack = np.where(odd, 0.0, fwd + bwd)
+    return lack * (math.prod(shape) * itemsize * beta * (1 - 1e-9))
 
 
 # ---- per-layer and per-edge terms --------------------------------------------------------------

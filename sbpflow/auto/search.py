@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .evaluate import Breakdown, Evaluator, _to_ndim
+from .evaluate import Breakdown, Evaluator, _to_ndim, edge_lower_bounds
 from .space import Strategy, layer_space
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
@@ -69,6 +69,17 @@ class _EdgeTable:
         self.match = np.array([index.get(k, -1) for k in cols], dtype=np.int64)
         self.M = np.full((len(rows), len(cols)), np.inf)
         self.known = np.zeros(self.M.shape, dtype=bool)
+        self._lower = None
+
+    @property
+    def lower(self) -> np.ndarray:
+        """A lower bound of every entry (`sbpflow.auto.evaluate.edge_lower_bounds`), below
+        the exact value by at least a relative 1e-9: cheap, dense, computed once."""
+        if self._lower is None:
+            ev = self.pb.ev
+            self._lower = edge_lower_bounds(self.shape, ev.itemsize, ev.cluster, self.rows,
+                                            self.cols)
+        return self._lower
 
 
     def fill(self, r: np.ndarray, c: np.ndarray) -> None:
@@ -118,6 +129,10 @@ class _EdgeView:
         self.M, self.known, self.match = table.M, table.known, table.match
         self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
         self.fill_all = table.fill_all
+
+    @property
+    def lower(self) -> np.ndarray:
+        return self.table.lower
 
 
 def _layout_index(cands: list, key) -> tuple[list, np.ndarray]:
@@ -272,9 +287,12 @@ class Problem:
             gc = s[a, np.arange(len(cols))]
             if not self.nonnegative:
                 break
-            need = (Fr[:, None] < gc[None, :]) & ~t.known[np.ix_(rows, cols)]
+            # an entry can lower a minimum only if its row value plus its lower bound does
+            # (the bound is below the entry, so a tie with the minimum is always priced)
+            low = Fr[:, None] + t.lower[np.ix_(rows, cols)]
+            need = (low < gc[None, :]) & ~t.known[np.ix_(rows, cols)]
             if lim is not None:
-                need &= Fr[:, None] < lim[cols][None, :]
+                need &= low < lim[cols][None, :]
             if not need.any():
                 break
             i, j = np.nonzero(need)
@@ -357,26 +375,36 @@ class Problem:
     def _local_sums(self, state, v: int, ks: np.ndarray, prune):
         """``(ks', sums)``: `local_vec` at the candidates ``ks`` of v (the same sums, in the
         same order), keeping, with ``prune = (cap, pen)``, only the candidates whose partial
-        sum plus ``pen`` stays at most ``cap`` after each term."""
+        sum plus the lower bounds of the edges still to add plus ``pen`` stays at most
+        ``cap`` after each term."""
         g = self.graph
-        vec = self.node_t[v][ks]
+        # (table, row or column of the fixed neighbour, True if v is the consumer)
+        edges = [(self.tables[(u, v)], int(self.tables[(u, v)].row_of[state[u]]), True)
+                 for u in g.preds[v]]
+        edges += [(self.tables[(v, w)], int(self.tables[(v, w)].col_of[state[w]]), False)
+                  for w in g.succs[v]]
 
-        def keep(ks, vec):
+        def entries(t, fixed, into, ks, table):
+            if into:
+                return table[fixed, t.col_of[ks]]
+            return table[t.row_of[ks], fixed]
+
+        def keep(ks, vec, k):
             if prune is None:
                 return ks, vec
-            ok = vec + prune[1][ks] <= prune[0]
+            rest = vec
+            for t, fixed, into in edges[k:]:
+                rest = rest + entries(t, fixed, into, ks, t.lower)
+            ok = rest + prune[1][ks] <= prune[0]
             return ks[ok], vec[ok]
-        ks, vec = keep(ks, vec)
-        for u in g.preds[v]:
-            t = self.tables[(u, v)]
-            r, c = int(t.row_of[state[u]]), t.col_of[ks]
-            t.fill(np.full(len(c), r), c)
-            ks, vec = keep(ks, vec + t.M[r, c])
-        for w in g.succs[v]:
-            t = self.tables[(v, w)]
-            c, r = int(t.col_of[state[w]]), t.row_of[ks]
-            t.fill(r, np.full(len(r), c))
-            ks, vec = keep(ks, vec + t.M[r, c])
+        ks, vec = keep(ks, self.node_t[v][ks], 0)
+        for k, (t, fixed, into) in enumerate(edges):
+            n = len(ks)
+            if into:
+                t.fill(np.full(n, fixed), t.col_of[ks])
+            else:
+                t.fill(t.row_of[ks], np.full(n, fixed))
+            ks, vec = keep(ks, vec + entries(t, fixed, into, ks, t.M), k + 1)
         return ks, vec
 
     def strategy(self, state) -> Strategy:
