@@ -565,6 +565,20 @@ def _local_numel(shape, mesh, nd):
     return n
 
 
+def _work_split(s) -> int:
+    """How many ways a layer's work is divided under strategy ``s``: the product of the mesh
+    dims that split one of its operands (input, weight or output). On the other dims every
+    device does the dim's whole work: replicated (``rep``), or a partial input kept unreduced
+    (``pin``: each device multiplies a whole-size partial sum). (A vocabulary-split embedding
+    counts as divided: its lookups are a negligible part of any model's work.)"""
+    n = 1
+    for d, size in enumerate(s.mesh):
+        ops = (s.input[d], s.output[d]) + (() if s.weight is None else (s.weight[d],))
+        if any(isinstance(x, Split) for x in ops):
+            n *= size
+    return n
+
+
 def _to_ndim(nd, ndim):
     return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
 
@@ -582,7 +596,7 @@ class Breakdown:
     backward_bytes: float = 0.0
     grad_sync_bytes: float = 0.0
     memory: dict = field(default_factory=dict)   # params, grads, optimizer, activations, total
-    per_layer: dict = field(default_factory=dict)
+    per_layer: dict = field(default_factory=dict)  # name -> time, compute, bytes, memory
     micro_batches: int = 1
 
     @property
@@ -629,12 +643,7 @@ class Evaluator:
         if hit is not None:
             return hit
         mesh, it, m = s.mesh, self.itemsize, self.micro
-        work = 1
-        for d, size in enumerate(mesh):
-            rep = s.input[d] == B and s.output[d] == B and (s.weight is None or s.weight[d] == B)
-            work *= 1 if rep else size
-        fl = getattr(self.cluster, "flops_per_device", None)
-        compute = 3.0 * layer.flops / work / fl if fl else 0.0
+        compute = 3.0 * layer.flops / _work_split(s) / self.cluster.device_flops
         gt = gb = 0.0
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         if layer.weight_shape is not None:
@@ -710,9 +719,9 @@ class Evaluator:
             r.backward_bytes += n["bwd_bytes"]
             for k in mem:
                 mem[k] += n["memory"][k]
-            r.per_layer[layer.name] = {"time": n["time"], "bytes": n["grad_bytes"] +
-                                       n["fwd_bytes"] + n["bwd_bytes"],
-                                       "memory": n["memory"]["total"]}
+            r.per_layer[layer.name] = {"time": n["time"], "compute": n["compute"],
+                                       "bytes": n["grad_bytes"] + n["fwd_bytes"] +
+                                       n["bwd_bytes"], "memory": n["memory"]["total"]}
         for u, v in g.edges:
             e = self.edge_terms(g.layers[u], layers[u], g.layers[v], layers[v])
             r.forward_time += e["fwd_time"]

@@ -192,12 +192,13 @@ _TABLE_PAD = 14 + 12 + 16 + 28 + 22 + 22 + 22
 
 
 def strategy_table(strategy, breakdown) -> str:
-    """The strategy's per-layer table with predicted time (ms) and bytes per device (MB);
-    an edge's redistribution is charged to its consumer."""
+    """The strategy's per-layer table with predicted time (ms; compute included) and bytes
+    per device (MB); an edge's redistribution is charged to its consumer."""
     pl = breakdown.per_layer
-    extra = {n: f"{v['time'] * 1e3:>10.3f}{v['bytes'] / 1e6:>12.2f}" for n, v in pl.items()}
+    extra = {n: f"{v['time'] * 1e3:>10.3f}{v['compute'] * 1e3:>12.3f}{v['bytes'] / 1e6:>12.2f}"
+             for n, v in pl.items()}
     lines = strategy.table(extra).split("\n")
-    lines[0] = lines[0].ljust(_TABLE_PAD) + f"{'time ms':>10}{'MB/device':>12}"
+    lines[0] = lines[0].ljust(_TABLE_PAD) + f"{'time ms':>10}{'compute ms':>12}{'MB/device':>12}"
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ collectives, of boxing steps and plans on it, and calibration of all of these fr
 """
 
 from .calibrate import calibrate, calibrate_command
-from .cluster import PRESETS, Cluster
+from .cluster import DEFAULT_FLOPS_PER_DEVICE, PRESETS, Cluster
 from .collectives import plan_time, step_groups, step_time
 from .fit import fit_alpha_beta, fit_collective, fit_copy
 from .formulas import (ALGORITHMS, KINDS, CollectiveFit, CostError, Link, collective_time,
@@ -18,6 +18,7 @@ from .formulas import (ALGORITHMS, KINDS, CollectiveFit, CostError, Link, collec
 from .report import CalibrationReport, Sample
 
 __all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "KINDS", "ALGORITHMS",
+           "DEFAULT_FLOPS_PER_DEVICE",
            "fit_collective", "fit_copy", "collective_time",
            "latency_messages", "volume", "step_time", "plan_time", "step_groups", "calibrate",
            "fit_alpha_beta", "CalibrationReport", "Sample", "calibrate_command"]

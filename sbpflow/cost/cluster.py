@@ -21,7 +21,8 @@ from typing import Any, Iterable
 from ..comm.kinds import ALGORITHMS, KINDS, VARIANTS
 from .formulas import CollectiveFit, CostError, Link, collective_time
 
-__all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "LINK_CLASSES"]
+__all__ = ["Cluster", "Link", "CollectiveFit", "CostError", "PRESETS", "LINK_CLASSES",
+           "DEFAULT_FLOPS_PER_DEVICE"]
 
 LINK_CLASSES = ("intra", "inter")
 
@@ -110,15 +111,21 @@ PRESETS: dict[str, dict] = {
 }
 PRESETS["piz-daint"] = PRESETS["supercomputer"]
 
+# The device speed assumed when a cluster does not say (``flops_per_device=None``), so that
+# compute is never free: a device doing the whole work of a layer that p devices could share
+# is charged for it. 100 TFLOP/s is about what an A100 sustains on large bf16 matmuls (a third
+# of its 312 TFLOP/s peak); only the ratio of compute to communication matters to a search.
+DEFAULT_FLOPS_PER_DEVICE = 100e12
+
 
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` × ``devices_per_node`` devices; ``intra`` / ``inter`` are `Link` s (or
     ``(alpha, beta)`` pairs); ``memory_per_device`` in bytes; ``flops_per_device`` in FLOP/s
-    (None: unknown, compute time not modelled); optional per-kind fits ``kinds``, local
-    copy cost ``copy_beta`` and per-step software cost ``step_overhead`` (docs/auto.md,
-    'Ranks, links and refinements'; default: none, the plain alpha-beta model).
-    Immutable and hashable."""
+    (None: unknown, priced at `DEFAULT_FLOPS_PER_DEVICE`), of which layers achieve the
+    fraction ``compute_efficiency``; optional per-kind fits ``kinds``, local copy cost
+    ``copy_beta`` and per-step software cost ``step_overhead`` (docs/auto.md, 'Ranks, links
+    and refinements'; default: none, the plain alpha-beta model). Immutable and hashable."""
 
     nodes: int = 1
     devices_per_node: int = 1
@@ -130,6 +137,7 @@ class Cluster:
     kinds: Any = ()          # {link class: {kind: CollectiveFit}}; stored as a sorted tuple
     copy_beta: float = 0.0   # s per byte of a local copy through a non-contiguous view
     step_overhead: float = 0.0  # s of software work per boxing step
+    compute_efficiency: float = 1.0  # fraction of flops_per_device layers achieve
 
     def __post_init__(self) -> None:
         for what in ("nodes", "devices_per_node"):
@@ -156,6 +164,10 @@ class Cluster:
                 not (math.isfinite(so) and so >= 0):
             raise CostError(f"Cluster step_overhead must be a finite number >= 0, got {so!r}")
         object.__setattr__(self, "step_overhead", float(so))
+        ce = self.compute_efficiency
+        if isinstance(ce, bool) or not isinstance(ce, (int, float)) or not 0 < ce <= 1:
+            raise CostError(f"Cluster compute_efficiency must be in (0, 1], got {ce!r}")
+        object.__setattr__(self, "compute_efficiency", float(ce))
 
     # -- presets --------------------------------------------------------------------------------
     @classmethod
@@ -169,7 +181,7 @@ class Cluster:
                             f"{sorted(PRESETS)}") from None
         unknown = set(overrides) - {"devices_per_node", "intra", "inter", "memory_per_device",
                                     "flops_per_device", "name", "kinds", "copy_beta",
-                                    "step_overhead"}
+                                    "step_overhead", "compute_efficiency"}
         if unknown:
             raise CostError(f"Cluster.preset: unknown field(s) {sorted(unknown)}")
         kw = dict(base, name=name, nodes=nodes)
@@ -231,11 +243,17 @@ class Cluster:
         copy_beta``."""
         return nbytes * self.copy_beta
 
+    @property
+    def device_flops(self) -> float:
+        """FLOP/s a layer achieves on one device: ``flops_per_device`` (or
+        `DEFAULT_FLOPS_PER_DEVICE`) times ``compute_efficiency``."""
+        peak = DEFAULT_FLOPS_PER_DEVICE if self.flops_per_device is None else \
+            self.flops_per_device
+        return peak * self.compute_efficiency
+
     def compute_time(self, flops: float) -> float:
-        """Seconds for ``flops`` floating-point operations on one device at peak."""
-        if self.flops_per_device is None:
-            raise CostError(f"{self} has no flops_per_device: compute time is not modelled")
-        return flops / self.flops_per_device
+        """Seconds for ``flops`` floating-point operations on one device (`device_flops`)."""
+        return flops / self.device_flops
 
     # -- files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -247,7 +265,8 @@ class Cluster:
                 "flops_per_device": self.flops_per_device,
                 "kinds": {lc: {k: f._asdict() for k, f in t.items()}
                           for lc, t in self.kinds_table.items()},
-                "copy_beta": self.copy_beta, "step_overhead": self.step_overhead}
+                "copy_beta": self.copy_beta, "step_overhead": self.step_overhead,
+                "compute_efficiency": self.compute_efficiency}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Cluster":
@@ -266,7 +285,8 @@ class Cluster:
                                    for k, f in t.items()}
                               for lc, t in (d.get("kinds") or {}).items()},
                        copy_beta=d.get("copy_beta", 0.0),
-                       step_overhead=d.get("step_overhead", 0.0))
+                       step_overhead=d.get("step_overhead", 0.0),
+                       compute_efficiency=d.get("compute_efficiency", 1.0))
         except (KeyError, TypeError, AttributeError) as exc:
             raise CostError(f"not a cluster description ({type(exc).__name__}: {exc}): "
                             f"{str(d)[:200]}") from None
@@ -294,8 +314,10 @@ class Cluster:
         return cls.from_dict(d)
 
     def __str__(self) -> str:
-        flops = "" if self.flops_per_device is None else \
-            f", {self.flops_per_device / 1e12:.4g} TFLOP/s"
+        flops = f", {DEFAULT_FLOPS_PER_DEVICE / 1e12:.4g} TFLOP/s (default)" \
+            if self.flops_per_device is None else f", {self.flops_per_device / 1e12:.4g} TFLOP/s"
+        if self.compute_efficiency != 1.0:
+            flops += f" at {self.compute_efficiency:.3g} efficiency"
         extra = ""
         if self.kinds:
             extra += f"; per-kind fits for {len(self.kinds)} (link, kind)"

@@ -168,7 +168,10 @@ def test_data_parallel_bytes_are_the_all_reduce_formula():
     # the time is the sum of one ring all-reduce per weight (spanning both nodes)
     want = sum(c.collective_time("all_reduce", l.params * g.itemsize, list(range(p)))
                for l in g.layers if l.weight_shape)
-    assert b.time == pytest.approx(want) and b.grad_sync_time == pytest.approx(want)
+    assert b.grad_sync_time == pytest.approx(want)
+    # compute is never free: without flops_per_device, the documented default device speed
+    compute = 3 * sum(l.flops for l in g.layers) / p / sf.cost.DEFAULT_FLOPS_PER_DEVICE
+    assert b.compute_time == pytest.approx(compute) and b.time == pytest.approx(want + compute)
 
 
 def test_megatron_bytes_by_hand():

@@ -114,8 +114,13 @@ def test_presets_and_validation():
     assert sc.compute_time(18.7e12) == pytest.approx(1.0)
     with pytest.raises(CostError, match="unknown cluster preset"):
         Cluster.preset("nope")
-    with pytest.raises(CostError, match="flops"):
-        Cluster(nodes=1, devices_per_node=2).compute_time(1.0)
+    # no flops_per_device: the documented default device speed, never free
+    assert Cluster(nodes=1, devices_per_node=2).compute_time(1e12) == \
+        pytest.approx(1e12 / sf.cost.DEFAULT_FLOPS_PER_DEVICE)
+    assert Cluster(1, 2, flops_per_device=1e12, compute_efficiency=0.5).compute_time(1e12) == \
+        pytest.approx(2.0)
+    with pytest.raises(CostError, match="compute_efficiency"):
+        Cluster(1, 2, compute_efficiency=1.5)
     for bad in (dict(nodes=0), dict(devices_per_node=1.5), dict(intra=(1e-6,)),
                 dict(inter=(-1, 1e-9)), dict(memory_per_device=0)):
         with pytest.raises(sf.SbpError):
@@ -123,10 +128,10 @@ def test_presets_and_validation():
 
 
 def test_save_load_roundtrip(tmp_path):
-    c = Cluster.preset("dgx-a100", nodes=2)
+    c = Cluster.preset("dgx-a100", nodes=2, compute_efficiency=0.45)
     c.save(tmp_path / "c.json", extra={"note": 1})
     d = Cluster.load(tmp_path / "c.json")
-    assert d == c and hash(d) == hash(c) and d.name == "dgx-a100"
+    assert d == c and hash(d) == hash(c) and d.name == "dgx-a100" and d.compute_efficiency == 0.45
     assert json.loads((tmp_path / "c.json").read_text())["calibration"] == {"note": 1}
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(CostError):
