@@ -99,6 +99,9 @@ def _reduced_first(s: list, d: list, ndim: int) -> list:
     P(max)``: `sbpflow.boxing.steps.is_local_change`) made a split of an axis no dim splits
     (else axis 0): such a dim is reduce-scattered first, as the planner does, and the split
     turns partial locally at the end."""
+    if not any(isinstance(a, Partial) and isinstance(b, Partial) and a != b
+               for a, b in zip(s, d)):
+        return list(d)   # the common case: no two different partials meet
     used = {x.axis for x in s + d if isinstance(x, Split)}
     free = [a for a in range(ndim) if a not in used]
     out = list(d)
@@ -214,52 +217,104 @@ class Collective(NamedTuple):
     numel: float
 
 
+class _Sk(NamedTuple):
+    """A `Move` before the tensor's shape is known: its piece is ``numel / div`` (``div`` 0:
+    the whole ``numel``; None: no piece, a local move), its strided copies ``copy`` terms
+    ``(layout, axes, g)``: ``piece / g`` (``g`` None: ``piece``) when a rank's local shard
+    under ``layout`` is strided along one of ``axes`` (`_strided`)."""
+
+    kind: str
+    mesh: tuple
+    dims: tuple
+    div: int | None
+    copy: tuple = ()
+    fallback: str = ""
+
+
 @memoize(1 << 18)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """The `Move` s of the redistribution: the fixed order, or, when one of its moves is not a
     valid boxing step (nested splits of one axis), what the planner does instead: partial dims
-    reduced on the source devices, then each rank sent what it lacks (`_via_transfer`)."""
-    moves = _fixed_order(shape, src_mesh, src, dst_mesh, dst)
+    reduced on the source devices, then each rank sent what it lacks (`_via_transfer`). The
+    walk depends on the shape only through its size and which local shards are strided, so
+    it is found once per number of axes (`_skeleton`) and sized here."""
+    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
+    if how == "moves":
+        return tuple(_sized(m, shape) for m in sk)
+    return _via_transfer(shape, *sk)
+
+
+@memoize(1 << 18)
+def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
+    """``("moves", _Sk s)`` or ``("transfer", (fine, s, pre-moves and fractions per reduced
+    layout))``, for any shape of ``ndim`` axes (`_plan`)."""
+    moves = _fixed_order(ndim, src_mesh, src, dst_mesh, dst)
     if not any(m.kind == "nested" for m in moves):
-        return moves
-    best = _via_transfer(shape, src_mesh, src, dst_mesh, dst)
+        return "moves", moves
+    best = _transfer_options(ndim, src_mesh, src, dst_mesh, dst)
     if best is None:  # too many ranks to enumerate: each move priced as its own collective
-        return tuple(m if m.kind != "nested" else Move(m.fallback, *m[1:5]) for m in moves)
-    return best
+        return "moves", tuple(m if m.kind != "nested" else
+                              _Sk(m.fallback, m.mesh, m.dims, m.div) for m in moves)
+    return "transfer", best
 
 
-def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
-                  dst: tuple) -> tuple | None:
-    """The planner's reduce-then-transfer, with the reduced layout (broadcast, or a split of
-    some axis) that moves fewest bytes per device; None above ``_TRANSFER_MAX_RANKS``."""
-    fine, oa, ob = _refine(tuple(src_mesh), tuple(dst_mesh))
+def _sized(m: _Sk, shape: tuple) -> Move:
+    """The `Move` of ``m`` for a tensor of ``shape`` (the same arithmetic as the walk's)."""
+    numel = math.prod(shape)
+    piece = 0.0 if m.div is None else numel if m.div == 0 else numel / m.div
+    copy = 0.0
+    for layout, axes, g in m.copy:
+        local = _local_shape(shape, m.mesh, layout)
+        if any(_strided(local, a) for a in axes):
+            copy += piece if g is None else piece / g
+    return Move(m.kind, m.mesh, m.dims, piece, copy, (), m.fallback)
+
+
+def _transfer_options(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple,
+                      dst: tuple) -> tuple | None:
+    """The planner's reduce-then-transfer options, shape-free: per reduced layout (broadcast,
+    or a split of some axis), its reduction ``(kind, dims, div, axis)`` (None without partial
+    dims) and the receivers' loads as fractions (`_transfer_fraction`); None above
+    ``_TRANSFER_MAX_RANKS``."""
+    fine, oa, ob = _refine(src_mesh, dst_mesh)
+    if math.prod(fine) > _TRANSFER_MAX_RANKS:
+        return None
     s = tuple(src[i] for i in oa)
     d = tuple(dst[i] for i in ob)
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
-    numel = math.prod(shape)
-    if math.prod(fine) > _TRANSFER_MAX_RANKS:
-        return None
     mids = [s] if not pdims else \
         [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
-        [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(len(shape))]
-    best = None
+        [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(ndim)]
+    out = []
     for mid in mids:
-        pre = []
+        pre = None
         if pdims:
             kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
             if kind == "reduce_scatter" and not is_valid_move(s, mid, pdims):
                 continue
-            local = _local_shape(shape, fine, s)
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
+            pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
+        out.append((pre, _transfer_fraction(fine, mid, d, ndim)))
+    return fine, s, tuple(out)
+
+
+def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
+    """The planner's reduce-then-transfer for ``shape``: of `_transfer_options`, the reduced
+    layout that moves fewest bytes per device."""
+    numel = math.prod(shape)
+    best = None
+    for spec, front in options:
+        pre = []
+        if spec is not None:
+            kind, pdims, div, ax = spec
+            local = _local_shape(shape, fine, s)
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
-            pre.append(Move(kind, fine, pdims, _piece(numel, fine, s, set(pdims)), copy))
+            pre.append(Move(kind, fine, pdims, numel / div, copy))
             if best is not None and sum(_per_device(m.kind, m.numel, math.prod(
                     fine[j] for j in m.dims)) for m in pre) >= best[0]:
                 continue   # the transfer only adds: this reduced layout cannot move fewer
-        t = _transfer(shape, fine, mid, d)
-        if t is None:
-            return None
-        elems, loads = t
+        elems = max((f for f, _ in front), default=0.0) * numel
+        loads = tuple((f * numel, m) for f, m in front)
         rec = pre + ([Move("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
                      if loads else [])
         # the planner's choice: fewest bytes (per device here)
@@ -271,11 +326,15 @@ def _via_transfer(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
     return best[1]
 
 
-def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
+def _divisor(fine, nd, skip) -> int:
+    """What `_piece` divides by: the product of the split factors outside ``skip``."""
+    return math.prod(_split_factors(fine, nd, skip).values() or [1])
+
+
+def _fixed_order(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                  dst: tuple) -> tuple:
-    """The fixed-order `Move` s (docs/auto.md, 'Evaluation'); a move the planner could not
+    """The fixed-order `_Sk` s (docs/auto.md, 'Evaluation'); a move the planner could not
     make as one step (nested splits) is marked ``"nested"``."""
-    numel = math.prod(shape)
     if src_mesh == dst_mesh and src == dst:
         return ()
     ref = _refine(tuple(src_mesh), tuple(dst_mesh))
@@ -283,24 +342,25 @@ def _fixed_order(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
         moves = []
         pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
         if pdims:
-            moves.append(Move("reduce_scatter", tuple(src_mesh), pdims,
-                              _piece(numel, src_mesh, list(src), set(pdims))))
-        moves.append(Move("all_to_all", (math.prod(src_mesh),), (0,), numel))
+            moves.append(_Sk("reduce_scatter", tuple(src_mesh), pdims,
+                             _divisor(src_mesh, list(src), set(pdims))))
+        moves.append(_Sk("all_to_all", (math.prod(src_mesh),), (0,), 0))
         return tuple(moves)
     fine, oa, ob = ref
-    return _FixedOrder(shape, fine, [src[i] for i in oa], [dst[i] for i in ob]).run()
+    return _FixedOrder(ndim, fine, [src[i] for i in oa], [dst[i] for i in ob]).run()
 
 
 class _FixedOrder:
     """The fixed order's walk from ``s`` to ``d`` on the refined mesh ``fine``: ``state`` is
-    the layout so far, ``target`` what the phases move it to, ``moves`` the records."""
+    the layout so far, ``target`` what the phases move it to, ``moves`` the records (`_Sk`:
+    pieces as divisors, strided copies as conditions, for any shape of ``ndim`` axes)."""
 
-    def __init__(self, shape: tuple, fine: tuple, s: list, d: list) -> None:
-        self.shape, self.fine, self.numel = shape, fine, math.prod(shape)
+    def __init__(self, ndim: int, fine: tuple, s: list, d: list) -> None:
+        self.fine = fine
         self.final = d
-        self.target = _reduced_first(s, d, len(shape))  # until the last local phase
+        self.target = _reduced_first(s, d, ndim)  # until the last local phase
         self.state = list(s)
-        self.moves: list[Move] = []
+        self.moves: list[_Sk] = []
         # a move can only be invalid if some tensor axis is split on two different dims (in
         # the source or the destination): otherwise skip the checks (the common, fast case)
         split_dims: dict = {}
@@ -321,8 +381,8 @@ class _FixedOrder:
         self.phase(None, lambda a, b: a != b)  # S -> P: local
         return tuple(self.moves)
 
-    def piece(self, dims) -> float:
-        return _piece(self.numel, self.fine, self.state, set(dims))
+    def piece(self, dims) -> int:
+        return _divisor(self.fine, self.state, set(dims))
 
     def moved(self, dims) -> list:
         """``state`` with ``dims`` at their target."""
@@ -345,8 +405,8 @@ class _FixedOrder:
             if isinstance(state[j], Broadcast) and isinstance(target[j], Split) and \
                     later_split(j, target[j].axis) and j not in moved:
                 dims = (j,) + tuple(k for k in later_split(j, target[j].axis) if k not in moved)
-                self.moves.append(Move("nested", fine, dims, self.piece(dims),
-                                       fallback="all_to_all"))
+                self.moves.append(_Sk("nested", fine, dims, self.piece(dims),
+                                      fallback="all_to_all"))
                 moved.update(dims)
         for j in moved:
             if isinstance(state[j], Broadcast):
@@ -362,30 +422,27 @@ class _FixedOrder:
         if self.nested and not is_valid_move(self.state, new, dims):
             # the collective the move would be (a local slice whose part is held by others:
             # an all-to-all) is the price of last resort (`_plan`)
-            self.moves.append(Move("nested", self.fine, dims, self.piece(dims),
-                                   fallback=kind or "all_to_all"))
+            self.moves.append(_Sk("nested", self.fine, dims, self.piece(dims),
+                                  fallback=kind or "all_to_all"))
         elif kind is None:
-            self.moves.append(Move("local", self.fine, dims, 0.0))
+            self.moves.append(_Sk("local", self.fine, dims, None))
         else:
-            piece = self.piece(dims)
-            self.moves.append(Move(kind, self.fine, dims, piece, self.copies(kind, dims, piece)))
+            self.moves.append(_Sk(kind, self.fine, dims, self.piece(dims),
+                                  self.copies(kind, dims)))
         self.state[:] = new
 
-    def copies(self, kind: str, dims: tuple, piece: float) -> float:
-        """Elements a rank copies through strided views in a reduce-scatter / all-to-all."""
+    def copies(self, kind: str, dims: tuple) -> tuple:
+        """Strided-copy terms of a reduce-scatter / all-to-all (`_Sk`)."""
         if kind not in ("reduce_scatter", "all_to_all"):
-            return 0.0
-        copy, g = 0.0, math.prod(self.fine[j] for j in dims)
+            return ()
+        g = math.prod(self.fine[j] for j in dims)
         # the pieces are cut along the destination split of the local input
-        local = _local_shape(self.shape, self.fine, self.state)
-        if any(_strided(local, self.target[j].axis) for j in dims):
-            copy += piece if kind == "reduce_scatter" else piece / g
+        terms = [(tuple(self.state), tuple(self.target[j].axis for j in dims),
+                  None if kind == "reduce_scatter" else g)]
         if kind == "all_to_all":
             # received pieces are written along the source split of the local output
-            local = _local_shape(self.shape, self.fine, self.moved(dims))
-            if any(_strided(local, self.state[j].axis) for j in dims):
-                copy += piece / g
-        return copy
+            terms.append((tuple(self.moved(dims)), tuple(self.state[j].axis for j in dims), g))
+        return tuple(terms)
 
     def all_gather(self) -> None:
         """An all-gather is about the gathered piece: the other dims already in their final
@@ -397,15 +454,13 @@ class _FixedOrder:
         new = self.moved(dims)
         valid = not self.nested or is_valid_move(self.state, new, dims)
         # the gathered pieces are written along the source split axes of the local output
-        strided = any(_strided(_local_shape(self.shape, self.fine, new), self.state[j].axis)
-                      for j in dims)
+        terms = ((tuple(new), tuple(self.state[j].axis for j in dims), None),)
         self.state[:] = new
         piece = self.piece(dims)
         if valid:
-            self.moves.append(Move("all_gather", self.fine, dims, piece,
-                                   piece if strided else 0.0))
+            self.moves.append(_Sk("all_gather", self.fine, dims, piece, terms))
         else:
-            self.moves.append(Move("nested", self.fine, dims, piece, fallback="all_gather"))
+            self.moves.append(_Sk("nested", self.fine, dims, piece, fallback="all_gather"))
 
 
 @memoize(1 << 14)

@@ -171,15 +171,15 @@ def _seed_columns(t, F: np.ndarray, cols: np.ndarray, lim: np.ndarray | None) ->
     top = np.argsort(F, kind="stable")[:4]
     top = top[np.isfinite(F[top])]
     r, c = np.repeat(top, len(cols)), np.tile(cols, len(top))
-    if lim is not None:
-        keep = F[r] < lim[c]
+    if lim is not None:   # only entries that can stay below the cap (lower bounds)
+        keep = F[r] + t.lower[r, c] < lim[c]
         r, c = r[keep], c[keep]
     t.fill(r, c)
     match = t.match[cols]
     ok = match >= 0
     ok[ok] = np.isfinite(F[match[ok]])
     if lim is not None:
-        ok[ok] = F[match[ok]] < lim[cols[ok]]
+        ok[ok] = F[match[ok]] + t.lower[match[ok], cols[ok]] < lim[cols[ok]]
     t.fill(match[ok], cols[ok])
 
 
@@ -331,6 +331,31 @@ class Problem:
             if w not in skip:
                 vec += self.out_vec(v, w, state[w])
         return vec
+
+    def lazy_local_vec(self, state, v: int, skip=()):
+        """``(exact, low)``: `local_vec(state, v, skip)` as a function of candidate indices
+        (the same sums, in the same order) and a lower bound of it for every candidate (node
+        time plus the edges' lower bounds), so a caller prices only what it needs."""
+        g = self.graph
+        edges = [(self.tables[(u, v)], True, u) for u in g.preds[v] if u not in skip] + \
+            [(self.tables[(v, w)], False, w) for w in g.succs[v] if w not in skip]
+        low = self.node_t[v].copy()
+        for t, into, x in edges:
+            low = low + (t.lower[t.row_of[state[x]], t.col_of] if into else
+                         t.lower[t.row_of, t.col_of[state[x]]])
+
+        def exact(ks) -> np.ndarray:
+            ks = np.asarray(ks, dtype=np.int64)
+            vec = self.node_t[v][ks]
+            for t, into, x in edges:
+                if into:
+                    r, c = np.full(len(ks), t.row_of[state[x]]), t.col_of[ks]
+                else:
+                    r, c = t.row_of[ks], np.full(len(ks), t.col_of[state[x]])
+                t.fill(r, c)
+                vec = vec + t.M[r, c]
+            return vec
+        return exact, low
 
     def local_objective(self, state, v: int, pen: np.ndarray) -> np.ndarray:
         """``local_vec(state, v) + pen``, exact where it can be the least entry and ``inf``
@@ -493,18 +518,27 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
             continue
         on = set(path)
         # per layer: node time + edges to fixed layers off the path (and, for a layer with
-        # several producers, the ones not on the path)
-        loc = [pb.local_vec(state, v, skip=on) for v in path]
-        cur = sum(float(x[state[v]]) for x, v in zip(loc, path)) + \
+        # several producers, the ones not on the path); the last layer's edges to its
+        # consumers off the path as lower bounds, priced below only where they can matter
+        loc = [pb.local_vec(state, v, skip=on) for v in path[:-1]]
+        last, low_last = pb.lazy_local_vec(state, path[-1], on)
+        loc.append(low_last)
+        cur = sum(float(x[state[v]]) for x, v in zip(loc[:-1], path)) + \
+            float(last([state[path[-1]]])[0]) + \
             sum(pb.edge(a, state[a], b, state[b]) for a, b in zip(path, path[1:]))
-        lows = [float(x.min()) for x in loc]
+        tails = _tail_bounds(pb, path, loc)
         f, args = loc[0], []
         for k in range(1, len(path)):
-            rest = loc[k] + sum(lows[k + 1:])
-            best, arg = pb.min_plus(path[k - 1], path[k], f, cap=cur, rest=rest)
+            best, arg = pb.min_plus(path[k - 1], path[k], f, cap=cur, rest=tails[k])
             pb.evaluations += len(best)
-            f = best + loc[k]
+            if k < len(path) - 1:
+                f = best + loc[k]
             args.append(arg)
+        # exact where the bound is below the cap (only those can be taken, and the dense
+        # vector's least entry is among them then), the bound (>= cap) elsewhere
+        f = best + low_last
+        ks = np.nonzero(f < cur)[0]
+        f[ks] = best[ks] + last(ks)
         j = int(np.argmin(f))
         if not f[j] < cur - 1e-12 * max(1.0, abs(cur)):
             continue
@@ -520,6 +554,21 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
             mem = pb.memory_of(state)
             changed = True
     return changed, mem
+
+
+def _tail_bounds(pb: Problem, path: list, loc: list) -> list:
+    """Per layer k of ``path`` and candidate: a lower bound of its local term ``loc[k]`` plus
+    everything after it along the path (the edges' lower bounds, `_EdgeTable.lower`, and the
+    next layers' local terms), by a backward min-plus pass over the dense bounds."""
+    out = [None] * len(path)
+    out[-1] = loc[-1]
+    for k in range(len(path) - 2, -1, -1):
+        t = pb.tables[(path[k], path[k + 1])]
+        per_col = np.full(t.M.shape[1], np.inf)
+        np.minimum.at(per_col, t.col_of, out[k + 1])
+        per_row = (t.lower + per_col[None, :]).min(axis=1)
+        out[k] = loc[k] + per_row[t.row_of]
+    return out
 
 
 def _coordinate_descent(pb: Problem, rng, budget_s, t0, trace, restarts=3, start=None,
