@@ -217,8 +217,9 @@ def test_every_member_of_a_group_cuts_the_same_buckets():
                   for i in range(6)]
         sync = GradSync(params, bucket_bytes=1 << 20, first_bucket_bytes=1)
         out: dict = {}
+        index = {id(p): i for i, p in enumerate(params)}  # == is elementwise, as torch's
         for b in sync._buckets:
-            out.setdefault(b.group, []).append([params.index(p) for p in b.params])
+            out.setdefault(b.group, []).append([index[id(p)] for p in b.params])
         return out
 
     per_rank = sf.launch(body, world_size=3)
