@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import _weakrefset
 import operator
+import sys
 import threading
 import weakref
 from typing import NamedTuple, Sequence
@@ -20,12 +22,13 @@ import torch
 
 from . import comm as _comm
 from .boxing import empty_local, plan_layouts, run_plan
-from .caches import BoundedDict
+from .caches import BoundedDict, memoize
 from .errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
                      UnsupportedTorchFunction)
 from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
-from .ops.shape import encode_index, list_index, resolve_shape, squeeze_dims
+from .ops.shape import (Slice, decode_index, encode_index, list_index, resolve_shape,
+                         squeeze_dims)
 from .placement import Placement
 from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
@@ -34,7 +37,7 @@ from .utils import generate_region, mix_seed
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
            "fresh", "guard", "source", "errors_as", "error_rule", "UnsupportedTorchFunction",
-           "set_torch_dispatch", "lift", "watch_resplit"]
+           "set_torch_dispatch", "lift", "watch_resplit", "is_view"]
 
 
 # -- torch functions on global tensors ----------------------------------------------------------
@@ -176,6 +179,26 @@ def _binary(name: str, reflected: bool = False):
     return method
 
 
+# The weak dicts and sets of the standard library compare two references to one live key by
+# comparing the key with itself (``p == p``); their lookups must stay identity tests (several
+# modules keep WeakKeyDictionaries of parameters). Only those frames get a Python bool.
+_WEAK_FILES = frozenset({weakref.__file__, _weakrefset.__file__})
+
+
+def _compare(name: str):
+    """``==`` / ``!=`` as torch's: elementwise against a tensor or a number; anything else
+    (None, a string, a module) is not comparable, so Python falls back to identity. A key
+    compared with itself by a weak dict's lookup is an identity test (`_WEAK_FILES`)."""
+    def method(self, other):
+        if other is self and sys._getframe(1).f_code.co_filename in _WEAK_FILES:
+            return name == "eq"
+        if isinstance(other, (GlobalTensor, torch.Tensor, int, float, bool, complex)):
+            return apply_op(name, self, other)
+        return NotImplemented
+    method.__name__ = method.__qualname__ = f"__{name}__"
+    return method
+
+
 def _unary(name: str):
     def method(self, *args, **kwargs):
         return apply_op(name, self, *args, **kwargs)
@@ -196,8 +219,10 @@ class GlobalTensor:
     """
 
     # ``_key``: an int naming (shape, dtype, nd-sbp), set on first dispatch (see `_layout_key`);
-    # ``_boxes``: the versions of this tensor ops boxed it to (see `_boxed_for_op`), or None
-    __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "_boxes", "__weakref__")
+    # ``_boxes``: the versions of this tensor ops boxed it to (see `_boxed_for_op`), or None;
+    # ``_view``: for a view (a slice, reshape, transpose, ... of another tensor) its `_View`
+    __slots__ = ("_local", "_shape", "_placement", "_sbp", "_key", "_boxes", "_view",
+                 "__weakref__")
 
     def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
                  sbp: tuple) -> None:
@@ -207,8 +232,16 @@ class GlobalTensor:
         self._sbp = tuple(sbp)
         self._key = None
         self._boxes = None
+        if type(self) is GlobalTensor:  # a subclass's instances are never views (see below)
+            self._view = None
         if _tracing.recorder is not None:  # made outside the ops: the graph cannot replay it
             _tracing.recorder.made(local)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Instances of subclasses (parameters, gradients, pending means) are never views:
+        their ``_view`` reads None even when a subclass fills the slots itself."""
+        super().__init_subclass__(**kwargs)
+        cls._view = None
 
     # -- torch functions (sbpflow/nn/torch_functions.py) ----------------------------------------
     @classmethod
@@ -260,10 +293,12 @@ class GlobalTensor:
     @property
     def local(self) -> torch.Tensor:
         """This rank's shard (empty on a rank outside the placement)."""
+        if self._view is not None:
+            _fresh(self)
         return self._local
 
     def to_local(self) -> torch.Tensor:
-        return self._local
+        return self.local
 
     @property
     def is_local_rank(self) -> bool:
@@ -275,6 +310,8 @@ class GlobalTensor:
                   sbp: SbpLike | None = None) -> "GlobalTensor":
         """The same logical tensor in another layout (boxing: least communication, planned
         then run; differentiable). Omitted arguments keep the current ones."""
+        if self._view is not None:
+            _fresh(self)
         dst_pl = self._placement if placement is None else placement
         if not isinstance(dst_pl, Placement):
             raise PlacementError(f"to_global: expected an sf.placement, got {dst_pl!r}")
@@ -307,6 +344,8 @@ class GlobalTensor:
     # -- autograd ----------------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
+        if self._view is not None:
+            _fresh(self)
         return self._local.requires_grad
 
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
@@ -327,7 +366,7 @@ class GlobalTensor:
         g = self._local.grad
         if g is None:
             return None
-        return GlobalTensor(g, self._shape, self._placement, dual_nd(self._sbp))
+        return _Grad(g, self._shape, self._placement, dual_nd(self._sbp))
 
     @grad.setter
     def grad(self, value: "GlobalTensor | None") -> None:
@@ -340,10 +379,14 @@ class GlobalTensor:
         state.setdefault("retained_grads", weakref.WeakSet()).add(self._local)
 
     def detach(self) -> "GlobalTensor":
+        """The same values without autograd history: a view, as torch's (an in-place op on it
+        changes this tensor's values, and it reads them after one on this tensor)."""
+        if self._view is not None:
+            _fresh(self)
         out = GlobalTensor(self._local.detach(), self._shape, self._placement, self._sbp)
         if _tracing.recorder is not None:
             _tracing.recorder.detach(self, out)
-        return out
+        return _viewed(out, self, "detach", None)
 
     def backward(self, gradient: "GlobalTensor | None" = None, retain_graph: bool = False) -> None:
         """Backpropagate from this tensor; every rank of the world must call it.
@@ -352,6 +395,8 @@ class GlobalTensor:
         layout ``dual(sbp)``: for a P loss every rank seeds 1, for a B loss the first rank of
         each group seeds 1 and the others 0.
         """
+        if self._view is not None:
+            _fresh(self)
         seed = self._seed(gradient)
         if not self._local.requires_grad:
             raise SbpError(f"backward: the tensor of {_describe(self)} does not require grad "
@@ -386,6 +431,10 @@ class GlobalTensor:
     __pow__, __rpow__ = _binary("pow"), _binary("pow", True)
     __matmul__, __rmatmul__ = _binary("matmul"), _binary("matmul", True)
     __lt__, __le__, __gt__, __ge__ = _binary("lt"), _binary("le"), _binary("gt"), _binary("ge")
+    # ``==`` / ``!=`` are elementwise, as torch's; a tensor still hashes by identity (dicts,
+    # sets and weak dicts of tensors find a key by identity first, so they never compare)
+    __eq__, __ne__ = _compare("eq"), _compare("ne")
+    __hash__ = object.__hash__
     add, sub, mul, div, pow = (_binary(n) for n in ("add", "sub", "mul", "div", "pow"))
     matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
     eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
@@ -397,37 +446,95 @@ class GlobalTensor:
     exp, log, sqrt, rsqrt, abs = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "abs"))
     sin, cos, tanh, sigmoid, relu = (_unary(n) for n in ("sin", "cos", "tanh", "sigmoid", "relu"))
     square, reciprocal, neg = _unary("square"), _unary("reciprocal"), _unary("neg")
-    clone, contiguous = _unary("clone"), _unary("contiguous")
+    round, floor, ceil, trunc, sign = (_unary(n) for n in ("round", "floor", "ceil", "trunc",
+                                                           "sign"))
+    log1p, expm1 = _unary("log1p"), _unary("expm1")
+    clamp = clip = _unary("clamp")  # min= / max=: numbers or tensors
+
+    def clamp_min(self, min) -> "GlobalTensor":
+        return apply_op("clamp", self, min=min)
+
+    def clamp_max(self, max) -> "GlobalTensor":
+        return apply_op("clamp", self, max=max)
+    clone = _unary("clone")
     isnan, logical_not = _unary("isnan"), _unary("logical_not")
     sum, mean, amax, amin = (_unary(n) for n in ("sum", "mean", "amax", "amin"))
-    max, min = amax, amin
-    transpose, flatten, unsqueeze = _unary("transpose"), _unary("flatten"), _unary("unsqueeze")
-    narrow, softmax, log_softmax = _unary("narrow"), _unary("softmax"), _unary("log_softmax")
 
+    def max(self, *args, **kwargs):
+        """``x.max()``: the largest entry. With a dim, torch's (values, indices); with a tensor,
+        the elementwise maximum (sbpflow/nn/torch_handlers.py, as ``torch.max``)."""
+        if not args and not kwargs:
+            return apply_op("amax", self)
+        return _torch_dispatch(torch.Tensor.max, (self,) + args, kwargs)
+
+    def min(self, *args, **kwargs):
+        """``x.min()``: the smallest entry; otherwise as `max`."""
+        if not args and not kwargs:
+            return apply_op("amin", self)
+        return _torch_dispatch(torch.Tensor.min, (self,) + args, kwargs)
+    softmax, log_softmax = _unary("softmax"), _unary("log_softmax")
+
+    # -- views: as torch's, each remembers what it views (`_viewed`; see `_View`) ---------------
     def reshape(self, *shape) -> "GlobalTensor":
-        """``reshape`` / ``view``: a ``-1`` is resolved here from the logical shape."""
-        return apply_op("reshape", self, shape=resolve_shape(self.numel(), _shape_args(shape)))
+        """``reshape`` / ``view``: a ``-1`` is resolved here from the logical shape. A view
+        where torch's would be one (`_reshaped`), else a new tensor."""
+        out = apply_op("reshape", self, shape=resolve_shape(self.numel(), _shape_args(shape)))
+        return _reshaped(self, out)
 
     view = reshape
 
-    def permute(self, *dims) -> "GlobalTensor":
-        return apply_op("permute", self, dims=_shape_args(dims))
+    def flatten(self, *args, **kwargs) -> "GlobalTensor":
+        return _reshaped(self, apply_op("flatten", self, *args, **kwargs))
 
-    def expand(self, *shape) -> "GlobalTensor":
-        return apply_op("expand", self, shape=_shape_args(shape))
-
-    def t(self) -> "GlobalTensor":
-        return apply_op("transpose", self, dim0=0, dim1=1)
-
-    @property
-    def T(self) -> "GlobalTensor":
-        return apply_op("permute", self, dims=tuple(reversed(range(self.ndim))))
+    def unsqueeze(self, *args, **kwargs) -> "GlobalTensor":
+        out = apply_op("unsqueeze", self, *args, **kwargs)
+        return _viewed(out, self, "reshape", out._shape)
 
     def squeeze(self, dim=None) -> "GlobalTensor":
         """Only the given axes (all if None) of logical size 1 are removed."""
-        return apply_op("squeeze", self, dim=squeeze_dims(self._shape, dim))
+        out = apply_op("squeeze", self, dim=squeeze_dims(self._shape, dim))
+        return _viewed(out, self, "reshape", out._shape)
+
+    def contiguous(self, memory_format=None) -> "GlobalTensor":
+        """This tensor when torch's would be contiguous (a tensor that is not a view is), else
+        a copy, as torch."""
+        if self._view is None or _strided(self).is_contiguous():
+            return self
+        return apply_op("contiguous", self)
+
+    def transpose(self, dim0: int, dim1: int) -> "GlobalTensor":
+        out = apply_op("transpose", self, dim0, dim1)
+        dims = list(range(self.ndim))
+        if dims:
+            a, b = dim0 % self.ndim, dim1 % self.ndim
+            dims[a], dims[b] = dims[b], dims[a]
+        return _viewed(out, self, "permute", tuple(dims))
+
+    def permute(self, *dims) -> "GlobalTensor":
+        dims = _shape_args(dims)
+        out = apply_op("permute", self, dims=dims)
+        return _viewed(out, self, "permute", tuple(d % self.ndim for d in dims))
+
+    def t(self) -> "GlobalTensor":
+        return self.transpose(0, 1) if self.ndim > 1 else \
+            _viewed(apply_op("reshape", self, shape=self._shape), self, "reshape", self._shape)
+
+    @property
+    def T(self) -> "GlobalTensor":
+        return self.permute(*reversed(range(self.ndim)))
+
+    def expand(self, *shape) -> "GlobalTensor":
+        out = apply_op("expand", self, shape=_shape_args(shape))
+        return _viewed(out, self, "expand", out._shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "GlobalTensor":
+        out = apply_op("narrow", self, dim, start, length)
+        d = dim % max(self.ndim, 1)
+        begin = start + self._shape[d] if start < 0 else start
+        return _viewed(out, self, "index", _axis_slice(d, begin, begin + length))
 
     def __getitem__(self, index) -> "GlobalTensor":
+        """Basic indexing is a view, as torch's; one list of ints (``x[:, [-1]]``) a copy."""
         try:
             encoded = encode_index(index)
         except SbpError:  # again, naming the tensor (described only when needed: it costs)
@@ -436,20 +543,22 @@ class GlobalTensor:
                 basic, dim, picks = listed
                 return apply_op("index_select", self[basic], dim=dim, index=picks)
             encoded = encode_index(index, f"indexing a tensor of {_describe(self)}")
-        return apply_op("getitem", self, index=encoded)
+        return _viewed(apply_op("getitem", self, index=encoded), self, "index", encoded)
 
     def __setitem__(self, index, value) -> None:
-        _torch_dispatch(torch.Tensor.__setitem__, (self, index, value), {})
+        """``x[index] = value`` for a basic index or a bool mask over leading axes: this tensor
+        takes the new value (an in-place op: `_assign_`), as torch."""
+        self._assign_(_set_items(self, index, value))
 
     def split(self, split_size, dim: int = 0):
         if _RESPLITS and self._sbp:
             _watch_resplit(self, dim)
-        return apply_op("split", self, split_size=split_size, dim=dim)
+        return _pieces(self, apply_op("split", self, split_size=split_size, dim=dim), dim)
 
     def chunk(self, chunks: int, dim: int = 0):
         if _RESPLITS and self._sbp:
             _watch_resplit(self, dim)
-        return apply_op("chunk", self, chunks=chunks, dim=dim)
+        return _pieces(self, apply_op("chunk", self, chunks=chunks, dim=dim), dim)
 
     def to(self, *args, **kwargs) -> "GlobalTensor":
         """``to(dtype)``, ``to(device)``, ``to(device, dtype)``, ``to(other)``, ``to(dtype=...)``
@@ -461,15 +570,18 @@ class GlobalTensor:
             apply_op("to_dtype", self, dtype=dtype)
 
     # -- in-place ops (torch's semantics: the tensor object takes the new value) ----------------
-    def _assign_(self, result: "GlobalTensor") -> "GlobalTensor":
+    def _assign_(self, result: "GlobalTensor", fresh: bool = True) -> "GlobalTensor":
         """Make this tensor hold ``result`` (same logical shape), as torch's in-place ops do.
 
-        A tensor in the autograd graph (not a leaf, grad enabled) takes ``result``'s shard and
-        layout: no copy, and backward is ``result``'s (views taken earlier keep the old value,
-        unlike torch). Any other tensor (a parameter under ``no_grad``, a buffer, a constant)
-        keeps its shard object and layout: ``result`` is boxed to it and copied in, so holders of
-        the shard (optimizers, ``.grad``) still see it. A leaf that requires grad under grad
-        mode raises as torch does."""
+        A view writes through to the tensor it views (`_write_back`); the other views of that
+        tensor read the new value when next used (`_View`). A parameter or a gradient (shards
+        that optimizers and gradient buckets hold), and any other tensor outside the autograd
+        graph whose shard is its own storage, keeps its shard object and layout: ``result`` is
+        boxed to it and copied in. A tensor in the autograd graph (not a leaf, grad enabled),
+        or one whose shard is a torch view of another's storage, takes ``result``'s shard and
+        layout (no copy; backward is ``result``'s). A leaf that requires grad under grad mode
+        raises, as torch. ``fresh=False``: ``result`` may be held elsewhere (``copy_``'s
+        source), so it is copied before this tensor takes its shard."""
         if result is self:
             return self
         if not isinstance(result, GlobalTensor):
@@ -482,12 +594,19 @@ class GlobalTensor:
         if result.dtype != self.dtype:
             result = result.to(self.dtype)
         local = self._local
-        if torch.is_grad_enabled() and local.requires_grad and not local.is_leaf:
-            self._local, self._placement, self._sbp = result._local, result._placement, result._sbp
-            self._key, self._boxes = result._key, None
+        takes = self._view is not None or (
+            torch.is_grad_enabled() and local.requires_grad and not local.is_leaf) or (
+            local._base is not None and type(self) is GlobalTensor and not local.requires_grad) \
+            or local.is_inference()
+        if not takes:
+            local.copy_(result.to_global(self._placement, self._sbp)._local)
             return self
-        src = result.to_global(self._placement, self._sbp)._local
-        local.copy_(src)
+        if not fresh:
+            result = apply_op("clone", result)
+        if self._view is not None:
+            _write_back(self, result)
+        else:
+            _take(self, result)
         return self
 
     def __iadd__(self, other):
@@ -533,6 +652,251 @@ class GlobalTensor:
         if not self._shape:
             raise TypeError("len() of a 0-d global tensor")
         return self._shape[0]
+
+    def __iter__(self):
+        """The slices along axis 0, as torch (a 0-d tensor is not iterable)."""
+        if not self._shape:
+            raise TypeError(f"iteration over a 0-d tensor (as torch; tensor of "
+                            f"{_describe(self)})")
+        return iter([self[i] for i in range(self._shape[0])])
+
+    def __contains__(self, element) -> bool:
+        """``element in x``: whether some entry equals it (a collective, as `item`), as torch."""
+        if not isinstance(element, (GlobalTensor, torch.Tensor, int, float, bool, complex)):
+            raise UnsupportedTorchFunction(
+                f"'in' on a global tensor takes a tensor or a number, got "
+                f"{type(element).__name__} (tensor of {_describe(self)})")
+        return bool((self == element).any())
+
+
+class _Grad(GlobalTensor):
+    """``x.grad``: a global tensor over the gradient's shard. In-place ops write into that
+    shard (`GlobalTensor._assign_`): backward accumulates into it and gradient buckets hold it."""
+
+    __slots__ = ()
+
+
+# -- views (docs/torch_models.md, 'Views and in-place ops') --------------------------------------
+class _View(NamedTuple):
+    """How a view was made from ``parent``: ``kind`` "reshape" (``arg``: the shape; also
+    flatten, squeeze, unsqueeze), "permute" (the dims; also transpose, t, T), "index" (an
+    encoded basic index; also narrow, split, chunk), "expand" (the shape) or "detach"; and
+    ``parent``'s shard object and its version when the view last matched it. When either
+    differs (an in-place op on ``parent`` replaced or wrote its shard) the view is remade
+    from ``parent`` before its next use (`_fresh`), as a torch view reads its base's value."""
+
+    parent: GlobalTensor
+    kind: str
+    arg: object
+    local: torch.Tensor
+    version: int
+
+
+def is_view(t: GlobalTensor) -> bool:
+    """Whether ``t`` is a view of another tensor (an in-place op on it writes through)."""
+    return t._view is not None
+
+
+def _viewed(out: GlobalTensor, parent: GlobalTensor, kind: str, arg) -> GlobalTensor:
+    """Mark ``out`` a view of ``parent`` (`_View`)."""
+    local = parent._local
+    out._view = _View(parent, kind, arg, local, _version(local))
+    return out
+
+
+def _version(local: torch.Tensor) -> int:
+    try:
+        return local._version
+    except RuntimeError:  # an inference tensor tracks none: in-place ops replace its shard
+        return -1
+
+
+def _stale(t: GlobalTensor) -> bool:
+    v = t._view
+    parent = v.parent
+    local = parent._local
+    return local is not v.local or _version(local) != v.version or \
+        (parent._view is not None and _stale(parent))
+
+
+# kind -> (op, its attribute): how a view is made again from its (current) parent
+_REMAKE = {"reshape": ("reshape", "shape"), "permute": ("permute", "dims"),
+           "index": ("getitem", "index"), "expand": ("expand", "shape")}
+
+
+def _fresh(t: GlobalTensor) -> None:
+    """Remake the view ``t`` from its parent if the parent changed since `_View` says."""
+    if not _stale(t):
+        return
+    v = t._view
+    if v.kind == "detach":
+        new = v.parent.detach()
+    else:
+        op, attr = _REMAKE[v.kind]
+        new = _viewed(apply_op(op, v.parent, **{attr: v.arg}), v.parent, v.kind, v.arg)
+    _take(t, new)
+    t._view = new._view
+
+
+def _take(t: GlobalTensor, new: GlobalTensor) -> None:
+    """``t`` holds ``new``'s shard, in ``new``'s layout (no copy)."""
+    t._local, t._placement, t._sbp, t._key = new._local, new._placement, new._sbp, new._key
+    t._boxes = None
+
+
+def _write_back(t: GlobalTensor, result: GlobalTensor) -> None:
+    """An in-place op on the view ``t``, as torch's: its parent takes its own value with
+    ``t``'s region replaced by ``result`` (an in-place op on the parent, so up the chain of
+    views), then ``t`` takes ``result``. Through ``detach`` the values are written without
+    autograd, as torch writes a detached view's storage."""
+    v = t._view
+    parent = v.parent
+    if parent._view is not None:
+        _fresh(parent)
+    if v.kind == "detach":
+        with torch.no_grad():
+            parent._assign_(result.detach())
+        new = parent.detach()
+        _take(t, new)
+        t._view = new._view
+        return
+    parent._assign_(_UNDO[v.kind](parent, v.arg, result, t))
+    _take(t, result)
+    local = parent._local
+    t._view = v._replace(local=local, version=_version(local))
+
+
+def _unpermute(parent: GlobalTensor, dims: tuple, r: GlobalTensor, t) -> GlobalTensor:
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d] = i
+    return apply_op("permute", r, dims=tuple(inverse))
+
+
+def _unexpand(parent: GlobalTensor, shape: tuple, r: GlobalTensor, t) -> GlobalTensor:
+    k = len(shape) - parent.ndim
+    if any(n > 1 for n in shape[:k]) or any(
+            parent._shape[i] == 1 and shape[k + i] > 1 for i in range(parent.ndim)):
+        raise UnsupportedTorchFunction(
+            f"in-place op on an expanded tensor (shape {parent._shape} expanded to {shape}): "
+            f"several of its elements are one element of the tensor it views, so torch "
+            f"refuses it too ('more than one element of the written-to tensor refers to a "
+            f"single memory location'); clone() it first (tensor of {_describe(parent)})")
+    return apply_op("reshape", r, shape=parent._shape)
+
+
+# kind -> fn(parent, arg, result, view): the parent's new value after writing ``result``
+_UNDO = {
+    "reshape": lambda parent, arg, r, t: apply_op("reshape", r, shape=parent._shape),
+    "permute": _unpermute,
+    "index": lambda parent, index, r, t: apply_op("setitem", parent, r, index=index),
+    "expand": _unexpand,
+}
+
+
+def _chain(t: GlobalTensor) -> tuple:
+    """(the shape of the tensor ``t`` views at the end of its chain, the steps from it)."""
+    steps = []
+    while t._view is not None:
+        steps.append((t._view.kind, t._view.arg))
+        t = t._view.parent
+    return t._shape, tuple(reversed(steps))
+
+
+_META_STEP = {"reshape": lambda m, a: m.reshape(a), "permute": lambda m, a: m.permute(a),
+              "index": lambda m, a: m[decode_index(a)], "expand": lambda m, a: m.expand(a),
+              "detach": lambda m, a: m}
+
+
+@memoize(4096)
+def _meta_of(root: tuple, steps: tuple) -> torch.Tensor:
+    """A meta tensor with the strides torch would give a view made by ``steps`` from a
+    contiguous tensor of shape ``root``."""
+    m = torch.empty(root, device="meta")
+    for kind, arg in steps:
+        m = _META_STEP[kind](m, arg)
+    return m
+
+
+def _strided(t: GlobalTensor) -> torch.Tensor:
+    """The strides torch would give ``t`` (a meta tensor): a tensor that is not a view is
+    taken as contiguous."""
+    return _meta_of(*_chain(t))
+
+
+@memoize(4096)
+def _reshape_views(root: tuple, steps: tuple, shape: tuple) -> bool:
+    return _meta_of(root, steps).reshape(shape)._is_view()
+
+
+def _reshaped(t: GlobalTensor, out: GlobalTensor) -> GlobalTensor:
+    """``out``, a reshape of ``t``, marked a view of ``t`` where torch's reshape gives a view:
+    always when ``t`` is not a view, else when its strides allow it (else torch copies)."""
+    if t._view is not None and not _reshape_views(*_chain(t), out._shape):
+        return out
+    return _viewed(out, t, "reshape", out._shape)
+
+
+_WHOLE = Slice(None, None, None)
+
+
+def _axis_slice(d: int, start: int, stop: int) -> tuple:
+    return (_WHOLE,) * d + (Slice(start, stop, None),)
+
+
+def _pieces(t: GlobalTensor, outs: tuple, dim: int) -> tuple:
+    """``split`` / ``chunk`` pieces of ``t`` along ``dim``, each marked a view of ``t``."""
+    d = dim % max(t.ndim, 1)
+    start = 0
+    for o in outs:
+        n = o._shape[d] if o.ndim else 1
+        _viewed(o, t, "index", _axis_slice(d, start, start + n))
+        start += n
+    return outs
+
+
+def _set_items(x: GlobalTensor, index, value) -> GlobalTensor:
+    """The value of ``x`` after ``x[index] = value``: a basic index (the ``setitem`` op), or a
+    bool mask over leading axes (``where``); other advanced indices are refused."""
+    pl = x._placement
+    if isinstance(value, torch.Tensor):
+        value = lift(value, pl)
+    elif not isinstance(value, GlobalTensor):
+        value = lift(torch.as_tensor(value, dtype=x.dtype), pl)
+    if isinstance(index, (GlobalTensor, torch.Tensor)) and index.dtype == torch.bool:
+        return _masked_set(x, index, value)
+    try:
+        encoded = encode_index(index, f"x[...] = value on a tensor of {_describe(x)}")
+    except SbpError:
+        raise UnsupportedTorchFunction(
+            f"x[{index!r}] = value on the tensor of {_describe(x)}: item assignment takes a "
+            f"basic index (ints, slices, None, ...) or a bool mask over leading axes; for "
+            f"other advanced indices build the new value with torch.where(mask, value, x) "
+            f"(a mask from comparisons with torch.arange), which this tensor can then take "
+            f"with x.copy_(...)") from None
+    return apply_op("setitem", x, value, index=encoded)
+
+
+def _masked_set(x: GlobalTensor, mask, value: GlobalTensor) -> GlobalTensor:
+    """``x[mask] = value``, with ``mask`` over the leading axes of ``x`` and ``value`` one
+    entry or a tensor of the trailing axes: ``torch.where(mask, value, x)``."""
+    if isinstance(mask, torch.Tensor):
+        mask = lift(mask, x._placement)
+    k = mask.ndim
+    if tuple(mask.shape) != x._shape[:k]:
+        raise ShapeError(f"x[mask] = value: a mask of shape {tuple(mask.shape)} does not match "
+                         f"the leading axes of the tensor of {_describe(x)} (as torch)")
+    trailing = x.ndim - k
+    if value.ndim == trailing + 1 and value.shape[0] == 1:
+        value = value.reshape(tuple(value.shape[1:]))
+    if value.ndim > trailing:
+        raise UnsupportedTorchFunction(
+            f"x[mask] = values with one row per selected entry (values of shape "
+            f"{tuple(value.shape)}) on the tensor of {_describe(x)}: the number of rows depends "
+            f"on the mask's values; lay the values out like x and use torch.where(mask, "
+            f"values, x)")
+    cond = mask.reshape(*mask.shape, *(1,) * trailing) if trailing else mask
+    return apply_op("where", cond, value.to(x.dtype), x)
 
 
 def _to_dtype(t: GlobalTensor, args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -923,7 +1287,7 @@ def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
     boxes = t._boxes
     if boxes is not None:
         hit = boxes.get(nd)
-        if hit is not None and hit.source() is local and hit.version == local._version and \
+        if hit is not None and hit.source() is local and hit.version == _version(local) and \
                 hit.grad == torch.is_grad_enabled() and _same_trace(hit.trace):
             shard = hit.kept if hit.kept is not None else hit.ref()
             if shard is not None:
@@ -932,7 +1296,7 @@ def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
     if boxes is None:
         boxes = t._boxes = {}
     parameter = local.requires_grad and local.is_leaf
-    boxes[nd] = _Boxed(weakref.ref(local), local._version, torch.is_grad_enabled(),
+    boxes[nd] = _Boxed(weakref.ref(local), _version(local), torch.is_grad_enabled(),
                        None if parameter else out._local, weakref.ref(out._local),
                        None if _tracing.recorder is None else weakref.ref(_tracing.recorder))
     return out
@@ -950,6 +1314,8 @@ def _dispatch_key(name: str, args: tuple, sbp, attrs: dict) -> tuple:
     pl = None
     for a in args:
         if isinstance(a, GlobalTensor):
+            if a._view is not None:
+                _fresh(a)
             local = a._local
             tensors.append(a)
             k = a._key or _layout_key(a)
@@ -1037,7 +1403,7 @@ def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,
     its `_layout_key` when the caller knows it."""
     t = object.__new__(GlobalTensor)
     t._local, t._shape, t._placement, t._sbp, t._key = local, shape, placement, sbp, key
-    t._boxes = None
+    t._boxes = t._view = None
     return t
 
 

@@ -22,6 +22,7 @@ from .functional_norm import batch_norm, group_norm, rms_norm
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
            "layer_norm", "embedding", "cross_entropy", "dropout", "scaled_dot_product_attention"]
 __all__ += ["batch_norm", "group_norm", "rms_norm"]  # sbpflow/nn/functional_norm.py
+__all__ += ["leaky_relu", "elu", "softplus", "normalize", "one_hot", "nll_loss"]
 
 
 def linear(x: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = None) -> GlobalTensor:
@@ -47,6 +48,59 @@ def sigmoid(x: GlobalTensor) -> GlobalTensor:
 
 def silu(x: GlobalTensor) -> GlobalTensor:
     return apply_op("silu", x)
+
+
+# -- activations, normalising and losses written as compositions of elementwise ops ----------
+def leaky_relu(x: GlobalTensor, negative_slope: float = 0.01) -> GlobalTensor:
+    return apply_op("where", x > 0, x, x * negative_slope)
+
+
+def elu(x: GlobalTensor, alpha: float = 1.0) -> GlobalTensor:
+    return apply_op("where", x > 0, x, x.clamp(max=0).expm1() * alpha)
+
+
+def softplus(x: GlobalTensor, beta: float = 1.0, threshold: float = 20.0) -> GlobalTensor:
+    """``log(1 + exp(beta x)) / beta``, linear where ``beta x > threshold``, as torch."""
+    bx = x * beta
+    return apply_op("where", bx > threshold, x, bx.clamp(max=threshold).exp().log1p() / beta)
+
+
+def normalize(x: GlobalTensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> GlobalTensor:
+    """``x / max(||x||_p, eps)`` along ``dim`` (a split ``dim`` gives a partial norm, reduced)."""
+    norm = (x.abs() ** p).sum(dim, keepdim=True) ** (1.0 / p)
+    return x / norm.clamp(min=eps)
+
+
+def one_hot(target: GlobalTensor, num_classes: int = -1) -> GlobalTensor:
+    """int64 one-hot rows of ``target`` (``num_classes=-1``: the largest class + 1, read with a
+    collective, as torch reads it from the values)."""
+    if num_classes < 0:
+        num_classes = int(target.max().item()) + 1
+    classes = torch.arange(num_classes, device=target.device)
+    return apply_op("eq", target.unsqueeze(-1), classes).to(torch.int64)
+
+
+def nll_loss(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
+             ignore_index: int = -100, reduction: str = "mean") -> GlobalTensor:
+    """``torch.nn.functional.nll_loss``: minus ``input`` (log-probabilities) at each target
+    class, with torch's shapes (classes on axis 1 from two dims on), class ``weight``,
+    ``ignore_index`` and ``reduction`` (a mean divides by the summed weights of the targets
+    kept); the target pick of `cross_entropy`, so any layout of the classes works."""
+    input, _ = _cross_entropy_inputs(input, target, weight, reduction, 0.0)
+    ignore_index = int(ignore_index)
+    pick = {"ignore_index": ignore_index}
+    if _check_sliced_target(input, target, ignore_index):
+        pick["checked"] = True
+    picked = apply_op("pick_class", input, target, **pick)
+    if weight is None:
+        row_weight = apply_op("ne", target, ignore_index).to(input.dtype)
+    else:
+        row_weight = apply_op("pick_class", weight.expand(*input.shape), target,
+                              **{**pick, "checked": True})
+    loss = -picked * row_weight
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / row_weight.sum()
 
 
 # -- transformer ops ------------------------------------------------------------------------------

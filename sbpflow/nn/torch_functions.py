@@ -25,17 +25,12 @@ __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 _HANDLERS: dict = {}
 
 # The GlobalTensor methods a torch function of the same name may NOT fall back to: their
-# torch meaning differs (``max(dim)`` gives values and indices; sbpflow's max is amax).
-_NO_FALLBACK = frozenset({"max", "min"})
+# torch meaning differs (none today: max / min have torch's meaning and their own handlers).
+_NO_FALLBACK: frozenset = frozenset()
 
 # What to say for functions with no sbpflow op, by name (the rest get the general advice).
 _ADVICE = {
-    "max": "Use x.amax(dim) for the values (the indices torch.max(x, dim) also gives are not "
-           "supported)",
-    "min": "Use x.amin(dim) for the values (the indices are not supported)",
     "numpy": "Use x.full_tensor().numpy() (the whole value, on every rank)",
-    "__setitem__": "Use torch.where(mask, value, x) or x.masked_fill(mask, value), which make "
-                   "a new tensor",
 }
 _GENERAL = ("sbpflow has no op for it: compute it on the whole value (x.full_tensor(), then "
             "torch, on every rank) or on this rank's shard (x.local) when the axes it works on "

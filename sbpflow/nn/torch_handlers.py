@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as TF
 
 from ..sbp import B, Partial
-from ..tensor import GlobalTensor, UnsupportedTorchFunction, apply_op, cat, full
+from ..tensor import GlobalTensor, UnsupportedTorchFunction, apply_op, cat, full, is_view
 from ..tensor import rand as _rand, randn as _randn, tensor as _tensor
 from . import functional as F
 from . import functional_conv as FC
@@ -142,7 +142,22 @@ def _norm_functions() -> dict:
                 FN.rms_norm(input, normalized_shape, weight, eps)}
 
 
+def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+              reduction="mean"):
+    _legacy_reduction("nll_loss", size_average, reduce)
+    return F.nll_loss(input, target, weight, ignore_index, reduction)
+
+
 _FUNCTIONAL = {
+    TF.leaky_relu: lambda input, negative_slope=0.01, inplace=False: _activation(
+        lambda x: F.leaky_relu(x, negative_slope))(input, inplace),
+    TF.elu: lambda input, alpha=1.0, inplace=False: _activation(
+        lambda x: F.elu(x, alpha))(input, inplace),
+    TF.softplus: lambda input, beta=1.0, threshold=20.0: F.softplus(input, beta, threshold),
+    TF.normalize: lambda input, p=2.0, dim=1, eps=1e-12, out=None: F.normalize(input, p, dim,
+                                                                               eps),
+    TF.one_hot: lambda tensor, num_classes=-1: F.one_hot(tensor, num_classes),
+    TF.nll_loss: _nll_loss,
     TF.linear: _linear, TF.layer_norm: _layer_norm, TF.embedding: _embedding,
     TF.relu: _activation(F.relu), TF.silu: _activation(F.silu),
     TF.gelu: lambda input, approximate="none": F.gelu(input, approximate),
@@ -220,7 +235,7 @@ def _new_value(value):
 def _copy_(self, src, non_blocking=False):
     if tuple(src.shape) != tuple(self.shape):
         src = src.expand(*self.shape)
-    return self._assign_(src)
+    return self._assign_(src, fresh=False)  # src stays src's: copied if self takes a shard
 
 
 def _count(mask: GlobalTensor, dim, keepdim: bool) -> GlobalTensor:
@@ -253,9 +268,9 @@ _METHODS = {
     "fill_": lambda self, value: self._assign_(_full_like(self, value)),
     "copy_": _copy_,
     "normal_": lambda self, mean=0.0, std=1.0, *, generator=None:
-        init.normal_(self, mean, std, generator=generator),
+        _filled(init.normal_)(self, mean, std, generator=generator),
     "uniform_": lambda self, a=0.0, b=1.0, *, generator=None:
-        init.uniform_(self, a, b, generator=generator),
+        _filled(init.uniform_)(self, a, b, generator=generator),
     "type_as": lambda self, other: self.to(other.dtype),
     "view_as": lambda self, other: self.reshape(tuple(other.shape)),
     "reshape_as": lambda self, other: self.reshape(tuple(other.shape)),
@@ -295,43 +310,157 @@ _PROPERTIES = {
 }
 
 
+# -- values and indices along an axis (sbpflow/ops/select.py), variance ---------------------------
+def _no_out(name: str, out) -> None:
+    if out is not None:
+        raise _refuse_arg(f"torch.{name}", "out", "<tensor>", "use the returned tensors")
+
+
+def _structured(kind: str, *values) -> tuple:
+    """torch's named tuple ``torch.return_types.<kind>`` holding global tensors."""
+    return getattr(torch.return_types, kind)(values)
+
+
+def _max_min(which: str):
+    """``max`` / ``min`` in every form torch has: of the whole tensor (a value), along a dim
+    (values and indices), or against another tensor (elementwise)."""
+    whole, elementwise = ("amax", "maximum") if which == "max" else ("amin", "minimum")
+
+    def run(input, dim=None, keepdim=False, *, other=None, out=None):
+        _no_out(which, out)
+        if isinstance(dim, GlobalTensor):
+            dim, other = None, dim
+        if other is not None:
+            return apply_op(elementwise, input, other)
+        if dim is None:
+            return apply_op(whole, input)
+        return _structured(which, *apply_op(f"{which}_dim", input, dim=int(dim),
+                                             keepdim=bool(keepdim)))
+    return run
+
+
+def _pick(kind: str, op: str, dim_default=-1):
+    """``kthvalue`` / ``median`` / ``mode`` along a dim: torch's (values, indices)."""
+    def run(input, dim=dim_default, keepdim=False, *, out=None):
+        _no_out(kind, out)
+        if dim is None:  # torch.median(x): the lower median of every entry, a value
+            return apply_op(op, input.reshape(-1), dim=0, keepdim=False)[0]
+        return _structured(kind, *apply_op(op, input, dim=int(dim), keepdim=bool(keepdim)))
+    return run
+
+
+def _kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
+    _no_out("kthvalue", out)
+    return _structured("kthvalue", *apply_op("kthvalue", input, k=int(k), dim=int(dim),
+                                               keepdim=bool(keepdim)))
+
+
+def _sort(input, dim=-1, descending=False, stable=False, *, out=None):
+    _no_out("sort", out)
+    if isinstance(dim, bool):  # sort(stable=..., dim, descending) spelled positionally
+        raise _refuse_arg("Tensor.sort", "dim", dim, "give dim as an int")
+    return _structured("sort", *apply_op("sort", input, dim=int(dim), descending=bool(descending),
+                                           stable=bool(stable)))
+
+
+def _topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    _no_out("topk", out)
+    return _structured("topk", *apply_op("topk", input, k=int(k), dim=int(dim),
+                                           largest=bool(largest), sorted=bool(sorted)))
+
+
+def _arg(op: str):
+    def run(input, dim=None, keepdim=False, *, out=None):
+        _no_out(op, out)
+        return apply_op(op, input, dim=None if dim is None else int(dim), keepdim=bool(keepdim))
+    return run
+
+
+def _aminmax(input, *, dim=None, keepdim=False, out=None):
+    _no_out("aminmax", out)
+    if dim is None and not keepdim:
+        return _structured("aminmax", input.amin(), input.amax())
+    return _structured("aminmax", input.amin(dim, keepdim), input.amax(dim, keepdim))
+
+
+def _variance(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    """torch.var in its three spellings: ``var(x, unbiased)``, ``var(x, dim, unbiased,
+    keepdim)``, ``var(x, dim, correction=, keepdim=)``: two passes (mean, then the mean
+    squared deviation), so a split reduced axis gives partial sums, as ``mean`` does."""
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    dims = range(input.ndim) if dim is None or dim == () else \
+        [d % max(input.ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)]
+    count = 1
+    for d in set(dims):
+        count *= input.shape[d] if input.ndim else 1
+    dev = input - input.mean(dim=dim, keepdim=True)
+    return (dev * dev).sum(dim=dim, keepdim=keepdim) / max(count - correction, 0)
+
+
+def _std(*args, **kwargs):
+    return _variance(*args, **kwargs).sqrt()
+
+
+def _with_mean(spread):
+    """``var_mean`` / ``std_mean``: (spread, mean), a plain tuple as torch's."""
+    def run(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+        mean_dim = None if isinstance(dim, bool) else dim
+        return (spread(input, dim, unbiased, keepdim, correction=correction),
+                input.mean(dim=mean_dim, keepdim=keepdim))
+    return run
+
+
+_SELECT_METHODS = {
+    "max": _max_min("max"), "min": _max_min("min"), "sort": _sort, "topk": _topk,
+    "kthvalue": _kthvalue, "median": _pick("median", "median_dim", None),
+    "mode": _pick("mode", "mode"), "argmax": _arg("argmax"), "argmin": _arg("argmin"),
+    "aminmax": _aminmax, "var": _variance, "std": _std,
+}
+_SELECT_TORCH = {torch.var_mean: _with_mean(_variance), torch.std_mean: _with_mean(_std)}
+
+
 # -- torch.nn.init (those that check for __torch_function__; the others call Tensor methods) ------
+def _filled(fill):
+    """``fill(tensor, ...)`` of `sbpflow.nn.init`, which writes the tensor's own shard; a view
+    is filled through a new tensor it then takes (an in-place op), so the values reach the
+    tensor it views, as torch's fills do."""
+    def run(tensor, *args, **kwargs):
+        if not is_view(tensor):
+            return fill(tensor, *args, **kwargs)
+        return tensor._assign_(fill(_full_like(tensor, 0), *args, **kwargs))
+    return run
+
+
 _INIT = {
     torch.nn.init.uniform_: lambda tensor, a=0.0, b=1.0, generator=None:
-        init.uniform_(tensor, a, b, generator=generator),
+        _filled(init.uniform_)(tensor, a, b, generator=generator),
     torch.nn.init.normal_: lambda tensor, mean=0.0, std=1.0, generator=None:
-        init.normal_(tensor, mean, std, generator=generator),
-    torch.nn.init.constant_: lambda tensor, val: init.constant_(tensor, val),
+        _filled(init.normal_)(tensor, mean, std, generator=generator),
+    torch.nn.init.constant_: lambda tensor, val: _filled(init.constant_)(tensor, val),
     torch.nn.init.kaiming_uniform_: lambda tensor, a=0, mode="fan_in",
-        nonlinearity="leaky_relu", generator=None: init.kaiming_uniform_(
+        nonlinearity="leaky_relu", generator=None: _filled(init.kaiming_uniform_)(
             tensor, a, mode, nonlinearity, generator=generator),
 }
 
 
 def install() -> None:
     """Register every entry of the tables (done on import of ``sbpflow.nn``)."""
-    for table in (_FUNCTIONAL, _norm_functions(), _TORCH, _INIT):
+    for table in (_FUNCTIONAL, _norm_functions(), _TORCH, _INIT, _SELECT_TORCH):
         for func, handler in table.items():
             register(func, handler)
     for name, handler in _METHODS.items():
         register(getattr(torch.Tensor, name), handler)
     for name, handler in _PROPERTIES.items():
         register(getattr(torch.Tensor, name), handler)
-    for name in ("max", "min", "numpy", "__setitem__"):
+    for name, handler in _SELECT_METHODS.items():
+        register(getattr(torch.Tensor, name), handler)
+        if hasattr(torch, name):
+            register(getattr(torch, name), handler)
+    for name in ("numpy",):
         register(getattr(torch.Tensor, name), unsupported(getattr(torch.Tensor, name)))
-    for func, values in ((torch.max, "amax"), (torch.min, "amin")):
-        register(func, _values_only(func, values))
-
-
-def _values_only(func, values: str):
-    """``torch.max(x)``: the value (``amax``); with a dim (values and indices): refused."""
-    refuse = unsupported(func)
-
-    def run(input, *args, **kwargs):
-        if args or kwargs:
-            return refuse(input, *args, **kwargs)
-        return getattr(input, values)()
-    return run
 
 
 install()

@@ -84,6 +84,10 @@ UNARY = {
     "reciprocal": (torch.reciprocal, _nonlinear), "logical_not": (torch.logical_not, _nonlinear),
     "isnan": (torch.isnan, _nonlinear), "erfinv": (torch.erfinv, _nonlinear),
     "clamp": (torch.clamp, _nonlinear),  # attributes min / max: constants
+    "round": (torch.round, _nonlinear),  # attribute decimals
+    "floor": (torch.floor, _nonlinear), "ceil": (torch.ceil, _nonlinear),
+    "trunc": (torch.trunc, _nonlinear), "sign": (torch.sign, _nonlinear),
+    "log1p": (torch.log1p, _nonlinear), "expm1": (torch.expm1, _nonlinear),
     "clone": (torch.clone, _linear_unary), "contiguous": (lambda x: x.contiguous(), _linear_unary),
 }
 

@@ -1,6 +1,7 @@
 """Shape ops: reshape, transpose, permute, flatten, unsqueeze, squeeze, narrow, expand, getitem
-(basic indexing), index_select, cat, split, chunk. None of them computes anything: they move
-elements, so a split axis can often be followed through, and partial sums pass through unchanged.
+(basic indexing), setitem (``x[index] = value`` as a new tensor), index_select, cat, split,
+chunk. None of them computes anything: they move elements, so a split axis can often be
+followed through, and partial sums pass through unchanged.
 
 ``getitem`` takes basic indices; one list of ints (``x[:, [-1]]``) is basic indexing then
 ``index_select`` (`list_index`); other advanced indices raise `AdvancedIndexError`. An index
@@ -449,6 +450,38 @@ def _getitem_signatures(x: TensorMeta, index) -> list[Signature]:
         + _passthrough()
 
 
+# -- setitem (basic indexing, written) --------------------------------------------------------------
+def _setitem(x, value, index):
+    """``x`` with ``x[index] = value`` (a new tensor: the caller's in-place op takes it)."""
+    idx = decode_index(index)
+    out = x.clone()
+    if x.is_meta:  # an int outside its axis: as `_getitem`, the signatures raise instead
+        try:
+            out[idx] = value
+        except IndexError:
+            out[tuple(0 if type(it) is int else it for it in idx)] = value
+        return out
+    out[idx] = value
+    return out
+
+
+def _setitem_signatures(x: TensorMeta, value: TensorMeta, index) -> list[Signature]:
+    """An axis of ``x`` the index takes whole may stay split: ``value`` is then split on the
+    matching axis of the region (``B`` where it broadcasts along it). Partial sums pass (the
+    region of a sum of parts is the sum of their regions)."""
+    plan = _index_plan(index, x.shape)
+    region = tuple(_getitem(_meta(x.shape), index).shape)
+    k = len(region) - value.ndim
+    sigs = []
+    for a, b in plan.items():
+        if x.shape[a] <= 1:
+            continue
+        vb = b - k
+        held = vb >= 0 and value.shape[vb] == region[b]
+        sigs.append(Signature([f"S({a})", f"S({vb})" if held else "B"], [f"S({a})"]))
+    return sigs + _passthrough(2, 1)
+
+
 # -- list indices: basic indexing, then index_select ---------------------------------------------
 def _is_pick_list(it) -> bool:
     """A list / tuple of ints or a 1-D integer torch tensor (torch's advanced index)."""
@@ -553,6 +586,8 @@ register("expand", _expand, _expand_signatures, context=True,
 register("narrow", _narrow, _narrow_signatures, doc="a range of one axis (not split)")
 register("getitem", _getitem, _getitem_signatures,
          doc="basic indexing; indexed axes are not split, axes taken whole keep their split")
+register("setitem", _setitem, _setitem_signatures,
+         doc="x with x[index] = value (basic index); axes taken whole keep their split")
 register("index_select", _index_select, _index_select_signatures,
          doc="the entries index (a tuple of non-negative ints) of axis dim (not split)")
 register("cat", _cat, _cat_signatures, doc="concatenate along dim (not split)")

@@ -158,11 +158,11 @@ def test_torch_init_on_global_parameters_is_layout_independent():
 
 
 REFUSED = {
-    "topk": lambda x: torch.topk(x, 2),
-    "argmax": lambda x: x.argmax(),
-    "max_dim": lambda x: torch.max(x, 1),
+    "cummax": lambda x: torch.cummax(x, 1),
+    "nanmedian": lambda x: x.nanmedian(),
     "global_bool_index": lambda x: x[x > 0],
-    "setitem": lambda x: x.__setitem__(0, 1.0),
+    "setitem_list": lambda x: x.__setitem__(([0, 1], [1, 2]), 1.0),
+    "setitem_rows": lambda x: x.__setitem__(x[:, :, 0] > 0, x[:2, 0]),
     "numpy": lambda x: x.numpy(),
     "to_cuda": lambda x: x.to("cuda"),
     "cuda": lambda x: x.cuda(),
@@ -192,10 +192,11 @@ def test_unsupported_functions_raise_an_sbp_error_naming_them():
         kind, text = got
         assert issubclass(kind, sf.SbpError), (name, kind, text)
     assert issubclass(sf.UnsupportedTorchFunction, sf.SbpError)
-    assert "torch.topk" in out["topk"][1] and "shape (4, 6, 8)" in out["topk"][1]
-    assert "Tensor.argmax" in out["argmax"][1] and "amax" in out["max_dim"][1]
+    assert "torch.cummax" in out["cummax"][1] and "shape (4, 6, 8)" in out["cummax"][1]
+    assert "Tensor.nanmedian" in out["nanmedian"][1]
     assert "to_global" in out["to_cuda"][1] and "max_norm" in out["embedding_max_norm"][1]
-    assert "masked_fill" in out["setitem"][1] and "full_tensor" in out["numpy"][1]
+    assert "torch.where" in out["setitem_list"][1] and "full_tensor" in out["numpy"][1]
+    assert "one row per selected entry" in out["setitem_rows"][1]
 
 
 def test_unknown_attributes_stay_attribute_errors():
