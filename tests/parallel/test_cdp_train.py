@@ -22,6 +22,13 @@ CASES = [(mode, rule, n) for mode, ns in N_BY_MODE.items() for n in ns
 CASES.append(("mp", "v2", 5))
 
 
+@pytest.fixture(autouse=True)
+def _bounded_waits(monkeypatch):
+    # a run of these small stages takes well under a second: a wait of 60 s is a hang, reported
+    # as the runtime's ActorTimeout naming the actor instead of stalling the suite for 300 s
+    monkeypatch.setenv("SBPFLOW_TIMEOUT", "60")
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(n: int, rule: str) -> tuple[dict, list]:
     return sf.launch(lambda: reference(n, rule), world_size=1)[0]
