@@ -665,7 +665,8 @@ def _random(pb: Problem, rng, budget_s, t0, trace, samples=None):
 def _dp_once(pb: Problem, price: float):
     """Exact minimum of time + price * memory over an in-tree (children before parents).
 
-    Bounded: a greedy pass gives an achievable value ``U``; a product entry whose prefix value
+    Bounded: a greedy pass or data parallelism gives an achievable value ``U``; a product
+    entry whose prefix value
     plus a lower bound of everything else (the least local term of every layer outside the
     producer's subtree, edges >= 0) reaches ``U`` is never priced. Every entry on an optimal
     path stays below ``U``, so the optimum is exact (`Problem.min_plus`)."""
@@ -674,22 +675,23 @@ def _dp_once(pb: Problem, price: float):
     loc = [pb.node_t[v] + price * pb.node_m[v] for v in range(n)]
     cap = None
     if pb.nonnegative:
-        greedy = _greedy_state(pb, loc)
-        value = sum(float(loc[v][k]) for v, k in enumerate(greedy)) + \
-            sum(pb.edge(u, greedy[u], v, greedy[v]) for u, v in g.edges)
+        value = min(sum(float(loc[v][k]) for v, k in enumerate(x)) +
+                    sum(pb.edge(u, x[u], v, x[v]) for u, v in g.edges)
+                    for x in (_greedy_state(pb, loc), pb.dp_state()))
         cap = value * (1 + 1e-9) + 1e-300   # rounding of the bound's sums: keep ties inside
         low = [float(x.min()) for x in loc]
         sub = list(low)                      # least local terms over each layer's subtree
         for v in range(n):
             for u in g.preds[v]:
                 sub[v] += sub[u]
-        total = sum(low)
+        tail, others = _tree_tail_bounds(pb, loc, sub)
     f = [None] * n
     choice = [dict() for _ in range(n)]   # choice[v][u] = argmin over u for each candidate of v
     for v in range(n):
         acc = loc[v]
         for u in g.preds[v]:
-            rest = None if cap is None else loc[v] + (total - sub[u] - low[v])
+            rest = None if cap is None else \
+                tail[v] + (others[v] + sum(sub[x] for x in g.preds[v] if x != u))
             best, arg = pb.min_plus(u, v, f[u], cap, rest)
             acc = acc + best
             choice[v][u] = arg
@@ -701,6 +703,36 @@ def _dp_once(pb: Problem, price: float):
         for u, arg in choice[v].items():
             state[u] = int(arg[state[v]])
     return state
+
+
+def _tree_tail_bounds(pb: Problem, loc: list, sub: list) -> tuple[list, list]:
+    """For the dynamic programme over an in-tree: per layer v and candidate, a lower bound of
+    v's local term plus everything on the way to its root (the edges' lower bounds, the
+    layers' local terms, the least local terms of the other subtrees joining on the way),
+    by a backward min-plus pass over the dense bounds; and per layer the least local terms
+    of the layers in other trees (a forest)."""
+    g = pb.graph
+    n = len(loc)
+    tail: list = [None] * n
+    root = list(range(n))
+    for v in reversed(range(n)):
+        if not g.succs[v]:
+            tail[v] = loc[v]
+            continue
+        w = g.succs[v][0]
+        root[v] = root[w]
+        t = pb.tables[(v, w)]
+        siblings = sum(sub[x] for x in g.preds[w] if x != v)
+        per_col = np.full(t.M.shape[1], np.inf)
+        np.minimum.at(per_col, t.col_of, tail[w])
+        per_row = (t.lower + per_col[None, :]).min(axis=1)
+        tail[v] = loc[v] + (per_row[t.row_of] + siblings)
+    by_root: dict = {}
+    for v in range(n):
+        if not g.succs[v]:
+            by_root[v] = sub[v]
+    total = sum(by_root.values())
+    return tail, [total - by_root[root[v]] for v in range(n)]
 
 
 def _greedy_state(pb: Problem, loc: list) -> list:
