@@ -388,6 +388,19 @@ class GlobalTensor:
             _tracing.recorder.detach(self, out)
         return _viewed(out, self, "detach", None)
 
+    @property
+    def data(self) -> "GlobalTensor":
+        """``x.data``: `detach` (a view: in-place ops on it change ``x``'s values)."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value) -> None:
+        raise UnsupportedTorchFunction(
+            f"x.data = value on the tensor of {_describe(self)}: torch makes x share value's "
+            f"storage; sbpflow does not rebind a shard. Write the values with "
+            f"`with torch.no_grad(): x.copy_(value)` (same shape), or rebind the name (a "
+            f"module's parameter: assign an sf.nn.Parameter)")
+
     def backward(self, gradient: "GlobalTensor | None" = None, retain_graph: bool = False) -> None:
         """Backpropagate from this tensor; every rank of the world must call it.
 
@@ -504,11 +517,7 @@ class GlobalTensor:
 
     def transpose(self, dim0: int, dim1: int) -> "GlobalTensor":
         out = apply_op("transpose", self, dim0, dim1)
-        dims = list(range(self.ndim))
-        if dims:
-            a, b = dim0 % self.ndim, dim1 % self.ndim
-            dims[a], dims[b] = dims[b], dims[a]
-        return _viewed(out, self, "permute", tuple(dims))
+        return _viewed(out, self, "permute", _swapped(len(self._shape), dim0, dim1))
 
     def permute(self, *dims) -> "GlobalTensor":
         dims = _shape_args(dims)
@@ -683,13 +692,18 @@ class _View(NamedTuple):
     encoded basic index; also narrow, split, chunk), "expand" (the shape) or "detach"; and
     ``parent``'s shard object and its version when the view last matched it. When either
     differs (an in-place op on ``parent`` replaced or wrote its shard) the view is remade
-    from ``parent`` before its next use (`_fresh`), as a torch view reads its base's value."""
+    from ``parent`` before its next use (`_fresh`), as a torch view reads its base's value.
+    ``key``: the view's layout id (`_layout_key`), or None."""
 
     parent: GlobalTensor
     kind: str
     arg: object
     local: torch.Tensor
     version: int
+    key: int | None
+
+
+_new_view = tuple.__new__
 
 
 def is_view(t: GlobalTensor) -> bool:
@@ -700,7 +714,13 @@ def is_view(t: GlobalTensor) -> bool:
 def _viewed(out: GlobalTensor, parent: GlobalTensor, kind: str, arg) -> GlobalTensor:
     """Mark ``out`` a view of ``parent`` (`_View`)."""
     local = parent._local
-    out._view = _View(parent, kind, arg, local, _version(local))
+    try:
+        version = local._version
+    except RuntimeError:  # an inference tensor (see `_version`)
+        version = -1
+    # _View(...), faster; the layout id moves into it (`_layout_key`)
+    out._view = _new_view(_View, (parent, kind, arg, local, version, out._key))
+    out._key = None
     return out
 
 
@@ -712,10 +732,9 @@ def _version(local: torch.Tensor) -> int:
 
 
 def _stale(t: GlobalTensor) -> bool:
-    v = t._view
-    parent = v.parent
+    parent, _, _, held, version, _ = t._view
     local = parent._local
-    return local is not v.local or _version(local) != v.version or \
+    return local is not held or _version(local) != version or \
         (parent._view is not None and _stale(parent))
 
 
@@ -740,8 +759,8 @@ def _fresh(t: GlobalTensor) -> None:
 
 def _take(t: GlobalTensor, new: GlobalTensor) -> None:
     """``t`` holds ``new``'s shard, in ``new``'s layout (no copy)."""
-    t._local, t._placement, t._sbp, t._key = new._local, new._placement, new._sbp, new._key
-    t._boxes = None
+    t._local, t._placement, t._sbp, t._boxes = new._local, new._placement, new._sbp, None
+    t._key = None if t._view is not None else new._key
 
 
 def _write_back(t: GlobalTensor, result: GlobalTensor) -> None:
@@ -763,7 +782,7 @@ def _write_back(t: GlobalTensor, result: GlobalTensor) -> None:
     parent._assign_(_UNDO[v.kind](parent, v.arg, result, t))
     _take(t, result)
     local = parent._local
-    t._view = v._replace(local=local, version=_version(local))
+    t._view = v._replace(local=local, version=_version(local), key=result._key)
 
 
 def _unpermute(parent: GlobalTensor, dims: tuple, r: GlobalTensor, t) -> GlobalTensor:
@@ -838,6 +857,16 @@ def _reshaped(t: GlobalTensor, out: GlobalTensor) -> GlobalTensor:
 
 
 _WHOLE = Slice(None, None, None)
+
+
+@memoize(1024)
+def _swapped(ndim: int, dim0: int, dim1: int) -> tuple:
+    """The permutation of ``ndim`` axes that ``transpose(dim0, dim1)`` is."""
+    dims = list(range(ndim))
+    if dims:
+        a, b = dim0 % ndim, dim1 % ndim
+        dims[a], dims[b] = dims[b], dims[a]
+    return tuple(dims)
 
 
 def _axis_slice(d: int, start: int, stop: int) -> tuple:
@@ -1314,11 +1343,9 @@ def _dispatch_key(name: str, args: tuple, sbp, attrs: dict) -> tuple:
     pl = None
     for a in args:
         if isinstance(a, GlobalTensor):
-            if a._view is not None:
-                _fresh(a)
+            k = a._key or _layout_key(a)  # (a view keeps no key: made fresh there first)
             local = a._local
             tensors.append(a)
-            k = a._key or _layout_key(a)
             if local.requires_grad:
                 grad = True
                 if local.is_leaf:
@@ -1415,6 +1442,12 @@ _LAYOUT_IDS = itertools.count(1)
 
 
 def _layout_key(t: GlobalTensor) -> int:
+    """``t``'s layout id, kept in ``t._key``. A view keeps none, so that the dispatch, which
+    reads ``_key`` first, comes here on every use of one and remakes it if its base changed
+    (`_fresh`): the check costs the tensors that are not views nothing."""
+    if t._view is not None:
+        _fresh(t)
+        return t._view.key or _intern_layout(t._shape, t._local.dtype, t._sbp)
     t._key = key = _intern_layout(t._shape, t._local.dtype, t._sbp)
     return key
 

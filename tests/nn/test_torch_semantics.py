@@ -264,7 +264,8 @@ def test_in_place_on_views_of_parameters_and_refusals():
         errors = []
         for fn in (lambda: p[0].add_(1.0),                       # torch: a view of a leaf
                    lambda: p.detach().expand(2, 6, 8).add_(1.0),  # overlapping elements
-                   lambda: p.detach().__setitem__([0, 2], 1.0)):  # an advanced index
+                   lambda: p.detach().__setitem__([0, 2], 1.0),   # an advanced index
+                   lambda: setattr(p, "data", p.detach() * 2)):   # rebinding a shard
             try:
                 fn()
                 errors.append(None)
@@ -281,6 +282,7 @@ def test_in_place_on_views_of_parameters_and_refusals():
     assert errors[0] is RuntimeError        # torch's own error
     assert issubclass(errors[1], sf.UnsupportedTorchFunction)
     assert issubclass(errors[2], sf.UnsupportedTorchFunction)
+    assert issubclass(errors[3], sf.UnsupportedTorchFunction)
 
 
 # -- 4. user programs: a torchvision-style ResNet-18, a functional MLP ---------------------------
