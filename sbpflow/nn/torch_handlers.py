@@ -363,6 +363,10 @@ def _sort(input, dim=-1, descending=False, stable=False, *, out=None):
                                            stable=bool(stable)))
 
 
+def _argsort(input, dim=-1, descending=False, stable=False):
+    return _sort(input, dim, descending, stable).indices
+
+
 def _topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
     _no_out("topk", out)
     return _structured("topk", *apply_op("topk", input, k=int(k), dim=int(dim),
@@ -415,7 +419,7 @@ def _with_mean(spread):
 
 _SELECT_METHODS = {
     "max": _max_min("max"), "min": _max_min("min"), "sort": _sort, "topk": _topk,
-    "kthvalue": _kthvalue, "median": _pick("median", "median_dim", None),
+    "argsort": _argsort, "kthvalue": _kthvalue, "median": _pick("median", "median_dim", None),
     "mode": _pick("mode", "mode"), "argmax": _arg("argmax"), "argmin": _arg("argmin"),
     "aminmax": _aminmax, "var": _variance, "std": _std,
 }

@@ -113,6 +113,7 @@ SELECTIONS = {
     "torch_min_dim": lambda x: torch.min(x, dim=1, keepdim=True),
     "sort": lambda x: x.sort(1),
     "sort_descending": lambda x: torch.sort(x, dim=-1, descending=True, stable=True),
+    "argsort": lambda x: (x.argsort(1), torch.argsort(x, dim=0, descending=True)),
     "topk": lambda x: x.topk(3),
     "topk_smallest": lambda x: torch.topk(x, 2, dim=0, largest=False),
     "kthvalue": lambda x: x.kthvalue(2, 1),
