@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 import _weakrefset
+import numbers
 import operator
 import sys
 import threading
@@ -185,6 +186,9 @@ def _binary(name: str, reflected: bool = False):
 _WEAK_FILES = frozenset({weakref.__file__, _weakrefset.__file__})
 
 
+_NUMBERS = (int, float, bool, complex)
+
+
 def _compare(name: str):
     """``==`` / ``!=`` as torch's: elementwise against a tensor or a number; anything else
     (None, a string, a module) is not comparable, so Python falls back to identity. A key
@@ -192,8 +196,12 @@ def _compare(name: str):
     def method(self, other):
         if other is self and sys._getframe(1).f_code.co_filename in _WEAK_FILES:
             return name == "eq"
-        if isinstance(other, (GlobalTensor, torch.Tensor, int, float, bool, complex)):
+        if isinstance(other, (GlobalTensor, torch.Tensor)) or type(other) in _NUMBERS:
             return apply_op(name, self, other)
+        if isinstance(other, numbers.Number):  # numpy's scalars: as Python's numbers
+            return apply_op(name, self, other.item() if hasattr(other, "item") else
+                            complex(other) if isinstance(other, numbers.Complex) and
+                            not isinstance(other, numbers.Real) else float(other))
         return NotImplemented
     method.__name__ = method.__qualname__ = f"__{name}__"
     return method
@@ -671,7 +679,7 @@ class GlobalTensor:
 
     def __contains__(self, element) -> bool:
         """``element in x``: whether some entry equals it (a collective, as `item`), as torch."""
-        if not isinstance(element, (GlobalTensor, torch.Tensor, int, float, bool, complex)):
+        if not isinstance(element, (GlobalTensor, torch.Tensor, numbers.Number)):
             raise UnsupportedTorchFunction(
                 f"'in' on a global tensor takes a tensor or a number, got "
                 f"{type(element).__name__} (tensor of {_describe(self)})")
