@@ -17,6 +17,10 @@ __all__ = ["Layer", "Graph"]
 
 @dataclass(eq=False)
 class Layer:
+    """One layer. ``tied`` names the layer whose weight this one uses (the first user of a
+    shared parameter holds it); a tied layer's ``weight_shape`` is None, so its parameters,
+    memory and gradient sync are the holder's alone (docs/auto.md, 'Tied weights')."""
+
     name: str
     kind: str
     input_shape: tuple
@@ -25,6 +29,7 @@ class Layer:
     flops: float = 0.0
     accepts_partial: bool = False
     attrs: dict = field(default_factory=dict)
+    tied: str | None = None
 
     @property
     def params(self) -> int:
@@ -35,10 +40,11 @@ class Layer:
         """Layers with equal keys have the same strategy space and per-layer costs."""
         return (self.kind, tuple(self.input_shape), self.weight_shape and tuple(self.weight_shape),
                 tuple(self.output_shape), float(self.flops), self.accepts_partial,
-                tuple(sorted(self.attrs.items())))
+                tuple(sorted(self.attrs.items()))) + (("tied",) if self.tied else ())
 
     def __repr__(self) -> str:
-        w = f" w{tuple(self.weight_shape)}" if self.weight_shape else ""
+        w = f" w{tuple(self.weight_shape)}" if self.weight_shape else \
+            f" w of {self.tied}" if self.tied else ""
         return f"Layer({self.name}: {self.kind} {tuple(self.input_shape)}{w} -> {tuple(self.output_shape)})"
 
 
@@ -69,6 +75,27 @@ class Graph:
                                  "against the layer order")
             self.preds[b].append(a)
             self.succs[a].append(b)
+        for l in self.layers:
+            self._check_tie(l)
+
+    def _check_tie(self, layer: Layer) -> None:
+        """A tied layer has no weight itself; its holder, when in the graph (a stage's part of
+        a chain may leave it out), is an earlier layer with a weight."""
+        if layer.tied is None:
+            return
+        holder = self.index.get(layer.tied)
+        if holder is not None and (holder >= self.index[layer.name] or
+                                   self.layers[holder].weight_shape is None):
+            raise ValueError(f"layer {layer.name} is tied to {layer.tied!r}, which is not an "
+                             f"earlier layer with a weight in {self.name}")
+        if layer.weight_shape is not None:
+            raise ValueError(f"layer {layer.name} is tied to {layer.tied}: its weight_shape "
+                             f"must be None (the weight is counted at {layer.tied})")
+
+    @property
+    def ties(self) -> dict:
+        """``{tied layer: the layer holding its weight}``."""
+        return {l.name: l.tied for l in self.layers if l.tied is not None}
 
     @property
     def is_chain(self) -> bool:
@@ -90,6 +117,7 @@ class Graph:
 
     @property
     def params(self) -> int:
+        """Weight elements, a tied weight once."""
         return sum(l.params for l in self.layers)
 
     def __repr__(self) -> str:
@@ -99,7 +127,7 @@ class Graph:
     def summary(self) -> str:
         rows = [f"{'layer':<14}{'kind':<12}{'input':<22}{'weight':<20}{'output':<22}{'GFLOP':>10}"]
         for l in self.layers:
-            rows.append(f"{l.name:<14}{l.kind:<12}{str(tuple(l.input_shape)):<22}"
-                        f"{str(tuple(l.weight_shape)) if l.weight_shape else '-':<20}"
+            w = str(tuple(l.weight_shape)) if l.weight_shape else f"={l.tied}" if l.tied else "-"
+            rows.append(f"{l.name:<14}{l.kind:<12}{str(tuple(l.input_shape)):<22}{w:<20}"
                         f"{str(tuple(l.output_shape)):<22}{l.flops / 1e9:>10.2f}")
         return "\n".join(rows)

@@ -5,14 +5,17 @@ run with it, each layer on its own mesh.
     x = plan.input(torch_batch)          # replicated onto plan.placement (any layout works)
     loss = model(x, ...); loss.backward(); opt.step()   # build the optimizer after parallelize
 
-It traces the model (`trace`), searches or takes a strategy, lays each layer's parameters out on
-its mesh's placement (`sf.parallel.relayout`) and wraps each traced module's forward so that
-activations live between layers on one *stream placement*, the common refinement of the layer
-meshes. See docs/auto.md, 'Laying out a model' (the steps, the stream, what is not applied).
+It traces the model (`trace`), searches or takes a strategy, puts a tied weight's users on one
+layout, lays each layer's parameters out on its mesh's placement (`sf.parallel.relayout`), cuts
+a pipelined strategy into stages (`sf.parallel.pipeline`) and wraps each traced module's forward
+so that activations live between layers on one *stream placement* a stage, the common
+refinement of its layer meshes. See docs/auto.md, 'Laying out a model' and 'Tied weights and
+pipelined strategies'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -21,12 +24,14 @@ from dataclasses import dataclass, field
 
 from ..errors import ParallelizeError
 from ..nn.torch_modules import from_torch, is_torch_module
+from ..parallel.pipeline import pipeline as _pipeline
 from ..parallel.relayout import relayout
 from ..parallel.zero import shard as _zero_shard
+from ..placement import Placement
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes
-from .trace import trace
+from .trace import graph_weight_shape, trace
 
 __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeError",
            "common_refinement"]
@@ -35,8 +40,11 @@ __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeErro
 @dataclass
 class ParallelPlan:
     """What `parallelize` did: the traced graph, the strategy run, the stream placement the
-    activations live on between layers (``placement``; docs/auto.md, 'Laying out a model'),
-    each layer's placement, its predicted breakdown and notes."""
+    activations live on between layers (``placement``: stage 0's for a pipeline, where the
+    inputs go; docs/auto.md, 'Laying out a model'), each layer's placement, its predicted
+    breakdown and notes. A pipelined strategy adds ``stages`` (each stage's stream
+    placement) and ``pipeline`` (the `sf.parallel.pipeline` record); ``micro_batches`` and
+    ``schedule`` are how to run the step (`configure`, `graph_step`)."""
 
     graph: object
     strategy: Strategy
@@ -47,6 +55,10 @@ class ParallelPlan:
     search_seconds: float = 0.0
     placements: dict = field(default_factory=dict)
     model: object = None   # the model to call (a torch model's sbpflow conversion)
+    stages: list = field(default_factory=list)
+    pipeline: object = None
+    micro_batches: int = 1
+    schedule: str = "1f1b"
 
     def input(self, value, sbp=None):
         """A torch tensor (the same on every rank) as a global tensor on ``self.placement``
@@ -58,8 +70,42 @@ class ParallelPlan:
             return _sf_tensor(value, self.placement, sbp)
         return value.to_global(placement=self.placement, sbp=sbp)
 
+    def configure(self, graph):
+        """Set an ``sf.nn.Graph``'s config to run this plan's step: the strategy's
+        micro-batches as gradient accumulation steps, its pipeline schedule. Returns
+        ``graph``."""
+        graph.config.set_gradient_accumulation_steps(self.micro_batches)
+        graph.config.set_pipeline_schedule(self.schedule)
+        return graph
+
+    def graph_step(self, optimizer, loss_fn=None):
+        """An ``sf.nn.Graph`` whose call is one training step of ``self.model``: ``build(*inputs)``
+        runs ``loss_fn(model, *inputs)`` (default ``model(*inputs)``, which must return the
+        loss), ``loss.backward()``, then ``optimizer.step()`` and ``zero_grad()``; configured
+        by `configure` (a pipeline's stages run overlapped on the actor runtime)."""
+        from ..graph import Graph
+
+        plan = self
+
+        class AutoStep(Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = plan.model
+                self.add_optimizer(optimizer)
+                plan.configure(self)
+
+            def build(self, *inputs):
+                loss = self.model(*inputs) if loss_fn is None else loss_fn(self.model, *inputs)
+                loss.backward()
+                return loss
+        return AutoStep()
+
     def __str__(self) -> str:
         head = f"parallelize: stream mesh {tuple(self.placement.shape)} ({self.placement})"
+        if self.stages:
+            head += (f"; {len(self.stages)} pipeline stages on "
+                     f"{', '.join(str(pl) for pl in self.stages)}, {self.micro_batches} "
+                     f"micro-batches {self.schedule}")
         layer_meshes = Counter(tuple(pl.shape) for pl in self.placements.values())
         if layer_meshes:
             head += f"; layer meshes {dict(layer_meshes)}"
@@ -263,6 +309,93 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
     return Strategy(graph, layers)
 
 
+# -- tied weights -----------------------------------------------------------------------------------
+def _module_nd(kind: str, nd) -> tuple:
+    """A layer's weight layout in its module's axes (a Linear's weight is ``(out, in)``)."""
+    return _swap01(nd) if kind == "linear" else tuple(nd)
+
+
+def _near_cost(ev, graph, layers: list, j: int, c) -> float:
+    """Layer ``j``'s node time under ``c`` plus its edges' times, the other layers fixed."""
+    layer = graph.layers[j]
+    t = ev.node_terms(layer, c)["time"]
+    for u in graph.preds[j]:
+        t += ev.edge_terms(graph.layers[u], layers[u], layer, c)["time"]
+    for w in graph.succs[j]:
+        t += ev.edge_terms(layer, c, graph.layers[w], layers[w])["time"]
+    return t
+
+
+def _weight_options(ev, graph, layers: list, j: int, weighted, stage: int) -> dict:
+    """``{(mesh, module weight nd-sbp): (time near layer j, its strategy)}``, the cheapest
+    strategy of layer ``j`` per weight layout; ``weighted`` is the layer with its weight (a
+    tied layer's strategies are priced without it: the holder carries the weight)."""
+    layer = graph.layers[j]
+    out: dict = {}
+    for c in layer_space(weighted, layers[j].devices):
+        s = dataclasses.replace(c, stage=stage)
+        if layer.weight_shape is None:
+            s = dataclasses.replace(s, weight=None, stored=None)
+        key = (c.mesh, _module_nd(layer.kind, c.weight))
+        t = _near_cost(ev, graph, layers, j, s)
+        if key not in out or t < out[key][0]:
+            out[key] = (t, s)
+    return out
+
+
+def _accepts(weighted, s, held: tuple) -> bool:
+    """Whether tied layer strategy ``s`` (same mesh, input and output) runs with the weight
+    laid out as ``held`` = (mesh, module nd-sbp)."""
+    if s.mesh != held[0]:
+        return False
+    if s.weight is not None:
+        return _module_nd(weighted.kind, s.weight) == held[1]
+    return any((c.input, c.output) == (s.input, s.output) and
+               _module_nd(weighted.kind, c.weight) == held[1]
+               for c in layer_space(weighted, s.devices) if c.mesh == s.mesh)
+
+
+def _tie_weights(graph, strategy: Strategy, modules: dict, ev, notes: list) -> Strategy:
+    """Each tied layer and its holder on one weight layout: kept when the tied layer's
+    strategy (same mesh, input and output) accepts the holder's, else both re-chosen as the
+    pair of least time near them over the layouts both accept (docs/auto.md, 'Tied
+    weights'). A tie across pipeline stages raises `ParallelizeError`."""
+    layers = list(strategy.layers)
+    for user, holder in graph.ties.items():
+        i, h = graph.index[user], graph.index[holder]
+        su, sh = layers[i], layers[h]
+        if getattr(su, "stage", 0) != getattr(sh, "stage", 0):
+            raise ParallelizeError(
+                f"parallelize: layers {holder} (stage {sh.stage}) and {user} (stage "
+                f"{su.stage}) share one weight (tied), which lives on one placement: give a "
+                f"strategy with both in one stage, search with stages=1, or untie the weight")
+        weighted = dataclasses.replace(graph.layers[i], tied=None, weight_shape=graph_weight_shape(
+            graph.layers[i].kind, modules[user]))
+        held = (sh.mesh, _module_nd(graph.layers[h].kind, sh.weight))
+        if _accepts(weighted, su, held):
+            continue
+        mine = _weight_options(ev, graph, layers, i, weighted, getattr(su, "stage", 0))
+        theirs = _weight_options(ev, graph, layers, h, graph.layers[h], getattr(sh, "stage", 0))
+        both = [k for k in theirs if k in mine]
+        if not both:
+            raise ParallelizeError(f"parallelize: layers {holder} and {user} share a weight "
+                                   f"but no layout of it suits both")
+        key = min(both, key=lambda k: theirs[k][0] + mine[k][0])
+        layers[h], layers[i] = theirs[key][1], mine[key][1]
+        notes.append(f"{user} uses the weight of {holder} (tied): both laid out with mesh "
+                     f"{key[0]}, weight {format_nd_sbp(key[1])} ({holder} "
+                     f"{layers[h].label or layers[h]}, {user} {layers[i].label or layers[i]})")
+    if layers == strategy.layers:
+        return strategy
+    return _restrategy(graph, layers, strategy)
+
+
+def _restrategy(graph, layers: list, like) -> Strategy:
+    """A `Strategy` of ``graph`` with ``layers`` and the pipeline of strategy ``like``."""
+    pp = getattr(like, "pipeline", None)
+    return Strategy(graph, layers, *([pp] if pp is not None else []))
+
+
 # -- apply --------------------------------------------------------------------------------------------
 def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream) -> None:
     orig = type(module).forward.__get__(module)   # the class's: parallelizing again replaces
@@ -277,13 +410,19 @@ def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream) -> None:
 
 def _layouts(graph, strategy, modules, placements) -> dict:
     """id(parameter) -> (placement, nd-sbp, name of the layer) for every traced layer's
-    parameters; a parameter shared by layers with different layouts raises."""
+    parameters (a tied layer's weight is its holder's; its bias follows that weight); a
+    parameter shared by layers with different layouts raises."""
     out: dict = {}
     for layer, s in zip(graph.layers, strategy.layers):
         m = modules[layer.name]
         pl = placements[layer.name]
-        w = _swap01(s.weight) if layer.kind == "linear" else tuple(s.weight)
-        want = [(m.weight, w)]
+        if layer.tied is not None:
+            hl = graph[layer.tied]
+            w = _module_nd(hl.kind, strategy[layer.tied].weight)
+            want = []
+        else:
+            w = _module_nd(layer.kind, s.weight)
+            want = [(m.weight, w)]
         if getattr(m, "bias", None) is not None:
             want.append((m.bias, _bias_of(w)))
         for p, nd in want:
@@ -300,13 +439,16 @@ def _layouts(graph, strategy, modules, placements) -> dict:
 
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
                 algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
-                one_mesh: bool = False) -> ParallelPlan:
+                one_mesh: bool = False, stages=1) -> ParallelPlan:
     """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
     ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
     with that many devices) or take ``strategy``, and lay the model out for it, in place: each
     layer on its strategy's mesh, activations on the stream placement between layers
     (docs/auto.md, 'Laying out a model'). Every rank calls it, with the same arguments; build
-    the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh. Returns a
+    the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh; ``stages``
+    (1, a count or ``"auto"``) lets the search cut the model into pipeline stages, which a
+    given strategy may have too (run them with `ParallelPlan.graph_step`). A tied weight
+    gets one layout (docs/auto.md, 'Tied weights and pipelined strategies'). Returns a
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
     from ..cost import Cluster
@@ -323,60 +465,184 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     notes: list = []
     t0 = time.perf_counter()
     if strategy is None:
-        strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh)
+        strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh, stages,
+                               notes)
     else:
         strategy = _given(graph, strategy, placement)
         if one_mesh:
+            if getattr(strategy, "pipeline", None) is not None:
+                raise ParallelizeError("parallelize: one_mesh=True with a pipelined strategy; "
+                                       "give one or the other")
             strategy = _to_one_mesh(graph, strategy, cluster, notes)
-        bd = Evaluator(graph, cluster).breakdown(strategy)
+        bd = None
+    tied = _tie_weights(graph, strategy, modules, _evaluator(graph, strategy, cluster), notes)
+    if bd is None or tied is not strategy:
+        bd = _breakdown(graph, tied, cluster)
+    strategy = tied
     seconds = time.perf_counter() - t0
-    on = _placements_by_mesh(placement)
-    placements = {l.name: on(s.mesh) for l, s in zip(graph.layers, strategy.layers)}
-    stream = _stream(strategy, on, notes)
+    plan = _lay_out(model, graph, strategy, modules, placement, notes)
+    plan.breakdown, plan.search_seconds, plan.model = bd, seconds, model
+    pp = getattr(strategy, "pipeline", None)
+    plan.micro_batches = pp.micro_batches if pp is not None else \
+        (bd.micro_batches if bd is not None else 1)
+    plan.schedule = pp.schedule if pp is not None else "1f1b"
+    object.__setattr__(model, "auto_plan", plan)
+    return plan
+
+
+def _evaluator(graph, strategy, cluster):
+    """An `Evaluator` on the devices of one stage (the whole cluster without stages)."""
+    pp = getattr(strategy, "pipeline", None)
+    if pp is None:
+        return Evaluator(graph, cluster)
+    from .pipeline import sub_cluster
+    return Evaluator(graph, sub_cluster(cluster, pp.devices) or cluster, pp.micro_batches)
+
+
+def _breakdown(graph, strategy, cluster) -> Breakdown:
+    if getattr(strategy, "pipeline", None) is None:
+        return Evaluator(graph, cluster).breakdown(strategy)
+    from .pipeline import evaluate
+    return evaluate(graph, strategy, cluster)
+
+
+def _lay_out(model, graph, strategy, modules, placement, notes: list) -> ParallelPlan:
+    """Lay the model out for ``strategy`` (stages, parameters, wrapped forwards): the plan
+    without its breakdown."""
+    groups = _stage_groups(graph, strategy, placement)
+    placements, streams = {}, []
+    for stage_pl, idx in groups:
+        on = _placements_by_mesh(stage_pl)
+        for i in idx:
+            placements[graph.layers[i].name] = on(strategy.layers[i].mesh)
+        streams.append(_stream([strategy.layers[i] for i in idx], on, notes))
+    pipe = None
+    if len(groups) > 1:   # stage placements for the untraced parameters, buffers, hooks
+        pipe = _cut(model, graph, strategy, groups, [st.placement for st in streams])
     layouts = _layouts(graph, strategy, modules, placements)
-    replicated = (stream.placement, (B,) * stream.placement.ndim)
-    relayout(model, lambda _, p: layouts.get(id(p), replicated)[:2], "parallelize")
+    replicated = (streams[0].placement, (B,) * streams[0].placement.ndim)
+    relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
+             ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
     zero = {id(p) for layer, s in zip(graph.layers, strategy.layers)
             if s.stored is not None and s.stored != s.weight
             for p in (modules[layer.name].weight, getattr(modules[layer.name], "bias", None))
             if p is not None}
     if zero:   # ZeRO-stored weights: stored split along their data-parallel dims, stage 3
         _zero_shard(model, 3, only=zero)
-    for layer, s in zip(graph.layers, strategy.layers):
-        _wrap(modules[layer.name], layer.kind, s, placements[layer.name], stream)
-    plan = ParallelPlan(graph, strategy, stream.placement, bd, modules, notes, seconds,
-                        placements, model)
-    object.__setattr__(model, "auto_plan", plan)
+    for k, (_, idx) in enumerate(groups):
+        for i in idx:
+            layer = graph.layers[i]
+            _wrap(modules[layer.name], layer.kind, strategy.layers[i], placements[layer.name],
+                  streams[k])
+    plan = ParallelPlan(graph, strategy, streams[0].placement, None, modules, notes, 0.0,
+                        placements)
+    if pipe is not None:
+        plan.stages, plan.pipeline = [st.placement for st in streams], pipe
     return plan
 
 
-def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool):
-    """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``)."""
+# -- pipeline stages -------------------------------------------------------------------------------
+def _stage_groups(graph, strategy, placement) -> list:
+    """``[(stage placement, [layer indices])]``: ``placement`` and every layer without
+    stages; else stage k on ``placement``'s ranks ``k * devices ..`` (row-major, 1-D) with its
+    layers, which must be contiguous and in order."""
+    pp = getattr(strategy, "pipeline", None)
+    if pp is None:
+        return [(placement, list(range(len(graph.layers))))]
+    ranks, d = placement.flat_ranks, pp.devices
+    stage = [getattr(s, "stage", 0) for s in strategy.layers]
+    if stage != sorted(stage) or sorted(set(stage)) != list(range(pp.stages)):
+        raise ParallelizeError(f"parallelize: layer stages {stage} are not 0 .. "
+                               f"{pp.stages - 1} in layer order, each stage with a layer")
+    return [(Placement(placement.device_type, list(ranks[k * d:(k + 1) * d])),
+             [i for i, st in enumerate(stage) if st == k]) for k in range(pp.stages)]
+
+
+def _split_points(graph, strategy, groups) -> list:
+    """The module where each stage after the first starts: the outermost module containing
+    the stage's first layer whose traced layers are all in that stage (a GPT's block)."""
+    stage = {l.name: s.stage for l, s in zip(graph.layers, strategy.layers)}
+    out = []
+    for k, (_, idx) in enumerate(groups[1:], start=1):
+        first = graph.layers[idx[0]].name
+        parts = first.split(".")
+        for j in range(1, len(parts) + 1):
+            pre = ".".join(parts[:j])
+            if all(st == k for n, st in stage.items() if n == pre or n.startswith(pre + ".")):
+                out.append(pre)
+                break
+    return out
+
+
+def _cut(model, graph, strategy, groups, stage_pls: list):
+    """`sf.parallel.pipeline` at the stages' split points (parameters replicated on their
+    stage's stream, buffers moved, boundary hooks), checked against the strategy's stages."""
+    split = _split_points(graph, strategy, groups)
+    _pipeline(model, stage_pls, split)
+    from ..parallel.pipeline import pipeline_of
+    pipe = pipeline_of(model)
+    wrong = [f"{l.name} (stage {s.stage}, module stage {pipe.stage_of(l.name)})"
+             for l, s in zip(graph.layers, strategy.layers) if pipe.stage_of(l.name) != s.stage]
+    if wrong:
+        pipe.remove()
+        raise ParallelizeError(f"parallelize: cutting the model's modules at {split} puts "
+                               f"layers {wrong} in other stages than the strategy's; cut the "
+                               f"strategy where the model's module order allows")
+    return pipe
+
+
+# -- the strategy -----------------------------------------------------------------------------------
+def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool, stages,
+            notes: list):
+    """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
+    with pipeline stages unless ``stages`` is 1; one stage when the stages found would
+    separate a tied weight's users, noted)."""
     from .search import search
     if one_mesh:
+        if stages != 1:
+            raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "
+                                   f"stages=1, not {stages!r}")
         strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
         return strategy, bd
+    if stages != 1:
+        from .interop import search as search_stages
+        res = search_stages(graph, cluster, algorithm, seed, memory_limit=memory_limit,
+                            stages=stages)
+        split = [(u, h) for u, h in graph.ties.items()
+                 if res.strategy[u].stage != res.strategy[h].stage]
+        if not split:
+            return res.strategy, res.breakdown
+        notes.append(f"the best pipeline found puts tied layers {split} in different stages; "
+                     f"searched one stage instead")
     res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
     return res.strategy, res.breakdown
 
 
 def _given(graph, strategy, placement) -> Strategy:
     """A given strategy (a `Strategy`, a ``{layer name: LayerStrategy}`` dict or a sequence)
-    as a `Strategy` of the traced ``graph``, checked against it and ``placement``."""
+    as a `Strategy` of the traced ``graph``, checked against it and ``placement`` (each
+    layer's mesh covers the devices of its stage)."""
     p = placement.size
+    pp = getattr(strategy, "pipeline", None)
     if isinstance(strategy, dict):
         strategy = Strategy(graph, strategy)
     elif not isinstance(strategy, Strategy):
         strategy = Strategy(graph, list(strategy))
     elif strategy.graph is not graph:
-        strategy = Strategy(graph, list(strategy.layers))
+        strategy = _restrategy(graph, list(strategy.layers), strategy)
     if len(strategy.layers) != len(graph.layers):
         raise ParallelizeError(f"parallelize: strategy has {len(strategy.layers)} layers, "
                                f"the traced graph {len(graph.layers)}")
-    bad = [l.name for l, s in zip(graph.layers, strategy.layers) if s.devices != p]
+    d = p
+    if pp is not None:
+        if pp.stages * pp.devices != p:
+            raise ParallelizeError(f"parallelize: {pp.stages} stages x {pp.devices} devices "
+                                   f"!= the {p} devices of placement {placement}")
+        d = pp.devices
+    bad = [l.name for l, s in zip(graph.layers, strategy.layers) if s.devices != d]
     if bad:
         raise ParallelizeError(f"parallelize: layers {bad} have meshes that are not "
-                               f"{p} devices (placement {placement})")
+                               f"{d} devices (placement {placement})")
     return strategy
 
 
@@ -394,10 +660,11 @@ def _placements_by_mesh(placement):
     return on
 
 
-def _stream(strategy: Strategy, on, notes: list) -> _Stream:
-    """The stream the activations live on: the common refinement of the layer meshes or, if
-    there is none, the layer mesh that refines the meshes of the most layers (noted)."""
-    mesh_counts = Counter(s.mesh for s in strategy.layers)
+def _stream(layers: list, on, notes: list) -> _Stream:
+    """The stream the activations of ``layers`` (their strategies) live on: the common
+    refinement of their meshes or, if there is none, the layer mesh that refines the meshes
+    of the most layers (noted)."""
+    mesh_counts = Counter(s.mesh for s in layers)
     fine = common_refinement(list(mesh_counts))
     if fine is None:
         fine = max(mesh_counts, key=lambda f: (

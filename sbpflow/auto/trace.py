@@ -2,13 +2,15 @@
 
 Every `Linear`, `Embedding` and `Conv2d` module is recorded the first time it is called, in call
 order, as a chain of layers with the axis conventions of `graph` and a Megatron role
-(``attrs["megatron"]``); weightless ops between them are not layers. By default (``meta=True``)
+(``attrs["megatron"]``); weightless ops between them are not layers. A layer whose weight is an
+earlier layer's (tied) is marked ``tied`` and has no weight of its own. By default (``meta=True``)
 the forward runs on storage-less stand-ins on a one-rank placement: no weights allocated,
 nothing computed or communicated. See docs/auto.md, 'Tracing a model'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -19,7 +21,7 @@ from ..sbp import B
 from .graph import Graph, Layer
 from .model_graphs import linear_layer
 
-__all__ = ["trace", "TraceError"]
+__all__ = ["trace", "TraceError", "graph_weight_shape"]
 
 
 def _torch_itemsize(dtype) -> int:
@@ -111,22 +113,45 @@ def _run_forward(model, example_inputs: Sequence[Any], pl, meta: bool) -> None:
         model(*args)
 
 
+def graph_weight_shape(kind: str, module) -> tuple:
+    """The weight of a traced ``module`` in the graph's axis conventions: a linear's
+    ``(in, out)`` (the transpose of the module's), an embedding's or conv's as the module's."""
+    if kind == "linear":
+        return (module.in_features, module.out_features)
+    return tuple(module.weight.shape)
+
+
 def _layers(records: list) -> list:
-    """The `Layer` of each record, in call order (linears alternate Megatron col / row)."""
-    layers = []
+    """The `Layer` of each record, in call order (linears alternate Megatron col / row). A
+    module whose weight an earlier layer holds (a tied LM head) becomes a layer ``tied`` to it,
+    without a weight of its own; tied to an embedding, its Megatron role is the vocabulary
+    split (``col``: the module's weight split on its rows, as the embedding's)."""
+    layers: list = []
+    holders: dict = {}      # id(weight parameter) -> the layer holding it
     linear_i = 0
     for lname, kind, xs, ys, m in records:
         if kind == "linear":
-            layers.append(linear_layer(lname, math.prod(xs[:-1]), m.in_features, m.out_features,
-                                       megatron="col" if linear_i % 2 == 0 else "row"))
+            layer = linear_layer(lname, math.prod(xs[:-1]), m.in_features, m.out_features,
+                                 megatron="col" if linear_i % 2 == 0 else "row")
             linear_i += 1
         elif kind == "embedding":
             tokens = math.prod(xs)
-            layers.append(Layer(lname, "embedding", (tokens,),
-                                (m.num_embeddings, m.embedding_dim), (tokens, m.embedding_dim),
-                                2.0 * tokens * m.embedding_dim, False, {"megatron": "vocab"}))
+            layer = Layer(lname, "embedding", (tokens,), (m.num_embeddings, m.embedding_dim),
+                          (tokens, m.embedding_dim), 2.0 * tokens * m.embedding_dim, False,
+                          {"megatron": "vocab"})
         else:
-            layers.append(_conv_layer(lname, xs, ys, m))
+            layer = _conv_layer(lname, xs, ys, m)
+        w = getattr(m, "weight", None)
+        holder = holders.get(id(w)) if w is not None else None
+        if holder is None:
+            if w is not None:
+                holders[id(w)] = layer
+        else:
+            attrs = dict(layer.attrs)
+            if kind == "linear" and holder.kind == "embedding":
+                attrs["megatron"] = "col"
+            layer = dataclasses.replace(layer, weight_shape=None, attrs=attrs, tied=holder.name)
+        layers.append(layer)
     return layers
 
 
