@@ -6,17 +6,20 @@ order (the time-step table fixes their order; A and U fire as soon as their inpu
 an actor also reads the register of the task of its rank that made each value it needs in
 this run (a value made in an earlier run is already on the rank). A transfer is a send actor
 on its sender's thread for that peer and a receive actor on the receiver's, chained in key
-order per pair, so the point-to-point messages pair up. Other ranks of the trainer get an
+order per pair, so the point-to-point messages pair up. Under ZeRO a version's relay waits,
+on both ranks, for the rank's op before it in key order: a copy travels as the workers reach
+the op that uses it, not as soon as it exists (which would hold it longer). Other ranks of the trainer get an
 idle actor each: they are the plan's peers, which an actor's failure aborts. See
 docs/cdp.md, 'How it runs'.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 from ...runtime import ActorSpec, Input, Plan
-from .program import Transfer, Work
+from .program import PARAMS, Transfer, Work
 from .rank_state import RankState
 
 __all__ = ["window_plan"]
@@ -38,6 +41,15 @@ def _inputs(own: str, key: tuple, needs: Sequence[tuple], made: dict, chain: str
         if p is not None and p[1] < key and p[0] not in names and p[0] != own:
             names.append(p[0])
     return [Input(n) for n in names]
+
+
+def _gate(t: Transfer, chain: Sequence[Work], keys: list, zero: bool) -> list[Input]:
+    """ZeRO's relays: the rank's chained op just before the transfer in key order (none in
+    this run: it is done), so a copy moves when the workers reach it."""
+    if not zero or t.payload[0] not in PARAMS:
+        return []
+    k = bisect.bisect_left(keys, t.key)
+    return [Input(chain[k - 1].name)] if k else []
 
 
 def _send_name(t: Transfer, k: int) -> str:
@@ -65,6 +77,9 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     for w in mine:
         for value in w.makes:
             made[value] = (w.name, w.key)
+    chained = [w for w in mine if w.chained]
+    keys = [w.key for w in chained]
+    zero = state.roles.mode == "zero"
     specs, chain = [], None
     fns = {"F": state.forward, "B": state.backward, "A": state.accumulate, "U": state.update}
     for w in mine:
@@ -79,12 +94,14 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
         k = count[t.dst] = count.get(t.dst, -1) + 1
         nm = _send_name(t, k)
         inputs = _inputs(nm, t.key, [t.payload], made, last.get(t.dst))
+        inputs += [g for g in _gate(t, chained, keys, zero) if g not in inputs]
         specs.append(ActorSpec(nm, "send", state.actor_fn(state.send, t, nm), stage=t.stage,
                                inputs=inputs, outputs=1, queue=f"to{t.dst}"))
         last[t.dst] = nm
     last = {}
     for t, nm in zip(recvs, recv_names):
         inputs = [Input(last[t.src])] if t.src in last else []
+        inputs += _gate(t, chained, keys, zero)
         specs.append(ActorSpec(nm, "recv", state.actor_fn(state.recv, t, nm), stage=t.stage,
                                inputs=inputs, outputs=1, queue=f"from{t.src}"))
         last[t.src] = nm

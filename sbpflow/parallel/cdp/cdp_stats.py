@@ -6,7 +6,8 @@ and counters (an all-gather over the world); `summary` computes the stats: live 
 per time step (the spec's convention: from F's step to B's, both included), gradient chunks
 per step (B tasks), the idle fraction of the ranks' op slots (the bubble: a rank runs a
 step's ops one after another), messages and bytes sent, the measured activation bytes and the
-most parameter versions held. See docs/cdp.md, 'Stats'.
+most parameter versions held, the parameter bytes held (after each task). See
+docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def _live(records: Sequence[Record]) -> list[int]:
 def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: int,
             ranks: Sequence[int]) -> dict:
     """The stats of a trainer of ``n`` stages on ``ranks``. ``counters[r]``: rank r's [in
-    the trainer, messages, bytes, peak activation bytes, steps fed, max versions of each
-    stage]."""
+    the trainer, messages, bytes, peak activation bytes, steps fed, peak parameter bytes,
+    max versions of each stage]."""
     live = _live(records)
     chunks: dict[int, int] = {}
     cells: dict[tuple, int] = {}   # (rank, step) -> ops the rank runs in that step
@@ -92,7 +93,10 @@ def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: i
         "peak_activation_bytes": int(max((c[3] for c in mine), default=0)),
         "activation_bytes_by_rank": {int(r): int(c[3]) for r, c in enumerate(counters)
                                      if c and c[0]},
-        "max_versions": [int(max(c[5 + j] for c in mine)) for j in range(n)] if mine else [],
+        "peak_param_bytes": int(max((c[5] for c in mine), default=0)),
+        "param_bytes_by_rank": {int(r): int(c[5]) for r, c in enumerate(counters)
+                                if c and c[0]},
+        "max_versions": [int(max(c[6 + j] for c in mine)) for j in range(n)] if mine else [],
         "messages_per_step": messages / steps if steps else 0.0,
         "bytes_per_step": nbytes / steps if steps else 0.0,
         "max_grad_chunks_per_step": max(chunks.values(), default=0),

@@ -4,7 +4,8 @@ step and a sort key.
 
 Values are named by keys: ``("act", i, c, j)`` the output of F_j, ``("gact", i, c, j)`` the
 gradient of B_j's input, ``("g", i, c, j)`` B_j's parameter gradients, ``("gsum", i, c, j)``
-their sum over workers ``0 .. i``, ``("param", j, v)`` version ``v`` of stage ``j``. Every
+their sum over workers ``0 .. i``, ``("param", j, v)`` version ``v`` of stage ``j`` (ZeRO:
+``("paramb", j, v)`` the copy relayed again for B_j). Every
 dependency goes from a smaller key to a larger one, and each rank's ops and each pair's
 transfers run in key order, so no order of firing can deadlock. `window` cuts the tasks of a
 run (``2N`` time steps); `shift` moves tasks between cycles (a run's plan is reused). See
@@ -20,7 +21,8 @@ from .cycles import step_of, update_step
 from .roles import Roles
 from .rules import timeline_of, version
 
-__all__ = ["Work", "Transfer", "cycle_tasks", "window", "shift", "version_uses"]
+__all__ = ["Work", "Transfer", "cycle_tasks", "window", "shift", "version_uses",
+           "refetched", "relay_reads"]
 
 
 class Work(NamedTuple):
@@ -62,7 +64,17 @@ class Transfer(NamedTuple):
 
     @property
     def stage(self) -> int:
-        return self.payload[1] if self.payload[0] == "param" else self.payload[3]
+        return self.payload[1] if self.payload[0] in PARAMS else self.payload[3]
+
+
+PARAMS = ("param", "paramb")  # a version's relay for a forward, for a backward (ZeRO)
+
+
+def refetched(roles: Roles, n: int, rank: int, stage: int) -> bool:
+    """ZeRO: whether ``rank`` frees ``stage``'s relayed parameters after its F_j and gets
+    them relayed again for its B_j. Not the owner (it keeps its own copy) nor the last stage
+    (its B directly follows its F)."""
+    return roles.mode == "zero" and stage < n - 1 and rank != roles.owner(stage)
 
 
 def _ops(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Work]:
@@ -78,6 +90,8 @@ def _ops(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Work]:
             makes = (("act", i, c, j),) if j < n - 1 else ()
             out.append(Work("F", i, j, c, kf, r, (kf, 1, i), needs, makes))
             needs = (("gact", i, c, j + 1),) if j < n - 1 else ()
+            if refetched(roles, n, r, j):
+                needs += (("paramb", j, version(rule, c, i, j, n)),)
             makes = ((("gact", i, c, j),) if j else ()) + (("g", i, c, j),)
             out.append(Work("B", i, j, c, kb, r, (kb, 0, i), needs, makes))
             needs = (("g", i, c, j),) + ((("gsum", i - 1, c, j),) if i else ())
@@ -131,22 +145,25 @@ def _distribution(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Tr
     return out
 
 
-def _relays(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Transfer]:
-    """ZeRO: each worker gets the stage's version it uses from the previous worker that used
-    the same version (after its F), the first of each version from the owner."""
+def _relays(c: int, base: int, n: int, rule: str, roles: Roles, kind: str
+            ) -> list[Transfer]:
+    """ZeRO: each worker gets the stage's version it uses for its ``kind`` op (F, or B when
+    it `refetched` it) from the previous worker that used the same version (after that
+    worker's op), the first of each version from the owner (before its op)."""
     tl, out = timeline_of(rule), []
-    for j in range(n):
+    label, tag = ("param", 2) if kind == "F" else ("paramb", 3)
+    for j in range(n - 1 if kind == "B" else n):  # the last stage is kept from F to B
         owner, src, prev_v = roles.owner(j), None, None
         for i in range(n):
             v, r = version(rule, c, i, j, n), roles.rank_of(i, j, c)
-            kf = base + step_of(tl, n, "F", i, j, 0)
-            kp = base + step_of(tl, n, "F", i - 1, j, 0) if i else kf
-            if v != prev_v or src is None or kp >= kf:  # DP: all at once, from the owner
-                src, key = owner, (kf, -1, i, j)
+            k = base + step_of(tl, n, kind, i, j, 0)
+            kp = base + step_of(tl, n, kind, i - 1, j, 0) if i else k
+            if v != prev_v or src is None or kp >= k:  # DP: all at once, from the owner
+                src, key = owner, (k, -1, i, j)
             else:
-                key = (kp, 2, i - 1, j, 2) if src != owner else (kf, -1, i, j)
+                key = (kp, 2, i - 1, j, tag) if src != owner else (k, -1, i, j)
             if r != src and r != owner:  # the owner reads its own copy
-                out.append(Transfer(("param", j, v), src, r, c, key[0], key))
+                out.append(Transfer((label, j, v), src, r, c, key[0], key))
             src, prev_v = r, v
     return out
 
@@ -155,8 +172,10 @@ def cycle_tasks(c: int, base: int, n: int, rule: str, roles: Roles
                 ) -> tuple[list[Work], list[Transfer]]:
     """Every task of cycle ``c``, whose worker 0 starts at step ``base``."""
     moves = _moves(c, base, n, rule, roles)
-    moves += _relays(c, base, n, rule, roles) if roles.mode == "zero" else \
-        _distribution(c, base, n, rule, roles)
+    if roles.mode == "zero":
+        moves += _relays(c, base, n, rule, roles, "F") + _relays(c, base, n, rule, roles, "B")
+    else:
+        moves += _distribution(c, base, n, rule, roles)
     return _ops(c, base, n, rule, roles), moves
 
 
@@ -194,7 +213,8 @@ def _uses(n: int, rule: str, roles: Roles, rank: int, stage: int, v: int) -> int
     for c in range(max(0, v - 2), v + 3):
         works, moves = cycle_tasks(c, 0, n, rule, roles)
         count += sum(1 for t in works if t.rank == rank and want in t.needs)
-        count += sum(1 for t in moves if t.src == rank and t.payload == want)
+        count += sum(1 for t in moves if t.src == rank and t.payload[0] in PARAMS
+                     and t.payload[1:] == want[1:])
     return count
 
 
@@ -204,3 +224,18 @@ def version_uses(n: int, rule: str, roles: Roles, rank: int, stage: int, v: int)
     if v >= 4:  # the steady state repeats with the rank assignment's period
         v = 4 + (v - 4) % roles.period
     return _uses(n, rule, roles, rank, stage, v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _relay_reads(n: int, rule: str, roles: Roles, rank: int, label: str, stage: int,
+                 c: int) -> int:
+    _, moves = cycle_tasks(c, 0, n, rule, roles)
+    return 1 + sum(1 for t in moves if t.src == rank and t.payload[:2] == (label, stage))
+
+
+def relay_reads(n: int, rule: str, roles: Roles, rank: int, label: str, stage: int,
+                cycle: int) -> int:
+    """ZeRO: how many tasks of ``rank`` read a copy of ``stage`` relayed to it for ``cycle``
+    (``label`` "param": for its F, "paramb": for its B): the op, and its send to the next
+    worker if it relays it on. The copy goes after the last."""
+    return _relay_reads(n, rule, roles, rank, label, stage, min(cycle, 2))

@@ -1,8 +1,9 @@
 """What one rank of a CDP trainer holds between runs, and the functions its actors run.
 
 The values of the schedule (activations, their gradients, gradient sums) live in ``values``
-until their one reader takes them; versions in the `VersionStore`; each in-flight
-micro-batch's autograd state in ``stash`` (F_j to B_j). An actor's task is stored relative to
+until their one reader takes them; versions and ZeRO's relayed copies in the `VersionStore`;
+each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After each task the
+parameter bytes the rank holds are measured (``param_peak``). An actor's task is stored relative to
 its run (`program.shift`), so one plan serves every run of the same shape; ``ctx`` is the
 current run's (first cycle, first step). Sends and receives go over the Communicator's
 point-to-point in a stream of the trainer's own. See docs/cdp.md, 'How it runs'.
@@ -17,7 +18,8 @@ import torch
 
 from ...comm import current, set_collective_stream
 from ...placement import Placement
-from .program import Transfer, Work, shift
+from .program import PARAMS, Transfer, Work, refetched, relay_reads, shift
+from .roles import Roles
 from .rules import accumulate, version
 from .stage_runner import StageRunner
 from .version_store import StageOwner, VersionStore
@@ -46,10 +48,12 @@ class RankState:
     ``shapes(cycle, worker, stage)`` gives an activation's shape and dtype; ``stream()`` the
     collective stream of the trainer's transfers."""
 
-    def __init__(self, rank: int, n: int, rule: str, runners: Sequence[StageRunner],
-                 loss_fn: Callable, pl: Placement, store: VersionStore,
-                 shapes: Callable, stream: Callable[[], str]) -> None:
+    def __init__(self, rank: int, n: int, rule: str, roles: Roles,
+                 runners: Sequence[StageRunner], loss_fn: Callable, pl: Placement,
+                 store: VersionStore, shapes: Callable, stream: Callable[[], str]) -> None:
         self.rank, self.n, self.rule, self.runners = rank, n, rule, list(runners)
+        self.roles = roles
+        self.param_peak = 0  # the most parameter bytes held after a task (`param_bytes`)
         self.loss_fn, self.pl, self.store = loss_fn, pl, store
         self.shapes, self.stream = shapes, stream
         self.owners: dict[int, StageOwner] = {}
@@ -65,13 +69,38 @@ class RankState:
     def task(self, rel: Work | Transfer) -> Work | Transfer:
         return shift(rel, *self.ctx)
 
+    def _relayed(self, stage: int) -> bool:
+        """ZeRO: this rank gets ``stage``'s versions relayed a use (it does not own it)."""
+        return self.roles.mode == "zero" and self.rank != self.roles.owner(stage)
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameter tensors and optimizer state this rank holds now: versions,
+        relayed copies, those in-flight micro-batches keep, the owned stages' optimizer
+        state; each storage once (a freed one counts 0)."""
+        tensors = self.store.tensors()
+        tensors += [p for e in list(self.stash.values()) for p in e[1]]
+        for owner in list(self.owners.values()):
+            tensors += owner.tensors()
+        seen: dict[int, int] = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes():
+                seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:
         t = self.task(rel)
         i, j, c = t.worker, t.stage, t.cycle
         v = version(self.rule, c, i, j, self.n)
-        params = self.store.take(j, v)
-        self.store.hold(j, v)
+        relay = (("param", j, v), c) if self._relayed(j) else None
+        if relay:
+            params = self.store.relay(relay)
+        else:
+            params = self.store.take(j, v)
+        refetch = refetched(self.roles, self.n, self.rank, j)
+        if not refetch:
+            self.store.hold(j, v)
         xs, ys = self.batches[c]
         if j == 0:
             x_in = xs[i]
@@ -81,6 +110,8 @@ class RankState:
         out = self.runners[j].forward(params, x_in, self.pl, self.loss_fn if last else None,
                                       ys[i] if last else None)
         self.stash[(i, c, j)] = (x_in if j else None, params, out, v)
+        if relay:
+            self.store.done_relay(relay)  # a refetched copy's storage goes now
         if last:
             self.losses.append((c, i, float(out.detach())))
         else:
@@ -91,11 +122,18 @@ class RankState:
         t = self.task(rel)
         i, j, c = t.worker, t.stage, t.cycle
         x_in, params, out, v = self.stash.pop((i, c, j))
+        refetch = refetched(self.roles, self.n, self.rank, j)
+        if refetch:  # ZeRO: the copy relayed again for this backward fills the stashed tensors
+            relay = (("paramb", j, v), c)
+            self.store.refill(relay, params)
         grad = None if j == self.n - 1 else self.values.pop(("gact", i, c, j + 1))
         inputs = ([x_in] if j else []) + list(params)
         grads = StageRunner.backward(out, grad, inputs)
-        del out, x_in  # the micro-batch's activations of this stage go now
-        self.store.drop(j, v)
+        del out, x_in, params  # the micro-batch's activations of this stage go now
+        if refetch:
+            self.store.done_relay(relay)
+        else:
+            self.store.drop(j, v)
         if j:
             self.values[("gact", i, c, j)] = grads[0]
         self.values[("g", i, c, j)] = grads[1:] if j else grads
@@ -120,15 +158,17 @@ class RankState:
     # -- transfers ------------------------------------------------------------------------------
     def _tensors(self, t: Transfer) -> list[torch.Tensor]:
         kind = t.payload[0]
-        if kind == "param":
+        if kind in PARAMS and self._relayed(t.payload[1]):
+            return [p.detach() for p in self.store.relay((t.payload, t.cycle))]
+        if kind in PARAMS:
             return [p.detach() for p in self.store.take(t.payload[1], t.payload[2])]
         value = self.values.pop(t.payload)
         return list(value) if kind == "gsum" else [value]
 
     def _meta(self, t: Transfer) -> list[tuple]:
         kind, a, b, *rest = t.payload
-        if kind in ("param", "gsum"):
-            r = self.runners[a if kind == "param" else rest[0]]
+        if kind in PARAMS + ("gsum",):
+            r = self.runners[a if kind in PARAMS else rest[0]]
             return list(zip(r.shapes, r.dtypes))
         i, c, j = a, b, rest[0]
         return [self.shapes(c, i, j if kind == "act" else j - 1)]
@@ -144,6 +184,9 @@ class RankState:
         with self.count_lock:
             self.messages += 1
             self.nbytes += sum(x.numel() * x.element_size() for x in tensors)
+        del tensors
+        if t.payload[0] in PARAMS and self._relayed(t.payload[1]):
+            self.store.done_relay((t.payload, t.cycle))
         self.log[name] = (t, -1)
 
     def recv(self, rel: Transfer, name: str) -> None:
@@ -156,7 +199,13 @@ class RankState:
         finally:
             set_collective_stream(previous)
         kind = t.payload[0]
-        if kind == "param":
+        if kind in PARAMS and self._relayed(t.payload[1]):
+            j = t.payload[1]
+            reads = relay_reads(self.n, self.rule, self.roles, self.rank, kind, j, t.cycle)
+            free = kind == "param" and refetched(self.roles, self.n, self.rank, j)
+            self.store.put_relay((t.payload, t.cycle), [g.requires_grad_(kind == "param")
+                                                        for g in got], reads, free)
+        elif kind == "param":
             self.store.put(t.payload[1], t.payload[2],
                            [g.requires_grad_(True) for g in got])
         else:
@@ -168,4 +217,7 @@ class RankState:
         (the runtime's firing index and input tokens are not needed)."""
         def run(_mb: int, *_tokens) -> None:
             fn(rel, name)
+            held = self.param_bytes()
+            with self.count_lock:
+                self.param_peak = max(self.param_peak, held)
         return run

@@ -98,7 +98,7 @@ class CyclicDataParallel:
         pl = make_placement(device, [me])
         store = VersionStore(n, lambda j, v: version_uses(n, self.rule, roles, me, j, v))
         self.shape_cache: dict = {}
-        self.state = RankState(me, n, self.rule, self.runners, loss_fn, pl, store,
+        self.state = RankState(me, n, self.rule, roles, self.runners, loss_fn, pl, store,
                                self._shape, self._stream)
         self.device = dev = self.comm.device(device)
         for j in range(n):
@@ -218,16 +218,17 @@ class CyclicDataParallel:
     def _gather(self):
         st = self.state
         if st is None:
-            counters = [0.0] * (5 + self.n)
+            counters = [0.0] * (6 + self.n)
         else:
             counters = [1.0, st.messages, st.nbytes, self.tracker.peak, self.fed,
-                        *st.store.max_versions]
+                        st.param_peak, *st.store.max_versions]
         return gather_records(self.comm, self.records if st else [], counters)
 
     def stats(self) -> dict:
         """Peak live activations (micro-batch x stage units, from the executed time steps),
-        measured activation bytes (tensors saved for backward, largest rank), the most
-        versions of each stage held at once, messages and bytes sent per step, the most
+        measured activation bytes (tensors saved for backward, largest rank), parameter and
+        optimizer-state bytes held (largest rank), the most versions of each stage held at
+        once, messages and bytes sent per step, the most
         gradient chunks made in one time step, the idle fraction of the ranks' op slots.
         A collective: every rank of the world calls it."""
         records, counters = self._gather()

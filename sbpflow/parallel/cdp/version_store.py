@@ -2,7 +2,9 @@
 
 `VersionStore` keeps ``(stage, version) -> tensors`` with a count of the tasks of the rank
 that still read them (its forwards, its sends, the owner's update); the copy goes when the
-count reaches 0. In-flight micro-batches keep their version alive through autograd (the
+count reaches 0. ZeRO's relayed copies are kept per delivery (`put_relay`): a copy for a
+forward that is fetched again for the backward has its storage freed after its last read
+(autograd's saved tensors share it), and refilled by `refill`. In-flight micro-batches keep their version alive through autograd (the
 stash from F_j to B_j); `hold` / `drop` count them, so `max_versions` is the most distinct
 versions of a stage alive at once on the rank. `StageOwner` runs a stage's optimizer: each
 update starts from a copy of the latest version (in-flight micro-batches keep theirs) and
@@ -34,11 +36,60 @@ class VersionStore:
         self.lock = threading.Lock()  # receive threads put while the compute thread reads
         self.entries: dict[tuple[int, int], list] = {}   # -> [tensors, reads left]
         self.held: list[dict[int, int]] = [{} for _ in range(n)]  # stage -> version -> mbs
+        self.relays: dict[tuple, list] = {}  # ((label, stage, version), cycle) -> [tensors,
+        #                                       reads left, free the storage after the last]
         self.max_versions = [0] * n
 
     def _note(self, stage: int) -> None:
         live = {v for (s, v) in self.entries if s == stage} | set(self.held[stage])
+        live |= {p[2] for p, _ in self.relays if p[1] == stage}
         self.max_versions[stage] = max(self.max_versions[stage], len(live))
+
+    # -- ZeRO's relayed copies ------------------------------------------------------------------
+    def put_relay(self, key: tuple, tensors: Sequence[torch.Tensor], reads: int,
+                  free: bool) -> None:
+        """A copy relayed for one op (``key``: ``(payload, cycle)``), read ``reads`` times
+        (the op, the send to the next worker); with ``free``, its storage is released after
+        the last read (each tensor gets a storage of its own here, so that frees only it)."""
+        own = [t if _owns_storage(t) else t.clone() for t in tensors]
+        with self.lock:
+            self.relays[key] = [own, reads, free]
+            self._note(key[0][1])
+
+    def relay(self, key: tuple) -> list[torch.Tensor]:
+        """The tensors of a relayed copy (`done_relay` counts the read once used)."""
+        with self.lock:
+            return self.relays[key][0]
+
+    def done_relay(self, key: tuple) -> None:
+        """One read of a relayed copy is over: after the last the copy goes (its storage
+        freed if it was put with ``free``)."""
+        with self.lock:
+            entry = self.relays[key]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self.relays[key]
+        if entry[2]:
+            for t in entry[0]:
+                t.untyped_storage().resize_(0)
+
+    def refill(self, key: tuple, stashed: Sequence[torch.Tensor]) -> None:
+        """A backward's relayed copy (``key``) written into the ``stashed`` tensors its forward
+        used (their storage was freed; autograd's saved tensors share it), which then stand
+        for the copy (its send reads them)."""
+        with self.lock:
+            entry = self.relays[key]
+            for p, q in zip(stashed, entry[0]):
+                p.untyped_storage().resize_(q.numel() * q.element_size())
+                p.data.copy_(q)  # .data: autograd's version counter stays
+            entry[0] = list(stashed)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the versions and relayed copies held now."""
+        with self.lock:
+            return [t for e in list(self.entries.values()) + list(self.relays.values())
+                    for t in e[0]]
 
     def put(self, stage: int, version: int, tensors: Sequence[torch.Tensor]) -> None:
         """A version arrived (or was made); kept for its reads on this rank."""
@@ -90,6 +141,11 @@ class VersionStore:
                 del h[version]
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
 class StageOwner:
     """The optimizer of one stage, built by ``optimizer(params)`` on parameters laid out on
     this rank alone (``pl``); ``n`` workers' gradient sums are averaged before each step."""
@@ -100,6 +156,17 @@ class StageOwner:
         self.params = [Parameter(GlobalTensor(t.detach(), tuple(t.shape), pl, (B,)))
                        for t in first]
         self.optimizer = optimizer(self.params)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The stage's latest parameters and its optimizer state (local tensors)."""
+        out = [p.local for p in self.params]
+        for state in list(self.optimizer.state.values()):
+            for v in list(state.values()):
+                if isinstance(v, GlobalTensor):
+                    out.append(v.local)
+                elif isinstance(v, torch.Tensor):
+                    out.append(v)
+        return out
 
     def step(self, latest: Sequence[torch.Tensor], total: Sequence[torch.Tensor]
              ) -> list[torch.Tensor]:
