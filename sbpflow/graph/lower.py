@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ..boxing import Step
 from ..errors import GraphError
+from ..optim.zero_graph import link as link_units
 from ..placement import Placement
 from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
 from .recorder import Meta, Tape
@@ -130,6 +131,7 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
             nslots = _cut(node, tape, stage, forward, transfers, nslots)
         else:
             forward[stage(node.placement)].append(node)
+    forward = {s: link_units(nodes) for s, nodes in forward.items()}   # ZeRO's prefetch
     backwards: dict[int, list[BackwardNode]] = {i: [] for i in range(len(stages))}
     for b in tape.backwards:
         backwards[stage(b.placement)].append(b)
@@ -144,7 +146,7 @@ def reads(node) -> tuple:
         return tuple(s for _, s in node.slots)
     if isinstance(node, (BoxNode, DetachNode, GuardNode)):
         return (node.src,)
-    return ()
+    return getattr(node, "slots_read", ())   # tasks other layers record (Recorder.task)
 
 
 def writes(node) -> tuple:
@@ -155,12 +157,13 @@ def writes(node) -> tuple:
         return (node.out,)
     if isinstance(node, SourceNode):
         return node.outs
-    return ()
+    return getattr(node, "slots_written", ())
 
 
 def live_nodes(tape: Tape) -> list:
-    """The tasks the outputs and the backward need (value checks, random draws and data
-    sources always: they raise, or advance a stream every rank must advance alike). The moves
+    """The tasks the outputs and the backward need (value checks, random draws, data sources
+    and tasks marked ``keep`` always: they raise, or advance a stream every rank must advance
+    alike, or pair with another: ZeRO's unit calls). The moves
     of model inputs into stages that never read them drop out here."""
     need = set(tape.outs)
     for b in tape.backwards:
@@ -170,7 +173,7 @@ def live_nodes(tape: Tape) -> list:
     live = []
     for node in reversed(tape.nodes):
         if isinstance(node, (GuardNode, ThunkNode, SourceNode)) or \
-                any(w in need for w in writes(node)):
+                getattr(node, "keep", False) or any(w in need for w in writes(node)):
             live.append(node)
             need.update(reads(node))
     return live[::-1]

@@ -21,6 +21,7 @@ import torch
 from ..boxing import dual_step, empty_local, run_step
 from ..comm import set_collective_stream
 from ..errors import GraphError
+from ..optim.zero_graph import abandon as abandon_units
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered
@@ -90,7 +91,11 @@ class _Stage:
                 for slot, local in zip(node.outs, pieces[mb]):
                     vals[slot] = local
         env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws)
-        run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
+        try:
+            run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
+        except BaseException:
+            abandon_units()   # ZeRO's unit calls left open: their saved-tensor hooks
+            raise
         # the caller reads the outputs this stage computed (detached: the activations of the
         # micro-batch are freed by its backward, not kept until the call ends)
         c.outputs[mb] = [None if vals[k] is None else vals[k].detach()

@@ -213,6 +213,14 @@ class Recorder:
                                      Mode.now(pl.device_type)))
         return tuple(piece) if isinstance(batch, tuple) else piece[0]
 
+    def task(self, make, reads: list, outs: list, placement: Placement) -> None:
+        """A task another layer records (ZeRO's unit calls, `sbpflow.optim.zero_graph`):
+        ``make(read slots, written slots, mode)`` gives its node, which runs as the others
+        (``run(vals, env)``) and names its slots (``slots_read``, ``slots_written``)."""
+        r = tuple(self.read(t, "a ZeRO unit's gather") for t in reads)
+        o = tuple(self._new(t) for t in outs)
+        self.nodes.append(make(r, o, Mode.now(placement.device_type)))
+
     def guard(self, t: GlobalTensor, check) -> None:
         self.nodes.append(GuardNode(check, self.read(t, "a value check"), t._placement,
                                     Mode.now(t._placement.device_type)))

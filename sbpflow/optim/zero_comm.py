@@ -1,10 +1,12 @@
 """ZeRO's collectives off the rank's own thread, so they overlap its compute (docs/zero.md,
-'Overlap'): each rank has one long-lived worker thread that runs the jobs it is given in order,
-on the collective stream ``"zero"`` (its collectives pair with the other ranks' workers', in
-that order, whatever the rank threads do meanwhile). Every rank submits the same jobs in the
-same order. A job's exception is re-raised by ``Future.result()`` on the rank's thread.
+'Overlap'): a thread that submits jobs has a long-lived worker that runs them in order, on the
+collective stream ``"zero"`` (``"<stream>/zero"`` for a thread in a named collective stream: a
+graph's forward and backward actors each have their own worker, since the order in which one
+rank's actors fire may differ from another rank's). Every rank submits the same jobs in the same
+order per stream, so a worker's collectives pair with the other ranks' workers'. A job's
+exception is re-raised by ``Future.result()`` on the submitting thread.
 
-The worker ends when its rank thread has ended (checked when idle), like the runtime's.
+A worker ends when the thread that made it has ended (checked when idle), like the runtime's.
 """
 
 from __future__ import annotations
@@ -19,39 +21,61 @@ from .. import comm as _comm
 __all__ = ["submit", "STREAM"]
 
 STREAM = "zero"
-_IDLE_CHECK = 0.25   # s between an idle worker's looks at its rank thread
+_IDLE_CHECK = 0.25   # s between an idle worker's looks at its owner thread
 
 
-def _serve(jobs: queue.SimpleQueue, comm, owner: threading.Thread) -> None:
+class _Worker:
+    __slots__ = ("jobs", "thread", "closed")
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.closed = False   # set under the lock once the worker will take no more jobs
+
+
+_LOCK = threading.Lock()   # a worker's decision to end and a submit to it do not interleave
+
+
+def _serve(w: _Worker, comm, owner: threading.Thread, stream: str) -> None:
     _comm.set_current(comm)
-    _comm.set_collective_stream(STREAM)
+    _comm.set_collective_stream(stream)
     while True:
         try:
-            job = jobs.get(timeout=_IDLE_CHECK)
+            job = w.jobs.get(timeout=_IDLE_CHECK)
         except queue.Empty:
-            if not owner.is_alive():
-                return
+            if owner.is_alive():
+                continue
+            with _LOCK:
+                if w.jobs.empty():   # (a job put since the timeout is run first)
+                    w.closed = True
+                    return
             continue
         fut, fn, args = job
         if not fut.set_running_or_notify_cancel():
             continue
         try:
             fut.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the rank thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the submitting thread
             fut.set_exception(exc)
+        # an idle worker holds no result: a gather's buffers are freed when its user is done
+        job = fut = fn = args = None
 
 
 def submit(fn: Callable, *args) -> Future:
-    """Run ``fn(*args)`` on this rank's ZeRO worker, after the jobs submitted before it."""
+    """Run ``fn(*args)`` on the ZeRO worker of this rank and of the calling thread's collective
+    stream, after the jobs submitted to it before."""
     comm = _comm.current()
-    state = comm.state
-    w = state.get("zero_worker")
-    if w is None or not w[1].is_alive():
-        jobs: queue.SimpleQueue = queue.SimpleQueue()
-        t = threading.Thread(target=_serve, args=(jobs, comm, threading.current_thread()),
-                             daemon=True, name=f"sbpflow-zero-{comm.rank}")
-        t.start()
-        w = state["zero_worker"] = (jobs, t)
+    named = _comm.collective_stream()
+    stream = STREAM if named is None else f"{named}/{STREAM}"
     fut: Future = Future()
-    w[0].put((fut, fn, args))
+    with _LOCK:
+        workers = comm.state.setdefault("zero_workers", {})
+        w = workers.get(stream)
+        if w is None or w.closed:
+            w = workers[stream] = _Worker()
+            w.thread = threading.Thread(
+                target=_serve, args=(w, comm, threading.current_thread(), stream),
+                daemon=True, name=f"sbpflow-{stream}-{comm.rank}")
+            w.thread.start()
+        w.jobs.put((fut, fn, args))
     return fut

@@ -24,7 +24,8 @@ from ..sbp import local_shape
 from .zero_layout import all_gather_into, geometry, reduce_scatter
 from .zero_comm import submit
 
-__all__ = ["UnitCall", "UnitGather", "gather", "start", "done", "begin_call", "end_call"]
+__all__ = ["UnitCall", "UnitGather", "gather", "start", "done", "refill", "begin_call",
+           "end_call"]
 
 
 class UnitCall:
@@ -89,6 +90,18 @@ def done(result):
     fut = Future()
     fut.set_result(result)
     return fut
+
+
+def refill(wholes: list) -> None:
+    """Gather stage 2's whole copies again after their shards were loaded: ``wholes`` are
+    (whole local, parameter, compute layout) triples; waits for the all-gather."""
+    todo = []
+    for whole, p, compute in wholes:
+        geo = geometry(tuple(p.shape), p.placement, compute, tuple(p.sbp), _comm.rank())
+        if geo is not None:
+            todo.append((whole, geo))
+    if todo:
+        submit(all_gather_into, todo).result()
 
 
 # -- prefetch ------------------------------------------------------------------------------------

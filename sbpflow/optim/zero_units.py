@@ -6,8 +6,8 @@ A unit is a module whose parameters are gathered together: the model itself and 
 a numbered container (``ModuleList`` / ``Sequential``: a transformer's blocks), as FSDP2 is
 usually applied; a parameter belongs to the innermost unit around the module that owns it.
 Eagerly a unit's call is one coalesced all-gather whose backward is one reduce-scatter (the
-dual of the boxing ``S -> B``, coalesced: `sbpflow.optim.zero_gather`); in a graph's trace each
-parameter is boxed with ``to_global``, which the graph records and replays.
+dual of the boxing ``S -> B``, coalesced: `sbpflow.optim.zero_gather`); a graph's trace records
+the unit's call as tasks that run the same way at each replay (`sbpflow.optim.zero_graph`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 from .. import comm as _comm
 from ..gradsync import set_backfill, set_update_layout, settle, take_stale
 from ..tensor import GlobalTensor, recording
-from .zero_layout import all_gather_into, check_stage, geometry, stored_layout
-from .zero_comm import submit
-from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call
+from . import zero_graph as _graph
+from .zero_layout import check_stage, geometry, stored_layout
+from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call, refill
 
-__all__ = ["ZeroParam", "zero_param", "shard_", "units_of"]
+__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "set_default_on_gather"]
 
 
 class ZeroParam(NamedTuple):
@@ -38,6 +38,13 @@ class ZeroParam(NamedTuple):
 
 
 _PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DEFAULT_ON_GATHER: list = [None]
+
+
+def set_default_on_gather(fn: Callable | None) -> None:
+    """The ``on_gather`` of `shard_` when it is given none (`sbpflow.parallel.zero` sets
+    stage 3's release and the memory accounting, which this layer cannot import)."""
+    _DEFAULT_ON_GATHER[0] = fn
 
 
 def zero_param(p: GlobalTensor) -> ZeroParam | None:
@@ -80,6 +87,7 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
     steps, its shard a view of it, refilled by an all-gather after each update (DeepSpeed's
     stage 2; a graph passes False: its replay gathers in forward). Every rank calls it."""
     stage = check_stage(stage, "ZeRO")
+    on_gather = on_gather if on_gather is not None else _DEFAULT_ON_GATHER[0]
     compute = compute or {}
     names, owned = [], {}
     for name, p in model.named_parameters():
@@ -130,6 +138,7 @@ def _hook_units(model, owned: dict, unit_names: list, on_gather) -> None:
         module = model.get_submodule(unit)
         state = module.__dict__
         state["_zero_unit"] = (list(entries.values()), on_gather)
+        state["_zero_unit_name"] = unit
         if not state.get("_zero_hooked"):
             state["_zero_hooked"] = True
             state["_zero_calls"] = []
@@ -156,12 +165,14 @@ def _pre_forward(module, args) -> None:
         module.__dict__["_zero_calls"].append(([], None, module))
         return
     wholes = [_PARAMS[p].whole for p, _ in items]
-    if recording():   # the graph records (and replays) one boxing per parameter
-        gathered = [p.to_global(p.placement, nd) for p, nd in items]
-        call = None
+    if recording():   # the graph records the call (and replays it as below)
+        kept = wholes if all(w is not None for w in wholes) else None
+        gathered, call = _graph.record_begin(module.__dict__["_zero_unit_name"], items, kept,
+                                             on_gather)
     else:
         if all(w is not None for w in wholes):   # stage 2: the whole copies, kept
-            _refill(take_stale([p for p, _ in items]))
+            stale = set(map(id, take_stale([p for p, _ in items])))
+            refill([(w, p, nd) for w, (p, nd) in zip(wholes, items) if id(p) in stale])
             begin_call(module, [], None)
             call = UnitCall(items, done(([w.view_as(w) for w in wholes], [])))
         else:
@@ -175,7 +186,7 @@ def _pre_forward(module, args) -> None:
             if m._parameters.get(k) is p:
                 m._parameters[k] = g
                 swapped.append((m, k, p))
-    ctx = on_gather(call) if call is not None and on_gather is not None else None
+    ctx = on_gather(call) if isinstance(call, UnitCall) and on_gather is not None else None
     if ctx is not None:
         ctx.__enter__()
     module.__dict__["_zero_calls"].append((swapped, ctx, call))
@@ -185,18 +196,6 @@ def _gathered_items(module) -> list:
     """The items a unit gathers in forward (none for one whose whole copies are kept)."""
     items = _unit_items(module)[1]
     return [] if any(_PARAMS[p].whole is not None for p, _ in items) else items
-
-
-def _refill(params: list) -> None:
-    """Gather the whole copies of ``params`` (stage 2) again after their shards were loaded."""
-    todo = []
-    for p in params:
-        rec = _PARAMS[p]
-        geo = geometry(tuple(p.shape), p.placement, rec.compute, tuple(p.sbp), _rank())
-        if geo is not None:
-            todo.append((rec.whole, geo))
-    if todo:
-        submit(all_gather_into, todo).result()
 
 
 def _rank() -> int:
@@ -212,7 +211,9 @@ def _post_forward(module, args, output) -> None:
         m._parameters[k] = p
     if ctx is not None:
         ctx.__exit__(None, None, None)
-    if call is module:
+    if isinstance(call, _graph.Recorded):
+        _graph.record_end(call)
+    elif call is module:
         end_call(module)
     elif call is not None:
         call.flats = []   # the buffers live on only where autograd saved them (stage 2)

@@ -59,6 +59,9 @@ def _on_gather(call) -> "_FreeAfterUse | None":
     return None
 
 
+_units.set_default_on_gather(_on_gather)   # a graph's enable_zero shards with it too
+
+
 def _top_hooks():
     """The saved-tensor hooks active now (pack, unpack), or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
