@@ -2,13 +2,15 @@
 gathered weights freed after the unit's forward and gathered again for its backward. Graph
 (``config.enable_zero(3)``, with and without gradient accumulation) == eager == one-process torch
 (float64) over 3 steps; the bytes of a step are 3|P|(N-1)/N; the peak of gathered weights is that
-of eager, at most two units."""
+of eager, at most two units; a pipeline of two data-parallel stages with ZeRO-3 equals torch."""
 
 import functools
 
 import torch
 
+import graph_fns
 import sbpflow as sf
+from graph_fns import TrainStep, gpt_pipeline, torch_gpt
 from sbpflow.models import gpt_class
 
 B, S, F64 = sf.B, sf.S, torch.float64
@@ -139,3 +141,24 @@ def test_graph_zero3_holds_at_most_two_units_gathered():
             for peak in res[mode]["peaks"]:
                 assert root + block <= peak <= root + 2 * block < root + GPT["layers"] * block, \
                     (rank, mode, peak, root, block)
+
+
+# -- pipeline stages of 2 data-parallel ranks each, ZeRO-3 inside each stage ----------------------
+class _ZeroTrainStep(TrainStep):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config.enable_zero(3)
+
+
+def test_pipelined_graph_zero3_equals_torch(monkeypatch):
+    """The root unit's weights sit on both stages (embeddings on the first, head on the
+    last): a gather task on each; 1F1B interleaves a stage's forwards and backwards, whose
+    collectives pair on their own streams."""
+    monkeypatch.setattr(graph_fns, "TrainStep", _ZeroTrainStep)
+    res = sf.launch(gpt_pipeline, 4, args=([[0, 1], [2, 3]], ["blocks.2"], None, S(0), 10, 3,
+                                           "1f1b"))
+    want_losses, want_sd = torch_gpt(res[0]["sd0"], 10)
+    assert "zero_gather(blocks.2" in res[0]["text"] and "zero_release(model)" in res[0]["text"]
+    _close(res[0]["losses"], want_losses, "losses")
+    for k, v in want_sd.items():
+        _close(res[0]["sd"][k], v, k)
