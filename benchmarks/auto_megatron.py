@@ -1,0 +1,83 @@
+"""The Megatron-LM paper's Table 1 against the cost model and the search (issue 17, part 5).
+
+    .venv/bin/python benchmarks/auto_megatron.py                 # every row; search up to 175B
+    .venv/bin/python benchmarks/auto_megatron.py --rows 0 6      # some rows (indices)
+    .venv/bin/python benchmarks/auto_megatron.py --no-search     # the prediction alone, < 1 s
+
+Per row of Table 1 (Narayanan et al., SC'21; `sbpflow.auto.baselines.TABLE1`): Megatron's own
+configuration (tensor x pipeline x data, one sequence a micro-batch) evaluated on the dgx-a100
+preset, its predicted TFLOP/s a GPU (the paper's FLOP count over the predicted step time) next
+to the paper's measured figure (the PyTorch-based Megatron-LM on A100s: the reference this
+benchmark compares with; nothing is run), then `sf.auto.search` with default arguments and the
+same 80 GiB memory limit, one row at a time: the strategy found, its predicted step time over
+Megatron's, and the search's wall time on this machine. Rows above ``--search-up-to`` billion
+parameters are evaluated only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import sbpflow as sf  # noqa: E402
+from sbpflow.auto.baselines import TABLE1, table1_case  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def describe(result) -> str:
+    """Stages x devices, micro-batches and the most common layout of the linears found."""
+    s = result.strategy
+    labels = collections.Counter(st.label for l, st in zip(s.graph.layers, s.layers)
+                                 if l.kind == "linear")
+    common = labels.most_common(1)[0][0] if labels else "-"
+    pp = s.pipeline
+    stages = f"pp {pp.stages}x{pp.devices}" if pp else "pp 1"
+    return f"{stages}, m {result.micro_batches}, {common} (+{len(labels) - 1} more)"
+
+
+def row_line(i: int, row, search: bool) -> str:
+    case = table1_case(row)
+    b = case.breakdown
+    cfg = f"t{row.tp} p{row.pp} d{row.dp} m{case.micro_batches}"
+    mem = b.memory["total"] / GiB
+    head = (f"{i:>3} {row.params_b:>7.1f}B {row.gpus:>5} {cfg:<20}{row.tflops:>7.0f}"
+            f"{case.tflops:>8.1f}{case.tflops / row.tflops:>7.2f}{b.time:>9.2f}{mem:>7.1f}")
+    if not search:
+        return head + "   (not searched)"
+    t0 = time.perf_counter()
+    r = sf.auto.search(case.graph, case.cluster, memory_limit=80 * GiB)
+    wall = time.perf_counter() - t0
+    fits = "" if r.fits else " DOES NOT FIT"
+    return (head + f"  {describe(r):<44}{r.breakdown.time:>9.2f}"
+            f"{r.breakdown.time / b.time:>7.3f}{wall:>8.1f}{fits}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", help="row indices (default: all)")
+    ap.add_argument("--no-search", action="store_true", help="only evaluate Megatron's configs")
+    ap.add_argument("--search-up-to", type=float, default=175.0,
+                    help="search rows up to this many billion parameters (default 175)")
+    a = ap.parse_args(argv)
+    c = sf.cost.Cluster.preset("dgx-a100")
+    print(f"dgx-a100 preset: {c.flops_per_device / 1e12:.0f} TFLOP/s peak x compute efficiency "
+          f"{c.compute_efficiency}, NVLink {1 / c.intra.beta / 1e9:.0f} GB/s, "
+          f"{1 / c.inter.beta / 1e9:.1f} GB/s between nodes a device, "
+          f"{c.memory_per_device / GiB:.0f} GiB")
+    print(f"{'row':>3} {'params':>8} {'GPUs':>5} {'Megatron config':<20}{'paper':>7}{'pred':>8}"
+          f"{'ratio':>7}{'step s':>9}{'GiB':>7}  {'found (search, default arguments)':<44}"
+          f"{'step s':>9}{'/ Meg':>7}{'wall s':>8}")
+    for i in (a.rows if a.rows else range(len(TABLE1))):
+        row = TABLE1[i]
+        search = not a.no_search and row.params_b <= a.search_up_to
+        print(row_line(i, row, search), flush=True)
+
+
+if __name__ == "__main__":
+    main()

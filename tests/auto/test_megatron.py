@@ -1,0 +1,95 @@
+"""Megatron-LM configurations as strategies (issue 17, part 5): tensor x pipeline x data
+layouts and device counts on a small GPT, the paper's FLOP count, and its Table 1 throughput
+predicted by `evaluate` on the calibrated dgx-a100 preset."""
+
+import pytest
+
+import sbpflow as sf
+from sbpflow.auto import model_graphs
+from sbpflow.auto.baselines import (TABLE1, megatron, megatron_flops, megatron_stages,
+                                    table1_case)
+
+B, P, S = sf.B, sf.P, sf.S
+
+
+def small():
+    g = model_graphs.gpt(layers=4, d_model=64, heads=4, seq=16, batch=8, vocab=128)
+    return g, sf.cost.Cluster.preset("dgx-a100", nodes=2)       # 16 devices
+
+
+ROLES = {"embed": "vocab", "qkv": "col", "attn": "heads", "proj": "row", "fc1": "col",
+         "fc2": "row", "head": "col"}
+LAYOUTS = {   # Megatron's tensor-parallel (input, weight, output) on the tp dim
+    "vocab": (B, S(0), P), "col": (B, S(1), S(1)), "heads": (S(1), None, S(1)),
+    "row": (S(1), S(0), P)}
+
+
+def test_tensor_pipeline_data_layouts_and_devices():
+    g, c = small()
+    s = megatron(g, c, tp=4, pp=2, dp=2, micro_batches=4)
+    assert s.pipeline == sf.auto.Pipeline(2, 8, 4, "1f1b")
+    # two blocks a stage: the embedding with h0, h1; h2, h3 with the head
+    assert [st.stage for st in s.layers] == [0] * 11 + [1] * 11
+    for layer, st in zip(g.layers, s.layers):
+        role = ROLES[layer.name.split(".")[-1]]
+        assert st.mesh == (2, 4) and st.names == ("dp", role) and st.devices == 8
+        ins, w, out = LAYOUTS[role]
+        assert st.input == (S(0), ins)
+        assert st.output == (S(0), out)
+        assert st.weight == (None if w is None else (B, w))
+    b = sf.auto.evaluate(g, s, c)
+    assert b.stages == 2 and b.micro_batches == 4 and len(b.stage_times) == 2
+
+
+def test_one_stage_and_degenerate_sizes():
+    g, c = small()
+    s = megatron(g, c, tp=2, dp=8)
+    assert s.pipeline is None and {st.mesh for st in s.layers} == {(8, 2)}
+    assert s["h1.fc2"].names == ("dp", "row") and s["embed"].names == ("dp", "vocab")
+    assert megatron(g, c, 4, 1, 4) == megatron(g, c, tp=4)       # dp defaults to the rest
+    one = sf.cost.Cluster.preset("dgx-a100", nodes=1)         # 8 devices, 8 sequences
+    assert all(st.names == ("dp",) and st.mesh == (8,) for st in megatron(g, one, tp=1).layers)
+    t = megatron(g, c, tp=4, pp=4, dp=1)       # a quarter node a stage, tensor parallel only
+    assert {st.mesh for st in t.layers} == {(4,)} and t.pipeline.devices == 4
+    assert [st.stage for st in t.layers].count(3) == 5 + 1   # h3 and the head
+
+
+def test_clear_errors():
+    g, c = small()
+    with pytest.raises(ValueError, match=r"tp 4 x pp 2 x dp 4 != the cluster's 16"):
+        megatron(g, c, tp=4, pp=2, dp=4)
+    with pytest.raises(ValueError, match=r"tensor parallel size 8 does not divide its 4 heads"):
+        megatron(g, c, tp=8, dp=2)
+    with pytest.raises(ValueError, match="cannot be cut into 32 pipeline stages"):
+        megatron_stages(g, 32)
+
+
+def test_uneven_stages_balance_flops():
+    g, _ = small()
+    starts = megatron_stages(g, 3)              # 4 blocks on 3 stages: cut before blocks
+    assert starts[0] == 0 and len(starts) == 3
+    assert all(g.layers[i].name.endswith(".qkv") for i in starts[1:])
+
+
+def test_flop_count_is_four_passes_of_blocks_and_three_of_the_head():
+    l, h, heads, s, b, v = 3, 96, 4, 32, 6, 1000
+    g = model_graphs.gpt(l, h, heads, s, b, v)
+    blocks = sum(x.flops for x in g.layers if x.name.startswith("h") and x.name != "head")
+    # recomputation runs each block's forward twice; the logit layer is not recomputed
+    assert megatron_flops(b, s, l, h, v) == pytest.approx(4 * blocks + 3 * g["head"].flops)
+
+
+def test_table1_rows_are_the_papers_models():
+    for r in TABLE1:
+        params = 12 * r.layers * r.hidden ** 2 * (
+            1 + 13 / (12 * r.hidden) + (51200 + 2048) / (12 * r.layers * r.hidden))
+        assert params / 1e9 == pytest.approx(r.params_b, abs=0.06)
+        assert r.tp * r.pp * r.dp == r.gpus and r.heads % r.tp == 0
+
+
+@pytest.mark.parametrize("params_b", [1.7, 145.6])
+def test_predicted_throughput_within_25_percent(params_b):
+    row = next(r for r in TABLE1 if r.params_b == params_b)
+    case = table1_case(row)
+    assert case.breakdown.memory["total"] <= case.cluster.memory_per_device
+    assert case.tflops == pytest.approx(row.tflops, rel=0.25)
