@@ -52,8 +52,10 @@ class Graph:
     """Layers in a topological order plus (producer, consumer) edges (default: a chain)."""
 
     def __init__(self, layers, edges=None, name: str = "model", itemsize: int = 2,
-                 optimizer_states: int = 2, optimizer_itemsize: int = 4):
+                 optimizer_states: int = 2, optimizer_itemsize: int = 4,
+                 batch: int | None = None):
         self.name = name
+        self.batch = batch    # samples a step (a traced model's input axis 0); None: unknown
         self.layers: list[Layer] = list(layers)
         self.itemsize = int(itemsize)          # bytes per element of activations and weights
         self.optimizer_states = optimizer_states  # states per parameter element (Adam: 2)

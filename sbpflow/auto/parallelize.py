@@ -611,11 +611,24 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
         split = [(u, h) for u, h in graph.ties.items()
                  if res.strategy[u].stage != res.strategy[h].stage]
         if not split:
-            return res.strategy, res.breakdown
+            return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
         notes.append(f"the best pipeline found puts tied layers {split} in different stages; "
                      f"searched one stage instead")
     res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
     return res.strategy, res.breakdown
+
+
+def _cap_micro_batches(graph, strategy, cluster, notes: list, bd):
+    """``(strategy, breakdown)`` with at most ``graph.batch`` micro-batches (graph mode cuts
+    the batch into balanced micro-batches, one sample at least), noted and priced again."""
+    pp = getattr(strategy, "pipeline", None)
+    if pp is None or not graph.batch or pp.micro_batches <= graph.batch:
+        return strategy, bd
+    m = graph.batch
+    notes.append(f"the search chose {pp.micro_batches} micro-batches for a batch of "
+                 f"{graph.batch} samples; running {m}")
+    strategy = Strategy(graph, list(strategy.layers), pp._replace(micro_batches=m))
+    return strategy, _breakdown(graph, strategy, cluster)
 
 
 def _given(graph, strategy, placement) -> Strategy:

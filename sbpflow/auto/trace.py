@@ -56,8 +56,16 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
     floats = [p.dtype for p in params if p.dtype.is_floating_point]
     itemsize = _torch_itemsize(floats[0] if floats else params[0].dtype)
     graph = Graph(layers, name=name or type(model).__name__, itemsize=itemsize,
-                  optimizer_itemsize=itemsize)
+                  optimizer_itemsize=itemsize, batch=_batch(example_inputs))
     return graph, {r[0]: r[4] for r in records}
+
+
+def _batch(example_inputs) -> int | None:
+    """Samples a step: axis 0 of the first tensor input (None without one)."""
+    for a in example_inputs:
+        if hasattr(a, "shape") and len(a.shape) > 0:
+            return int(a.shape[0])
+    return None
 
 
 # -- recording the layer calls -------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""`sf.auto.parallelize` runs pipelined strategies (issue 17, part 6): a strategy whose layers
+carry stages is laid out stage by stage (stage k on ranks k * devices .., each layer on its mesh
+there, `sf.parallel.pipeline` cut at the stage boundaries), and ``plan.graph_step`` trains it as
+an ``sf.nn.Graph`` with the strategy's micro-batches and schedule: a GPT on 2 stages x 2 devices
+equals the one-device torch twin (float64)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import sbpflow as sf
+from gpt_twin import torch_gpt_train
+from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy
+from sbpflow.models import gpt_class
+
+B, P, S = sf.B, sf.P, sf.S
+GPT = dict(vocab=32, d=16, heads=2, layers=2, seq=8)
+STEPS, LR, N = 3, 0.01, 4
+
+
+def batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    tok = torch.randint(0, GPT["vocab"], (N, GPT["seq"] + 1), generator=g)
+    return tok[:, :-1].contiguous(), torch.arange(GPT["seq"]), tok[:, 1:].contiguous()
+
+
+def _stages(graph, schedule: str) -> Strategy:
+    """Stage 0 (embeddings, block 0) data parallel on 2 devices; stage 1 (block 1, head)
+    Megatron tensor parallel on the other 2; 2 micro-batches."""
+    layers = []
+    for l in graph.layers:
+        first = l.name in ("tok", "pos") or l.name.startswith("blocks.0.")
+        names = ("dp",) if first else (l.attrs["megatron"],)
+        s = make_layer_strategy(l, (2,), names)
+        layers.append(dataclasses.replace(s, stage=0 if first else 1))
+    return Strategy(graph, layers, Pipeline(2, 2, 2, schedule))
+
+
+def _train(how: str) -> dict:
+    """Train the GPT laid out by parallelize: the hand-made 2-stage strategy run with ``how``
+    ("1f1b", "gpipe"), or ("searched") the strategy the search finds with 2 stages."""
+    sf.manual_seed(0)
+    model = gpt_class(sf.nn, sf.nn.functional)(**GPT).double()
+    sd0 = model.state_dict()
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    if how == "searched":   # slow compute: splitting the work pays
+        cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4,
+                                         flops_per_device=1e9)
+        plan = sf.auto.parallelize(model, batch(0), pl, cluster, stages=2)
+    else:
+        graph, _ = sf.auto.trace(model, batch(0))
+        cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4)
+        plan = sf.auto.parallelize(model, batch(0), pl, cluster, strategy=_stages(graph, how))
+    opt = sf.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    step = plan.graph_step(opt)
+    losses = [step(*[plan.input(t) for t in batch(k)]).item() for k in range(STEPS)]
+    layouts = {n: (p.placement.flat_ranks, p.sbp) for n, p in model.named_parameters()}
+    return dict(sd0=sd0, losses=losses, sd=model.state_dict(), layouts=layouts,
+                stages=[st.flat_ranks for st in plan.stages], micro=plan.micro_batches,
+                schedule=plan.schedule, config=(step.config.micro_batches, step.config.schedule),
+                split=plan.pipeline.split, input=plan.placement.flat_ranks, notes=plan.notes,
+                time=plan.breakdown.time, bd_stages=plan.breakdown.stages)
+
+
+@pytest.mark.parametrize("how", ["1f1b", "gpipe", "searched"])
+def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
+    r = sf.launch(_train, world_size=4, args=(how,))[0]
+    assert r["stages"] == [(0, 1), (2, 3)] and r["input"] == (0, 1)
+    assert r["bd_stages"] == 2 and r["time"] > 0
+    assert r["config"] == (r["micro"], r["schedule"])   # the graph runs the strategy's step
+    lay = r["layouts"]
+    if how == "searched":   # the search's micro-batches, at most one sample each (notes)
+        assert 2 <= r["micro"] <= N and r["schedule"] == "1f1b"
+        assert lay["tok.weight"][0] == (0, 1) and lay["head.weight"][0] == (2, 3), lay
+    else:
+        assert r["split"] == ("blocks.1",)
+        assert r["micro"] == 2 and r["schedule"] == how
+        assert lay["tok.weight"] == ((0, 1), (B,))
+        assert lay["blocks.0.mlp.fc.weight"] == ((0, 1), (B,))
+        assert lay["blocks.1.attn.qkv.weight"] == ((2, 3), (S(0),))   # column: rows of (out, in)
+        assert lay["blocks.1.attn.proj.weight"] == ((2, 3), (S(1),))  # row
+        assert lay["head.weight"] == ((2, 3), (S(0),)) and lay["ln_f.weight"] == ((2, 3), (B,))
+    want_losses, want_sd = torch_gpt_train(r["sd0"], GPT, batch, STEPS, LR)
+    assert r["losses"] == pytest.approx(want_losses, rel=1e-10)
+    for k, v in want_sd.items():
+        torch.testing.assert_close(r["sd"][k], v, rtol=1e-9, atol=1e-11, msg=k)
+
+
+def _tied_across_stages():
+    sf.manual_seed(0)
+    model = gpt_class(sf.nn, sf.nn.functional)(**GPT).double()
+    model.head.weight = model.tok.weight
+    graph, _ = sf.auto.trace(model, batch(0))
+    layers = [dataclasses.replace(make_layer_strategy(l, (1,), ("rep",)),
+                                  stage=0 if i < len(graph.layers) // 2 else 1)
+              for i, l in enumerate(graph.layers)]
+    strategy = Strategy(graph, layers, Pipeline(2, 1, 2))
+    try:
+        sf.auto.parallelize(model, batch(0), sf.placement("cpu", [0, 1]), strategy=strategy)
+    except sf.ParallelizeError as exc:
+        return graph.ties, str(exc)
+
+
+def test_a_weight_tied_across_stages_is_refused_naming_the_fix():
+    ties, msg = sf.launch(_tied_across_stages, world_size=2)[0]
+    assert ties == {"head": "tok"}
+    assert "tok (stage 0) and head (stage 1) share one weight" in msg and "stages=1" in msg
