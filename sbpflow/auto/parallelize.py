@@ -516,10 +516,11 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
         for i in idx:
             placements[graph.layers[i].name] = on(strategy.layers[i].mesh)
         streams.append(_stream([strategy.layers[i] for i in idx], on, notes))
+    layouts = _layouts(graph, strategy, modules, placements)
     pipe = None
     if len(groups) > 1:   # stage placements for the untraced parameters, buffers, hooks
-        pipe = _cut(model, graph, strategy, groups, [st.placement for st in streams])
-    layouts = _layouts(graph, strategy, modules, placements)
+        pipe = _cut(model, graph, strategy, groups, [st.placement for st in streams],
+                    set(layouts))
     replicated = (streams[0].placement, (B,) * streams[0].placement.ndim)
     relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
              ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
@@ -574,11 +575,21 @@ def _split_points(graph, strategy, groups) -> list:
     return out
 
 
-def _cut(model, graph, strategy, groups, stage_pls: list):
-    """`sf.parallel.pipeline` at the stages' split points (parameters replicated on their
-    stage's stream, buffers moved, boundary hooks), checked against the strategy's stages."""
+def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
+    """`sf.parallel.pipeline` at the stages' split points (the parameters not in ``skip``
+    replicated on their stage's stream, buffers moved, boundary hooks), checked against the
+    strategy's stages. The parameters in ``skip`` (the traced layers', laid out next on their
+    layer placements) are hidden from it: moved once, a meta one materialised as a shard."""
     split = _split_points(graph, strategy, groups)
-    _pipeline(model, stage_pls, split)
+    hidden = [(m, key, t) for m in model.modules() for key, t in m._parameters.items()
+              if t is not None and id(t) in skip]
+    for m, key, _ in hidden:
+        m._parameters[key] = None
+    try:
+        _pipeline(model, stage_pls, split)
+    finally:
+        for m, key, t in hidden:
+            m._parameters[key] = t
     from ..parallel.pipeline import pipeline_of
     pipe = pipeline_of(model)
     wrong = [f"{l.name} (stage {s.stage}, module stage {pipe.stage_of(l.name)})"

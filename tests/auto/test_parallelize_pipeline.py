@@ -39,11 +39,17 @@ def _stages(graph, schedule: str) -> Strategy:
 
 def _train(how: str) -> dict:
     """Train the GPT laid out by parallelize: the hand-made 2-stage strategy run with ``how``
-    ("1f1b", "gpipe"), or ("searched") the strategy the search finds with 2 stages."""
+    ("1f1b", "gpipe"; "meta-1f1b": the model built under meta_init), or ("searched") the
+    strategy the search finds with 2 stages."""
     sf.manual_seed(0)
     model = gpt_class(sf.nn, sf.nn.functional)(**GPT).double()
     sd0 = model.state_dict()
     pl = sf.placement("cpu", [0, 1, 2, 3])
+    if how.startswith("meta-"):   # built without storage: each rank materialises its shards
+        how = how[len("meta-"):]
+        sf.manual_seed(0)
+        with sf.nn.init.meta_init():
+            model = gpt_class(sf.nn, sf.nn.functional)(**GPT).double()
     if how == "searched":   # slow compute: splitting the work pays
         cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4,
                                          flops_per_device=1e9)
@@ -63,7 +69,7 @@ def _train(how: str) -> dict:
                 time=plan.breakdown.time, bd_stages=plan.breakdown.stages)
 
 
-@pytest.mark.parametrize("how", ["1f1b", "gpipe", "searched"])
+@pytest.mark.parametrize("how", ["1f1b", "gpipe", "meta-1f1b", "searched"])
 def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
     r = sf.launch(_train, world_size=4, args=(how,))[0]
     assert r["stages"] == [(0, 1), (2, 3)] and r["input"] == (0, 1)
@@ -75,7 +81,7 @@ def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
         assert lay["tok.weight"][0] == (0, 1) and lay["head.weight"][0] == (2, 3), lay
     else:
         assert r["split"] == ("blocks.1",)
-        assert r["micro"] == 2 and r["schedule"] == how
+        assert r["micro"] == 2 and r["schedule"] == how.replace("meta-", "")
         assert lay["tok.weight"] == ((0, 1), (B,))
         assert lay["blocks.0.mlp.fc.weight"] == ((0, 1), (B,))
         assert lay["blocks.1.attn.qkv.weight"] == ((2, 3), (S(0),))   # column: rows of (out, in)
