@@ -2,7 +2,8 @@
 user of a shared weight (a GPT's LM head using the token embedding's) as ``tied`` with no weight
 of its own, so the graph counts the weight once and `evaluate` prices its memory and gradient
 sync once; `sf.auto.parallelize` lays the weight out once, in a layout both users accept, and a
-GPT with tied embeddings written in plain torch trains on 4 ranks as on one device (float64)."""
+GPT with tied embeddings written in plain torch trains on 4 ranks as on one device (float64),
+eagerly and as ``plan.graph_step``."""
 
 import copy
 
@@ -143,8 +144,12 @@ def _sf_train(model, how):
                                      flops_per_device=1e9)
     plan = sf.auto.parallelize(m, example, pl, cluster, strategy=strategy)
     opt = sf.optim.AdamW(m.parameters(), lr=1e-2)
+    step = plan.graph_step(opt) if how == "mismatched" else None   # graph mode too
     losses = []
     for x, y in batches:
+        if step is not None:
+            losses.append(step(plan.input(x), plan.input(y)).item())
+            continue
         loss = m(plan.input(x), plan.input(y))
         loss.backward()
         opt.step()
