@@ -25,7 +25,7 @@ from .boxing import plan_layouts
 from .sbp import dual_nd
 from .tensor import GlobalTensor
 
-__all__ = ["GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
+__all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
            "set_pending", "settle", "set_backfill", "backfill", "mark_stale", "take_stale"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
@@ -116,70 +116,51 @@ def settle(params=None) -> None:
             fut.result()
 
 
-class _Bucket:
-    __slots__ = ("params", "group", "op", "limit", "nbytes", "ready", "pending", "sent", "flat",
-                 "spare")
+class Bucket:
+    """Parameters whose gradients one collective reduces: ``params``, ``ready`` (the positions
+    of those accumulated in this backward), ``index`` (in its sync's buckets)."""
 
-    def __init__(self, group: tuple, op: str, limit: int) -> None:
+    __slots__ = ("params", "ready", "index")
+
+    def __init__(self) -> None:
         self.params: list = []
-        self.group, self.op, self.limit, self.nbytes = group, op, limit, 0
         self.ready: set = set()
-        self.pending = None       # Pending of the flat all-reduce
-        self.sent: list | None = []  # (gradient, its version) at the start, per param; None:
-                                     # dropped (the all-reduce is drained, its result unused)
-        self.flat = None          # the flat buffer, reused while nothing else holds a view of it
-        self.spare = None         # the buffer before it, if ``flat`` was busy when last needed
+        self.index = -1
 
 
-class GradSync:
-    """Overlapped all-reduce of the all-reduce-boxed gradients of ``params`` (see the module
-    docstring). Registers hooks on the parameters' local tensors; a later `GradSync` over the
-    same parameter takes it over (the earlier one stops acting for it)."""
+class BucketSync:
+    """The rule both overlapped gradient syncs follow (`GradSync`'s all-reduces, ZeRO-1's
+    reduce-scatters in `sbpflow.optim.zero_sync`): parameters in buckets, a hook on each
+    local's gradient accumulation; once every gradient of the next bucket in order has been
+    accumulated, that bucket starts (`_start`, the subclass's collective), strictly in bucket
+    order, so every rank starts the same collectives in the same order. ``no_sync()`` starts
+    nothing. A later sync of the same class over a parameter takes it over (``OWNERS``: the
+    ``comm.state`` key of parameter -> the sync acting for it)."""
 
-    def __init__(self, params: list, bucket_bytes: int,
-                 first_bucket_bytes: int | None = None) -> None:
-        comm = _comm.current()
-        self._comm = comm
-        self._buckets: list[_Bucket] = []
+    OWNERS = "grad_sync_owner"
+
+    def __init__(self) -> None:
+        self._comm = _comm.current()
+        self._buckets: list = []
         self._next = 0            # index of the next bucket to start, in order
         self._enabled = True
         self._handles: dict = {}
-        owners = _owners(comm)
-        filling: dict = {}        # (group, op, dtype, device) -> the bucket being filled
-        for p in reversed(params):
-            found = self._single_all_reduce(p, comm.rank)
-            if found is None:
-                continue
-            step, group = found
-            key = (group, step.op, p.local.dtype, p.local.device)
-            size = p.local.numel() * p.local.element_size()
-            b = filling.get(key)
-            if b is None or (b.params and b.nbytes + size > b.limit):
-                # the first bucket of each group: its members must cut the same buckets, and
-                # another group's buckets are made on some of them only
-                first = first_bucket_bytes if first_bucket_bytes is not None else \
-                    FIRST_BUCKET_BYTES if p.local.device.type == "cuda" else bucket_bytes
-                b = filling[key] = _Bucket(group, step.op, bucket_bytes if b else first)
-                self._buckets.append(b)
-            b.params.append(p)
-            b.nbytes += size
-            prev = owners.get(p)
-            if prev is not None and prev is not self:
-                prev._release(p)
-            owners[p] = self
-            self._handles[p] = p.local.register_post_accumulate_grad_hook(
-                _hook(weakref.ref(self), len(self._buckets) - 1, len(b.params) - 1))
 
-    @staticmethod
-    def _single_all_reduce(p: GlobalTensor, rank: int):
-        """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
-        that group is more than this rank, else None."""
-        if not p.local.requires_grad or p in _UPDATE_LAYOUTS:
-            return None
-        pl = p.placement
-        plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
-        group = plan.all_reduce_group(rank)
-        return None if group is None or len(group) == 1 else (plan.steps[0], group)
+    def _new_bucket(self, b: Bucket) -> Bucket:
+        b.index = len(self._buckets)
+        self._buckets.append(b)
+        return b
+
+    def _add(self, b: Bucket, p: GlobalTensor) -> None:
+        """Put ``p`` in bucket ``b`` (made by `_new_bucket`) and act for it from now on."""
+        b.params.append(p)
+        owners = _owners(self._comm, self.OWNERS)
+        prev = owners.get(p)
+        if prev is not None and prev is not self:
+            prev._release(p)
+        owners[p] = self
+        self._handles[p] = p.local.register_post_accumulate_grad_hook(
+            _hook(weakref.ref(self), b.index, len(b.params) - 1))
 
     def _release(self, p: GlobalTensor) -> None:
         handle = self._handles.pop(p, None)
@@ -192,19 +173,17 @@ class GradSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside start no all-reduce (micro-batches being accumulated)."""
+        """Backward passes inside start no collective (micro-batches being accumulated)."""
         prev, self._enabled = self._enabled, False
         try:
             yield
         finally:
             self._enabled = prev
 
-    # -- during backward ----------------------------------------------------------------------
     def _ready(self, index: int, j: int) -> None:
         if not self._enabled:
             return
-        b = self._buckets[index]
-        b.ready.add(j)
+        self._buckets[index].ready.add(j)
         while self._next < len(self._buckets) and \
                 len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
             self._start(self._buckets[self._next])
@@ -212,6 +191,81 @@ class GradSync:
         if self._next == len(self._buckets):  # every bucket started: the next backward begins anew
             self._next = 0
 
+    def _start(self, b: Bucket) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget readiness marks (a backward that did not reach every parameter)."""
+        for b in self._buckets:
+            b.ready.clear()
+        self._next = 0
+
+    @classmethod
+    def collect(cls, params: list) -> dict:
+        """``take()`` of every sync of this class owning one of ``params`` (on this rank)."""
+        owners = _owners(_comm.current(), cls.OWNERS)
+        out: dict = {}
+        seen: set = set()
+        for p in params:
+            sync = owners.get(p)
+            if sync is not None and id(sync) not in seen:
+                seen.add(id(sync))
+                out.update(sync.take())
+        return out
+
+
+class _Bucket(Bucket):
+    __slots__ = ("group", "op", "limit", "nbytes", "pending", "sent", "flat", "spare")
+
+    def __init__(self, group: tuple, op: str, limit: int) -> None:
+        super().__init__()
+        self.group, self.op, self.limit, self.nbytes = group, op, limit, 0
+        self.pending = None       # Pending of the flat all-reduce
+        self.sent: list | None = []  # (gradient, its version) at the start, per param; None:
+                                     # dropped (the all-reduce is drained, its result unused)
+        self.flat = None          # the flat buffer, reused while nothing else holds a view of it
+        self.spare = None         # the buffer before it, if ``flat`` was busy when last needed
+
+
+class GradSync(BucketSync):
+    """Overlapped all-reduce of the all-reduce-boxed gradients of ``params`` (see the module
+    docstring and `BucketSync`)."""
+
+    def __init__(self, params: list, bucket_bytes: int,
+                 first_bucket_bytes: int | None = None) -> None:
+        super().__init__()
+        rank = self._comm.rank
+        filling: dict = {}        # (group, op, dtype, device) -> the bucket being filled
+        for p in reversed(params):
+            found = self._single_all_reduce(p, rank)
+            if found is None:
+                continue
+            step, group = found
+            key = (group, step.op, p.local.dtype, p.local.device)
+            size = p.local.numel() * p.local.element_size()
+            b = filling.get(key)
+            if b is None or (b.params and b.nbytes + size > b.limit):
+                # the first bucket of each group: its members must cut the same buckets, and
+                # another group's buckets are made on some of them only
+                first = first_bucket_bytes if first_bucket_bytes is not None else \
+                    FIRST_BUCKET_BYTES if p.local.device.type == "cuda" else bucket_bytes
+                b = filling[key] = self._new_bucket(
+                    _Bucket(group, step.op, bucket_bytes if b else first))
+            b.nbytes += size
+            self._add(b, p)
+
+    @staticmethod
+    def _single_all_reduce(p: GlobalTensor, rank: int):
+        """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
+        that group is more than this rank, else None."""
+        if not p.local.requires_grad or p in _UPDATE_LAYOUTS:
+            return None
+        pl = p.placement
+        plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
+        group = plan.all_reduce_group(rank)
+        return None if group is None or len(group) == 1 else (plan.steps[0], group)
+
+    # -- during backward ----------------------------------------------------------------------
     def _start(self, b: _Bucket) -> None:
         b.ready.clear()
         grads = [p.local.grad for p in b.params]
@@ -259,12 +313,6 @@ class GradSync:
         self.reset()
         return out
 
-    def reset(self) -> None:
-        """Forget readiness marks (a backward that did not reach every parameter)."""
-        for b in self._buckets:
-            b.ready.clear()
-        self._next = 0
-
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -281,27 +329,19 @@ def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:
     return flat if _use_count(flat.untyped_storage()._cdata) == 2 else None
 
 
-def _owners(comm) -> "weakref.WeakKeyDictionary":
-    return comm.state.setdefault("grad_sync_owner", weakref.WeakKeyDictionary())
+def _owners(comm, key: str) -> "weakref.WeakKeyDictionary":
+    return comm.state.setdefault(key, weakref.WeakKeyDictionary())
 
 
 def collect(params: list) -> dict:
     """`GradSync.take` of every sync owning one of ``params`` (on this rank)."""
-    owners = _owners(_comm.current())
-    out: dict = {}
-    seen: set = set()
-    for p in params:
-        sync = owners.get(p)
-        if sync is not None and id(sync) not in seen:
-            seen.add(id(sync))
-            out.update(sync.take())
-    return out
+    return GradSync.collect(params)
 
 
 def drop_started() -> None:
     """`GradSync.drop_started` of every sync of this rank."""
     seen: set = set()
-    for sync in list(_owners(_comm.current()).values()):
+    for sync in list(_owners(_comm.current(), GradSync.OWNERS).values()):
         if id(sync) not in seen:
             seen.add(id(sync))
             sync.drop_started()
@@ -312,7 +352,9 @@ def _hook(sync_ref: "weakref.ref", index: int, j: int):
         sync = sync_ref()
         if sync is not None:
             sync._ready(index, j)
-    hook.redone_when_dropped = True  # what it starts, `drop_started` undoes (pending_mean)
+    # what it starts is undone when a gradient is scaled afterwards (sf.nn.pending_mean):
+    # `drop_started` (all-reduces), or a changed version `take` skips (reduce-scatters)
+    hook.redone_when_dropped = True
     return hook
 
 

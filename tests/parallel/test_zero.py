@@ -500,3 +500,33 @@ def test_a_meta_model_is_materialised_straight_into_its_zero3_shards():
             assert torch.equal(meta_sd[k], v), k
     # 30 rows: 8, 8, 7, 7
     assert [r[0][0]["tok.weight"][:2] for r in res] == [((S(0),), (n, 18)) for n in (8, 8, 7, 7)]
+
+
+# -- the bucket rule the gradient syncs share (sbpflow.gradsync.BucketSync) -----------------------
+def _buckets_started() -> dict:
+    """On the 2-D layout each sync fills buckets of two groups at once (a tp-split weight is
+    reduced along dp, a replicated one over all 4 ranks), so their buckets interleave; small
+    buckets make many. After a backward: was every bucket started during it?"""
+    from sbpflow.gradsync import GradSync
+    from sbpflow.optim.zero_sync import ShardSync
+    ranks, rules, data_sbp = MESHES["2d"]
+    pl = sf.placement("cpu", ranks)
+    out = {}
+    for stage, make in ((0, GradSync), (1, ShardSync)):
+        sf.manual_seed(0)
+        m = _gpt(sf.nn, sf.nn.functional).double()
+        sf.parallel.apply(m, pl, rules, zero=stage)
+        sync = make(list(m.parameters()), 2000)
+        m(*_sf_args(_gpt_batch(0), pl, data_sbp)).backward()
+        groups = {b.group if stage == 0 else b.geos[0].group for b in sync._buckets}
+        started = [(b.pending if stage == 0 else b.future) is not None for b in sync._buckets]
+        out[stage] = (len(groups), started)
+        sync.take()
+    return out
+
+
+def test_interleaved_buckets_all_start_during_backward():
+    for r in sf.launch(_buckets_started, 4):
+        for stage, (groups, started) in r.items():
+            assert groups == 2 and len(started) > 4, (stage, groups, started)
+            assert all(started), (stage, started)
