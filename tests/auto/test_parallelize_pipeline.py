@@ -102,13 +102,18 @@ def _tied_across_stages():
                                   stage=0 if i < len(graph.layers) // 2 else 1)
               for i, l in enumerate(graph.layers)]
     strategy = Strategy(graph, layers, Pipeline(2, 1, 2))
+    pl = sf.placement("cpu", [0, 1])
     try:
-        sf.auto.parallelize(model, batch(0), sf.placement("cpu", [0, 1]), strategy=strategy)
+        sf.auto.parallelize(model, batch(0), pl, strategy=strategy)
     except sf.ParallelizeError as exc:
-        return graph.ties, str(exc)
+        msg = str(exc)
+    plan = sf.auto.parallelize(model, batch(0), pl, stages=2)   # searched: one stage instead
+    return graph.ties, msg, plan.stages, plan.strategy.pipeline, plan.notes
 
 
-def test_a_weight_tied_across_stages_is_refused_naming_the_fix():
-    ties, msg = sf.launch(_tied_across_stages, world_size=2)[0]
+def test_a_weight_tied_across_stages_is_refused_or_searched_in_one_stage():
+    ties, msg, stages, pipeline, notes = sf.launch(_tied_across_stages, world_size=2)[0]
     assert ties == {"head": "tok"}
     assert "tok (stage 0) and head (stage 1) share one weight" in msg and "stages=1" in msg
+    assert stages == [] and pipeline is None
+    assert any("tied layers [('head', 'tok')] in different stages" in n for n in notes), notes
