@@ -3,13 +3,12 @@
 No central loop orders the work: each queue thread (compute, comm, data, ...) fires the first
 of its actors that the firing rule allows, publishes its outputs (``req`` to each consumer) and
 acks its inputs; messages to other ranks go over the Communicator's message channel, read by
-an inbox thread. A failing actor aborts every rank of the plan; an actor that cannot fire, or
-stays inside its function, for ``SBPFLOW_TIMEOUT`` s raises `ActorTimeout`; a run refuses to
-start while a failed run's thread is left inside an actor (its collective would pair with the
-new run's). Every firing is a timeline event. What is not
-done yet: plans cannot change between runs, and the torch backend's messages go through the
-c10d store (pickled; fine for control messages, slow for large tensors). See
-docs/runtime.md, 'Actors and registers'.
+one reader thread a channel kept from run to run (`inbox`). A failing actor aborts every rank
+of the plan; an actor that cannot fire, or stays inside its function, for ``SBPFLOW_TIMEOUT``
+s raises `ActorTimeout`; a run refuses to start while a failed run's thread is left inside an
+actor (its collective would pair with the new run's). Every firing is a timeline event. The
+torch backend's messages go through the c10d store (pickled; fine for control messages, slow
+for large tensors). See docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from ..comm.current import current, set_current
 from ..comm.threads import default_timeout, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
+from .inbox import Router, ensure_reader, failure_notice
 from .workers import Job, Workers
 from .specs import Plan
 
@@ -34,8 +34,6 @@ __all__ = ["Runtime"]
 _POLL = 0.05  # s between the supervisor's timeout checks and the inbox's liveness checks
 _STOP_GRACE = 0.75  # s a failed run waits for its threads (an actor may be inside its fn);
 # below the 1 s `launch` gives a failed world, so a rank reports what its runtime says
-_INBOX_GRACE = 10.0  # s a run waits for its inbox thread, which runs no user code and returns
-# within _POLL: left alive it would steal the next run's messages
 _GATED = ("collective", "send", "recv")  # kinds whose fn may talk to the communicator directly:
 # after a failed run they fire only once every rank of the plan started the run with no thread
 # left behind, so they never pair with that run's abandoned collective
@@ -56,6 +54,17 @@ class _CommState:
         # handshake (no left-behind thread anywhere); until then they need not wait for it
         self.failed = False
         self.failures = 0  # failed runs (see `Runtime.failures`)
+        # each channel's reader hands messages to the channel's active run (`inbox.Router`);
+        # ``early`` is read and written under ``route`` only
+        self.route = threading.RLock()
+        self.routers: dict[str, Router] = {}
+
+    def router(self, channel: str) -> Router:
+        with self.route:
+            r = self.routers.get(channel)
+            if r is None:
+                r = self.routers[channel] = Router()
+            return r
 
     def next_run(self, channel: str) -> int:
         with self.lock:
@@ -97,6 +106,9 @@ class Runtime:
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.channel = f"sbpflow.runtime/{plan.name}"
         self.shared = _state(self.comm)  # run ids and early messages per (comm, channel)
+        self.router = self.shared.router(self.channel)
+        with self.shared.route:
+            self.router.runtimes.add(self)  # the channel's reader lives while a runtime does
         self.runs = 0  # the id of the last run started: messages carry it, so a late one is
         # never misread (counted per communicator and channel, not per Runtime)
         self._step: _Step | None = None
@@ -143,6 +155,8 @@ class Runtime:
     def close(self) -> None:
         """End the threads the runtime keeps between runs (also done when it is garbage)."""
         self.workers.close()
+        with self.shared.route:
+            self.router.runtimes.discard(self)
 
     def timeline(self) -> list[dict]:
         """This rank's firings of the last run: ``{"rank", "actor", "kind", "stage",
@@ -178,6 +192,7 @@ class _Step:
         # run has failed on this communicator (`_CommState.failed`)
         self.unstarted = set(self.peers)
         self.careful = rt.shared.failed
+        self.posted_start = False  # this run's start went to the peers (see `_stale_failure`)
         self.trackers = memory.active_trackers()  # the caller's `sf.memory.track()` blocks
 
     def gated(self, a: Actor) -> bool:
@@ -189,19 +204,14 @@ class _Step:
         workers = self.rt.workers
         threads = [workers.submit(f"sbpflow-rank{self.rank}-{q}", partial(self._queue_loop, q))
                    for q in self.queues]
-        inbox = None
-        if self.peers:
-            inbox = workers.submit(f"sbpflow-rank{self.rank}-inbox", self._inbox_loop)
         try:
-            # announced once the queues run: on the torch backend a post is a store round trip,
-            # and the actors need not wait for them (only after a failure, see `gated`)
-            self._start()
+            self._start()  # once the queues run: a post may be a store round trip
             self._supervise()
         except BaseException as exc:  # e.g. KeyboardInterrupt: stop every rank
             self._fail(exc, None)
             raise
         finally:
-            self._stop(threads, inbox)
+            self._stop(threads)
         if self.failure is not None:
             workers.close()  # the next run starts on fresh threads
             raise self.failure
@@ -222,13 +232,37 @@ class _Step:
             raise CommError(problem)
 
     def _start(self) -> None:
-        """Tell the other ranks this run started; hand the messages that came early to the
-        actors."""
+        """Make this run the channel's active one (its reader hands it the messages, those
+        that came early first) and, after a failed run (`gated`), tell the other ranks it
+        started. Until a run fails no rank waits for a start: posting it would cost every run
+        a message to each peer (a store round trip each on the torch backend)."""
+        shared, router = self.rt.shared, self.rt.router
+        if self.peers:
+            ensure_reader(self.comm, self.rt.channel, router, shared.route,
+                          lambda: shared.early.setdefault(self.rt.channel, []),
+                          f"sbpflow-rank{self.rank}-inbox")
+        with shared.route:
+            router.active, router.last = self, self.run_id
+            router.on_stale_failure = self._stale_failure
+            if self.careful:
+                self._post_start()
+            self.dispatch(shared.early.pop(self.rt.channel, []))
+
+    def _post_start(self) -> None:
+        self.posted_start = True
         for r in self.peers:
             self._post(r, ("start", self.run_id, None))
-        with self.rt.shared.lock:
-            early = self.rt.shared.early.pop(self.rt.channel, [])
-        self._dispatch(early)
+
+    def _stale_failure(self, run: int) -> None:
+        """A rank says an earlier run (``run``) failed, after this rank's part of it ended: the
+        failure's ranks wait for every start from now on, this run's included."""
+        self.rt.shared.failed = True
+        if not self.posted_start:
+            self._post_start()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the run (its channel's reader could not read)."""
+        self._fail(exc, None)
 
     def _supervise(self) -> None:
         """Wait until every actor finished (or the run failed), checking for timeouts."""
@@ -243,7 +277,7 @@ class _Step:
         if exc is not None:
             self._fail(exc, None)
 
-    def _stop(self, threads: list[Job], inbox: Job | None) -> None:
+    def _stop(self, threads: list[Job]) -> None:
         """Wake every thread, wait for them (a bounded time after a failure) and name on the
         exception the threads left inside an actor's function; they are remembered, so the
         next run on this communicator refuses to start while they live."""
@@ -251,15 +285,13 @@ class _Step:
             self.over = True
             for c in self.conds.values():
                 c.notify_all()
-        if inbox is not None:
-            self._post(self.rank, ("wake", self.run_id))  # the inbox returns at once
+        with self.rt.shared.route:  # from now on the reader keeps or drops this run's messages
+            if self.rt.router.active is self:
+                self.rt.router.active = None
         grace = _STOP_GRACE if self.failure is not None else self.rt.timeout
         deadline = time.monotonic() + grace
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        if inbox is not None:  # on its own deadline: it runs no user code, returns in _POLL
-            inbox.join(_INBOX_GRACE)
-            threads = threads + [inbox]
         stuck = [t for t in threads if t.is_alive()]
         if not stuck:
             return
@@ -293,17 +325,6 @@ class _Step:
             self._fail(exc, None)
         finally:
             waits_alongside(False)
-            set_current(None)
-
-    def _inbox_loop(self) -> None:
-        """Read this rank's channel and hand the messages to the actors."""
-        set_current(self.comm)
-        try:
-            while not self.over:
-                self._dispatch(self.comm.inbox(self.rt.channel, _POLL))
-        except BaseException as exc:  # noqa: BLE001 - e.g. CommAborted: another rank died
-            self._fail(exc, None)
-        finally:
             set_current(None)
 
     # -- firing -------------------------------------------------------------------------------
@@ -383,7 +404,7 @@ class _Step:
         try:
             self.comm.post(dst, self.rt.channel, msg)
         except Exception as exc:  # noqa: BLE001 - e.g. the world aborted, the store is gone
-            if msg[0] in ("abort", "wake"):  # already stopping: the first failure stands
+            if msg[0] == "abort":  # already stopping: the first failure stands
                 return
             if not isinstance(exc, CommError):
                 err = CommError(f"rank {self.rank}: posting a {msg[0]!r} message to rank {dst} "
@@ -392,16 +413,17 @@ class _Step:
                 err.__cause__, exc = exc, err
             self._fail(exc, None)
 
-    def _dispatch(self, msgs: list[tuple[int, tuple]]) -> None:
+    def dispatch(self, msgs: list[tuple[int, tuple]]) -> None:
+        """Hand the messages read from the channel to the actors (the route lock held)."""
         if not msgs:
             return
-        aborts = []
+        aborts, stale = [], False
         with self.lock:
             for src, msg in msgs:
                 if msg[1] > self.run_id:
-                    with self.rt.shared.lock:
-                        self.rt.shared.early.setdefault(self.rt.channel, []).append((src, msg))
-                elif msg[1] < self.run_id or msg[0] == "wake":
+                    self.rt.shared.early.setdefault(self.rt.channel, []).append((src, msg))
+                elif msg[1] < self.run_id:
+                    stale = stale or failure_notice(msg)
                     continue
                 elif msg[0] == "req":
                     self._on_req(msg)
@@ -415,6 +437,8 @@ class _Step:
                     self._on_start(src)
             if self.left == 0:
                 self.main.notify()
+        if stale:
+            self._stale_failure(self.run_id)
         for text in aborts:
             self._fail(ActorAborted(f"{text}; the runtime of rank {self.rank} stopped"), None,
                        broadcast=False)
@@ -482,8 +506,6 @@ class _Step:
                 text = str(exc)
             for r in self.peers:
                 self._post(r, ("abort", self.run_id, text))
-            if self.peers:
-                self._post(self.rank, ("wake", self.run_id))
 
     def _timed_out(self) -> ActorTimeout | None:
         """An `ActorTimeout` for the first actor waiting longer than the timeout (lock held)."""

@@ -1,8 +1,8 @@
 """Runs after a failed run, and failures the runtime must survive (docs/runtime.md 'Actors and
 registers', 'Failures'): a thread left behind inside a collective refuses the next run instead
 of pairing with it; a fresh Runtime on the same plan never reads the previous one's messages; a
-failing post fails the run with its own error; busy and repeat-read waits time out right; the
-inbox thread is never left behind."""
+failing post fails the run with its own error; busy and repeat-read waits time out right; one
+reader thread a channel, kept from run to run."""
 
 import threading
 import time
@@ -143,38 +143,37 @@ def test_gpipe_flush_waiting_through_the_backward_is_not_a_timeout():
     assert out[0]["bwd0"] == list(range(6))
 
 
-def test_the_inbox_thread_is_joined_after_a_failure(monkeypatch):
-    """The inbox is inside a 2 s channel read when the run fails: the run waits for it (no
-    user code) rather than leaving it to steal the next run's messages."""
-    slow = threading.Event()
-    orig = ThreadChannels.take
+def test_one_reader_a_channel_from_run_to_run_ended_with_its_runtimes():
+    """The channel's reader is one thread for every run, a failed one included; it hands each
+    run its own values (never the next run's, which it keeps), the runs after the failure do
+    the start handshake, and the reader ends once the channel's runtime is closed."""
+    def load(mb):
+        if sf.comm.rank() == 0 and state["fail"] and mb == 1:
+            raise ValueError("boom")
+        return torch.full((2,), 10.0 * state["run"] + mb)
 
-    inside: dict[int, int] = {0: 0, 1: 0}  # the reads in progress, per rank
-
-    def take(self, rank, channel, timeout, alive):
-        inside[rank] += 1
-        try:
-            if slow.is_set():
-                time.sleep(2.0)
-            return orig(self, rank, channel, timeout, alive)
-        finally:
-            inside[rank] -= 1
-
-    monkeypatch.setattr(ThreadChannels, "take", take)
-
-    def fail(mb):
-        slow.set()
-        time.sleep(0.2)  # every inbox is inside a slow read now
-        raise ValueError("boom")
-
-    plan = Plan({0: [ActorSpec("x", "load", fail)],
-                 1: [ActorSpec("y", "load", lambda mb: mb, times=1)]})
+    state = {"fail": False, "run": 0}
+    plan = Plan({0: [ActorSpec("p", "load", load)],
+                 1: [ActorSpec("c", "compute", lambda mb, x: x.clone(),
+                               inputs=[Input("p", rank=0)])]})
 
     def body():
-        one = _outcome(lambda: Runtime(plan).run(1))
-        # the run returned after its inbox's read, not while it is still inside it
-        return one[0], ["inbox still reading"] if inside[sf.comm.rank()] else []
+        rank, rt = sf.comm.rank(), Runtime(plan, timeout=HANG)
+        name = f"sbpflow-rank{rank}-inbox"
+        before = set(threading.enumerate())  # an earlier test's reader may still be ending
+        got = []
+        for run, fail in enumerate([False, True, False, False]):
+            sf.comm.current().barrier(group=[0, 1])
+            state["fail"], state["run"] = fail, run
+            out = _outcome(lambda: rt.run(3))
+            got.append(out[0] if out[0] != "ok" else [float(v[0]) for v in out[1].get("c", [])])
+        readers = [t for t in threading.enumerate() if t.name == name and t not in before]
+        rt.close()
+        time.sleep(0.5)
+        left = [t for t in threading.enumerate() if t.name == name and t not in before]
+        return got, len(readers), len(left)
 
-    got = sf.launch(body, world_size=2)
-    assert got[0] == ("ValueError", [])
-    assert got[1][1] == []
+    got = sf.launch(body, world_size=2, timeout=HANG)
+    assert got[0][0] == [[], "ValueError", [], []]
+    assert got[1][0] == [[0.0, 1.0, 2.0], "ActorAborted", [20.0, 21.0, 22.0], [30.0, 31.0, 32.0]]
+    assert [g[1:] for g in got] == [(1, 0), (1, 0)]
