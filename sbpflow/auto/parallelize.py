@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import ParallelizeError
+from ..nn.modules import ModuleDict, ModuleList, Sequential
 from ..nn.torch_modules import from_torch, is_torch_module
 from ..parallel.pipeline import pipeline as _pipeline
 from ..parallel.relayout import relayout
@@ -475,7 +476,8 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
                                        "give one or the other")
             strategy = _to_one_mesh(graph, strategy, cluster, notes)
         bd = None
-    tied = _tie_weights(graph, strategy, modules, _evaluator(graph, strategy, cluster), notes)
+    snapped = _snap_cuts(model, graph, strategy, notes)
+    tied = _tie_weights(graph, snapped, modules, _evaluator(graph, snapped, cluster), notes)
     if bd is None or tied is not strategy:
         bd = _breakdown(graph, tied, cluster)
     strategy = tied
@@ -559,19 +561,76 @@ def _stage_groups(graph, strategy, placement) -> list:
              [i for i, st in enumerate(stage) if st == k]) for k in range(pp.stages)]
 
 
-def _split_points(graph, strategy, groups) -> list:
-    """The module where each stage after the first starts: the outermost module containing
-    the stage's first layer whose traced layers are all in that stage (a GPT's block)."""
-    stage = {l.name: s.stage for l, s in zip(graph.layers, strategy.layers)}
+def _prefixes(name: str) -> list:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``: the module and its ancestors, outermost first."""
+    parts = name.split(".")
+    return [".".join(parts[:j]) for j in range(1, len(parts) + 1)]
+
+
+def _under(names: list, module: str) -> list:
+    """Indices of the layers (by name) inside ``module``."""
+    return [i for i, n in enumerate(names) if n == module or n.startswith(module + ".")]
+
+
+def _clean(model, name: str) -> bool:
+    """Whether a stage may start at module ``name``: it is called (not a ModuleList or
+    ModuleDict) and its parent is the model, a ModuleList or a Sequential, whose forwards
+    pass the activation on (a block's own forward may add to it a residual from before the
+    cut, which would sit on the previous stage)."""
+    if isinstance(model.get_submodule(name), (ModuleList, ModuleDict)):
+        return False
+    parent = name.rpartition(".")[0]
+    return parent == "" or isinstance(model.get_submodule(parent), (ModuleList, Sequential))
+
+
+def _clean_starts(model, names: list) -> set:
+    """Layer indices a stage may start at: the first layer of a clean module."""
+    return {i for i, n in enumerate(names) if i > 0 and
+            any(_clean(model, p) and _under(names, p)[0] == i for p in _prefixes(n))}
+
+
+def _snap_cuts(model, graph, strategy, notes: list):
+    """``strategy`` with each stage starting at the nearest clean layer (`_clean_starts`;
+    the earlier of two as near; the stages keep their order and a layer each), noted; a
+    strategy without stages, or already clean, as it is."""
+    pp = getattr(strategy, "pipeline", None)
+    if pp is None:
+        return strategy
+    names = [l.name for l in graph.layers]
+    stage = [getattr(s, "stage", 0) for s in strategy.layers]
+    starts = [stage.index(k) if k in stage else None for k in range(pp.stages)]
+    if None in starts or starts != sorted(starts):
+        return strategy            # refused with its reason by `_stage_groups`
+    clean, moved = _clean_starts(model, names), []
+    for k in range(1, len(starts)):
+        lo, hi = starts[k - 1] + 1, (starts[k + 1] if k + 1 < len(starts) else len(names)) - 1
+        if starts[k] in clean:
+            continue
+        near = sorted((abs(i - starts[k]), i) for i in clean if lo <= i <= hi)
+        if near:
+            moved.append(f"stage {k} from {names[starts[k]]} to {names[near[0][1]]}")
+            starts[k] = near[0][1]
+    if not moved:
+        return strategy
+    bounds = starts + [len(names)]
+    layers = [dataclasses.replace(s, stage=k) for k in range(len(starts))
+              for s in strategy.layers[bounds[k]:bounds[k + 1]]]
+    notes.append(f"stage cuts moved to module boundaries the activation alone crosses: "
+                 f"{'; '.join(moved)}")
+    return _restrategy(graph, layers, strategy)
+
+
+def _split_points(model, graph, strategy, groups) -> list:
+    """The module where each stage after the first starts: the outermost clean module
+    (`_clean`; else any module) containing the stage's first layer whose traced layers are
+    all in that stage (a GPT's block)."""
+    names = [l.name for l in graph.layers]
+    stage = [s.stage for s in strategy.layers]
     out = []
     for k, (_, idx) in enumerate(groups[1:], start=1):
-        first = graph.layers[idx[0]].name
-        parts = first.split(".")
-        for j in range(1, len(parts) + 1):
-            pre = ".".join(parts[:j])
-            if all(st == k for n, st in stage.items() if n == pre or n.startswith(pre + ".")):
-                out.append(pre)
-                break
+        fits = [p for p in _prefixes(names[idx[0]])
+                if all(stage[i] == k for i in _under(names, p))]
+        out.append(next((p for p in fits if _clean(model, p)), fits[0]))
     return out
 
 
@@ -580,7 +639,7 @@ def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
     replicated on their stage's stream, buffers moved, boundary hooks), checked against the
     strategy's stages. The parameters in ``skip`` (the traced layers', laid out next on their
     layer placements) are hidden from it: moved once, a meta one materialised as a shard."""
-    split = _split_points(graph, strategy, groups)
+    split = _split_points(model, graph, strategy, groups)
     hidden = [(m, key, t) for m in model.modules() for key, t in m._parameters.items()
               if t is not None and id(t) in skip]
     for m, key, _ in hidden:

@@ -25,12 +25,14 @@ def batch(step: int) -> tuple:
     return tok[:, :-1].contiguous(), torch.arange(GPT["seq"]), tok[:, 1:].contiguous()
 
 
-def _stages(graph, schedule: str) -> Strategy:
+def _stages(graph, schedule: str, mid_block: bool = False) -> Strategy:
     """Stage 0 (embeddings, block 0) data parallel on 2 devices; stage 1 (block 1, head)
-    Megatron tensor parallel on the other 2; 2 micro-batches."""
+    Megatron tensor parallel on the other 2; 2 micro-batches. ``mid_block``: stage 1 starts
+    at block 0's MLP instead (inside the block's residuals)."""
     layers = []
     for l in graph.layers:
-        first = l.name in ("tok", "pos") or l.name.startswith("blocks.0.")
+        first = l.name in ("tok", "pos") or l.name.startswith("blocks.0.attn") or \
+            (l.name.startswith("blocks.0.") and not mid_block)
         names = ("dp",) if first else (l.attrs["megatron"],)
         s = make_layer_strategy(l, (2,), names)
         layers.append(dataclasses.replace(s, stage=0 if first else 1))
@@ -57,7 +59,9 @@ def _train(how: str) -> dict:
     else:
         graph, _ = sf.auto.trace(model, batch(0))
         cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4)
-        plan = sf.auto.parallelize(model, batch(0), pl, cluster, strategy=_stages(graph, how))
+        mid = how == "mid-block"
+        plan = sf.auto.parallelize(model, batch(0), pl, cluster,
+                                   strategy=_stages(graph, "1f1b" if mid else how, mid))
     opt = sf.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     step = plan.graph_step(opt)
     losses = [step(*[plan.input(t) for t in batch(k)]).item() for k in range(STEPS)]
@@ -69,7 +73,7 @@ def _train(how: str) -> dict:
                 time=plan.breakdown.time, bd_stages=plan.breakdown.stages)
 
 
-@pytest.mark.parametrize("how", ["1f1b", "gpipe", "meta-1f1b", "searched"])
+@pytest.mark.parametrize("how", ["1f1b", "gpipe", "meta-1f1b", "mid-block", "searched"])
 def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
     r = sf.launch(_train, world_size=4, args=(how,))[0]
     assert r["stages"] == [(0, 1), (2, 3)] and r["input"] == (0, 1)
@@ -79,6 +83,11 @@ def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
     if how == "searched":   # the search's micro-batches, at most one sample each (notes)
         assert 2 <= r["micro"] <= N and r["schedule"] == "1f1b"
         assert lay["tok.weight"][0] == (0, 1) and lay["head.weight"][0] == (2, 3), lay
+    elif how == "mid-block":   # stage 1 moved to block 0's start, and said so
+        assert r["split"] == ("blocks.0",) and r["micro"] == 2
+        assert lay["blocks.0.mlp.fc.weight"][0] == lay["blocks.0.attn.qkv.weight"][0] == (2, 3)
+        assert any("stage 1 from blocks.0.mlp.fc to blocks.0.attn.qkv" in n
+                   for n in r["notes"]), r["notes"]
     else:
         assert r["split"] == ("blocks.1",)
         assert r["micro"] == 2 and r["schedule"] == how.replace("meta-", "")
