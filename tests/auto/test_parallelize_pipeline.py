@@ -1,8 +1,8 @@
 """`sf.auto.parallelize` runs pipelined strategies (issue 17, part 6): a strategy whose layers
 carry stages is laid out stage by stage (stage k on ranks k * devices .., each layer on its mesh
 there, `sf.parallel.pipeline` cut at the stage boundaries), and ``plan.graph_step`` trains it as
-an ``sf.nn.Graph`` with the strategy's micro-batches and schedule: a GPT on 2 stages x 2 devices
-equals the one-device torch twin (float64)."""
+an ``sf.nn.Graph`` with the strategy's micro-batches and schedule (or eagerly, stages serial): a
+GPT on 2 stages x 2 devices equals the one-device torch twin (float64)."""
 
 import dataclasses
 
@@ -41,8 +41,9 @@ def _stages(graph, schedule: str, mid_block: bool = False) -> Strategy:
 
 def _train(how: str) -> dict:
     """Train the GPT laid out by parallelize: the hand-made 2-stage strategy run with ``how``
-    ("1f1b", "gpipe"; "meta-1f1b": the model built under meta_init), or ("searched") the
-    strategy the search finds with 2 stages."""
+    ("1f1b", "gpipe"; "meta-1f1b": the model built under meta_init; "mid-block": stage 1 cut
+    inside block 0; "eager": the model called directly), or ("searched") the strategy the
+    search finds with 2 stages."""
     sf.manual_seed(0)
     model = gpt_class(sf.nn, sf.nn.functional)(**GPT).double()
     sd0 = model.state_dict()
@@ -60,11 +61,20 @@ def _train(how: str) -> dict:
         graph, _ = sf.auto.trace(model, batch(0))
         cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4)
         mid = how == "mid-block"
-        plan = sf.auto.parallelize(model, batch(0), pl, cluster,
-                                   strategy=_stages(graph, "1f1b" if mid else how, mid))
+        plan = sf.auto.parallelize(model, batch(0), pl, cluster, strategy=_stages(
+            graph, how if how in ("1f1b", "gpipe") else "1f1b", mid))
     opt = sf.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     step = plan.graph_step(opt)
-    losses = [step(*[plan.input(t) for t in batch(k)]).item() for k in range(STEPS)]
+    if how == "eager":   # the model called directly: the stages one after another
+        losses = []
+        for k in range(STEPS):
+            loss = model(*[plan.input(t) for t in batch(k)])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    else:
+        losses = [step(*[plan.input(t) for t in batch(k)]).item() for k in range(STEPS)]
     layouts = {n: (p.placement.flat_ranks, p.sbp) for n, p in model.named_parameters()}
     return dict(sd0=sd0, losses=losses, sd=model.state_dict(), layouts=layouts,
                 stages=[st.flat_ranks for st in plan.stages], micro=plan.micro_batches,
@@ -73,8 +83,9 @@ def _train(how: str) -> dict:
                 time=plan.breakdown.time, bd_stages=plan.breakdown.stages)
 
 
-@pytest.mark.parametrize("how", ["1f1b", "gpipe", "meta-1f1b", "mid-block", "searched"])
-def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
+@pytest.mark.parametrize("how", ["1f1b", "gpipe", "meta-1f1b", "mid-block", "eager",
+                                 "searched"])
+def test_a_pipelined_strategy_trains_like_torch(how):
     r = sf.launch(_train, world_size=4, args=(how,))[0]
     assert r["stages"] == [(0, 1), (2, 3)] and r["input"] == (0, 1)
     assert r["bd_stages"] == 2 and r["time"] > 0
@@ -90,7 +101,7 @@ def test_a_pipelined_strategy_trains_in_graph_mode_like_torch(how):
                    for n in r["notes"]), r["notes"]
     else:
         assert r["split"] == ("blocks.1",)
-        assert r["micro"] == 2 and r["schedule"] == how.replace("meta-", "")
+        assert r["micro"] == 2 and r["schedule"] == ("gpipe" if how == "gpipe" else "1f1b")
         assert lay["tok.weight"] == ((0, 1), (B,))
         assert lay["blocks.0.mlp.fc.weight"] == ((0, 1), (B,))
         assert lay["blocks.1.attn.qkv.weight"] == ((2, 3), (S(0),))   # column: rows of (out, in)
