@@ -35,8 +35,9 @@ def closed_form(stages, loss_fn: Callable, optimizer: Callable, rule: str,
     n = len(runners)
     check_n(n)
     pl = placement("cpu", [current().rank])
-    versions = [{0: [t.requires_grad_(True) for t in r.initial()]} for r in runners]
-    owners = [StageOwner(versions[j][0], pl, n, optimizer) for j in range(n)]
+    versions = [{0: r.version(r.initial())} for r in runners]
+    owners = [StageOwner(versions[j][0], pl, n, optimizer, runners[j].nparams)
+              for j in range(n)]
     losses = []
     for c, (x, y) in enumerate(batches):
         xs = [p.clone() for p in torch.tensor_split(x.detach(), n)]
@@ -44,16 +45,18 @@ def closed_form(stages, loss_fn: Callable, optimizer: Callable, rule: str,
         totals: list = [None] * n
         for i in range(n):
             params = [versions[j][version(rule, c, i, j, n)] for j in range(n)]
-            h = xs[i]
+            h, changes = xs[i], []
             for j in range(n - 1):
-                h = runners[j].forward(params[j], h, pl)
-            loss = runners[-1].forward(params[-1], h, pl, loss_fn, ys[i])
-            flat = [t for p in params for t in p]
+                h, ch = runners[j].forward(params[j], h, pl)
+                changes.append(ch)
+            loss, ch = runners[-1].forward(params[-1], h, pl, loss_fn, ys[i])
+            changes.append(ch)
+            flat = [t for r, p in zip(runners, params) for t in p[:r.nparams]]
             grads = StageRunner.backward(loss, None, flat)
             start = 0
-            for j in range(n):
-                k = len(params[j])
-                totals[j] = accumulate(totals[j], grads[start:start + k])
+            for j, r in enumerate(runners):
+                k = r.nparams
+                totals[j] = accumulate(totals[j], grads[start:start + k] + changes[j])
                 start += k
             losses.append((c, i, float(loss.detach())))
         for j in range(n):

@@ -69,9 +69,15 @@ class RankState:
     def task(self, rel: Work | Transfer) -> Work | Transfer:
         return shift(rel, *self.ctx)
 
+    @property
+    def relayed_stages(self) -> set[int]:
+        """ZeRO: the stages whose versions this rank gets relayed a use (not its own)."""
+        if self.roles.mode != "zero":
+            return set()
+        return {j for j in range(self.n) if self.rank != self.roles.owner(j)}
+
     def _relayed(self, stage: int) -> bool:
-        """ZeRO: this rank gets ``stage``'s versions relayed a use (it does not own it)."""
-        return self.roles.mode == "zero" and self.rank != self.roles.owner(stage)
+        return stage in self.relayed_stages
 
     def param_bytes(self) -> int:
         """Bytes of the parameter tensors and optimizer state this rank holds now: versions,
@@ -107,9 +113,10 @@ class RankState:
         else:
             x_in = _Entry.apply(self.values.pop(("act", i, c, j - 1)), _ANCHOR)
         last = j == self.n - 1
-        out = self.runners[j].forward(params, x_in, self.pl, self.loss_fn if last else None,
-                                      ys[i] if last else None)
-        self.stash[(i, c, j)] = (x_in if j else None, params, out, v)
+        out, changes = self.runners[j].forward(params, x_in, self.pl,
+                                               self.loss_fn if last else None,
+                                               ys[i] if last else None)
+        self.stash[(i, c, j)] = (x_in if j else None, params, out, v, changes)
         if relay:
             self.store.done_relay(relay)  # a refetched copy's storage goes now
         if last:
@@ -121,14 +128,14 @@ class RankState:
     def backward(self, rel: Work, name: str) -> None:
         t = self.task(rel)
         i, j, c = t.worker, t.stage, t.cycle
-        x_in, params, out, v = self.stash.pop((i, c, j))
+        x_in, params, out, v, changes = self.stash.pop((i, c, j))
         refetch = refetched(self.roles, self.n, self.rank, j)
         if refetch:  # ZeRO: the copy relayed again for this backward fills the stashed tensors
             relay = (("paramb", j, v), c)
             self.store.refill(relay, params)
         grad = None if j == self.n - 1 else self.values.pop(("gact", i, c, j + 1))
-        inputs = ([x_in] if j else []) + list(params)
-        grads = StageRunner.backward(out, grad, inputs)
+        inputs = ([x_in] if j else []) + list(params[:self.runners[j].nparams])
+        grads = StageRunner.backward(out, grad, inputs) + changes
         del out, x_in, params  # the micro-batch's activations of this stage go now
         if refetch:
             self.store.done_relay(relay)
@@ -203,11 +210,11 @@ class RankState:
             j = t.payload[1]
             reads = relay_reads(self.n, self.rule, self.roles, self.rank, kind, j, t.cycle)
             free = kind == "param" and refetched(self.roles, self.n, self.rank, j)
-            self.store.put_relay((t.payload, t.cycle), [g.requires_grad_(kind == "param")
-                                                        for g in got], reads, free)
+            got = self.runners[j].version(got) if kind == "param" else got
+            self.store.put_relay((t.payload, t.cycle), got, reads, free)
         elif kind == "param":
             self.store.put(t.payload[1], t.payload[2],
-                           [g.requires_grad_(True) for g in got])
+                           self.runners[t.payload[1]].version(got))
         else:
             self.values[t.payload] = got if kind == "gsum" else got[0]
         self.log[name] = (t, -1)

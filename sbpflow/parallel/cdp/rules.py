@@ -6,7 +6,10 @@ Version ``v`` of a stage is its parameters after ``v`` updates (``θ_0`` the ini
 ``dp`` ``θ_c``; ``v1`` ``θ_{c-1}``; ``v2`` ``θ_c`` when ``i + j >= N - 1`` (the spec's
 ``j >= N - i + 1``), else ``θ_{c-1}``. The update of cycle ``c`` sums the workers' gradients
 in worker order and divides by N (`accumulate`, `average`), so the sums of every setting are
-bit-for-bit those of the reference. See docs/cdp.md, 'Rules and versions'.
+bit-for-bit those of the reference. Buffers (batch norm's running statistics) are part of a
+version: each micro-batch's forward changes a copy of its version's buffers, and the update
+adds the mean of those changes to the latest version's (`advance`). See docs/cdp.md, 'Rules
+and versions'.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from ...errors import PlanError
 
 __all__ = ["RULES", "timeline_of", "version", "fresh", "version_table", "accumulate",
-           "average", "check_rule"]
+           "average", "advance", "check_rule"]
 
 RULES = ("dp", "v1", "v2")
 
@@ -65,3 +68,13 @@ def accumulate(partial: Sequence[torch.Tensor] | None,
 def average(total: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
     """The averaged gradient the optimizer steps with: the worker-ordered sum over N."""
     return [t / n for t in total]
+
+
+def advance(buffers: Sequence[torch.Tensor], total: Sequence[torch.Tensor], n: int
+            ) -> list[torch.Tensor]:
+    """A stage's next buffers: the latest ``buffers`` plus the mean of the N micro-batches'
+    changes (``total``, their worker-ordered sum; integer buffers, such as a count of
+    batches, floor-divided: N changes of 1 add 1)."""
+    return [b.detach() + (d / n if d.is_floating_point() else torch.div(d, n,
+                                                                        rounding_mode="floor"))
+            for b, d in zip(buffers, total)]

@@ -1,11 +1,13 @@
 """Running one stage module with a given parameter version, on one rank.
 
-A version is a list of torch tensors, one a parameter of the stage (autograd leaves, never
-changed in place). `StageRunner.forward` puts them into the module as global tensors on the
-rank's own placement for the call (under a lock: rank threads may share the module) and runs
-it on the rank's input; `backward` returns the gradients of the input and of the version's
-tensors (``torch.autograd.grad``: nothing accumulates into ``.grad``, so one version serves
-several micro-batches at once). `probe` gives a stage's output shape on meta tensors.
+A version is a list of torch tensors: the stage's parameters (autograd leaves, never changed
+in place), then its buffers. `StageRunner.forward` puts them into the module as global tensors
+on the rank's own placement for the call (under a lock: rank threads may share the module),
+the buffers as copies, runs it on the rank's input and returns what the call changed in the
+buffers (batch norm's running statistics); `backward` returns the gradients of the input and
+of the parameters (``torch.autograd.grad``: nothing accumulates into ``.grad``, so one
+version serves several micro-batches at once). `probe` gives a stage's output shape on meta
+tensors. See docs/cdp.md, 'Stages'.
 """
 
 from __future__ import annotations
@@ -41,48 +43,72 @@ def _wrap(t: torch.Tensor, pl: Placement) -> GlobalTensor:
 
 
 class StageRunner:
-    """Stage ``index`` (``module``): its parameters in ``named_parameters`` order (``names``,
-    ``shapes``, ``dtypes``) and where each sits in the module tree."""
+    """Stage ``index`` (``module``): its parameters in ``named_parameters`` order, then its
+    buffers in ``named_buffers`` order (``names``, ``shapes``, ``dtypes``; the first
+    ``nparams`` are parameters), and where each sits in the module tree."""
 
     def __init__(self, module: Module, index: int) -> None:
         self.module, self.index = module, index
         self.names, self.shapes, self.dtypes = [], [], []
         position: dict[int, int] = {}
-        for name, p in module.named_parameters():
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        self.nparams = len(list(module.named_parameters()))
+        for name, p in named:
             position[id(p)] = len(self.names)
             self.names.append(name)
             self.shapes.append(tuple(p.shape))
             self.dtypes.append(p.dtype)
-        # (sub-module, attribute, parameter index), shared parameters at every place they sit
-        self.slots = [(m, attr, position[id(p)]) for _, m in module.named_modules()
+        # (sub-module, attribute, tensor index), shared tensors at every place they sit
+        mods = [m for _, m in module.named_modules()]
+        self.slots = [(m, attr, position[id(p)]) for m in mods
                       for attr, p in m._parameters.items() if p is not None]
-        bufs = [n for n, _ in module.named_buffers()]
-        if bufs:
-            raise PlanError(f"CDP stage {index} has buffers {bufs}: a stage's state must be "
-                            f"its parameters (versions are stashed per micro-batch)")
+        self.buffer_slots = [(m, attr, position[id(b)]) for m in mods
+                             for attr, b in m._buffers.items() if b is not None]
         self.lock = _lock_of(module)
 
     def initial(self) -> list[torch.Tensor]:
-        """The parameters' logical values (``full_tensor``: a collective on their placement;
-        every rank calls it in the same order)."""
-        return [p.full_tensor().detach().clone() for _, p in self.module.named_parameters()]
+        """The parameters' and buffers' logical values (``full_tensor``: a collective on their
+        placement; every rank calls it in the same order)."""
+        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        return [p.full_tensor().detach().clone() for _, p in named]
 
-    def _call(self, tensors: Sequence[torch.Tensor], pl: Placement, fn: Callable):
-        wrapped = [_wrap(t, pl) for t in tensors]
+    def version(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` made a version: the parameters autograd leaves that require grad."""
+        return [t.requires_grad_(True) if k < self.nparams else t
+                for k, t in enumerate(tensors)]
+
+    def _call(self, tensors: Sequence[torch.Tensor], pl: Placement, fn: Callable
+              ) -> tuple[object, list[torch.Tensor]]:
+        np_ = self.nparams
+        wrapped = [_wrap(t, pl) for t in tensors[:np_]]
+        before = list(tensors[np_:])
+        copies = {k: _wrap(before[k - np_].detach().clone(), pl)
+                  for k in {k for _, _, k in self.buffer_slots}}
         with self.lock:
             old = [m._parameters[attr] for m, attr, _ in self.slots]
+            old_b = [m._buffers[attr] for m, attr, _ in self.buffer_slots]
             for m, attr, k in self.slots:
                 m._parameters[attr] = wrapped[k]
+            for m, attr, k in self.buffer_slots:
+                m._buffers[attr] = copies[k]
             try:
-                return fn()
+                out = fn()
+                # a module may replace a buffer (batch norm moves it beside its input)
+                after = {k: m._buffers[attr] for m, attr, k in self.buffer_slots}
             finally:
                 for (m, attr, _), p in zip(self.slots, old):
                     m._parameters[attr] = p
+                for (m, attr, _), b in zip(self.buffer_slots, old_b):
+                    m._buffers[attr] = b
+        changes = [after[np_ + k].local.detach() - b.detach() for k, b in enumerate(before)]
+        return out, changes
 
     def forward(self, tensors: Sequence[torch.Tensor], x: torch.Tensor, pl: Placement,
-                loss: Callable | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
-        """The stage's output on input ``x`` with parameters ``tensors`` (local tensors);
-        with ``loss`` (the last stage), ``loss(output, y)`` instead: a scalar."""
+                loss: Callable | None = None, y: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stage's output on input ``x`` with version ``tensors`` (local tensors); with
+        ``loss`` (the last stage), ``loss(output, y)`` instead: a scalar. Also returns the
+        change the call made to each buffer (new value minus the version's)."""
         def run():
             out = self.module(_wrap(x, pl))
             if loss is not None:
@@ -112,5 +138,5 @@ class StageRunner:
                                                                        self.dtypes)]
         x = torch.empty(tuple(shape), dtype=dtype, device="meta")
         with torch.no_grad():
-            out = self.forward(metas, x, pl)
+            out, _ = self.forward(metas, x, pl)
         return tuple(out.shape), out.dtype

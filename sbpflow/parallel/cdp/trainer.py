@@ -102,11 +102,12 @@ class CyclicDataParallel:
                                self._shape, self._stream)
         self.device = dev = self.comm.device(device)
         for j in range(n):
-            tensors = [t.to(dev).requires_grad_(True) for t in first[j]]
+            tensors = self.runners[j].version([t.to(dev) for t in first[j]])
             if me in roles.holders(j):
                 store.put(j, 0, tensors)
             if roles.owner(j) == me:
-                self.state.owners[j] = StageOwner(tensors, pl, n, optimizer)
+                self.state.owners[j] = StageOwner(tensors, pl, n, optimizer,
+                                                  self.runners[j].nparams)
         self.tracker = memory.Tracker(me)
         self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))

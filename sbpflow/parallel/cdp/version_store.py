@@ -23,7 +23,7 @@ from ...nn.parameter import Parameter
 from ...placement import Placement
 from ...sbp import B
 from ...tensor import GlobalTensor
-from .rules import average
+from .rules import advance, average
 
 __all__ = ["VersionStore", "StageOwner"]
 
@@ -64,15 +64,15 @@ class VersionStore:
     def done_relay(self, key: tuple) -> None:
         """One read of a relayed copy is over: after the last the copy goes (its storage
         freed if it was put with ``free``)."""
-        with self.lock:
+        with self.lock:  # under the lock: `refill` may run on another thread
             entry = self.relays[key]
             entry[1] -= 1
             if entry[1]:
                 return
             del self.relays[key]
-        if entry[2]:
-            for t in entry[0]:
-                t.untyped_storage().resize_(0)
+            if entry[2]:
+                for t in entry[0]:
+                    t.untyped_storage().resize_(0)
 
     def refill(self, key: tuple, stashed: Sequence[torch.Tensor]) -> None:
         """A backward's relayed copy (``key``) written into the ``stashed`` tensors its forward
@@ -80,9 +80,15 @@ class VersionStore:
         for the copy (its send reads them)."""
         with self.lock:
             entry = self.relays[key]
+            forward = self.relays.get((("param",) + key[0][1:], key[1]))
+            if forward is not None:
+                # the forward's copy is still to be sent on (a slow send): it was not freed,
+                # and must not be once the backward uses it
+                forward[2] = False
             for p, q in zip(stashed, entry[0]):
-                p.untyped_storage().resize_(q.numel() * q.element_size())
-                p.data.copy_(q)  # .data: autograd's version counter stays
+                if p.untyped_storage().nbytes() == 0:
+                    p.untyped_storage().resize_(q.numel() * q.element_size())
+                    p.data.copy_(q)  # .data: autograd's version counter stays
             entry[0] = list(stashed)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -148,13 +154,14 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 class StageOwner:
     """The optimizer of one stage, built by ``optimizer(params)`` on parameters laid out on
-    this rank alone (``pl``); ``n`` workers' gradient sums are averaged before each step."""
+    this rank alone (``pl``); ``n`` workers' gradient sums are averaged before each step.
+    A version holds ``nparams`` parameters, then the stage's buffers."""
 
     def __init__(self, first: Sequence[torch.Tensor], pl: Placement, n: int,
-                 optimizer: Callable) -> None:
-        self.n = n
+                 optimizer: Callable, nparams: int) -> None:
+        self.n, self.nparams = n, nparams
         self.params = [Parameter(GlobalTensor(t.detach(), tuple(t.shape), pl, (B,)))
-                       for t in first]
+                       for t in first[:nparams]]
         self.optimizer = optimizer(self.params)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -170,8 +177,10 @@ class StageOwner:
 
     def step(self, latest: Sequence[torch.Tensor], total: Sequence[torch.Tensor]
              ) -> list[torch.Tensor]:
-        """The next version from the ``latest`` one and the workers' gradient sum."""
-        for p, t, g in zip(self.params, latest, average(total, self.n)):
+        """The next version from the ``latest`` one and the workers' sum of gradients (then
+        of buffer changes)."""
+        k = self.nparams
+        for p, t, g in zip(self.params, latest[:k], average(total[:k], self.n)):
             local = t.detach().clone().requires_grad_(True)
             local.grad = g
             p._local = local  # a fresh copy: micro-batches in flight keep the old one
@@ -180,4 +189,4 @@ class StageOwner:
         for p in self.params:
             p.local.grad = None
             out.append(p.local)
-        return out
+        return out + advance(latest[k:], total[k:], self.n)
