@@ -97,11 +97,15 @@ def take_stale(params) -> list:
 
 def set_pending(p: GlobalTensor, future) -> None:
     """``p``'s shard is being completed in the background by ``future`` (ZeRO stage 1's
-    all-gather after the update, docs/zero.md, 'Overlap'): `settle` waits for it."""
+    all-gather after the update, docs/zero.md, 'Overlap'): `settle` waits for it, and so does
+    the next read or write of ``p``'s shard (``p.local``, an op on ``p``): until then ``p`` is
+    of a twin of its class whose shard attribute settles first (`_settling`)."""
     pending = _comm.current().state.get("pending_gathers")
     if pending is None:
         pending = _comm.current().state["pending_gathers"] = weakref.WeakKeyDictionary()
     pending[p] = future
+    if type(p) not in _BASES:
+        p.__class__ = _settling(type(p))
 
 
 def settle(params=None) -> None:
@@ -113,7 +117,46 @@ def settle(params=None) -> None:
     for p in list(pending) if params is None else params:
         fut = pending.pop(p, None)
         if fut is not None:
+            base = _BASES.get(type(p))
+            if base is not None:
+                p.__class__ = base
             fut.result()
+
+
+# The twin of a class whose ``_local`` settles first. Every read of a shard goes through the
+# slot ``GlobalTensor._local`` (ops, ``.local``, checkpoints), so a class attribute of the same
+# name in a subclass, with the same slots, sees them all; the parameter object (its identity,
+# hash and registrations) stays the same, and it is of its own class again once settled.
+_SLOT = GlobalTensor.__dict__["_local"]
+_TWINS: dict = {}    # class -> its settling twin
+_BASES: dict = {}    # twin -> class
+
+
+def _settle_one(p: GlobalTensor) -> None:
+    pending = _comm.current().state.get("pending_gathers")
+    fut = pending.pop(p, None) if pending else None
+    base = _BASES.get(type(p))
+    if base is not None:
+        p.__class__ = base
+    if fut is not None:
+        fut.result()
+
+
+def _settling(cls: type) -> type:
+    twin = _TWINS.get(cls)
+    if twin is None:
+        def read(self):
+            _settle_one(self)
+            return _SLOT.__get__(self, type(self))
+
+        def write(self, value):
+            _settle_one(self)
+            _SLOT.__set__(self, value)
+
+        twin = type(cls.__name__, (cls,), {"__slots__": (), "_local": property(read, write),
+                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
+        _TWINS[cls], _BASES[twin] = twin, cls
+    return twin
 
 
 class Bucket:

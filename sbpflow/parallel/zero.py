@@ -26,7 +26,7 @@ from ..optim import zero_units as _units
 
 __all__ = ["shard", "stored_layout", "check_stage", "settle", "STAGES"]
 
-settle = _settle       # wait for ZeRO-1's background all-gathers (before reading p.local)
+settle = _settle       # wait for ZeRO-1/2's background all-gathers (reads of a shard also wait)
 stored_layout = _core.stored_layout
 check_stage = _core.check_stage
 STAGES = _core.STAGES

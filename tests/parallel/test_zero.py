@@ -530,3 +530,53 @@ def test_interleaved_buckets_all_start_during_backward():
         for stage, (groups, started) in r.items():
             assert groups == 2 and len(started) > 4, (stage, groups, started)
             assert all(started), (stage, started)
+
+
+# -- reads right after a ZeRO-1 / ZeRO-2 step wait for the background all-gather ----------------
+def _read_after_step() -> dict:
+    """The ZeRO worker is held busy 0.3 s, so the all-gather after the update is still queued
+    when the parameters are read: ``p.local`` (and an op on ``p``) must wait for it."""
+    import threading
+    from sbpflow.optim.zero_comm import submit
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (1, 2):
+        sf.manual_seed(0)
+        m = mlp_class(sf.nn, sf.nn.functional)(SIZES).double()
+        sd0 = m.state_dict()
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+        x = sf.tensor(_MLP_X, pl, S(0))
+        m(x).sum().backward()
+        busy = threading.Event()
+        submit(busy.wait, 5.0)
+        threading.Timer(0.3, busy.set).start()
+        opt.step()
+        w = m.net[0].weight
+        kinds = type(w).__name__
+        first = w.local.clone()                  # stage 1: the whole weight (its layout is B)
+        doubled = (m.net[2].weight * 2).full_tensor()
+        out[stage] = dict(sd0=sd0, first=first, doubled=doubled, kind=kinds,
+                          after=type(w) is sf.nn.Parameter, sbp=w.sbp, sd=m.state_dict())
+    return out
+
+
+_MLP_X = torch.randn(8, SIZES[0], generator=torch.Generator().manual_seed(3), dtype=F64)
+
+
+def test_reading_a_parameter_right_after_the_step_waits_for_its_gather():
+    res = sf.launch(_read_after_step, 4)
+    for stage in (1, 2):
+        r = res[0][stage]
+        m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
+        m.load_state_dict(r["sd0"])
+        opt = torch.optim.AdamW(m.parameters(), lr=0.02, foreach=False)
+        m(_MLP_X).sum().backward()
+        opt.step()
+        want = m.state_dict()
+        assert r["kind"] == "Parameter" and r["after"], stage   # the same class, once settled
+        if stage == 1:
+            _close(r["first"], want["net.0.weight"], "stage 1 p.local")
+        _close(r["doubled"], 2 * want["net.2.weight"], f"stage {stage} an op on p")
+        for k, v in want.items():
+            _close(r["sd"][k], v, f"stage {stage} {k}")
