@@ -18,7 +18,7 @@ from ..errors import DataLoaderError, DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..sbp import Sbp, check_axes, format_nd_sbp, shard_box
 
-__all__ = ["Shards", "read_samples", "stack_samples", "cut_shard"]
+__all__ = ["Shards", "read_samples", "stack_samples", "cut_rule", "apply_cut", "cut_shard"]
 
 
 @dataclass(frozen=True)
@@ -135,19 +135,38 @@ def _check_structure(samples: Sequence, indices: Sequence[int], width: int | Non
                                   f"{indices[0]} is {first}")
 
 
+def cut_rule(rows_shape: tuple, n_rows: int, placement: Placement, nd_sbp: Sequence[Sbp],
+             coord: Sequence[int] | None) -> tuple[tuple, tuple | None]:
+    """``(logical shape, narrows)`` for rows of shape ``rows_shape`` (the rank's rows of an
+    ``n_rows`` batch, already cut along axis 0): ``narrows`` the ``(axis, start, size)`` cuts of
+    other axes the shard needs, ``None`` outside the placement (the shard is empty). The same
+    for every batch of one size: the loader computes it once."""
+    shape = (n_rows,) + tuple(rows_shape[1:])
+    check_axes(nd_sbp, len(shape), shape=shape, placement=placement)
+    if coord is None:
+        return shape, None
+    box = shard_box(shape, placement.shape, nd_sbp, coord)
+    if box[0][1] != rows_shape[0]:  # the caller's row range and the shard rule must agree
+        raise ShapeError(f"DataLoader: {rows_shape[0]} rows read but the shard of {shape} on "
+                         f"{placement} with sbp {format_nd_sbp(nd_sbp)} has {box[0][1]}")
+    return shape, tuple((axis, start, size) for axis, (start, size) in enumerate(box[1:], 1)
+                        if size != shape[axis])
+
+
+def apply_cut(rows: torch.Tensor, narrows: tuple | None) -> torch.Tensor:
+    """The local shard of ``rows`` by `cut_rule`'s ``narrows``."""
+    if narrows is None:
+        return rows[:0]
+    if not narrows:
+        return rows
+    for axis, start, size in narrows:
+        rows = rows.narrow(axis, start, size)
+    return rows.contiguous()
+
+
 def cut_shard(rows: torch.Tensor, n_rows: int, placement: Placement, nd_sbp: Sequence[Sbp],
               coord: Sequence[int] | None) -> tuple[torch.Tensor, tuple]:
     """``(local shard, logical shape)`` of one element: ``rows`` are the rank's rows of an
     ``n_rows`` batch (already cut along axis 0); splits of other axes are cut here."""
-    shape = (n_rows,) + tuple(rows.shape[1:])
-    check_axes(nd_sbp, len(shape), shape=shape, placement=placement)
-    if coord is None:
-        return rows[:0], shape
-    box = shard_box(shape, placement.shape, nd_sbp, coord)
-    if box[0][1] != rows.shape[0]:  # the caller's row range and the shard rule must agree
-        raise ShapeError(f"DataLoader: {rows.shape[0]} rows read but the shard of {shape} on "
-                         f"{placement} with sbp {format_nd_sbp(nd_sbp)} has {box[0][1]}")
-    for axis, (start, size) in enumerate(box[1:], start=1):
-        if size != shape[axis]:
-            rows = rows.narrow(axis, start, size)
-    return rows.contiguous(), shape
+    shape, narrows = cut_rule(tuple(rows.shape), n_rows, placement, nd_sbp, coord)
+    return apply_cut(rows, narrows), shape

@@ -20,9 +20,9 @@ from ..comm.threads import default_timeout
 from ..errors import DataLoaderConfigError
 from ..placement import Placement
 from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
-from ..tensor import from_local, source
+from ..tensor import GlobalTensor, from_local, source
 from .batch_order import batch_indices, num_batches, row_range
-from .collate import Shards, cut_shard, read_samples, stack_samples
+from .collate import Shards, apply_cut, cut_rule, read_samples, stack_samples
 from .prefetch import Prefetcher
 
 __all__ = ["DataLoader", "LoaderIterator"]
@@ -132,21 +132,37 @@ class _BatchJob:
                                      shuffle=loader.shuffle, seed=loader.seed,
                                      epoch=loader.epoch, drop_last=loader.drop_last)
         self.progress: dict = {"batch": None, "index": None}
+        # the row range and the cuts depend on the batch's size (and the items' shapes) only:
+        # computed once, not per batch (the loading thread's Python competes for the GIL)
+        self._rows: dict[int, tuple] = {}
+        self._cuts: dict[tuple, tuple] = {}
 
     def __call__(self, b: int) -> Shards:
         indices = self.batches[b]
-        start, size = row_range(len(indices), self.placement, self.sbp, self.coord)
+        n = len(indices)
+        rows = self._rows.get(n)
+        if rows is None:
+            rows = self._rows[n] = row_range(n, self.placement, self.sbp, self.coord)
+        start, size = rows
         where = f"batch {b} of epoch {self.epoch} on rank {self.rank}"
-        self.progress.update(batch=b, index=None)
+        self.progress["batch"], self.progress["index"] = b, None
         # a rank whose shard is empty still needs the items' shapes and dtypes: it reads the
         # batch's first sample (the only read outside its shard)
         mine = indices[start:start + size] or indices[:1]
         samples = read_samples(self.dataset, mine, where, self.progress)
         is_tuple, stacked = stack_samples(samples, mine, where)
-        out = [cut_shard(rows[:size], len(indices), self.placement, self.sbp, self.coord)
-               for rows in stacked]
-        self.progress.update(batch=None, index=None)
-        return Shards(is_tuple, tuple(t for t, _ in out), tuple(s for _, s in out))
+        locals_, shapes = [], []
+        for k, value in enumerate(stacked):
+            value = value[:size]
+            key = (n, k, tuple(value.shape))
+            rule = self._cuts.get(key)
+            if rule is None:
+                rule = self._cuts[key] = cut_rule(key[2], n, self.placement, self.sbp,
+                                                  self.coord)
+            locals_.append(apply_cut(value, rule[1]))
+            shapes.append(rule[0])
+        self.progress["batch"] = None
+        return Shards(is_tuple, tuple(locals_), tuple(shapes))
 
     def describe(self) -> str:
         p = self.progress
@@ -197,7 +213,11 @@ class LoaderIterator:
             self.close()
             raise
         pl, nd = self._loader.placement, self._loader.sbp
-        out = tuple(from_local(t, pl, nd, shape=s) for t, s in zip(shards.locals, shards.shapes))
+        if self._job.coord is None:  # outside the placement: from_local makes the empty shard
+            out = tuple(from_local(t, pl, nd, shape=s)
+                        for t, s in zip(shards.locals, shards.shapes))
+        else:  # the shards were cut by the layout's rule (`cut_rule`): nothing to check again
+            out = tuple(GlobalTensor(t, s, pl, nd) for t, s in zip(shards.locals, shards.shapes))
         return out if shards.is_tuple else out[0]
 
     def close(self) -> None:
