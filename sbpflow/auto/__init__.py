@@ -11,14 +11,16 @@ Metropolis-Hastings, random, exact dynamic programming).
 """
 
 from . import baselines, model_graphs
-from .evaluate import Breakdown, Evaluator, evaluate, redistribution, redistribution_steps
+from .evaluate import Breakdown, Evaluator, redistribution, redistribution_steps
 from .graph import Graph, Layer
-from .search import SearchResult, search
-from .space import LayerStrategy, Strategy, layer_space, meshes, space
+from .interop import search
+from .pipeline import evaluate
+from .search import SearchResult
+from .space import LayerStrategy, Pipeline, Strategy, layer_space, meshes, space
 
 __all__ = ["baselines", "model_graphs", "Breakdown", "Evaluator", "evaluate", "redistribution",
            "redistribution_steps", "Graph", "Layer", "SearchResult", "search", "LayerStrategy",
-           "Strategy", "layer_space", "meshes", "space"]
+           "Pipeline", "Strategy", "layer_space", "meshes", "space"]
 
 from .parallelize import ParallelPlan, parallelize, single_mesh_search  # noqa: E402
 from .trace import trace  # noqa: E402

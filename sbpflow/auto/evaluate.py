@@ -30,6 +30,8 @@ __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistributi
 @memoize(1 << 16)
 def _refine(mesh_a: tuple, mesh_b: tuple):
     """Common row-major refinement: (fine mesh, fine->coarse index for a, for b) or None."""
+    if math.prod(mesh_a) == 1 and math.prod(mesh_b) == 1:   # one device: nothing to refine
+        return (1,), (0,), (0,)
     def cuts(m):
         out, c = [], 1
         for f in reversed(m):
@@ -653,6 +655,14 @@ class Breakdown:
     memory: dict = field(default_factory=dict)   # params, grads, optimizer, activations, total
     per_layer: dict = field(default_factory=dict)  # name -> time, compute, bytes, memory
     micro_batches: int = 1
+    # pipelines (`sbpflow.auto.pipeline`): per stage its time per micro-batch and memory per
+    # device; the stage-to-stage transfers on the critical path; the bubble's share of time
+    stages: int = 1
+    schedule: str = ""
+    stage_times: list = field(default_factory=list)
+    stage_memory: list = field(default_factory=list)
+    transfer_time: float = 0.0
+    bubble_time: float = 0.0
 
     @property
     def comm_time(self) -> float:
@@ -673,7 +683,19 @@ class Breakdown:
                 f"memory/device: params {m.get('params', 0) / gb:.2f} GiB, grads "
                 f"{m.get('grads', 0) / gb:.2f}, optimizer {m.get('optimizer', 0) / gb:.2f}, "
                 f"activations {m.get('activations', 0) / gb:.2f}, total "
-                f"{m.get('total', 0) / gb:.2f} GiB (micro-batches {self.micro_batches})")
+                f"{m.get('total', 0) / gb:.2f} GiB (micro-batches {self.micro_batches})"
+                + self._pipeline_line())
+
+    def _pipeline_line(self) -> str:
+        if self.stages <= 1:
+            return ""
+        gb = 1 << 30
+        return (f"\npipeline: {self.stages} stages, {self.micro_batches} micro-batches "
+                f"{self.schedule}; per micro-batch (ms) "
+                + " ".join(f"{t * 1e3:.3f}" for t in self.stage_times)
+                + f"; bubble {self.bubble_time * 1e3:.3f} ms, transfers "
+                f"{self.transfer_time * 1e3:.3f} ms; memory/device per stage (GiB) "
+                + " ".join(f"{m / gb:.2f}" for m in self.stage_memory))
 
 
 class Evaluator:
@@ -793,5 +815,7 @@ class Evaluator:
 
 
 def evaluate(graph, strategy, cluster, micro_batches: int = 1) -> Breakdown:
-    """The predicted time, bytes per device and memory per device of ``strategy``."""
+    """The predicted time, bytes per device and memory per device of a one-stage
+    ``strategy`` (`sbpflow.auto.pipeline.evaluate`, which ``sf.auto.evaluate`` is, also takes
+    pipelines)."""
     return Evaluator(graph, cluster, micro_batches).breakdown(strategy)

@@ -189,10 +189,16 @@ class Problem:
     the dynamic programme only the entries that can change a minimum)."""
 
     def __init__(self, graph, cluster, memory_limit=None, micro_batches=1, max_dims=3,
-                 zero=False, spaces=None):
+                 zero=False, spaces=None, in_flight: int = 1, shared: dict | None = None):
+        """``in_flight``: micro-batches whose activations a device keeps at once (a pipeline
+        stage's schedule); ``shared``: caches of node terms and edge tables shared by
+        problems on the same cluster and micro-batch count (pipeline stages)."""
         self.graph, self.cluster = graph, cluster
         self.limit = memory_limit
         self.ev = Evaluator(graph, cluster, micro_batches)
+        self.shared = shared if shared is not None else {}
+        if shared is not None:
+            self.ev._node = shared.setdefault("node", {})
         p = cluster.world_size
         self.cands = [spaces[l.name] if spaces else layer_space(l, p, max_dims, zero)
                       for l in graph.layers]
@@ -206,7 +212,9 @@ class Problem:
             if key not in cache:
                 terms = [self.ev.node_terms(l, s) for s in c]
                 cache[key] = (np.array([t["time"] for t in terms]),
-                              np.array([t["memory"]["total"] for t in terms]))
+                              np.array([t["memory"]["total"] +
+                                        (in_flight - 1) * t["memory"]["activations"]
+                                        for t in terms]))
             t, m = cache[key]
             self.node_t.append(t)
             self.node_m.append(m)
@@ -219,7 +227,7 @@ class Problem:
     def _share_tables(self) -> None:
         """One `_EdgeView` per edge; views of edges with equal layer classes are one object,
         and their tables are shared by content (shape, rows, columns)."""
-        gl, views, by_content = self.graph.layers, {}, {}
+        gl, views, by_content = self.graph.layers, {}, self.shared.setdefault("tables", {})
         for u, v in self.graph.edges:
             key = (gl[u].key, id(self.cands[u]), gl[v].key, id(self.cands[v]))
             if key not in views:
@@ -824,12 +832,14 @@ ALGORITHMS = {"cd": _coordinate_descent, "mh": _metropolis, "random": _random,
 
 def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
            memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
-           zero: bool = False, **options) -> SearchResult:
-    """Search a strategy for ``graph`` on ``cluster.world_size`` devices.
+           zero: bool = False, in_flight: int = 1, shared: dict | None = None,
+           **options) -> SearchResult:
+    """Search a one-stage strategy for ``graph`` on ``cluster.world_size`` devices
+    (``sf.auto.search``, `sbpflow.auto.interop.search`, also tries pipeline stages).
 
     ``memory_limit`` in bytes per device (default: ``cluster.memory_per_device`` if it has
-    one; pass ``float('inf')`` for none). Options: ``restarts``, ``window`` (cd; 1 turns
-    the joint moves off), ``iterations``, ``beta``
+    one; pass ``float('inf')`` for none). ``in_flight`` and ``shared``: `Problem`. Options:
+    ``restarts``, ``window`` (cd; 1 turns the joint moves off), ``iterations``, ``beta``
     (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {sorted(ALGORITHMS)}")
@@ -842,12 +852,13 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         limit_m = min(l.input_shape[0] for l in graph.layers)
         while m <= limit_m:
             last = search(graph, cluster, algorithm, seed, budget_s, memory_limit, m, max_dims,
-                          zero, **options)
+                          zero, in_flight, None, **options)
             if last.fits:
                 return last
             m *= 2
         return last
-    pb = Problem(graph, cluster, memory_limit, micro_batches, max_dims, zero)
+    pb = Problem(graph, cluster, memory_limit, micro_batches, max_dims, zero,
+                 in_flight=in_flight, shared=shared)
     start = options.pop("start", None)
     if isinstance(start, Strategy):
         start = [pb.cands[i].index(s) for i, s in enumerate(start.layers)]

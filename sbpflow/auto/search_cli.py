@@ -3,9 +3,10 @@
     sbpflow search --model gpt --layers 24 --d-model 1024 --heads 16 --seq 1024 --batch 512 \\
         --nodes 2 --devices-per-node 8 --cluster dgx-a100 [--algorithm cd] [--plot out.png]
 
-Prints the found strategy as a per-layer table (mesh, layouts, predicted time, bytes per
-device), its breakdown, the same summary for data parallel and the best Megatron t x d that
-fits memory, and a comparison. ``--plot`` also runs every algorithm (cd, mh, random for
+Prints the found strategy's pipeline (stages, micro-batches, schedule; ``--stages``), its
+per-layer table (stage, mesh, layouts, predicted time, bytes per device) and breakdown, the
+same summary for data parallel and the best Megatron t x d that fits memory, and a
+comparison. ``--plot`` also runs every algorithm (cd, mh, random for
 ``--budget-s`` each; the exact DP once) and saves the best cost over time as a PNG.
 """
 
@@ -20,7 +21,8 @@ import time
 from ..errors import SbpError, SearchCliError
 
 __all__ = ["SearchCliError", "add_arguments", "search_command", "build_graph", "build_cluster",
-           "run_search", "run_command", "plot_convergence", "MODELS", "FILL_BUDGET"]
+           "run_search", "run_command", "plot_convergence", "pipeline_line", "MODELS",
+           "FILL_BUDGET"]
 
 GiB = 2 ** 30
 MODELS = ("gpt", "vgg13", "alexnet", "dlrm", "mlp")
@@ -77,7 +79,24 @@ def add_arguments(parser) -> None:
     s.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also run cd, mh, random (--budget-s each) and the exact DP, and save "
                         "their convergence (best cost over time) as a PNG")
+    s.add_argument("--stages", type=_stages_arg, default="auto",
+                   help="pipeline stages: auto (default: tried when one stage cannot fit "
+                        "memory), search (always tried), or a count (1: no pipeline)")
+    s.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="pipeline schedule (default 1f1b)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _stages_arg(v: str):
+    if v in ("auto", "search"):
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SearchCliError(f"--stages must be auto, search or a positive integer, got {v!r}")
+    return n
 
 
 # ---- building the problem -----------------------------------------------------------------------
@@ -141,12 +160,13 @@ FILL_BUDGET = {"cd": {"restarts": 10 ** 9}, "mh": {"iterations": 10 ** 12},
 
 
 def run_search(graph, cluster, algorithm="cd", seed=0, budget_s=30.0, memory_limit=None,
-               progress=True, fill_budget=False, desc=None):
+               progress=True, fill_budget=False, desc=None, stages="auto", schedule="1f1b"):
     """`sf.auto.search` in a worker thread while a tqdm bar shows elapsed / budget.
 
     ``fill_budget``: cd / mh / random run until the budget is spent (equal-time comparisons)
-    instead of stopping on their default restart / iteration / sample counts."""
-    from .search import search
+    instead of stopping on their default restart / iteration / sample counts. ``stages``,
+    ``schedule``: `sbpflow.auto.interop.search`."""
+    from .interop import search
     opts = dict(FILL_BUDGET.get(algorithm, {})) if fill_budget else {}
     budget = None if algorithm in ("exhaustive", "enumerate") else budget_s
     box: dict = {}
@@ -154,7 +174,8 @@ def run_search(graph, cluster, algorithm="cd", seed=0, budget_s=30.0, memory_lim
     def work():
         try:
             box["result"] = search(graph, cluster, algorithm, seed=seed, budget_s=budget,
-                                   memory_limit=memory_limit, **opts)
+                                   memory_limit=memory_limit, stages=stages,
+                                   schedule=schedule, **opts)
         except BaseException as exc:   # re-raised on the caller's thread
             box["error"] = exc
 
@@ -198,8 +219,19 @@ def strategy_table(strategy, breakdown) -> str:
     extra = {n: f"{v['time'] * 1e3:>10.3f}{v['compute'] * 1e3:>12.3f}{v['bytes'] / 1e6:>12.2f}"
              for n, v in pl.items()}
     lines = strategy.table(extra).split("\n")
-    lines[0] = lines[0].ljust(_TABLE_PAD) + f"{'time ms':>10}{'compute ms':>12}{'MB/device':>12}"
+    pad = _TABLE_PAD + (6 if getattr(strategy, "pipeline", None) is not None else 0)
+    lines[0] = lines[0].ljust(pad) + f"{'time ms':>10}{'compute ms':>12}{'MB/device':>12}"
     return "\n".join(lines)
+
+
+def pipeline_line(strategy) -> str:
+    """``stages: ...`` line of a found strategy: stage count, devices a stage, micro-batches
+    and schedule (or one stage)."""
+    pp = getattr(strategy, "pipeline", None)
+    if pp is None:
+        return "stages: 1 (no pipeline)\n"
+    return (f"stages: {pp.stages} x {pp.devices} devices, micro-batches {pp.micro_batches}, "
+            f"schedule {pp.schedule}\n")
 
 
 def _summary_row(name, b, limit, ref):
@@ -280,7 +312,10 @@ def run_command(args) -> int:
     print(f"cluster: {cluster}")
     print(f"search:  {args.algorithm}, seed {args.seed}, budget {args.budget_s:g} s, memory "
           f"limit {limit / GiB:.4g} GiB/device\n")
-    res = run_search(graph, cluster, args.algorithm, args.seed, args.budget_s, limit, progress)
+    res = run_search(graph, cluster, args.algorithm, args.seed, args.budget_s, limit, progress,
+                     stages=getattr(args, "stages", "auto"),
+                     schedule=getattr(args, "schedule", "1f1b"))
+    print(pipeline_line(res.strategy))
     print(f"== found strategy ({res.algorithm}: {res.seconds:.2f} s, {res.evaluations} "
           f"evaluations{'' if res.fits else ', DOES NOT FIT MEMORY'}) ==")
     print(strategy_table(res.strategy, res.breakdown))

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..caches import BoundedDict, memoize
 from ..sbp import B, P, S, Split, format_nd_sbp
 
-__all__ = ["LayerStrategy", "Strategy", "SIGNATURES", "meshes", "layer_space", "space",
+__all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
            "make_layer_strategy"]
 
 _N = None  # no weight
@@ -47,6 +48,7 @@ class LayerStrategy:
     output: tuple
     stored: tuple | None = None
     names: tuple = field(default=(), compare=False)
+    stage: int = 0   # pipeline stage (0 without stages); mesh is then over its devices
 
     @property
     def devices(self) -> int:
@@ -66,18 +68,43 @@ class LayerStrategy:
     def __repr__(self) -> str:
         w = format_nd_sbp(self.weight) if self.weight is not None else "-"
         z = f", stored={format_nd_sbp(self.stored)}" if self.stored is not None else ""
+        st = f", stage={self.stage}" if self.stage else ""
         return (f"LayerStrategy(mesh={self.mesh}, input={format_nd_sbp(self.input)}, weight={w}, "
-                f"output={format_nd_sbp(self.output)}{z})")
+                f"output={format_nd_sbp(self.output)}{z}{st})")
+
+
+class Pipeline(NamedTuple):
+    """A strategy's pipeline: ``stages`` contiguous stages of the layer chain, each on
+    ``devices`` consecutive ranks (stage k on ranks ``k * devices ..``), ``micro_batches``
+    per step run by ``schedule`` (``"1f1b"`` or ``"gpipe"``)."""
+
+    stages: int
+    devices: int
+    micro_batches: int
+    schedule: str = "1f1b"
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` keeps at once: all of them in
+        GPipe, ``stages - stage`` (at most all) in 1F1B."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.micro_batches, self.stages - stage)
 
 
 class Strategy:
-    """Layer name -> LayerStrategy; indexable by name, prints as a table."""
+    """Layer name -> LayerStrategy; indexable by name, prints as a table. ``pipeline`` (None:
+    one stage on every device) says how the layers' ``stage`` s run (`Pipeline`)."""
 
-    def __init__(self, graph, layers: dict | list):
+    def __init__(self, graph, layers: dict | list, pipeline: Pipeline | None = None):
         self.graph = graph
         if isinstance(layers, dict):
             layers = [layers[l.name] for l in graph.layers]
         self.layers: list[LayerStrategy] = list(layers)
+        self.pipeline = pipeline if pipeline is not None and pipeline.stages > 1 else None
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.stages
 
     def __getitem__(self, name) -> LayerStrategy:
         return self.layers[name] if isinstance(name, int) else self.layers[self.graph.index[name]]
@@ -92,16 +119,20 @@ class Strategy:
         return [(l.name, s) for l, s in zip(self.graph.layers, self.layers)]
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Strategy) and self.layers == other.layers
+        return isinstance(other, Strategy) and self.layers == other.layers and \
+            self.pipeline == other.pipeline
 
     def table(self, per_layer: dict | None = None) -> str:
-        """One row per layer; ``per_layer`` (name -> extra text) adds a column."""
-        rows = [f"{'layer':<14}{'kind':<12}{'mesh':<16}{'signature':<28}{'input':<22}"
-                f"{'weight':<22}{'output':<22}"]
+        """One row per layer (with a stage column when there are stages); ``per_layer``
+        (name -> extra text) adds a column."""
+        st = self.pipeline is not None
+        rows = [("stage " if st else "") + f"{'layer':<14}{'kind':<12}{'mesh':<16}"
+                f"{'signature':<28}{'input':<22}{'weight':<22}{'output':<22}"]
         for layer, s in zip(self.graph.layers, self.layers):
             w = format_nd_sbp(s.weight_stored) if s.weight is not None else "-"
-            row = (f"{layer.name:<14}{layer.kind:<12}{str(s.mesh):<16}{s.label:<28}"
-                   f"{format_nd_sbp(s.input):<22}{w:<22}{format_nd_sbp(s.output):<22}")
+            row = (f"{s.stage:<6}" if st else "") + (
+                f"{layer.name:<14}{layer.kind:<12}{str(s.mesh):<16}{s.label:<28}"
+                f"{format_nd_sbp(s.input):<22}{w:<22}{format_nd_sbp(s.output):<22}")
             if per_layer:
                 row += str(per_layer.get(layer.name, ""))
             rows.append(row.rstrip())
@@ -110,7 +141,10 @@ class Strategy:
     __str__ = table
 
     def __repr__(self) -> str:
-        return f"Strategy({self.graph.name}, {len(self.layers)} layers)\n{self.table()}"
+        pp = "" if self.pipeline is None else (
+            f", {self.pipeline.stages} stages x {self.pipeline.devices} devices, "
+            f"{self.pipeline.micro_batches} micro-batches {self.pipeline.schedule}")
+        return f"Strategy({self.graph.name}, {len(self.layers)} layers{pp})\n{self.table()}"
 
 
 @memoize(1 << 12)

@@ -10,7 +10,7 @@ import torch
 import sbpflow as sf
 from sbpflow.auto import model_graphs
 from sbpflow.auto.evaluate import redistribution, redistribution_steps
-from sbpflow.auto.space import LayerStrategy, layer_space, make_layer_strategy
+from sbpflow.auto.space import LayerStrategy, layer_space
 
 B, P, S = sf.B, sf.P, sf.S
 
@@ -242,7 +242,7 @@ def test_memory_limit_prunes_and_dp_respects_it():
 def test_micro_batches_auto_fits_memory():
     g = model_graphs.mlp((64, 64, 64), batch=4096)
     c = cluster(1, 2)
-    least = sf.auto.search(g, c, "enumerate", memory_limit=1.0).breakdown.memory["total"]
+    least = sf.auto.search(g, c, "enumerate", memory_limit=1.0, stages=1).breakdown.memory["total"]
     r = sf.auto.search(g, c, "cd", restarts=0, memory_limit=0.8 * least, micro_batches="auto")
     assert r.fits and r.micro_batches > 1 and r.breakdown.memory["total"] <= 0.8 * least
 

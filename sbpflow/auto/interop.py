@@ -1,0 +1,397 @@
+"""``sf.auto.search``: the one-stage search (`sbpflow.auto.search.search`) and pipeline stages
+in the space (Alpa's inter-operator pass over a chain of layers).
+
+For each stage count S (stages of whole nodes or equal parts of a node) and micro-batch count
+M (from S, doubling while the step time improves), the chain is cut into S stages balanced by
+predicted time, each stage searched on its devices with the chosen algorithm (its memory: its
+weights and the activations its schedule keeps in flight), then cuts move one layer at a time
+off the slowest stage while that helps. Pairs whose compute bound cannot beat the best found
+are skipped. See docs/auto.md, 'Pipeline stages'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+from typing import NamedTuple
+
+from .evaluate import Evaluator
+from .pipeline import evaluate, stage_cost, stage_graph, sub_cluster
+from .search import PENALTY, SearchResult
+from .search import search as _search_one
+from .space import Pipeline, Strategy, layer_space
+
+__all__ = ["search", "stage_counts", "balanced_cuts", "SCHEDULES"]
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_counts(graph, cluster, max_stages: int | None = None) -> list:
+    """Stage counts S > 1 the chain can be cut into: S divides the devices into stages of
+    whole nodes or equal parts of a node, at most one stage a layer (and ``max_stages``)."""
+    p, n = cluster.world_size, len(graph.layers)
+    top = min(n, p, max_stages or n)
+    return [s for s in range(2, top + 1) if p % s == 0 and sub_cluster(cluster, p // s)]
+
+
+def _cut_points(graph, stages: int) -> list:
+    """Where stages may start: before each layer of the most repeated kind of layer (a GPT's
+    blocks, so middle stages are alike and searched once) when it repeats at least twice a
+    stage, else before any layer."""
+    counts: dict = {}
+    for l in graph.layers:
+        counts[l.key] = counts.get(l.key, 0) + 1
+    key = max(counts, key=counts.get)
+    if counts[key] >= 2 * stages:
+        return [i for i, l in enumerate(graph.layers) if l.key == key and i > 0]
+    return list(range(1, len(graph.layers)))
+
+
+def balanced_cuts(weights: list, stages: int, points: list) -> list | None:
+    """Stage starts (from ``points``) cutting ``weights`` into ``stages`` contiguous parts
+    whose largest sum is least (bisection on that sum, greedy fill); None if impossible."""
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    if len(points) < stages - 1:
+        return None
+
+    def fill(cap):
+        starts, last = [0], 0
+        for i, pt in enumerate(points):
+            nxt = points[i + 1] if i + 1 < len(points) else len(weights)
+            if prefix[nxt] - prefix[last] > cap and len(starts) < stages:
+                starts.append(pt)
+                last = pt
+        if prefix[len(weights)] - prefix[last] > cap * (1 + 1e-9):
+            return None
+        return starts
+    lo, hi = max(weights) if weights else 0.0, prefix[-1]
+    best = fill(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid
+    if best is None:
+        return None
+    # exactly ``stages`` parts: split the longest remaining parts at free points
+    free = [pt for pt in points if pt not in best]
+    while len(best) < stages and free:
+        best.append(free.pop(len(free) // 2))
+        best.sort()
+    return best if len(best) == stages else None
+
+
+class _Stage(NamedTuple):
+    result: SearchResult
+    cost: object        # pipeline.StageCost
+
+
+class _Found(NamedTuple):
+    """A pipeline tried: its objective, stages, strategy, breakdown and stage starts."""
+
+    objective: float
+    stages: list
+    strategy: Strategy
+    breakdown: object
+    starts: list
+
+
+class _Explorer:
+    """The pipelines tried for one search call: stage searches cached by (layer keys,
+    devices, micro-batches, in-flight count), shared node terms and edge tables, per-layer
+    memory floors."""
+
+    def __init__(self, graph, cluster, algorithm, seed, limit, max_dims, zero, schedule,
+                 options, deadline):
+        self.graph, self.cluster, self.algorithm, self.seed = graph, cluster, algorithm, seed
+        self.limit, self.max_dims, self.zero = limit, max_dims, zero
+        self.schedule, self.options, self.deadline = schedule, options, deadline
+        self.cache: dict = {}
+        self.shared: dict = {}
+        self._floors: dict = {}
+        self._weights: dict = {}
+        self.evaluations = 0
+        self.compute = sum(3.0 * l.flops for l in graph.layers) / cluster.device_flops
+
+    def stage(self, start: int, end: int, k: int, pp: Pipeline, start_from=None) -> _Stage:
+        """The searched strategy of layers ``start:end`` as stage ``k`` of ``pp`` (cached;
+        ``start_from``: the layers' strategies a descent starts from, when not cached)."""
+        sub = sub_cluster(self.cluster, pp.devices)
+        layers = self.graph.layers[start:end]
+        inflight = pp.in_flight(k)
+        key = (tuple(l.key for l in layers), pp.devices, pp.micro_batches, inflight)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        g = stage_graph(self.graph, start, end)
+        budget = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        shared = self.shared.setdefault((pp.devices, pp.micro_batches), {})
+        opts = dict(self.options)
+        if start_from is not None and self.algorithm in ("cd", "mh"):
+            opts["start"] = Strategy(g, [dataclasses.replace(x, stage=0) for x in start_from])
+        r = _search_one(g, sub, self.algorithm, self.seed, budget, self.limit or float("inf"),
+                        pp.micro_batches, self.max_dims, self.zero, inflight, shared, **opts)
+        self.evaluations += r.evaluations
+        out = _Stage(r, stage_cost(r.breakdown, pp.micro_batches, inflight))
+        self.cache[key] = out
+        return out
+
+    def weights(self, devices: int) -> list:
+        """Each layer's least node time (compute, gradient sync) on a stage's devices."""
+        if devices not in self._weights:
+            ev = Evaluator(self.graph, sub_cluster(self.cluster, devices))
+            memo: dict = {}
+            for l in self.graph.layers:
+                if l.key not in memo:
+                    memo[l.key] = min(ev.node_terms(l, s)["time"]
+                                      for s in layer_space(l, devices, self.max_dims))
+            self._weights[devices] = [memo[l.key] for l in self.graph.layers]
+        return self._weights[devices]
+
+    def _floor_arrays(self, devices: int) -> list:
+        """Per layer: (memory without activations, activations of the whole batch) of each
+        candidate on ``devices`` devices."""
+        if devices not in self._floors:
+            ev = Evaluator(self.graph, sub_cluster(self.cluster, devices))
+            memo: dict = {}
+            for l in self.graph.layers:
+                if l.key not in memo:
+                    mem = [ev.node_terms(l, s)["memory"]
+                           for s in layer_space(l, devices, self.max_dims, self.zero)]
+                    act = np.array([m["activations"] for m in mem])
+                    memo[l.key] = (np.array([m["total"] for m in mem]) - act, act)
+            self._floors[devices] = [memo[l.key] for l in self.graph.layers]
+        return self._floors[devices]
+
+    def can_fit(self, starts: list, pp: Pipeline) -> bool:
+        """Whether every stage's least memory per device (each layer at its least-memory
+        candidate, ``in_flight`` micro-batches of activations) is within the limit."""
+        if self.limit is None:
+            return True
+        arrays = self._floor_arrays(pp.devices)
+        ends = starts[1:] + [len(self.graph.layers)]
+        for k, (a, b) in enumerate(zip(starts, ends)):
+            f = pp.in_flight(k) / pp.micro_batches
+            if sum(float((st + f * act).min()) for st, act in arrays[a:b]) > self.limit:
+                return False
+        return True
+
+    def objective(self, starts: list, pp: Pipeline, start_from=None) -> _Found:
+        """The pipeline whose stages start at ``starts``, each searched (`stage`)."""
+        ends = starts[1:] + [len(self.graph.layers)]
+        stages = [self.stage(a, b, k, pp, None if start_from is None else start_from[a:b])
+                  for k, (a, b) in enumerate(zip(starts, ends))]
+        layers = []
+        for k, st in enumerate(stages):
+            layers += [dataclasses.replace(x, stage=k) for x in st.result.strategy.layers]
+        return self.priced(Strategy(self.graph, layers, pp), stages, starts)
+
+    def priced(self, strategy: Strategy, stages: list, starts: list) -> _Found:
+        b = evaluate(self.graph, strategy, self.cluster)
+        mem = max(b.stage_memory)
+        pen = 0.0 if self.limit is None else PENALTY * max(0.0, mem - self.limit) / self.limit
+        return _Found(b.time + pen, stages, strategy, b, starts)
+
+    def with_micro_batches(self, found: _Found, m: int) -> _Found:
+        """``found``'s stages and layer strategies run with ``m`` micro-batches (no search)."""
+        pp = found.strategy.pipeline._replace(micro_batches=m)
+        return self.priced(Strategy(self.graph, found.strategy.layers, pp), found.stages,
+                           found.starts)
+
+    def rebalance(self, best: _Found, pp: Pipeline, points: list, rounds: int) -> _Found:
+        """Move one cut point at a time off the slowest stage (to the neighbouring allowed
+        point) while the objective goes down."""
+        for _ in range(rounds):
+            starts, b = best.starts, best.breakdown
+            k = max(range(len(starts)), key=lambda i: b.stage_times[i])
+            tried = []
+            if k > 0:       # the slowest stage starts later
+                nxt = [p for p in points if p > starts[k]]
+                end = starts[k + 1] if k + 1 < len(starts) else len(self.graph.layers)
+                if nxt and nxt[0] < end:
+                    tried.append(starts[:k] + [nxt[0]] + starts[k + 1:])
+            if k + 1 < len(starts):   # the next stage starts earlier
+                prv = [p for p in points if p < starts[k + 1]]
+                if prv and prv[-1] > starts[k]:
+                    tried.append(starts[:k + 1] + [prv[-1]] + starts[k + 2:])
+            moved = False
+            for cand in tried:
+                if not self.can_fit(cand, pp):
+                    continue
+                got = self.objective(cand, pp)
+                if got.objective < best.objective - 1e-12 * abs(best.objective):
+                    best, moved = got, True
+                    break
+            if not moved or self.out_of_time():
+                break
+        return best
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def cuts(self, s: int, m: int):
+        """(pipeline, cut points, balanced stage starts or None) for ``s`` stages."""
+        pp = Pipeline(s, self.cluster.world_size // s, m, self.schedule)
+        points = _cut_points(self.graph, s)
+        return pp, points, balanced_cuts(self.weights(pp.devices), s, points)
+
+    def explore(self, s: int, m: int) -> _Found | None:
+        """The best pipeline found with ``s`` stages and ``m`` micro-batches: balanced cuts,
+        stages searched, cuts moved off the slowest stage (None if the chain cannot be cut
+        so, or no cut of it can fit)."""
+        pp, points, starts = self.cuts(s, m)
+        if starts is None or not self.can_fit(starts, pp):
+            return None
+        return self.rebalance(self.objective(starts, pp), pp, points, 2 * s)
+
+
+def _micro_limit(graph) -> int:
+    """The most micro-batches: one sequence (or sample) each."""
+    return max(1, min(l.attrs.get("batch", l.input_shape[0]) for l in graph.layers))
+
+
+def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
+                    zero: bool = False) -> float:
+    """The least memory per device any one-stage strategy can have: per layer the least of
+    its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
+    each layer takes its least-memory candidate)."""
+    ev = Evaluator(graph, cluster, micro_batches)
+    memo: dict = {}
+    total = 0.0
+    for i, l in enumerate(graph.layers):
+        key = (l.key, not graph.succs[i])
+        if key not in memo:
+            memo[key] = min(ev.node_terms(l, s)["memory"]["total"]
+                            for s in layer_space(l, cluster.world_size, max_dims, zero))
+        total += memo[key]
+    return total
+
+
+def _check_args(stages, schedule) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; one of {SCHEDULES}")
+    if not (stages in ("auto", "search") or
+            (isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1)):
+        raise ValueError(f"stages must be 'auto', 'search' or a positive int, got {stages!r}")
+
+
+def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
+           memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
+           zero: bool = False, stages="auto", schedule: str = "1f1b",
+           **options) -> SearchResult:
+    """Search a strategy for ``graph`` on ``cluster.world_size`` devices: one stage, and for
+    a chain pipelines of S stages and M micro-batches (module doc); the least objective
+    (predicted step time, plus a penalty when over the memory limit) wins.
+
+    Arguments as `sbpflow.auto.search.search` (``micro_batches``: the one-stage search's
+    gradient accumulation; a pipeline chooses its own). ``stages``:
+
+    * ``"auto"`` (default): pipelines are tried only when no one-stage strategy fits the
+      memory limit at ``micro_batches`` (`one_stage_floor`); otherwise the result is the
+      one-stage search's, unchanged;
+    * ``"search"``: pipelines are always tried beside one stage;
+    * ``1``: one stage only; ``S > 1``: S stages only.
+
+    ``schedule``: ``"1f1b"`` (default) or ``"gpipe"``."""
+    _check_args(stages, schedule)
+    if memory_limit is None:
+        memory_limit = getattr(cluster, "memory_per_device", None)
+    limit = None if memory_limit is None or math.isinf(memory_limit) else memory_limit
+    args = (graph, cluster, algorithm, seed, budget_s, memory_limit, micro_batches, max_dims,
+            zero)
+    chain = graph.is_chain and len(graph.layers) >= 2
+    if stages == 1 or (stages in ("auto", "search") and not chain):
+        return _search_one(*args, **options)
+    if not chain:
+        raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
+    m1 = 1 if micro_batches == "auto" else micro_batches
+    if stages == "auto" and (limit is None or
+                             one_stage_floor(graph, cluster, m1, max_dims, zero) <= limit):
+        return _search_one(*args, **options)
+    if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
+        raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
+                         f"devices by whole nodes or equal parts of a node")
+    t0 = time.perf_counter()
+    deadline = None if budget_s is None else t0 + budget_s
+    ex = _Explorer(graph, cluster, algorithm, seed, limit, max_dims, zero, schedule,
+                   {k: v for k, v in options.items() if k != "start"}, deadline)
+    counts = [stages] if isinstance(stages, int) else stage_counts(graph, cluster)
+    found = _explore_all(ex, counts)
+    single = None
+    if stages == "search" or (stages == "auto" and (
+            found is None or not _fits(found.breakdown, limit) or micro_batches == "auto")):
+        # one stage too: always with "search"; with "auto" when no pipeline fits (the least
+        # excess wins) or when more micro-batches may let one stage fit
+        single = _search_one(*args, **options)
+    return _result(graph, found, single, ex, algorithm, limit, t0)
+
+
+def _fits(breakdown, limit) -> bool:
+    return limit is None or breakdown.memory["total"] <= limit
+
+
+def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
+    """The best pipeline over stage counts and micro-batch counts (None if none). Per stage
+    count S: the fewest micro-batches M >= S (fewer when the batch is smaller) whose balanced
+    cuts can fit memory gets its stages searched and cuts moved; then M doubles with the
+    same layer strategies re-priced (no search) while the objective goes down, and the best
+    M gets its stages searched once more, starting from those strategies."""
+    top = None
+    m_max = _micro_limit(ex.graph)
+    for s in counts:
+        if ex.out_of_time():
+            break
+        if top is not None and ex.compute / ex.cluster.world_size >= top.objective:
+            break        # compute alone (no bubble) cannot beat the best: nor can more stages
+        m = min(s, m_max)
+        while m <= m_max:
+            pp, _, starts = ex.cuts(s, m)
+            if starts is None or ex.can_fit(starts, pp):
+                break
+            m *= 2
+        if m > m_max:
+            continue
+        got = ex.explore(s, m)
+        if got is None:
+            continue
+        best = got
+        while 2 * m <= m_max:
+            m *= 2
+            nxt = ex.with_micro_batches(best, m)
+            if nxt.objective >= best.objective:
+                break
+            best = nxt
+        if best is not got and not ex.out_of_time():
+            pp = best.strategy.pipeline
+            again = ex.objective(best.starts, pp, best.strategy.layers)
+            if again.objective < best.objective:
+                best = again
+        if top is None or best.objective < top.objective:
+            top = best
+    return top
+
+
+def _result(graph, found, single, ex: _Explorer, algorithm: str, limit,
+            t0) -> SearchResult:
+    if found is None and single is None:
+        raise ValueError(f"{graph.name}: no pipeline of the stage counts asked for can be cut "
+                         "from its chain of layers; ask for fewer stages")
+    if found is None or (single is not None and single.cost <= found.objective):
+        if single is not None:
+            single.seconds = time.perf_counter() - t0
+            single.evaluations += ex.evaluations
+        return single
+    obj, strategy, b = found.objective, found.strategy, found.breakdown
+    edge = sum(int(t.known.sum()) for sh in ex.shared.values()
+               for t in sh.get("tables", {}).values())
+    seconds = time.perf_counter() - t0
+    return SearchResult(strategy, b, [(seconds, obj)], algorithm, obj, seconds,
+                        ex.evaluations + (single.evaluations if single is not None else 0),
+                        strategy.pipeline.micro_batches, limit, edge)
