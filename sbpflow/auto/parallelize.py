@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -493,19 +494,23 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
 
 
 def _evaluator(graph, strategy, cluster):
-    """An `Evaluator` on the devices of one stage (the whole cluster without stages)."""
+    """An `Evaluator` of per-layer and per-edge prices (a pipeline's at its micro-batches:
+    a stage's meshes cover its first ranks, priced on the cluster's links)."""
     pp = getattr(strategy, "pipeline", None)
-    if pp is None:
-        return Evaluator(graph, cluster)
-    from .pipeline import sub_cluster
-    return Evaluator(graph, sub_cluster(cluster, pp.devices) or cluster, pp.micro_batches)
+    return Evaluator(graph, cluster, 1 if pp is None else pp.micro_batches)
+
+
+def _package():
+    """``sbpflow.auto``, whose ``search`` and ``evaluate`` take pipeline stages (looked up
+    there, not in their modules: those belong to the search and may move)."""
+    return sys.modules[__package__]
 
 
 def _breakdown(graph, strategy, cluster) -> Breakdown:
+    """The predicted cost of ``strategy`` (``sf.auto.evaluate``, pipelines included)."""
     if getattr(strategy, "pipeline", None) is None:
         return Evaluator(graph, cluster).breakdown(strategy)
-    from .pipeline import evaluate
-    return evaluate(graph, strategy, cluster)
+    return _package().evaluate(graph, strategy, cluster)
 
 
 def _lay_out(model, graph, strategy, modules, placement, notes: list) -> ParallelPlan:
@@ -675,9 +680,8 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
         strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
         return strategy, bd
     if stages != 1:
-        from .interop import search as search_stages
-        res = search_stages(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                            stages=stages)
+        res = _package().search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
+                                stages=stages)
         split = [(u, h) for u, h in graph.ties.items()
                  if res.strategy[u].stage != res.strategy[h].stage]
         if not split:
