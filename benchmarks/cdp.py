@@ -7,13 +7,15 @@ its PyTorch equivalent in the same run.
 2. dp (mode dp, N gloo processes): messages, bytes and the most gradient chunks made in one
    time step, and step time, against torch DDP (one bucketed all-reduce a step);
 3. pp (mode pp, N gloo processes): step time and bubble fraction against
-   ``torch.distributed.pipelining.Schedule1F1B`` on the same stages, weights and batch.
+   ``torch.distributed.pipelining.Schedule1F1B`` on the same stages, weights and batch;
+4. zero (mode zero, N gloo processes): messages, bytes and the most parameter bytes a rank
+   held, and step time, against mode dp and torch FSDP2 (``fully_shard`` on each stage).
 
 The model: N stages of Linear(width, width) + ReLU (balanced), cross-entropy over ``width``
 classes, SGD with momentum 0.9, N micro-batches of ``--micro-batch`` a step.
 
     python benchmarks/cdp.py [--width 256] [--micro-batch 32] [--steps 20] [-n 4]
-                             [--parts activations dp pp]
+                             [--parts activations dp pp zero]
 """
 
 from __future__ import annotations
@@ -214,18 +216,71 @@ def pp(args) -> None:
           "1F1B's (S-1)/(M+S-1) a step, its schedule drains every step)")
 
 
+# -- 4. zero against mode dp and FSDP2 ---------------------------------------------------------
+def _fsdp(args, x, y):
+    from torch.distributed.fsdp import fully_shard
+    r = dist.get_rank()
+    model = _torch_twin(_stages(args.n, args.width))
+    for k in range(0, len(model), 2):
+        fully_shard(model[k])   # each stage's Linear: gathered for its forward and backward
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    xr, yr = torch.tensor_split(x, args.n)[r], torch.tensor_split(y, args.n)[r]
+
+    def step():
+        torch.nn.functional.cross_entropy(model(xr), yr).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _zero_rank(args) -> list:
+    x, y = _data(args.n, args.micro_batch, args.width)
+    runs = [("zero", "dp"), ("zero", "v2"), ("dp", "v2")]
+    trainers = [_trainer(args, rule, mode) for mode, rule in runs]
+    fns = [lambda t=t: t.step(x, y) for t in trainers] + [_fsdp(args, x, y)]
+    times = take_turns(fns, args.steps)
+    rows = []
+    for (mode, rule), t, ts in zip(runs, trainers, times):
+        t.flush()
+        st = t.stats()
+        rows.append((f"sbpflow {mode} mode, rule {rule}", st["messages_per_step"],
+                     st["bytes_per_step"], st["peak_param_bytes"], statistics.median(ts)))
+    params = sum(p.numel() * 4 for p in _torch_twin(_stages(args.n, args.width)).parameters())
+    # all-gather before each stage's forward and backward, reduce-scatter of its gradients
+    rows.append(("torch FSDP2 (fully_shard a stage)", None, 3 * (args.n - 1) * params, None,
+                 statistics.median(times[-1])))
+    return rows
+
+
+def zero(args) -> None:
+    rows = sf.launch(_zero_rank, world_size=args.n, backend="torch", args=(args,))[0]
+    n = args.n
+    print(f"\n4. mode zero on {n} gloo processes: per training step, all ranks; median of "
+          f"{args.steps} steps taking turns")
+    print(f"{'':<34}{'messages':>9}{'bytes':>12}{'param bytes':>13}{'ms/step':>9}")
+    for name, msgs, nbytes, held, per in rows:
+        print(f"{name:<34}{'-' if msgs is None else f'{msgs:g}':>9}{nbytes:>12,.0f}"
+              f"{'-' if held is None else f'{held:,}':>13}{per * 1e3:>9.2f}")
+    print(f"(zero: a stage's copy relayed to each other worker for F_j and again for B_j but "
+          f"the last stage's, its gradient sum N-1 hops plus one to the owner: 3N(N-1) = "
+          f"{3 * n * (n - 1)} messages; param bytes: the most parameter and momentum bytes a "
+          f"rank held after a task; FSDP2: gloo's all-gather and reduce-scatter volume, "
+          f"3(N-1) x the parameters, all ranks)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=4, help="N: stages, workers, micro-batches")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--parts", nargs="+", default=["activations", "dp", "pp"],
-                    choices=["activations", "dp", "pp"])
+    ap.add_argument("--parts", nargs="+", default=["activations", "dp", "pp", "zero"],
+                    choices=["activations", "dp", "pp", "zero"])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for part in args.parts:
-        {"activations": activations, "dp": dp, "pp": pp}[part](args)
+        {"activations": activations, "dp": dp, "pp": pp, "zero": zero}[part](args)
     return 0
 
 
