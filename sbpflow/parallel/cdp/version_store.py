@@ -2,13 +2,14 @@
 
 `VersionStore` keeps ``(stage, version) -> tensors`` with a count of the tasks of the rank
 that still read them (its forwards, its sends, the owner's update); the copy goes when the
-count reaches 0. ZeRO's relayed copies are kept per delivery (`put_relay`): a copy for a
-forward that is fetched again for the backward has its storage freed after its last read
-(autograd's saved tensors share it), and refilled by `refill`. In-flight micro-batches keep their version alive through autograd (the
-stash from F_j to B_j); `hold` / `drop` count them, so `max_versions` is the most distinct
-versions of a stage alive at once on the rank. `StageOwner` runs a stage's optimizer: each
-update starts from a copy of the latest version (in-flight micro-batches keep theirs) and
-its result is the next version. See docs/cdp.md, 'Rules and versions'.
+count reaches 0. ZeRO's relayed copies are kept per delivery (`put_relay`); one fetched
+again for the backward has its storage freed after its last read (autograd's saved tensors
+share it) and refilled by `refill`. In-flight micro-batches keep their version alive
+through autograd (the stash from F_j to B_j); `hold` / `drop` count them, so `max_versions`
+is the most distinct versions of a stage alive at once on the rank. `StageOwner` runs a
+stage's optimizer: each update starts from a copy of the latest version (in-flight
+micro-batches keep theirs) and its result is the next version. See docs/cdp.md, 'Rules and
+versions'.
 """
 
 from __future__ import annotations
