@@ -42,10 +42,12 @@ def _batches() -> list:
 
 def _train(rule: str) -> dict:
     t = CyclicDataParallel(_stages(), _loss, _sgd, rule=rule, mode="zero")
+    sf.comm.reset_stats()
     for x, y in _batches():
         t.step(x, y)
     t.flush()
-    return {"state": t.state_dict(), "stats": t.stats()}
+    p2p = sf.comm.stats().kinds["p2p"]  # the communicator's own count, before the collectives
+    return {"state": t.state_dict(), "stats": t.stats(), "sent": p2p.sent, "calls": p2p.calls}
 
 
 @pytest.mark.parametrize("rule", ["dp", "v1", "v2"])
@@ -64,6 +66,9 @@ def test_zero_relays_at_forward_and_backward(rule):
     assert messages == 3 * N * (N - 1)
     assert st["messages_per_step"] == messages
     assert st["bytes_per_step"] == messages * STAGE_BYTES
+    # sf.comm.stats: every message is one exchange call on its sender and one on its receiver
+    assert sum(r["sent"] for r in res) == STEPS * messages * STAGE_BYTES
+    assert sum(r["calls"] for r in res) == 2 * STEPS * messages
     # a rank holds its stage's versions and momentum, and at most 3 relayed copies: the one
     # its op uses and those arriving for its next two ops. Keeping each copy from F_j to B_j
     # (as before) holds N - 1 = 4 of them at the turn of a cycle
