@@ -448,7 +448,8 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     layer on its strategy's mesh, activations on the stream placement between layers
     (docs/auto.md, 'Laying out a model'). Every rank calls it, with the same arguments; build
     the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh; ``stages``
-    (1, a count or ``"auto"``) lets the search cut the model into pipeline stages, which a
+    (1, a count, ``"auto"`` or ``"search"``, as `sf.auto.search`) lets the search cut the
+    model into pipeline stages, which a
     given strategy may have too (run them with `ParallelPlan.graph_step`). A tied weight
     gets one layout (docs/auto.md, 'Tied weights and pipelined strategies'). Returns a
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
