@@ -18,7 +18,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import comm as _comm
-from ..gradsync import set_backfill, set_update_layout, settle, take_stale
+from ..gradsync import set_backfill, set_update_layout, settle, take_stale, update_layout
+from ..nn.parameter import Parameter
 from ..tensor import GlobalTensor, recording
 from . import zero_graph as _graph
 from .zero_layout import check_stage, geometry, stored_layout
@@ -158,6 +159,7 @@ def _unit_items(module) -> tuple[list, list]:
 def _pre_forward(module, args) -> None:
     entries, on_gather = module.__dict__["_zero_unit"]
     settle([p for p, _ in entries])   # stage 1: the gathers after the last update
+    _adopt_replaced(entries)
     live, items = _unit_items(module)
     if not items:
         if not recording():
@@ -190,6 +192,38 @@ def _pre_forward(module, args) -> None:
     if ctx is not None:
         ctx.__enter__()
     module.__dict__["_zero_calls"].append((swapped, ctx, call))
+
+
+def _adopt_replaced(entries: list) -> None:
+    """Give a parameter registered where a ZeRO parameter of the unit was (``Module.to(dtype)``
+    makes new ones, in the same layout) the old one's ZeRO records, in ``entries`` too: the
+    unit goes on gathering it, its update layout stays split (stage 1) and stage 2's whole
+    copy is cast with it. Others (another layout, a gathered copy put there by a unit's
+    call) are left alone."""
+    for i, (p, owners) in enumerate(entries):
+        now = [m._parameters.get(k) for m, k in owners]
+        if any(q is p for q in now):
+            continue
+        q = next((q for q in now if isinstance(q, Parameter)), None)
+        if q is None or q in _PARAMS or tuple(q.shape) != tuple(p.shape) or \
+                tuple(q.sbp) != tuple(p.sbp):
+            continue
+        rec = _PARAMS.get(p)
+        if rec is None:
+            if update_layout(p) != tuple(p.sbp):   # stage 1
+                set_update_layout(q, update_layout(p))
+                set_backfill(q, None, tuple(q.sbp))
+        else:
+            whole = None
+            if rec.whole is not None:
+                with torch.no_grad():
+                    whole = rec.whole.to(q.dtype)
+                geo = geometry(tuple(q.shape), q.placement, rec.compute, tuple(q.sbp), _rank())
+                if geo is not None:
+                    _rebind(q, whole.narrow(geo.axis, *geo.parts[geo.index]), q.sbp)
+                set_backfill(q, whole, rec.compute)
+            _PARAMS[q] = rec._replace(whole=whole)
+        entries[i] = (q, owners)
 
 
 def _gathered_items(module) -> list:

@@ -580,3 +580,56 @@ def test_reading_a_parameter_right_after_the_step_waits_for_its_gather():
         _close(r["doubled"], 2 * want["net.2.weight"], f"stage {stage} an op on p")
         for k, v in want.items():
             _close(r["sd"][k], v, f"stage {stage} {k}")
+
+
+# -- Module.to(dtype) after apply: the new parameters stay ZeRO's ----------------------------------
+def _cast_after_apply() -> dict:
+    """float32 model, ``sf.parallel.apply(..., zero=stage)``, then ``.double()`` (new parameter
+    objects), the optimizer built after it; 2 steps, the second's bytes measured."""
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    out = {}
+    for stage in (1, 2, 3):
+        sf.manual_seed(0)
+        m = mlp_class(sf.nn, sf.nn.functional)(SIZES)
+        sd0 = m.state_dict()
+        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+        m.double()
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+        x = sf.tensor(_MLP_X, pl, S(0))
+        for step in range(2):
+            sf.parallel.zero.settle()
+            sf.comm.reset_stats()
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        sf.parallel.zero.settle()
+        sent = {k: v.sent for k, v in sf.comm.stats().kinds.items() if v.sent}
+        w = m.net[0].weight
+        out[stage] = dict(sd0=sd0, sd=m.state_dict(), sent=sent, dtype=w.dtype, sbp=w.sbp,
+                          state=opt.state[w]["exp_avg"].local.shape)
+    return out
+
+
+def test_casting_after_apply_keeps_zero():
+    """As if cast before: the weights train as torch's (float64), the bytes are each stage's
+    formula (float64: twice float32's), the stored layouts and the split optimizer state
+    stay."""
+    share = P * 2 * 3 // 4
+    first = (16 * 32 + 32) * 8 * 3 // 4
+    res = sf.launch(_cast_after_apply, 4)
+    for stage in (1, 2, 3):
+        r = res[0][stage]
+        m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
+        m.load_state_dict(r["sd0"])
+        opt = torch.optim.AdamW(m.parameters(), lr=0.02, foreach=False)
+        for _ in range(2):
+            m(_MLP_X).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for k, v in m.state_dict().items():
+            _close(r["sd"][k], v, f"stage {stage} {k}")
+        assert r["dtype"] == F64
+        assert r["sbp"] == ((B,) if stage == 1 else (S(0),)), stage
+        assert r["state"] == (8, 16), stage   # the 32 x 16 weight split 4 ways
+        gathered = share if stage < 3 else 2 * share - first
+        assert r["sent"] == {"reduce_scatter": share, "all_gather": gathered}, (stage, r["sent"])
