@@ -311,7 +311,7 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
     return Strategy(graph, layers)
 
 
-# -- tied weights -----------------------------------------------------------------------------------
+# -- tied weights ----------------------------------------------------------------------------------
 def _module_nd(kind: str, nd) -> tuple:
     """A layer's weight layout in its module's axes (a Linear's weight is ``(out, in)``)."""
     return _swap01(nd) if kind == "linear" else tuple(nd)
@@ -667,7 +667,7 @@ def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
     return pipe
 
 
-# -- the strategy -----------------------------------------------------------------------------------
+# -- the strategy ----------------------------------------------------------------------------------
 def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool, stages,
             notes: list):
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
