@@ -2,11 +2,12 @@
 
 The values of the schedule (activations, their gradients, gradient sums) live in ``values``
 until their one reader takes them; versions and ZeRO's relayed copies in the `VersionStore`;
-each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After each task the
-parameter bytes the rank holds are measured (``param_peak``). An actor's task is stored relative to
-its run (`program.shift`), so one plan serves every run of the same shape; ``ctx`` is the
-current run's (first cycle, first step). Sends and receives go over the Communicator's
-point-to-point in a stream of the trainer's own. See docs/cdp.md, 'How it runs'.
+each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After each task that
+adds parameter bytes the bytes the rank holds are measured (``param_peak``). An actor's task
+is stored relative to its run (`program.shift`), so one plan serves every run of the same
+shape; ``ctx`` is the current run's (first cycle, first step). Sends and receives go over
+the Communicator's point-to-point in a stream of the trainer's own. See docs/cdp.md, 'How it
+runs'.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class RankState:
         self.rank, self.n, self.rule, self.runners = rank, n, rule, list(runners)
         self.roles = roles
         self.param_peak = 0  # the most parameter bytes held after a task (`param_bytes`)
+        # ZeRO: the stages whose versions this rank gets relayed a use (not its own)
+        self.relayed_stages = {j for j in range(n) if roles.mode == "zero"
+                               and rank != roles.owner(j)}
         self.loss_fn, self.pl, self.store = loss_fn, pl, store
         self.shapes, self.stream = shapes, stream
         self.owners: dict[int, StageOwner] = {}
@@ -68,13 +72,6 @@ class RankState:
 
     def task(self, rel: Work | Transfer) -> Work | Transfer:
         return shift(rel, *self.ctx)
-
-    @property
-    def relayed_stages(self) -> set[int]:
-        """ZeRO: the stages whose versions this rank gets relayed a use (not its own)."""
-        if self.roles.mode != "zero":
-            return set()
-        return {j for j in range(self.n) if self.rank != self.roles.owner(j)}
 
     def _relayed(self, stage: int) -> bool:
         return stage in self.relayed_stages
@@ -93,6 +90,13 @@ class RankState:
             if s.nbytes():
                 seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())
+
+    def sample(self) -> None:
+        """Measure `param_bytes` into ``param_peak``: after each task that adds parameter
+        bytes (a version received or made, a copy refilled; others only free them)."""
+        held = self.param_bytes()
+        with self.count_lock:
+            self.param_peak = max(self.param_peak, held)
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:
@@ -139,6 +143,7 @@ class RankState:
         del out, x_in, params  # the micro-batch's activations of this stage go now
         if refetch:
             self.store.done_relay(relay)
+            self.sample()
         else:
             self.store.drop(j, v)
         if j:
@@ -160,6 +165,7 @@ class RankState:
         total = self.values.pop(("gsum", self.n - 1, c, j))
         latest = self.store.take(j, c)
         self.store.put(j, c + 1, self.owners[j].step(latest, total))
+        self.sample()
         self.log[name] = (t, c + 1)
 
     # -- transfers ------------------------------------------------------------------------------
@@ -217,6 +223,8 @@ class RankState:
                            self.runners[t.payload[1]].version(got))
         else:
             self.values[t.payload] = got if kind == "gsum" else got[0]
+        if kind in PARAMS:
+            self.sample()
         self.log[name] = (t, -1)
 
     def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str) -> Callable:
@@ -224,7 +232,4 @@ class RankState:
         (the runtime's firing index and input tokens are not needed)."""
         def run(_mb: int, *_tokens) -> None:
             fn(rel, name)
-            held = self.param_bytes()
-            with self.count_lock:
-                self.param_peak = max(self.param_peak, held)
         return run

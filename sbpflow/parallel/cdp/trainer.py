@@ -108,6 +108,7 @@ class CyclicDataParallel:
             if roles.owner(j) == me:
                 self.state.owners[j] = StageOwner(tensors, pl, n, optimizer,
                                                   self.runners[j].nparams)
+        self.state.sample()
         self.tracker = memory.Tracker(me)
         self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))
