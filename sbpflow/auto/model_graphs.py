@@ -8,6 +8,8 @@ so those layers do not accept a partial sum (``accepts_partial=False``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .graph import Graph, Layer
 
 __all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp", "linear_layer"]
@@ -21,8 +23,9 @@ def linear_layer(name, tokens, d_in, d_out, accepts_partial=False, **attrs) -> L
 
 
 def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, batch: int = 8,
-        vocab: int = 50257, itemsize: int = 2) -> Graph:
-    """A GPT decoder: token embedding, per block qkv / attention / proj / fc1 / fc2, LM head.
+        vocab: int = 50257, itemsize: int = 2, tied: bool = False) -> Graph:
+    """A GPT decoder: token embedding, per block qkv / attention / proj / fc1 / fc2, LM head
+    (``tied``: the head uses the embedding's weight, as GPT-2's; it then has none of its own).
 
     Tokens are ``batch * seq`` (axis 0 of every activation); splitting axis 0 of the attention
     is allowed only along whole sequences (``batch`` bounds it), splitting its axis 1 only along
@@ -41,7 +44,8 @@ def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, 
             linear_layer(f"h{i}.fc1", t, d, 4 * d, megatron="col"),
             linear_layer(f"h{i}.fc2", t, 4 * d, d, megatron="row"),
         ]
-    out.append(linear_layer("head", t, d, vocab, megatron="col"))
+    head = linear_layer("head", t, d, vocab, megatron="col")
+    out.append(dataclasses.replace(head, weight_shape=None, tied="embed") if tied else head)
     return Graph(out, name=f"gpt-{layers}x{d_model}", itemsize=itemsize)
 
 
