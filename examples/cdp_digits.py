@@ -87,8 +87,9 @@ def main(args) -> dict:
     if args.timeline:
         trainer.save_timeline(args.timeline)
     if sf.rank() == 0:
-        keep = ("peak_live_activations", "peak_activation_bytes", "max_versions",
-                "messages_per_step", "bytes_per_step", "max_grad_chunks_per_step")
+        keep = ("peak_live_activations", "peak_activation_bytes", "peak_param_bytes",
+                "max_versions", "messages_per_step", "bytes_per_step",
+                "max_grad_chunks_per_step")
         print(f"rule {args.rule}, mode {args.mode}: {args.epochs} epochs of {per_epoch} steps, "
               f"last epoch's mean loss {epoch_losses[-1]:.4f}")
         print(f"test accuracy {acc:.4f} on {len(xte)} digits")
