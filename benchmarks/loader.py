@@ -13,7 +13,7 @@ the same graph called with in-memory batches. Epochs alternate the feeds in one 
 medians are reported, with the rank thread's CPU time:
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
-        [--epochs 3] [--rounds 3] [--prefetch 2]
+        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0]
 """
 
 from __future__ import annotations
@@ -110,10 +110,11 @@ def _rank(ds: Digits, args, hidden: int) -> dict:
     """On every rank: alternate loader-fed and memory-fed epochs; the per-epoch figures."""
     pl = sf.placement("cpu", list(range(args.ranks)))
     model, opt = _model(pl, hidden)
-    loader = sf.data.DataLoader(ds, args.batch, pl, prefetch=args.prefetch)
+    loader = sf.data.DataLoader(ds, args.batch, pl, prefetch=args.prefetch,
+                                workers=args.workers)
     _epoch(model, opt, loader)  # warm-up: dispatch caches, allocator
-    loading, fed = _graphs(model, opt, sf.data.DataLoader(ds, args.batch, pl,
-                                                          prefetch=args.prefetch))
+    loading, fed = _graphs(model, opt, sf.data.DataLoader(
+        ds, args.batch, pl, prefetch=args.prefetch, workers=args.workers))
     memory = _in_memory(ds, loader, pl)
     n = len(memory)
     _graph_epoch(loading, None, 2, args.batch)  # compiles
@@ -150,13 +151,16 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0,
+                   help="loading processes a rank (DataLoader(workers=)); 0: a thread")
     args = p.parse_args()
     torch.set_num_threads(1)  # kernels on the rank threads: no intra-op pool on 2 cores
     ds = Digits()
     for hidden in (int(h) for h in args.hidden.split(",")):
         times = sf.launch(_rank, args.ranks, args=(ds, args, hidden))[0]
         print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} thread ranks, "
-              f"MLP 64-{hidden}-{hidden}-10, prefetch {args.prefetch}; "
+              f"MLP 64-{hidden}-{hidden}-10, prefetch {args.prefetch}, "
+              f"{args.workers or 'no'} worker processes a rank; "
               f"{len(times['loader'])} epochs each, alternated (medians)")
         _report(times)
 

@@ -11,6 +11,7 @@ loading actor. See docs/runtime.md, 'Data loading'.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from ..tensor import GlobalTensor, from_local, source
 from .batch_order import batch_indices, num_batches, row_range
 from .collate import Shards, apply_cut, cut_rule, read_samples, stack_samples
 from .prefetch import Prefetcher
+from .workers import WorkerPool
 
 __all__ = ["DataLoader", "LoaderIterator"]
 
@@ -55,13 +57,15 @@ class DataLoader:
     epoch; ``drop_last=False`` keeps a last smaller batch. ``prefetch`` batches are loaded
     ahead on a background thread (``0``: on demand, in the caller's thread); a wait for the
     thread is bounded by ``timeout`` (default the world's collective timeout,
-    ``SBPFLOW_TIMEOUT``).
+    ``SBPFLOW_TIMEOUT``). ``workers=k > 0`` loads in ``k`` forked processes a rank instead
+    (kept from epoch to epoch, at most ``max(prefetch, 1)`` batches ahead), as torch's
+    ``num_workers``: the dataset's Python then runs beside the rank's, not under its GIL.
     """
 
     def __init__(self, dataset: Any, batch_size: int, placement: Placement,
                  sbp: SbpLike = S(0), shuffle: bool = True, seed: int = 0,
                  drop_last: bool = True, prefetch: int = 2,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, workers: int = 0) -> None:
         _check_dataset(dataset)
         if not isinstance(placement, Placement):
             raise DataLoaderConfigError(f"DataLoader: expected an sf.placement, got "
@@ -76,6 +80,9 @@ class DataLoader:
         self.dataset, self.placement, self.sbp = dataset, placement, nd
         self.batch_size = _positive_int("batch_size", batch_size, 1)
         self.prefetch = _positive_int("prefetch", prefetch, 0)
+        self.workers = _positive_int("workers", workers, 0)
+        self._pools: dict[int, WorkerPool] = {}  # a rank's worker processes (workers > 0)
+        self._pools_lock = threading.Lock()
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise DataLoaderConfigError(f"DataLoader: seed must be an int, got {seed!r}")
         self.seed = seed
@@ -117,20 +124,39 @@ class DataLoader:
         return (f"DataLoader({type(self.dataset).__name__} of {len(self.dataset)}, "
                 f"batch_size={self.batch_size}, {self.placement}, "
                 f"sbp={format_nd_sbp(self.sbp)}, shuffle={self.shuffle}, seed={self.seed}, "
-                f"epoch={self.epoch}, drop_last={self.drop_last}, prefetch={self.prefetch})")
+                f"epoch={self.epoch}, drop_last={self.drop_last}, prefetch={self.prefetch}"
+                + (f", workers={self.workers})" if self.workers else ")"))
+
+    def close(self) -> None:
+        """End the worker processes (``workers > 0``; also done when the loader is garbage);
+        a later epoch forks new ones."""
+        with self._pools_lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+    def _pool(self, rank: int) -> WorkerPool:
+        """The rank's worker processes, forked at its first epoch and kept."""
+        with self._pools_lock:
+            pool = self._pools.get(rank)
+            if pool is None:
+                pool = self._pools[rank] = WorkerPool(
+                    self.workers, partial(_BatchJob, self, rank), f"sbpflow-data-rank{rank}")
+            return pool
 
 
 class _BatchJob:
     """Loads batch ``b`` of one epoch for one rank: its rows' samples, stacked and cut into
     `Shards`. Holds no reference to the iterator (the loading thread runs it)."""
 
-    def __init__(self, loader: DataLoader, rank: int) -> None:
+    def __init__(self, loader: DataLoader, rank: int, epoch: int | None = None) -> None:
         self.dataset, self.placement, self.sbp = loader.dataset, loader.placement, loader.sbp
-        self.rank, self.epoch = rank, loader.epoch
+        self.rank = rank
+        self.epoch = loader.epoch if epoch is None else epoch
         self.coord = loader.placement.coord_of(rank) if rank in loader.placement else None
         self.batches = batch_indices(len(loader.dataset), loader.batch_size,
                                      shuffle=loader.shuffle, seed=loader.seed,
-                                     epoch=loader.epoch, drop_last=loader.drop_last)
+                                     epoch=self.epoch, drop_last=loader.drop_last)
         self.progress: dict = {"batch": None, "index": None}
         # the row range and the cuts depend on the batch's size (and the items' shapes) only:
         # computed once, not per batch (the loading thread's Python competes for the GIL)
@@ -190,7 +216,10 @@ class LoaderIterator:
         self._job = _BatchJob(loader, comm.rank)
         self._count, self._next, self._done = len(self._job.batches), 0, False
         self._prefetcher = None
-        if loader.prefetch > 0 and self._count > 0:
+        if loader.workers > 0 and self._count > 0:
+            self._prefetcher = loader._pool(comm.rank).feed(
+                loader.epoch, self._count, loader.prefetch, _timeout(loader, comm))
+        elif loader.prefetch > 0 and self._count > 0:
             self._prefetcher = Prefetcher(
                 self._job, self._count, loader.prefetch, f"sbpflow-data-rank{comm.rank}",
                 _timeout(loader, comm), self._job.describe, owner)
@@ -223,5 +252,6 @@ class LoaderIterator:
     def close(self) -> None:
         """Stop loading (the loading thread finishes the sample it is reading, if any)."""
         self._done = True
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        if self._prefetcher is not None and hasattr(self._prefetcher, "close"):
+            self._prefetcher.close()  # (a worker feed needs no closing: the next one's
+            # generation makes its workers drop what is left of it)

@@ -211,7 +211,11 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     specs += [ActorSpec(f"recv<{p}", "recv", wire(p, s, st.recv(p)), stage=s,
                         queue=f"recv<{p}") for p in st.sources]
     if st.loads:
-        specs.append(ActorSpec("load", "load", st.load, stage=s, times=1, outputs=1))
+        # on the forward's thread: the batch was loaded ahead (the loader's thread or worker
+        # processes), taking it is short, and a hand-off to the forward's thread would cost a
+        # thread wake-up a call
+        specs.append(ActorSpec("load", "load", st.load, stage=s, times=1, outputs=1,
+                               queue="compute"))
     specs += [ActorSpec(f"send>{t}", "send", wire(s, t, st.send(t)), stage=s,
                         inputs=[Input("fwd", "saved")], queue=f"send>{t}")
               for t in st.targets]

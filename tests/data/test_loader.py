@@ -436,3 +436,58 @@ def test_torch_backend_batches_equal_torch():
             assert torch.equal(x, rx) and torch.equal(y, ry)
             rows = len(idx) // 2 + (1 if r < len(idx) % 2 else 0)
             assert local_shape == (rows, WIDTH)
+
+
+@pytest.mark.parametrize("name", ["1d-S0", "2d-S0,S1", "rank-outside"])
+def test_worker_processes_give_torchs_batches(name):
+    """``workers=2``: the batches of two epochs (the processes kept between them, one epoch
+    abandoned after a batch) equal torch's; closing the loader ends the processes."""
+    ranks, sbp, world, n, bs, tuples = LAYOUTS[name]
+    pl = sf.placement("cpu", ranks)
+    nd = parse_nd_sbp(sbp, pl.ndim)
+    ds = Encoded(n, tuples)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, bs, pl, sbp=sbp, seed=SEED, drop_last=False,
+                                    prefetch=1, workers=2)
+        out = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            next(iter(loader))  # abandoned: its workers drop what is left of it
+            out.append([[(t.full_tensor(), t.sbp) for t in (b if tuples else (b,))]
+                        for b in loader])
+        procs = [p for pool in loader._pools.values() for p in pool.procs]
+        loader.close()
+        return out, procs
+
+    for out, procs in sf.launch(fn, world):
+        for epoch, got in enumerate(out):
+            want = torch_batches(Encoded(n, tuples), bs, epoch=epoch)[1]
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                for (full, t_sbp), value in zip(g, w):
+                    assert t_sbp == nd and full.dtype == value.dtype and torch.equal(full, value)
+        for p in procs:
+            p.join(10)
+        assert procs and not any(p.is_alive() for p in procs)
+
+
+def test_a_failing_sample_in_a_worker_process_raises_naming_it():
+    index_batches, _ = torch_batches(Encoded(16), 4)
+    bad_batch = _batch_of(index_batches)[13]
+    yielded = []
+
+    def fn():
+        loader = sf.data.DataLoader(Encoded(16, fail_at=13), 4, sf.placement("cpu", [0]),
+                                    seed=SEED, workers=1)
+        try:
+            for _ in loader:
+                yielded.append(1)
+        finally:
+            loader.close()
+
+    with pytest.raises(sf.DataLoaderError, match=rf"worker process sbpflow-data-rank0-worker0"
+                                                 rf".*sample 13 \(batch {bad_batch} of epoch 0 "
+                                                 rf"on rank 0\)"):
+        sf.launch(fn, 1)
+    assert len(yielded) == bad_batch

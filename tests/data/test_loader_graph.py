@@ -41,9 +41,10 @@ def torch_losses() -> list[float]:
     return losses
 
 
-def _graph_run(micro_batches: int):
+def _graph_run(micro_batches: int, workers: int = 0):
     pl = sf.placement("cpu", [0, 1])
-    loader = sf.data.DataLoader(TensorDataset(XS, YS), BATCH, pl, sbp=sf.S(0), seed=SEED)
+    loader = sf.data.DataLoader(TensorDataset(XS, YS), BATCH, pl, sbp=sf.S(0), seed=SEED,
+                                workers=workers)
     lin = sf.nn.Linear(6, 3, bias=False, dtype=torch.float64)
     lin.weight = sf.nn.Parameter(sf.tensor(W0, pl, sf.B))
     opt = sf.optim.SGD(lin.parameters(), lr=0.5)
@@ -64,13 +65,15 @@ def _graph_run(micro_batches: int):
     step = Step()
     losses = [step().item() for _ in range(STEPS)]
     kinds = {e["actor"]: e["kind"] for e in step.timeline()}
+    loader.close()
     return losses, kinds, loader.epoch
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-def test_graph_with_loader_equals_torch(micro_batches):
+@pytest.mark.parametrize("micro_batches,workers", [(1, 0), (3, 0), (3, 1)])
+def test_graph_with_loader_equals_torch(micro_batches, workers):
     want = torch_losses()
-    for losses, kinds, epoch in sf.launch(_graph_run, world_size=2, args=(micro_batches,)):
+    for losses, kinds, epoch in sf.launch(_graph_run, world_size=2,
+                                          args=(micro_batches, workers)):
         assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
         assert kinds["load"] == "load"
         assert epoch == 1
