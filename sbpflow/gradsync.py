@@ -402,11 +402,14 @@ def _hook(sync_ref: "weakref.ref", index: int, j: int):
 
 
 def zero_grads(params, set_to_none: bool = True) -> None:
-    """Drop (or zero in place) the gradients of ``params`` (global tensors)."""
+    """Drop (or zero in place) the gradients of ``params`` (global tensors). Their values are
+    not read, so a ZeRO-1/2 parameter still being gathered is not waited for (the slot is read
+    as it is: `zero_grad` right after the step keeps the gather overlapping the next forward)."""
     for p in params:
-        if p.local.grad is None:
+        local = _SLOT.__get__(p, type(p))
+        if local.grad is None:
             continue
         if set_to_none:
-            p.local.grad = None
+            local.grad = None
         else:
-            p.local.grad.detach_().zero_()
+            local.grad.detach_().zero_()
