@@ -720,7 +720,9 @@ class Evaluator:
         if hit is not None:
             return hit
         mesh, it, m = s.mesh, self.itemsize, self.micro
-        compute = 3.0 * layer.flops / _work_split(s) / self.cluster.device_flops
+        # forward + backward (2x forward); recomputation runs the forward once more
+        passes = 4.0 if getattr(s, "recompute", False) else 3.0
+        compute = passes * layer.flops / _work_split(s) / self.cluster.device_flops
         gt = gb = 0.0
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         if layer.weight_shape is not None:
@@ -733,8 +735,11 @@ class Evaluator:
             n = _local_numel(ws, mesh, st)
             mem["params"] = mem["grads"] = n * it
             mem["optimizer"] = n * self.graph.optimizer_itemsize * self.graph.optimizer_states
-        mem["activations"] = (_local_numel(layer.input_shape, mesh, s.input) +
-                              _local_numel(layer.output_shape, mesh, s.output)) * it / m
+        # saved for backward: the input and the output (a recomputed layer only its input)
+        saved = _local_numel(layer.input_shape, mesh, s.input)
+        if not getattr(s, "recompute", False):
+            saved += _local_numel(layer.output_shape, mesh, s.output)
+        mem["activations"] = saved * it / m
         ft = fb = bt = bb = 0.0
         if sink:
             if any(isinstance(x, Partial) for x in s.output):  # the loss needs a full value

@@ -112,6 +112,7 @@ class _Explorer:
                  options, deadline):
         self.graph, self.cluster, self.algorithm, self.seed = graph, cluster, algorithm, seed
         self.limit, self.max_dims, self.zero = limit, max_dims, zero
+        self.recompute = options.pop("recompute", False)
         self.schedule, self.options, self.deadline = schedule, options, deadline
         self.cache: dict = {}
         self.shared: dict = {}
@@ -137,7 +138,8 @@ class _Explorer:
         if start_from is not None and self.algorithm in ("cd", "mh"):
             opts["start"] = Strategy(g, [dataclasses.replace(x, stage=0) for x in start_from])
         r = _search_one(g, sub, self.algorithm, self.seed, budget, self.limit or float("inf"),
-                        pp.micro_batches, self.max_dims, self.zero, inflight, shared, **opts)
+                        pp.micro_batches, self.max_dims, self.zero, inflight, shared,
+                        self.recompute, **opts)
         self.evaluations += r.evaluations
         out = _Stage(r, stage_cost(r.breakdown, pp.micro_batches, inflight))
         self.cache[key] = out
@@ -164,7 +166,8 @@ class _Explorer:
             for l in self.graph.layers:
                 if l.key not in memo:
                     mem = [ev.node_terms(l, s)["memory"]
-                           for s in layer_space(l, devices, self.max_dims, self.zero)]
+                           for s in layer_space(l, devices, self.max_dims, self.zero,
+                                                self.recompute)]
                     act = np.array([m["activations"] for m in mem])
                     memo[l.key] = (np.array([m["total"] for m in mem]) - act, act)
             self._floors[devices] = [memo[l.key] for l in self.graph.layers]
@@ -258,7 +261,7 @@ def _micro_limit(graph) -> int:
 
 
 def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
-                    zero: bool = False) -> float:
+                    zero: bool = False, recompute: bool = False) -> float:
     """The least memory per device any one-stage strategy can have: per layer the least of
     its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
     each layer takes its least-memory candidate)."""
@@ -269,7 +272,8 @@ def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
         key = (l.key, not graph.succs[i])
         if key not in memo:
             memo[key] = min(ev.node_terms(l, s)["memory"]["total"]
-                            for s in layer_space(l, cluster.world_size, max_dims, zero))
+                            for s in layer_space(l, cluster.world_size, max_dims, zero,
+                                                 recompute))
         total += memo[key]
     return total
 
@@ -299,7 +303,10 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     * ``"search"``: pipelines are always tried beside one stage;
     * ``1``: one stage only; ``S > 1``: S stages only.
 
-    ``schedule``: ``"1f1b"`` (default) or ``"gpipe"``."""
+    ``schedule``: ``"1f1b"`` (default) or ``"gpipe"``. ``recompute=True`` (an option of
+    `sbpflow.auto.search.search`) puts per-layer activation recomputation in the space; with
+    ``zero=True``, ``micro_batches="auto"`` and ``stages="search"`` memory is met by the
+    cheapest combination of ZeRO, recomputation, micro-batches and pipelining."""
     _check_args(stages, schedule)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
@@ -313,7 +320,8 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
     if stages == "auto" and (limit is None or
-                             one_stage_floor(graph, cluster, m1, max_dims, zero) <= limit):
+                             one_stage_floor(graph, cluster, m1, max_dims, zero,
+                                             options.get("recompute", False)) <= limit):
         return _search_one(*args, **options)
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
         raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
@@ -329,8 +337,27 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
             found is None or not _fits(found.breakdown, limit) or micro_batches == "auto")):
         # one stage too: always with "search"; with "auto" when no pipeline fits (the least
         # excess wins) or when more micro-batches may let one stage fit
-        single = _search_one(*args, **options)
+        single = _cheapest_one_stage(args, options) if stages == "search" and \
+            micro_batches == "auto" else _search_one(*args, **options)
     return _result(graph, found, single, ex, algorithm, limit, t0)
+
+
+def _cheapest_one_stage(args: tuple, options: dict) -> SearchResult:
+    """One stage with ``micro_batches="auto"`` as the least step time: micro-batches double
+    from 1 until the strategy fits, then on while the objective goes down (more micro-batches
+    cost only latency, which may be cheaper than the recomputation or ZeRO gathers that the
+    first fitting count needs)."""
+    graph = args[0]
+    limit_m = min(l.input_shape[0] for l in graph.layers)
+    best, m = None, 1
+    while m <= limit_m:
+        r = _search_one(*args[:6], m, *args[7:], **options)
+        if best is not None and best.fits and r.cost >= best.cost:
+            break
+        if best is None or r.cost < best.cost:
+            best = r
+        m *= 2
+    return best
 
 
 def _fits(breakdown, limit) -> bool:

@@ -189,10 +189,12 @@ class Problem:
     the dynamic programme only the entries that can change a minimum)."""
 
     def __init__(self, graph, cluster, memory_limit=None, micro_batches=1, max_dims=3,
-                 zero=False, spaces=None, in_flight: int = 1, shared: dict | None = None):
+                 zero=False, spaces=None, in_flight: int = 1, shared: dict | None = None,
+                 recompute: bool = False):
         """``in_flight``: micro-batches whose activations a device keeps at once (a pipeline
         stage's schedule); ``shared``: caches of node terms and edge tables shared by
-        problems on the same cluster and micro-batch count (pipeline stages)."""
+        problems on the same cluster and micro-batch count (pipeline stages);
+        ``recompute``: per-layer activation recomputation in the space."""
         self.graph, self.cluster = graph, cluster
         self.limit = memory_limit
         self.ev = Evaluator(graph, cluster, micro_batches)
@@ -200,7 +202,7 @@ class Problem:
         if shared is not None:
             self.ev._node = shared.setdefault("node", {})
         p = cluster.world_size
-        self.cands = [spaces[l.name] if spaces else layer_space(l, p, max_dims, zero)
+        self.cands = [spaces[l.name] if spaces else layer_space(l, p, max_dims, zero, recompute)
                       for l in graph.layers]
         for l, c in zip(graph.layers, self.cands):
             if not c:
@@ -833,12 +835,13 @@ ALGORITHMS = {"cd": _coordinate_descent, "mh": _metropolis, "random": _random,
 def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
            memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
            zero: bool = False, in_flight: int = 1, shared: dict | None = None,
-           **options) -> SearchResult:
+           recompute: bool = False, **options) -> SearchResult:
     """Search a one-stage strategy for ``graph`` on ``cluster.world_size`` devices
     (``sf.auto.search``, `sbpflow.auto.interop.search`, also tries pipeline stages).
 
     ``memory_limit`` in bytes per device (default: ``cluster.memory_per_device`` if it has
-    one; pass ``float('inf')`` for none). ``in_flight`` and ``shared``: `Problem`. Options:
+    one; pass ``float('inf')`` for none). ``zero`` / ``recompute``: each layer's ZeRO-
+    sharded / recomputing twins in the space. ``in_flight``, ``shared``: `Problem`. Options:
     ``restarts``, ``window`` (cd; 1 turns the joint moves off), ``iterations``, ``beta``
     (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy)."""
     if algorithm not in ALGORITHMS:
@@ -852,13 +855,13 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         limit_m = min(l.input_shape[0] for l in graph.layers)
         while m <= limit_m:
             last = search(graph, cluster, algorithm, seed, budget_s, memory_limit, m, max_dims,
-                          zero, in_flight, None, **options)
+                          zero, in_flight, None, recompute, **options)
             if last.fits:
                 return last
             m *= 2
         return last
     pb = Problem(graph, cluster, memory_limit, micro_batches, max_dims, zero,
-                 in_flight=in_flight, shared=shared)
+                 in_flight=in_flight, shared=shared, recompute=recompute)
     start = options.pop("start", None)
     if isinstance(start, Strategy):
         start = [pb.cands[i].index(s) for i, s in enumerate(start.layers)]

@@ -10,7 +10,7 @@ count. See docs/auto.md, 'The strategy space'.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..caches import BoundedDict, memoize
@@ -49,6 +49,9 @@ class LayerStrategy:
     stored: tuple | None = None
     names: tuple = field(default=(), compare=False)
     stage: int = 0   # pipeline stage (0 without stages); mesh is then over its devices
+    # activation recomputation: backward recomputes the layer's forward from its saved input
+    # (the layer keeps only its input for backward, at the cost of one more forward)
+    recompute: bool = False
 
     @property
     def devices(self) -> int:
@@ -63,14 +66,15 @@ class LayerStrategy:
         if not self.names:
             return ""
         return " x ".join(f"{n}:{m}" for n, m in zip(self.names, self.mesh)) + (
-            " +zero" if self.stored is not None else "")
+            " +zero" if self.stored is not None else "") + (" +rc" if self.recompute else "")
 
     def __repr__(self) -> str:
         w = format_nd_sbp(self.weight) if self.weight is not None else "-"
         z = f", stored={format_nd_sbp(self.stored)}" if self.stored is not None else ""
         st = f", stage={self.stage}" if self.stage else ""
+        rc = ", recompute=True" if self.recompute else ""
         return (f"LayerStrategy(mesh={self.mesh}, input={format_nd_sbp(self.input)}, weight={w}, "
-                f"output={format_nd_sbp(self.output)}{z}{st})")
+                f"output={format_nd_sbp(self.output)}{z}{st}{rc})")
 
 
 class Pipeline(NamedTuple):
@@ -220,10 +224,13 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False):
 _SPACE_CACHE = BoundedDict("auto.layer_space", 1 << 12)
 
 
-def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False) -> list[LayerStrategy]:
+def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False,
+                recompute: bool = False) -> list[LayerStrategy]:
     """Every valid strategy of ``layer`` on ``p`` devices (deduplicated, deterministic order).
-    ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin."""
-    key = (layer.key, p, max_dims, zero)
+    ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin;
+    ``recompute=True`` then adds every strategy's twin that recomputes the layer's forward
+    in backward (after all the others, so the plain space's indices are unchanged)."""
+    key = (layer.key, p, max_dims, zero, recompute)
     hit = _SPACE_CACHE.get(key)
     if hit is not None:
         return hit
@@ -241,6 +248,8 @@ def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False) -> list[La
                 if k not in seen:
                     seen.add(k)
                     out.append(s)
+    if recompute:
+        out += [replace(s, recompute=True) for s in out]
     return _SPACE_CACHE.put(key, out)
 
 
@@ -253,6 +262,7 @@ def _product(names, k):
             yield rest + (n,)
 
 
-def space(graph, p: int, max_dims: int = 3, zero: bool = False) -> dict:
+def space(graph, p: int, max_dims: int = 3, zero: bool = False,
+          recompute: bool = False) -> dict:
     """Layer name -> list of LayerStrategy."""
-    return {l.name: layer_space(l, p, max_dims, zero) for l in graph.layers}
+    return {l.name: layer_space(l, p, max_dims, zero, recompute) for l in graph.layers}
