@@ -1,6 +1,7 @@
 """ZeRO stages 1-3 against PyTorch's own: a GPT training step on 4 gloo processes (-n).
 
-* step time: sbpflow ``zero3`` vs FSDP2 (``fully_shard`` on each block and the root, its
+* step time: sbpflow ``zero3`` (eager, and ``zero3-graph``: the step as an ``sf.nn.Graph``
+  with ``config.enable_zero(3)``) vs FSDP2 (``fully_shard`` on each block and the root, its
   defaults: parameters resharded after forward), ``zero1`` / ``zero2`` (and plain ``dp``) vs
   ``DistributedDataParallel``; taking turns step by step (`timing.take_turns`), median;
 * bytes each rank sent in one step, against the formula of the stage;
@@ -29,7 +30,32 @@ from sbpflow.models import gpt_class, layout
 
 SF_LAYOUTS = {"dp": ("dp", 0), "zero1": ("dp", 1), "zero2": ("dp", 2), "zero3": ("dp", 3),
               "tp": ("tp", 0), "2d": ("2d", 0)}
-TIMED = [("zero3", "FSDP2"), ("zero1", "DDP"), ("zero2", "DDP"), ("dp", "DDP")]
+TIMED = [("zero3", "FSDP2"), ("zero3-graph", "FSDP2"), ("zero1", "DDP"), ("zero2", "DDP"),
+         ("dp", "DDP")]
+
+
+class _ZeroGraph(sf.nn.Graph):
+    """One training step of a data-parallel model as a graph with ZeRO-3."""
+
+    def __init__(self, model, opt) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.enable_zero(3)
+
+    def build(self, *args):
+        loss = self.model(*args)
+        loss.backward()
+        return loss
+
+
+def _sf_step(cfg, name: str):
+    """The step function of sbpflow's ``name`` (`TIMED`)."""
+    if name == "zero3-graph":
+        model, opt, args = _sf_model(cfg, "dp")
+        graph = _ZeroGraph(model, opt)
+        return lambda: graph(*args)
+    return _step(*_sf_model(cfg, name))
 
 
 def _data(cfg, seed=0):
@@ -129,22 +155,24 @@ def _memory_row(model, opt, args, is_sf: bool) -> dict:
 def _bench(cfg, steps: int):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
-    times, moved = [], {}
+    times, moved, gathered = [], {}, {}
     for name, ref in TIMED:
-        sf_step = _step(*_sf_model(cfg, name))
+        sf_step = _sf_step(cfg, name)
         sf_step()
         sf.parallel.zero.settle()   # zero1: the all-gather after the update runs in the background
         sf.comm.reset_stats()
-        sf_step()
+        with sf.memory.track() as mem:
+            sf_step()
         sf.parallel.zero.settle()
         moved[name] = sf.comm.stats().sent
+        gathered[name] = mem.peak_by_kind["gathered"]
         t_sf, t_ref = (statistics.median(ts) for ts in
                        take_turns([sf_step, _step(*_torch_model(cfg, ref))], steps))
         times.append((name, ref, t_sf, t_ref))
     memory = {name: _memory_row(*_sf_model(cfg, name), True) for name in SF_LAYOUTS}
     for ref in ("DDP", "FSDP2"):
         memory[ref] = _memory_row(*_torch_model(cfg, ref), False)
-    return dict(times=times, moved=moved, memory=memory)
+    return dict(times=times, moved=moved, gathered=gathered, memory=memory)
 
 
 def _param_count(cfg) -> int:
@@ -155,7 +183,7 @@ def _param_count(cfg) -> int:
 def _formula(cfg, name: str, n: int) -> str:
     """Bytes a rank sends per step by the stage's formula (float32, all parameters)."""
     p = _param_count(cfg) * 4
-    mult = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[name]
+    mult = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "zero3-graph": 3}[name]
     return f"{mult}|P|(N-1)/N = {mult * p * (n - 1) // n}"
 
 
@@ -178,11 +206,12 @@ def main(argv=None) -> int:
           f"processes; median of {args.steps} steps, sbpflow and torch taking turns")
     res = sf.launch(_bench, world_size=n, backend="torch", args=(cfg, args.steps))
     r0 = res[0]
-    print(f"\n{'layout':<8}{'vs':<8}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
-          f"{'sent/rank':>12}  formula")
+    print(f"\n{'layout':<12}{'vs':<7}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
+          f"{'sent/rank':>12}{'gathered':>10}  formula")
     for name, ref, t_sf, t_ref in r0["times"]:
-        print(f"{name:<8}{ref:<8}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
-              f"{r0['moved'][name]:>12}  {_formula(cfg, name, n)}")
+        print(f"{name:<12}{ref:<7}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
+              f"{r0['moved'][name]:>12}{r0['gathered'][name]:>10}  {_formula(cfg, name, n)}")
+    print("(gathered: the peak bytes of gathered weights in one step, sf.memory.track)")
     print("\nmemory per rank (bytes; rank 0; params / grads / optimizer after backward, peak: "
           "sf.memory.track over forward + backward)")
     print(f"{'layout':<8}{'params':>11}{'grads':>11}{'optimizer':>11}{'states':>11}"
