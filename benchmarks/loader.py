@@ -10,7 +10,9 @@ large one a step of kernels (which release it, as device kernels would). The in-
 trains on the same batches, built as global tensors before the timed epochs. In graph mode
 (``sf.nn.Graph``) the loader is called inside ``build``: a loading actor of the plan, against
 the same graph called with in-memory batches. Epochs alternate the feeds in one process; the
-medians are reported, with the rank thread's CPU time:
+medians are reported, with the process's CPU time (all ranks' threads: the work, which load
+from other jobs on the machine changes less than the wall time; worker processes' CPU is
+outside it):
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
         [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0]
@@ -52,14 +54,15 @@ def _model(pl, hidden: int):
 
 
 def _epoch(model, opt, batches) -> tuple[float, float, int]:
-    """Wall seconds, this thread's CPU seconds and samples of one pass over ``batches``."""
-    start, cpu, samples = time.perf_counter(), time.thread_time(), 0
+    """Wall seconds, the process's CPU seconds (every rank thread, runtime and loading thread
+    of this process; not worker processes) and samples of one pass over ``batches``."""
+    start, cpu, samples = time.perf_counter(), time.process_time(), 0
     for x, y in batches:
         opt.zero_grad()
         sf.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         samples += x.shape[0]
-    return time.perf_counter() - start, time.thread_time() - cpu, samples
+    return time.perf_counter() - start, time.process_time() - cpu, samples
 
 
 def _graphs(model, opt, loader):
@@ -88,14 +91,14 @@ def _graphs(model, opt, loader):
 
 def _graph_epoch(step, batches, count: int, batch: int) -> tuple[float, float, int]:
     """`_epoch` for a graph: ``count`` calls, fed ``batches`` (None: the graph loads)."""
-    start, cpu = time.perf_counter(), time.thread_time()
+    start, cpu = time.perf_counter(), time.process_time()
     if batches is None:
         for _ in range(count):
             step()
     else:
         for x, y in batches:
             step(x, y)
-    return time.perf_counter() - start, time.thread_time() - cpu, count * batch
+    return time.perf_counter() - start, time.process_time() - cpu, count * batch
 
 
 def _in_memory(ds: Digits, loader, pl) -> list:
@@ -137,7 +140,7 @@ def _report(times: dict) -> None:
         wall = statistics.median(t for t, _, _ in times[feed])
         cpu = statistics.median(c for _, c, _ in times[feed])
         rate[feed] = times[feed][0][2] / wall
-        print(f"  {feed:12s}: {wall * 1e3:7.1f} ms / epoch, rank thread CPU {cpu * 1e3:7.1f} ms, "
+        print(f"  {feed:12s}: {wall * 1e3:7.1f} ms / epoch, process CPU {cpu * 1e3:7.1f} ms, "
               f"{rate[feed]:8.0f} samples/s")
     print(f"  loader / memory throughput: eager {rate['loader'] / rate['memory']:.3f}, graph "
           f"{rate['graph loader'] / rate['graph memory']:.3f} (goal >= 0.95)")
