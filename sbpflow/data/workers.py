@@ -5,8 +5,10 @@ for its GIL (torch's ``num_workers``).
 `WorkerPool` forks ``k`` processes per (loader, rank) once and keeps them from epoch to epoch.
 `WorkerPool.feed` starts an epoch: batch ``b`` goes to worker ``b % k``, which loads it only
 once the consumer has granted it (``("slot", generation, b)``), so at most ``budget`` batches
-are loaded ahead of `Feed.get`. A batch travels as raw bytes a shard (a pipe, no shared-memory
-handles); an error as its message (`DataLoaderError`). A worker ends when its pool is closed or
+are loaded ahead of `Feed.get`. A batch travels as raw bytes a shard through a plain pipe the
+consumer reads without blocking (no shared-memory handles; one read can take several
+batches: system calls are the consumer's main cost); an error as its message
+(`DataLoaderError`). A worker ends when its pool is closed or
 garbage, when its rank's process ends, or when its parent is gone.
 """
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import select
+import struct
 import threading
 import time
 import weakref
@@ -53,7 +58,18 @@ def _unpack(packed: tuple) -> Shards:
     return Shards(is_tuple, tuple(locals_), shapes)
 
 
-def _serve(conn: Any, make_job: Callable[[int], Callable[[int], Shards]], parent: int) -> None:
+_HEADER = struct.Struct("<Q")
+
+
+def _write(fd: int, reply: tuple) -> None:
+    data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _serve(conn: Any, out: int, make_job: Callable[[int], Callable[[int], Shards]],
+           parent: int) -> None:
     """A worker's loop: ``("epoch", generation, epoch)`` switches to an epoch's batches,
     ``("slot", generation, b)`` loads batch b of it, ``None`` (or a closed pipe, or a dead
     parent) ends it."""
@@ -78,17 +94,35 @@ def _serve(conn: Any, make_job: Callable[[int], Callable[[int], Shards]], parent
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
                 reply = (gen, b, False, f"{type(exc).__name__}: {exc}")
             try:
-                conn.send(reply)
-            except (BrokenPipeError, OSError):
+                _write(out, reply)
+            except OSError:  # the consumer's end is closed
                 return
 
 
-def _close(conns: list, procs: list) -> None:
+def _frames(buf: bytearray) -> list[tuple]:
+    """The whole messages at the head of ``buf`` (removed from it)."""
+    out, at = [], 0
+    while len(buf) - at >= _HEADER.size:
+        (n,) = _HEADER.unpack_from(buf, at)
+        if len(buf) - at - _HEADER.size < n:
+            break
+        out.append(pickle.loads(buf[at + _HEADER.size:at + _HEADER.size + n]))
+        at += _HEADER.size + n
+    del buf[:at]
+    return out
+
+
+def _close(conns: list, fds: list, procs: list) -> None:
     for c in conns:
         try:
             c.send(None)
             c.close()
         except (OSError, ValueError):
+            pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
             pass
     for p in procs:
         p.join(0.5)
@@ -104,17 +138,43 @@ class WorkerPool:
                  name: str) -> None:
         ctx = multiprocessing.get_context("fork")
         self.name, self.k, self.gen = name, k, 0
-        self.conns, self.procs = [], []
+        self.conns, self.fds, self.procs = [], [], []  # grants to, batches from, each worker
+        self.buffers: list[bytearray] = []
         for i in range(k):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(theirs, make_job, os.getpid()),
+            theirs, mine = ctx.Pipe(duplex=False)
+            rfd, wfd = os.pipe()
+            p = ctx.Process(target=_serve, args=(theirs, wfd, make_job, os.getpid()),
                             name=f"{name}-worker{i}", daemon=True)
             p.start()
             theirs.close()
+            os.close(wfd)
+            os.set_blocking(rfd, False)
             self.conns.append(mine)
+            self.fds.append(rfd)
+            self.buffers.append(bytearray())
             self.procs.append(p)
         self.lock = threading.Lock()
-        self._close = weakref.finalize(self, _close, self.conns, self.procs)
+        self._close = weakref.finalize(self, _close, self.conns, self.fds, self.procs)
+
+    def receive(self, i: int, wait: float) -> list[tuple] | None:
+        """The replies worker ``i`` has sent: those already read, else what its pipe holds
+        (waiting at most ``wait`` s when it holds nothing); ``None``: its end is closed."""
+        out = _frames(self.buffers[i])
+        if out:
+            return out
+        fd = self.fds[i]
+        try:
+            chunk = os.read(fd, 1 << 22)
+        except BlockingIOError:
+            select.select([fd], [], [], wait)
+            try:
+                chunk = os.read(fd, 1 << 22)
+            except BlockingIOError:
+                return []
+        if not chunk:
+            return None
+        self.buffers[i] += chunk
+        return _frames(self.buffers[i])
 
     def feed(self, epoch: int, count: int, budget: int, timeout: float) -> "Feed":
         """Start loading ``count`` batches of ``epoch`` (any earlier feed is abandoned)."""
@@ -146,14 +206,17 @@ class Feed:
 
     def get(self, b: int) -> Shards:
         """Batch ``b`` (the next one); grants the next batch to its worker."""
-        conn, proc = self.pool.conns[b % self.pool.k], self.pool.procs[b % self.pool.k]
+        i = b % self.pool.k
+        proc = self.pool.procs[i]
         deadline = time.monotonic() + self.timeout
         while b not in self.got:
-            if conn.poll(_POLL):
-                gen, got, ok, value = conn.recv()
+            replies = self.pool.receive(i, _POLL)
+            for gen, got, ok, value in replies or ():
                 if gen == self.gen:
                     self.got[got] = (ok, value)
-            elif not proc.is_alive():
+            if b in self.got:
+                break
+            if replies is None or not proc.is_alive():
                 raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
                                       f"ended (exit code {proc.exitcode}) without batch {b}")
             elif time.monotonic() > deadline:
