@@ -3,7 +3,8 @@
 * data parallel: sbpflow (parameters B, tokens S(0)) vs ``DistributedDataParallel``, whose
   ``torch.optim.AdamW`` runs torch's default kernel (one parameter at a time on a CPU) and, in
   the "DDP fused" row, the fused kernel sbpflow's AdamW uses by default (the same update: that
-  row shows what the framework itself costs); "dp graph": the same step as an ``sf.nn.Graph``;
+  row shows what the framework itself costs); "dp graph": the same step as an ``sf.nn.Graph``
+  ("dp/sum graph": with the loss written as the "dp/sum" row's, no count all-reduce);
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``;
 * "dp torch": the same GPT written in plain torch, converted by ``sf.nn.from_torch`` and laid out
   by ``sf.parallel.apply``, against the sf.nn GPT's data-parallel step (the "torch" column);
@@ -97,10 +98,11 @@ def _converted_step(cfg):
     return _as_step(lambda: model(xs, pos, ys), opt), model
 
 
-def _graph_step(cfg, micro_batches: int = 1):
+def _graph_step(cfg, micro_batches: int = 1, loss: str = "mean"):
     """The data-parallel step of `_sf_step` as an ``sf.nn.Graph`` (traced once, replayed by the
     actor runtime: forward, backward with the overlapped gradient all-reduce, fused AdamW).
-    Returns (step, graph)."""
+    ``loss="sum"``: the loss as in `_sf_step`'s "dp/sum" (no all-reduce of the valid-target
+    count in the forward, as DDP's per-rank mean). Returns (step, graph)."""
     pl = sf.placement("cpu", list(range(dist.get_world_size())))
     sf.manual_seed(0)
     model = gpt_class(sf.nn, sf.nn.functional)(cfg["vocab"], cfg["d"], cfg["heads"],
@@ -116,9 +118,15 @@ def _graph_step(cfg, micro_batches: int = 1):
             self.config.set_gradient_accumulation_steps(micro_batches)
 
         def build(self, x, pos, y):
-            loss = self.model(x, pos, y)
-            loss.backward()
-            return loss
+            if loss == "sum":
+                logits = self.model(x, pos)
+                out = sf.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
+                                                     y.reshape(-1), reduction="sum") / tokens
+            else:
+                out = self.model(x, pos, y)
+            out.backward()
+            return out
+    tokens = float(cfg["batch"] * cfg["seq"])
     graph = TrainStep()
     x, y = _data(cfg)
     xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
@@ -263,11 +271,13 @@ def _bench(cfg, steps, graph_only: bool = False):
     sf_nn_dp = lambda c: _sf_step(c, "dp")[0]  # noqa: E731
     cases = [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused), ("dp/sum", "DDP", _ddp_step),
              ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
-             ("dp graph", "DDP fused", fused), ("dp torch", "sf.nn dp", sf_nn_dp)]
+             ("dp graph", "DDP fused", fused), ("dp/sum graph", "DDP fused", fused),
+             ("dp torch", "sf.nn dp", sf_nn_dp)]
     for layout, ref_name, ref in cases:
-        if graph_only and layout != "dp graph":
+        if graph_only and not layout.endswith("graph"):
             continue
         sf_step = _graph_step(cfg)[0] if layout == "dp graph" else \
+            _graph_step(cfg, loss="sum")[0] if layout == "dp/sum graph" else \
             _converted_step(cfg)[0] if layout == "dp torch" else _sf_step(cfg, layout)[0]
         sf_step()
         sf.comm.reset_stats()
@@ -357,7 +367,7 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     """Bytes (summed over ranks) the layouts imply per step (float32)."""
     d, v, L, s, b = cfg["d"], cfg["vocab"], cfg["layers"], cfg["seq"], cfg["batch"]
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
-    if layout == "dp/sum":  # one all-reduce of every gradient
+    if layout in ("dp/sum", "dp/sum graph"):  # one all-reduce of every gradient
         return 2 * (n - 1) * params * 4
     if layout in ("dp", "dp graph", "dp torch"):
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
@@ -415,10 +425,10 @@ def main(argv=None) -> int:
 
 
 def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) -> None:
-    print(f"{'layout':<9}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
+    print(f"{'layout':<13}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
-        print(f"{layout:<9}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
+        print(f"{layout:<13}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
               f"{moved:>14}{_min_bytes(cfg, layout, ranks):>14}  rank0: {kinds}")
     if ops:
         print(f"\nper-op eager time on small tensors, {ranks} ranks (us per call, best of 7 x "
