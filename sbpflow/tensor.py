@@ -87,6 +87,11 @@ def set_recorder(recorder):
     return previous
 
 
+def current_recorder():
+    """This thread's graph recorder (None when not tracing)."""
+    return _tracing.recorder
+
+
 @contextlib.contextmanager
 def errors_as(translate):
     """Inside the block, an exception an op raises becomes ``translate(exc)`` when that is not

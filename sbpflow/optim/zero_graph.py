@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..gradsync import take_stale
-from ..tensor import GlobalTensor, set_recorder
+from ..tensor import GlobalTensor, current_recorder
 from .zero_gather import UnitCall, UnitGather, done, gather, refill, start
 
 __all__ = ["UnitBegin", "UnitEnd", "Recorded", "record_begin", "record_end", "link", "abandon"]
@@ -155,20 +155,13 @@ class Recorded(NamedTuple):
     placements: tuple
 
 
-def _recorder():
-    """This thread's graph recorder (`sbpflow.tensor` keeps it; no getter of its own)."""
-    rec = set_recorder(None)
-    set_recorder(rec)
-    return rec
-
-
 def record_begin(unit: str, items: list, wholes: list | None,
                  on_gather: Callable | None) -> tuple[list, Recorded]:
     """Record the start of a call of ``unit`` (items: (parameter, compute layout)) in the
     graph being traced, one `UnitBegin` a stage; returns the gathered global tensors (in
     ``items`` order; computed now, as the trace runs the forward) and what `record_end`
     needs."""
-    rec = _recorder()
+    rec = current_recorder()
     groups: dict = {}
     for i, (p, _) in enumerate(items):
         groups.setdefault(frozenset(p.placement.flat_ranks), []).append(i)
@@ -194,7 +187,7 @@ def record_begin(unit: str, items: list, wholes: list | None,
 def record_end(recorded: Recorded) -> None:
     """Record the end of the unit call `record_begin` recorded (last stage first: the calls
     nest on each stage's thread alike)."""
-    rec = _recorder()
+    rec = current_recorder()
     for pl in reversed(recorded.placements):
         rec.task(lambda r, o, mode, pl=pl: UnitEnd(recorded.unit, pl, mode), [], [], pl)
 
