@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/auto_search.py           # ~19 minutes on 2 cores
     .venv/bin/python benchmarks/auto_search.py --quick   # a few minutes, smaller cases
+    .venv/bin/python benchmarks/auto_search.py --targets # sections 5-6 only
 
 (Most of the time is pricing edge-table entries: every entry is one analytic redistribution,
 about 0.05-0.5 ms each, nested splits included: their point-to-point transfers are priced
@@ -22,6 +23,9 @@ on NVLink, 100 Gb/s between nodes, 80 GiB, compute at peak):
 4. against experts: GPT configurations of the Megatron-LM paper (Narayanan et al. 2021,
    Table 1) on 64-256 devices: the found strategy's predicted communication time and bytes
    vs the best Megatron t x d under the same memory limit.
+5. the issue's targets with default arguments (pipeline pass included): CPU and wall seconds
+   and peak memory, each case in its own process.
+6. pipeline choices at GPT-3 scale: the best pipeline of each stage count.
 """
 
 from __future__ import annotations
@@ -215,12 +219,98 @@ def experts(configs, budget_s: float, seq: int = 2048, seed: int = 0):
           "cd starts from the best Megatron")
 
 
+# ---- 5. targets of issue 17 (default arguments, pipeline pass included) ---------------------------
+TARGETS = {
+    # name: (what, target seconds)
+    "gpt3-cd": ("GPT-3 on dgx-a100 x 128 nodes, cd", 10.0),
+    "gpt3-exhaustive": ("GPT-3 on dgx-a100 x 128 nodes, exhaustive", 30.0),
+    "vgg13-64": ("VGG-13 (batch 512), 64 single-GPU nodes, no flops", 5.0),
+}
+
+
+def _target_case(name: str):
+    """``(graph, cluster, algorithm)`` of a target: default arguments of `sf.auto.search`."""
+    if name.startswith("gpt3"):
+        g = model_graphs.gpt(96, 12288, 96, 2048, 1536, 51200)
+        return g, sf.cost.Cluster.preset("dgx-a100", nodes=128), name.split("-")[1]
+    return (model_graphs.vgg13(512),
+            sf.cost.Cluster.preset("supercomputer", nodes=64, flops_per_device=None), "cd")
+
+
+def run_target(name: str) -> None:
+    """One target in this process (``--target``): one line of figures, peak RSS included."""
+    import resource
+    g, c, alg = _target_case(name)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu, wall = time.process_time(), time.perf_counter()
+    r = sf.auto.search(g, c, alg)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    pp = r.strategy.pipeline
+    where = "one stage" if pp is None else \
+        f"{pp.stages} stages x {pp.devices} dev, M {pp.micro_batches} {pp.schedule}"
+    print(f"RESULT {name} {cpu:.2f} {wall:.2f} {rss:.0f} {rss0:.0f} {r.cost:.6g} {int(r.fits)} "
+          f"{where}")
+
+
+def targets(names) -> None:
+    """Each target in a child process (its own peak memory), one row each."""
+    import subprocess
+    print("\n## 5. issue 17 targets: default arguments (pipeline pass included), each in its "
+          "own process;\n   cpu = process CPU seconds (wall is inflated on a loaded machine), "
+          "peak RSS of the process (before the search: imports, torch)")
+    hdr = (f"{'case':<46}{'cpu s':>8}{'wall s':>8}{'target s':>9}{'peak MB':>9}{'base MB':>9}"
+           f"{'step s':>9}{'fits':>6}  choice")
+    print(hdr)
+    print("-" * len(hdr))
+    for name in names:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--target", name],
+                             capture_output=True, text=True)
+        line = next((l for l in out.stdout.split("\n") if l.startswith("RESULT")), None)
+        if line is None:
+            print(f"{TARGETS[name][0]:<46} failed: {out.stderr.strip()[-300:]}")
+            continue
+        _, _, cpu, wall, rss, rss0, cost, fits, *where = line.split()
+        print(f"{TARGETS[name][0]:<46}{float(cpu):>8.1f}{float(wall):>8.1f}"
+              f"{TARGETS[name][1]:>9g}{float(rss):>9.0f}{float(rss0):>9.0f}{float(cost):>9.3f}"
+              f"{'yes' if fits == '1' else 'NO':>6}  {' '.join(where)}")
+
+
+def pipeline_choices(counts=(4, 8, 16, 32, 64)) -> None:
+    """GPT-3 on 1024 devices: the best pipeline found for each stage count (``stages=S``)."""
+    print("\n## 6. pipeline choices at GPT-3 scale (dgx-a100 x 128, 80 GiB, cd): the best "
+          "pipeline of each stage count")
+    g, c, _ = _target_case("gpt3-cd")
+    hdr = (f"{'stages':>7}{'devices':>8}{'micro':>7}{'step s':>9}{'bubble s':>10}"
+           f"{'max GiB':>9}{'fits':>6}{'cpu s':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for s in counts:
+        cpu = time.process_time()
+        r = sf.auto.search(g, c, "cd", stages=s)
+        cpu = time.process_time() - cpu
+        b, pp = r.breakdown, r.strategy.pipeline
+        print(f"{s:>7}{pp.devices:>8}{pp.micro_batches:>7}{b.time:>9.3f}{b.bubble_time:>10.3f}"
+              f"{max(b.stage_memory) / GiB:>9.1f}{'yes' if r.fits else 'NO':>6}{cpu:>8.1f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller cases (~1 minute)")
+    ap.add_argument("--targets", action="store_true",
+                    help="only section 5 (the issue's targets) and 6 (pipeline choices)")
+    ap.add_argument("--target", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.target:
+        run_target(args.target)
+        return 0
     t0 = time.perf_counter()
+    if args.targets:
+        targets(list(TARGETS))
+        pipeline_choices()
+        print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+        return 0
     print(f"sbpflow auto search benchmark ({'quick' if args.quick else 'full'}), "
           f"torch {__import__('torch').__version__}, {os.cpu_count()} cpu(s)")
     if args.quick:
@@ -239,6 +329,8 @@ def main(argv=None) -> int:
         enumeration((512, 1024, 1024, 512), 8, args.seed)
         scale(60.0, args.seed)
         experts(MEGATRON_CONFIGS, 20.0, seed=args.seed)
+        targets(list(TARGETS))
+        pipeline_choices()
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 

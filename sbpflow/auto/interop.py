@@ -24,9 +24,15 @@ from .search import PENALTY, SearchResult
 from .search import search as _search_one
 from .space import Pipeline, Strategy, layer_space
 
-__all__ = ["search", "stage_counts", "balanced_cuts", "SCHEDULES"]
+__all__ = ["search", "stage_counts", "explored_counts", "balanced_cuts", "one_stage_floor",
+           "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
+# default options of the final stage searches (the caller's options override them): one
+# descent from the quick strategies; joint moves only over edge tables of at most 40 000
+# layout pairs (a stage of GPT-3 on 64 devices has tables of 10^5 pairs, whose joint moves
+# cost minutes of pricing for a fraction of a percent)
+POLISH = {"cd": {"restarts": 0, "window_max_entries": 40_000}}
 
 
 def stage_counts(graph, cluster, max_stages: int | None = None) -> list:
@@ -35,6 +41,17 @@ def stage_counts(graph, cluster, max_stages: int | None = None) -> list:
     p, n = cluster.world_size, len(graph.layers)
     top = min(n, p, max_stages or n)
     return [s for s in range(2, top + 1) if p % s == 0 and sub_cluster(cluster, p // s)]
+
+
+def explored_counts(graph, cluster) -> list:
+    """The stage counts the pass tries by itself: `stage_counts` up to half the repeats of
+    the most repeated layer kind (at least two GPT blocks a stage, cut at block starts, so
+    stages are alike), or half the layers when no kind repeats four times."""
+    counts: dict = {}
+    for l in graph.layers:
+        counts[l.key] = counts.get(l.key, 0) + 1
+    most = max(counts.values())
+    return stage_counts(graph, cluster, most // 2 if most >= 4 else len(graph.layers) // 2)
 
 
 def _cut_points(graph, stages: int) -> list:
@@ -118,26 +135,31 @@ class _Explorer:
         self.shared: dict = {}
         self._floors: dict = {}
         self._weights: dict = {}
+        self._evaluators: dict = {}
         self.evaluations = 0
         self.compute = sum(3.0 * l.flops for l in graph.layers) / cluster.device_flops
 
-    def stage(self, start: int, end: int, k: int, pp: Pipeline, start_from=None) -> _Stage:
-        """The searched strategy of layers ``start:end`` as stage ``k`` of ``pp`` (cached;
-        ``start_from``: the layers' strategies a descent starts from, when not cached)."""
+    def stage(self, start: int, end: int, inflight: int, pp: Pipeline, start_from=None,
+              quick: bool = True) -> _Stage:
+        """The searched strategy of layers ``start:end`` as stage ``k`` of ``pp`` (cached).
+        ``inflight``: micro-batches of activations kept. ``quick``: one coordinate descent
+        of single-layer moves from data parallelism (what the pass compares pipelines by);
+        else the search asked for (``start_from``: the layers' strategies a descent starts
+        from)."""
         sub = sub_cluster(self.cluster, pp.devices)
         layers = self.graph.layers[start:end]
-        inflight = pp.in_flight(k)
-        key = (tuple(l.key for l in layers), pp.devices, pp.micro_batches, inflight)
+        key = (tuple(l.key for l in layers), pp.devices, pp.micro_batches, inflight, quick)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         g = stage_graph(self.graph, start, end)
         budget = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
         shared = self.shared.setdefault((pp.devices, pp.micro_batches), {})
-        opts = dict(self.options)
-        if start_from is not None and self.algorithm in ("cd", "mh"):
+        algorithm, opts = ("cd", {"restarts": 0, "window": 1}) if quick else \
+            (self.algorithm, dict(POLISH.get(self.algorithm, {}), **self.options))
+        if start_from is not None and algorithm in ("cd", "mh"):
             opts["start"] = Strategy(g, [dataclasses.replace(x, stage=0) for x in start_from])
-        r = _search_one(g, sub, self.algorithm, self.seed, budget, self.limit or float("inf"),
+        r = _search_one(g, sub, algorithm, self.seed, budget, self.limit or float("inf"),
                         pp.micro_batches, self.max_dims, self.zero, inflight, shared,
                         self.recompute, **opts)
         self.evaluations += r.evaluations
@@ -145,10 +167,16 @@ class _Explorer:
         self.cache[key] = out
         return out
 
+    def _evaluator(self, devices: int) -> Evaluator:
+        """One `Evaluator` (one micro-batch) per stage size: its node terms are cached."""
+        if devices not in self._evaluators:
+            self._evaluators[devices] = Evaluator(self.graph, sub_cluster(self.cluster, devices))
+        return self._evaluators[devices]
+
     def weights(self, devices: int) -> list:
         """Each layer's least node time (compute, gradient sync) on a stage's devices."""
         if devices not in self._weights:
-            ev = Evaluator(self.graph, sub_cluster(self.cluster, devices))
+            ev = self._evaluator(devices)
             memo: dict = {}
             for l in self.graph.layers:
                 if l.key not in memo:
@@ -161,7 +189,7 @@ class _Explorer:
         """Per layer: (memory without activations, activations of the whole batch) of each
         candidate on ``devices`` devices."""
         if devices not in self._floors:
-            ev = Evaluator(self.graph, sub_cluster(self.cluster, devices))
+            ev = self._evaluator(devices)
             memo: dict = {}
             for l in self.graph.layers:
                 if l.key not in memo:
@@ -186,11 +214,19 @@ class _Explorer:
                 return False
         return True
 
-    def objective(self, starts: list, pp: Pipeline, start_from=None) -> _Found:
+    def objective(self, starts: list, pp: Pipeline, start_from=None,
+                  quick: bool = True) -> _Found:
         """The pipeline whose stages start at ``starts``, each searched (`stage`)."""
         ends = starts[1:] + [len(self.graph.layers)]
-        stages = [self.stage(a, b, k, pp, None if start_from is None else start_from[a:b])
-                  for k, (a, b) in enumerate(zip(starts, ends))]
+        # stages of the same layers are searched once, keeping the most micro-batches in
+        # flight any of them keeps (1F1B: the earliest one's), so the result fits them all
+        most: dict = {}
+        for k, (a, b) in enumerate(zip(starts, ends)):
+            key = tuple(l.key for l in self.graph.layers[a:b])
+            most[key] = max(most.get(key, 0), pp.in_flight(k))
+        stages = [self.stage(a, b, most[tuple(l.key for l in self.graph.layers[a:b])], pp,
+                             None if start_from is None else start_from[a:b], quick)
+                  for a, b in zip(starts, ends)]
         layers = []
         for k, st in enumerate(stages):
             layers += [dataclasses.replace(x, stage=k) for x in st.result.strategy.layers]
@@ -226,7 +262,7 @@ class _Explorer:
                     tried.append(starts[:k + 1] + [prv[-1]] + starts[k + 2:])
             moved = False
             for cand in tried:
-                if not self.can_fit(cand, pp):
+                if not self.can_fit(cand, pp) or not self._may_help(best, cand, k):
                     continue
                 got = self.objective(cand, pp)
                 if got.objective < best.objective - 1e-12 * abs(best.objective):
@@ -235,6 +271,21 @@ class _Explorer:
             if not moved or self.out_of_time():
                 break
         return best
+
+    def _may_help(self, best: _Found, cand: list, k: int) -> bool:
+        """Whether moving the layers between ``best.starts`` and ``cand`` off the slowest
+        stage ``k`` may lower its time: their share of stage k's time (by the layers' least
+        times, `weights`) added to the neighbour that takes them stays below stage k's."""
+        starts, times = best.starts, best.breakdown.stage_times
+        w = self.weights(best.strategy.pipeline.devices)
+        n = len(self.graph.layers)
+        j = next(i for i, (a, b) in enumerate(zip(starts, cand)) if a != b)
+        lo, hi = sorted((starts[j], cand[j]))
+        end = starts[k + 1] if k + 1 < len(starts) else n
+        total = sum(w[starts[k]:end])
+        share = times[k] * sum(w[lo:hi]) / total if total > 0 else 0.0
+        other = k - 1 if j == k else k + 1
+        return times[other] + share < times[k]
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
@@ -252,7 +303,7 @@ class _Explorer:
         pp, points, starts = self.cuts(s, m)
         if starts is None or not self.can_fit(starts, pp):
             return None
-        return self.rebalance(self.objective(starts, pp), pp, points, 2 * s)
+        return self.rebalance(self.objective(starts, pp), pp, points, min(2 * s, 8))
 
 
 def _micro_limit(graph) -> int:
@@ -330,7 +381,7 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     deadline = None if budget_s is None else t0 + budget_s
     ex = _Explorer(graph, cluster, algorithm, seed, limit, max_dims, zero, schedule,
                    {k: v for k, v in options.items() if k != "start"}, deadline)
-    counts = [stages] if isinstance(stages, int) else stage_counts(graph, cluster)
+    counts = [stages] if isinstance(stages, int) else explored_counts(graph, cluster)
     found = _explore_all(ex, counts)
     single = None
     if stages == "search" or (stages == "auto" and (
@@ -367,9 +418,10 @@ def _fits(breakdown, limit) -> bool:
 def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
     """The best pipeline over stage counts and micro-batch counts (None if none). Per stage
     count S: the fewest micro-batches M >= S (fewer when the batch is smaller) whose balanced
-    cuts can fit memory gets its stages searched and cuts moved; then M doubles with the
-    same layer strategies re-priced (no search) while the objective goes down, and the best
-    M gets its stages searched once more, starting from those strategies."""
+    cuts can fit memory gets its stages searched quickly (`_Explorer.stage`) and cuts moved;
+    then M doubles with the same layer strategies re-priced (no search) while the objective
+    goes down. The best (S, M, cuts) over all S gets its stages searched with the algorithm
+    asked for (at the first M), starting from the quick strategies; the better is kept."""
     top = None
     m_max = _micro_limit(ex.graph)
     for s in counts:
@@ -385,23 +437,24 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
             m *= 2
         if m > m_max:
             continue
-        got = ex.explore(s, m)
-        if got is None:
+        found = best = ex.explore(s, m)
+        if best is None:
             continue
-        best = got
         while 2 * m <= m_max:
             m *= 2
             nxt = ex.with_micro_batches(best, m)
             if nxt.objective >= best.objective:
                 break
             best = nxt
-        if best is not got and not ex.out_of_time():
-            pp = best.strategy.pipeline
-            again = ex.objective(best.starts, pp, best.strategy.layers)
-            if again.objective < best.objective:
-                best = again
         if top is None or best.objective < top.objective:
-            top = best
+            top, searched_at = best, found.strategy.pipeline
+    if top is not None and not ex.out_of_time():
+        # searched at the micro-batch count the quick searches used (their edge tables are
+        # priced already), then re-priced at the best count
+        again = ex.objective(top.starts, searched_at, top.strategy.layers, quick=False)
+        again = ex.with_micro_batches(again, top.strategy.pipeline.micro_batches)
+        if again.objective < top.objective:
+            top = again
     return top
 
 
