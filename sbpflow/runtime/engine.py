@@ -21,11 +21,12 @@ from typing import Any
 
 from .. import memory
 from ..comm.base import Communicator
+from ..comm.channels import copy_tensors, tensor_bytes
 from ..comm.current import current, set_current
-from ..comm.threads import default_timeout, waits_alongside
+from ..comm.threads import ThreadCommunicator, default_timeout, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
-from .inbox import Router, ensure_reader, failure_notice
+from .inbox import Router, ensure_reader, failure_notice, route
 from .workers import Job, Workers
 from .specs import Plan
 
@@ -82,6 +83,35 @@ _STATES: "weakref.WeakKeyDictionary[Communicator, _CommState]" = weakref.WeakKey
 _STATES_LOCK = threading.Lock()
 
 
+# threads backend: each world's (rank, channel) -> (router, comm state, communicator), so that
+# a req or ack is handed to the receiving run by the sender's thread (`_Step._post`); read and
+# written under _STATES_LOCK
+_DIRECT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _direct(comm: Communicator) -> bool:
+    """Whether reqs and acks go to the receiving run directly (the threads backend)."""
+    return isinstance(comm, ThreadCommunicator)
+
+
+def _register(rt: "Runtime") -> None:
+    """Let the senders of the threads backend hand ``rt``'s channel its reqs and acks. Those
+    they posted before (its runtime did not exist yet) are taken from the channel now, under
+    the same lock as the senders' choice, so they keep their order before the direct ones."""
+    with _STATES_LOCK:
+        mine = _DIRECT.setdefault(rt.comm.world, {})
+        if (rt.rank, rt.channel) in mine:
+            return
+        mine[(rt.rank, rt.channel)] = (rt.router, rt.shared, rt.comm)
+        try:
+            pending = rt.comm.inbox(rt.channel, 0.0)
+        except CommError:  # the world aborted: the run's reader reports it
+            return
+        if pending:
+            with rt.shared.route:
+                route(rt.router, rt.shared.early.setdefault(rt.channel, []), pending)
+
+
 def _state(comm: Communicator) -> _CommState:
     with _STATES_LOCK:
         st = _STATES.get(comm)
@@ -109,6 +139,8 @@ class Runtime:
         self.router = self.shared.router(self.channel)
         with self.shared.route:
             self.router.runtimes.add(self)  # the channel's reader lives while a runtime does
+        if _direct(self.comm):
+            _register(self)
         self.runs = 0  # the id of the last run started: messages carry it, so a late one is
         # never misread (counted per communicator and channel, not per Runtime)
         self._step: _Step | None = None
@@ -400,8 +432,18 @@ class _Step:
 
     # -- messages -----------------------------------------------------------------------------
     def _post(self, dst: int, msg: tuple) -> None:
-        """Post ``msg``; never raises (it runs while stopping): a failed post fails the run."""
+        """Post ``msg``; never raises (it runs while stopping): a failed post fails the run.
+        On the threads backend a ``req`` or ``ack`` is handed to the receiving rank's run by
+        this thread (`_deliver`): no wake-up of the receiver's reader thread a message."""
         try:
+            if msg[0] in ("req", "ack") and _direct(self.comm):
+                with _STATES_LOCK:  # against `_register`: no post after its look at the channel
+                    target = _DIRECT.get(self.comm.world, {}).get((dst, self.rt.channel))
+                    if target is None:  # the receiver's runtime does not exist yet
+                        self.comm.post(dst, self.rt.channel, msg)
+                        return
+                self._deliver(target, msg)
+                return
             self.comm.post(dst, self.rt.channel, msg)
         except Exception as exc:  # noqa: BLE001 - e.g. the world aborted, the store is gone
             if msg[0] == "abort":  # already stopping: the first failure stands
@@ -412,6 +454,18 @@ class _Step:
                                 f"{type(exc).__name__}: {exc}")
                 err.__cause__, exc = exc, err
             self._fail(exc, None)
+
+    def _deliver(self, target: tuple, msg: tuple) -> None:
+        """Hand ``msg`` to the run active on the receiver's channel, or keep it for a later
+        run, as its reader would (its route lock taken, no lock of this rank held: the
+        receiver's dispatch of a req or ack posts nothing). Counted and copied as a post."""
+        router, shared, comm = target
+        size = tensor_bytes(msg)
+        self.comm._count("message", size, 0)
+        msg = copy_tensors(msg)
+        with shared.route:
+            route(router, shared.early.setdefault(self.rt.channel, []), [(self.rank, msg)])
+        comm._count("message", 0, size)
 
     def dispatch(self, msgs: list[tuple[int, tuple]]) -> None:
         """Hand the messages read from the channel to the actors (the route lock held)."""

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from ..comm.base import Communicator
 from ..comm.current import set_current
 
-__all__ = ["Router", "ensure_reader", "failure_notice"]
+__all__ = ["Router", "ensure_reader", "failure_notice", "route"]
 
 _POLL = 0.05  # s between the reader's looks at its runtimes and its owner
 
@@ -45,7 +45,7 @@ class Router:
         self.on_stale_failure: Callable[[int], None] | None = None
 
 
-def _route(router: Router, early: list, msgs: list) -> None:
+def route(router: Router, early: list, msgs: list) -> None:
     """Hand ``msgs`` to the active run, or keep a later run's (route lock held)."""
     if router.active is not None:
         router.active.dispatch(msgs)
@@ -76,7 +76,7 @@ def _read(comm: Communicator, channel: str, router: Router, lock: threading.RLoc
                 return
             if msgs:
                 with lock:
-                    _route(router, early(), msgs)
+                    route(router, early(), msgs)
     finally:
         set_current(None)
 

@@ -168,3 +168,26 @@ def test_channel_inbox_waits_at_most_its_timeout():
 
     (got, dt), = sf.launch(body, world_size=1)
     assert got == [] and 0.15 < dt < 1.0
+
+
+def test_values_posted_before_the_receivers_runtime_exists_keep_their_order():
+    """Threads backend: reqs go to the receiving run directly once its runtime exists; those
+    posted before (through the channel) are taken then, so the order holds: value 0 is posted
+    before rank 1 makes its runtime, value 1 after, both before its run starts."""
+    def produce(mb):
+        time.sleep(0.2)
+        return torch.tensor([float(mb)])
+
+    plan = Plan({0: [ActorSpec("p", "load", produce, outputs=4)],
+                 1: [ActorSpec("c", "compute", lambda mb, x: x.clone(),
+                               inputs=[Input("p", rank=0)])]})
+
+    def body():
+        if current().rank == 0:
+            return Runtime(plan).run(3)
+        time.sleep(0.3)  # value 0 went through the channel
+        rt = Runtime(plan)
+        time.sleep(0.3)  # value 1 was handed over directly, kept for the run
+        return [float(v) for v in rt.run(3)["c"]]
+
+    assert sf.launch(body, world_size=2)[1] == [0.0, 1.0, 2.0]
