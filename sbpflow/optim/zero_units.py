@@ -19,7 +19,6 @@ import torch
 
 from .. import comm as _comm
 from ..gradsync import set_backfill, set_update_layout, settle, take_stale, update_layout
-from ..nn.parameter import Parameter
 from ..tensor import GlobalTensor, recording
 from . import zero_graph as _graph
 from .zero_layout import check_stage, geometry, stored_layout
@@ -204,7 +203,10 @@ def _adopt_replaced(entries: list) -> None:
         now = [m._parameters.get(k) for m, k in owners]
         if any(q is p for q in now):
             continue
-        q = next((q for q in now if isinstance(q, Parameter)), None)
+        # a parameter is of a GlobalTensor subclass (sf.nn.Parameter: optim does not import
+        # nn, its peer); a unit's gathered copy is a plain GlobalTensor
+        q = next((q for q in now if isinstance(q, GlobalTensor) and type(q) is not GlobalTensor),
+                 None)
         if q is None or q in _PARAMS or tuple(q.shape) != tuple(p.shape) or \
                 tuple(q.sbp) != tuple(p.sbp):
             continue
