@@ -76,7 +76,10 @@ def test_a_blocked_rank_times_out_the_data_parallel_collective(monkeypatch):
     for r in res[:3]:
         assert r["type"] in ("CommTimeout", "ActorTimeout", "ActorAborted"), r
         assert re.search(f"{collective}|{actor}", r["message"]), r
-        assert TIMEOUT <= r["seconds"] < PROMPT
+        # a rank aborted by another that started its call (and its timeout) a little earlier
+        # may stop a little before its own timeout (seen: 0.9945 s under a load of 10)
+        skew = 0.25 if r["type"] == "ActorAborted" else 0.0
+        assert TIMEOUT - skew <= r["seconds"] < PROMPT
     _no_new_threads(before)
 
 
