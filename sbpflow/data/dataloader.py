@@ -25,7 +25,7 @@ from ..tensor import GlobalTensor, from_local, source
 from .batch_order import batch_indices, num_batches, row_range
 from .collate import Shards, apply_cut, cut_rule, read_samples, stack_samples
 from .prefetch import Prefetcher
-from .workers import WorkerPool
+from .worker_pool import WorkerPool
 
 __all__ = ["DataLoader", "LoaderIterator"]
 
