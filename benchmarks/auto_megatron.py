@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import sbpflow as sf  # noqa: E402
+from sbpflow.auto import Strategy, evaluate  # noqa: E402
 from sbpflow.auto.baselines import TABLE1, table1_case  # noqa: E402
 
 GiB = 2 ** 30
@@ -41,7 +43,38 @@ def describe(result) -> str:
     return f"{stages}, m {result.micro_batches}, {common} (+{len(labels) - 1} more)"
 
 
-def row_line(i: int, row, search: bool) -> str:
+def _sequence_splits(strategy) -> list:
+    """Per attention layer, (its batch in sequences, the ways its sequences are split)."""
+    out = []
+    for layer, st in zip(strategy.graph.layers, strategy.layers):
+        if layer.kind == "attention":
+            f = math.prod(size for x, size in zip(st.input, st.mesh)
+                          if isinstance(x, sf.sbp.Split) and x.axis == 0)
+            out.append((layer.attrs["batch"], f))
+    return out
+
+
+def whole_sequences(strategy, micro_batches: int) -> int:
+    """The most micro-batches, at most ``micro_batches``, whose every micro-batch still holds
+    whole sequences on each device the attention splits them over (the space checks the split
+    against the whole batch, not a micro-batch's: docs/auto.md, 'Against Megatron-LM')."""
+    splits = _sequence_splits(strategy)
+    for m in range(micro_batches, 0, -1):
+        if all(b % m == 0 and (b // m) % f == 0 for b, f in splits):
+            return m
+    return 1
+
+
+def with_micro_batches(graph, cluster, result, m: int):
+    """The found strategy run with ``m`` micro-batches instead: (strategy, breakdown)."""
+    s = result.strategy
+    if s.pipeline is None:
+        return s, evaluate(graph, s, cluster, m)
+    s = Strategy(graph, s.layers, s.pipeline._replace(micro_batches=m))
+    return s, evaluate(graph, s, cluster)
+
+
+def row_line(i: int, row, search: bool, budget) -> str:
     case = table1_case(row)
     b = case.breakdown
     cfg = f"t{row.tp} p{row.pp} d{row.dp} m{case.micro_batches}"
@@ -51,11 +84,15 @@ def row_line(i: int, row, search: bool) -> str:
     if not search:
         return head + "   (not searched)"
     t0 = time.perf_counter()
-    r = sf.auto.search(case.graph, case.cluster, memory_limit=80 * GiB)
+    r = sf.auto.search(case.graph, case.cluster, memory_limit=80 * GiB, budget_s=budget)
     wall = time.perf_counter() - t0
     fits = "" if r.fits else " DOES NOT FIT"
+    m = whole_sequences(r.strategy, r.micro_batches)
+    _, vb = with_micro_batches(case.graph, case.cluster, r, m)
+    vfits = "" if vb.memory["total"] <= 80 * GiB else " DOES NOT FIT"
     return (head + f"  {describe(r):<44}{r.breakdown.time:>9.2f}"
-            f"{r.breakdown.time / b.time:>7.3f}{wall:>8.1f}{fits}")
+            f"{r.breakdown.time / b.time:>7.3f}{m:>6}{vb.time / b.time:>7.3f}{vfits}"
+            f"{wall:>8.0f}{fits}")
 
 
 def main(argv=None) -> None:
@@ -64,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-search", action="store_true", help="only evaluate Megatron's configs")
     ap.add_argument("--search-up-to", type=float, default=175.0,
                     help="search rows up to this many billion parameters (default 175)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="search budget_s a row (default: none, the search's default)")
     a = ap.parse_args(argv)
     c = sf.cost.Cluster.preset("dgx-a100")
     print(f"dgx-a100 preset: {c.flops_per_device / 1e12:.0f} TFLOP/s peak x compute efficiency "
@@ -72,11 +111,11 @@ def main(argv=None) -> None:
           f"{c.memory_per_device / GiB:.0f} GiB")
     print(f"{'row':>3} {'params':>8} {'GPUs':>5} {'Megatron config':<20}{'paper':>7}{'pred':>8}"
           f"{'ratio':>7}{'step s':>9}{'GiB':>7}  {'found (search, default arguments)':<44}"
-          f"{'step s':>9}{'/ Meg':>7}{'wall s':>8}")
+          f"{'step s':>9}{'/ Meg':>7}{'m ok':>6}{'/ Meg':>7}{'wall s':>8}")
     for i in (a.rows if a.rows else range(len(TABLE1))):
         row = TABLE1[i]
         search = not a.no_search and row.params_b <= a.search_up_to
-        print(row_line(i, row, search), flush=True)
+        print(row_line(i, row, search, a.budget), flush=True)
 
 
 if __name__ == "__main__":
