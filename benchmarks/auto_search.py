@@ -276,7 +276,7 @@ def targets(names) -> None:
               f"{'yes' if fits == '1' else 'NO':>6}  {' '.join(where)}")
 
 
-def pipeline_choices(counts=(4, 8, 16, 32, 64)) -> None:
+def pipeline_choices(counts=(2, 4, 8, 16, 32)) -> None:
     """GPT-3 on 1024 devices: the best pipeline found for each stage count (``stages=S``)."""
     print("\n## 6. pipeline choices at GPT-3 scale (dgx-a100 x 128, 80 GiB, cd): the best "
           "pipeline of each stage count")

@@ -649,6 +649,7 @@ class Breakdown:
     forward_time: float = 0.0      # activation redistributions, forward
     backward_time: float = 0.0     # activation-gradient redistributions, backward
     grad_sync_time: float = 0.0    # weight-gradient sync (and ZeRO weight gathers)
+    gather_time: float = 0.0       # of which ZeRO weight gathers (every micro-batch)
     forward_bytes: float = 0.0
     backward_bytes: float = 0.0
     grad_sync_bytes: float = 0.0
@@ -723,7 +724,7 @@ class Evaluator:
         # forward + backward (2x forward); recomputation runs the forward once more
         passes = 4.0 if getattr(s, "recompute", False) else 3.0
         compute = passes * layer.flops / _work_split(s) / self.cluster.device_flops
-        gt = gb = 0.0
+        gt = gb = gather = 0.0
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         if layer.weight_shape is not None:
             w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
@@ -731,7 +732,7 @@ class Evaluator:
             gt, gb = gt + t, gb + b
             if st != w:  # ZeRO: gather the weight for forward and again for backward
                 t, b = self._redist(ws, mesh, st, mesh, w)
-                gt, gb = gt + 2 * m * t, gb + 2 * m * b
+                gt, gb, gather = gt + 2 * m * t, gb + 2 * m * b, 2 * m * t
             n = _local_numel(ws, mesh, st)
             mem["params"] = mem["grads"] = n * it
             mem["optimizer"] = n * self.graph.optimizer_itemsize * self.graph.optimizer_states
@@ -750,6 +751,7 @@ class Evaluator:
         mem["total"] = sum(mem.values())
         out = {"compute": compute, "grad_time": gt, "grad_bytes": gb, "fwd_time": ft,
                "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb, "memory": mem,
+               "gather_time": gather,
                "time": compute + gt + ft + bt}
         self._node[key] = out
         return out
@@ -794,6 +796,7 @@ class Evaluator:
             n = self.node_terms(layer, s)
             r.compute_time += n["compute"]
             r.grad_sync_time += n["grad_time"]
+            r.gather_time += n["gather_time"]
             r.grad_sync_bytes += n["grad_bytes"]
             r.forward_time += n["fwd_time"]
             r.forward_bytes += n["fwd_bytes"]

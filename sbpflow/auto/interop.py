@@ -1,13 +1,13 @@
 """``sf.auto.search``: the one-stage search (`sbpflow.auto.search.search`) and pipeline stages
 in the space (Alpa's inter-operator pass over a chain of layers).
 
-For each stage count S (stages of whole nodes or equal parts of a node) and micro-batch count
-M (from S, doubling while the step time improves), the chain is cut into S stages balanced by
-predicted time, each stage searched on its devices with the chosen algorithm (its memory: its
-weights and the activations its schedule keeps in flight), then cuts move one layer at a time
-off the slowest stage while that helps. Pairs whose compute bound cannot beat the best found
-are skipped. See docs/auto.md, 'Pipeline stages'.
-"""
+Tried when one stage cannot fit memory (``stages="auto"``) or always (``"search"``). Stage
+counts S (whole nodes or equal parts of a node a stage) go from the most stages down; per S
+the chain is cut into stages balanced by the layers' least times, the fewest micro-batches M
+that can fit memory get each stage searched quickly (one descent of single-layer moves),
+cuts move off the slowest stage while that helps, then M doubles with the strategies
+re-priced. The best pipeline gets its stages searched with the algorithm asked for. See
+docs/auto.md, 'Pipeline stages'."""
 
 from __future__ import annotations
 
@@ -416,15 +416,18 @@ def _fits(breakdown, limit) -> bool:
 
 
 def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
-    """The best pipeline over stage counts and micro-batch counts (None if none). Per stage
+    """The best pipeline over stage counts and micro-batch counts (None if none). Stage
+    counts go from the most stages down (the cheapest searches first: the fewest devices a
+    stage) and stop after the first count whose best is worse than the previous count's
+    (a heuristic: step time against stage count is taken to have one minimum). Per stage
     count S: the fewest micro-batches M >= S (fewer when the batch is smaller) whose balanced
     cuts can fit memory gets its stages searched quickly (`_Explorer.stage`) and cuts moved;
     then M doubles with the same layer strategies re-priced (no search) while the objective
     goes down. The best (S, M, cuts) over all S gets its stages searched with the algorithm
     asked for (at the first M), starting from the quick strategies; the better is kept."""
-    top = None
+    top, last = None, math.inf
     m_max = _micro_limit(ex.graph)
-    for s in counts:
+    for s in sorted(counts, reverse=True):
         if ex.out_of_time():
             break
         if top is not None and ex.compute / ex.cluster.world_size >= top.objective:
@@ -448,6 +451,9 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
             best = nxt
         if top is None or best.objective < top.objective:
             top, searched_at = best, found.strategy.pipeline
+        if best.objective > last:
+            break        # worse than the next larger count: fewer stages stop here
+        last = best.objective
     if top is not None and not ex.out_of_time():
         # searched at the micro-batch count the quick searches used (their edge tables are
         # priced already), then re-priced at the best count

@@ -80,8 +80,10 @@ def stage_cost(breakdown: Breakdown, micro_batches: int, in_flight: int) -> Stag
     mem = dict(b.memory)
     mem["activations"] = b.memory["activations"] * in_flight
     mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-    t = (b.compute_time + b.forward_time + b.backward_time) / micro_batches
-    return StageCost(t, b.grad_sync_time, mem, b)
+    # ZeRO weight gathers run in every micro-batch's forward and backward: on the critical
+    # path of each, not once per step like the gradient sync
+    t = (b.compute_time + b.forward_time + b.backward_time + b.gather_time) / micro_batches
+    return StageCost(t, b.grad_sync_time - b.gather_time, mem, b)
 
 
 def _sent_layout(nd: tuple) -> tuple:
@@ -166,6 +168,7 @@ def _pipeline_breakdown(graph, strategy, cluster) -> Breakdown:
         r.forward_time += b.forward_time
         r.backward_time += b.backward_time
         r.grad_sync_time += b.grad_sync_time
+        r.gather_time += b.gather_time
         r.forward_bytes += b.forward_bytes
         r.backward_bytes += b.backward_bytes
         r.grad_sync_bytes += b.grad_sync_bytes

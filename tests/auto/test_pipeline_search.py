@@ -60,6 +60,25 @@ def test_pipeline_time_is_the_closed_formula(m):
     assert "pipeline: 2 stages" in str(b)
 
 
+def test_zero_gathers_are_on_every_micro_batch():
+    g, c = _chain(), _cluster()
+    m = 4
+    s = _dp_pipeline(g, 2, m, "1f1b")
+    z = Strategy(g, [dataclasses.replace(make_layer_strategy(l, (2,), ("dp",), zero=True),
+                                         stage=x.stage) for l, x in zip(g.layers, s.layers)],
+                 s.pipeline)
+    b = sf.auto.evaluate(g, z, c)
+    work = [2 * 32 * 64 * 64 * 2, 2 * 32 * 64 * 128 * 2]
+    wbytes = [[64 * 64 * 4] * 2, [64 * 128 * 4] * 2]
+    # 2 ranks in a node: all-gather / reduce-scatter of n bytes = alpha + n/2 beta
+    half = [[A_IN + n / 2 * B_IN for n in ws] for ws in wbytes]
+    micro = [3 * f / 2 / FLOPS / m + 2 * sum(h) for f, h in zip(work, half)]  # fwd + bwd gathers
+    sync = max(sum(h) for h in half)                                          # reduce-scatters
+    transfers = 2 * (A_X + 32 * 64 * 4 / m / 2 * B_X)
+    assert b.time == pytest.approx((m + 1) * max(micro) + transfers + sync, rel=1e-12)
+    assert b.gather_time == pytest.approx(2 * m * sum(sum(h) for h in half), rel=1e-12)
+
+
 def test_1f1b_keeps_s_minus_s_micro_batches_gpipe_all():
     g, c = _chain(), _cluster()
     m = 8
