@@ -96,3 +96,43 @@ def test_a_store_failure_in_post_is_a_comm_error():
     with pytest.raises(CommError, match=r"post from rank 0 to rank 1 on message channel 'c': "
                                         r"the c10d store failed: DistNetworkError: Broken pipe"):
         ch.post(0, 1, "c", ("req", 1))
+
+
+def test_a_listener_gets_queued_then_new_messages_in_order_on_the_reader_thread(store):
+    a, b = StoreChannels(0, store), StoreChannels(1, store)
+    for k in range(5):
+        a.post(0, 1, "c", ("req", k))
+    reader = b._reader(1, "c")
+    deadline = time.monotonic() + 10
+    while len(reader.queue) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # some messages wait in the deque when the listener comes
+    got, threads, done = [], [], threading.Event()
+
+    def handler(msgs):
+        got.extend(msgs)
+        threads.extend([threading.current_thread().name] * len(msgs))
+        if len(got) == 10:
+            done.set()
+
+    assert b.listen(1, "c", handler, lambda exc: None)
+    for k in range(5, 10):
+        a.post(0, 1, "c", ("req", k))
+    assert done.wait(10)
+    assert got == [(0, ("req", k)) for k in range(10)]
+    # the queued ones on the listening thread, then each new one on the reader's own
+    assert threads[5:] == ["sbpflow-channel-sbpflow/channel/c/1"] * 5
+    assert b.take(1, "c", 0.0, lambda: None) == []  # a listened channel queues nothing
+    a.close(), b.close()
+
+
+def test_a_listener_hears_a_store_failure_once_and_a_failed_reader_refuses_one():
+    s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", s.port, 1, is_master=False)
+    b = StoreChannels(1, client)
+    errors, failed = [], threading.Event()
+    assert b.listen(1, "c", lambda msgs: None, lambda exc: (errors.append(exc), failed.set()))
+    del s  # the server goes away under the blocked reader
+    assert failed.wait(10)
+    assert len(errors) == 1 and isinstance(errors[0], CommError)
+    assert "message channel 'sbpflow/channel/c/1': the c10d store failed" in str(errors[0])
+    assert not b.listen(1, "c", lambda msgs: None, lambda exc: None)
