@@ -157,7 +157,7 @@ class _Explorer:
         shared = self.shared.setdefault((pp.devices, pp.micro_batches), {})
         algorithm, opts = ("cd", {"restarts": 0, "window": 1}) if quick else \
             (self.algorithm, dict(POLISH.get(self.algorithm, {}), **self.options))
-        if start_from is not None and algorithm in ("cd", "mh"):
+        if start_from is not None and algorithm in ("cd", "mh", "exhaustive"):
             opts["start"] = Strategy(g, [dataclasses.replace(x, stage=0) for x in start_from])
         r = _search_one(g, sub, algorithm, self.seed, budget, self.limit or float("inf"),
                         pp.micro_batches, self.max_dims, self.zero, inflight, shared,

@@ -672,10 +672,11 @@ def _random(pb: Problem, rng, budget_s, t0, trace, samples=None):
     return best_state, best
 
 
-def _dp_once(pb: Problem, price: float):
+def _dp_once(pb: Problem, price: float, start=None):
     """Exact minimum of time + price * memory over an in-tree (children before parents).
 
-    Bounded: a greedy pass or data parallelism gives an achievable value ``U``; a product
+    Bounded: a greedy pass, data parallelism or ``start`` gives an achievable value ``U``; a
+    product
     entry whose prefix value
     plus a lower bound of everything else (the least local term of every layer outside the
     producer's subtree, edges >= 0) reaches ``U`` is never priced. Every entry on an optimal
@@ -687,7 +688,8 @@ def _dp_once(pb: Problem, price: float):
     if pb.nonnegative:
         value = min(sum(float(loc[v][k]) for v, k in enumerate(x)) +
                     sum(pb.edge(u, x[u], v, x[v]) for u, v in g.edges)
-                    for x in (_greedy_state(pb, loc), pb.dp_state()))
+                    for x in (_greedy_state(pb, loc), pb.dp_state()) +
+                    ((list(start),) if start is not None else ()))
         cap = value * (1 + 1e-9) + 1e-300   # rounding of the bound's sums: keep ties inside
         low = [float(x.min()) for x in loc]
         sub = list(low)                      # least local terms over each layer's subtree
@@ -775,11 +777,13 @@ def _greedy_state(pb: Problem, loc: list) -> list:
     return state
 
 
-def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30):
+def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30, start=None):
+    """The exact optimum by dynamic programming (``start``: a state whose value tightens the
+    bound that prunes the products; the result does not depend on it)."""
     if not pb.graph.is_in_tree:
         raise ValueError("exhaustive search needs every layer to feed at most one consumer")
     if pb.limit is None:
-        state = _dp_once(pb, 0.0)
+        state = _dp_once(pb, 0.0, start)
         best = pb.cost(state)
         trace.append((time.perf_counter() - t0, best))
         return state, best
@@ -789,10 +793,10 @@ def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30):
     # own strategy when that is over the limit too: then it is the exact optimum (the case
     # when nothing fits, e.g. GPT-3 on 1024 devices without micro-batches) and one pass does.
     pp = PENALTY / pb.limit
-    top = _dp_once(pb, pp)
+    top = _dp_once(pb, pp, start)
     cand = [top]
     if pb.memory_of(top) <= pb.limit:
-        state = _dp_once(pb, 0.0)
+        state = _dp_once(pb, 0.0, start)
         cand.append(state)
         if pb.memory_of(state) > pb.limit:
             # the unconstrained optimum is over the limit and something fits: the best
@@ -801,7 +805,7 @@ def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30):
             lo, hi = 0.0, pp
             for _ in range(bisections):
                 mid = (lo + hi) / 2
-                s = _dp_once(pb, mid)
+                s = _dp_once(pb, mid, start)
                 cand.append(s)
                 if pb.memory_of(s) <= pb.limit:
                     hi = mid
@@ -843,7 +847,8 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     one; pass ``float('inf')`` for none). ``zero`` / ``recompute``: each layer's ZeRO-
     sharded / recomputing twins in the space. ``in_flight``, ``shared``: `Problem`. Options:
     ``restarts``, ``window`` (cd; 1 turns the joint moves off), ``iterations``, ``beta``
-    (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy)."""
+    (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy: where
+    cd and mh start; for exhaustive a bound that prunes, the result unchanged)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {sorted(ALGORITHMS)}")
     if memory_limit is None:
@@ -865,7 +870,7 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     start = options.pop("start", None)
     if isinstance(start, Strategy):
         start = [pb.cands[i].index(s) for i, s in enumerate(start.layers)]
-    if start is not None and algorithm in ("cd", "mh"):
+    if start is not None and algorithm in ("cd", "mh", "exhaustive"):
         options["start"] = start
     rng = random.Random(seed)
     t0 = time.perf_counter()

@@ -137,3 +137,15 @@ def test_search_command_prints_stages(capsys):
     assert "\nstage " in out and "pipeline: " in out
     assert main(argv[:-2] + ["--stages", "1"]) == 0
     assert "stages: 1 (no pipeline)" in capsys.readouterr().out
+
+
+def test_exhaustive_start_only_prunes():
+    # the pipeline pass gives the exact search its quick strategies as a bound: same optimum
+    from sbpflow.auto.search import search as one_stage
+    g = model_graphs.gpt(2, 256, 8, 128, 8, 512)
+    c = _cluster(2, 4)
+    quick = one_stage(g, c, "cd", restarts=0, window=1)
+    a = one_stage(g, c, "exhaustive")
+    b = one_stage(g, c, "exhaustive", start=quick.strategy)
+    assert a.cost == b.cost and a.strategy == b.strategy
+    assert a.cost <= quick.cost
