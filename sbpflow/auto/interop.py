@@ -312,11 +312,15 @@ def _micro_limit(graph) -> int:
 
 
 def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
-                    zero: bool = False, recompute: bool = False) -> float:
+                    zero: bool = False, recompute: bool = False,
+                    node_cache: dict | None = None) -> float:
     """The least memory per device any one-stage strategy can have: per layer the least of
     its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
-    each layer takes its least-memory candidate)."""
+    each layer takes its least-memory candidate). ``node_cache``: the `Evaluator`'s node
+    terms go there (a search at the same micro-batch count reuses them)."""
     ev = Evaluator(graph, cluster, micro_batches)
+    if node_cache is not None:
+        ev._node = node_cache
     memo: dict = {}
     total = 0.0
     for i, l in enumerate(graph.layers):
@@ -370,10 +374,13 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     if not chain:
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
+    node: dict = {}
     if stages == "auto" and (limit is None or
                              one_stage_floor(graph, cluster, m1, max_dims, zero,
-                                             options.get("recompute", False)) <= limit):
-        return _search_one(*args, **options)
+                                             options.get("recompute", False), node) <= limit):
+        # the floor's node terms are the search's (same cluster and micro-batch count)
+        shared = {"node": node} if micro_batches == m1 else None
+        return _search_one(*args, shared=shared, **options)
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
         raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
                          f"devices by whole nodes or equal parts of a node")
