@@ -14,7 +14,7 @@ from . import baselines, model_graphs
 from .evaluate import Breakdown, Evaluator, redistribution, redistribution_steps
 from .graph import Graph, Layer
 from .interop import search
-from .pipeline import evaluate
+from .pipeline_cost import evaluate
 from .search import SearchResult
 from .space import LayerStrategy, Pipeline, Strategy, layer_space, meshes, space
 

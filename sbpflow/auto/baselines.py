@@ -13,9 +13,8 @@ from typing import NamedTuple
 from ..cost.cluster import Cluster
 from . import model_graphs
 from .evaluate import evaluate
-from .interop import balanced_cuts
-from .pipeline import evaluate as evaluate_any
-from .pipeline import sub_cluster
+from .pipeline_cost import balanced_cuts, sub_cluster
+from .pipeline_cost import evaluate as evaluate_any
 from .space import Pipeline, Strategy, make_layer_strategy
 
 __all__ = ["data_parallel", "megatron", "best_megatron", "megatron_stages", "megatron_flops",

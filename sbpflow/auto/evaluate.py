@@ -656,7 +656,7 @@ class Breakdown:
     memory: dict = field(default_factory=dict)   # params, grads, optimizer, activations, total
     per_layer: dict = field(default_factory=dict)  # name -> time, compute, bytes, memory
     micro_batches: int = 1
-    # pipelines (`sbpflow.auto.pipeline`): per stage its time per micro-batch and memory per
+    # pipelines (`sbpflow.auto.pipeline_cost`): per stage its time per micro-batch and memory per
     # device; the stage-to-stage transfers on the critical path; the bubble's share of time
     stages: int = 1
     schedule: str = ""
@@ -824,6 +824,6 @@ class Evaluator:
 
 def evaluate(graph, strategy, cluster, micro_batches: int = 1) -> Breakdown:
     """The predicted time, bytes per device and memory per device of a one-stage
-    ``strategy`` (`sbpflow.auto.pipeline.evaluate`, which ``sf.auto.evaluate`` is, also takes
+    ``strategy`` (`sbpflow.auto.pipeline_cost.evaluate`, which ``sf.auto.evaluate`` is, also takes
     pipelines)."""
     return Evaluator(graph, cluster, micro_batches).breakdown(strategy)

@@ -19,12 +19,12 @@ import numpy as np
 from typing import NamedTuple
 
 from .evaluate import Evaluator
-from .pipeline import evaluate, stage_cost, stage_graph, sub_cluster
+from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
 from .search import PENALTY, SearchResult
 from .search import search as _search_one
 from .space import Pipeline, Strategy, layer_space
 
-__all__ = ["search", "stage_counts", "explored_counts", "balanced_cuts", "one_stage_floor",
+__all__ = ["search", "stage_counts", "explored_counts", "one_stage_floor",
            "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -65,44 +65,6 @@ def _cut_points(graph, stages: int) -> list:
     if counts[key] >= 2 * stages:
         return [i for i, l in enumerate(graph.layers) if l.key == key and i > 0]
     return list(range(1, len(graph.layers)))
-
-
-def balanced_cuts(weights: list, stages: int, points: list) -> list | None:
-    """Stage starts (from ``points``) cutting ``weights`` into ``stages`` contiguous parts
-    whose largest sum is least (bisection on that sum, greedy fill); None if impossible."""
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    if len(points) < stages - 1:
-        return None
-
-    def fill(cap):
-        starts, last = [0], 0
-        for i, pt in enumerate(points):
-            nxt = points[i + 1] if i + 1 < len(points) else len(weights)
-            if prefix[nxt] - prefix[last] > cap and len(starts) < stages:
-                starts.append(pt)
-                last = pt
-        if prefix[len(weights)] - prefix[last] > cap * (1 + 1e-9):
-            return None
-        return starts
-    lo, hi = max(weights) if weights else 0.0, prefix[-1]
-    best = fill(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        got = fill(mid)
-        if got is not None:
-            best, hi = got, mid
-        else:
-            lo = mid
-    if best is None:
-        return None
-    # exactly ``stages`` parts: split the longest remaining parts at free points
-    free = [pt for pt in points if pt not in best]
-    while len(best) < stages and free:
-        best.append(free.pop(len(free) // 2))
-        best.sort()
-    return best if len(best) == stages else None
 
 
 class _Stage(NamedTuple):

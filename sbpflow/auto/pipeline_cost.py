@@ -20,7 +20,7 @@ from .evaluate import Breakdown, Evaluator
 from .evaluate import evaluate as _evaluate_one
 from .graph import Graph
 
-__all__ = ["evaluate", "sub_cluster", "stage_graph", "stage_ranges", "StageCost",
+__all__ = ["evaluate", "balanced_cuts", "sub_cluster", "stage_graph", "stage_ranges", "StageCost",
            "stage_cost", "transfer_time", "combine"]
 
 
@@ -190,3 +190,41 @@ def evaluate(graph, strategy, cluster, micro_batches: int = 1) -> Breakdown:
     if getattr(strategy, "pipeline", None) is None:
         return _evaluate_one(graph, strategy, cluster, micro_batches)
     return _pipeline_breakdown(graph, strategy, cluster)
+
+
+def balanced_cuts(weights: list, stages: int, points: list) -> list | None:
+    """Stage starts (from ``points``) cutting ``weights`` into ``stages`` contiguous parts
+    whose largest sum is least (bisection on that sum, greedy fill); None if impossible."""
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    if len(points) < stages - 1:
+        return None
+
+    def fill(cap):
+        starts, last = [0], 0
+        for i, pt in enumerate(points):
+            nxt = points[i + 1] if i + 1 < len(points) else len(weights)
+            if prefix[nxt] - prefix[last] > cap and len(starts) < stages:
+                starts.append(pt)
+                last = pt
+        if prefix[len(weights)] - prefix[last] > cap * (1 + 1e-9):
+            return None
+        return starts
+    lo, hi = max(weights) if weights else 0.0, prefix[-1]
+    best = fill(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid
+    if best is None:
+        return None
+    # exactly ``stages`` parts: split the longest remaining parts at free points
+    free = [pt for pt in points if pt not in best]
+    while len(best) < stages and free:
+        best.append(free.pop(len(free) // 2))
+        best.sort()
+    return best if len(best) == stages else None
