@@ -101,8 +101,12 @@ def _listen(comm: Communicator, channel: str, router: Router, lock: threading.RL
             if router.active is not None:
                 router.active.fail(exc)
 
+    comm_ref = weakref.ref(comm)  # the store's reader thread lives on: keep comm collectable
+
     def handler(msgs: list) -> None:
-        comm._count("message", 0, sum(tensor_bytes(m) for _, m in msgs))
+        owner = comm_ref()
+        if owner is not None:
+            owner._count("message", 0, sum(tensor_bytes(m) for _, m in msgs))
         try:
             with lock:
                 route(router, early(), msgs)
