@@ -6,8 +6,8 @@ message)`` pairs, in the order each sender posted. Unlike ``send`` / ``recv``, t
 needs to know neither the sender nor the shapes, and an idle channel is not a hang: the actor
 runtime's req / ack messages travel here. `ThreadChannels` keeps one deque a (rank, channel)
 in the world (tensors copied on post); `StoreChannels` uses the c10d store's queues
-(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel, which may hand each
-message straight to a handler (`StoreChannels.listen`). See docs/runtime.md, 'Message channels'.
+(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel. See docs/runtime.md,
+'Message channels'.
 """
 
 from __future__ import annotations
@@ -127,27 +127,14 @@ class StoreChannels:
                             f"{channel!r}: the c10d store failed: {type(exc).__name__}: "
                             f"{exc}") from exc
 
-    def _reader(self, rank: int, channel: str) -> "_Reader":
+    def take(self, rank: int, channel: str, timeout: float,
+             alive: Callable[[], None]) -> list[tuple[int, Any]]:
         with self._lock:
             reader = self._readers.get(channel)
             if reader is None:
                 reader = self._readers[channel] = _Reader(self._connection(),
                                                           self.key(rank, channel))
-            return reader
-
-    def take(self, rank: int, channel: str, timeout: float,
-             alive: Callable[[], None]) -> list[tuple[int, Any]]:
-        return self._reader(rank, channel).take(timeout)
-
-    def listen(self, rank: int, channel: str, handler: Callable[[list], None],
-               on_error: Callable[[BaseException], None]) -> bool:
-        """From now on the channel's reader thread calls ``handler([(src, message)])`` for
-        each message as it pops it (those queued before first, in order), instead of queueing
-        it for `take`: one thread wake-up a message less. ``handler`` runs on the reader thread
-        under the reader's lock, so it must not post to this rank's own ``channel``; a store
-        failure calls ``on_error(CommError)`` once. Returns False (nothing changed) when the
-        reader already failed: `take` then raises its error."""
-        return self._reader(rank, channel).listen(handler, on_error)
+        return reader.take(timeout)
 
     def close(self) -> None:
         """Wake and stop the reader threads (a close message on each one's own queue)."""
@@ -158,16 +145,13 @@ class StoreChannels:
 
 
 class _Reader:
-    """A daemon thread that pops one store queue into a local deque, or hands each message to
-    its ``handler`` once one listens."""
+    """A daemon thread that pops one store queue into a local deque."""
 
     def __init__(self, conn: dist.Store, key: str) -> None:
         self.conn, self.key = conn, key
         self.cond = threading.Condition()
         self.queue: deque = deque()
         self.error: BaseException | None = None
-        self.handler: Callable[[list], None] | None = None
-        self.on_error: Callable[[BaseException], None] | None = None
         self.thread = threading.Thread(target=self._loop, name=f"sbpflow-channel-{key}",
                                        daemon=True)
         self.thread.start()
@@ -190,31 +174,13 @@ class _Reader:
 
     def put(self, item: tuple) -> None:
         with self.cond:
-            if self.handler is not None:
-                self.handler([item])
-                return
             self.queue.append(item)
             self.cond.notify()
-
-    def listen(self, handler: Callable[[list], None],
-               on_error: Callable[[BaseException], None]) -> bool:
-        with self.cond:
-            if self.error is not None:
-                return False
-            self.handler, self.on_error = handler, on_error
-            if self.queue:
-                pending = list(self.queue)
-                self.queue.clear()
-                handler(pending)
-        return True
 
     def _fail(self, exc: BaseException) -> None:
         with self.cond:
             self.error = exc
             self.cond.notify()
-            if self.on_error is not None:
-                self.on_error(CommError(f"message channel {self.key!r}: the c10d store "
-                                        f"failed: {exc}"))
 
     def take(self, timeout: float) -> list[tuple[int, Any]]:
         with self.cond:

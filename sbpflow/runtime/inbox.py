@@ -1,5 +1,5 @@
 """The reader of a plan's message channel: one daemon thread per (communicator, channel), kept
-from run to run; on the torch backend the store channel's own reader thread (`listen`).
+from run to run.
 
 A thread started and joined per run cost each run two thread wake-ups and a message to itself
 to stop it. `ensure_reader` starts the reader once; it hands what it reads to the run that is
@@ -8,9 +8,7 @@ active on the channel (`Router.active`), keeps the messages of a later run for i
 failure notice (the rank then takes part in the start handshake, see `Router.failed`). It ends
 when no `Runtime` of its channel is left, or the thread that started it has ended; a read that
 raises (the world aborted) fails the active run and ends the reader (the next run starts
-another). On the torch backend the store's reader thread, already woken by each message, routes
-it itself (`StoreChannels.listen`): no second thread hop. See docs/runtime.md, 'Actors and
-registers'.
+another). See docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import weakref
 from typing import Any, Callable
 
 from ..comm.base import Communicator
-from ..comm.channels import StoreChannels, tensor_bytes
 from ..comm.current import set_current
 
 __all__ = ["Router", "ensure_reader", "failure_notice", "route"]
@@ -45,7 +42,6 @@ class Router:
         self.last = 0
         self.runtimes: "weakref.WeakSet" = weakref.WeakSet()
         self.reader: threading.Thread | None = None
-        self.listening = False  # the store channel's reader routes the messages (`_listen`)
         self.on_stale_failure: Callable[[int], None] | None = None
 
 
@@ -85,48 +81,9 @@ def _read(comm: Communicator, channel: str, router: Router, lock: threading.RLoc
         set_current(None)
 
 
-def _listen(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
-            early: Callable[[], list]) -> bool:
-    """Have the torch backend's store reader of ``channel`` route each message as it pops it
-    (counted as `Communicator.inbox` counts); False when ``comm`` has no store channels or
-    their reader failed (the thread of `_read` then reports the failure)."""
-    chan = getattr(comm, "_chan", None)  # TorchCommunicator's StoreChannels, made on first use
-    channels = chan() if chan is not None else None
-    if not isinstance(channels, StoreChannels):
-        return False
-
-    def fail(exc: BaseException) -> None:
-        with lock:
-            router.listening = False
-            if router.active is not None:
-                router.active.fail(exc)
-
-    comm_ref = weakref.ref(comm)  # the store's reader thread lives on: keep comm collectable
-
-    def handler(msgs: list) -> None:
-        owner = comm_ref()
-        if owner is not None:
-            owner._count("message", 0, sum(tensor_bytes(m) for _, m in msgs))
-        try:
-            with lock:
-                route(router, early(), msgs)
-        except BaseException as exc:  # noqa: BLE001 - a runtime bug: fail the run, keep reading
-            fail(exc)
-
-    return channels.listen(comm.rank, channel, handler, fail)
-
-
 def ensure_reader(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
                   early: Callable[[], list], name: str) -> None:
-    """Start the channel's reader unless it runs. ``lock``: the route lock, not held (the
-    store's reader takes it while holding its own lock, which `listen` takes)."""
-    with lock:
-        if router.listening or (router.reader is not None and router.reader.is_alive()):
-            return
-    if _listen(comm, channel, router, lock, early):
-        with lock:
-            router.listening = True
-        return
+    """Start the channel's reader unless it runs (``lock``: the route lock, held or not)."""
     with lock:
         if router.reader is not None and router.reader.is_alive():
             return
