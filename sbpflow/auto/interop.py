@@ -22,7 +22,7 @@ from .evaluate import Evaluator
 from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
 from .search import PENALTY, SearchResult
 from .search import search as _search_one
-from .space import Pipeline, Strategy, layer_space
+from .space import Pipeline, Strategy, layer_space, splits_sequences, whole_sequences
 
 __all__ = ["search", "stage_counts", "explored_counts", "one_stage_floor",
            "SCHEDULES"]
@@ -147,28 +147,28 @@ class _Explorer:
             self._weights[devices] = [memo[l.key] for l in self.graph.layers]
         return self._weights[devices]
 
-    def _floor_arrays(self, devices: int) -> list:
+    def _floor_arrays(self, devices: int, micro_batches: int) -> list:
         """Per layer: (memory without activations, activations of the whole batch) of each
-        candidate on ``devices`` devices."""
-        if devices not in self._floors:
+        candidate on ``devices`` devices that keeps whole sequences at ``micro_batches``."""
+        if (devices, micro_batches) not in self._floors:
             ev = self._evaluator(devices)
             memo: dict = {}
             for l in self.graph.layers:
                 if l.key not in memo:
                     mem = [ev.node_terms(l, s)["memory"]
                            for s in layer_space(l, devices, self.max_dims, self.zero,
-                                                self.recompute)]
+                                                self.recompute, micro_batches)]
                     act = np.array([m["activations"] for m in mem])
                     memo[l.key] = (np.array([m["total"] for m in mem]) - act, act)
-            self._floors[devices] = [memo[l.key] for l in self.graph.layers]
-        return self._floors[devices]
+            self._floors[devices, micro_batches] = [memo[l.key] for l in self.graph.layers]
+        return self._floors[devices, micro_batches]
 
     def can_fit(self, starts: list, pp: Pipeline) -> bool:
         """Whether every stage's least memory per device (each layer at its least-memory
         candidate, ``in_flight`` micro-batches of activations) is within the limit."""
         if self.limit is None:
             return True
-        arrays = self._floor_arrays(pp.devices)
+        arrays = self._floor_arrays(pp.devices, pp.micro_batches)
         ends = starts[1:] + [len(self.graph.layers)]
         for k, (a, b) in enumerate(zip(starts, ends)):
             f = pp.in_flight(k) / pp.micro_batches
@@ -200,8 +200,15 @@ class _Explorer:
         pen = 0.0 if self.limit is None else PENALTY * max(0.0, mem - self.limit) / self.limit
         return _Found(b.time + pen, stages, strategy, b, starts)
 
-    def with_micro_batches(self, found: _Found, m: int) -> _Found:
-        """``found``'s stages and layer strategies run with ``m`` micro-batches (no search)."""
+    def with_micro_batches(self, found: _Found, m: int) -> _Found | None:
+        """``found``'s stages and layer strategies run with ``m`` micro-batches (no search);
+        None when one of them would then give a device part of a sequence (an attention
+        layer's batch split must divide ``batch // m``; it then fails at every multiple of
+        ``m`` too)."""
+        if not whole_sequences(self.graph, m) or any(
+                splits_sequences(l, x, m) for l, x in zip(self.graph.layers,
+                                                          found.strategy.layers)):
+            return None
         pp = found.strategy.pipeline._replace(micro_batches=m)
         return self.priced(Strategy(self.graph, found.strategy.layers, pp), found.stages,
                            found.starts)
@@ -280,6 +287,8 @@ def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
     its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
     each layer takes its least-memory candidate). ``node_cache``: the `Evaluator`'s node
     terms go there (a search at the same micro-batch count reuses them)."""
+    if not whole_sequences(graph, micro_batches):
+        return math.inf      # no strategy keeps whole sequences
     ev = Evaluator(graph, cluster, micro_batches)
     if node_cache is not None:
         ev._node = node_cache
@@ -290,7 +299,7 @@ def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
         if key not in memo:
             memo[key] = min(ev.node_terms(l, s)["memory"]["total"]
                             for s in layer_space(l, cluster.world_size, max_dims, zero,
-                                                 recompute))
+                                                 recompute, micro_batches))
         total += memo[key]
     return total
 
@@ -370,7 +379,7 @@ def _cheapest_one_stage(args: tuple, options: dict) -> SearchResult:
     graph = args[0]
     limit_m = min(l.input_shape[0] for l in graph.layers)
     best, m = None, 1
-    while m <= limit_m:
+    while m <= limit_m and whole_sequences(graph, m):
         r = _search_one(*args[:6], m, *args[7:], **options)
         if best is not None and best.fits and r.cost >= best.cost:
             break
@@ -403,9 +412,10 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
             break        # compute alone (no bubble) cannot beat the best: nor can more stages
         m = min(s, m_max)
         while m <= m_max:
-            pp, _, starts = ex.cuts(s, m)
-            if starts is None or ex.can_fit(starts, pp):
-                break
+            if whole_sequences(ex.graph, m):   # else no strategy keeps whole sequences
+                pp, _, starts = ex.cuts(s, m)
+                if starts is None or ex.can_fit(starts, pp):
+                    break
             m *= 2
         if m > m_max:
             continue
@@ -415,7 +425,7 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
         while 2 * m <= m_max:
             m *= 2
             nxt = ex.with_micro_batches(best, m)
-            if nxt.objective >= best.objective:
+            if nxt is None or nxt.objective >= best.objective:
                 break
             best = nxt
         if top is None or best.objective < top.objective:
@@ -428,7 +438,7 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
         # priced already), then re-priced at the best count
         again = ex.objective(top.starts, searched_at, top.strategy.layers, quick=False)
         again = ex.with_micro_batches(again, top.strategy.pipeline.micro_batches)
-        if again.objective < top.objective:
+        if again is not None and again.objective < top.objective:
             top = again
     return top
 

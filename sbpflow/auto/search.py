@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import GraphError
 from .evaluate import Breakdown, Evaluator, _to_ndim, edge_lower_bounds
-from .space import Strategy, layer_space
+from .space import Strategy, layer_space, whole_sequences
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
 
@@ -202,7 +203,8 @@ class Problem:
         if shared is not None:
             self.ev._node = shared.setdefault("node", {})
         p = cluster.world_size
-        self.cands = [spaces[l.name] if spaces else layer_space(l, p, max_dims, zero, recompute)
+        self.cands = [spaces[l.name] if spaces else
+                      layer_space(l, p, max_dims, zero, recompute, micro_batches)
                       for l in graph.layers]
         for l, c in zip(graph.layers, self.cands):
             if not c:
@@ -832,6 +834,10 @@ def _enumerate(pb: Problem, rng, budget_s, t0, trace, max_combinations=2_000_000
     return best_state, best
 
 
+def _attention_batch(graph):
+    return next(l.attrs.get("batch") for l in graph.layers if l.kind == "attention")
+
+
 ALGORITHMS = {"cd": _coordinate_descent, "mh": _metropolis, "random": _random,
               "exhaustive": _exhaustive, "enumerate": _enumerate}
 
@@ -858,13 +864,17 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     if micro_batches == "auto":
         m, last = 1, None
         limit_m = min(l.input_shape[0] for l in graph.layers)
-        while m <= limit_m:
+        while m <= limit_m and whole_sequences(graph, m):
             last = search(graph, cluster, algorithm, seed, budget_s, memory_limit, m, max_dims,
                           zero, in_flight, None, recompute, **options)
             if last.fits:
                 return last
             m *= 2
         return last
+    if not whole_sequences(graph, micro_batches):
+        raise GraphError(f"{graph.name}: {micro_batches} micro-batches would split the "
+                         f"attention layers' sequences (batch {_attention_batch(graph)}); "
+                         "give a micro-batch count that divides the batch")
     pb = Problem(graph, cluster, memory_limit, micro_batches, max_dims, zero,
                  in_flight=in_flight, shared=shared, recompute=recompute)
     start = options.pop("start", None)

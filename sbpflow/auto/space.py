@@ -17,7 +17,7 @@ from ..caches import BoundedDict, memoize
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
-           "make_layer_strategy"]
+           "make_layer_strategy", "whole_sequences", "splits_sequences"]
 
 _N = None  # no weight
 
@@ -189,9 +189,41 @@ def _clip_axis(nd, ndim):
     return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
 
 
-def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False):
+def whole_sequences(graph, micro_batches: int) -> bool:
+    """Whether ``micro_batches`` micro-batches each hold whole sequences of every attention
+    layer (its ``attrs["batch"]`` divisible by the count). Layers without a ``batch`` attr
+    mix no samples, so any count suits them."""
+    return all(l.attrs.get("batch", micro_batches) % micro_batches == 0
+               for l in graph.layers if l.kind == "attention")
+
+
+def _sequences(layer, micro_batches: int) -> int:
+    """Sequences of one micro-batch an attention layer's axis-0 split must divide (0: the
+    count does not divide the batch, so no split of it keeps whole sequences). Without a
+    ``batch`` attr the batch is unknown: 1 (no split of axis 0) at any count."""
+    if "batch" not in layer.attrs:
+        return 1
+    batch = layer.attrs["batch"]
+    return batch // micro_batches if batch % micro_batches == 0 else 0
+
+
+def splits_sequences(layer, s: LayerStrategy, micro_batches: int) -> bool:
+    """Whether ``s`` gives a device part of a sequence of ``layer`` (an attention layer) when a
+    step runs as ``micro_batches`` micro-batches: its batch split must divide each
+    micro-batch's ``batch // micro_batches`` sequences."""
+    if layer.kind != "attention":
+        return False
+    f = _splits(s.input, s.mesh, 2)[0]
+    n = _sequences(layer, micro_batches)
+    return n == 0 or n % f != 0
+
+
+def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False,
+                        micro_batches: int = 1):
     """The LayerStrategy of ``layer`` on ``mesh`` with 1-D signature ``names[d]`` on dim d, or
-    None if it is not valid for the layer's shapes."""
+    None if it is not valid for the layer's shapes, or if it would split an attention
+    layer's sequence at ``micro_batches`` micro-batches a step (a device then gets part of a
+    sequence: the split must divide ``batch // micro_batches``)."""
     sigs = SIGNATURES[layer.kind]
     if any(n not in sigs for n in names):
         return None
@@ -209,7 +241,8 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False):
         return None
     if layer.kind == "attention":
         f = _splits(inp, mesh, 2)
-        if layer.attrs.get("batch", 1) % f[0] or layer.attrs.get("heads", 1) % f[1]:
+        n = _sequences(layer, micro_batches)
+        if n == 0 or n % f[0] or layer.attrs.get("heads", 1) % f[1]:
             return None
     stored = None
     if zero:
@@ -225,12 +258,15 @@ _SPACE_CACHE = BoundedDict("auto.layer_space", 1 << 12)
 
 
 def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False,
-                recompute: bool = False) -> list[LayerStrategy]:
+                recompute: bool = False, micro_batches: int = 1) -> list[LayerStrategy]:
     """Every valid strategy of ``layer`` on ``p`` devices (deduplicated, deterministic order).
     ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin;
     ``recompute=True`` then adds every strategy's twin that recomputes the layer's forward
-    in backward (after all the others, so the plain space's indices are unchanged)."""
-    key = (layer.key, p, max_dims, zero, recompute)
+    in backward (after all the others, so the plain space's indices are unchanged).
+    ``micro_batches``: an attention layer's batch split keeps whole sequences of one
+    micro-batch (empty when the count does not divide its batch)."""
+    seqs = _sequences(layer, micro_batches) if layer.kind == "attention" else None
+    key = (layer.key, p, max_dims, zero, recompute, seqs)
     hit = _SPACE_CACHE.get(key)
     if hit is not None:
         return hit
@@ -241,7 +277,7 @@ def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False,
             if p > 1 and all(n == "rep" for n in combo) and len(mesh) > 1:
                 continue  # the same as rep on a 1-D mesh
             for z in ((False, True) if zero else (False,)):
-                s = make_layer_strategy(layer, mesh, combo, z)
+                s = make_layer_strategy(layer, mesh, combo, z, micro_batches)
                 if s is None:
                     continue
                 k = (s.mesh, s.input, s.weight, s.output, s.stored)
@@ -263,6 +299,7 @@ def _product(names, k):
 
 
 def space(graph, p: int, max_dims: int = 3, zero: bool = False,
-          recompute: bool = False) -> dict:
-    """Layer name -> list of LayerStrategy."""
-    return {l.name: layer_space(l, p, max_dims, zero, recompute) for l in graph.layers}
+          recompute: bool = False, micro_batches: int = 1) -> dict:
+    """Layer name -> list of LayerStrategy (`layer_space`)."""
+    return {l.name: layer_space(l, p, max_dims, zero, recompute, micro_batches)
+            for l in graph.layers}
