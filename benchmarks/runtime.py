@@ -7,7 +7,8 @@ efficiency is ideal / measured (median of the runs after a warm-up); 'kernel eff
 kernels' measured mean time in the ideal (a 5 ms sleep lasts ~5.1 ms), leaving the runtime's
 own cost; the peak number of micro-batches in flight per stage is read from the timeline.
 Firing cost: a chain of K actors with empty functions, M firings each, on one rank (all on one
-queue thread, and each actor on its own), and a producer -> consumer pair across two ranks.
+queue thread, and each actor on its own), and a producer -> consumer pair across two ranks; a
+run's fixed cost: run(1) of one empty actor a rank (what a graph call pays), 1 and 4 ranks.
 Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T]
        [--timeline x.png] [--trace x.json]   (the last 1F1B M = 8 step's events)
 """
@@ -67,6 +68,22 @@ def firing_rank(k: int, m: int, one_queue: bool, cross: bool) -> float:
     return best / n * 1e6
 
 
+def run_cost_rank(runs: int = 500) -> tuple:
+    """µs of ``run(1)`` of a plan of one empty actor a rank, no message between ranks: the
+    median and the 90th percentile of ``runs`` runs after a warm-up."""
+    world = sf.comm.current().world_size
+    rt = Runtime(Plan({r: [ActorSpec("a", "compute", lambda mb: mb)] for r in range(world)},
+                      name="one"))
+    for _ in range(50):
+        rt.run(1)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        rt.run(1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6, statistics.quantiles(times, n=10)[-1] * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="threads", choices=["threads", "torch"])
@@ -106,6 +123,10 @@ def main() -> None:
     print(f"  chain of {k} actors on one queue thread:      {one:7.1f}")
     print(f"  chain of {k} actors, a queue thread each:     {own:7.1f}")
     print(f"  producer -> consumer across two ranks:      {cross[0]:7.1f}")
+    print("\nfixed cost of a run (µs; run(1), one empty actor a rank; median / 90th percentile):")
+    for n in (1, 4):
+        costs = sf.launch(run_cost_rank, n, backend=a.backend)
+        print(f"  {n} rank(s): " + ", ".join(f"{m:.0f} / {p:.0f}" for m, p in costs))
 
 
 if __name__ == "__main__":
