@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import GraphError
 from .evaluate import Breakdown, Evaluator, _to_ndim, edge_lower_bounds
-from .space import Strategy, layer_space, whole_sequences
+from .space import Strategy, layer_space, tie_agrees, weight_layout, whole_sequences
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
 
@@ -222,11 +222,40 @@ class Problem:
             t, m = cache[key]
             self.node_t.append(t)
             self.node_m.append(m)
+        self.args = (micro_batches, in_flight, recompute)
+        self.ties = self._tie_pairs()
         self.tables: dict = {}
         self._share_tables()
         self.evaluations = 0
         self.edge_evaluations = 0     # edge-table entries computed
         self.nonnegative = True       # every edge time seen is >= 0 (pruning is exact)
+
+    def _tie_pairs(self) -> list:
+        """``(holder, tied, agree)`` per tie whose holder is in the graph: ``agree[a, b]``
+        when the tied layer's candidate b uses the holder's candidate a's weight layout."""
+        g, out = self.graph, []
+        for user, holder in g.ties.items():
+            if holder not in g.index:
+                continue
+            h, i = g.index[holder], g.index[user]
+            hl, il = g.layers[h], g.layers[i]
+            out.append((h, i, np.array([[tie_agrees(hl, a, il, b) for b in self.cands[i]]
+                                        for a in self.cands[h]], dtype=bool)))
+        return out
+
+    def tie_term(self, state) -> float:
+        """PENALTY per tie whose two layers lay the shared weight out differently."""
+        return PENALTY * sum(not agree[state[h], state[i]] for h, i, agree in self.ties)
+
+    def tie_vec(self, state, v: int) -> np.ndarray | float:
+        """`tie_term`'s part that depends on layer ``v``, per candidate (others fixed)."""
+        out = 0.0
+        for h, i, agree in self.ties:
+            if v == h:
+                out = out + PENALTY * ~agree[:, state[i]]
+            elif v == i:
+                out = out + PENALTY * ~agree[state[h], :]
+        return out
 
     def _share_tables(self) -> None:
         """One `_EdgeView` per edge; views of edges with equal layer classes are one object,
@@ -330,7 +359,8 @@ class Problem:
 
     def cost(self, state) -> float:
         self.evaluations += 1
-        return self.time_of(state) + float(self.penalty(self.memory_of(state)))
+        return self.time_of(state) + float(self.penalty(self.memory_of(state))) + \
+            self.tie_term(state)
 
     def local_vec(self, state, v, skip=()) -> np.ndarray:
         """Time of every candidate of v with the other layers fixed (node + incident edges;
@@ -485,7 +515,7 @@ def _single_sweep(pb: Problem, state, mem, out_of_time):
         if out_of_time():
             break   # the state so far is never worse than the sweep's start
         m = mem - pb.node_m[v][state[v]] + pb.node_m[v]
-        obj = pb.local_objective(state, v, pb.penalty(m))
+        obj = pb.local_objective(state, v, pb.penalty(m) + pb.tie_vec(state, v))
         pb.evaluations += len(obj)
         k = int(np.argmin(obj))
         if obj[k] < obj[state[v]] - 1e-12 * max(1.0, abs(obj[state[v]])):
@@ -781,9 +811,13 @@ def _greedy_state(pb: Problem, loc: list) -> list:
 
 def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30, start=None):
     """The exact optimum by dynamic programming (``start``: a state whose value tightens the
-    bound that prunes the products; the result does not depend on it)."""
+    bound that prunes the products; the result does not depend on it). With tied weights:
+    per distinct weight layout of the first tie's holder, the holder restricted to it and
+    the tied layer to the candidates that agree, the optimum of each (`_tied_exhaustive`)."""
     if not pb.graph.is_in_tree:
         raise ValueError("exhaustive search needs every layer to feed at most one consumer")
+    if any(not agree.all() for _, _, agree in pb.ties):
+        return _tied_exhaustive(pb, rng, budget_s, t0, trace, bisections)
     if pb.limit is None:
         state = _dp_once(pb, 0.0, start)
         best = pb.cost(state)
@@ -819,6 +853,38 @@ def _exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int = 30, sta
     best = pb.cost(state)
     trace.append((time.perf_counter() - t0, best))
     return state, best
+
+
+def _tied_exhaustive(pb: Problem, rng, budget_s, t0, trace, bisections: int):
+    """`_exhaustive` with the first tie not yet fixed to each of its holder's weight layouts in turn
+    (recursing over the other ties), in candidate indices of ``pb``; the least cost wins."""
+    h, i, agree = next(t for t in pb.ties if not t[2].all())
+    g = pb.graph
+    hl = g.layers[h]
+    groups: dict = {}
+    for a, c in enumerate(pb.cands[h]):
+        groups.setdefault(weight_layout(hl, c), []).append(a)
+    best_state, best = None, math.inf
+    for rows in groups.values():
+        cols = np.nonzero(agree[rows].any(axis=0))[0]
+        if not len(cols):
+            continue
+        spaces = {l.name: c for l, c in zip(g.layers, pb.cands)}
+        spaces[hl.name] = [pb.cands[h][a] for a in rows]
+        spaces[g.layers[i].name] = [pb.cands[i][b] for b in cols]
+        m, inflight, rc = pb.args
+        sub = Problem(g, pb.cluster, pb.limit, m, zero=False, spaces=spaces,
+                      in_flight=inflight, shared=pb.shared, recompute=rc)
+        state, _ = _exhaustive(sub, rng, budget_s, t0, [], bisections)
+        pb.evaluations += sub.evaluations
+        pb.edge_evaluations += sub.edge_evaluations
+        full = list(state)
+        full[h], full[i] = rows[state[h]], int(cols[state[i]])
+        cost = pb.cost(full)
+        if cost < best:
+            best, best_state = cost, full
+    trace.append((time.perf_counter() - t0, best))
+    return best_state, best
 
 
 def _enumerate(pb: Problem, rng, budget_s, t0, trace, max_combinations=2_000_000):

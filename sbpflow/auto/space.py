@@ -17,7 +17,8 @@ from ..caches import BoundedDict, memoize
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
-           "make_layer_strategy", "whole_sequences", "splits_sequences"]
+           "make_layer_strategy", "whole_sequences", "splits_sequences", "weight_layout",
+           "tie_agrees"]
 
 _N = None  # no weight
 
@@ -303,3 +304,39 @@ def space(graph, p: int, max_dims: int = 3, zero: bool = False,
     """Layer name -> list of LayerStrategy (`layer_space`)."""
     return {l.name: layer_space(l, p, max_dims, zero, recompute, micro_batches)
             for l in graph.layers}
+
+
+def _tied_weight(layer, s: LayerStrategy) -> tuple | None:
+    """The weight layout (the search's axes) the kernel of ``s`` uses: ``s.weight``, or for a
+    tied layer (no weight of its own) the weight of the signature whose input and output
+    per mesh dim are those of ``s`` (None if none, or not one)."""
+    if s.weight is not None:
+        return s.weight
+    sigs = SIGNATURES[layer.kind].values()
+    out = []
+    for i, o in zip(s.input, s.output):
+        ws = {sig[1] for sig in sigs if sig[1] is not None and sig[2] == o and
+              _clip_axis((sig[0],), len(layer.input_shape))[0] == i}
+        if len(ws) != 1:
+            return None
+        out.append(ws.pop())
+    return tuple(out)
+
+
+def weight_layout(layer, s: LayerStrategy) -> tuple | None:
+    """``(mesh, weight nd-sbp in the module's axes)`` of ``s`` (a linear's weight is
+    ``(d_in, d_out)`` here and ``(out, in)`` in torch, so its axes swap); None without one."""
+    w = _tied_weight(layer, s)
+    if w is None:
+        return None
+    if layer.kind == "linear":
+        w = tuple(S(1 - x.axis) if isinstance(x, Split) and x.axis < 2 else x for x in w)
+    return (tuple(s.mesh), w)
+
+
+def tie_agrees(holder, hs: LayerStrategy, tied, ts: LayerStrategy) -> bool:
+    """Whether tied layer ``tied`` under ``ts`` runs with the weight of ``holder`` laid out as
+    ``hs`` has it (same mesh, same layout in the module's axes; docs/auto.md, 'Tied
+    weights and pipelined strategies'). The search keeps every tie agreeing."""
+    a = weight_layout(holder, hs)
+    return a is not None and a == weight_layout(tied, ts)
