@@ -114,7 +114,7 @@ def build_graph(model: str, batch=None, layers=12, d_model=768, heads=12, seq=10
             _positive(n, v)
         if d_model % heads:
             raise SearchCliError(f"--d-model {d_model} is not divisible by --heads {heads}")
-        return model_graphs.gpt(layers, d_model, heads, seq, batch, vocab)
+        return model_graphs.gpt(layers, d_model, heads, seq, batch, vocab, tied=True)
     if model in ("vgg13", "alexnet"):
         _positive("num_classes", num_classes)
         return getattr(model_graphs, model)(batch, num_classes)

@@ -77,3 +77,13 @@ def test_untied_optimum_disagrees_so_the_tie_constrains():
 def test_gpt2_tied_counts_the_weight_once():
     g = mg.gpt(tied=True)
     assert g.params == pytest.approx(123.5e6, rel=2e-3)
+
+
+def test_search_cli_gpt2_is_tied_and_its_search_keeps_the_tie():
+    from sbpflow.auto.search_cli import build_graph
+    g = build_graph("gpt", batch=2, layers=1, seq=64)
+    assert g.ties == {"head": "embed"}
+    # GPT-2 124M: 50257 x 768 embedding (the head uses it) + 12 blocks of 12 x 768^2 weights
+    assert build_graph("gpt").params == 50257 * 768 + 12 * 12 * 768 ** 2 == 123_532_032
+    r = sf.auto.search(g, _cluster(), memory_limit=float("inf"), stages=1)
+    assert tie_agrees(g["embed"], r.strategy["embed"], g["head"], r.strategy["head"])
