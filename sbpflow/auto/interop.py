@@ -5,8 +5,9 @@ Tried when one stage cannot fit memory (``stages="auto"``) or always (``"search"
 counts S (whole nodes or equal parts of a node a stage) go from the most stages down; per S
 the chain is cut into stages balanced by the layers' least times, the fewest micro-batches M
 that can fit memory get each stage searched quickly (one descent of single-layer moves),
-cuts move off the slowest stage while that helps, then M doubles with the strategies
-re-priced. The best pipeline gets its stages searched with the algorithm asked for. See
+cuts move off the slowest stage while that helps, then M goes up (S x 2^k and divisors of the
+batch, whole sequences a micro-batch) with the strategies re-priced. The best pipeline gets
+its stages searched with the algorithm asked for. See
 docs/auto.md, 'Pipeline stages'."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .search import PENALTY, SearchResult
 from .search import search as _search_one
 from .space import Pipeline, Strategy, layer_space, splits_sequences, whole_sequences
 
-__all__ = ["search", "stage_counts", "explored_counts", "one_stage_floor",
+__all__ = ["search", "stage_counts", "explored_counts", "one_stage_floor", "micro_batch_ladder",
            "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -280,6 +281,24 @@ def _micro_limit(graph) -> int:
     return max(1, min(l.attrs.get("batch", l.input_shape[0]) for l in graph.layers))
 
 
+def micro_batch_ladder(graph, s: int) -> list:
+    """The micro-batch counts the pipeline pass tries for ``s`` stages, increasing: ``s x 2^k``
+    (fewer when the batch is smaller) and, for a graph with attention, the divisors of its
+    batch between them (Megatron's 48 or 96 are not ``s x 2^k``), keeping only counts whose
+    micro-batches hold whole sequences (`whole_sequences`)."""
+    m_max = _micro_limit(graph)
+    out, m = set(), min(s, m_max)
+    while m <= m_max:
+        out.add(m)
+        m *= 2
+    batches = {l.attrs["batch"] for l in graph.layers
+               if l.kind == "attention" and "batch" in l.attrs}
+    lo = min(s, m_max)
+    for b in batches:
+        out |= {d for d in range(lo, min(b, m_max) + 1) if b % d == 0}
+    return sorted(m for m in out if whole_sequences(graph, m))
+
+
 def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
                     zero: bool = False, recompute: bool = False,
                     node_cache: dict | None = None) -> float:
@@ -398,34 +417,34 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
     counts go from the most stages down (the cheapest searches first: the fewest devices a
     stage) and stop after the first count whose best is worse than the previous count's
     (a heuristic: step time against stage count is taken to have one minimum). Per stage
-    count S: the fewest micro-batches M >= S (fewer when the batch is smaller) whose balanced
-    cuts can fit memory gets its stages searched quickly (`_Explorer.stage`) and cuts moved;
-    then M doubles with the same layer strategies re-priced (no search) while the objective
-    goes down. The best (S, M, cuts) over all S gets its stages searched with the algorithm
+    count S: the fewest micro-batches M of `micro_batch_ladder` whose balanced cuts can fit
+    memory gets its stages searched quickly (`_Explorer.stage`) and cuts moved; then M goes
+    up the ladder with the same layer strategies re-priced (no search; counts at which one
+    would split a sequence skipped) while the objective goes down. The best (S, M, cuts) over all S gets its stages searched with the algorithm
     asked for (at the first M), starting from the quick strategies; the better is kept."""
     top, last = None, math.inf
-    m_max = _micro_limit(ex.graph)
     for s in sorted(counts, reverse=True):
         if ex.out_of_time():
             break
         if top is not None and ex.compute / ex.cluster.world_size >= top.objective:
             break        # compute alone (no bubble) cannot beat the best: nor can more stages
-        m = min(s, m_max)
-        while m <= m_max:
-            if whole_sequences(ex.graph, m):   # else no strategy keeps whole sequences
-                pp, _, starts = ex.cuts(s, m)
-                if starts is None or ex.can_fit(starts, pp):
-                    break
-            m *= 2
-        if m > m_max:
+        ladder = micro_batch_ladder(ex.graph, s)
+        k = 0
+        while k < len(ladder):
+            pp, _, starts = ex.cuts(s, ladder[k])
+            if starts is None or ex.can_fit(starts, pp):
+                break
+            k += 1
+        if k == len(ladder):
             continue
-        found = best = ex.explore(s, m)
+        found = best = ex.explore(s, ladder[k])
         if best is None:
             continue
-        while 2 * m <= m_max:
-            m *= 2
+        for m in ladder[k + 1:]:
             nxt = ex.with_micro_batches(best, m)
-            if nxt is None or nxt.objective >= best.objective:
+            if nxt is None:
+                continue     # a strategy would split a sequence here; a later count may not
+            if nxt.objective >= best.objective:
                 break
             best = nxt
         if top is None or best.objective < top.objective:

@@ -81,3 +81,13 @@ def test_pipeline_search_returns_whole_sequences(limit):
     m = r.strategy.pipeline.micro_batches if r.strategy.pipeline else r.micro_batches
     assert whole_sequences(g, m)
     assert all(not splits_sequences(l, s, m) for l, s in zip(g.layers, r.strategy.layers))
+
+
+def test_micro_batch_ladder_has_the_batch_divisors_and_keeps_whole_sequences():
+    from sbpflow.auto.interop import micro_batch_ladder
+    g = model_graphs.gpt(2, 64, 4, 16, 48, 128)
+    # s x 2^k: 4, 8, 16, 32 (32 splits a sequence: 48 / 32); divisors of 48 from 4 up
+    assert micro_batch_ladder(g, 4) == [4, 6, 8, 12, 16, 24, 48]
+    assert micro_batch_ladder(g, 3) == [3, 4, 6, 8, 12, 16, 24, 48]
+    # no attention: s x 2^k up to the batch, as before
+    assert micro_batch_ladder(model_graphs.mlp((64, 64, 64), batch=32), 2) == [2, 4, 8, 16, 32]
