@@ -23,14 +23,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import ParallelizeError
+from ..errors import GraphError, ParallelizeError
 from ..nn.modules import ModuleDict, ModuleList, Sequential
+from ..nn.recompute import checkpoint as _checkpoint
 from ..nn.torch_modules import from_torch, is_torch_module
 from ..parallel.pipeline import pipeline as _pipeline
 from ..parallel.relayout import relayout
 from ..parallel.zero import shard as _zero_shard
 from ..placement import Placement
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
+from ..tensor import recording
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes
 from .trace import graph_weight_shape, trace
@@ -75,7 +77,11 @@ class ParallelPlan:
     def configure(self, graph):
         """Set an ``sf.nn.Graph``'s config to run this plan's step: the strategy's
         micro-batches as gradient accumulation steps, its pipeline schedule. Returns
-        ``graph``."""
+        ``graph``. A plan with recomputing layers raises `GraphError` (a graph does not run
+        activation checkpointing; docs/auto.md, 'Laying out a model')."""
+        rc = [l.name for l, s in zip(self.graph.layers, self.strategy.layers) if s.recompute]
+        if rc:
+            raise GraphError(_graph_refusal(rc))
         graph.config.set_gradient_accumulation_steps(self.micro_batches)
         graph.config.set_pipeline_schedule(self.schedule)
         return graph
@@ -248,9 +254,11 @@ class _Stream:
 
 # -- single-mesh search ---------------------------------------------------------------------------
 def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int = 0,
-                       memory_limit: float | None = None, max_dims: int = 3, **options):
+                       memory_limit: float | None = None, max_dims: int = 3,
+                       recompute: bool = False, **options):
     """The best strategy whose layers all share one mesh: the search restricted to each mesh
-    of ``cluster.world_size`` devices in turn. Returns ``(strategy, breakdown, cost)``."""
+    of ``cluster.world_size`` devices in turn (recomputing twins too with ``recompute``).
+    Returns ``(strategy, breakdown, cost)``."""
     from .search import ALGORITHMS, Problem
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
@@ -261,7 +269,7 @@ def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int 
     for mesh in meshes(p, max_dims):
         spaces = {}
         for l in graph.layers:
-            c = [s for s in layer_space(l, p, max_dims) if s.mesh == mesh]
+            c = [s for s in layer_space(l, p, max_dims, False, recompute) if s.mesh == mesh]
             if not c:
                 break
             spaces[l.name] = c
@@ -399,15 +407,72 @@ def _restrategy(graph, layers: list, like) -> Strategy:
 
 
 # -- apply --------------------------------------------------------------------------------------------
-def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream) -> None:
+def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream, name: str,
+          alone: bool = False) -> None:
+    """Replace ``module``'s forward: input boxed from the stream to the layer's layout, the
+    module's own forward, output boxed to the layer's layout and back onto the stream.
+    ``alone``: the layer is a recomputation region of its own (`_recompute_regions`) and
+    runs its forward and output boxing under `sf.nn.checkpoint`."""
     orig = type(module).forward.__get__(module)   # the class's: parallelizing again replaces
+
+    def run(x, *rest, **kw):
+        y = orig(x, *rest, **kw)
+        out = _conv_act(s.output, y.ndim) if kind == "conv" else _act(s.output, y.ndim)
+        return y.to_global(sbp=out)
 
     def forward(x, *rest, **kw):
         x = stream.enter(x, pl, _module_layout(kind, s.input, x.ndim))
-        y = orig(x, *rest, **kw)
-        out = _conv_act(s.output, y.ndim) if kind == "conv" else _act(s.output, y.ndim)
-        return stream.leave(y.to_global(sbp=out))
+        if not alone:
+            return stream.leave(run(x, *rest, **kw))
+        if recording():
+            raise GraphError(_graph_refusal([name]))
+        return stream.leave(_checkpoint(run, x, *rest, **kw))
     object.__setattr__(module, "forward", forward)
+
+
+def _recompute_regions(model, graph, strategy) -> list:
+    """The module names run under `sf.nn.checkpoint` for the recomputing layers
+    (``LayerStrategy.recompute``): for each, the outermost called module (not a ModuleList
+    or ModuleDict, not the model) whose traced layers all recompute, in one stage (a GPT
+    block whose layers all recompute is one region, its norms and attention recomputed
+    too); else the layer's own module."""
+    names = [l.name for l in graph.layers]
+    rc = [s.recompute for s in strategy.layers]
+    stage = [getattr(s, "stage", 0) for s in strategy.layers]
+    out, covered = [], set()
+    for i, n in enumerate(names):
+        if not rc[i] or i in covered:
+            continue
+        for p in _prefixes(n):
+            under = _under(names, p)
+            if p == n or (not isinstance(model.get_submodule(p), (ModuleList, ModuleDict)) and
+                          all(rc[j] and stage[j] == stage[i] for j in under)):
+                out.append(p)
+                covered.update(under)
+                break
+    return out
+
+
+def _checkpoint_module(module, name: str) -> None:
+    """Run ``module``'s (class) forward under `sf.nn.checkpoint`; refused in a graph."""
+    orig = type(module).forward.__get__(module)
+
+    def forward(*args, **kw):
+        if recording():
+            raise GraphError(_graph_refusal([name]))
+        return _checkpoint(orig, *args, **kw)
+    forward.sf_recompute = True   # undone by the next `parallelize`
+    object.__setattr__(module, "forward", forward)
+
+
+def _graph_refusal(names: list) -> str:
+    """Why a recomputing plan does not run as an ``sf.nn.Graph``, and the fix."""
+    return (f"parallelize: layers {names} recompute their forward in backward (strategy "
+            f"'+rc', LayerStrategy.recompute=True), and a graph does not run activation "
+            f"checkpointing yet (it would keep the activations). Run the step eagerly "
+            f"(model(...); loss.backward(); opt.step()), or search without recomputation "
+            f"(parallelize(..., recompute=False), the default) / give a strategy whose "
+            f"layers have recompute=False")
 
 
 def _layouts(graph, strategy, modules, placements) -> dict:
@@ -441,7 +506,7 @@ def _layouts(graph, strategy, modules, placements) -> dict:
 
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
                 algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
-                one_mesh: bool = False, stages=1) -> ParallelPlan:
+                one_mesh: bool = False, stages=1, recompute: bool = False) -> ParallelPlan:
     """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
     ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
     with that many devices) or take ``strategy``, and lay the model out for it, in place: each
@@ -450,7 +515,10 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     the optimizer afterwards. ``one_mesh=True`` keeps every layer on one mesh; ``stages``
     (1, a count, ``"auto"`` or ``"search"``, as `sf.auto.search`) lets the search cut the
     model into pipeline stages, which a
-    given strategy may have too (run them with `ParallelPlan.graph_step`). A tied weight
+    given strategy may have too (run them with `ParallelPlan.graph_step`). ``recompute=True``
+    lets the search choose per-layer activation recomputation, which runs eagerly under
+    `sf.nn.checkpoint` (a given strategy's ``LayerStrategy.recompute`` too), not as a graph
+    (`ParallelPlan.configure` raises `GraphError`). A tied weight
     gets one layout (docs/auto.md, 'Tied weights and pipelined strategies'). Returns a
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
@@ -469,7 +537,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     t0 = time.perf_counter()
     if strategy is None:
         strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh, stages,
-                               notes)
+                               notes, recompute)
     else:
         strategy = _given(graph, strategy, placement)
         if one_mesh:
@@ -538,11 +606,18 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
             if p is not None}
     if zero:   # ZeRO-stored weights: stored split along their data-parallel dims, stage 3
         _zero_shard(model, 3, only=zero)
+    for m in model.modules():   # recomputation regions of an earlier parallelize
+        if getattr(m.__dict__.get("forward"), "sf_recompute", False):
+            del m.__dict__["forward"]
+    regions = _recompute_regions(model, graph, strategy)
     for k, (_, idx) in enumerate(groups):
         for i in idx:
             layer = graph.layers[i]
             _wrap(modules[layer.name], layer.kind, strategy.layers[i], placements[layer.name],
-                  streams[k])
+                  streams[k], layer.name, layer.name in regions)
+    for name in regions:
+        if name not in modules:
+            _checkpoint_module(model.get_submodule(name), name)
     plan = ParallelPlan(graph, strategy, streams[0].placement, None, modules, notes, 0.0,
                         placements)
     if pipe is not None:
@@ -669,27 +744,30 @@ def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
 
 # -- the strategy ----------------------------------------------------------------------------------
 def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool, stages,
-            notes: list):
+            notes: list, recompute: bool = False):
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
     with pipeline stages unless ``stages`` is 1; one stage when the stages found would
-    separate a tied weight's users, noted)."""
+    separate a tied weight's users, noted; recomputing twins in the space with
+    ``recompute``)."""
     from .search import search
     if one_mesh:
         if stages != 1:
             raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "
                                    f"stages=1, not {stages!r}")
-        strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit)
+        strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit,
+                                             recompute=recompute)
         return strategy, bd
     if stages != 1:
         res = _package().search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                                stages=stages)
+                                stages=stages, recompute=recompute)
         split = [(u, h) for u, h in graph.ties.items()
                  if res.strategy[u].stage != res.strategy[h].stage]
         if not split:
             return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
         notes.append(f"the best pipeline found puts tied layers {split} in different stages; "
                      f"searched one stage instead")
-    res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit)
+    res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
+                 recompute=recompute)
     return res.strategy, res.breakdown
 
 
