@@ -272,7 +272,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
         if reduction == "sum":
             return total
         return mean_over_count(total, count, ("cross_entropy", tuple(target.shape),
-                                              target.sbp, ignore_index))
+                                              target.sbp, ignore_index), float(target.numel()))
     checked = _check_sliced_target(input, target, ignore_index)
     if input.dtype in (torch.float16, torch.bfloat16) and \
             torch.is_autocast_enabled(input.placement.device_type):
@@ -291,7 +291,8 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
         return total
     count = row_weight.to(count_dtype(row_weight.dtype)).sum()
     return mean_over_count(total, count, ("cross_entropy", tuple(target.shape), target.sbp,
-                                          ignore_index, weight is not None))
+                                          ignore_index, weight is not None),
+                           None if weight is not None else float(target.numel()))
 
 
 def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, reduction: str,

@@ -20,6 +20,7 @@ from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, recording, retains_grads
+from .recorded_mean import record_mean
 
 __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
 
@@ -63,7 +64,8 @@ def _stream(key: tuple) -> _Stream:
     return s
 
 
-def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> GlobalTensor:
+def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple,
+                    full: float | None = None) -> GlobalTensor:
     """``total / count`` of 0-d tensors, ``count`` summed over its partial mesh dims.
 
     Layouts: ``total`` any (P or B per mesh dim), ``count`` the same or with more P dims; the
@@ -73,11 +75,16 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple) -> 
     (weights that learn make it a differentiable sum), and the placement holds every rank (a
     rank outside it could not correct its gradients). ``stream`` names the sequence of counts the
     guess is taken from (e.g. the target's shape, layout and ignore_index). ``count``'s shard
-    may be reduced in place: pass a tensor nothing else reads.
+    may be reduced in place: pass a tensor nothing else reads. While a graph traces, the
+    mean is recorded so that its replay does not wait either (`sbpflow.nn.recorded_mean`;
+    ``full``: the count when nothing is ignored, its guess).
     """
     pl = count.placement
     comm = _comm.current()
     reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
+    if group is not None and recording() and total.requires_grad and \
+            not count.requires_grad and torch.is_grad_enabled():
+        return record_mean(total, count, reduced, group, full)
     if group is None or not total.requires_grad or count.requires_grad or \
             not torch.is_grad_enabled() or recording():  # a graph replays the plain quotient
         return _as_dtype(total / count.to_global(sbp=reduced), total.dtype)

@@ -1,0 +1,172 @@
+"""A graph's mean over a count summed over the ranks, with that all-reduce kept out of the
+forward's way (the graph form of `sbpflow.nn.pending_mean`).
+
+The recorded task starts the count's all-reduce and divides by a guess: the count with nothing
+ignored (a target's element count) or else the traced count. Backward runs at once with the
+guess when scaling the gradients afterwards undoes a wrong one; at its end the count is waited
+for (it arrived long before) and a wrong guess is corrected: the loss value and the gradients
+rescaled, the started gradient all-reduces dropped (the optimizer redoes them), and the task
+waits in every later call. Otherwise (several micro-batches, gradients already there, build not
+calling ``backward()`` on this loss) the task waits, as a plain quotient would.
+See docs/internals.md, 'The pending mean'.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..comm import current as _current_comm
+from ..gradsync import drop_started
+from ..placement import Placement
+from ..tensor import GlobalTensor, current_recorder, retains_grads
+
+__all__ = ["record_mean"]
+
+
+class _Guessing:
+    """What the calls of one recorded mean share: whether ``backward()`` is called on it (seen
+    while tracing) and whether guessing still holds (a wrong guess stops it, on every rank)."""
+
+    __slots__ = ("backward_seen", "on")
+
+    def __init__(self, on: bool) -> None:
+        self.backward_seen, self.on = False, on
+
+
+class _TracedMean(GlobalTensor):
+    """The traced mean: notes that ``build`` calls ``backward()`` on it."""
+
+    __slots__ = ("_guessing",)
+
+    def backward(self, gradient: GlobalTensor | None = None, retain_graph: bool = False) -> None:
+        if gradient is None:
+            self._guessing.backward_seen = True
+        GlobalTensor.backward(self, gradient, retain_graph)
+
+
+def record_mean(total: GlobalTensor, count: GlobalTensor, reduced: tuple, group: tuple,
+                full: float | None) -> GlobalTensor:
+    """While tracing: ``total / count`` (``count`` all-reduced over ``group``, laid out
+    ``reduced``) recorded as a `CountedMean` task; ``full``: the count when nothing is
+    ignored (the guess; None: the traced count)."""
+    comm = _current_comm()
+    summed = comm.all_reduce(count.local.detach(), group, "sum")
+    value = _as_dtype(total.local / summed, total.dtype)
+    out = _TracedMean(value, (), total.placement, total.sbp)
+    rec = current_recorder()
+    guessing = _Guessing(rec.micro_batches == 1)
+    out._guessing = guessing
+    guess = float(summed) if full is None else float(full)
+    pl = total.placement
+    rec.task(lambda r, o, mode: CountedMean(r, o, pl, mode, group, guess, count.dtype, guessing),
+             [total, count], [out], pl)
+    return out
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class CountedMean(NamedTuple):
+    """``vals[out] = vals[total] / all_reduce(vals[count])``, replayed without waiting for the
+    all-reduce when the guess may be used (module docstring)."""
+
+    slots_read: tuple       # (total, count)
+    slots_written: tuple    # (out,)
+    placement: Placement
+    mode: Any
+    group: tuple
+    guess: float
+    count_dtype: torch.dtype
+    guessing: _Guessing
+
+    @property
+    def name(self) -> str:
+        return "mean_over_count"
+
+    def __repr__(self) -> str:
+        t, c = self.slots_read
+        return (f"%{self.slots_written[0]} = mean_over_count(%{t}, all_reduce(%{c}))  "
+                f"[guess {self.guess:g}]")
+
+    def run(self, vals: list, env: Any) -> None:
+        t, c = self.slots_read
+        total = vals[t]
+        # started the same way on every rank whatever is guessed: the collectives agree
+        pending = env.comm.all_reduce_start(vals[c].detach(), self.group, "sum", inplace=True)
+        g = self.guessing
+        if not (g.on and g.backward_seen and total.requires_grad and torch.is_grad_enabled()):
+            vals[self.slots_written[0]] = _as_dtype(total / pending.wait(), total.dtype)
+            return
+        call = _Call(pending, self.guess, torch.full((), self.guess, dtype=self.count_dtype,
+                                                     device=total.device), g)
+        out = _GuessedQuotient.apply(total, call)
+        # detached aliases: the value's storage, without a cycle through the autograd graph
+        call.out, call.total = out.detach(), total.detach()
+        vals[self.slots_written[0]] = out
+
+
+class _Call:
+    """One replay's count: the all-reduce in flight, the guess, the output to correct."""
+
+    __slots__ = ("pending", "guess", "guess_t", "guessing", "out", "total", "_count")
+
+    def __init__(self, pending, guess: float, guess_t: torch.Tensor, guessing: _Guessing) -> None:
+        self.pending, self.guess, self.guess_t, self.guessing = pending, guess, guess_t, guessing
+        self.out = self.total = self._count = None
+
+    def count(self) -> torch.Tensor:
+        if self._count is None:
+            self._count = self.pending.wait()
+        return self._count
+
+    def fix_if_missed(self) -> float | None:
+        """Wait for the count; on a wrong guess correct the value in place (its readers share
+        it), stop guessing, and return ``guess / count``; else None."""
+        count = self.count()
+        if float(count) == self.guess:
+            return None
+        self.guessing.on = False   # the same on every rank: the count is all-reduced
+        with torch.no_grad():
+            self.out.copy_(_as_dtype(self.total / count, self.total.dtype))
+        return self.guess / float(count)
+
+
+class _GuessedQuotient(torch.autograd.Function):
+    """``total / guess``; backward divides by the guess and corrects at the end of backward
+    when that can be undone exactly by scaling, else waits for the count."""
+
+    @staticmethod
+    def forward(ctx, total: torch.Tensor, call: _Call) -> torch.Tensor:
+        ctx.call, ctx.total_dtype = call, total.dtype
+        ctx.graph_root = total   # the leaves are found from it in backward
+        return _as_dtype(total.detach() / call.guess_t, total.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from .pending_mean import _correctable, _leaves   # (pending_mean imports this module)
+        call = ctx.call
+        leaves = _leaves(ctx.graph_root)
+        if not retains_grads() and all(map(_correctable, leaves)):
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _settle(call, leaves))
+            count = call.guess_t
+        else:
+            call.fix_if_missed()
+            count = call.count()
+        g = grad / count if grad.dtype == count.dtype else (grad.to(count.dtype) / count)
+        return _as_dtype(g, ctx.total_dtype), None
+
+
+def _settle(call: _Call, leaves: list) -> None:
+    """The end of a backward that used the guess: undo a wrong one (docs/internals.md, 'The
+    pending mean')."""
+    scale = call.fix_if_missed()
+    if scale is None:
+        return
+    with torch.no_grad():
+        for leaf in leaves:
+            if leaf.grad is not None:
+                leaf.grad.mul_(scale)
+    drop_started()   # every rank guessed wrong: the optimizer redoes them
