@@ -4,9 +4,11 @@
 Step time = ``(M + S - 1)`` x the slowest stage's time per micro-batch (compute and its
 layers' redistributions, `Evaluator` on the stage's devices) + the stage-to-stage transfers of
 one micro-batch, forward and backward (the fill and drain of the pipeline; in steady state they
-overlap compute) + the slowest stage's gradient sync. Memory per device per stage: its weights,
-gradients and optimizer state, plus the activations of the micro-batches it keeps in flight
-(`sbpflow.auto.space.Pipeline.in_flight`). See docs/auto.md, 'Pipeline stages'.
+overlap compute) + the slowest stage's gradient sync + one gradient exchange per tie whose
+holder is in another stage (that stage holds its own copy of the weight, in its memory and its
+gradient sync). Memory per device per stage: its weights, gradients and optimizer state, plus
+the activations of the micro-batches it keeps in flight (`sbpflow.auto.space.Pipeline.in_flight`).
+See docs/auto.md, 'Pipeline stages'.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from ..sbp import Partial, S, Split
+from ..cost.formulas import volume
+from ..errors import GraphError
+from ..sbp import B, Partial, S, Split
 from .evaluate import Breakdown, Evaluator
 from .evaluate import evaluate as _evaluate_one
 from .graph import Graph
+from .space import _tied_weight, weight_layout
 
 __all__ = ["evaluate", "balanced_cuts", "sub_cluster", "stage_graph", "stage_ranges", "StageCost",
-           "stage_cost", "transfer_time", "combine"]
+           "stage_cost", "transfer_time", "combine", "stage_layers", "tie_sync"]
 
 
 def sub_cluster(cluster, devices: int):
@@ -39,10 +44,47 @@ def sub_cluster(cluster, devices: int):
 
 def stage_graph(graph, start: int, end: int) -> Graph:
     """Layers ``start:end`` of a chain ``graph`` as a graph of their own (its last layer is a
-    sink: a partial output is reduced before it leaves the stage)."""
-    return Graph(graph.layers[start:end], name=f"{graph.name}[{start}:{end}]",
+    sink: a partial output is reduced before it leaves the stage). A tied layer whose holder
+    is in another stage gets its own copy of the weight (`_own_copy`): stages run on disjoint
+    devices, so each holds the weight it uses."""
+    layers = [_own_copy(graph, l) if _tie_elsewhere(graph, l, start, end) else l
+              for l in graph.layers[start:end]]
+    return Graph(layers, name=f"{graph.name}[{start}:{end}]",
                  itemsize=graph.itemsize, optimizer_states=graph.optimizer_states,
                  optimizer_itemsize=graph.optimizer_itemsize)
+
+
+def _tie_elsewhere(graph, layer, start: int, end: int) -> bool:
+    """Whether ``layer`` is tied to a layer of ``graph`` outside ``start:end``."""
+    h = graph.index.get(layer.tied) if layer.tied is not None else None
+    return h is not None and not start <= h < end
+
+
+def _own_copy(graph, layer):
+    """``layer`` with the weight of its holder as it uses it (a linear: ``(d_in, d_out)``,
+    so an embedding's ``(vocab, d)`` is a head's ``(d, vocab)``), no longer tied."""
+    holder = graph[layer.tied]
+    shape = (layer.input_shape[-1], layer.output_shape[-1]) if layer.kind == "linear" \
+        else tuple(holder.weight_shape)
+    if math.prod(shape) != holder.params:
+        raise GraphError(f"layer {layer.name} ({layer.kind}, input {tuple(layer.input_shape)}, "
+                         f"output {tuple(layer.output_shape)}) uses a weight of shape {shape}, "
+                         f"but its holder {holder.name} has {tuple(holder.weight_shape)}: tie "
+                         "layers whose weights have the same elements")
+    return dataclasses.replace(layer, tied=None, weight_shape=shape)
+
+
+def stage_layers(graph, strategy, start: int, end: int) -> list:
+    """The layer strategies of ``stage_graph(graph, start, end)``: a tied layer that got its
+    own copy runs with the weight layout its signature gives (`space._tied_weight`; all
+    replicated when no single one does)."""
+    out = []
+    for l, x in zip(graph.layers[start:end], strategy.layers[start:end]):
+        if x.weight is None and _tie_elsewhere(graph, l, start, end):
+            w = _tied_weight(l, x) or (B,) * len(x.mesh)
+            x = dataclasses.replace(x, weight=w)
+        out.append(x)
+    return out
 
 
 def stage_ranges(strategy) -> list:
@@ -113,13 +155,57 @@ def transfer_time(cluster, shape: tuple, itemsize: int, micro_batches: int, src:
     return cluster.fit("p2p", ranks).time(msgs, nbytes)
 
 
-def combine(costs: list, transfers: list, pipeline) -> tuple[float, float]:
-    """``(step time, bubble)`` of stages ``costs`` and boundary transfer times (forward plus
-    backward of one micro-batch each)."""
+def combine(costs: list, transfers: list, pipeline, tie_time: float = 0.0) -> tuple[float, float]:
+    """``(step time, bubble)`` of stages ``costs``, boundary transfer times (forward plus
+    backward of one micro-batch each) and ``tie_time``, the gradient exchange of weights tied
+    across stages (`tie_sync`), once a step after the stages' own syncs."""
     m, s = pipeline.micro_batches, pipeline.stages
     slow = max(c.micro_time for c in costs)
     bubble = (s - 1) * slow
-    return (m + s - 1) * slow + sum(transfers) + max(c.grad_sync for c in costs), bubble
+    return (m + s - 1) * slow + sum(transfers) + max(c.grad_sync for c in costs) + tie_time, \
+        bubble
+
+
+def _stored_layout(layer, s) -> tuple:
+    """``(mesh, layout in the module's axes)`` of ``s``'s gradient after its stage's sync (the
+    stored layout: ZeRO's shard, else the kernel's)."""
+    return weight_layout(layer, dataclasses.replace(s, weight=s.weight_stored, stored=None))
+
+
+def tie_sync(graph, strategy, cluster, pipeline, ranges) -> tuple[float, float]:
+    """``(seconds, bytes per device)`` a step of exchanging the gradients of the copies of
+    each weight tied across stages. Same mesh and shards (layouts in the module's axes):
+    Megatron's embedding group, one 2-party all-reduce per shard pair (all at once) over the
+    link between the stages' first ranks. Different shards: each copy's gradient sent to the
+    other stage in that stage's layout, one way then the other (`transfer_time`: the stages'
+    devices are disjoint, so even a slice of a replicated gradient crosses the link)."""
+    stage_of = {i: k for k, (a, b) in enumerate(ranges) for i in range(a, b)}
+    d, it = pipeline.devices, graph.itemsize
+    t = nb = 0.0
+    for i, l in enumerate(graph.layers):
+        h = graph.index.get(l.tied) if l.tied is not None else None
+        if h is None or stage_of[h] == stage_of[i]:
+            continue
+        a, b = ranges[stage_of[i]]
+        ts = stage_layers(graph, strategy, a, b)[i - a]
+        src = _stored_layout(graph.layers[h], strategy.layers[h])
+        dst = _stored_layout(_own_copy(graph, l), ts)
+        shape, ranks = _module_shape(graph.layers[h]), (stage_of[h] * d, stage_of[i] * d)
+        if src == dst:
+            n = math.prod(shape) / math.prod(_factors(shape, *src)) * it
+            t += cluster.collective_time("all_reduce", n, ranks)
+            nb += volume("all_reduce", n, 2)
+            continue
+        t += transfer_time(cluster, shape, it, 1, src, dst, ranks) + \
+            transfer_time(cluster, shape, it, 1, dst, src, ranks[::-1])
+        nb += sum(math.prod(shape) * it / math.prod(_factors(shape, *x)) for x in (src, dst))
+    return t, nb
+
+
+def _module_shape(layer) -> tuple:
+    """A weight's shape in the module's axes (a linear's ``(d_in, d_out)`` is ``(out, in)``)."""
+    w = tuple(layer.weight_shape)
+    return w[::-1] if layer.kind == "linear" else w
 
 
 def _boundary(graph, strategy, a: int, b: int, cluster, pipeline, k: int) -> float:
@@ -144,7 +230,8 @@ def _stage_breakdowns(graph, strategy, cluster, pipeline, ranges):
     out = []
     for k, (a, b) in enumerate(ranges):
         g = stage_graph(graph, a, b)
-        bd = Evaluator(g, sub, pipeline.micro_batches).breakdown(strategy.layers[a:b])
+        bd = Evaluator(g, sub, pipeline.micro_batches).breakdown(stage_layers(graph, strategy,
+                                                                              a, b))
         out.append(stage_cost(bd, pipeline.micro_batches, pipeline.in_flight(k)))
     return out
 
@@ -160,8 +247,10 @@ def _pipeline_breakdown(graph, strategy, cluster) -> Breakdown:
     costs = _stage_breakdowns(graph, strategy, cluster, pp, ranges)
     transfers = [_boundary(graph, strategy, ranges[k][1] - 1, ranges[k + 1][0], cluster, pp, k)
                  for k in range(len(ranges) - 1)]
-    time, bubble = combine(costs, transfers, pp)
-    r = Breakdown(micro_batches=pp.micro_batches, stages=pp.stages, schedule=pp.schedule)
+    tie_t, tie_b = tie_sync(graph, strategy, cluster, pp, ranges)
+    time, bubble = combine(costs, transfers, pp, tie_t)
+    r = Breakdown(micro_batches=pp.micro_batches, stages=pp.stages, schedule=pp.schedule,
+                  grad_sync_time=tie_t, grad_sync_bytes=tie_b)
     for c in costs:
         b = c.breakdown
         r.compute_time += b.compute_time

@@ -9,9 +9,9 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs as mg
-from sbpflow.auto.graph import Graph
+from sbpflow.auto.graph import Graph, Layer
 from sbpflow.auto.search import PENALTY, Problem
-from sbpflow.auto.space import make_layer_strategy, tie_agrees, weight_layout
+from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy, tie_agrees, weight_layout
 from sbpflow.sbp import B, S
 
 GiB = 2 ** 30
@@ -87,3 +87,63 @@ def test_search_cli_gpt2_is_tied_and_its_search_keeps_the_tie():
     assert build_graph("gpt").params == 50257 * 768 + 12 * 12 * 768 ** 2 == 123_532_032
     r = sf.auto.search(g, _cluster(), memory_limit=float("inf"), stages=1)
     assert tie_agrees(g["embed"], r.strategy["embed"], g["head"], r.strategy["head"])
+
+
+# -- a tie across pipeline stages: each stage holds a copy, the copies' gradients exchanged --
+
+T, D, V = 16, 32, 64
+
+
+def _tied_chain(tied=True):
+    """embed (vocab 64, d 32) -> fc (32 -> 32) -> head (32 -> 64), the head tied to embed
+    (``tied=False``: the head has its own (32, 64) weight)."""
+    emb = Layer("embed", "embedding", (T,), (V, D), (T, D), 2.0 * T * D, False,
+                {"megatron": "vocab"})
+    head = mg.linear_layer("head", T, D, V, megatron="col")
+    if tied:
+        head = dataclasses.replace(head, weight_shape=None, tied="embed")
+    return Graph([emb, mg.linear_layer("fc", T, D, D), head], name="tied-chain")
+
+
+def _two_stages(g, embed, head):
+    """embed and fc on stage 0, head on stage 1, 2 devices a stage, 2 micro-batches, 1F1B."""
+    def st(name, sig, k):
+        return dataclasses.replace(make_layer_strategy(g[name], (2,), (sig,)), stage=k)
+    return Strategy(g, [st("embed", embed, 0), st("fc", "dp", 0), st("head", head, 1)],
+                    Pipeline(2, 2, 2, "1f1b"))
+
+
+def test_a_tie_across_stages_gives_the_last_stage_a_copy_and_one_all_reduce():
+    c, alpha, beta = _cluster(), 3e-6, 1 / 240e9
+    g, free = _tied_chain(), _tied_chain(tied=False)
+    b = sf.auto.evaluate(g, _two_stages(g, "dp", "dp"), c)
+    # stage 1 (1F1B: 1 micro-batch of 8 tokens in flight): the head's (32, 64) copy, replicated,
+    # bf16 weight and gradient, two fp32 Adam states; its input and output activations
+    m1 = D * V * (2 + 2 + 2 * 4) + (T // 2 // 2) * (D + V) * 2
+    m0 = (V * D + D * D) * (2 + 2 + 2 * 4) + 2 * (T // 2 // 2) * (1 + D + D + D) * 2
+    assert b.stage_memory == pytest.approx([m0, m1], rel=1e-12)
+    # the same strategy with the head's own weight differs by the copies' exchange alone:
+    # a 2-rank all-reduce of the whole (replicated) gradient, ranks 0 and 2 on one node
+    u = sf.auto.evaluate(free, _two_stages(free, "dp", "dp"), c)
+    assert u.stage_memory == pytest.approx(b.stage_memory, rel=1e-12)
+    assert b.time - u.time == pytest.approx(2 * alpha + V * D * 2 * beta, rel=1e-9)
+    assert b.grad_sync_bytes - u.grad_sync_bytes == pytest.approx(V * D * 2, rel=1e-12)
+
+
+def test_a_tie_across_stages_with_different_shards_sends_each_gradient_over():
+    c, alpha, beta = _cluster(), 3e-6, 1 / 240e9
+    g, free = _tied_chain(), _tied_chain(tied=False)
+    # agreeing: the embedding's vocab split is the head's column split; each device
+    # all-reduces its half with its peer
+    b = sf.auto.evaluate(g, _two_stages(g, "vocab", "col"), c)
+    u = sf.auto.evaluate(free, _two_stages(free, "vocab", "col"), c)
+    # the head's copy split in two; its input replicated, its output split, a micro-batch's
+    assert b.stage_memory[1] == pytest.approx(D * V // 2 * 12 + (T * D + T * V // 2) * 2 // 2,
+                                              rel=1e-12)
+    assert b.time - u.time == pytest.approx(2 * alpha + V * D * beta, rel=1e-9)
+    # replicated on stage 0, split on stage 1: the half each stage-1 device needs goes over
+    # in one message, then the two halves come back to each stage-0 device in two
+    b = sf.auto.evaluate(g, _two_stages(g, "dp", "col"), c)
+    u = sf.auto.evaluate(free, _two_stages(free, "dp", "col"), c)
+    assert b.time - u.time == pytest.approx((alpha + V * D * beta) + (2 * alpha + V * D * 2 * beta),
+                                            rel=1e-9)
