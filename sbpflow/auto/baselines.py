@@ -17,13 +17,18 @@ from .pipeline_cost import balanced_cuts, sub_cluster
 from .pipeline_cost import evaluate as evaluate_any
 from .space import Pipeline, Strategy, make_layer_strategy
 
-__all__ = ["data_parallel", "megatron", "best_megatron", "megatron_stages", "megatron_flops",
+__all__ = ["data_parallel", "megatron", "megatron_pipeline", "megatron_layers",
+           "best_megatron", "megatron_stages", "megatron_flops",
            "MegatronRow", "TABLE1", "MegatronCase", "table1_case"]
 
 
 def _build(graph, mesh, roles, layers=None):
-    out = []
+    out: list = []
+    memo: dict = {}     # a layer's strategy depends only on its key (roles read its attrs)
     for layer in (graph.layers if layers is None else layers):
+        if layer.key in memo:
+            out.append(memo[layer.key])
+            continue
         names = tuple(roles(layer))
         s = make_layer_strategy(layer, mesh, names)
         for i in range(len(names)):   # e.g. more data-parallel ranks than sequences: replicate
@@ -32,6 +37,7 @@ def _build(graph, mesh, roles, layers=None):
                 s = make_layer_strategy(layer, mesh, names)
         if s is None:
             raise ValueError(f"layer {layer.name}: {names} does not fit mesh {mesh}")
+        memo[layer.key] = s
         out.append(s)
     return out if layers is not None else Strategy(graph, out)
 
@@ -50,6 +56,13 @@ def _tensor_data(graph, tp: int, dp: int, layers=None):
     if dp == 1:
         return _build(graph, (tp,), lambda l: (l.attrs.get("megatron", "col"),), layers)
     return _build(graph, (dp, tp), lambda l: ("dp", l.attrs.get("megatron", "col")), layers)
+
+
+def megatron_layers(graph, tp: int, dp: int) -> list:
+    """Megatron's layout of every layer of ``graph`` on one mesh (dp, tp) of ``tp * dp``
+    devices (`megatron`'s, without stages), a LayerStrategy a layer; ValueError when a
+    layer has none."""
+    return _tensor_data(graph, tp, dp, list(graph.layers))
 
 
 def megatron_stages(graph, pp: int) -> list:
@@ -104,12 +117,21 @@ def megatron(graph, cluster, tp: int, pp: int = 1, dp: int | None = None,
     if sub_cluster(cluster, tp * dp) is None:
         raise ValueError(f"{pp} stages of {tp * dp} devices do not tile {cluster} by whole "
                          "nodes or equal parts of a node")
-    starts = megatron_stages(graph, pp) + [len(graph.layers)]
+    return megatron_pipeline(graph, tp, dp, megatron_stages(graph, pp), micro_batches)
+
+
+def megatron_pipeline(graph, tp: int, dp: int, starts: list, micro_batches: int,
+                      schedule: str = "1f1b") -> Strategy:
+    """Megatron's tensor ``tp`` x data ``dp`` layout (`megatron`'s) on each stage of a chain
+    cut before the layers ``starts`` (``starts[0] == 0``), ``micro_batches`` a step. No
+    check of the device count (the caller's); ValueError when a layer has no such layout
+    (e.g. tp does not divide its heads)."""
+    ends = list(starts[1:]) + [len(graph.layers)]
     layers = []
-    for k in range(pp):
-        part = _tensor_data(graph, tp, dp, graph.layers[starts[k]:starts[k + 1]])
+    for k, (a, b) in enumerate(zip(starts, ends)):
+        part = _tensor_data(graph, tp, dp, graph.layers[a:b])
         layers += [dataclasses.replace(s, stage=k) for s in part]
-    return Strategy(graph, layers, Pipeline(pp, tp * dp, micro_batches, "1f1b"))
+    return Strategy(graph, layers, Pipeline(len(starts), tp * dp, micro_batches, schedule))
 
 
 def best_megatron(graph, cluster, memory_limit: float | None = None):

@@ -19,6 +19,8 @@ import time
 import numpy as np
 from typing import NamedTuple
 
+from .baselines import megatron_layers as _megatron_layers
+from .baselines import megatron_pipeline, megatron_stages
 from .evaluate import Evaluator
 from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
 from .search import PENALTY, SearchResult
@@ -266,6 +268,70 @@ class _Explorer:
         points = _cut_points(self.graph, s)
         return pp, points, balanced_cuts(self.weights(pp.devices), s, points)
 
+    def megatron_seed(self, s: int, ladder: list) -> _Found | None:
+        """The best Megatron-LM layout on ``s`` stages (`baselines.megatron_pipeline`: tensor
+        parallel tp within a node, data parallel over the rest of a stage; cut at Megatron's
+        equal blocks or balanced by the layout's own layer times) over tp and the micro-batch
+        counts of ``ladder``: priced, not searched (None if none keeps whole sequences). Why:
+        the quick stage searches start from data parallelism and move one layer at a time,
+        and the strategies searched at the first count that fits are kept at larger counts,
+        so they can miss this layout, in which every layer of a block changes together."""
+        devices = self.cluster.world_size // s
+        heads = [l.attrs["heads"] for l in self.graph.layers
+                 if l.kind == "attention" and "heads" in l.attrs]
+        best = None
+        for tp in range(1, min(devices, self.cluster.devices_per_node) + 1):
+            if devices % tp or any(h % tp for h in heads):
+                continue
+            try:
+                layers = _megatron_layers(self.graph, tp, devices // tp)
+            except ValueError:
+                continue
+            for starts in self._seed_cuts(s, devices, layers):
+                got = self._megatron_ladder(starts, tp, devices // tp, ladder)
+                if got is not None and (best is None or got.objective < best.objective):
+                    best = got
+        return best
+
+    def _seed_cuts(self, s: int, devices: int, layers: list) -> list:
+        """Stage starts for a seed: Megatron's (`baselines.megatron_stages`) and cuts
+        balanced by ``layers``' own times on a stage's devices (at the cut points of
+        `cuts`); those that exist, without repeats."""
+        ev = self._evaluator(devices)
+        memo: dict = {}
+        for l, x in zip(self.graph.layers, layers):
+            if l.key not in memo:
+                memo[l.key] = ev.node_terms(l, x)["time"]
+        balanced = balanced_cuts([memo[l.key] for l in self.graph.layers], s,
+                                 _cut_points(self.graph, s))
+        out = [balanced] if balanced else []
+        try:
+            megatron = megatron_stages(self.graph, s)
+        except ValueError:
+            return out
+        return out + [megatron] if megatron != balanced else out
+
+    def _megatron_ladder(self, starts: list, tp: int, dp: int, ladder: list) -> _Found | None:
+        """Megatron's tp x dp on the stages at ``starts``, priced up the micro-batch counts of
+        ``ladder`` (those that keep whole sequences) until the objective rises at a count
+        that fits memory (more micro-batches: less memory and bubble, more per-micro-batch
+        latency, so past there it rises on); the least."""
+        best, st = None, None
+        for m in ladder:
+            if st is None:
+                st = megatron_pipeline(self.graph, tp, dp, starts, m, self.schedule)
+            else:
+                st = Strategy(self.graph, st.layers, st.pipeline._replace(micro_batches=m))
+            if any(splits_sequences(l, x, m) for l, x in zip(self.graph.layers, st.layers)):
+                continue
+            got = self.priced(st, [], starts)
+            if best is not None and got.objective >= best.objective and \
+                    _fits(got.breakdown, self.limit):
+                break
+            if best is None or got.objective < best.objective:
+                best = got
+        return best
+
     def explore(self, s: int, m: int) -> _Found | None:
         """The best pipeline found with ``s`` stages and ``m`` micro-batches: balanced cuts,
         stages searched, cuts moved off the slowest stage (None if the chain cannot be cut
@@ -413,16 +479,41 @@ def _fits(breakdown, limit) -> bool:
 
 
 def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
-    """The best pipeline over stage counts and micro-batch counts (None if none). Stage
-    counts go from the most stages down (the cheapest searches first: the fewest devices a
-    stage) and stop after the first count whose best is worse than the previous count's
-    (a heuristic: step time against stage count is taken to have one minimum). Per stage
-    count S: the fewest micro-batches M of `micro_batch_ladder` whose balanced cuts can fit
-    memory gets its stages searched quickly (`_Explorer.stage`) and cuts moved; then M goes
-    up the ladder with the same layer strategies re-priced (no search; counts at which one
-    would split a sequence skipped) while the objective goes down. The best (S, M, cuts) over all S gets its stages searched with the algorithm
-    asked for (at the first M), starting from the quick strategies; the better is kept."""
-    top, last = None, math.inf
+    """The best pipeline over stage counts and micro-batch counts (None if none): the best
+    of the quick searches (`_explore_searched`) and, for a graph with attention, of
+    Megatron-LM's layouts at every stage count (`_Explorer.megatron_seed`, priced only:
+    cheap). The best (S, M, cuts) gets its
+    stages searched with the algorithm asked for, starting from its layer strategies (at the
+    M they were searched or priced at: for the quick searches the first M, whose edge tables
+    are priced already), then re-priced at its M; the better is kept."""
+    top, searched_at = _explore_searched(ex, counts)
+    # Megatron-LM's layouts are a transformer's: a graph without attention is not seeded
+    transformer = any(l.kind == "attention" for l in ex.graph.layers)
+    for s in counts if transformer else ():
+        if ex.out_of_time():
+            break
+        seed = ex.megatron_seed(s, micro_batch_ladder(ex.graph, s))
+        if seed is not None and (top is None or seed.objective < top.objective):
+            top, searched_at = seed, seed.strategy.pipeline
+    if top is not None and not ex.out_of_time():
+        again = ex.objective(top.starts, searched_at, top.strategy.layers, quick=False)
+        again = ex.with_micro_batches(again, top.strategy.pipeline.micro_batches)
+        if again is not None and again.objective < top.objective:
+            top = again
+    return top
+
+
+def _explore_searched(ex: _Explorer, counts: list) -> tuple:
+    """The best pipeline of quick stage searches and the `Pipeline` it was searched at, or
+    (None, None). Stage counts go from the most stages down (the cheapest searches first:
+    the fewest devices a stage) and stop after the first count whose best is worse than the
+    previous count's (a heuristic: step time against stage count is taken to have one
+    minimum). Per stage count S: the fewest micro-batches M of `micro_batch_ladder` whose
+    balanced cuts can fit memory gets its stages searched quickly (`_Explorer.stage`) and
+    cuts moved; then M goes up the ladder with the same layer strategies re-priced (no
+    search; counts at which one would split a sequence skipped) while the objective goes
+    down."""
+    top, searched_at, last = None, None, math.inf
     for s in sorted(counts, reverse=True):
         if ex.out_of_time():
             break
@@ -452,14 +543,7 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
         if best.objective > last:
             break        # worse than the next larger count: fewer stages stop here
         last = best.objective
-    if top is not None and not ex.out_of_time():
-        # searched at the micro-batch count the quick searches used (their edge tables are
-        # priced already), then re-priced at the best count
-        again = ex.objective(top.starts, searched_at, top.strategy.layers, quick=False)
-        again = ex.with_micro_batches(again, top.strategy.pipeline.micro_batches)
-        if again is not None and again.objective < top.objective:
-            top = again
-    return top
+    return top, searched_at
 
 
 def _result(graph, found, single, ex: _Explorer, algorithm: str, limit,
