@@ -24,7 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
-from .channels import StoreChannels
+from .socket_channels import SocketChannels
 from .current import current_process, set_current
 from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
 from .progress import P2P, Progress, group_key, period_for
@@ -69,8 +69,10 @@ class TorchCommunicator(Communicator):
         self.progress = Progress(self.rank, c10d._get_default_store(),
                                  period_for(self.timeout.total_seconds()))
         self._keys: dict[tuple, str] = {}  # (group, cuda) -> its progress key
-        self._channels: StoreChannels | None = None  # post / inbox, made on first use
+        # post / inbox: made now, so that a peer's first post finds this rank's address
+        self._channels: SocketChannels | None = None
         self._channels_lock = threading.Lock()  # the runtime posts and reads from threads
+        self._chan()
 
     def _key(self, group: tuple, cuda: bool) -> str:
         """``group_key(group, cuda)`` (and the collective stream), cached (this is on every
@@ -120,7 +122,7 @@ class TorchCommunicator(Communicator):
         groups, self._groups = list(self._groups.values()), {}
         self.world_pg = None
         self.progress.close()
-        if self._channels is not None:  # wake and stop the channel readers
+        if self._channels is not None:  # stop the channels' threads, close their sockets
             self._channels.close()
         for pg in groups:
             try:
@@ -170,10 +172,12 @@ class TorchCommunicator(Communicator):
                            f"torch: {text}. If the ranks are only slow, raise the timeout "
                            f"(SBPFLOW_TIMEOUT=<seconds>, or launch(..., timeout=<seconds>))")
 
-    def _chan(self) -> StoreChannels:
+    def _chan(self) -> SocketChannels:
         with self._channels_lock:
-            if self._channels is None:
-                self._channels = StoreChannels(self.rank, c10d._get_default_store())
+            if self._channels is None:  # SBPFLOW_CHANNELS=store: the c10d store's queues
+                self._channels = SocketChannels(
+                    self.rank, c10d._get_default_store(), self.timeout.total_seconds(),
+                    force_store=os.environ.get("SBPFLOW_CHANNELS") == "store")
             return self._channels
 
     def _post(self, dst, channel, message):
