@@ -6,8 +6,9 @@ message)`` pairs, in the order each sender posted. Unlike ``send`` / ``recv``, t
 needs to know neither the sender nor the shapes, and an idle channel is not a hang: the actor
 runtime's req / ack messages travel here. `ThreadChannels` keeps one deque a (rank, channel)
 in the world (tensors copied on post); `StoreChannels` uses the c10d store's queues
-(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel. See docs/runtime.md,
-'Message channels'.
+(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel: the torch backend's
+fallback, whose channels are direct sockets (`socket_channels.SocketChannels`). See
+docs/runtime.md, 'Message channels'.
 """
 
 from __future__ import annotations

@@ -145,6 +145,18 @@ def collectives_fn() -> dict:
         else:
             _eq(comm.recv((3,), torch.float32, 0), _t(600, 3), "send / recv")
 
+    # message channels (sockets between the processes): a ring of posts, in order
+    for k in range(30):
+        comm.post((r + 1) % P, "ring", (k, _t(700 + k, 3)))
+    got: list = []
+    deadline = time.monotonic() + 20
+    while len(got) < 30 and time.monotonic() < deadline:
+        got += comm.inbox("ring", 0.5)
+    assert comm._chan().transport == "socket", comm._chan().transport
+    assert [(s, m[0]) for s, m in got] == [((r - 1) % P, k) for k in range(30)], got
+    for k, (_, m) in enumerate(got):
+        _eq(m[1], _t(700 + k, 3), f"post #{k} from rank {(r - 1) % P}")
+
     comm.barrier()
     if r in (3, 1):
         comm.barrier((3, 1))
