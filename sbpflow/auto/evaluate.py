@@ -154,6 +154,31 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     return max((f for f, _ in t), default=0.0) * n, tuple((f * n, m) for f, m in t)
 
 
+@memoize(1 << 14)
+def _src_side(fine: tuple, src: tuple, ndim: int):
+    """`_transfer_fraction`'s arrays of a source layout: its boxes, each axis's equal parts
+    (the product of the mesh dims splitting it) and the overlap below which a box is not met."""
+    slo, shi = _boxes(fine, src, ndim)
+    parts = np.ones(ndim)
+    for x, m in zip(src, fine):
+        if isinstance(x, Split):
+            parts[x.axis] *= m
+    return slo, shi, parts, 1e-9 / parts
+
+
+@memoize(1 << 14)
+def _dst_side(fine: tuple, dst: tuple, ndim: int):
+    """`_transfer_fraction`'s arrays of a destination layout: its boxes, their volumes and
+    which ranks receive (a non-first rank of a ``P(sum)`` dim holds zeros)."""
+    dlo, dhi = _boxes(fine, dst, ndim)
+    receives = np.ones(len(dlo), dtype=bool)
+    coords = _coords(fine)
+    for d, x in enumerate(dst):
+        if isinstance(x, Partial) and x.op == "sum":
+            receives &= coords[:, d] == 0
+    return dlo, dhi, (dhi - dlo).prod(axis=1), receives
+
+
 @memoize(1 << 18)
 def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
@@ -162,30 +187,20 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     receiver whose destination box is ``want`` and own source box ``have``: the elements it
     lacks are ``|want| - |want ∩ have|`` and its messages are the grid cells ``want`` meets,
     less its own cell if ``want`` meets it; both factor over axes. Every rank at once, as
-    arrays."""
+    arrays (the layouts' parts cached: `_src_side`, `_dst_side`)."""
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
-    slo, shi = _boxes(fine, src, ndim)
-    dlo, dhi = _boxes(fine, dst, ndim)
-    parts = np.ones(ndim)
-    for x, m in zip(src, fine):
-        if isinstance(x, Split):
-            parts[x.axis] *= m
+    slo, shi, parts, tiny = _src_side(fine, src, ndim)
+    dlo, dhi, dvol, receives = _dst_side(fine, dst, ndim)
     eps = 1e-9
     # per rank and axis: the source cells the destination interval meets
-    first = np.floor(dlo * parts + eps)
-    last = np.ceil(dhi * parts - eps)
-    cells = np.maximum(last - first, 0.0).prod(axis=1)
-    inter = np.clip(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0.0, None)
-    meets_own = (inter > eps / parts).all(axis=1)
-    elems = (dhi - dlo).prod(axis=1) - inter.prod(axis=1)
-    msgs = cells - meets_own
-    receives = np.ones(len(slo), dtype=bool)   # a non-first rank of a P(sum) dim holds zeros
-    coords = _coords(fine)
-    for d, x in enumerate(dst):
-        if isinstance(x, Partial) and x.op == "sum":
-            receives &= coords[:, d] == 0
+    cells = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0).prod(axis=1)
+    inter = np.maximum(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0.0)
+    elems = dvol - inter.prod(axis=1)
     need = receives & (elems > 1e-12)
+    if not need.any():
+        return ()
+    msgs = cells - (inter > tiny).all(axis=1)
     # the Pareto front of (elements, messages), elements compared to rounding
     # (rounded once per distinct pair: ranks share a few loads)
     pairs = np.unique(elems[need] + 1j * msgs[need])
