@@ -20,7 +20,7 @@ from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, recording, retains_grads
-from .recorded_mean import record_mean
+from .recorded_mean import _correctable, _leaves, record_mean
 
 __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
 
@@ -198,31 +198,3 @@ class PendingMean(GlobalTensor):
             drop_started()  # every rank guessed wrong: the optimizer redoes them
         self._local  # noqa: B018 - the value, now that the count is here
 
-
-def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors backward from ``t`` accumulates into (its graph's AccumulateGrad nodes)."""
-    fn = t.grad_fn
-    if fn is None:
-        return [t] if t.requires_grad else []
-    leaves, seen, stack = [], {fn}, [fn]
-    while stack:
-        for nxt, _ in stack.pop().next_functions:
-            if nxt is None or nxt in seen:
-                continue
-            seen.add(nxt)
-            var = getattr(nxt, "variable", None)
-            if var is not None:
-                leaves.append(var)
-            else:
-                stack.append(nxt)
-    return leaves
-
-
-def _correctable(leaf: torch.Tensor) -> bool:
-    """Whether scaling ``leaf.grad`` afterwards undoes a wrong guess: no gradient before this
-    backward (accumulating into one), no hook that saw the guessed gradient (a post-
-    accumulate hook is fine if it is redone when the started all-reduces are dropped)."""
-    if leaf.grad is not None or getattr(leaf, "_backward_hooks", None):
-        return False
-    post = getattr(leaf, "_post_accumulate_grad_hooks", None)
-    return not post or all(getattr(h, "redone_when_dropped", False) for h in post.values())

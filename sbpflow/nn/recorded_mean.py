@@ -145,7 +145,6 @@ class _GuessedQuotient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from .pending_mean import _correctable, _leaves   # (pending_mean imports this module)
         call = ctx.call
         leaves = _leaves(ctx.graph_root)
         if not retains_grads() and all(map(_correctable, leaves)):
@@ -170,3 +169,32 @@ def _settle(call: _Call, leaves: list) -> None:
             if leaf.grad is not None:
                 leaf.grad.mul_(scale)
     drop_started()   # every rank guessed wrong: the optimizer redoes them
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors backward from ``t`` accumulates into (its graph's AccumulateGrad nodes)."""
+    fn = t.grad_fn
+    if fn is None:
+        return [t] if t.requires_grad else []
+    leaves, seen, stack = [], {fn}, [fn]
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            seen.add(nxt)
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                leaves.append(var)
+            else:
+                stack.append(nxt)
+    return leaves
+
+
+def _correctable(leaf: torch.Tensor) -> bool:
+    """Whether scaling ``leaf.grad`` afterwards undoes a wrong guess: no gradient before this
+    backward (accumulating into one), no hook that saw the guessed gradient (a post-
+    accumulate hook is fine if it is redone when the started all-reduces are dropped)."""
+    if leaf.grad is not None or getattr(leaf, "_backward_hooks", None):
+        return False
+    post = getattr(leaf, "_post_accumulate_grad_hooks", None)
+    return not post or all(getattr(h, "redone_when_dropped", False) for h in post.values())
