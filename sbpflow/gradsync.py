@@ -50,7 +50,7 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
 def update_layout(p: GlobalTensor) -> tuple:
     """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
     ``p``'s own)."""
-    return _UPDATE_LAYOUTS.get(p, p.sbp)
+    return _UPDATE_LAYOUTS.get(p, p.sbp) if _UPDATE_LAYOUTS.data else p.sbp
 
 
 # parameter -> (the whole compute-layout local its shard lies in, or None for the parameter's
@@ -67,7 +67,7 @@ def set_backfill(p: GlobalTensor, whole: torch.Tensor | None, compute: tuple) ->
 
 def backfill(p: GlobalTensor) -> tuple | None:
     """(whole local, compute layout, split layout) to all-gather into after ``p``'s update."""
-    hit = _BACKFILL.get(p)
+    hit = _BACKFILL.get(p) if _BACKFILL.data else None  # (empty: no weak-dict lookup)
     if hit is None:
         return None
     whole, compute = hit
@@ -248,12 +248,18 @@ class BucketSync:
         """``take()`` of every sync of this class owning one of ``params`` (on this rank)."""
         owners = _owners(_comm.current(), cls.OWNERS)
         out: dict = {}
-        seen: set = set()
+        if not owners:
+            return out
+        # by identity, walking the owners once: a weak dict's lookup of a parameter compares
+        # it with itself (GlobalTensor.__eq__, a frame inspection), a few us a parameter
+        by_id = {id(p): sync for p, sync in owners.items()}
+        syncs: dict = {}   # in the order of ``params``, as every rank calls them
         for p in params:
-            sync = owners.get(p)
-            if sync is not None and id(sync) not in seen:
-                seen.add(id(sync))
-                out.update(sync.take())
+            sync = by_id.get(id(p))
+            if sync is not None:
+                syncs.setdefault(id(sync), sync)
+        for sync in syncs.values():
+            out.update(sync.take())
         return out
 
 
@@ -344,14 +350,13 @@ class GradSync(BucketSync):
             if b.pending is None:
                 continue
             reduced = b.pending.wait()
-            if b.sent is not None and all(p.local.grad is g and g._version == v
-                                          for p, (g, v) in zip(b.params, b.sent)):
-                offset = 0
-                for p, (g, v) in zip(b.params, b.sent):
-                    n = g.numel()
-                    out[p] = (g, v, GlobalTensor(reduced[offset:offset + n].view_as(g),
-                                                 tuple(p.shape), p.placement, p.sbp))
-                    offset += n
+            sent = b.sent
+            if sent is not None and all(p.local.grad is g and g._version == v
+                                        for p, (g, v) in zip(b.params, sent)):
+                pieces = reduced.split([g.numel() for g, _ in sent])   # views, one call
+                for p, (g, v), piece in zip(b.params, sent, pieces):
+                    out[p] = (g, v, GlobalTensor(piece.view(g.shape), p.shape, p.placement,
+                                                 p.sbp))
             b.pending, b.sent = None, []
         self.reset()
         return out

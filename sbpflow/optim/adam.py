@@ -155,8 +155,11 @@ class Adam(Optimizer):
 
 
 def _contiguous_state(param: torch.Tensor, grad: torch.Tensor, state: dict) -> bool:
-    return param.is_contiguous() and grad.is_contiguous() and all(
-        v.local.is_contiguous() for k, v in state.items() if k != "step")
+    if not (param.is_contiguous() and grad.is_contiguous() and
+            state["exp_avg"].local.is_contiguous() and state["exp_avg_sq"].local.is_contiguous()):
+        return False
+    mx = state.get("max_exp_avg_sq")
+    return mx is None or mx.local.is_contiguous()
 
 
 def _where(mask: list, want: bool, *lists: list) -> list:

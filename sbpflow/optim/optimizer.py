@@ -16,6 +16,7 @@ and write ``param_groups``, work unchanged (``sf.optim.lr_scheduler`` is torch's
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterator
@@ -75,12 +76,14 @@ _BUCKET_BYTES = 32 << 20  # gradients all-reduced together, at most this many by
 _SHARD_BUCKET = 4 << 20
 
 
-def boxed_grads(params: list, *, remember: bool = False) -> list:
+def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) -> list:
     """`boxed_grad` of every parameter (None where there is no gradient), with the gradients
     whose boxing is one all-reduce over the same ranks coalesced into few large all-reduces
     (bucketed as DDP does: the same bytes, far fewer messages), and those of ZeRO stage 1
     (reduce-scattered to their update layout) into few reduce-scatters. Every rank must call
-    it with the same parameters in the same order."""
+    it with the same parameters in the same order. The results of reductions started during
+    backward stay remembered (a second call sends nothing) unless ``consume`` (the optimizer's
+    step, which forgets them right after)."""
     from ..boxing import plan_layouts
     from ..sbp import dual_nd
     comm = _comm.current()
@@ -88,15 +91,23 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
     buckets: dict = {}
     sharded: list = []   # (index, geometry) of ZeRO stage-1 gradients
     cache = _boxed_cache()
-    cache.update(collect(params))  # all-reduces started during backward (gradsync)
-    cache.update(_collect_shards(params))  # ZeRO-1 reduce-scatters started during backward
+    # all-reduces (gradsync) and ZeRO-1 reduce-scatters started during backward; looked up in
+    # a plain dict (by identity) unless results are remembered: a weak dict's lookup compares
+    # the parameter with itself (GlobalTensor.__eq__), a few us a parameter
+    started = collect(params)
+    started.update(_collect_shards(params))
+    used = 0
+    if cache or remember or not consume:
+        cache.update(started)
+        started = cache
     for i, p in enumerate(params):
         g = p.local.grad
         if g is None:
             continue
-        hit = cache.get(p)
+        hit = started.get(p)
         if hit is not None and hit[0] is g and g._version == hit[1]:
             out[i] = hit[2]
+            used += 1
             continue
         lay = update_layout(p)
         if lay != p.sbp:
@@ -114,6 +125,8 @@ def boxed_grads(params: list, *, remember: bool = False) -> list:
             buckets.setdefault(key, []).append(i)
         else:
             out[i] = boxed_grad(p, remember=remember)
+    if started is not cache and len(started) > used:
+        cache.update(started)   # results for parameters not asked for (or stale): kept
     _all_reduced(params, buckets, out, remember, comm)
     _reduce_scattered(params, sharded, out, remember)
     return out
@@ -160,6 +173,11 @@ def _reduce_scattered(params: list, sharded: list, out: list, remember: bool) ->
             cache[p] = (p.local.grad, p.local.grad._version, out[i])
 
 
+@functools.lru_cache(maxsize=256)
+def _has_partial(nd_sbp: tuple) -> bool:
+    return any(isinstance(s, Partial) for s in nd_sbp)
+
+
 def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
     """Record ``boxed`` as ``p``'s boxed gradient at the gradient's current version."""
     g_local = p.local.grad
@@ -167,7 +185,9 @@ def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
 
 
 def _forget(p: GlobalTensor) -> None:
-    _boxed_cache().pop(p, None)
+    cache = _boxed_cache()
+    if cache:   # (empty: no weak-dict lookup)
+        cache.pop(p, None)
 
 
 def state_like(p: GlobalTensor, fill: float = 0.0) -> GlobalTensor:
@@ -259,8 +279,9 @@ class Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
         zero_grads(params, set_to_none)
-        for p in params:
-            _forget(p)
+        if _boxed_cache():
+            for p in params:
+                _forget(p)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
@@ -282,27 +303,24 @@ class Optimizer(torch.optim.Optimizer):
             hook(self, (), {})
         params = [p for group in self.param_groups for p in group["params"]]
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
-        for p in params:
-            if p.local.grad is not None and not self.linear_update and \
-                    any(isinstance(s, Partial) for s in p.sbp):
-                raise SbpError(
-                    f"{type(self).__name__}: its update is not linear, so a parameter laid "
-                    f"out as partial sums cannot be updated shard by shard (shape "
-                    f"{tuple(p.shape)}, placement {p.placement}, sbp "
-                    f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
+        if not self.linear_update:
+            self._refuse_partial(params)
         if self.overlap_grad_sync and self._sync_params != params:
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
-        grads = iter(boxed_grads(params))
+        grads = iter(boxed_grads(params, consume=True))
         gather = []   # ZeRO 1 and 2: (parameter, whole local, geometry) to fill after the update
+        cache = _boxed_cache()
+        cache = cache if cache.data else None   # (a weak dict's len() is Python code)
         for group in self.param_groups:
             ps, gs, sts = [], [], []
             for p in group["params"]:
                 g = next(grads)
                 if g is None:
                     continue
-                _forget(p)
+                if cache is not None:
+                    cache.pop(p, None)
                 sts.append(self.state[p])
                 fill = backfill(p)
                 if fill is not None:
@@ -325,6 +343,17 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _refuse_partial(self, params: list) -> None:
+        """SbpError for a parameter with a gradient laid out as partial sums (a non-linear
+        update cannot run shard by shard)."""
+        for p in params:
+            if _has_partial(p.sbp) and p.local.grad is not None:
+                raise SbpError(
+                    f"{type(self).__name__}: its update is not linear, so a parameter laid "
+                    f"out as partial sums cannot be updated shard by shard (shape "
+                    f"{tuple(p.shape)}, placement {p.placement}, sbp "
+                    f"{format_nd_sbp(p.sbp)}); lay it out with B or S")
 
     def _update(self, p: GlobalTensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
