@@ -264,11 +264,31 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
 @memoize(1 << 18)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """``("moves", _Sk s)`` or ``("transfer", (fine, s, pre-moves and fractions per reduced
-    layout))``, for any shape of ``ndim`` axes (`_plan`)."""
-    moves = _fixed_order(ndim, src_mesh, src, dst_mesh, dst)
+    layout))``, for any shape of ``ndim`` axes (`_plan`). It depends on the meshes and layouts
+    only through their common refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,)
+    one walks the same (8, 8) layouts as two (8, 8) meshes do."""
+    if src_mesh == dst_mesh and src == dst:
+        return "moves", ()
+    ref = _refine(src_mesh, dst_mesh)
+    if ref is None:  # incompatible meshes: reduce partials, then everything to everyone
+        moves = []
+        pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
+        if pdims:
+            moves.append(_Sk("reduce_scatter", tuple(src_mesh), pdims,
+                             _divisor(src_mesh, list(src), set(pdims))))
+        moves.append(_Sk("all_to_all", (math.prod(src_mesh),), (0,), 0))
+        return "moves", tuple(moves)
+    fine, oa, ob = ref
+    return _fine_skeleton(ndim, fine, tuple(src[i] for i in oa), tuple(dst[i] for i in ob))
+
+
+@memoize(1 << 18)
+def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
+    """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
+    moves = _FixedOrder(ndim, fine, list(s), list(d)).run()
     if not any(m.kind == "nested" for m in moves):
         return "moves", moves
-    best = _transfer_options(ndim, src_mesh, src, dst_mesh, dst)
+    best = _transfer_options(ndim, fine, s, d)
     if best is None:  # too many ranks to enumerate: each move priced as its own collective
         return "moves", tuple(m if m.kind != "nested" else
                               _Sk(m.fallback, m.mesh, m.dims, m.div) for m in moves)
@@ -287,17 +307,13 @@ def _sized(m: _Sk, shape: tuple) -> Move:
     return Move(m.kind, m.mesh, m.dims, piece, copy, (), m.fallback)
 
 
-def _transfer_options(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple,
-                      dst: tuple) -> tuple | None:
-    """The planner's reduce-then-transfer options, shape-free: per reduced layout (broadcast,
-    or a split of some axis), its reduction ``(kind, dims, div, axis)`` (None without partial
-    dims) and the receivers' loads as fractions (`_transfer_fraction`); None above
-    ``_TRANSFER_MAX_RANKS``."""
-    fine, oa, ob = _refine(src_mesh, dst_mesh)
+def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
+    """The planner's reduce-then-transfer options from ``s`` to ``d`` on the refined mesh
+    ``fine``, shape-free: per reduced layout (broadcast, or a split of some axis), its
+    reduction ``(kind, dims, div, axis)`` (None without partial dims) and the receivers' loads
+    as fractions (`_transfer_fraction`); None above ``_TRANSFER_MAX_RANKS``."""
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
-    s = tuple(src[i] for i in oa)
-    d = tuple(dst[i] for i in ob)
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
     mids = [s] if not pdims else \
         [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
@@ -346,25 +362,6 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
 def _divisor(fine, nd, skip) -> int:
     """What `_piece` divides by: the product of the split factors outside ``skip``."""
     return math.prod(_split_factors(fine, nd, skip).values() or [1])
-
-
-def _fixed_order(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple,
-                 dst: tuple) -> tuple:
-    """The fixed-order `_Sk` s (docs/auto.md, 'Evaluation'); a move the planner could not
-    make as one step (nested splits) is marked ``"nested"``."""
-    if src_mesh == dst_mesh and src == dst:
-        return ()
-    ref = _refine(tuple(src_mesh), tuple(dst_mesh))
-    if ref is None:  # incompatible meshes: reduce partials, then everything to everyone
-        moves = []
-        pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
-        if pdims:
-            moves.append(_Sk("reduce_scatter", tuple(src_mesh), pdims,
-                             _divisor(src_mesh, list(src), set(pdims))))
-        moves.append(_Sk("all_to_all", (math.prod(src_mesh),), (0,), 0))
-        return tuple(moves)
-    fine, oa, ob = ref
-    return _FixedOrder(ndim, fine, [src[i] for i in oa], [dst[i] for i in ob]).run()
 
 
 class _FixedOrder:

@@ -6,9 +6,10 @@ counts S (whole nodes or equal parts of a node a stage) go from the most stages 
 the chain is cut into stages balanced by the layers' least times, the fewest micro-batches M
 that can fit memory get each stage searched quickly (one descent of single-layer moves),
 cuts move off the slowest stage while that helps, then M goes up (S x 2^k and divisors of the
-batch, whole sequences a micro-batch) with the strategies re-priced. The best pipeline gets
-its stages searched with the algorithm asked for. See
-docs/auto.md, 'Pipeline stages'."""
+batch, whole sequences a micro-batch) with the strategies re-priced. With attention,
+Megatron-LM's layouts (tp x dp a stage) are priced at every S and M beside them. The best
+pipeline gets its stages searched with the algorithm asked for. See docs/auto.md,
+'Pipeline stages'."""
 
 from __future__ import annotations
 
