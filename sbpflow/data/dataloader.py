@@ -141,7 +141,8 @@ class DataLoader:
             pool = self._pools.get(rank)
             if pool is None:
                 pool = self._pools[rank] = WorkerPool(
-                    self.workers, partial(_BatchJob, self, rank), f"sbpflow-data-rank{rank}")
+                    self.workers, partial(_BatchJob, self, rank), f"sbpflow-data-rank{rank}",
+                    max(self.prefetch, 1))
             return pool
 
 

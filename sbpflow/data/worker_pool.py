@@ -4,12 +4,13 @@ for its GIL (torch's ``num_workers``).
 
 `WorkerPool` forks ``k`` processes per (loader, rank) once and keeps them from epoch to epoch.
 `WorkerPool.feed` starts an epoch: batch ``b`` goes to worker ``b % k``, which loads it only
-once the consumer has granted it (``("slot", generation, b)``), so at most ``budget`` batches
-are loaded ahead of `Feed.get`. A batch travels as raw bytes a shard through a plain pipe the
-consumer reads without blocking (no shared-memory handles; one read can take several
-batches: system calls are the consumer's main cost); an error as its message
-(`DataLoaderError`). A worker ends when its pool is closed or
-garbage, when its rank's process ends, or when its parent is gone.
+once the consumer has granted it, so at most ``budget`` batches are loaded ahead of `Feed.get`.
+The hot path has no pickle: a grant is one 20-byte write to the worker's pipe; the worker
+writes the batch's shards into one of its shared-memory slots (files made before the fork,
+grown by the worker) and answers with a small fixed header; the consumer copies the slot out
+(one copy, then a numpy view a tensor). The shards' dtypes and shapes travel (pickled) only
+when they change. An error travels as its message (`DataLoaderError`). A worker ends when
+its pool is closed or garbage, when its rank's process ends, or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import os
 import pickle
 import select
 import struct
+import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import DataLoaderError
@@ -32,94 +35,127 @@ from .collate import Shards
 __all__ = ["WorkerPool", "Feed"]
 
 _POLL = 0.05  # s between a waiting consumer's looks at its workers
+_ALIGN = 64  # each shard starts at a multiple of this in its slot
+# consumer -> worker: (kind, generation, value); kinds: an epoch starts, a batch is granted
+_GRANT = struct.Struct("<iqq")
+_EPOCH, _SLOT, _STOP = 0, 1, 2
+# fds of this process's live pools: a newly forked worker closes those not its own (a worker
+# holding another pool's pipe ends would keep that pool's worker from seeing its end)
+_OPEN: set[int] = set()
+_OPEN_LOCK = threading.Lock()
+# worker -> consumer: (generation, batch, status, slot, extra bytes that follow)
+_REPLY = struct.Struct("<qqiiq")
+_SAME, _NEW_LAYOUT, _FAILED = 0, 1, 2
 
 
-def _pack(shards: Shards) -> tuple:
-    """Shards as (is_tuple, [(dtype name, shape, bytes)], shapes): plain bytes pickle with no
-    shared-memory handle (torch's reductions would pass a file descriptor a tensor)."""
-    out = []
+class _Layout(NamedTuple):
+    """Where a batch's shards lie in a slot: per shard (dtype, shape, offset, bytes); the bytes
+    the slot must hold; whether the items are tuples; the logical shapes."""
+
+    fields: tuple
+    nbytes: int
+    is_tuple: bool
+    shapes: tuple
+
+
+def _layout(shards: Shards) -> _Layout:
+    fields, at, end = [], 0, 0
     for t in shards.locals:
-        t = t.contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        out.append((str(t.dtype).rsplit(".", 1)[1], tuple(t.shape), data))
-    return shards.is_tuple, out, shards.shapes
+        n = t.numel() * t.element_size()
+        fields.append((t.dtype, tuple(t.shape), at, n))
+        end = at + n if n else end
+        at += -(-n // _ALIGN) * _ALIGN
+    return _Layout(tuple(fields), end, shards.is_tuple, shards.shapes)
 
 
-def _unpack(packed: tuple) -> Shards:
-    is_tuple, values, shapes = packed
-    locals_ = []
-    for dtype, shape, data in values:
-        dt = getattr(torch, dtype)
-        if data:
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape)
-        else:
-            t = torch.empty(shape, dtype=dt)
-        locals_.append(t)
-    return Shards(is_tuple, tuple(locals_), shapes)
+def _shared_file() -> int:
+    """An anonymous file for one slot (memfd; an unlinked temporary file elsewhere), made
+    before the fork so that parent and worker share it without passing descriptors."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("sbpflow-data-slot")
+    fd, path = tempfile.mkstemp(prefix="sbpflow-data-slot-")
+    os.unlink(path)
+    return fd
 
 
-_HEADER = struct.Struct("<Q")
-
-
-def _write(fd: int, reply: tuple) -> None:
-    data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _serve(conn: Any, out: int, make_job: Callable[[int], Callable[[int], Shards]],
-           parent: int) -> None:
-    """A worker's loop: ``("epoch", generation, epoch)`` switches to an epoch's batches,
-    ``("slot", generation, b)`` loads batch b of it, ``None`` (or a closed pipe, or a dead
-    parent) ends it."""
-    job, gen = None, None
+def _store(job: Callable[[int], Shards], b: int, slot: int, last: list) -> tuple[int, bytes]:
+    """Load batch ``b`` into the slot file ``slot`` (one pwritev; the file grows as needed):
+    (status, extra bytes of the reply: the layout when it changed)."""
+    shards = job(b)
+    layout = _layout(shards)
+    parts: list = []
+    for t, (_, _, at, n) in zip(shards.locals, layout.fields):
+        if n:
+            pad = at - sum(len(p) for p in parts)
+            if pad:
+                parts.append(bytes(pad))
+            parts.append(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    if parts:
+        os.pwritev(slot, parts, 0)
+    if layout == last[0]:
+        return _SAME, b""
+    last[0] = layout
+    return _NEW_LAYOUT, pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _serve(grants: int, out: int, fds: list[int], k: int,
+           make_job: Callable[[int], Callable[[int], Shards]], parent: int) -> None:
+    """A worker's loop: an epoch record switches to that epoch's batches, a grant of batch b
+    (of the current generation) loads it into slot ``(b // k) % len(fds)``; the grants pipe's
+    end (the pool closed, the parent gone) ends it."""
+    for fd in _OPEN - {grants, out, *fds}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    job, gen, pending, last = None, None, b"", [None]
     while True:
         try:
-            if not conn.poll(_POLL * 10):
+            if not select.select([grants], [], [], _POLL * 10)[0]:
                 if os.getppid() != parent:
                     return
                 continue
-            msg = conn.recv()
-        except (EOFError, OSError):
+            chunk = os.read(grants, 1 << 16)
+        except OSError:
             return
-        if msg is None:
+        if not chunk:
             return
-        if msg[0] == "epoch":
-            gen, job = msg[1], make_job(msg[2])
-        elif msg[0] == "slot" and msg[1] == gen:
-            b = msg[2]
-            try:
-                reply = (gen, b, True, _pack(job(b)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-                reply = (gen, b, False, f"{type(exc).__name__}: {exc}")
-            try:
-                _write(out, reply)
-            except OSError:  # the consumer's end is closed
+        pending += chunk
+        usable = len(pending) - len(pending) % _GRANT.size
+        records, pending = list(_GRANT.iter_unpack(pending[:usable])), pending[usable:]
+        for kind, g, value in records:
+            if kind == _STOP:
                 return
+            if kind == _EPOCH:
+                gen, job = g, make_job(value)
+            elif kind == _SLOT and g == gen:
+                j = (value // k) % len(fds)
+                try:
+                    status, extra = _store(job, value, fds[j], last)
+                except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                    status = _FAILED
+                    extra = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+                try:
+                    _write_all(out, _REPLY.pack(gen, value, status, j, len(extra)) + extra)
+                except OSError:  # the consumer's end is closed
+                    return
 
 
-def _frames(buf: bytearray) -> list[tuple]:
-    """The whole messages at the head of ``buf`` (removed from it)."""
-    out, at = [], 0
-    while len(buf) - at >= _HEADER.size:
-        (n,) = _HEADER.unpack_from(buf, at)
-        if len(buf) - at - _HEADER.size < n:
-            break
-        out.append(pickle.loads(buf[at + _HEADER.size:at + _HEADER.size + n]))
-        at += _HEADER.size + n
-    del buf[:at]
-    return out
-
-
-def _close(conns: list, fds: list, procs: list) -> None:
-    for c in conns:
+def _close(grants: list, replies: list, fds: list, procs: list) -> None:
+    for fd in grants:
         try:
-            c.send(None)
-            c.close()
-        except (OSError, ValueError):
+            os.write(fd, _GRANT.pack(_STOP, 0, 0))
+        except OSError:
             pass
-    for fd in fds:
+    with _OPEN_LOCK:
+        _OPEN.difference_update(grants + replies + fds)
+    for fd in grants + replies + fds:  # a closed grants pipe also ends its worker
         try:
             os.close(fd)
         except OSError:
@@ -132,60 +168,126 @@ def _close(conns: list, fds: list, procs: list) -> None:
 
 class WorkerPool:
     """``k`` forked processes loading batches with ``make_job(epoch)`` (a function of the batch
-    index); ``name`` names them in messages."""
+    index), each with ``ceil(budget / k)`` shared-memory slots (enough for ``budget`` batches
+    loaded ahead); ``name`` names them in messages."""
 
     def __init__(self, k: int, make_job: Callable[[int], Callable[[int], Shards]],
-                 name: str) -> None:
+                 name: str, budget: int = 1) -> None:
         ctx = multiprocessing.get_context("fork")
         self.name, self.k, self.gen = name, k, 0
-        self.conns, self.fds, self.procs = [], [], []  # grants to, batches from, each worker
+        self.budget = max(1, budget)
+        per_worker = -(-self.budget // k)
+        self.grants, self.replies, self.procs, self.slots = [], [], [], []
         self.buffers: list[bytearray] = []
+        self.layouts: list[_Layout | None] = [None] * k
         for i in range(k):
-            theirs, mine = ctx.Pipe(duplex=False)
-            rfd, wfd = os.pipe()
-            p = ctx.Process(target=_serve, args=(theirs, wfd, make_job, os.getpid()),
+            fds = [_shared_file() for _ in range(per_worker)]
+            grant_r, grant_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            p = ctx.Process(target=_serve, args=(grant_r, reply_w, fds, k, make_job,
+                                                 os.getpid()),
                             name=f"{name}-worker{i}", daemon=True)
-            p.start()
-            theirs.close()
-            os.close(wfd)
-            os.set_blocking(rfd, False)
-            self.conns.append(mine)
-            self.fds.append(rfd)
+            with _OPEN_LOCK:  # held across the fork: the child's copy of _OPEN is complete
+                _OPEN.update((grant_w, reply_r, *fds))  # the child keeps its own ends only
+                p.start()
+            os.close(grant_r)
+            os.close(reply_w)
+            os.set_blocking(reply_r, False)
+            self.grants.append(grant_w)
+            self.replies.append(reply_r)
+            self.slots.append(fds)
             self.buffers.append(bytearray())
             self.procs.append(p)
         self.lock = threading.Lock()
-        self._close = weakref.finalize(self, _close, self.conns, self.fds, self.procs)
+        self._close = weakref.finalize(self, _close, self.grants, self.replies,
+                                       [fd for fds in self.slots for fd in fds], self.procs)
+
+    def send(self, i: int, kind: int, gen: int, value: int) -> None:
+        os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
 
     def receive(self, i: int, wait: float) -> list[tuple] | None:
-        """The replies worker ``i`` has sent: those already read, else what its pipe holds
-        (waiting at most ``wait`` s when it holds nothing); ``None``: its end is closed."""
-        out = _frames(self.buffers[i])
+        """The replies worker ``i`` has sent, ``(gen, b, ok, Shards or message)`` each:
+        those already read, else what its pipe holds (waiting at most ``wait`` s when it
+        holds nothing); ``None``: its end is closed."""
+        out = self._frames(i)
         if out:
             return out
-        fd = self.fds[i]
+        fd = self.replies[i]
         try:
-            chunk = os.read(fd, 1 << 22)
+            chunk = os.read(fd, 1 << 16)
         except BlockingIOError:
             select.select([fd], [], [], wait)
             try:
-                chunk = os.read(fd, 1 << 22)
+                chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
                 return []
         if not chunk:
             return None
         self.buffers[i] += chunk
-        return _frames(self.buffers[i])
+        return self._frames(i)
+
+    def _frames(self, i: int) -> list[tuple]:
+        """The whole replies at the head of worker ``i``'s buffer (removed from it); layouts
+        are applied whatever the generation (the worker sends each change once)."""
+        buf, out, at = self.buffers[i], [], 0
+        while len(buf) - at >= _REPLY.size:
+            gen, b, status, j, n = _REPLY.unpack_from(buf, at)
+            if len(buf) - at - _REPLY.size < n:
+                break
+            extra = bytes(buf[at + _REPLY.size:at + _REPLY.size + n])
+            at += _REPLY.size + n
+            if status == _FAILED:
+                out.append((gen, b, False, extra.decode("utf-8", "replace")))
+                continue
+            if status == _NEW_LAYOUT:
+                self.layouts[i] = pickle.loads(extra)
+            # copied at once (the slot is then free); an abandoned epoch's batch is not
+            out.append((gen, b, True, self._copy_out(i, j) if gen == self.gen else None))
+        del buf[:at]
+        return out
+
+    def _copy_out(self, i: int, j: int) -> Shards:
+        """Slot ``j`` of worker ``i`` as a batch the caller owns: one pread of the slot's bytes
+        (no mapping: a mapping would be inherited by every later fork), then a view a shard."""
+        layout = self.layouts[i]
+        data = bytearray(layout.nbytes)
+        if layout.nbytes and os.preadv(self.slots[i][j], [data], 0) != layout.nbytes:
+            raise DataLoaderError(f"DataLoader: worker process {self.procs[i].name}'s slot "
+                                  f"{j} holds fewer than the {layout.nbytes} bytes announced")
+        return Shards(layout.is_tuple, tuple(_tensor(data, *f) for f in layout.fields),
+                      layout.shapes)
 
     def feed(self, epoch: int, count: int, budget: int, timeout: float) -> "Feed":
         """Start loading ``count`` batches of ``epoch`` (any earlier feed is abandoned)."""
         with self.lock:
             self.gen += 1
-            for c in self.conns:
-                c.send(("epoch", self.gen, epoch))
-        return Feed(self, self.gen, count, max(1, budget), timeout)
+            for i in range(self.k):
+                self.send(i, _EPOCH, self.gen, epoch)
+        return Feed(self, self.gen, count, min(max(1, budget), self.budget), timeout)
 
     def close(self) -> None:
         self._close()
+
+
+_NUMPY: dict = {}  # torch dtype -> (numpy dtype or None, item size)
+
+
+def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, at: int,
+            n: int) -> torch.Tensor:
+    """The tensor of ``n`` bytes at ``at`` of ``data`` (sharing them). Through numpy when the
+    dtype has a numpy twin: half the cost of torch.frombuffer + view."""
+    if not n:
+        return torch.empty(shape, dtype=dtype)
+    twin = _NUMPY.get(dtype)
+    if twin is None:
+        probe = torch.empty(0, dtype=dtype)
+        try:
+            twin = _NUMPY[dtype] = (probe.numpy().dtype, probe.element_size())
+        except TypeError:  # bfloat16 and the like: no numpy dtype
+            twin = _NUMPY[dtype] = (None, probe.element_size())
+    if twin[0] is None:
+        return torch.frombuffer(data, dtype=dtype, count=n // twin[1], offset=at).view(shape)
+    return torch.from_numpy(np.frombuffer(data, twin[0], n // twin[1], at).reshape(shape))
 
 
 class Feed:
@@ -201,31 +303,36 @@ class Feed:
 
     def _grant(self) -> None:
         b = self.granted
-        self.pool.conns[b % self.pool.k].send(("slot", self.gen, b))
+        self.pool.send(b % self.pool.k, _SLOT, self.gen, b)
         self.granted += 1
 
     def get(self, b: int) -> Shards:
-        """Batch ``b`` (the next one); grants the next batch to its worker."""
+        """Batch ``b`` (the next one); grants the next batch to its worker (its slot is free:
+        batch ``b`` was copied out of its own)."""
         i = b % self.pool.k
-        proc = self.pool.procs[i]
-        deadline = time.monotonic() + self.timeout
-        while b not in self.got:
+        got = self.got.pop(b, None)
+        deadline = None
+        while got is None:
             replies = self.pool.receive(i, _POLL)
-            for gen, got, ok, value in replies or ():
+            for gen, g, ok, value in replies or ():
                 if gen == self.gen:
-                    self.got[got] = (ok, value)
-            if b in self.got:
+                    self.got[g] = (ok, value)
+            got = self.got.pop(b, None)
+            if got is not None:
                 break
+            proc = self.pool.procs[i]
             if replies is None or not proc.is_alive():
                 raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
                                       f"ended (exit code {proc.exitcode}) without batch {b}")
-            elif time.monotonic() > deadline:
+            deadline = deadline or time.monotonic() + self.timeout
+            if time.monotonic() > deadline:
                 raise DataLoaderError(f"DataLoader: waited {self.timeout:g} s for batch {b} "
                                       f"from worker process {proc.name} (pid {proc.pid}) "
                                       f"(SBPFLOW_TIMEOUT or DataLoader(timeout=))")
-        ok, value = self.got.pop(b)
+        ok, value = got
         if not ok:
-            raise DataLoaderError(f"DataLoader: worker process {proc.name}: {value}")
+            raise DataLoaderError(f"DataLoader: worker process {self.pool.procs[i].name}: "
+                                  f"{value}")
         if self.granted < self.count:
             self._grant()
-        return _unpack(value)
+        return value

@@ -1,0 +1,138 @@
+"""``DataLoader(workers=k)``: batches through the worker processes' shared-memory slots equal
+torch's one-device batches in order over epochs (several slots a worker, budgets above and
+below ``k``, batches that grow past a slot's size, a smaller last batch, abandoned epochs); a
+worker that dies raises `DataLoaderError` naming it; a worker holds no other pool's pipes or
+slots (fork safety); closing ends the workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import sbpflow as sf
+from loader_fns import Encoded
+
+
+class Growing(torch.utils.data.Dataset):
+    """Sample ``i``: ``arange(width)`` + i (float32) with the label ``i``, the width growing
+    with ``i // group`` (a batch of ``group`` unshuffled samples has one width), so later
+    batches outgrow the slots sized for the first ones."""
+
+    def __init__(self, n: int, group: int) -> None:
+        self.n, self.group = n, group
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        width = 1 + (i // self.group) * 3000
+        return torch.arange(width, dtype=torch.float32) + i, i
+
+
+def _torch(ds, bs: int, drop_last: bool = False) -> list:
+    return list(torch.utils.data.DataLoader(ds, batch_size=bs, drop_last=drop_last))
+
+
+@pytest.mark.parametrize("workers,prefetch", [(1, 1), (2, 5), (3, 2)])
+def test_growing_batches_through_the_slots_equal_torch(workers, prefetch):
+    ds = Growing(23, 4)  # 6 batches: widths 1 .. 15001 floats, the last of 3 samples
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0]), shuffle=False,
+                                    drop_last=False, prefetch=prefetch, workers=workers)
+        try:
+            return [[(x.full_tensor(), y.full_tensor()) for x, y in loader] for _ in range(2)]
+        finally:
+            loader.close()
+
+    want = _torch(ds, 4)
+    for epoch in sf.launch(fn, 1)[0]:
+        assert len(epoch) == len(want) == 6
+        for (x, y), (wx, wy) in zip(epoch, want):
+            assert torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_shuffled_epochs_with_abandoned_ones_on_two_ranks():
+    """Two ranks, S(0), three workers a rank, budget 4: each epoch equals torch's, an epoch
+    abandoned after two batches does not leak into the next."""
+    ds = Encoded(30)
+    pl = sf.placement("cpu", [0, 1])
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 6, pl, seed=3, prefetch=4, workers=3)
+        out = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            it = iter(loader)
+            next(it), next(it)
+            del it
+            out.append([(x.full_tensor(), y.full_tensor()) for x, y in loader])
+        loader.close()
+        return out
+
+    for out in sf.launch(fn, 2):
+        for epoch, got in enumerate(out):
+            sampler = torch.utils.data.DistributedSampler(Encoded(30), 1, 0, seed=3)
+            sampler.set_epoch(epoch)
+            want = list(torch.utils.data.DataLoader(Encoded(30), batch_size=6, sampler=sampler))
+            assert len(got) == len(want) == 5
+            for (x, y), (wx, wy) in zip(got, want):
+                assert torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_a_worker_that_dies_raises_naming_it():
+    def fn():
+        loader = sf.data.DataLoader(Encoded(40), 4, sf.placement("cpu", [0]), prefetch=1,
+                                    workers=2)
+        it = iter(loader)
+        next(it)
+        proc = loader._pools[0].procs[1]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        try:
+            for _ in it:
+                pass
+        finally:
+            loader.close()
+
+    with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker1 "
+                                                 r"\(pid \d+\) ended \(exit code -9\) without "
+                                                 r"batch 1"):
+        sf.launch(fn, 1)
+
+
+def _inodes(pid: int) -> set:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        out.add((st.st_dev, st.st_ino))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_worker_holds_no_other_pools_pipes_or_slots():
+    """A worker forked after another pool holds none of that pool's pipe ends or slot files
+    (held, they would keep the other pool's worker from seeing its end, and its slots'
+    memory alive); closing a loader ends its workers while the other's keep serving."""
+    def fn():
+        pl = sf.placement("cpu", [0])
+        first = sf.data.DataLoader(Encoded(12), 4, pl, workers=1)
+        second = sf.data.DataLoader(Encoded(12), 4, pl, workers=1)
+        assert len(list(first)) == len(list(second)) == 3
+        pool1, pool2 = first._pools[0], second._pools[0]
+        ours1 = {(s.st_dev, s.st_ino) for s in map(os.fstat, pool1.grants + pool1.replies
+                                                    + pool1.slots[0])}
+        held = _inodes(pool2.procs[0].pid) & ours1
+        proc1 = pool1.procs[0]
+        first.close()
+        proc1.join(10)
+        return held, proc1.is_alive(), len(list(second))
+
+    held, alive, batches = sf.launch(fn, 1)[0]
+    assert held == set() and not alive and batches == 3
