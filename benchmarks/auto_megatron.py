@@ -11,7 +11,9 @@ to the paper's measured figure (the PyTorch-based Megatron-LM on A100s: the refe
 benchmark compares with; nothing is run), then `sf.auto.search` with default arguments and the
 same 80 GiB memory limit, one row at a time: the strategy found, its predicted step time over
 Megatron's, and the search's wall time on this machine. Rows above ``--search-up-to`` billion
-parameters are evaluated only.
+parameters are evaluated only. ``--grid``: under each row, the best Megatron configuration of
+a grid of tp x pp x dp x micro-batches in the same cost model and memory limit (is the paper's
+within 5 % of Megatron's best, and does the search beat that?).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.auto import Strategy, evaluate  # noqa: E402
-from sbpflow.auto.baselines import TABLE1, table1_case  # noqa: E402
+from sbpflow.auto.baselines import TABLE1, megatron, table1_case  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -74,6 +76,40 @@ def with_micro_batches(graph, cluster, result, m: int):
     return s, evaluate(graph, s, cluster)
 
 
+def megatron_grid(case, row, limit: float = 80 * GiB):
+    """The best Megatron configuration in the cost model under ``limit``: tensor tp in 1, 2,
+    4, 8 x pipeline pp dividing the layers x data the rest, micro-batches M dividing the
+    batch with whole sequences on each data-parallel rank (M >= pp when pp > 1; with pp 1,
+    M is gradient accumulation). Returns (step s, tp, pp, dp, M) or None."""
+    g, c, p, best = case.graph, case.cluster, case.cluster.world_size, None
+    for tp in (1, 2, 4, 8):
+        for pp in (k for k in range(1, row.layers + 1) if row.layers % k == 0):
+            if p % (tp * pp) or row.heads % tp:
+                continue
+            dp = p // (tp * pp)
+            for m in range(pp, row.batch + 1):
+                if row.batch % m or (row.batch // m) % dp:
+                    continue
+                try:
+                    s = megatron(g, c, tp, pp, dp, m)
+                except ValueError:
+                    continue
+                b = evaluate(g, s, c, m if pp == 1 else 1)
+                mem = max(b.stage_memory) if pp > 1 else b.memory["total"]
+                if mem <= limit and (best is None or b.time < best[0]):
+                    best = (b.time, tp, pp, dp, m)
+    return best
+
+
+def grid_line(case, row) -> str:
+    best = megatron_grid(case, row)
+    if best is None:
+        return "      best Megatron config in the model: none fits"
+    t, tp, pp, dp, m = best
+    return (f"      best Megatron config in the model: t{tp} p{pp} d{dp} m{m}, step {t:.2f} s, "
+            f"{t / case.breakdown.time:.3f}x the paper's")
+
+
 def row_line(i: int, row, search: bool, budget) -> str:
     case = table1_case(row)
     b = case.breakdown
@@ -101,6 +137,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-search", action="store_true", help="only evaluate Megatron's configs")
     ap.add_argument("--search-up-to", type=float, default=175.0,
                     help="search rows up to this many billion parameters (default 175)")
+    ap.add_argument("--grid", action="store_true",
+                    help="also the best Megatron tp x pp x dp x M in the cost model, a row")
     ap.add_argument("--budget", type=float, default=None,
                     help="search budget_s a row (default: none, the search's default)")
     a = ap.parse_args(argv)
@@ -116,6 +154,8 @@ def main(argv=None) -> None:
         row = TABLE1[i]
         search = not a.no_search and row.params_b <= a.search_up_to
         print(row_line(i, row, search, a.budget), flush=True)
+        if a.grid:
+            print(grid_line(table1_case(row), row), flush=True)
 
 
 if __name__ == "__main__":
