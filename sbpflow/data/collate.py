@@ -18,7 +18,8 @@ from ..errors import DataLoaderError, DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..sbp import Sbp, check_axes, format_nd_sbp, shard_box
 
-__all__ = ["Shards", "read_samples", "stack_samples", "cut_rule", "apply_cut", "cut_shard"]
+__all__ = ["Shards", "read_samples", "reading_index", "stack_samples", "cut_rule", "apply_cut",
+           "cut_shard"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class Shards:
 def read_samples(dataset: Any, indices: Sequence[int], where: str,
                  progress: dict | None = None) -> list:
     """``[dataset[i] for i in indices]`` (one ``__getitems__`` call when the dataset has it, as
-    torch's fetcher does). ``progress["index"]`` says which sample is being read (for timeout
-    messages). A failing read raises `DataLoaderError` naming the index and ``where``."""
+    torch's fetcher does). ``progress["index"]`` says which samples are being read, or
+    ``progress["reading"]`` is ``(indices, samples read so far)`` (for timeout messages: see
+    `reading_index`). A failing read raises `DataLoaderError` naming the index and ``where``."""
     getitems = getattr(dataset, "__getitems__", None)
     if getitems:
         if progress is not None:
@@ -45,16 +47,25 @@ def read_samples(dataset: Any, indices: Sequence[int], where: str,
         except Exception as exc:  # noqa: BLE001 - re-raised with the samples named
             raise DataLoaderError(f"DataLoader: reading samples {list(indices)} ({where}) "
                                   f"with __getitems__ failed: {type(exc).__name__}: {exc}") from exc
-    out = []
-    for i in indices:
-        if progress is not None:
-            progress["index"] = i
-        try:
-            out.append(dataset[i])
-        except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
-            raise DataLoaderError(f"DataLoader: reading sample {i} ({where}) failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+    out: list = []
+    if progress is not None:  # the sample being read is indices[len(out)]: no write a sample
+        progress["reading"] = (indices, out)
+    append, i = out.append, None
+    try:  # one try for the loop: this loop is the loading thread's Python under the GIL
+        for i in indices:
+            append(dataset[i])
+    except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+        raise DataLoaderError(f"DataLoader: reading sample {i} ({where}) failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
     return out
+
+
+def reading_index(progress: dict) -> Any:
+    """The sample (or samples) `read_samples` is reading, from its ``progress`` dict."""
+    if progress.get("index") is not None:
+        return progress["index"]
+    indices, out = progress.get("reading") or ((), ())
+    return indices[min(len(out), len(indices) - 1)] if indices else None
 
 
 _NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}  # as default_collate
@@ -80,7 +91,7 @@ def _stack_column(values: Sequence, indices: Sequence[int], k: int | None,
     """Element ``k`` of every sample stacked. The common cases (all tensors, all numbers of
     one type) take one torch call; anything else goes through `_checked_stack`, which names
     the sample that differs."""
-    kinds = {type(v) for v in values}
+    kinds = set(map(type, values))
     if len(kinds) == 1:
         kind = next(iter(kinds))
         if kind in _NUMBERS:
@@ -126,6 +137,11 @@ def stack_samples(samples: Sequence, indices: Sequence[int],
 def _check_structure(samples: Sequence, indices: Sequence[int], width: int | None,
                      where: str) -> None:
     """Every sample is a tuple / list of ``width`` values (``None``: none is)."""
+    kinds = set(map(type, samples))  # C loops first: the common, well-formed case is cheap
+    if width is None and not any(issubclass(k, (tuple, list)) for k in kinds):
+        return
+    if width is not None and kinds <= {tuple, list} and set(map(len, samples)) == {width}:
+        return
     for sample, i in zip(samples, indices):
         is_tuple = isinstance(sample, (tuple, list))
         if is_tuple != (width is not None) or (is_tuple and len(sample) != width):

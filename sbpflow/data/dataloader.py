@@ -23,7 +23,7 @@ from ..placement import Placement
 from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
 from ..tensor import GlobalTensor, from_local, source
 from .batch_order import batch_indices, num_batches, row_range
-from .collate import Shards, apply_cut, cut_rule, read_samples, stack_samples
+from .collate import Shards, apply_cut, cut_rule, read_samples, reading_index, stack_samples
 from .prefetch import Prefetcher
 from .worker_pool import WorkerPool
 
@@ -172,7 +172,7 @@ class _BatchJob:
             rows = self._rows[n] = row_range(n, self.placement, self.sbp, self.coord)
         start, size = rows
         where = f"batch {b} of epoch {self.epoch} on rank {self.rank}"
-        self.progress["batch"], self.progress["index"] = b, None
+        self.progress["batch"], self.progress["index"], self.progress["reading"] = b, None, None
         # a rank whose shard is empty still needs the items' shapes and dtypes: it reads the
         # batch's first sample (the only read outside its shard)
         mine = indices[start:start + size] or indices[:1]
@@ -180,7 +180,8 @@ class _BatchJob:
         is_tuple, stacked = stack_samples(samples, mine, where)
         locals_, shapes = [], []
         for k, value in enumerate(stacked):
-            value = value[:size]
+            if not size:  # an empty shard: the one sample read was for shapes and dtypes
+                value = value[:0]
             key = (n, k, tuple(value.shape))
             rule = self._cuts.get(key)
             if rule is None:
@@ -195,7 +196,8 @@ class _BatchJob:
         p = self.progress
         if p["batch"] is None:
             return "waiting for a free prefetch slot or idle"
-        return f"reading sample(s) {p['index']} of batch {p['batch']} (epoch {self.epoch})"
+        return (f"reading sample(s) {reading_index(p)} of batch {p['batch']} "
+                f"(epoch {self.epoch})")
 
 
 def _timeout(loader: DataLoader, comm: Any) -> float:
