@@ -601,16 +601,27 @@ def _lacks(own_s, own_d, ps, pd):
     return np.where(plain, lack, 0.0) + np.where(reduce, np.broadcast_to(box, lack.shape), 0.0)
 
 
+def _least_beta(cluster) -> float:
+    """The least seconds per byte any group of two or more ranks of ``cluster`` is priced at:
+    of the link classes such a group can have (``intra`` needs two devices on a node,
+    ``inter`` two nodes; a one-rank group costs nothing), their links' and per-kind fits'."""
+    classes = [lc for lc, ok in (("intra", cluster.devices_per_node > 1),
+                                 ("inter", cluster.nodes > 1)) if ok]
+    betas = [getattr(cluster, lc).beta for lc in classes] + \
+        [f.beta for lc, _, f in cluster.kinds if lc in classes]
+    return min(betas, default=0.0)
+
+
 def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list) -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
     layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix: the elements rank 0 must
     receive (`_lacks`), forward and backward (the duals: broadcast <-> partial), at the least
-    seconds per byte any of the cluster's links and fits charges. Rank 0 sits at coordinate
-    0 of every mesh, so it holds ``[0, 1/f_a)`` of every axis ``a`` split ``f_a`` ways, and
+    seconds per byte a group of the cluster can be charged (`_least_beta`). Rank 0 sits at
+    coordinate 0 of every mesh, so it holds ``[0, 1/f_a)`` of every axis ``a`` split ``f_a``
+    ways, and
     every move the price sums sends each receiver at least what it gets (a collective's
     volume, a transfer's busiest receiver). Scaled by ``1 - 1e-9`` against rounding."""
-    betas = [cluster.intra.beta, cluster.inter.beta] + [f.beta for _, _, f in cluster.kinds]
-    beta = min(betas)
+    beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
         return np.zeros((len(rows), len(cols)))
