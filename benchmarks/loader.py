@@ -15,7 +15,11 @@ from other jobs on the machine changes less than the wall time; worker processes
 outside it):
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
-        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0]
+        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0] [--consumer]
+
+``--consumer`` prints instead what taking a batch costs the rank's thread (its CPU time in
+``next(iterator)``, median of epochs), the loader iterated beside a 2 ms sleep for a step,
+and what loading a batch costs (the loading thread's or a worker's work).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import timeit
 
 import torch
 
@@ -134,6 +139,31 @@ def _rank(ds: Digits, args, hidden: int) -> dict:
     return times
 
 
+def _consumer(ds: Digits, args) -> tuple[float, float]:
+    """On every rank: the rank thread's CPU microseconds a ``next()`` of the loader (median of
+    8 epochs after 2 of warm-up; the step is a 2 ms sleep, so the batch is usually ready), and
+    the loading of a batch itself (in the loading thread or a worker)."""
+    pl = sf.placement("cpu", list(range(args.ranks)))
+    loader = sf.data.DataLoader(ds, args.batch, pl, prefetch=args.prefetch,
+                                workers=args.workers)
+    costs = []
+    for e in range(10):
+        loader.set_epoch(e)
+        it, cpu = iter(loader), 0.0
+        for _ in range(len(it)):
+            time.sleep(0.002)
+            start = time.thread_time()
+            next(it)
+            cpu += time.thread_time() - start
+        costs.append(cpu / len(it) * 1e6)
+    loader.close()
+    # the loading of one batch itself (read, stack, cut this rank's rows), warm, best of 5
+    from sbpflow.data.dataloader import _BatchJob
+    job = _BatchJob(loader, sf.comm.current().rank)
+    load = min(timeit.repeat(lambda: job(0), number=100, repeat=5)) / 100 * 1e6
+    return statistics.median(costs[2:]), load
+
+
 def _report(times: dict) -> None:
     rate = {}
     for feed in ("memory", "loader", "graph memory", "graph loader"):
@@ -156,9 +186,18 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--workers", type=int, default=0,
                    help="loading processes a rank (DataLoader(workers=)); 0: a thread")
+    p.add_argument("--consumer", action="store_true",
+                   help="print the rank thread's CPU a batch taken, not the training rates")
     args = p.parse_args()
     torch.set_num_threads(1)  # kernels on the rank threads: no intra-op pool on 2 cores
     ds = Digits()
+    if args.consumer:
+        costs = sf.launch(_consumer, args.ranks, args=(ds, args))
+        print(f"digits, batch {args.batch}, {args.ranks} thread ranks, prefetch {args.prefetch}, "
+              f"{args.workers or 'no'} worker processes a rank: the rank thread's CPU a batch "
+              f"taken: " + ", ".join(f"{c:.0f} us" for c, _ in costs) + "; loading a batch "
+              f"(read, stack, cut; warm): " + ", ".join(f"{c:.0f} us" for _, c in costs))
+        return
     for hidden in (int(h) for h in args.hidden.split(",")):
         times = sf.launch(_rank, args.ranks, args=(ds, args, hidden))[0]
         print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} thread ranks, "
