@@ -195,8 +195,8 @@ def main() -> None:
         costs = sf.launch(_consumer, args.ranks, args=(ds, args))
         print(f"digits, batch {args.batch}, {args.ranks} thread ranks, prefetch {args.prefetch}, "
               f"{args.workers or 'no'} worker processes a rank: the rank thread's CPU a batch "
-              f"taken: " + ", ".join(f"{c:.0f} us" for c, _ in costs) + "; loading a batch "
-              f"(read, stack, cut; warm): " + ", ".join(f"{c:.0f} us" for _, c in costs))
+              "taken: " + ", ".join(f"{c:.0f} us" for c, _ in costs) + "; loading a batch "
+              "(read, stack, cut; warm): " + ", ".join(f"{c:.0f} us" for _, c in costs))
         return
     for hidden in (int(h) for h in args.hidden.split(",")):
         times = sf.launch(_rank, args.ranks, args=(ds, args, hidden))[0]
