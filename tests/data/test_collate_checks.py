@@ -1,0 +1,48 @@
+"""The collate's cheap checks of well-formed batches still name the sample of a bad one, and
+the timeout message's sample comes from the samples read so far."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+import sbpflow as sf
+from sbpflow.data.collate import read_samples, reading_index, stack_samples
+
+Pair = namedtuple("Pair", "x y")
+
+
+def test_structure_errors_name_the_sample():
+    a, b = torch.zeros(2), torch.ones(2)
+    with pytest.raises(sf.DataLoaderError, match="sample 12 .* is a tuple of 3 but sample 10 "
+                                                 "is a tuple of 2"):
+        stack_samples([(a, 0), (b, 1), (a, 2, 3)], [10, 11, 12], "here")
+    with pytest.raises(sf.DataLoaderError, match="sample 11 .* is a tuple of 1 but sample 10 "
+                                                 "is one value"):
+        stack_samples([a, [b]], [10, 11], "here")
+
+
+def test_namedtuple_and_list_items_stack_as_torch_does():
+    samples = [Pair(torch.full((2,), float(i)), i) for i in range(3)] + [[torch.ones(2), 7]]
+    is_tuple, (x, y) = stack_samples(samples, [0, 1, 2, 3], "here")
+    ref = torch.utils.data.default_collate([tuple(s) for s in samples])
+    assert is_tuple
+    assert torch.equal(x, ref[0]) and torch.equal(y, ref[1])
+
+
+def test_reading_index_follows_the_reads():
+    seen = []
+
+    class Probe:
+        def __getitem__(self, i):
+            seen.append(reading_index(progress))
+            if i == 9:
+                raise KeyError(i)
+            return i
+
+    progress: dict = {"index": None}
+    assert read_samples(Probe(), [5, 7, 8], "here", progress) == [5, 7, 8]
+    assert seen == [5, 7, 8]
+    with pytest.raises(sf.DataLoaderError, match="reading sample 9 .here. failed: KeyError"):
+        read_samples(Probe(), [4, 9, 6], "here", progress)
+    assert reading_index(progress) == 9
