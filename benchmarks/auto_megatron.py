@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/auto_megatron.py                 # every row; search up to 175B
     .venv/bin/python benchmarks/auto_megatron.py --rows 0 6      # some rows (indices)
     .venv/bin/python benchmarks/auto_megatron.py --no-search     # the prediction alone, < 1 s
+    .venv/bin/python benchmarks/auto_megatron.py --rows 0 1 2 3 4 5 6 --grid  # ~3 min
 
 Per row of Table 1 (Narayanan et al., SC'21; `sbpflow.auto.baselines.TABLE1`): Megatron's own
 configuration (tensor x pipeline x data, one sequence a micro-batch) evaluated on the dgx-a100
@@ -13,7 +14,8 @@ same 80 GiB memory limit, one row at a time: the strategy found, its predicted s
 Megatron's, and the search's wall time on this machine. Rows above ``--search-up-to`` billion
 parameters are evaluated only. ``--grid``: under each row, the best Megatron configuration of
 a grid of tp x pp x dp x micro-batches in the same cost model and memory limit (is the paper's
-within 5 % of Megatron's best, and does the search beat that?).
+within 5 % of Megatron's best, and does the search beat that?), and where Megatron's step
+goes beyond the compute floor (the work spread evenly: no strategy is faster).
 """
 
 from __future__ import annotations
@@ -101,6 +103,27 @@ def megatron_grid(case, row, limit: float = 80 * GiB):
     return best
 
 
+def compute_floor(case) -> float:
+    """The step time of the row's work (forward + backward flops of every layer) spread evenly
+    over every device at the preset's speed: no strategy in the cost model is faster."""
+    c = case.cluster
+    work = 3 * sum(l.flops for l in case.graph.layers)
+    return work / (c.flops_per_device * c.compute_efficiency) / c.world_size
+
+
+def parts_line(case) -> str:
+    """Where Megatron's predicted step time goes beyond the compute floor: per stage (stages
+    alike, so the sums over stages / S) its tensor-parallel collectives and gradient sync, the
+    bubble, and the rest (the slowest stage's excess, stage-to-stage transfers)."""
+    b, floor = case.breakdown, compute_floor(case)
+    s = max(b.stages, 1)
+    tp, gs = (b.forward_time + b.backward_time) / s, b.grad_sync_time / s
+    rest = b.time - floor - tp - gs - b.bubble_time
+    return (f"      Megatron's step: compute floor {floor:.2f} s ({b.time / floor:.3f}x it), "
+            f"tp collectives {tp:.2f}, grad sync {gs:.2f}, bubble {b.bubble_time:.2f}, "
+            f"rest {rest:.2f}; 0.95x is {0.95 * b.time:.2f} s")
+
+
 def grid_line(case, row) -> str:
     best = megatron_grid(case, row)
     if best is None:
@@ -155,7 +178,9 @@ def main(argv=None) -> None:
         search = not a.no_search and row.params_b <= a.search_up_to
         print(row_line(i, row, search, a.budget), flush=True)
         if a.grid:
-            print(grid_line(table1_case(row), row), flush=True)
+            case = table1_case(row)
+            print(parts_line(case), flush=True)
+            print(grid_line(case, row), flush=True)
 
 
 if __name__ == "__main__":
