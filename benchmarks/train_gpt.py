@@ -98,17 +98,21 @@ def _converted_step(cfg):
     return _as_step(lambda: model(xs, pos, ys), opt), model
 
 
-def _graph_step(cfg, micro_batches: int = 1, loss: str = "mean"):
+def _graph_step(cfg, micro_batches: int = 1, loss: str = "mean",
+                first_bucket: int | None = None):
     """The data-parallel step of `_sf_step` as an ``sf.nn.Graph`` (traced once, replayed by the
     actor runtime: forward, backward with the overlapped gradient all-reduce, fused AdamW).
     ``loss="sum"``: the loss as in `_sf_step`'s "dp/sum" (no all-reduce of the valid-target
-    count in the forward, as DDP's per-rank mean). Returns (step, graph)."""
+    count in the forward, as DDP's per-rank mean). ``first_bucket``: the first gradient
+    bucket's bytes (``Optimizer.first_grad_bucket_bytes``; None: the default, on a CPU the
+    whole gradient in one bucket). Returns (step, graph)."""
     pl = sf.placement("cpu", list(range(dist.get_world_size())))
     sf.manual_seed(0)
     model = gpt_class(sf.nn, sf.nn.functional)(cfg["vocab"], cfg["d"], cfg["heads"],
                                                cfg["layers"], cfg["seq"])
     sf.parallel.apply(model, pl, {"*": sf.B})
     opt = sf.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.first_grad_bucket_bytes = first_bucket
 
     class TrainStep(sf.nn.Graph):
         def __init__(self):
@@ -263,7 +267,7 @@ def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
     return out
 
 
-def _bench(cfg, steps, graph_only: bool = False):
+def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
@@ -273,10 +277,13 @@ def _bench(cfg, steps, graph_only: bool = False):
              ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
              ("dp graph", "DDP fused", fused), ("dp/sum graph", "DDP fused", fused),
              ("dp torch", "sf.nn dp", sf_nn_dp)]
+    if first_bucket is not None:   # next to the default graph row: same load, same run
+        cases.insert(6, ("dp graph/1st", "DDP fused", fused))
     for layout, ref_name, ref in cases:
-        if graph_only and not layout.endswith("graph"):
+        if graph_only and "graph" not in layout:
             continue
         sf_step = _graph_step(cfg)[0] if layout == "dp graph" else \
+            _graph_step(cfg, first_bucket=first_bucket)[0] if layout == "dp graph/1st" else \
             _graph_step(cfg, loss="sum")[0] if layout == "dp/sum graph" else \
             _converted_step(cfg)[0] if layout == "dp torch" else _sf_step(cfg, layout)[0]
         sf_step()
@@ -340,26 +347,29 @@ def _graph_phases(step, graph):
 
 def _phases(cfg, steps):
     """Per rank, the median CPU time (of the thread running it) and wall time of each phase of
-    a data parallel step — forward, backward, optimizer step, and the rest of the call — for
-    sbpflow eager and graph mode and DDP (both AdamW kernels), taking turns step by step."""
+    a data parallel step — forward, backward, optimizer step, and the rest of the call — and
+    the step's CPU time summed over all the process's threads (the backend's and the runtime's
+    too), for sbpflow eager and graph mode and DDP (both AdamW kernels), taking turns step by
+    step. With more ranks than cores, the step's wall time follows that process CPU."""
     graph_step, graph = _graph_step(cfg)
     graph_step()  # compiles
     runs = {"sbpflow dp": (lambda s: lambda: _eager_phases(s))(_sf_step(cfg, "dp")[0]),
             "sf graph": _graph_phases(graph_step, graph),
             "DDP": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg)),
             "DDP fused": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg, fused=True))}
-    times = {name: [[] for _ in range(7)] for name in runs}
+    times = {name: [[] for _ in range(8)] for name in runs}
     for i in range(steps + 3):
         for name, run in runs.items():
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             marks = run()
-            total = time.perf_counter() - t
+            total, cpu = time.perf_counter() - t, time.process_time() - c
             if i >= 3:  # warm-up steps set up buckets and caches
                 for k in range(3):
                     times[name][2 * k].append(marks[k + 1][0] - marks[k][0])
                     times[name][2 * k + 1].append(marks[k + 1][1] - marks[k][1])
                 times[name][6].append(total - (marks[3][1] - marks[0][1]))
+                times[name][7].append(cpu)
     return {name: [statistics.median(v) for v in vs] for name, vs in times.items()}
 
 
@@ -369,7 +379,7 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
     if layout in ("dp/sum", "dp/sum graph"):  # one all-reduce of every gradient
         return 2 * (n - 1) * params * 4
-    if layout in ("dp", "dp graph", "dp torch"):
+    if layout in ("dp", "dp graph", "dp graph/1st", "dp torch"):
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
         # targets: a float32 scalar, so the mean is over the whole batch, as on one device
         return 2 * (n - 1) * params * 4 + 2 * (n - 1) * 4
@@ -396,6 +406,9 @@ def main(argv=None) -> int:
                     help="instead: CPU and wall time of each phase of a data-parallel step")
     ap.add_argument("--graph", action="store_true",
                     help="only the graph-mode rows and the graph's per-op overhead")
+    ap.add_argument("--first-bucket", type=int, default=None, metavar="KIB",
+                    help="add a 'dp graph/1st' row: the graph with a first gradient bucket of "
+                         "KIB KiB (DDP's is 1024; sbpflow's default on a CPU: one bucket)")
     args = ap.parse_args(argv)
     if args.ranks < 1 or args.batch % args.ranks or args.heads % args.ranks:
         ap.error(f"-n {args.ranks}: the batch ({args.batch}) and the heads ({args.heads}) must "
@@ -409,18 +422,21 @@ def main(argv=None) -> int:
         per_rank = sf.launch(_phases, world_size=args.ranks, backend="torch",
                              args=(cfg, args.steps))
         print(f"{'rank':<5}{'':<12}{'forward cpu / wall':>20}{'backward cpu / wall':>21}"
-              f"{'step cpu / wall':>18}{'rest wall':>11}   (ms)")
+              f"{'step cpu / wall':>18}{'rest wall':>11}{'proc cpu':>10}   (ms)")
         for r, phases in enumerate(per_rank):
             for name, v in phases.items():
                 print(f"{r:<5}{name:<12}" + "".join(
                     f"{v[2 * k] * 1e3:>{12 if k else 13}.2f} / {v[2 * k + 1] * 1e3:<5.2f}"
-                    for k in range(3)) + f"{v[6] * 1e3:>9.2f}")
+                    for k in range(3)) + f"{v[6] * 1e3:>9.2f}{v[7] * 1e3:>10.2f}")
         print("sf graph: the phases are the forward, backward and update actors (on the "
               "runtime's compute thread);\nrest: the call's wall time outside them (split "
-              "inputs, the runtime's start, firing, threads, the outputs)")
+              "inputs, the runtime's start, firing, threads, the outputs);\nproc cpu: the "
+              "step's CPU time in all the process's threads (compute, gloo's, the runtime's)")
         return 0
     _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",
-                            args=(cfg, args.steps, args.graph))[0], cfg, args.ranks)
+                            args=(cfg, args.steps, args.graph,
+                                  None if args.first_bucket is None else args.first_bucket << 10)
+                            )[0], cfg, args.ranks)
     return 0
 
 

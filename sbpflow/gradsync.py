@@ -26,7 +26,8 @@ from .sbp import dual_nd
 from .tensor import GlobalTensor
 
 __all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
-           "set_pending", "settle", "set_backfill", "backfill", "mark_stale", "take_stale"]
+           "set_pending", "settle", "set_backfill", "backfill", "has_backfills", "mark_stale",
+           "take_stale"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
 
@@ -74,6 +75,12 @@ def backfill(p: GlobalTensor) -> tuple | None:
     if whole is None:
         return p.local.detach(), tuple(p.sbp), update_layout(p)
     return whole, compute, tuple(p.sbp)
+
+
+def has_backfills() -> bool:
+    """Whether any parameter has an all-gather after its update (else `backfill` is None for
+    every one)."""
+    return bool(_BACKFILL.data)
 
 
 def mark_stale(p: GlobalTensor) -> None:
@@ -353,16 +360,17 @@ class GradSync(BucketSync):
             sent = b.sent
             if sent is not None and all(p.local.grad is g and g._version == v
                                         for p, (g, v) in zip(b.params, sent)):
-                pieces = reduced.split([g.numel() for g, _ in sent])   # views, one call
+                # views of the reduced buffer shaped as the gradients, in one call
+                pieces = _unflatten(reduced, [g for g, _ in sent])
                 for p, (g, v), piece in zip(b.params, sent, pieces):
-                    out[p] = (g, v, GlobalTensor(piece.view(g.shape), p.shape, p.placement,
-                                                 p.sbp))
+                    out[p] = (g, v, GlobalTensor(piece, p._shape, p._placement, p._sbp))
             b.pending, b.sent = None, []
         self.reset()
         return out
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:

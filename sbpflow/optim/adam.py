@@ -11,6 +11,8 @@ fused kernel rounds in its own order)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .optimizer import Optimizer, state_like
@@ -53,40 +55,58 @@ class Adam(Optimizer):
         if not fused and foreach is False:  # as torch: foreach=False alone is one at a time
             return super()._update_group(params, grads, states, group)
         for st, p in zip(states, params):
-            self._init_state(p, st, group)
+            if not st:
+                self._init_state(p, st, group)
             st["step"] += 1
+        step = states[0]["step"]
+        g0 = grads[0]
+        if all(st["step"] == step for st in states) and \
+                all(g.dtype == g0.dtype and g.device == g0.device for g in grads):
+            # the usual case, one batch: no per-parameter grouping
+            self._update_batch(params, grads, states, step, g0.dtype, g0.device, group)
+            return
         # one pass per (step, dtype, device): bias corrections are per step
         batches: dict = {}
         for p, g, st in zip(params, grads, states):
             batches.setdefault((st["step"], g.dtype, g.device), []).append((p, g, st))
         for (step, dtype, device), items in batches.items():
-            ps, gs, sts = ([p.local for p, _, _ in items], [g for _, g, _ in items],
-                           [st for _, _, st in items])
-            takes = device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
-            # the kernel walks flat memory: a shard that is a strided view goes multi-tensor
-            fuse = [fused is not False and takes and _contiguous_state(p, g, st)
-                    for p, g, st in zip(ps, gs, sts)]
-            if fused and not all(fuse):
-                raise ValueError(f"{type(self).__name__}(fused=True): torch's fused kernel takes "
-                                 f"contiguous {_FUSED_DTYPES} tensors on {_FUSED_DEVICES}, not "
-                                 f"these {dtype} ones on {device}; use fused=None")
-            if any(fuse):
-                self._fused_step(*_where(fuse, True, ps, gs, sts), step, group)
-            if not all(fuse):
-                self._foreach_step(*_where(fuse, False, ps, gs, sts), float(step), group)
+            self._update_batch([p for p, _, _ in items], [g for _, g, _ in items],
+                               [st for _, _, st in items], step, dtype, device, group)
+
+    def _update_batch(self, params, grads, states, step, dtype, device, group) -> None:
+        """Update parameters of one step, dtype and device: fused where the kernel takes them."""
+        fused = group.get("fused")
+        ps = [p.local for p in params]
+        # states are plain global tensors (never settling twins): their slot read directly
+        tensors = (ps, grads, [st["exp_avg"]._local for st in states],
+                   [st["exp_avg_sq"]._local for st in states],
+                   [st["max_exp_avg_sq"]._local for st in states] if group["amsgrad"] else [])
+        takes = device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
+        if takes and fused is not False and \
+                all(map(torch.Tensor.is_contiguous, itertools.chain(*tensors))):
+            self._fused_step(*tensors, step, group)   # every one: no per-parameter mask
+            return
+        # the kernel walks flat memory: a shard that is a strided view goes multi-tensor
+        fuse = [fused is not False and takes and _contiguous_state(p, g, st)
+                for p, g, st in zip(ps, grads, states)]
+        if fused and not all(fuse):
+            raise ValueError(f"{type(self).__name__}(fused=True): torch's fused kernel takes "
+                             f"contiguous {_FUSED_DTYPES} tensors on {_FUSED_DEVICES}, not "
+                             f"these {dtype} ones on {device}; use fused=None")
+        if any(fuse):
+            self._fused_step(*_where(fuse, True, *tensors), step, group)
+        if not all(fuse):
+            self._foreach_step(*_where(fuse, False, ps, grads, states), float(step), group)
 
     @staticmethod
-    def _fused_step(params, grads, states, step, group) -> None:
+    def _fused_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, group) -> None:
         beta1, beta2 = group["betas"]
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         # the kernel reads the (already incremented) step of each parameter
         steps = [torch.full((), float(step), device=params[0].device)] * len(params)
-        kernel(params, grads, [st["exp_avg"].local for st in states],
-               [st["exp_avg_sq"].local for st in states],
-               [st["max_exp_avg_sq"].local for st in states] if group["amsgrad"] else [],
-               steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
-               maximize=group["maximize"])
+        kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=group["lr"],
+               beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+               amsgrad=group["amsgrad"], maximize=group["maximize"])
 
     @staticmethod
     def _foreach_step(params, grads, states, step, group) -> None:
@@ -163,7 +183,7 @@ def _contiguous_state(param: torch.Tensor, grad: torch.Tensor, state: dict) -> b
 
 
 def _where(mask: list, want: bool, *lists: list) -> list:
-    """Each of ``lists`` kept where ``mask`` is ``want``."""
+    """Each of ``lists`` kept where ``mask`` is ``want`` (an empty list stays empty)."""
     return [[x for x, m in zip(xs, mask) if m == want] for xs in lists]
 
 

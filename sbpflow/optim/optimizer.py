@@ -25,8 +25,8 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import (GradSync, backfill, collect, set_pending, settle, update_layout,
-                        zero_grads)
+from ..gradsync import (GradSync, backfill, collect, has_backfills, set_pending, settle,
+                        update_layout, zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from . import zero_layout as _zero
@@ -313,6 +313,8 @@ class Optimizer(torch.optim.Optimizer):
         gather = []   # ZeRO 1 and 2: (parameter, whole local, geometry) to fill after the update
         cache = _boxed_cache()
         cache = cache if cache.data else None   # (a weak dict's len() is Python code)
+        fills = has_backfills()   # (none: no lookup a parameter)
+        state = self.state
         for group in self.param_groups:
             ps, gs, sts = [], [], []
             for p in group["params"]:
@@ -321,15 +323,15 @@ class Optimizer(torch.optim.Optimizer):
                     continue
                 if cache is not None:
                     cache.pop(p, None)
-                sts.append(self.state[p])
-                fill = backfill(p)
+                sts.append(state[p])
+                fill = backfill(p) if fills else None
                 if fill is not None:
                     whole, compute, split = fill
                     geo = _zero.geometry(tuple(p.shape), p.placement, compute, split,
                                          _comm.rank())
                     if geo is not None:
                         gather.append((p, whole, geo))
-                if g.sbp != p.sbp:   # stage 1: update the split shard in place
+                if g._sbp != p._sbp:   # stage 1: update the split shard in place
                     p = _zero.shard_view(p, g.sbp)
                 ps.append(p)
                 gs.append(g.local)
@@ -347,6 +349,8 @@ class Optimizer(torch.optim.Optimizer):
     def _refuse_partial(self, params: list) -> None:
         """SbpError for a parameter with a gradient laid out as partial sums (a non-linear
         update cannot run shard by shard)."""
+        if not any(map(_has_partial, [p._sbp for p in params])):
+            return
         for p in params:
             if _has_partial(p.sbp) and p.local.grad is not None:
                 raise SbpError(
