@@ -5,9 +5,13 @@ sleep, which releases the GIL like a device kernel), M = 8 and 16 micro-batches,
 GPipe (`sbpflow.runtime.pipeline_plan`). The ideal step is (M + S - 1)(t_f + t_b); the
 efficiency is ideal / measured (median of the runs after a warm-up); 'kernel eff.' puts the
 kernels' measured mean time in the ideal (a 5 ms sleep lasts ~5.1 ms), leaving the runtime's
-own cost; the peak number of micro-batches in flight per stage is read from the timeline.
+own cost; the peak number of micro-batches in flight per stage is read from the timeline, and
+so is the hand-over: the median µs from a stage's kernel end to the start of the kernel of the
+next stage (forward) or previous one (backward) that waited for it, idle.
 Firing cost: a chain of K actors with empty functions, M firings each, on one rank (all on one
-queue thread, and each actor on its own), and a producer -> consumer pair across two ranks; a
+queue thread, and each actor on its own), and a producer -> consumer pair across two ranks
+(two output slots: the firings overlap the messages; one slot: each firing waits for the req
+and the ack, a round trip, which is the hand-over latency a pipeline's critical path pays); a
 run's fixed cost: run(1) of one empty actor a rank (what a graph call pays), 1 and 4 ranks.
 Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T]
        [--timeline x.png] [--trace x.json]   (the last 1F1B M = 8 step's events)
@@ -45,11 +49,11 @@ def pipeline_rank(stages: int, m: int, schedule: str, t: float, runs: int) -> tu
     return steps, rt.timeline()
 
 
-def firing_rank(k: int, m: int, one_queue: bool, cross: bool) -> float:
-    """µs a firing: a chain of ``k`` empty actors (or, ``cross``, one producer on rank 0 and
-    one consumer on rank 1), ``m`` firings each, best of 3 runs."""
+def firing_rank(k: int, m: int, one_queue: bool, cross: bool, slots: int = 2) -> float:
+    """µs a firing: a chain of ``k`` empty actors (or, ``cross``, one producer on rank 0 with
+    ``slots`` output slots and one consumer on rank 1), ``m`` firings each, best of 3 runs."""
     if cross:
-        plan = Plan({0: [ActorSpec("p", "load", lambda mb: mb)],
+        plan = Plan({0: [ActorSpec("p", "load", lambda mb: mb, outputs=slots)],
                      1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
                     name="cross")
         n = m
@@ -84,6 +88,22 @@ def run_cost_rank(runs: int = 500) -> tuple:
     return statistics.median(times) * 1e6, statistics.quantiles(times, n=10)[-1] * 1e6
 
 
+def hand_over(events: list[dict]) -> float:
+    """Median µs from a kernel's end to the start of the kernel of another stage that waited
+    for it idle (its stage's previous kernel had ended before): the cross-rank hand-over."""
+    ends = {(e["kind"], e["stage"], e["micro_batch"]): e["end"] for e in events}
+    gaps = []
+    for rank in {e["rank"] for e in events}:
+        mine = sorted((e for e in events if e["rank"] == rank and
+                       e["kind"] in ("forward", "backward")), key=lambda e: e["start"])
+        for prev, e in zip(mine, mine[1:]):
+            step = -1 if e["kind"] == "forward" else 1
+            dep = ends.get((e["kind"], e["stage"] + step, e["micro_batch"]))
+            if dep is not None and prev["end"] <= dep:
+                gaps.append(e["start"] - dep)
+    return statistics.median(gaps) * 1e6 if gaps else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="threads", choices=["threads", "torch"])
@@ -96,7 +116,7 @@ def main() -> None:
     print(f"pipeline: S = {stages}, t_f = t_b = {a.ms:g} ms, {a.backend} backend, median of "
           f"{a.runs} steps")
     print(f"{'schedule':>8} {'M':>3} {'ideal ms':>9} {'step ms':>8} {'efficiency':>10} "
-          f"{'kernel eff.':>11}  in flight")
+          f"{'kernel eff.':>11} {'hand-over µs':>12}  in flight")
     for m in (8, 16):
         for schedule in ("1f1b", "gpipe"):
             res = sf.launch(pipeline_rank, stages, backend=a.backend,
@@ -108,7 +128,8 @@ def main() -> None:
             kern = statistics.mean(e["end"] - e["start"] for e in events
                                    if e["kind"] in ("forward", "backward"))
             print(f"{schedule:>8} {m:>3} {ideal * 1e3:>9.1f} {step * 1e3:>8.1f} "
-                  f"{ideal / step:>10.3f} {(m + stages - 1) * 2 * kern / step:>11.3f}  {peaks}")
+                  f"{ideal / step:>10.3f} {(m + stages - 1) * 2 * kern / step:>11.3f} "
+                  f"{hand_over(events):>12.0f}  {peaks}")
             if schedule == "1f1b" and m == 8:
                 if a.timeline:
                     save_timeline(events, a.timeline, title=f"1F1B, S = {stages}, M = {m}, "
@@ -120,9 +141,11 @@ def main() -> None:
     one = sf.launch(firing_rank, 1, backend=a.backend, args=(k, m, True, False))[0]
     own = sf.launch(firing_rank, 1, backend=a.backend, args=(k, m, False, False))[0]
     cross = sf.launch(firing_rank, 2, backend=a.backend, args=(k, m, True, True))
+    trip = sf.launch(firing_rank, 2, backend=a.backend, args=(k, m // 2, True, True, 1))
     print(f"  chain of {k} actors on one queue thread:      {one:7.1f}")
     print(f"  chain of {k} actors, a queue thread each:     {own:7.1f}")
     print(f"  producer -> consumer across two ranks:      {cross[0]:7.1f}")
+    print(f"  the same, one slot (a round trip a firing): {trip[0]:7.1f}")
     print("\nfixed cost of a run (µs; run(1), one empty actor a rank; median / 90th percentile):")
     for n in (1, 4):
         costs = sf.launch(run_cost_rank, n, backend=a.backend)

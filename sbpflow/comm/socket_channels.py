@@ -4,8 +4,7 @@ Each process listens on one socket (on the interface that reaches the world's st
 0) and publishes ``host:port`` in the store once; a post opens one persistent connection per
 destination on first use (``TCP_NODELAY``) and writes a length-prefixed pickled frame ``(src,
 channel, message)``. One receiver thread a process (``selectors``) reads every connection and
-puts the frames in per-channel deques, waking the waiting `SocketChannels.take`, or hands them
-to a channel's listener (`SocketChannels.listen`: the actor runtime's, one wake-up less). A process
+puts the frames in per-channel deques, waking the waiting `SocketChannels.take`. A process
 whose socket cannot be set up publishes ``store`` and falls back, saying so in a warning, to
 the c10d store's queues (`StoreChannels`), which its peers then post to. See docs/runtime.md,
 'Message channels'.
@@ -143,17 +142,6 @@ class SocketChannels:
             return self._store_channels().take(rank, channel, timeout, alive)
         return self._receiver.take(channel, timeout)
 
-    def listen(self, channel: str, deliver: Callable[[list], None],
-               fail: Callable[[BaseException], None]) -> bool:
-        """From now on the receiver thread calls ``deliver([(src, message), ...])`` with what
-        arrives for ``channel`` (those queued so far first, in order) instead of queueing it
-        for `take`, and ``fail(exc)`` if it fails. ``deliver`` must not raise and must not
-        wait for a thread that waits for this channel. False (nothing changed) when this
-        process receives through the store, or its receiver failed."""
-        if self._receiver is None:
-            return False
-        return self._receiver.listen(channel, deliver, fail)
-
     def close(self) -> None:
         """Stop the receiver thread, close the listening socket and every connection."""
         with self._lock:
@@ -200,8 +188,7 @@ class _Peer:
 
 class _Receiver:
     """The listening socket and the thread that reads every incoming connection into
-    per-channel deques (one lock; a condition a channel, so a frame wakes only its taker) or
-    hands it to the channel's listener (``_deliver_lock`` held: frames reach it in order)."""
+    per-channel deques (one lock; a condition a channel, so a frame wakes only its taker)."""
 
     def __init__(self, rank: int, host: str) -> None:
         self.listener = socket.create_server((host, 0), backlog=128)
@@ -210,8 +197,6 @@ class _Receiver:
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the select
         self._lock = threading.Lock()
         self._boxes: dict[str, tuple[deque, threading.Condition]] = {}
-        self._listeners: dict[str, tuple[Callable, Callable]] = {}  # channel -> (deliver, fail)
-        self._deliver_lock = threading.RLock()  # taken before _lock, never after
         self.error: BaseException | None = None
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
@@ -227,28 +212,10 @@ class _Receiver:
         return box
 
     def put(self, channel: str, item: tuple) -> None:
-        with self._deliver_lock:
-            listener = self._listeners.get(channel)
-            if listener is not None:
-                listener[0]([item])
-                return
-            with self._lock:
-                queue, cond = self._box(channel)
-                queue.append(item)
-                cond.notify()
-
-    def listen(self, channel: str, deliver: Callable, fail: Callable) -> bool:
-        with self._deliver_lock:
-            with self._lock:
-                if self.error is not None:
-                    return False
-                self._listeners[channel] = (deliver, fail)
-                queue, _ = self._box(channel)
-                pending = list(queue)
-                queue.clear()
-            if pending:
-                deliver(pending)
-        return True
+        with self._lock:
+            queue, cond = self._box(channel)
+            queue.append(item)
+            cond.notify()
 
     def take(self, channel: str, timeout: float) -> list[tuple[int, Any]]:
         with self._lock:
@@ -272,14 +239,11 @@ class _Receiver:
                         self._accept()
                     else:
                         self._read(key.fileobj, key.data)
-        except BaseException as exc:  # noqa: BLE001 - reported to every take and listener
+        except BaseException as exc:  # noqa: BLE001 - reported to every take
             with self._lock:
                 self.error = exc
                 for _, cond in self._boxes.values():
                     cond.notify_all()
-                listeners, self._listeners = list(self._listeners.values()), {}
-            for _, fail in listeners:
-                fail(exc)
         finally:
             self._shut()
 

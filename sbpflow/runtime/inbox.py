@@ -8,9 +8,7 @@ active on the channel (`Router.active`), keeps the messages of a later run for i
 failure notice (the rank then takes part in the start handshake, see `Router.failed`). It ends
 when no `Runtime` of its channel is left, or the thread that started it has ended; a read that
 raises (the world aborted) fails the active run and ends the reader (the next run starts
-another). Socket channels (torch backend) need no reader thread: their receiver thread routes
-each frame itself (`SocketChannels.listen`), a thread wake-up less a message. See
-docs/runtime.md, 'Actors and registers'.
+another). See docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
@@ -20,13 +18,11 @@ import weakref
 from typing import Any, Callable
 
 from ..comm.base import Communicator
-from ..comm.channels import tensor_bytes
 from ..comm.current import set_current
 
 __all__ = ["Router", "ensure_reader", "failure_notice", "route"]
 
 _POLL = 0.05  # s between the reader's looks at its runtimes and its owner
-_LISTENING = "listening"  # `Router.reader` when the channel's receiver routes the messages
 
 
 def failure_notice(msg: tuple) -> bool:
@@ -38,15 +34,14 @@ class Router:
     """Where one channel's messages go (guarded by the communicator state's ``route`` lock):
     ``active``: the run under way on this rank (``None`` between runs), which has
     ``dispatch(msgs)``; ``last``: the id of the last run made active; ``runtimes``: the live
-    runtimes of the channel (the reader ends with the last); ``reader``: its thread, or
-    ``"listening"`` (the channel's own receiver routes); ``on_stale_failure(run)``: called
+    runtimes of the channel (the reader ends with the last); ``on_stale_failure(run)``: called
     when a failure notice of run ``run`` (not newer than ``last``) arrives between runs."""
 
     def __init__(self) -> None:
         self.active: Any = None
         self.last = 0
         self.runtimes: "weakref.WeakSet" = weakref.WeakSet()
-        self.reader: threading.Thread | str | None = None
+        self.reader: threading.Thread | None = None
         self.on_stale_failure: Callable[[int], None] | None = None
 
 
@@ -86,44 +81,12 @@ def _read(comm: Communicator, channel: str, router: Router, lock: threading.RLoc
         set_current(None)
 
 
-def _listen(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
-            early: Callable[[], list]) -> bool:
-    """Have the channel's receiver thread route its messages (socket channels), if it can."""
-    chan = getattr(comm, "_chan", None)  # the torch backend's channels (no public accessor)
-    listen = getattr(chan(), "listen", None) if callable(chan) else None
-    if listen is None:
-        return False
-
-    def deliver(msgs: list) -> None:  # on the receiver thread: must not raise
-        comm._count("message", 0, sum(tensor_bytes(m) for _, m in msgs))
-        try:
-            with lock:
-                route(router, early(), msgs)
-        except BaseException as exc:  # noqa: BLE001 - a runtime bug: fail the run, not the thread
-            fail(exc)
-
-    def fail(exc: BaseException) -> None:
-        with lock:
-            router.reader = None  # the next run starts a reader thread, whose read raises
-            if router.active is not None:
-                router.active.fail(exc)
-
-    return listen(channel, deliver, fail)
-
-
 def ensure_reader(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
                   early: Callable[[], list], name: str) -> None:
-    """Start the channel's reader unless it runs, or have the channel's receiver route
-    (``lock``: the route lock, not held: the receiver takes it while holding its own)."""
+    """Start the channel's reader unless it runs (``lock``: the route lock, held or not)."""
     with lock:
-        if router.reader == _LISTENING or (router.reader is not None
-                                           and router.reader.is_alive()):
+        if router.reader is not None and router.reader.is_alive():
             return
-    if _listen(comm, channel, router, lock, early):
-        with lock:
-            router.reader = _LISTENING
-        return
-    with lock:
         router.reader = threading.Thread(
             target=_read, args=(comm, channel, router, lock, early, threading.current_thread()),
             name=name, daemon=True)

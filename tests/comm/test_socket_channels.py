@@ -2,8 +2,6 @@
 'ranks' in this process on a local TCPStore (docs/runtime.md 'Message channels'); on gloo
 processes, `gloo_fns.collectives_fn` posts a ring."""
 
-import socket
-import struct
 import threading
 import time
 
@@ -136,58 +134,3 @@ def test_close_stops_the_receiver_thread_and_sockets(store):
     a.close(), b.close()
     assert set(threading.enumerate()) - before == set()
 
-
-
-def test_a_listener_gets_the_queued_frames_then_each_new_one_in_order(store):
-    a, b = SocketChannels(0, store, 10.0), SocketChannels(1, store, 10.0)
-    a.post(0, 1, "c", 0)
-    assert _take_all(b, 1, 1) == [(0, 0)]  # taken the old way
-    a.post(0, 1, "c", 1), a.post(0, 1, "c", 2)  # left queued until the listener comes
-    deadline = time.monotonic() + 10
-    while b._receiver._boxes["c"][0].__len__() < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    got, threads, done = [], set(), threading.Event()
-
-    def deliver(msgs):
-        got.extend(msgs)
-        threads.add(threading.current_thread().name)
-        if len(got) == 50:
-            done.set()
-
-    assert b.listen("c", deliver, lambda exc: None)
-    for k in range(3, 51):
-        a.post(0, 1, "c", k)
-    assert done.wait(10)
-    assert got == [(0, k) for k in range(1, 51)]
-    # the queued ones on the caller's thread, the others on the receiver's
-    assert "sbpflow-rank1-channels" in threads
-    assert b.take(1, "c", 0.0, lambda: None) == []  # nothing queued for take any more
-    a.post(0, 1, "other", "x")  # other channels still queue
-    assert _take_all(b, 1, 1, "other") == [(0, "x")]
-    a.close(), b.close()
-
-
-def test_a_rank_on_the_store_fallback_does_not_listen(store):
-    a = SocketChannels(0, store, 10.0, force_store=True)
-    assert a.transport == "store" and not a.listen("c", lambda msgs: None, lambda exc: None)
-    a.close()
-
-
-def test_a_failed_receiver_tells_its_listeners_and_refuses_new_ones(store):
-    a, b = SocketChannels(0, store, 10.0), SocketChannels(1, store, 10.0)
-    failed = threading.Event()
-    errors = []
-
-    def fail(exc):
-        errors.append(exc)
-        failed.set()
-
-    assert b.listen("c", lambda msgs: None, fail)
-    sock = socket.create_connection((b._receiver.host, b._receiver.port))
-    sock.sendall(struct.pack("!Q", 3) + b"bad")  # not a pickle: the receiver thread fails
-    assert failed.wait(10)
-    assert isinstance(errors[0], Exception)
-    assert not b.listen("c", lambda msgs: None, fail)
-    with pytest.raises(CommError, match="receiver thread failed"):
-        b.take(1, "c", 0.0, lambda: None)
-    sock.close(), a.close(), b.close()
