@@ -209,6 +209,7 @@ class BucketSync:
         if prev is not None and prev is not self:
             prev._release(p)
         owners[p] = self
+        _note_owner(self._comm, self.OWNERS, p, self)
         self._handles[p] = p.local.register_post_accumulate_grad_hook(
             _hook(weakref.ref(self), b.index, len(b.params) - 1))
 
@@ -253,18 +254,19 @@ class BucketSync:
     @classmethod
     def collect(cls, params: list) -> dict:
         """``take()`` of every sync of this class owning one of ``params`` (on this rank)."""
-        owners = _owners(_comm.current(), cls.OWNERS)
+        by_id = _comm.current().state.get(cls.OWNERS + "_by_id")
         out: dict = {}
-        if not owners:
+        if not by_id:
             return out
-        # by identity, walking the owners once: a weak dict's lookup of a parameter compares
-        # it with itself (GlobalTensor.__eq__, a frame inspection), a few us a parameter
-        by_id = {id(p): sync for p, sync in owners.items()}
+        # by identity (`_note_owner`): a weak dict's lookup of a parameter compares it with
+        # itself (GlobalTensor.__eq__, a frame inspection), a few us a parameter
         syncs: dict = {}   # in the order of ``params``, as every rank calls them
         for p in params:
-            sync = by_id.get(id(p))
-            if sync is not None:
-                syncs.setdefault(id(sync), sync)
+            hit = by_id.get(id(p))
+            if hit is not None and hit[0]() is p:
+                sync = hit[1]()   # the latest to act for p (a takeover overwrites it)
+                if sync is not None:
+                    syncs.setdefault(id(sync), sync)
         for sync in syncs.values():
             out.update(sync.take())
         return out
@@ -387,6 +389,19 @@ def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:
 
 def _owners(comm, key: str) -> "weakref.WeakKeyDictionary":
     return comm.state.setdefault(key, weakref.WeakKeyDictionary())
+
+
+def _note_owner(comm, key: str, p: GlobalTensor, sync: BucketSync) -> None:
+    """Index ``p`` -> ``sync`` by ``id(p)`` too (``key + "_by_id"``: a plain dict the step reads
+    without comparing parameters); the entry goes with ``p``, and holds ``sync`` weakly."""
+    by_id = comm.state.setdefault(key + "_by_id", {})
+    k = id(p)
+
+    def gone(ref, k=k, by_id=by_id) -> None:
+        hit = by_id.get(k)
+        if hit is not None and hit[0] is ref:
+            del by_id[k]
+    by_id[k] = (weakref.ref(p, gone), weakref.ref(sync))
 
 
 def collect(params: list) -> dict:
