@@ -7,8 +7,9 @@ one reader thread a channel kept from run to run (`inbox`). A failing actor abor
 of the plan; an actor that cannot fire, or stays inside its function, for ``SBPFLOW_TIMEOUT``
 s raises `ActorTimeout`; a run refuses to start while a failed run's thread is left inside an
 actor (its collective would pair with the new run's). Every firing is a timeline event. The
-torch backend's messages go through the c10d store (pickled; fine for control messages, slow
-for large tensors). See docs/runtime.md, 'Actors and registers'.
+torch backend's messages are pickled over sockets between the ranks (the c10d store as a
+fallback): fine for control messages, slow for large tensors. See docs/runtime.md, 'Actors
+and registers'.
 """
 
 from __future__ import annotations
