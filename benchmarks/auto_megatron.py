@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/auto_megatron.py                 # every row; search up to 175B
     .venv/bin/python benchmarks/auto_megatron.py --rows 0 6      # some rows (indices)
     .venv/bin/python benchmarks/auto_megatron.py --no-search     # the prediction alone, < 1 s
-    .venv/bin/python benchmarks/auto_megatron.py --rows 0 1 2 3 4 5 6 --grid  # ~3 min
+    .venv/bin/python benchmarks/auto_megatron.py --rows 0 1 2 3 4 5 6 --grid  # ~2 min
 
 Per row of Table 1 (Narayanan et al., SC'21; `sbpflow.auto.baselines.TABLE1`): Megatron's own
 configuration (tensor x pipeline x data, one sequence a micro-batch) evaluated on the dgx-a100
