@@ -8,8 +8,9 @@ order. Stage i's parameters and buffers go to ``placements[i]`` (``rules[i]`` as
 `sf.parallel.apply`; default replicated). Forward pre-hooks move, on entering stage i, the
 global-tensor arguments of its first module and the model's own global-tensor inputs (so
 ``pos`` or ``targets`` reach the stage that reads them) to ``placements[i]``; the model's
-``forward`` is wrapped so that its inputs get their own layouts back however the call ends. Placements may
-not share ranks. Eager mode runs the stages one after another (correct, serial). Not done here:
+``forward`` is wrapped so that its inputs get their own layouts back however the call ends. A
+parameter used by several stages (a tied embedding and LM head) is one parameter holding a copy
+in each (`sbpflow.parallel.tie`). Placements may not share ranks. Eager mode runs the stages one after another (correct, serial). Not done here:
 micro-batches, GPipe / 1F1B schedules and overlap (graph mode, actor runtime).
 See docs/runtime.md, 'Pipeline stages'.
 """
@@ -28,6 +29,7 @@ from ..sbp import B, format_nd_sbp, parse_nd_sbp
 from ..tensor import GlobalTensor
 from .apply import match_rules
 from .relayout import relayout
+from .tie import install_views as _install_views, tie_placement as _tie_placement
 
 __all__ = ["pipeline", "pipeline_of", "Pipeline"]
 
@@ -261,9 +263,11 @@ def _split_positions(listing: list, split: Sequence[str]) -> list[int]:
     return positions
 
 
-def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list]:
-    """(module name -> stage, the split modules). A parameter or buffer reached from modules of
-    two stages (tied, or a shared module) is refused: it can live on one placement only."""
+def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list, list]:
+    """(module name -> stage, the split modules, the ties). A tie is the list of
+    ``(module name, attribute)`` of one parameter reached from modules of several stages (a
+    weight tied across stages: each stage holds a copy, `sbpflow.parallel.tie`). A buffer
+    reached from two stages is refused: it can live on one placement only."""
     listing = list(model.named_modules(remove_duplicate=False))
     positions = _split_positions(listing, split)
     stages = {name: bisect.bisect_right(positions, k) for k, (name, _) in enumerate(listing)}
@@ -272,22 +276,42 @@ def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list]:
         for key in ("_parameters", "_buffers"):
             for pname, t in m.__dict__[key].items():
                 if t is not None:
-                    owners.setdefault(id(t), []).append(f"{name}.{pname}" if name else pname)
-    for names in owners.values():
-        used = sorted({stages[n.rpartition(".")[0]] for n in names})
-        if len(used) > 1:
-            raise ParallelizeError(f"{_WHO}: {names} are one tensor used by stages {used}; a "
-                                   f"tensor lives on one placement (untie it, or move the split "
+                    owners.setdefault(id(t), (key, []))[1].append((name, pname))
+    ties = []
+    for key, users in owners.values():
+        used = sorted({stages[n] for n, _ in users})
+        if len(used) < 2:
+            continue
+        names = [f"{n}.{a}" if n else a for n, a in users]
+        if key == "_buffers":
+            raise ParallelizeError(f"{_WHO}: buffers {names} are one tensor used by stages "
+                                   f"{used}; a buffer lives on one placement (move the split "
                                    f"points so that its users share a stage)")
-    return stages, [listing[k][1] for k in positions]
+        ties.append(users)
+    return stages, [listing[k][1] for k in positions], ties
 
 
 # -- the layout -----------------------------------------------------------------------------------
-def _param_layouts(model: Module, p_stage: dict, placements: tuple, rules: list) -> dict:
-    """``{parameter name: (placement, nd-sbp)}``: ``rules[stage]`` by name, else replicated."""
+def _param_layouts(model: Module, module_stage: dict, placements: tuple, rules: list,
+                   ties: list) -> dict:
+    """``{parameter name: (placement, nd-sbp)}``: ``rules[stage]`` by name, else replicated.
+    A tied parameter's names in each of its stages (``ties``) are matched by that stage's
+    rules, and the parameter goes on the tie placement (`tie.tie_placement`), under each name."""
+    def stage_of(name: str) -> int:
+        return module_stage[name.rpartition(".")[0]]
     names_by_stage: list[list[str]] = [[] for _ in placements]
     for name, _ in model.named_parameters():
-        names_by_stage[p_stage[name]].append(name)
+        names_by_stage[stage_of(name)].append(name)
+    tie_names = []   # per tie: [(stage, its first name in that stage)], stages in order
+    for users in ties:
+        per: dict = {}
+        for mod, attr in users:
+            full = f"{mod}.{attr}" if mod else attr
+            per.setdefault(module_stage[mod], full)
+        tie_names.append(sorted(per.items()))
+        for st, full in per.items():
+            if full not in names_by_stage[st]:
+                names_by_stage[st].append(full)
     out = {}
     for i, (pl, names) in enumerate(zip(placements, names_by_stage)):
         rule = {"*": (B,) * pl.ndim} if rules[i] is None else rules[i]
@@ -299,7 +323,22 @@ def _param_layouts(model: Module, p_stage: dict, placements: tuple, rules: list)
         except SbpError as exc:
             raise type(exc)(f"{_WHO}: stage {i}: {exc}") from None
         out.update({n: (pl, nd) for n, nd in layouts.items()})
+    for per in tie_names:
+        names = [n for _, n in per]
+        tied = _tie_placement(" = ".join(names), [placements[st] for st, _ in per],
+                              [out[n][1] for n in names], _WHO)
+        out.update({n: tied for n in names})
     return out
+
+
+def _tie_views(model: Module, pipe: Pipeline, ties: list) -> None:
+    """Each stage's users of a tied parameter read it through that stage's view."""
+    for users in ties:
+        mod, attr = users[0]
+        param = model.get_submodule(mod)._parameters[attr]
+        pipe.handles += _install_views(param, [
+            (model.get_submodule(m), a, pipe.placements[pipe.module_stage[m]])
+            for m, a in users])
 
 
 def _move_buffers(model: Module, pipe: Pipeline) -> None:
@@ -358,24 +397,27 @@ def pipeline(model: Module, placements: Sequence[Placement], split: Sequence[str
     replicated), its buffers moved there. Tensors entering stage i take ``sbp[i]`` (an nd-sbp
     or a function of the tensor; None: their own nd-sbp when the mesh ndim is the same, else
     replicated). Every rank must call it alike (the boxing is collective); build the optimizer
-    afterwards. Calling it again replaces the previous pipeline's hooks. `ParallelizeError` on
-    a wrong split, placements that share ranks, or a tensor used by two stages."""
+    afterwards. Calling it again replaces the previous pipeline's hooks. A parameter used by
+    modules of several stages goes on the tie placement (each stage holds a copy, their
+    gradients all-reduced by the optimizer's step; `sbpflow.parallel.tie`). `ParallelizeError`
+    on a wrong split, placements that share ranks, a buffer used by two stages, or a tied
+    parameter whose stages' meshes or rules differ."""
     if not isinstance(model, Module):
         raise ParallelizeError(f"{_WHO}: expected an sf.nn.Module, got {type(model).__name__}")
     placements = _check_placements(placements, split)
     n = len(placements)
     rules_ = _per_stage(rules, n, "rules")
     specs = _check_sbp_specs(_per_stage(sbp, n, "sbp"), placements)
-    module_stage, firsts = _module_stages(model, split)
+    module_stage, firsts, ties = _module_stages(model, split)
     old = pipeline_of(model)
     if old is not None:
         old.remove()
     pipe = Pipeline(placements, tuple(split), module_stage, specs)
-    p_stage = {name: pipe.stage_of(name) for name, _ in model.named_parameters()}
-    layouts = _param_layouts(model, p_stage, placements, rules_)
+    layouts = _param_layouts(model, module_stage, placements, rules_, ties)
     relayout(model, lambda name, _: layouts[name], _WHO)
     _move_buffers(model, pipe)
     _install_hooks(model, pipe, firsts)
+    _tie_views(model, pipe, ties)
     object.__setattr__(model, "_sf_pipeline", pipe)
     return model
 
