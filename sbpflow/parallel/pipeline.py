@@ -9,10 +9,9 @@ order. Stage i's parameters and buffers go to ``placements[i]`` (``rules[i]`` as
 global-tensor arguments of its first module and the model's own global-tensor inputs (so
 ``pos`` or ``targets`` reach the stage that reads them) to ``placements[i]``; the model's
 ``forward`` is wrapped so that its inputs get their own layouts back however the call ends. A
-parameter used by several stages (a tied embedding and LM head) is one parameter holding a copy
-in each (`sbpflow.parallel.tie`). Placements may not share ranks. Eager mode runs the stages one after another (correct, serial). Not done here:
-micro-batches, GPipe / 1F1B schedules and overlap (graph mode, actor runtime).
-See docs/runtime.md, 'Pipeline stages'.
+parameter used by several stages (tied) keeps a copy in each (`sbpflow.parallel.tie`).
+Placements may not share ranks. Eager mode runs the stages one after another (serial);
+graph mode pipelines micro-batches. See docs/runtime.md, 'Pipeline stages'.
 """
 
 from __future__ import annotations
