@@ -28,6 +28,7 @@ from ..nn.modules import ModuleDict, ModuleList, Sequential
 from ..nn.recompute import checkpoint as _checkpoint
 from ..nn.torch_modules import from_torch, is_torch_module
 from ..parallel.pipeline import pipeline as _pipeline
+from ..parallel.tie import install_views, tie_placement
 from ..parallel.relayout import relayout
 from ..parallel.zero import shard as _zero_shard
 from ..placement import Placement
@@ -369,16 +370,12 @@ def _tie_weights(graph, strategy: Strategy, modules: dict, ev, notes: list) -> S
     """Each tied layer and its holder on one weight layout: kept when the tied layer's
     strategy (same mesh, input and output) accepts the holder's, else both re-chosen as the
     pair of least time near them over the layouts both accept (docs/auto.md, 'Tied
-    weights'). A tie across pipeline stages raises `ParallelizeError`."""
+    weights'). Across pipeline stages the same holds: each stage keeps a copy of the weight,
+    laid out alike (same mesh shape and layout; `sbpflow.parallel.tie`)."""
     layers = list(strategy.layers)
     for user, holder in graph.ties.items():
         i, h = graph.index[user], graph.index[holder]
         su, sh = layers[i], layers[h]
-        if getattr(su, "stage", 0) != getattr(sh, "stage", 0):
-            raise ParallelizeError(
-                f"parallelize: layers {holder} (stage {sh.stage}) and {user} (stage "
-                f"{su.stage}) share one weight (tied), which lives on one placement: give a "
-                f"strategy with both in one stage, search with stages=1, or untie the weight")
         weighted = dataclasses.replace(graph.layers[i], tied=None, weight_shape=graph_weight_shape(
             graph.layers[i].kind, modules[user]))
         held = (sh.mesh, _module_nd(graph.layers[h].kind, sh.weight))
@@ -388,8 +385,11 @@ def _tie_weights(graph, strategy: Strategy, modules: dict, ev, notes: list) -> S
         theirs = _weight_options(ev, graph, layers, h, graph.layers[h], getattr(sh, "stage", 0))
         both = [k for k in theirs if k in mine]
         if not both:
-            raise ParallelizeError(f"parallelize: layers {holder} and {user} share a weight "
-                                   f"but no layout of it suits both")
+            raise ParallelizeError(f"parallelize: layers {holder} (stage "
+                                   f"{getattr(sh, 'stage', 0)}) and {user} (stage "
+                                   f"{getattr(su, 'stage', 0)}) share a weight (tied) but no "
+                                   f"mesh and layout of it suits both; untie the weight or "
+                                   f"give them meshes of one shape")
         key = min(both, key=lambda k: theirs[k][0] + mine[k][0])
         layers[h], layers[i] = theirs[key][1], mine[key][1]
         notes.append(f"{user} uses the weight of {holder} (tied): both laid out with mesh "
@@ -501,7 +501,23 @@ def _layouts(graph, strategy, modules, placements) -> dict:
                     f"{layer.name} (on {pl} with sbp {format_nd_sbp(nd)}); give a strategy in "
                     f"which they lay it out alike")
             out[id(p)] = (pl, nd, layer.name)
+    for user, holder in graph.ties.items():   # across stages: one copy a stage
+        su, sh = strategy[user], strategy[holder]
+        if getattr(su, "stage", 0) != getattr(sh, "stage", 0):
+            w = modules[holder].weight
+            pl, nd = tie_placement(f"the weight of {holder} and {user}",
+                                   [placements[holder], placements[user]],
+                                   [out[id(w)][1]] * 2, "parallelize")
+            out[id(w)] = (pl, nd, holder)
     return out
+
+
+def _tie_views(graph, strategy, modules, placements) -> None:
+    """The users of a weight tied across stages read it through their stage's view."""
+    for user, holder in graph.ties.items():
+        if getattr(strategy[user], "stage", 0) != getattr(strategy[holder], "stage", 0):
+            install_views(modules[holder].weight,
+                          [(modules[n], "weight", placements[n]) for n in (holder, user)])
 
 
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
@@ -600,6 +616,7 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
     replicated = (streams[0].placement, (B,) * streams[0].placement.ndim)
     relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
              ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
+    _tie_views(graph, strategy, modules, placements)
     zero = {id(p) for layer, s in zip(graph.layers, strategy.layers)
             if s.stored is not None and s.stored != s.weight
             for p in (modules[layer.name].weight, getattr(modules[layer.name], "bias", None))
@@ -746,8 +763,7 @@ def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
 def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool, stages,
             notes: list, recompute: bool = False):
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
-    with pipeline stages unless ``stages`` is 1; one stage when the stages found would
-    separate a tied weight's users, noted; recomputing twins in the space with
+    with pipeline stages unless ``stages`` is 1; recomputing twins in the space with
     ``recompute``)."""
     from .search import search
     if one_mesh:
@@ -760,12 +776,7 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
     if stages != 1:
         res = _package().search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
                                 stages=stages, recompute=recompute)
-        split = [(u, h) for u, h in graph.ties.items()
-                 if res.strategy[u].stage != res.strategy[h].stage]
-        if not split:
-            return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
-        notes.append(f"the best pipeline found puts tied layers {split} in different stages; "
-                     f"searched one stage instead")
+        return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
     res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
                  recompute=recompute)
     return res.strategy, res.breakdown
