@@ -571,34 +571,58 @@ def _coll_time(cluster, kind, nbytes, fine, dims):
     return float(collective_time(kind, nbytes, hit[1], hit[2]))
 
 
-def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per ``(mesh, nd-sbp)``: the split factor of every tensor axis, and whether the layout
-    has a partial dim (column 0), a broadcast dim (1), a partial other than a sum (2)."""
+def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per ``(mesh, nd-sbp)``: the split factor of every tensor axis; whether the layout has a
+    partial dim (column 0), a broadcast dim (1), a partial other than a sum (2); the product
+    of the mesh dims that are partial (column 0) and broadcast (1)."""
     f = np.ones((len(layouts), ndim))
     kind = np.zeros((len(layouts), 3), dtype=bool)
+    group = np.ones((len(layouts), 2))
     for i, (mesh, nd) in enumerate(layouts):
         for x, m in zip(nd, mesh):
             if isinstance(x, Split):
                 f[i, x.axis] *= m
+            elif isinstance(x, Partial):
+                group[i, 0] *= m
+            else:
+                group[i, 1] *= m
         kind[i] = (any(isinstance(x, Partial) for x in nd),
                    any(isinstance(x, Broadcast) for x in nd),
                    any(isinstance(x, Partial) and x.op != "sum" for x in nd))
-    return f, kind
+    return f, kind, group
 
 
-def _lacks(own_s, own_d, ps, pd):
+def _reduced_piece(fs, gs, fd) -> np.ndarray:
+    """Per source row and destination column: a lower bound of the fraction of the tensor a
+    rank sends reducing the source's partial (sum) dims, for a destination without partials.
+    Every price reduces them first (`_FixedOrder`'s reduce-scatter / all-reduce phases, the
+    reduce-then-transfer options, the incompatible meshes' reduce-scatter) over their group
+    of ``g`` ranks, about a piece of at least the source box ``x`` cut by the local slices
+    before it (broadcast source dims that split in the destination: at most the broadcast
+    dims' product ``b``, at most the destination's split product ``F``); a reduce-scatter
+    sends ``(g-1)/g`` of its piece (a ring all-reduce twice that, a direct one ``g-1``), and
+    a reduce-scatter then all-reduce over parts of the group no less. So: ``(g-1)/g * x /
+    min(b, F)``. ``fs`` / ``fd``: split factors, ``gs``: partial and broadcast products
+    (`_axis_factors`)."""
+    g, b = gs[:, 0], gs[:, 1]
+    x = 1.0 / fs.prod(axis=1)
+    cut = np.minimum(b[:, None], fd.prod(axis=1)[None, :])
+    return ((g - 1) / g * x)[:, None] / cut
+
+
+def _lacks(own_s, own_d, ps, pd, red):
     """Fraction of the tensor rank 0 must receive going from a layout where it holds
     ``own_s`` (per axis) to one where it holds ``own_d``; ``ps`` / ``pd``: the layouts have
     a partial dim. No partial: what it lacks of its new box. A partial source into a
     destination without partials: its whole new box (every reduction the price uses sends a
-    rank at least the reduced piece it keeps, and what it lacks after that comes later).
-    Otherwise 0."""
+    rank at least the reduced piece it keeps, and what it lacks after that comes later), or
+    what the reduction sends, ``red`` (`_reduced_piece`), if more. Otherwise 0."""
     both = np.minimum(own_s[:, None, :], own_d[None, :, :]).prod(axis=2)
     box = own_d.prod(axis=1)[None, :]
     lack = np.clip(box - both, 0.0, None)
     plain = ~ps[:, None] & ~pd[None, :]
     reduce = ps[:, None] & ~pd[None, :]
-    return np.where(plain, lack, 0.0) + np.where(reduce, np.broadcast_to(box, lack.shape), 0.0)
+    return np.where(plain, lack, 0.0) + np.where(reduce, np.maximum(box, red), 0.0)
 
 
 def _least_beta(cluster) -> float:
@@ -625,12 +649,13 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
         return np.zeros((len(rows), len(cols)))
-    fs, ks = _axis_factors(rows, nd)
-    fd, kd = _axis_factors(cols, nd)
+    fs, ks, gs = _axis_factors(rows, nd)
+    fd, kd, gd = _axis_factors(cols, nd)
     own_s, own_d = 1.0 / fs, 1.0 / fd
-    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0])
+    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(fs, gs, fd))
     # backward: dual(input) -> dual(output); a dual has a partial where the layout broadcasts
-    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1]).T
+    # (and a broadcast where it has a partial)
+    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1], _reduced_piece(fd, gd[:, ::-1], fs)).T
     odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
     lack = np.where(odd, 0.0, fwd + bwd)
     return lack * (math.prod(shape) * itemsize * beta * (1 - 1e-9))
