@@ -25,7 +25,8 @@ from .boxing import plan_layouts
 from .sbp import dual_nd
 from .tensor import GlobalTensor
 
-__all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "set_update_layout", "update_layout",
+__all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "reduce_at_step",
+           "set_update_layout", "update_layout",
            "set_pending", "settle", "set_backfill", "backfill", "has_backfills", "mark_stale",
            "take_stale"]
 
@@ -46,6 +47,25 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
         _UPDATE_LAYOUTS.pop(p, None)
     else:
         _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
+
+
+# id(parameter) -> weak reference: parameters whose gradient is reduced in the optimizer's step
+# only (`reduce_at_step`); by id, since a weak set's lookup compares tensors with ``==``
+_AT_STEP: dict = {}
+
+
+def reduce_at_step(p: GlobalTensor) -> None:
+    """Never start ``p``'s gradient all-reduce during backward (`GradSync`): the optimizer's
+    step boxes it. For a parameter whose users' backward passes run at different times on
+    different ranks (a weight tied across pipeline stages): a collective started by one
+    stage's backward would wait for a gradient another stage has not made yet."""
+    key = id(p)
+    _AT_STEP[key] = weakref.ref(p, lambda _r, key=key: _AT_STEP.pop(key, None))
+
+
+def _reduced_at_step(p: GlobalTensor) -> bool:
+    r = _AT_STEP.get(id(p))
+    return r is not None and r() is p
 
 
 def update_layout(p: GlobalTensor) -> tuple:
@@ -316,7 +336,7 @@ class GradSync(BucketSync):
     def _single_all_reduce(p: GlobalTensor, rank: int):
         """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
         that group is more than this rank, else None."""
-        if not p.local.requires_grad or p in _UPDATE_LAYOUTS:
+        if not p.local.requires_grad or p in _UPDATE_LAYOUTS or _reduced_at_step(p):
             return None
         pl = p.placement
         plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)

@@ -189,12 +189,10 @@ def _owner(coarse: tuple, fine: tuple) -> tuple | None:
     refine ``coarse``."""
     if math.prod(coarse) != math.prod(fine) or not _cuts(coarse) <= _cuts(fine) | {1}:
         return None
-    out = []
-    for j in range(len(fine)):
-        c = math.prod(fine[j:])
-        out.append(next(i for i in range(len(coarse))
-                        if math.prod(coarse[i + 1:]) < c <= math.prod(coarse[i:])))
-    return tuple(out)
+    # the innermost coarse dim whose block still holds fine dim j's block (a size-1 dim,
+    # of either mesh, may go with any: the innermost is taken, so a (1,) mesh has an owner)
+    return tuple(max(i for i in range(len(coarse)) if math.prod(fine[j:]) <= math.prod(coarse[i:]))
+                 for j in range(len(fine)))
 
 
 class _Stream:

@@ -268,6 +268,7 @@ def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list, lis
     weight tied across stages: each stage holds a copy, `sbpflow.parallel.tie`). A buffer
     reached from two stages is refused: it can live on one placement only."""
     listing = list(model.named_modules(remove_duplicate=False))
+    modules = dict(listing)
     positions = _split_positions(listing, split)
     stages = {name: bisect.bisect_right(positions, k) for k, (name, _) in enumerate(listing)}
     owners: dict = {}
@@ -286,8 +287,24 @@ def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list, lis
             raise ParallelizeError(f"{_WHO}: buffers {names} are one tensor used by stages "
                                    f"{used}; a buffer lives on one placement (move the split "
                                    f"points so that its users share a stage)")
+        if _shared_module(users, modules, stages):
+            # one module object in two stages runs on one placement: its weights' views (a
+            # stage's each) cannot follow the call
+            raise ParallelizeError(f"{_WHO}: parameters {names} belong to one module called "
+                                   f"in stages {used}; a module lives on one stage (move the "
+                                   f"split points so that its calls share a stage, or give "
+                                   f"each stage its own module, tying only the weights)")
         ties.append(users)
     return stages, [listing[k][1] for k in positions], ties
+
+
+def _shared_module(users: list, modules: dict, stages: dict) -> bool:
+    """Whether one module object among ``users`` ((module name, attribute)) is reached under
+    names of different stages."""
+    seen: dict = {}
+    for name, _ in users:
+        seen.setdefault(id(modules[name]), set()).add(stages[name])
+    return any(len(v) > 1 for v in seen.values())
 
 
 # -- the layout -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from ..boxing import empty_local
 from ..comm import rank as _rank
 from ..errors import ParallelizeError
-from ..gradsync import _UPDATE_LAYOUTS
+from ..gradsync import reduce_at_step
 from ..nn.modules import Module, Parameter, RemovableHandle
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp
@@ -113,8 +113,5 @@ def _no_overlap(param: Parameter) -> None:
     (`sbpflow.gradsync.GradSync`): the last stage's backward would start it while the first
     stage still waits for that backward's gradient, and a collective that does not return
     until every member joins (the threads backend's) would never end. The optimizer's step
-    all-reduces it instead. Done by giving the parameter its own layout as update layout,
-    which GradSync and ZeRO's ShardSync skip and the step treats as the default; written
-    into gradsync's table directly because `set_update_layout` drops an entry equal to the
-    parameter's own layout (a public switch there would be cleaner)."""
-    _UPDATE_LAYOUTS[param] = tuple(param.sbp)
+    all-reduces it instead."""
+    reduce_at_step(param)
