@@ -17,6 +17,8 @@ minimum its layouts imply.  ``--graph``: the graph rows and tables only.
     python benchmarks/train_gpt.py [--steps 10] [--d 128] [--layers 2] [--batch 8] [--seq 64]
     python benchmarks/train_gpt.py --phases [-n 2]   # where a dp step's time goes (graph too)
     python benchmarks/train_gpt.py --graph --first-bucket 1024   # DDP's first bucket, in a graph
+    python benchmarks/train_gpt.py --graph --threads   # the graph's actors on the runtime's
+                                  # queue threads (as before inline runs) vs the default graph
 """
 
 from __future__ import annotations
@@ -137,6 +139,15 @@ def _graph_step(cfg, micro_batches: int = 1, loss: str = "mean",
     xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
     pos = sf.arange(cfg["seq"], placement=pl, sbp=sf.B)
     return (lambda: graph(xs, pos, ys)), graph
+
+
+def _on_threads(step, graph):
+    """``step`` compiled, its runtime made to run the actors on its queue threads instead of
+    the calling thread (sbpflow internals: the runtime's ``inline`` flag, kept while its plan
+    is the same): the hand-offs a call cost before a data-parallel rank ran inline."""
+    step()
+    graph._last.runtime.inline = False
+    return step
 
 
 def _torch_model(cfg):
@@ -268,7 +279,8 @@ def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
     return out
 
 
-def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None):
+def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None,
+           threads: bool = False):
     import logging
     torch._logging.set_logs(all=logging.ERROR)
     rows = []
@@ -280,12 +292,15 @@ def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None
              ("dp torch", "sf.nn dp", sf_nn_dp)]
     if first_bucket is not None:   # against the default graph, taking turns with it
         cases.insert(6, ("dp graph/1st", "dp graph", lambda c: _graph_step(c)[0]))
+    if threads:   # against the default (inline) graph, taking turns with it
+        cases.insert(6, ("dp graph/thr", "dp graph", lambda c: _graph_step(c)[0]))
     for layout, ref_name, ref in cases:
         if graph_only and "graph" not in layout:
             continue
         sf_step = _graph_step(cfg)[0] if layout == "dp graph" else \
             _graph_step(cfg, first_bucket=first_bucket)[0] if layout == "dp graph/1st" else \
             _graph_step(cfg, loss="sum")[0] if layout == "dp/sum graph" else \
+            _on_threads(*_graph_step(cfg)) if layout == "dp graph/thr" else \
             _converted_step(cfg)[0] if layout == "dp torch" else _sf_step(cfg, layout)[0]
         sf_step()
         sf.comm.reset_stats()
@@ -346,7 +361,7 @@ def _graph_phases(step, graph):
     return run
 
 
-def _phases(cfg, steps):
+def _phases(cfg, steps, threads: bool = False):
     """Per rank, the median CPU time (of the thread running it) and wall time of each phase of
     a data parallel step — forward, backward, optimizer step, and the rest of the call — and
     the step's CPU time summed over all the process's threads (the backend's and the runtime's
@@ -358,6 +373,9 @@ def _phases(cfg, steps):
             "sf graph": _graph_phases(graph_step, graph),
             "DDP": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg)),
             "DDP fused": (lambda s: lambda: _eager_phases(s))(_ddp_step(cfg, fused=True))}
+    if threads:  # the graph with its actors on the runtime's queue threads
+        thr_step, thr_graph = _graph_step(cfg)
+        runs["graph/thr"] = _graph_phases(_on_threads(thr_step, thr_graph), thr_graph)
     times = {name: [[] for _ in range(8)] for name in runs}
     for i in range(steps + 3):
         for name, run in runs.items():
@@ -380,7 +398,7 @@ def _min_bytes(cfg, layout: str, n: int = 4) -> int:
     params = v * d + s * d + L * (12 * d * d + 13 * d) + 2 * d + d * v
     if layout in ("dp/sum", "dp/sum graph"):  # one all-reduce of every gradient
         return 2 * (n - 1) * params * 4
-    if layout in ("dp", "dp graph", "dp graph/1st", "dp torch"):
+    if layout in ("dp", "dp graph", "dp graph/1st", "dp graph/thr", "dp torch"):
         # one all-reduce of every gradient, and of the loss's count of valid (not ignore_index)
         # targets: a float32 scalar, so the mean is over the whole batch, as on one device
         return 2 * (n - 1) * params * 4 + 2 * (n - 1) * 4
@@ -407,6 +425,10 @@ def main(argv=None) -> int:
                     help="instead: CPU and wall time of each phase of a data-parallel step")
     ap.add_argument("--graph", action="store_true",
                     help="only the graph-mode rows and the graph's per-op overhead")
+    ap.add_argument("--threads", action="store_true",
+                    help="add the graph with its actors on the runtime's queue threads (a "
+                         "'dp graph/thr' row against the default graph; with --phases a "
+                         "'graph/thr' row)")
     ap.add_argument("--first-bucket", type=int, default=None, metavar="KIB",
                     help="add a 'dp graph/1st' row: the graph with a first gradient bucket of "
                          "KIB KiB (DDP's is 1024) against the default graph (on a CPU: one "
@@ -422,7 +444,7 @@ def main(argv=None) -> int:
           f"{args.steps} steps, sbpflow and torch taking turns")
     if args.phases:
         per_rank = sf.launch(_phases, world_size=args.ranks, backend="torch",
-                             args=(cfg, args.steps))
+                             args=(cfg, args.steps, args.threads))
         print(f"{'rank':<5}{'':<12}{'forward cpu / wall':>20}{'backward cpu / wall':>21}"
               f"{'step cpu / wall':>18}{'rest wall':>11}{'proc cpu':>10}   (ms)")
         for r, phases in enumerate(per_rank):
@@ -431,13 +453,14 @@ def main(argv=None) -> int:
                     f"{v[2 * k] * 1e3:>{12 if k else 13}.2f} / {v[2 * k + 1] * 1e3:<5.2f}"
                     for k in range(3)) + f"{v[6] * 1e3:>9.2f}{v[7] * 1e3:>10.2f}")
         print("sf graph: the phases are the forward, backward and update actors (on the "
-              "runtime's compute thread);\nrest: the call's wall time outside them (split "
+              "calling thread; graph/thr: on the runtime's compute thread);\nrest: the call's wall time outside them (split "
               "inputs, the runtime's start, firing, threads, the outputs);\nproc cpu: the "
               "step's CPU time in all the process's threads (compute, gloo's, the runtime's)")
         return 0
     _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",
                             args=(cfg, args.steps, args.graph,
-                                  None if args.first_bucket is None else args.first_bucket << 10)
+                                  None if args.first_bucket is None else args.first_bucket << 10,
+                                  args.threads)
                             )[0], cfg, args.ranks)
     return 0
 

@@ -256,4 +256,6 @@ def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
         for r in ranks:
             actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
                                       update and trains, name, failures)
-    return Plan(actors, name=name)
+    # the actors wait only in collectives and transfers (the runtime's interrupt or the
+    # communicator's timeout ends them): a rank with nothing to overlap runs on its caller
+    return Plan(actors, name=name, inline=True)

@@ -5,7 +5,8 @@ of its actors that the firing rule allows, publishes its outputs (``req`` to eac
 acks its inputs; messages to other ranks go over the Communicator's message channel, read by
 one reader thread a channel kept from run to run (`inbox`). A failing actor aborts every rank
 of the plan; an actor that cannot fire, or stays inside its function, for ``SBPFLOW_TIMEOUT``
-s raises `ActorTimeout`; a run refuses to start while a failed run's thread is left inside an
+s raises `ActorTimeout`; a rank of a plan that allows it (`Plan.runs_inline`: one queue, no
+other rank's actors) runs its actors on the calling thread, with no hand-off; a run refuses to start while a failed run's thread is left inside an
 actor (its collective would pair with the new run's). Every firing is a timeline event. The
 torch backend's messages are pickled over sockets between the ranks (the c10d store as a
 fallback): fine for control messages, slow for large tensors. See docs/runtime.md, 'Actors
@@ -20,10 +21,12 @@ import weakref
 from functools import partial
 from typing import Any
 
+import torch
+
 from .. import memory
 from ..comm.base import Communicator
 from ..comm.channels import copy_tensors, tensor_bytes
-from ..comm.current import current, set_current
+from ..comm.current import current, rank_local, set_current
 from ..comm.threads import ThreadCommunicator, default_timeout, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
@@ -146,6 +149,9 @@ class Runtime:
         # never misread (counted per communicator and channel, not per Runtime)
         self._step: _Step | None = None
         self.workers = Workers()  # the queues' threads, kept from run to run
+        # whether this rank runs its actors on the calling thread (`Plan.runs_inline`), and
+        # the plan that answer is for
+        self.inline, self._inline_of = False, None
 
     def run(self, micro_batches: int, plan: Plan | None = None) -> dict[str, list]:
         """Run every actor of this rank its number of times (default ``micro_batches``).
@@ -168,10 +174,12 @@ class Runtime:
                                 f"{self.plan.name!r}: a new plan keeps the name")
             self.plan = plan
         self.plan.check_rates(micro_batches)
+        if self.plan is not self._inline_of:  # (a plan given to run may differ)
+            self._inline_of, self.inline = self.plan, self.plan.runs_inline(self.rank)
         self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)
         try:
-            return self._step.execute()
+            return self._step.execute_inline() if self.inline else self._step.execute()
         except BaseException:
             with self.shared.lock:
                 self.shared.failures += 1
@@ -249,6 +257,56 @@ class _Step:
             workers.close()  # the next run starts on fresh threads
             raise self.failure
         return self.results
+
+    def execute_inline(self) -> dict[str, list]:
+        """The run on the calling thread (`Plan.runs_inline`): the one queue's loop, with the
+        supervisor's timeout checks between firings; aborts come in on the channel's reader
+        thread, whose interrupt ends a collective an actor waits in. Saves and restores what
+        a queue thread sets (the communicator, the grad mode it starts with)."""
+        self._refuse_if_stale()
+        local = rank_local()
+        previous = local.comm
+        exc = None
+        try:
+            self._start()
+            set_current(self.comm)
+            waits_alongside(True)  # as on a queue thread: the reader waits beside it
+            with memory.attach(self.trackers), torch.enable_grad(), self.lock:
+                exc = self._inline_loop([a for q in self.queues.values() for a in q])
+        except BaseException as err:  # e.g. KeyboardInterrupt: stop every rank
+            self._fail(err, None)
+            raise
+        finally:
+            waits_alongside(False)
+            local.comm = previous
+            with self.rt.shared.route:  # from now on the reader keeps or drops its messages
+                if self.rt.router.active is self:
+                    self.rt.router.active = None
+        if exc is not None:
+            self._fail(exc, None)
+        if self.failure is not None:
+            raise self.failure
+        return self.results
+
+    def _inline_loop(self, actors: list[Actor]) -> ActorTimeout | None:
+        """Fire the actors, first ready first, until all fired (or the run failed); waiting,
+        check for timeouts as `_supervise` does. Returns the timeout (lock held)."""
+        cond = self.conds[actors[0].spec.queue] if actors else self.main
+        try:
+            while not self.over:
+                a = next((a for a in actors if a.can_fire() and not self.gated(a)), None)
+                if a is not None:
+                    self._fire(a)
+                elif not self.left:
+                    return None
+                else:  # a gated actor waits for the starts, or a plan bug: time it out
+                    cond.wait(_POLL)
+                    exc = None if self.over else self._timed_out()
+                    if exc is not None:
+                        return exc
+            return None
+        finally:
+            self.over = True
 
     def _refuse_if_stale(self) -> None:
         """Refuse the run (`CommError`, and tell the other ranks, whose run aborts) while a

@@ -89,10 +89,13 @@ class Consumer:
 class Plan:
     """The actors of every rank: ``actors[rank]`` is that rank's list of `ActorSpec`s.
     ``name`` names the message channel its runtimes talk on (unique among runtimes that run at
-    the same time)."""
+    the same time). ``inline``: the actors' functions wait only in the communicator (whose
+    waits end at its timeout or at the runtime's interrupt), so a rank whose actors run on the
+    calling thread can always be stopped (`runs_inline`)."""
 
     actors: Mapping[int, Sequence[ActorSpec]]
     name: str = "plan"
+    inline: bool = False
     consumers: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +158,23 @@ class Plan:
                             f"actor {key[1]!r} on rank {key[0]}, whose registers are "
                             f"{sorted(src[0].outputs)}")
         return key
+
+    def runs_inline(self, rank: int) -> bool:
+        """Whether ``rank`` runs its actors on the calling thread, with no hand-off to queue
+        threads: the plan says it may (``inline``), its actors share one queue (nothing to
+        overlap across threads) and none reads or feeds another rank's actor (a data-parallel
+        stage: its collectives run inside the actors, their asynchronous parts on the
+        communicator's own threads). See docs/runtime.md, 'Actors and registers'."""
+        specs = self.actors.get(rank, ())
+        if not self.inline or len({s.queue for s in specs}) > 1:
+            return False
+        for s in specs:
+            if any(self.producer(rank, ref)[0] != rank for ref in s.inputs):
+                return False
+            if any(c.rank != rank for reg in s.outputs
+                   for c in self.consumers.get((rank, s.name, reg), ())):
+                return False
+        return True
 
     def check_rates(self, micro_batches: int) -> None:
         """Each consumer fires exactly as often as each of its producers publishes."""
