@@ -12,6 +12,7 @@ See docs/internals.md, 'The pending mean'.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -23,15 +24,42 @@ from ..tensor import GlobalTensor, current_recorder, retains_grads
 
 __all__ = ["record_mean"]
 
+_LOCAL = operator.attrgetter("_local")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 
 class _Guessing:
     """What the calls of one recorded mean share: whether ``backward()`` is called on it (seen
-    while tracing) and whether guessing still holds (a wrong guess stops it, on every rank)."""
+    while tracing), whether guessing still holds (a wrong guess stops it, on every rank), and
+    the leaves its backward reached (`leaves`)."""
 
-    __slots__ = ("backward_seen", "on")
+    __slots__ = ("backward_seen", "on", "externals", "cache")
 
-    def __init__(self, on: bool) -> None:
+    def __init__(self, on: bool, externals: list) -> None:
         self.backward_seen, self.on = False, on
+        self.externals = externals  # the tape's (slot, tensor) re-read at each replay
+        # (the externals' shards, their requires_grad, the leaves) of the last walk, or None
+        self.cache: tuple | None = None
+
+    def leaves(self, root: torch.Tensor) -> list[torch.Tensor]:
+        """The leaves backward from ``root`` reaches: walked once, then the same list while
+        they are all shards of the tape's externals (the parameters) and every external reads
+        the same shard with the same ``requires_grad`` (the replayed tape then builds the same
+        graph over them; the inputs' ``requires_grad`` is part of the compiled signature). A
+        leaf that is not an external (an input or a received value requiring grad) is new each
+        call: walked each time."""
+        # (C-level maps: the check costs well under a microsecond an external)
+        tensors = [t for _, t in self.externals] if self.cache is None else self.cache[0]
+        shards = list(map(_LOCAL, tensors))
+        flags = list(map(_REQUIRES_GRAD, shards))
+        c = self.cache
+        if c is not None and c[2] == flags and all(map(operator.is_, c[1], shards)):
+            return c[3]
+        leaves = _leaves(root)
+        known = set(map(id, shards))
+        self.cache = (tensors, shards, flags, leaves) \
+            if all(id(v) in known for v in leaves) else None
+        return leaves
 
 
 class _TracedMean(GlobalTensor):
@@ -55,7 +83,7 @@ def record_mean(total: GlobalTensor, count: GlobalTensor, reduced: tuple, group:
     value = _as_dtype(total.local / summed, total.dtype)
     out = _TracedMean(value, (), total.placement, total.sbp)
     rec = current_recorder()
-    guessing = _Guessing(rec.micro_batches == 1)
+    guessing = _Guessing(rec.micro_batches == 1, rec.externals)
     out._guessing = guessing
     guess = float(summed) if full is None else float(full)
     pl = total.placement
@@ -146,7 +174,7 @@ class _GuessedQuotient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         call = ctx.call
-        leaves = _leaves(ctx.graph_root)
+        leaves = call.guessing.leaves(ctx.graph_root)
         if not retains_grads() and all(map(_correctable, leaves)):
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: _settle(call, leaves))
@@ -194,7 +222,11 @@ def _correctable(leaf: torch.Tensor) -> bool:
     """Whether scaling ``leaf.grad`` afterwards undoes a wrong guess: no gradient before this
     backward (accumulating into one), no hook that saw the guessed gradient (a post-
     accumulate hook is fine if it is redone when the started all-reduces are dropped)."""
-    if leaf.grad is not None or getattr(leaf, "_backward_hooks", None):
+    if leaf.grad is not None or leaf._backward_hooks:
         return False
-    post = getattr(leaf, "_post_accumulate_grad_hooks", None)
-    return not post or all(getattr(h, "redone_when_dropped", False) for h in post.values())
+    post = leaf._post_accumulate_grad_hooks
+    if post:  # (a loop, not all() over a generator: this runs for every leaf every call)
+        for h in post.values():
+            if not getattr(h, "redone_when_dropped", False):
+                return False
+    return True
