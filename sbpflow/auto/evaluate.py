@@ -636,15 +636,76 @@ def _least_beta(cluster) -> float:
     return min(betas, default=0.0)
 
 
+def _node_side(layouts: list, ndim: int, cluster) -> tuple:
+    """Per ``(mesh, nd-sbp)``, what node 0 (ranks ``0 .. k-1``, ``k`` devices a node) holds:
+    per axis the fraction ``[0, x)`` of it (the union of its ranks' boxes: mesh dims are
+    row-major, the first dim outermost, so node 0 has coordinate 0 on the dims above the node,
+    every coordinate on the dims inside it and a prefix on a dim across the boundary: a prefix
+    of every axis); whether a partial (column 0) or broadcast (1) dim reaches other nodes; and
+    whether the layout qualifies (its mesh covers the cluster and every mesh dim is aligned
+    with nodes: each suffix product divides ``k`` or is a multiple of it, so every group of
+    a move crosses nodes as rank 0's does)."""
+    k, world = cluster.devices_per_node, cluster.world_size
+    own = np.ones((len(layouts), ndim))
+    spans = np.zeros((len(layouts), 2), dtype=bool)
+    ok = np.zeros(len(layouts), dtype=bool)
+    for i, (mesh, nd) in enumerate(layouts):
+        stride = [math.prod(mesh[j + 1:]) for j in range(len(mesh))]
+        if math.prod(mesh) != world or any(c % k and k % c for c in stride + [world]):
+            continue
+        ok[i] = True
+        for x, m, st in zip(nd, mesh, stride):
+            outer = m if st >= k else max(1, m * st // k)   # the dim's part above the node
+            if isinstance(x, Split):
+                own[i, x.axis] /= outer
+            elif outer > 1:
+                spans[i, 0 if isinstance(x, Partial) else 1] = True
+    return own, spans, ok
+
+
+def _node_lacks(src: tuple, dst: tuple, pd, col: int) -> np.ndarray:
+    """Fraction of the tensor node 0 must receive from other nodes going from the layouts of
+    ``src`` to those of ``dst`` (`_node_side` arrays; ``pd``: the destinations have a partial
+    dim, ``col``: the ``spans`` column that is partial in this direction): what it
+    lacks of its new region (products of prefixes: the product of the per-axis minima is the
+    overlap), all of it when a source partial dim reaches other nodes (no element is then
+    summed within node 0). A partial destination, or a layout not qualifying: 0."""
+    (own_s, sp_s, ok_s), (own_d, _, ok_d) = src, dst
+    both = np.minimum(own_s[:, None, :], own_d[None, :, :]).prod(axis=2)
+    box = own_d.prod(axis=1)[None, :]
+    lack = np.where(sp_s[:, col][:, None], box, np.clip(box - both, 0.0, None))
+    return np.where(ok_s[:, None] & ok_d[None, :] & ~pd[None, :], lack, 0.0)
+
+
+def _layout_meshes(layouts: list) -> tuple[list, np.ndarray]:
+    """The distinct meshes of ``(mesh, nd-sbp)`` pairs and each pair's index among them."""
+    index: dict = {}
+    of = np.array([index.setdefault(m, len(index)) for m, _ in layouts], dtype=np.int64)
+    return list(index), of
+
+
+def _inter_beta(cluster) -> float:
+    """The least seconds per byte a group across nodes is priced at (link and per-kind fits),
+    divided by the devices a node has: node 0's ``k`` ranks each receive at most a move's
+    per-device volume, so what enters node 0 costs at least this per byte (0: one node)."""
+    if cluster.nodes < 2:
+        return 0.0
+    betas = [cluster.inter.beta] + [f.beta for lc, _, f in cluster.kinds if lc == "inter"]
+    return min(betas) / min(cluster.devices_per_node, cluster.world_size)
+
+
 def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list) -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
-    layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix: the elements rank 0 must
-    receive (`_lacks`), forward and backward (the duals: broadcast <-> partial), at the least
-    seconds per byte a group of the cluster can be charged (`_least_beta`). Rank 0 sits at
-    coordinate 0 of every mesh, so it holds ``[0, 1/f_a)`` of every axis ``a`` split ``f_a``
-    ways, and
-    every move the price sums sends each receiver at least what it gets (a collective's
-    volume, a transfer's busiest receiver). Scaled by ``1 - 1e-9`` against rounding."""
+    layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix, per direction (forward,
+    and backward: the duals, broadcast <-> partial) the larger of two: the elements rank 0
+    must receive (`_lacks`) at the least seconds per byte a group of the cluster can be
+    charged (`_least_beta`); the elements node 0 must receive from other nodes
+    (`_node_lacks`) at `_inter_beta`. Rank 0 sits at coordinate 0 of every mesh, so it holds
+    ``[0, 1/f_a)`` of every axis ``a`` split ``f_a`` ways, and every move the price sums sends
+    each receiver at least what it gets (a collective's volume, a transfer's busiest
+    receiver); the node bound needs real moves: meshes of at most ``_TRANSFER_MAX_RANKS``
+    ranks with a common refinement (else the price holds estimates). Scaled by ``1 - 1e-9``
+    against rounding."""
     beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
@@ -652,13 +713,22 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     fs, ks, gs = _axis_factors(rows, nd)
     fd, kd, gd = _axis_factors(cols, nd)
     own_s, own_d = 1.0 / fs, 1.0 / fd
-    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(fs, gs, fd))
+    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(fs, gs, fd)) * beta
     # backward: dual(input) -> dual(output); a dual has a partial where the layout broadcasts
     # (and a broadcast where it has a partial)
-    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1], _reduced_piece(fd, gd[:, ::-1], fs)).T
+    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1], _reduced_piece(fd, gd[:, ::-1], fs)).T * beta
+    bx = _inter_beta(cluster)
+    # one device a node: node 0 is rank 0, and the rank bound is as tight
+    if bx > 0 and cluster.devices_per_node > 1 and cluster.world_size <= _TRANSFER_MAX_RANKS:
+        ns, nd_ = _node_side(rows, nd, cluster), _node_side(cols, nd, cluster)
+        (mr, ri), (mc, ci) = _layout_meshes(rows), _layout_meshes(cols)
+        ref = np.array([[_refine(a, b) is not None for b in mc] for a in mr])
+        fine = ref[np.ix_(ri, ci)]   # the meshes have a common refinement
+        fwd = np.maximum(fwd, np.where(fine, _node_lacks(ns, nd_, kd[:, 0], 0), 0.0) * bx)
+        bwd = np.maximum(bwd, np.where(fine, _node_lacks(nd_, ns, ks[:, 1], 1).T, 0.0)
+                         * bx)
     odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
-    lack = np.where(odd, 0.0, fwd + bwd)
-    return lack * (math.prod(shape) * itemsize * beta * (1 - 1e-9))
+    return np.where(odd, 0.0, fwd + bwd) * (math.prod(shape) * itemsize * (1 - 1e-9))
 
 
 # ---- per-layer and per-edge terms --------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""The edge tables' lower bounds (`sbpflow.auto.evaluate.edge_lower_bounds`) never exceed
+the price: every entry of every distinct table filled and compared. The dynamic programme
+and the pruned min-plus skip entries by these bounds, so a bound above its price could
+change a search's answer."""
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow.auto import model_graphs
+from sbpflow.auto.evaluate import Evaluator, edge_lower_bounds
+from sbpflow.auto.search import Problem
+
+
+def _check_tables(pb, seen: set) -> int:
+    """Fill each table of ``pb`` not in ``seen`` (by content) and assert lower <= price;
+    the number of entries checked."""
+    n = 0
+    for t in {id(v.table): v.table for v in pb.tables.values()}.values():
+        key = (t.shape, tuple(t.rows), tuple(t.cols))
+        if key in seen:
+            continue
+        seen.add(key)
+        t.fill_all()
+        bad = np.argwhere(t.lower > t.M)
+        assert not len(bad), (t.shape, t.rows[bad[0][0]], t.cols[bad[0][1]],
+                              t.lower[tuple(bad[0])], t.M[tuple(bad[0])])
+        n += t.M.size
+    return n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vgg13-supercomputer-16", "gpt-dgx-2", "gpt-4x4"])
+def test_edge_lower_bounds_below_every_price(name):
+    g, c = {
+        "vgg13-supercomputer-16": (model_graphs.vgg13(16), sf.cost.Cluster.preset(
+            "supercomputer", nodes=16, flops_per_device=None)),
+        "gpt-dgx-2": (model_graphs.gpt(2, 256, 8, 128, 16),
+                      sf.cost.Cluster.preset("dgx-a100", nodes=2)),
+        # 4 devices a node: meshes of 16 whose dims cross the node boundary part way
+        "gpt-4x4": (model_graphs.gpt(2, 256, 8, 128, 16),
+                    sf.cost.Cluster.preset("dgx-a100", nodes=4, devices_per_node=4)),
+    }[name]
+    seen: set = set()
+    n = sum(_check_tables(Problem(g, c, zero=zero), seen) for zero in (False, True))
+    assert n > 10_000
+
+
+def test_node_bound_binds_across_nodes():
+    """On two 8-GPU nodes, gathering a tensor split over all 16 ranks (and, backward,
+    reduce-scattering its gradient): node 0 lacks half of the tensor each way, which crosses
+    the nodes at the inter-node beta shared by 8 devices; that is above rank 0's 15/16 at
+    NVLink's beta, and below the price."""
+    c = sf.cost.Cluster.preset("dgx-a100", nodes=2)
+    shape = (1024, 1024)
+    split, full = ((16,), (sf.S(0),)), ((16,), (sf.B,))
+    lo = edge_lower_bounds(shape, 4, c, [split], [full])[0, 0]
+    price = Evaluator(model_graphs.mlp((8, 8), batch=8), c, 1).edge_time(
+        shape, *split, *full)
+    nbytes = 1024 * 1024 * 4
+    assert lo == pytest.approx(2 * 0.5 * nbytes * c.inter.beta / 8 * (1 - 1e-9))
+    assert 2 * 15 / 16 * nbytes * c.intra.beta < lo <= price
