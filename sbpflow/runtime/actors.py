@@ -63,12 +63,9 @@ class Actor:
         self.inputs: list[deque] = [deque() for _ in spec.inputs]  # (slot, index, value)
         self.repeats = [ref.repeat for ref in spec.inputs]
         self.received = [0] * len(spec.inputs)  # reqs received an input (their order check)
-        self.sources = []  # (rank, actor, register, the register's index) an input
-        for ref in spec.inputs:
-            r, actor, reg = plan.producer(rank, ref)
-            self.sources.append((r, actor, reg, list(plan.spec(r, actor).outputs).index(reg)))
-        self.outputs = [Register(reg, n, plan.consumers.get((rank, spec.name, reg), []))
-                        for reg, n in spec.outputs.items()]
+        # (rank, actor, register, the register's index) an input
+        self.sources, outputs = plan.wiring(rank, spec)
+        self.outputs = [Register(reg, n, consumers) for reg, n, consumers in outputs]
 
     def emits_now(self) -> bool:
         return (self.fired + 1) % self.every == 0

@@ -97,9 +97,12 @@ class Plan:
     name: str = "plan"
     inline: bool = False
     consumers: dict = field(init=False, repr=False)
+    _wiring: dict = field(init=False, repr=False, compare=False)
+    _rates: set = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.actors = {int(r): list(specs) for r, specs in self.actors.items()}
+        self._wiring, self._rates = {}, set()  # `wiring`, `check_rates` memos
         self.consumers = {}  # (rank, actor, register) -> [Consumer]
         self._check_names()
         for r, specs in self.actors.items():
@@ -176,8 +179,31 @@ class Plan:
                 return False
         return True
 
+    def wiring(self, rank: int, spec: ActorSpec) -> tuple[list, list]:
+        """What an actor of ``rank`` is joined to, worked out once a plan: per input ``(rank,
+        actor, register, the register's index among the producer's)``; per output register
+        ``(name, slots, consumers)``."""
+        key = (rank, spec.name)
+        got = self._wiring.get(key)
+        if got is None:
+            sources = []
+            for ref in spec.inputs:
+                r, actor, reg = self.producer(rank, ref)
+                sources.append((r, actor, reg, list(self.spec(r, actor).outputs).index(reg)))
+            outputs = [(reg, n, self.consumers.get((rank, spec.name, reg), []))
+                       for reg, n in spec.outputs.items()]
+            got = self._wiring[key] = (sources, outputs)
+        return got
+
     def check_rates(self, micro_batches: int) -> None:
-        """Each consumer fires exactly as often as each of its producers publishes."""
+        """Each consumer fires exactly as often as each of its producers publishes (checked
+        once a plan and micro-batch count)."""
+        if micro_batches in self._rates:
+            return
+        self._check_rates(micro_batches)
+        self._rates.add(micro_batches)
+
+    def _check_rates(self, micro_batches: int) -> None:
         for (r, name, reg), consumers in self.consumers.items():
             src = self.spec(r, name)
             if src.firings(micro_batches) % src.emit_every:
