@@ -71,7 +71,7 @@ def _piece(numel, fine, nd, skip):
     return numel / math.prod(_split_factors(fine, nd, skip).values() or [1])
 
 
-@memoize(1 << 18)
+@memoize(1 << 20)
 def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
                          dst: tuple) -> tuple:
     """The collectives of the analytic redistribution: `Collective` records ``(kind,
@@ -179,7 +179,7 @@ def _dst_side(fine: tuple, dst: tuple, ndim: int):
     return dlo, dhi, (dhi - dlo).prod(axis=1), receives
 
 
-@memoize(1 << 18)
+@memoize(1 << 20)
 def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
     that). The distinct source boxes tile the tensor as a grid, the product over axes of
@@ -248,7 +248,9 @@ class _Sk(NamedTuple):
     fallback: str = ""
 
 
-@memoize(1 << 18)
+# 1 << 20 entries (here and for the skeletons): GPT-3's 128-device stages walk about 200k
+# distinct skeletons, evicted before reuse at 1 << 18; peak RSS of that search 0.98 GB
+@memoize(1 << 20)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """The `Move` s of the redistribution: the fixed order, or, when one of its moves is not a
     valid boxing step (nested splits of one axis), what the planner does instead: partial dims
@@ -261,7 +263,7 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
     return _via_transfer(shape, *sk)
 
 
-@memoize(1 << 18)
+@memoize(1 << 20)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """``("moves", _Sk s)`` or ``("transfer", (fine, s, pre-moves and fractions per reduced
     layout))``, for any shape of ``ndim`` axes (`_plan`). It depends on the meshes and layouts
@@ -282,7 +284,7 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
     return _fine_skeleton(ndim, fine, tuple(src[i] for i in oa), tuple(dst[i] for i in ob))
 
 
-@memoize(1 << 18)
+@memoize(1 << 20)
 def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
     """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
     moves = _FixedOrder(ndim, fine, list(s), list(d)).run()
