@@ -333,7 +333,8 @@ def _eager_phases(step):
 
 def _graph_phases(step, graph):
     """A graph step's phases, as `_eager_phases`: each is the (thread CPU, wall) time inside the
-    forward, backward and update actors (they run on the runtime's compute thread); the wall
+    forward, backward and update actors (on the calling thread: a data-parallel rank runs
+    its actors inline; on the runtime's compute thread after `_on_threads`); the wall
     time of the call around them is the ``rest`` of the step. Wraps the actors' functions of
     the compiled plan (sbpflow internals: ``graph._last.plan``)."""
     got: dict = {}
