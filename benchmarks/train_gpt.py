@@ -454,8 +454,9 @@ def main(argv=None) -> int:
                     f"{v[2 * k] * 1e3:>{12 if k else 13}.2f} / {v[2 * k + 1] * 1e3:<5.2f}"
                     for k in range(3)) + f"{v[6] * 1e3:>9.2f}{v[7] * 1e3:>10.2f}")
         print("sf graph: the phases are the forward, backward and update actors (on the "
-              "calling thread; graph/thr: on the runtime's compute thread);\nrest: the call's wall time outside them (split "
-              "inputs, the runtime's start, firing, threads, the outputs);\nproc cpu: the "
+              "calling thread; graph/thr: on the runtime's compute thread);\nrest: the call's "
+              "wall time outside them (split inputs, the runtime's start, firing, threads, "
+              "the outputs);\nproc cpu: the "
               "step's CPU time in all the process's threads (compute, gloo's, the runtime's)")
         return 0
     _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",

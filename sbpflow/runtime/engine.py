@@ -5,12 +5,11 @@ of its actors that the firing rule allows, publishes its outputs (``req`` to eac
 acks its inputs; messages to other ranks go over the Communicator's message channel, read by
 one reader thread a channel kept from run to run (`inbox`). A failing actor aborts every rank
 of the plan; an actor that cannot fire, or stays inside its function, for ``SBPFLOW_TIMEOUT``
-s raises `ActorTimeout`; a rank of a plan that allows it (`Plan.runs_inline`: one queue, no
-other rank's actors) runs its actors on the calling thread, with no hand-off; a run refuses to start while a failed run's thread is left inside an
-actor (its collective would pair with the new run's). Every firing is a timeline event. The
-torch backend's messages are pickled over sockets between the ranks (the c10d store as a
-fallback): fine for control messages, slow for large tensors. See docs/runtime.md, 'Actors
-and registers'.
+s raises `ActorTimeout`; a run refuses to start while a failed run's thread is left inside an
+actor (its collective would pair with the new run's). A rank of a plan that allows it
+(`Plan.runs_inline`: one queue, no other rank's actors) runs its actors on the calling thread.
+Every firing is a timeline event. The torch backend's messages are pickled over sockets
+between the ranks (the c10d store as a fallback). See docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
