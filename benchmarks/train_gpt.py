@@ -18,7 +18,8 @@ minimum its layouts imply.  ``--graph``: the graph rows and tables only.
     python benchmarks/train_gpt.py --phases [-n 2]   # where a dp step's time goes (graph too)
     python benchmarks/train_gpt.py --graph --first-bucket 1024   # DDP's first bucket, in a graph
     python benchmarks/train_gpt.py --graph --threads   # the graph's actors on the runtime's
-                                  # queue threads (as before inline runs) vs the default graph
+                                  # queue threads vs inline (gloo runs on threads either way:
+                                  # its collectives cannot be interrupted; docs/runtime.md)
 """
 
 from __future__ import annotations
@@ -429,7 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", action="store_true",
                     help="add the graph with its actors on the runtime's queue threads (a "
                          "'dp graph/thr' row against the default graph; with --phases a "
-                         "'graph/thr' row)")
+                         "'graph/thr' row; on gloo the default runs on threads too, "
+                         "so the rows match: only the threads backend runs inline)")
     ap.add_argument("--first-bucket", type=int, default=None, metavar="KIB",
                     help="add a 'dp graph/1st' row: the graph with a first gradient bucket of "
                          "KIB KiB (DDP's is 1024) against the default graph (on a CPU: one "

@@ -143,6 +143,9 @@ class Communicator:
     """
 
     backend: str = "abstract"
+    # whether `interrupt` makes a waiting collective raise (a torch process group cannot
+    # cancel a call): the runtime runs actors on the calling thread only then
+    interruptible: bool = False
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank

@@ -349,6 +349,7 @@ class ThreadCommunicator(Communicator):
     say where the rank is when others wait for it)."""
 
     backend = "threads"
+    interruptible = True
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         super().__init__(rank, world.world_size)

@@ -7,7 +7,8 @@ one reader thread a channel kept from run to run (`inbox`). A failing actor abor
 of the plan; an actor that cannot fire, or stays inside its function, for ``SBPFLOW_TIMEOUT``
 s raises `ActorTimeout`; a run refuses to start while a failed run's thread is left inside an
 actor (its collective would pair with the new run's). A rank of a plan that allows it
-(`Plan.runs_inline`: one queue, no other rank's actors) runs its actors on the calling thread.
+(`Plan.runs_inline`: one queue, no other rank's actors) runs its actors on the calling thread
+when its collectives can be interrupted (threads backend).
 Every firing is a timeline event. The torch backend's messages are pickled over sockets
 between the ranks (the c10d store as a fallback). See docs/runtime.md, 'Actors and registers'.
 """
@@ -174,7 +175,10 @@ class Runtime:
             self.plan = plan
         self.plan.check_rates(micro_batches)
         if self.plan is not self._inline_of:  # (a plan given to run may differ)
-            self._inline_of, self.inline = self.plan, self.plan.runs_inline(self.rank)
+            # (inline only where a failure elsewhere can interrupt a waiting collective: a
+            # gloo one cannot be, and only a thread of its own lets the run stop in 2 s)
+            self._inline_of = self.plan
+            self.inline = self.comm.interruptible and self.plan.runs_inline(self.rank)
         self.runs = self.shared.next_run(self.channel)
         self._step = _Step(self, micro_batches)
         try:
