@@ -12,10 +12,13 @@ from sbpflow.models import gpt_class
 
 
 def torch_gpt_train(sd0: dict, cfg: dict, batch: Callable[[int], tuple], steps: int,
-                    lr: float) -> tuple[list, dict]:
+                    lr: float, tied: bool = False) -> tuple[list, dict]:
     """Train the float64 torch GPT ``cfg`` from ``sd0`` for ``steps`` steps on ``batch(step)``
-    (AdamW, weight decay 0.01): (losses, final state dict)."""
+    (AdamW, weight decay 0.01): (losses, final state dict). ``tied``: the head uses the token
+    embedding's weight."""
     model = gpt_class(torch.nn, torch.nn.functional)(**cfg).double()
+    if tied:
+        model.head.weight = model.tok.weight
     model.load_state_dict(sd0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
     losses = []

@@ -137,16 +137,6 @@ def _tied_across_one_device_stages():
 def test_a_weight_tied_across_single_device_stages_trains_as_torch():
     ties, sd0, losses, w = sf.launch(_tied_across_one_device_stages, world_size=2)[0]
     assert ties == {"head": "tok"}
-    tm = gpt_class(torch.nn, torch.nn.functional)(**GPT).double()
-    tm.head.weight = tm.tok.weight
-    tm.load_state_dict(sd0)
-    opt = torch.optim.AdamW(tm.parameters(), lr=LR, weight_decay=0.01, foreach=False)
-    want = []
-    for k in range(STEPS):
-        opt.zero_grad()
-        loss = tm(*batch(k))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want, sd = torch_gpt_train(sd0, GPT, batch, STEPS, LR, tied=True)
     assert losses == pytest.approx(want, rel=1e-10)
-    torch.testing.assert_close(w, tm.tok.weight.detach(), rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(w, sd["tok.weight"], rtol=1e-9, atol=1e-11)
