@@ -28,6 +28,16 @@ _LOCAL = operator.attrgetter("_local")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+class _LeafCache(NamedTuple):
+    """The last walk of a recorded mean's backward: the externals read, their shards, the
+    shards' ``requires_grad``, the leaves reached."""
+
+    tensors: list
+    shards: list
+    flags: list
+    leaves: list
+
+
 class _Guessing:
     """What the calls of one recorded mean share: whether ``backward()`` is called on it (seen
     while tracing), whether guessing still holds (a wrong guess stops it, on every rank), and
@@ -38,8 +48,7 @@ class _Guessing:
     def __init__(self, on: bool, externals: list) -> None:
         self.backward_seen, self.on = False, on
         self.externals = externals  # the tape's (slot, tensor) re-read at each replay
-        # (the externals' shards, their requires_grad, the leaves) of the last walk, or None
-        self.cache: tuple | None = None
+        self.cache: _LeafCache | None = None   # the last walk's, while it holds
 
     def leaves(self, root: torch.Tensor) -> list[torch.Tensor]:
         """The leaves backward from ``root`` reaches: walked once, then the same list while
@@ -49,15 +58,15 @@ class _Guessing:
         leaf that is not an external (an input or a received value requiring grad) is new each
         call: walked each time."""
         # (C-level maps: the check costs well under a microsecond an external)
-        tensors = [t for _, t in self.externals] if self.cache is None else self.cache[0]
+        c = self.cache
+        tensors = [t for _, t in self.externals] if c is None else c.tensors
         shards = list(map(_LOCAL, tensors))
         flags = list(map(_REQUIRES_GRAD, shards))
-        c = self.cache
-        if c is not None and c[2] == flags and all(map(operator.is_, c[1], shards)):
-            return c[3]
+        if c is not None and c.flags == flags and all(map(operator.is_, c.shards, shards)):
+            return c.leaves
         leaves = _leaves(root)
         known = set(map(id, shards))
-        self.cache = (tensors, shards, flags, leaves) \
+        self.cache = _LeafCache(tensors, shards, flags, leaves) \
             if all(id(v) in known for v in leaves) else None
         return leaves
 
