@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..boxing.steps import is_local_change, is_valid_move
+from ..boxing.steps import is_local_change
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
@@ -325,7 +325,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
         pre = None
         if pdims:
             kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
-            if kind == "reduce_scatter" and not is_valid_move(s, mid, pdims):
+            if kind == "reduce_scatter" and not _valid_move(s, mid, pdims):
                 continue
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
@@ -363,7 +363,29 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
 
 def _divisor(fine, nd, skip) -> int:
     """What `_piece` divides by: the product of the split factors outside ``skip``."""
-    return math.prod(_split_factors(fine, nd, skip).values() or [1])
+    # = prod(_split_factors(...).values()), without the dict: called once per move priced
+    out = 1
+    for j, (s, m) in enumerate(zip(nd, fine)):
+        if j not in skip and isinstance(s, Split):
+            out *= m
+    return out
+
+
+def _valid_move(src, dst, dims) -> bool:
+    """`sbpflow.boxing.steps.is_valid_move` (the same answers), as plain loops: it is asked
+    once per fixed-order phase of every nested layout pair a search prices."""
+    touched = set()
+    for d in dims:
+        a, b = src[d], dst[d]
+        if isinstance(a, Split):
+            touched.add(a.axis)
+        if isinstance(b, Split):
+            touched.add(b.axis)
+    for e in range(min(dims) + 1, len(src)):
+        x = src[e]
+        if isinstance(x, Split) and x.axis in touched and e not in dims:
+            return False
+    return True
 
 
 class _FixedOrder:
@@ -379,23 +401,31 @@ class _FixedOrder:
         self.moves: list[_Sk] = []
         # a move can only be invalid if some tensor axis is split on two different dims (in
         # the source or the destination): otherwise skip the checks (the common, fast case)
-        split_dims: dict = {}
+        first_dim: dict = {}
+        n, nested = len(fine), False
         for j, x in enumerate(s + self.target):
-            if isinstance(x, Split):
-                split_dims.setdefault(x.axis, set()).add(j % len(fine))
-        self.nested = any(len(v) > 1 for v in split_dims.values())
+            if isinstance(x, Split) and first_dim.setdefault(x.axis, j % n) != j % n:
+                nested = True
+                break
+        self.nested = nested
 
     def run(self) -> tuple:
         self.nested_slices()
-        self.phase(None, lambda a, b: isinstance(a, Broadcast) and a != b)
-        self.phase("reduce_scatter", lambda a, b: isinstance(a, Partial) and isinstance(b, Split))
-        self.phase("all_to_all",
-                   lambda a, b: isinstance(a, Split) and isinstance(b, Split) and a != b)
-        self.phase("all_reduce", lambda a, b: isinstance(a, Partial) and isinstance(b, Broadcast))
+        # each phase's dims are read off the state the previous phases left (plain loops:
+        # this runs for every distinct layout pair a search prices)
+        st, tg = self.state, self.target
+        self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, tg))
+                               if isinstance(a, Broadcast) and a != b))
+        self.phase("reduce_scatter", tuple(j for j, (a, b) in enumerate(zip(st, tg))
+                                           if isinstance(a, Partial) and isinstance(b, Split)))
+        self.phase("all_to_all", tuple(j for j, (a, b) in enumerate(zip(st, tg))
+                                       if isinstance(a, Split) and isinstance(b, Split) and a != b))
+        self.phase("all_reduce", tuple(j for j, (a, b) in enumerate(zip(st, tg))
+                                       if isinstance(a, Partial) and isinstance(b, Broadcast)))
         self.all_gather()
         self.target = self.final
-        self.phase(None, lambda a, b: a != b)  # S -> P: local
-        return tuple(self.moves)
+        self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, self.final)) if a != b))
+        return tuple(self.moves)  # the last phase: S -> P, local
 
     def piece(self, dims) -> int:
         return _divisor(self.fine, self.state, set(dims))
@@ -428,14 +458,13 @@ class _FixedOrder:
             if isinstance(state[j], Broadcast):
                 state[j] = target[j]
 
-    def phase(self, kind: str | None, test) -> None:
-        """Move every dim whose (state, target) passes ``test`` at once: a ``kind`` collective
-        over their joint group (None: a local step)."""
-        dims = tuple(j for j in range(len(self.fine)) if test(self.state[j], self.target[j]))
+    def phase(self, kind: str | None, dims: tuple) -> None:
+        """Move ``dims`` to their target at once: a ``kind`` collective over their joint group
+        (None: a local step)."""
         if not dims:
             return
         new = self.moved(dims)
-        if self.nested and not is_valid_move(self.state, new, dims):
+        if self.nested and not _valid_move(self.state, new, dims):
             # the collective the move would be (a local slice whose part is held by others:
             # an all-to-all) is the price of last resort (`_plan`)
             self.moves.append(_Sk("nested", self.fine, dims, self.piece(dims),
@@ -468,7 +497,7 @@ class _FixedOrder:
         if not dims:
             return
         new = self.moved(dims)
-        valid = not self.nested or is_valid_move(self.state, new, dims)
+        valid = not self.nested or _valid_move(self.state, new, dims)
         # the gathered pieces are written along the source split axes of the local output
         terms = ((tuple(new), tuple(self.state[j].axis for j in dims), None),)
         self.state[:] = new
