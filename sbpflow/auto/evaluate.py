@@ -338,26 +338,28 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
     layout that moves fewest bytes per device."""
     numel = math.prod(shape)
     best = None
+    local = None
     for spec, front in options:
         pre = []
+        vol = 0
         if spec is not None:
             kind, pdims, div, ax = spec
-            local = _local_shape(shape, fine, s)
+            if local is None:
+                local = _local_shape(shape, fine, s)
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
             pre.append(Move(kind, fine, pdims, numel / div, copy))
-            if best is not None and sum(_per_device(m.kind, m.numel, math.prod(
-                    fine[j] for j in m.dims)) for m in pre) >= best[0]:
+            vol = _per_device(kind, numel / div, math.prod(fine[j] for j in pdims))
+            if best is not None and vol >= best[0]:
                 continue   # the transfer only adds: this reduced layout cannot move fewer
-        elems = max((f for f, _ in front), default=0.0) * numel
-        loads = tuple((f * numel, m) for f, m in front)
-        rec = pre + ([Move("transfer", fine, tuple(range(len(fine))), elems, 0.0, loads)]
-                     if loads else [])
+        if front:
+            # the front runs from most elements to fewest (`_transfer_fraction`)
+            loads = tuple((f * numel, m) for f, m in front)
+            pre.append(Move("transfer", fine, tuple(range(len(fine))), front[0][0] * numel,
+                            0.0, loads))
+            vol += front[0][0] * numel
         # the planner's choice: fewest bytes (per device here)
-        vol = sum(m.numel if m.kind == "transfer" else
-                  _per_device(m.kind, m.numel, math.prod(fine[j] for j in m.dims))
-                  for m in rec)
         if best is None or vol < best[0]:
-            best = (vol, tuple(rec))
+            best = (vol, tuple(pre))
     return best[1]
 
 
@@ -579,9 +581,18 @@ def _transfer_time(cluster, nbytes, msgs, fine):
     `sbpflow.cost.step_time` gives the planner's transfer step: that one prices each message
     on the link of its own pair and takes the larger of a rank's sends and receives (equal on
     one node, when every rank receives at least what it sends)."""
-    ranks = _group_ranks(fine, tuple(range(len(fine))))
-    return cluster.fit("p2p", ranks[:1] + ranks[-1:]).time(msgs, nbytes) + \
-        cluster.copy_time(nbytes)
+    return _p2p_fit(cluster, fine).time(msgs, nbytes) + cluster.copy_time(nbytes)
+
+
+def _p2p_fit(cluster, fine: tuple):
+    """`_transfer_time`'s p2p fit of the mesh ``fine``, looked up once per mesh (`_FIT_CACHE`:
+    a search asks for it once per transfer priced)."""
+    key = (id(cluster), "p2p", fine, None)
+    hit = _FIT_CACHE.get(key)
+    if hit is None or hit[0] is not cluster:
+        ranks = _group_ranks(fine, tuple(range(len(fine))))
+        hit = _FIT_CACHE.put(key, (cluster, cluster.fit("p2p", ranks[:1] + ranks[-1:])))
+    return hit[1]
 
 
 # (id(cluster), kind, mesh, dims) -> (cluster, fit): an entry holds its cluster, so the id is
