@@ -101,8 +101,10 @@ def _reduced_first(s: list, d: list, ndim: int) -> list:
     P(max)``: `sbpflow.boxing.steps.is_local_change`) made a split of an axis no dim splits
     (else axis 0): such a dim is reduce-scattered first, as the planner does, and the split
     turns partial locally at the end."""
-    if not any(isinstance(a, Partial) and isinstance(b, Partial) and a != b
-               for a, b in zip(s, d)):
+    for a, b in zip(s, d):
+        if isinstance(a, Partial) and isinstance(b, Partial) and a != b:
+            break
+    else:
         return list(d)   # the common case: no two different partials meet
     used = {x.axis for x in s + d if isinstance(x, Split)}
     free = [a for a in range(ndim) if a not in used]
@@ -430,7 +432,7 @@ class _FixedOrder:
         return tuple(self.moves)  # the last phase: S -> P, local
 
     def piece(self, dims) -> int:
-        return _divisor(self.fine, self.state, set(dims))
+        return _divisor(self.fine, self.state, dims)  # dims: a few ints, no set needed
 
     def moved(self, dims) -> list:
         """``state`` with ``dims`` at their target."""
