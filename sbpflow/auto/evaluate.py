@@ -158,27 +158,32 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
 
 @memoize(1 << 14)
 def _src_side(fine: tuple, src: tuple, ndim: int):
-    """`_transfer_fraction`'s arrays of a source layout: its boxes, each axis's equal parts
-    (the product of the mesh dims splitting it) and the overlap below which a box is not met."""
+    """`_transfer_fraction`'s parts of a source layout: its boxes' ``lo`` and ``hi``, each
+    ``[axis, rank]`` (one contiguous row per axis: the hot loop works axis by axis), each
+    axis's equal parts (the product of the mesh dims splitting it; a column, ``[axis, 1]``)
+    and the overlap below which a box is not met (a tuple)."""
     slo, shi = _boxes(fine, src, ndim)
-    parts = np.ones(ndim)
+    parts = [1.0] * ndim
     for x, m in zip(src, fine):
         if isinstance(x, Split):
             parts[x.axis] *= m
-    return slo, shi, parts, 1e-9 / parts
+    return (np.ascontiguousarray(slo.T), np.ascontiguousarray(shi.T),
+            np.array(parts)[:, None], tuple(1e-9 / p for p in parts))
 
 
 @memoize(1 << 14)
 def _dst_side(fine: tuple, dst: tuple, ndim: int):
-    """`_transfer_fraction`'s arrays of a destination layout: its boxes, their volumes and
-    which ranks receive (a non-first rank of a ``P(sum)`` dim holds zeros)."""
+    """`_transfer_fraction`'s arrays of a destination layout: its boxes' ``lo`` and ``hi``,
+    each ``[axis, rank]``, their volumes and which ranks receive (a non-first rank of a
+    ``P(sum)`` dim holds zeros)."""
     dlo, dhi = _boxes(fine, dst, ndim)
     receives = np.ones(len(dlo), dtype=bool)
     coords = _coords(fine)
     for d, x in enumerate(dst):
         if isinstance(x, Partial) and x.op == "sum":
             receives &= coords[:, d] == 0
-    return dlo, dhi, (dhi - dlo).prod(axis=1), receives
+    return (np.ascontiguousarray(dlo.T), np.ascontiguousarray(dhi.T),
+            (dhi - dlo).prod(axis=1), receives)
 
 
 @memoize(1 << 20)
@@ -187,22 +192,34 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     that). The distinct source boxes tile the tensor as a grid, the product over axes of
     each axis's equal parts (as many as the product of the mesh dims splitting it), so for a
     receiver whose destination box is ``want`` and own source box ``have``: the elements it
-    lacks are ``|want| - |want ∩ have|`` and its messages are the grid cells ``want`` meets,
+    lacks are ``|want| - |want ∩ have|`` and its messages are the grid cells ``want`` meets
     less its own cell if ``want`` meets it; both factor over axes. Every rank at once, as
-    arrays (the layouts' parts cached: `_src_side`, `_dst_side`)."""
+    arrays, an axis at a time (the layouts' parts cached: `_src_side`, `_dst_side`; products
+    over axes run left to right, as ``prod(axis=1)`` did, so every float is unchanged)."""
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
+    if ndim == 0:  # a scalar: every rank holds it whole
+        return ()
     slo, shi, parts, tiny = _src_side(fine, src, ndim)
     dlo, dhi, dvol, receives = _dst_side(fine, dst, ndim)
-    eps = 1e-9
-    # per rank and axis: the source cells the destination interval meets
-    cells = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0).prod(axis=1)
+    # per axis and rank: how much of the destination interval the rank's source one covers
     inter = np.maximum(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0.0)
-    elems = dvol - inter.prod(axis=1)
+    held = inter[0]
+    meets = inter[0] > tiny[0]
+    for a in range(1, ndim):
+        held = held * inter[a]
+        meets &= inter[a] > tiny[a]
+    elems = dvol - held
     need = receives & (elems > 1e-12)
     if not need.any():
         return ()
-    msgs = cells - (inter > tiny).all(axis=1)
+    # per axis and rank: the source cells the destination interval meets (whole numbers)
+    eps = 1e-9
+    per_axis = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0)
+    cells = per_axis[0]
+    for a in range(1, ndim):
+        cells = cells * per_axis[a]
+    msgs = cells - meets
     # the Pareto front of (elements, messages), elements compared to rounding
     # (rounded once per distinct pair: ranks share a few loads)
     pairs = np.unique(elems[need] + 1j * msgs[need])
