@@ -9,23 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from channel_fns import take_all
 from sbpflow.comm.channels import StoreChannels, copy_tensors, tensor_bytes
 from sbpflow.errors import CommError
-
-
-@pytest.fixture
-def store():
-    s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    yield s
-    del s
-
-
-def _take_all(ch, rank, n, name="c"):
-    got = []
-    deadline = time.monotonic() + 10
-    while len(got) < n and time.monotonic() < deadline:
-        got += ch.take(rank, name, 0.5, lambda: None)
-    return got
 
 
 def test_store_channels_deliver_in_order_with_tensors(store):
@@ -33,7 +19,7 @@ def test_store_channels_deliver_in_order_with_tensors(store):
     t = torch.arange(6.0)
     for k in range(20):
         a.post(0, 1, "c", ("req", k, t * k))
-    got = _take_all(b, 1, 20)
+    got = take_all(b, 1, 20)
     assert [src for src, _ in got] == [0] * 20
     assert [m[1] for _, m in got] == list(range(20))
     assert all(torch.equal(m[2], t * m[1]) for _, m in got)

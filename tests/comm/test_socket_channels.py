@@ -7,25 +7,10 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from channel_fns import take_all
 from sbpflow.comm.socket_channels import SocketChannels, address_key
 from sbpflow.errors import CommError
-
-
-@pytest.fixture
-def store():
-    s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    yield s
-    del s
-
-
-def _take_all(ch, rank, n, name="c"):
-    got = []
-    deadline = time.monotonic() + 10
-    while len(got) < n and time.monotonic() < deadline:
-        got += ch.take(rank, name, 0.5, lambda: None)
-    return got
 
 
 def test_socket_channels_keep_each_senders_order_from_many_threads(store):
@@ -41,7 +26,7 @@ def test_socket_channels_keep_each_senders_order_from_many_threads(store):
                for src in (0, 1) for t in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    got = _take_all(chans[2], 2, 800)
+    got = take_all(chans[2], 2, 800)
     assert len(got) == 800
     for src in (0, 1):
         for t in range(2):
@@ -58,7 +43,7 @@ def test_many_channels_and_a_message_to_itself(store):
     b.post(1, 1, "ch7", ("self", t))
     t.add_(1)  # a post copies: the receiver sees the tensor as posted
     for k in range(50):
-        got = sorted(_take_all(b, 1, 2 if k == 7 else 1, f"ch{k}"), key=lambda g: g[0])
+        got = sorted(take_all(b, 1, 2 if k == 7 else 1, f"ch{k}"), key=lambda g: g[0])
         assert got[0] == (0, ("req", k)) and len(got) == (2 if k == 7 else 1)
         if k == 7:  # (the order across senders is free: the self-post may come first)
             assert got[1][0] == 1 and torch.equal(got[1][1][1], torch.arange(3.0))
@@ -71,7 +56,7 @@ def test_a_large_message_arrives_whole_beside_small_ones(store):
     a.post(0, 1, "c", ("small", 0))
     a.post(0, 1, "c", ("big", big))
     a.post(0, 1, "c", ("small", 1))
-    got = _take_all(b, 1, 3)
+    got = take_all(b, 1, 3)
     assert [m[0] for _, m in got] == ["small", "big", "small"]
     assert torch.equal(got[1][1][1], big)
     a.close(), b.close()
@@ -92,7 +77,7 @@ def test_take_waits_at_most_its_timeout_and_wakes_on_a_post(store):
 def test_a_peer_gone_is_a_comm_error_naming_src_dst_and_channel(store):
     a, b, c = (SocketChannels(r, store, 10.0) for r in range(3))
     a.post(0, 1, "c", "first")  # a connection to rank 1 exists
-    assert _take_all(b, 1, 1) == [(0, "first")]
+    assert take_all(b, 1, 1) == [(0, "first")]
     b.close(), c.close()
     with pytest.raises(CommError, match=r"post from rank 0 to rank 2 on message channel 'x': "
                                         r"connecting to 127\.0\.0\.1:\d+ failed"):
@@ -120,8 +105,8 @@ def test_a_rank_on_the_store_fallback_and_a_socket_rank_talk_both_ways(store):
     for k in range(5):
         a.post(0, 1, "c", k)
         b.post(1, 0, "c", -k)
-    assert _take_all(b, 1, 5) == [(0, k) for k in range(5)]
-    assert _take_all(a, 0, 5) == [(1, -k) for k in range(5)]
+    assert take_all(b, 1, 5) == [(0, k) for k in range(5)]
+    assert take_all(a, 0, 5) == [(1, -k) for k in range(5)]
     a.close(), b.close()
 
 
@@ -129,7 +114,7 @@ def test_close_stops_the_receiver_thread_and_sockets(store):
     before = set(threading.enumerate())
     a, b = SocketChannels(0, store, 10.0), SocketChannels(1, store, 10.0)
     a.post(0, 1, "c", 1)
-    assert _take_all(b, 1, 1) == [(0, 1)]
+    assert take_all(b, 1, 1) == [(0, 1)]
     assert len(set(threading.enumerate()) - before) == 2
     a.close(), b.close()
     assert set(threading.enumerate()) - before == set()

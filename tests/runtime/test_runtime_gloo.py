@@ -2,9 +2,8 @@
 values, repeated runs, failure and timeout (docs/runtime.md 'Message channels')."""
 
 import pytest
-import torch
 
-from runtime_gloo_fns import M, failure_fn, inputs, pipeline_fn, timeout_fn
+from runtime_gloo_fns import M, assert_pipeline_values, failure_fn, pipeline_fn, timeout_fn
 from sbpflow.comm import launch
 from sbpflow.runtime import in_flight
 
@@ -13,13 +12,7 @@ from sbpflow.runtime import in_flight
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_on_gloo_processes(schedule):
     res = launch(pipeline_fn, 3, backend="torch", args=(schedule,))
-    xs, ws = inputs()
-    for mb in range(M):
-        h = torch.tanh(torch.tanh(xs[mb] @ ws[0]) @ ws[1]) @ ws[2]
-        g = h @ ws[2].T @ ws[1].T @ ws[0].T
-        for run in (0, 1):
-            torch.testing.assert_close(res[2]["outs"][run]["fwd2.out"][mb], h, rtol=0, atol=0)
-            torch.testing.assert_close(res[0]["outs"][run]["bwd0"][mb], g, rtol=0, atol=0)
+    assert_pipeline_values(res)
     events = [e for r in res for e in r["events"]]
     want = {s: (M if schedule == "gpipe" else 3 - s) for s in range(3)}
     assert in_flight(events) == want
