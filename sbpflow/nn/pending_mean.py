@@ -20,7 +20,7 @@ from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, recording, retains_grads
-from .recorded_mean import _correctable, _leaves, record_mean
+from .recorded_mean import _correctable, _leaves, _rescale, record_mean
 
 __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
 
@@ -190,11 +190,6 @@ class PendingMean(GlobalTensor):
             return
         torch.autograd.backward(self._spec, self._seed(None), retain_graph=retain_graph)
         if self._miss():
-            scale = self._guess / float(self._count())
-            with torch.no_grad():
-                for leaf in leaves:
-                    if leaf.grad is not None:
-                        leaf.grad.mul_(scale)
-            drop_started()  # every rank guessed wrong: the optimizer redoes them
+            _rescale(leaves, self._guess / float(self._count()))
         self._local  # noqa: B018 - the value, now that the count is here
 

@@ -199,13 +199,19 @@ def _settle(call: _Call, leaves: list) -> None:
     """The end of a backward that used the guess: undo a wrong one (docs/internals.md, 'The
     pending mean')."""
     scale = call.fix_if_missed()
-    if scale is None:
-        return
+    if scale is not None:
+        _rescale(leaves, scale)
+
+
+def _rescale(leaves: list, scale: float) -> None:
+    """Undo a wrong guess in the gradients a backward gave ``leaves`` (``scale``: guess /
+    count), and drop the gradient all-reduces started with them: every rank guessed wrong,
+    the optimizer redoes them."""
     with torch.no_grad():
         for leaf in leaves:
             if leaf.grad is not None:
                 leaf.grad.mul_(scale)
-    drop_started()   # every rank guessed wrong: the optimizer redoes them
+    drop_started()
 
 
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
