@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -49,9 +49,33 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
         _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
 
 
-# id(parameter) -> weak reference: parameters whose gradient is reduced in the optimizer's step
-# only (`reduce_at_step`); by id, since a weak set's lookup compares tensors with ``==``
-_AT_STEP: dict = {}
+class _ById:
+    """A map keyed by a parameter's identity, whose entry goes with the parameter: a lookup
+    never compares parameters (a weak dict's does, with ``==``: `GlobalTensor.__eq__`, a frame
+    inspection, a few us a parameter)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict = {}   # id -> (weak reference to the parameter, value)
+
+    def __setitem__(self, p: GlobalTensor, value: Any) -> None:
+        def gone(ref, k=id(p), d=self._d) -> None:
+            hit = d.get(k)
+            if hit is not None and hit[0] is ref:
+                del d[k]
+        self._d[id(p)] = (weakref.ref(p, gone), value)
+
+    def get(self, p: GlobalTensor, default: Any = None) -> Any:
+        hit = self._d.get(id(p))
+        return hit[1] if hit is not None and hit[0]() is p else default
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+
+# parameters whose gradient is reduced in the optimizer's step only (`reduce_at_step`)
+_AT_STEP = _ById()
 
 
 def reduce_at_step(p: GlobalTensor) -> None:
@@ -59,13 +83,7 @@ def reduce_at_step(p: GlobalTensor) -> None:
     step boxes it. For a parameter whose users' backward passes run at different times on
     different ranks (a weight tied across pipeline stages): a collective started by one
     stage's backward would wait for a gradient another stage has not made yet."""
-    key = id(p)
-    _AT_STEP[key] = weakref.ref(p, lambda _r, key=key: _AT_STEP.pop(key, None))
-
-
-def _reduced_at_step(p: GlobalTensor) -> bool:
-    r = _AT_STEP.get(id(p))
-    return r is not None and r() is p
+    _AT_STEP[p] = True
 
 
 def update_layout(p: GlobalTensor) -> tuple:
@@ -278,15 +296,14 @@ class BucketSync:
         out: dict = {}
         if not by_id:
             return out
-        # by identity (`_note_owner`): a weak dict's lookup of a parameter compares it with
-        # itself (GlobalTensor.__eq__, a frame inspection), a few us a parameter
+        # by identity (`_note_owner`, `_ById`); the sync is the latest to act for p (a
+        # takeover overwrites it)
         syncs: dict = {}   # in the order of ``params``, as every rank calls them
         for p in params:
-            hit = by_id.get(id(p))
-            if hit is not None and hit[0]() is p:
-                sync = hit[1]()   # the latest to act for p (a takeover overwrites it)
-                if sync is not None:
-                    syncs.setdefault(id(sync), sync)
+            ref = by_id.get(p)
+            sync = None if ref is None else ref()
+            if sync is not None:
+                syncs.setdefault(id(sync), sync)
         for sync in syncs.values():
             out.update(sync.take())
         return out
@@ -336,7 +353,7 @@ class GradSync(BucketSync):
     def _single_all_reduce(p: GlobalTensor, rank: int):
         """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
         that group is more than this rank, else None."""
-        if not p.local.requires_grad or p in _UPDATE_LAYOUTS or _reduced_at_step(p):
+        if not p.local.requires_grad or p in _UPDATE_LAYOUTS or _AT_STEP.get(p, False):
             return None
         pl = p.placement
         plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
@@ -412,16 +429,9 @@ def _owners(comm, key: str) -> "weakref.WeakKeyDictionary":
 
 
 def _note_owner(comm, key: str, p: GlobalTensor, sync: BucketSync) -> None:
-    """Index ``p`` -> ``sync`` by ``id(p)`` too (``key + "_by_id"``: a plain dict the step reads
-    without comparing parameters); the entry goes with ``p``, and holds ``sync`` weakly."""
-    by_id = comm.state.setdefault(key + "_by_id", {})
-    k = id(p)
-
-    def gone(ref, k=k, by_id=by_id) -> None:
-        hit = by_id.get(k)
-        if hit is not None and hit[0] is ref:
-            del by_id[k]
-    by_id[k] = (weakref.ref(p, gone), weakref.ref(sync))
+    """Index ``p`` -> ``sync`` by identity too (``key + "_by_id"``: a `_ById` the step reads
+    without comparing parameters); ``sync`` held weakly."""
+    comm.state.setdefault(key + "_by_id", _ById())[p] = weakref.ref(sync)
 
 
 def collect(params: list) -> dict:
