@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..boxing.steps import is_local_change
+from ..boxing.steps import is_local_change, is_valid_move
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
@@ -344,7 +344,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
         pre = None
         if pdims:
             kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
-            if kind == "reduce_scatter" and not _valid_move(s, mid, pdims):
+            if kind == "reduce_scatter" and not is_valid_move(s, mid, pdims):
                 continue
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
@@ -390,23 +390,6 @@ def _divisor(fine, nd, skip) -> int:
         if j not in skip and isinstance(s, Split):
             out *= m
     return out
-
-
-def _valid_move(src, dst, dims) -> bool:
-    """`sbpflow.boxing.steps.is_valid_move` (the same answers), as plain loops: it is asked
-    once per fixed-order phase of every nested layout pair a search prices."""
-    touched = set()
-    for d in dims:
-        a, b = src[d], dst[d]
-        if isinstance(a, Split):
-            touched.add(a.axis)
-        if isinstance(b, Split):
-            touched.add(b.axis)
-    for e in range(min(dims) + 1, len(src)):
-        x = src[e]
-        if isinstance(x, Split) and x.axis in touched and e not in dims:
-            return False
-    return True
 
 
 class _FixedOrder:
@@ -485,7 +468,7 @@ class _FixedOrder:
         if not dims:
             return
         new = self.moved(dims)
-        if self.nested and not _valid_move(self.state, new, dims):
+        if self.nested and not is_valid_move(self.state, new, dims):
             # the collective the move would be (a local slice whose part is held by others:
             # an all-to-all) is the price of last resort (`_plan`)
             self.moves.append(_Sk("nested", self.fine, dims, self.piece(dims),
@@ -518,7 +501,7 @@ class _FixedOrder:
         if not dims:
             return
         new = self.moved(dims)
-        valid = not self.nested or _valid_move(self.state, new, dims)
+        valid = not self.nested or is_valid_move(self.state, new, dims)
         # the gathered pieces are written along the source split axes of the local output
         terms = ((tuple(new), tuple(self.state[j].axis for j in dims), None),)
         self.state[:] = new

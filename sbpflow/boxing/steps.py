@@ -94,11 +94,20 @@ def is_local_change(s: Sbp, t: Sbp) -> bool:
 
 
 def is_valid_move(src: Sequence[Sbp], dst: Sequence[Sbp], dims: Sequence[int]) -> bool:
-    """No mesh dim outside ``dims`` after ``min(dims)`` splits an axis the move touches."""
-    touched = {s.axis for d in dims for s in (src[d], dst[d]) if isinstance(s, Split)}
-    first = min(dims)
-    return not any(e not in dims and e > first and isinstance(src[e], Split)
-                   and src[e].axis in touched for e in range(len(src)))
+    """No mesh dim outside ``dims`` after ``min(dims)`` splits an axis the move touches.
+    (Plain loops: the search asks it once per phase of every layout pair it prices.)"""
+    touched = set()
+    for d in dims:
+        a, b = src[d], dst[d]
+        if isinstance(a, Split):
+            touched.add(a.axis)
+        if isinstance(b, Split):
+            touched.add(b.axis)
+    for e in range(min(dims) + 1, len(src)):
+        x = src[e]
+        if isinstance(x, Split) and x.axis in touched and e not in dims:
+            return False
+    return True
 
 
 @memoize(65536)
