@@ -5,10 +5,11 @@ tasks' order (no dependency goes backwards), and `split=`."""
 import math
 
 import pytest
+import torch
 
 import sbpflow as sf
-from sbpflow.parallel.cdp import cycles, program, roles, rules
-from sbpflow.parallel.cdp.stage_split import split_sequential
+from sbpflow.parallel.cdp import CyclicDataParallel, cycles, program, roles, rules
+from sbpflow.parallel.cdp.stage_split import flop_weights, split_sequential
 
 # the spec's N = 4 CDP timeline, steps 0-13 (workers 1-4)
 SPEC_CDP4 = """\
@@ -154,13 +155,53 @@ def test_split_by_params_and_flops():
                            sf.nn.ReLU(), sf.nn.Linear(128, 64), sf.nn.ReLU(),
                            sf.nn.Linear(64, 10))
     for by in ("params", "flops"):
-        stages = split_sequential(mlp, 4, by)
+        stages = split_sequential(mlp, 4, by, torch.zeros(3, 64))
         assert [list(s._modules) for s in stages] == [["0", "1"], ["2", "3"], ["4", "5"],
                                                       ["6"]]
     wide = sf.nn.Sequential(*[sf.nn.Linear(8, 8) for _ in range(6)], sf.nn.Linear(8, 48))
     assert [len(s) for s in split_sequential(wide, 2)] == [6, 1]
     with pytest.raises(sf.PlanError, match="cannot cut"):
         split_sequential(wide, 8)
+
+
+def _conv_net():
+    """4 convolutions, the feature map halved by each after the first: the FLOPs a conv are
+    flat while its parameters grow 4x."""
+    sf.manual_seed(0)
+    return sf.nn.Sequential(sf.nn.Conv2d(3, 8, 3, padding=1), sf.nn.ReLU(),
+                            sf.nn.Conv2d(8, 16, 3, stride=2, padding=1), sf.nn.ReLU(),
+                            sf.nn.Conv2d(16, 32, 3, stride=2, padding=1), sf.nn.ReLU(),
+                            sf.nn.Conv2d(32, 64, 3, stride=2, padding=1))
+
+
+def test_split_by_flops_counts_output_positions():
+    net, x = _conv_net(), torch.zeros(2, 3, 32, 32)
+    # per sample, by hand: 2 x output elements x fan-in (in_channels x 3 x 3); ReLU its output
+    conv = [2 * (8 * 32 * 32) * (3 * 9), 2 * (16 * 16 * 16) * (8 * 9),
+            2 * (32 * 8 * 8) * (16 * 9), 2 * (64 * 4 * 4) * (32 * 9)]
+    relu = [8 * 32 * 32, 16 * 16 * 16, 32 * 8 * 8]
+    assert flop_weights(net, x) == [conv[0], relu[0], conv[1], relu[1], conv[2], relu[2],
+                                    conv[3]]
+    # units (conv + ReLU) weigh 450560, 593920, 591872, 589824 FLOPs; 224, 1168, 4640, 18496
+    # parameters: the FLOP cut is 2 | 2 (max 1181696), the parameter cut 3 | 1
+    cut = {by: [list(s._modules) for s in split_sequential(net, 2, by, x)]
+           for by in ("params", "flops")}
+    assert cut == {"params": [["0", "1", "2", "3", "4", "5"], ["6"]],
+                   "flops": [["0", "1", "2", "3"], ["4", "5", "6"]]}
+    # an Embedding is a lookup (0); a Linear on (batch, 5 tokens, 32): 2 x 5 x 256 x 32
+    sf.manual_seed(0)
+    lm = sf.nn.Sequential(sf.nn.Embedding(1000, 32), sf.nn.Linear(32, 256), sf.nn.ReLU())
+    assert flop_weights(lm, torch.zeros(4, 5, dtype=torch.long)) == [0, 2 * 5 * 256 * 32,
+                                                                     5 * 256]
+    with pytest.raises(sf.PlanError, match="needs example_input="):
+        split_sequential(net, 2, "flops")
+
+    def trainer_stages():
+        t = CyclicDataParallel(_conv_net(), lambda o, y: o.sum(),
+                               lambda ps: sf.optim.SGD(ps, lr=1.0),
+                               split=(2, "flops"), example_input=x)
+        return [list(r.module._modules) for r in t.runners]
+    assert sf.launch(trainer_stages, world_size=1)[0] == cut["flops"]
 
 
 def test_bad_arguments_name_the_fix():

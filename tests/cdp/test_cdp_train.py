@@ -1,7 +1,8 @@
 """`sf.parallel.CyclicDataParallel` (issue 16): every setting and rule gives, in float64,
 bit-for-bit the parameters and losses of the closed-form rule (every setting x rule x
 N = 2..5, four steps with two flushes, the last batch uneven); the closed form itself against
-plain torch; the stats read from the executed schedule; measured activation bytes DP vs CDP; the gloo backend."""
+plain torch; the stats read from the executed schedule; measured activation bytes DP vs CDP;
+the gloo backend."""
 
 import functools
 import math

@@ -25,13 +25,16 @@ __all__ = ["closed_form"]
 
 
 def closed_form(stages, loss_fn: Callable, optimizer: Callable, rule: str,
-                batches: Iterable[tuple[torch.Tensor, torch.Tensor]], split=None
+                batches: Iterable[tuple[torch.Tensor, torch.Tensor]], split=None,
+                example_input=None
                 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, float]]]:
     """Train ``stages`` by ``rule`` on ``batches`` (``(x, y)`` global batches, each cut into
-    N micro-batches along axis 0). Returns the final parameters keyed ``"{stage}.{name}"``
-    (as `CyclicDataParallel.state_dict`) and the losses ``(step, worker, value)``."""
+    N micro-batches along axis 0; ``split`` and ``example_input`` as `CyclicDataParallel`'s).
+    Returns the final parameters keyed ``"{stage}.{name}"`` (as
+    `CyclicDataParallel.state_dict`) and the losses ``(step, worker, value)``."""
     check_rule(rule)
-    runners = [StageRunner(m, j) for j, m in enumerate(stage_list(stages, split))]
+    modules = stage_list(stages, split, example_input)
+    runners = [StageRunner(m, j) for j, m in enumerate(modules)]
     n = len(runners)
     check_n(n)
     pl = placement("cpu", [current().rank])

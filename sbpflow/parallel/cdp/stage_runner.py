@@ -7,7 +7,7 @@ the buffers as copies, runs it on the rank's input and returns what the call cha
 buffers (batch norm's running statistics); `backward` returns the gradients of the input and
 of the parameters (``torch.autograd.grad``: nothing accumulates into ``.grad``, so one
 version serves several micro-batches at once). `probe` gives a stage's output shape on meta
-tensors. See docs/cdp.md, 'Stages'.
+tensors, `trace` each sub-module's. See docs/cdp.md, 'Stages'.
 """
 
 from __future__ import annotations
@@ -129,6 +129,32 @@ class StageRunner:
                                     None if grad_out is None else [grad_out],
                                     allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+
+    def trace(self, shape: Sequence[int], dtype: torch.dtype, pl: Placement
+              ) -> list[tuple[Module, tuple]]:
+        """Each call of the stage's sub-modules (the stage included) in the order they
+        returned, with its output shape, for an input of ``shape`` / ``dtype`` (meta tensors:
+        nothing is computed). Forward hooks record them; they are added and removed under
+        the stage's lock, so another thread's call of the module never sees them."""
+        metas = [torch.empty(s, dtype=d, device="meta") for s, d in zip(self.shapes,
+                                                                       self.dtypes)]
+        x = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        calls: list[tuple[Module, tuple]] = []
+
+        def record(module, _args, out) -> None:
+            if isinstance(out, GlobalTensor):
+                calls.append((module, tuple(out.shape)))
+
+        def run():
+            handles = [m.register_forward_hook(record) for _, m in self.module.named_modules()]
+            try:
+                return self.module(_wrap(x, pl))
+            finally:
+                for h in handles:
+                    h.remove()
+        with torch.no_grad():
+            self._call(metas, pl, run)
+        return calls
 
     def probe(self, shape: Sequence[int], dtype: torch.dtype, pl: Placement
               ) -> tuple[tuple, torch.dtype]:

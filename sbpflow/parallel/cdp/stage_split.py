@@ -4,35 +4,62 @@ The Sequential's modules are grouped into units, each a module with parameters f
 the parameter-free modules after it (activations stay with their layer); units are then cut
 into N contiguous stages minimising the heaviest stage, ties broken by the most even weights.
 Weight is the parameter count (``split=N`` or ``(N, "params")``) or a FLOP estimate per sample
-(``(N, "flops")``: 2 multiply-adds a weight of a Linear or a Conv2d (per output position),
-a FLOP a parameter elsewhere). See docs/cdp.md, 'Stages'.
+(``(N, "flops")``, which needs an example input: each sub-module's output shape is read on
+meta tensors; `call_flops` gives the count of one call). See docs/cdp.md, 'Stages'.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Sequence
 
-from ...errors import PlanError
-from ...nn.modules import Conv2d, Linear, Module, Sequential
+import torch
 
-__all__ = ["split_sequential", "stage_list", "module_weight"]
+from ...comm import current
+from ...errors import PlanError
+from ...nn.modules import Conv2d, Embedding, Linear, Module, Sequential
+from ...placement import placement
+from ...tensor import GlobalTensor
+from .stage_runner import StageRunner
+
+__all__ = ["split_sequential", "stage_list", "call_flops", "flop_weights"]
 
 BY = ("params", "flops")
 
 
-def module_weight(m: Module, by: str) -> int:
-    """``m``'s parameter count, or its FLOP estimate per sample (see the module docstring)."""
-    if by not in BY:
-        raise PlanError(f"split by {by!r}: one of {BY}")
-    total = 0
-    for sub in m.modules() if hasattr(m, "modules") else [m]:
-        own = [p for p in sub._parameters.values() if p is not None]
-        if by == "flops" and isinstance(sub, (Linear, Conv2d)):
-            total += 2 * sub.weight.numel() + (sub.bias.numel() if sub.bias is not None else 0)
-        else:
-            total += sum(p.numel() for p in own)
-    return total
+def call_flops(m: Module, out_shape: Sequence[int]) -> int:
+    """FLOPs of one call of ``m`` that returned ``out_shape``: 2 x output elements x fan-in
+    for a Linear (in_features) or a Conv2d (in_channels / groups x kernel area; bias adds
+    not counted), 0 for an Embedding (a lookup), the output's element count for any other
+    module without sub-modules (elementwise, norm, pooling), 0 for a container (its
+    sub-modules' calls count)."""
+    out = math.prod(out_shape)
+    if isinstance(m, Linear):
+        return 2 * out * m.weight.shape[-1]
+    if isinstance(m, Conv2d):
+        return 2 * out * math.prod(m.weight.shape[1:])
+    if isinstance(m, Embedding) or m._modules:
+        return 0
+    return out
+
+
+def flop_weights(seq: Sequential, example_input) -> list[int]:
+    """Per sample (``example_input``'s axis 0), the FLOPs of each module of ``seq``: its
+    sub-modules' calls (`call_flops`) on meta tensors of the example's shape and dtype."""
+    shape = tuple(getattr(example_input, "shape", ()))
+    if not isinstance(example_input, (torch.Tensor, GlobalTensor)) or not shape or not shape[0]:
+        raise PlanError(f"split=(N, 'flops'): example_input= must be a tensor with a batch "
+                        f"axis 0 (such as the x given to step), got "
+                        f"{shape or type(example_input).__name__}")
+    pl = placement("cpu", [current().rank])
+    calls = StageRunner(seq, 0).trace(shape, example_input.dtype, pl)
+    weights = []
+    for m in seq._modules.values():
+        inside = {id(sub) for _, sub in m.named_modules()}
+        total = sum(call_flops(sub, out) for sub, out in calls if id(sub) in inside)
+        weights.append(total // shape[0])
+    return weights
 
 
 def _units(seq: Sequential) -> list[list[tuple[str, Module]]]:
@@ -79,23 +106,35 @@ def _balanced_cuts(weights: Sequence[int], n: int) -> list[int]:
     return cuts[::-1]
 
 
-def split_sequential(seq: Sequential, n: int, by: str = "params") -> list[Sequential]:
+def split_sequential(seq: Sequential, n: int, by: str = "params", example_input=None
+                     ) -> list[Sequential]:
     """``seq`` cut into ``n`` stages (each an ``sf.nn.Sequential`` sharing the modules and
-    keeping their names)."""
+    keeping their names), balanced by parameter count or, with ``by="flops"``, by FLOPs per
+    sample on ``example_input`` (a batch; only its shape and dtype are read)."""
+    if by not in BY:
+        raise PlanError(f"split by {by!r}: one of {BY}")
+    if by == "flops" and example_input is None:
+        raise PlanError("split=(N, 'flops') needs example_input= (a batch such as the x "
+                        "given to step; only its shape and dtype are read): the FLOPs of "
+                        "a layer depend on its output size")
     units = _units(seq)
     if len(units) < n:
         raise PlanError(f"split=: cannot cut a Sequential of {len(units)} layers with "
                         f"parameters ({list(seq._modules)}) into {n} stages; pass fewer "
                         f"stages or a list of {n} stage modules")
-    weights = [sum(module_weight(m, by) for _, m in unit) for unit in units]
+    if by == "flops":
+        of = dict(zip(seq._modules, flop_weights(seq, example_input)))
+    else:
+        of = {name: sum(p.numel() for p in m.parameters()) for name, m in seq._modules.items()}
+    weights = [sum(of[name] for name, _ in unit) for unit in units]
     cuts = _balanced_cuts(weights, n) + [len(units)]
     return [Sequential(OrderedDict(item for unit in units[cuts[k]:cuts[k + 1]]
                                    for item in unit)) for k in range(n)]
 
 
-def stage_list(stages, split) -> list[Module]:
+def stage_list(stages, split, example_input=None) -> list[Module]:
     """The stages of `CyclicDataParallel`: a list of modules as given, or a Sequential cut by
-    ``split`` (an int N, or ``(N, "params" | "flops")``)."""
+    ``split`` (an int N, or ``(N, "params" | "flops")``; "flops" reads ``example_input``)."""
     if split is None:
         if isinstance(stages, Module):
             raise PlanError("CyclicDataParallel got one module: pass a list of stage modules, "
@@ -110,4 +149,4 @@ def stage_list(stages, split) -> list[Module]:
     n, by = (split, "params") if isinstance(split, int) else tuple(split)
     if not isinstance(n, int) or n < 2:
         raise PlanError(f"split= needs N >= 2 stages, got {split!r}")
-    return split_sequential(stages, n, by)
+    return split_sequential(stages, n, by, example_input)

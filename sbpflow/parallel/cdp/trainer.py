@@ -58,14 +58,15 @@ class CyclicDataParallel:
     cut by ``split``): ``rule`` "dp" | "v1" | "v2", ``mode`` "single" | "dp" | "pp" | "mp" |
     "zero" on the ranks of ``placement`` (default the first ranks of the world the mode
     needs). ``loss_fn(out, y)`` gives a micro-batch's mean loss (global tensors);
-    ``optimizer(params)`` builds one stage's optimizer."""
+    ``optimizer(params)`` builds one stage's optimizer. ``split=(N, "flops")`` reads the
+    shape and dtype of ``example_input`` (a batch such as ``step``'s ``x``)."""
 
     def __init__(self, stages, loss_fn: Callable, optimizer: Callable, rule: str = "v2",
                  mode: str = "single", placement: Placement | Sequence[int] | None = None,
-                 split=None) -> None:
+                 split=None, example_input=None) -> None:
         check_rule(rule)
         self.comm = comm = current()
-        modules = stage_list(stages, split)
+        modules = stage_list(stages, split, example_input)
         self.n = n = len(modules)
         check_n(n)
         self.rule, self.mode, self.timeline = rule, mode, timeline_of(rule)
