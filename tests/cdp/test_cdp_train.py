@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from cdp_fns import F64, LR, MOMENTUM, batches, make_stages, reference, train
+from cdp_fns import F64, LR, MOMENTUM, batches, loss_fn, make_stages, reference, sgd, train
 from sbpflow.parallel.cdp import CyclicDataParallel, ranks_needed, rules
 
 # the issue's grid: every setting and rule at N = 2..5 (mp with rule dp at N = 5 runs 25 ranks;
@@ -145,6 +145,40 @@ def test_measured_activation_bytes_dp_against_cdp():
     assert cdp["peak_activation_bytes"] / dp["peak_activation_bytes"] <= 5 / 8 + 0.05
     # a (micro-batch, stage) unit keeps its tanh output (the next stage's input): 16 x 64
     assert dp["peak_activation_bytes"] >= 16 * 16 * 64 * 8
+
+
+@pytest.mark.parametrize("rule", ["v1", "v2"])
+def test_pp_mode_has_no_bubble_between_warm_up_and_flush(rule):
+    """Rank j holds stage j: from worker N's first F_j (step 2(N-1) + j, 0-based) to worker
+    1's last B_j (step 2N(T-1) + 2N-1-j) it runs exactly one op each time step, idle only
+    before and after (2(N-1-j) steps); the ops fired in time-step order; the bubble is
+    (N-1) / (NT + N-1)."""
+    n, steps = 4, 6
+
+    def fn():
+        t = CyclicDataParallel(make_stages(n), loss_fn, sgd, rule=rule, mode="pp")
+        for x, y in batches(n, steps):
+            t.step(x, y)
+        t.flush()
+        return t.records, t.stats()
+    res = sf.launch(fn, world_size=n)
+    for j, (records, _) in enumerate(res):
+        ops = [r for r in records if r.kind in "FB"]
+        assert {(r.rank, r.stage) for r in ops} == {(j, j)}
+        assert len(ops) == 2 * n * steps   # every op of the schedule fired
+        by_step: dict[int, int] = {}
+        for r in ops:
+            by_step[r.step] = by_step.get(r.step, 0) + 1
+        assert max(by_step.values()) == 1
+        start, end = 2 * (n - 1) + j, 2 * n * (steps - 1) + 2 * n - 1 - j
+        assert all(k in by_step for k in range(start, end + 1)), (j, sorted(by_step))
+        # the warm-up and the drain leave N-1-j idle steps each (none on the last stage)
+        first, last = min(by_step), max(by_step)
+        assert (first, last) == (j, 2 * n * steps + 2 * n - 3 - j)
+        assert last - first + 1 - len(by_step) == 2 * (n - 1 - j)
+        fired = [r.step for r in sorted(ops, key=lambda r: r.start)]
+        assert fired == sorted(fired)
+    assert res[0][1]["bubble_fraction"] == pytest.approx((n - 1) / (n * steps + n - 1))
 
 
 def test_save_timeline_and_errors(tmp_path):
