@@ -204,6 +204,35 @@ def test_split_by_flops_counts_output_positions():
     assert sf.launch(trainer_stages, world_size=1)[0] == cut["flops"]
 
 
+def test_tied_weights_across_stages_are_refused():
+    """A module or a parameter in two stages would become two (each stage has versions and
+    an optimizer of its own): refused, naming the stages and the parameter."""
+    def build(stages, **kw):
+        def fn():
+            CyclicDataParallel(stages(), lambda o, y: o.sum(), lambda ps: sf.optim.SGD(ps, lr=1.0),
+                               rule="dp", **kw)
+        sf.launch(fn, world_size=1)
+
+    def same_module():
+        sf.manual_seed(0)
+        shared = sf.nn.Sequential(sf.nn.Linear(4, 4), sf.nn.Tanh())
+        return [shared, shared, sf.nn.Linear(4, 2)]
+
+    def same_parameter():
+        sf.manual_seed(0)
+        a, b = sf.nn.Linear(4, 4), sf.nn.Linear(4, 4)
+        b.weight = a.weight
+        return sf.nn.Sequential(a, sf.nn.Tanh(), sf.nn.Linear(4, 4), b)
+    with pytest.raises(sf.PlanError, match=r"stages 0 and 1 share .*'0.weight'.*not supported"):
+        build(same_module)
+    with pytest.raises(sf.PlanError, match=r"stages 0 and 2 share .*'0.weight' is stage 2's "
+                                           r"'3.weight', shape \(4, 4\)"):
+        build(same_parameter, split=3)
+    with pytest.raises(sf.PlanError, match="stages 0 and 1 share"):
+        sf.launch(lambda: sf.parallel.cdp.closed_form(same_module(), None, None, "dp", []),
+                  world_size=1)
+
+
 def test_bad_arguments_name_the_fix():
     with pytest.raises(sf.PlanError, match="one of"):
         rules.version("v3", 0, 0, 0, 4)

@@ -23,7 +23,7 @@ from ...placement import placement
 from ...tensor import GlobalTensor
 from .stage_runner import StageRunner
 
-__all__ = ["split_sequential", "stage_list", "call_flops", "flop_weights"]
+__all__ = ["split_sequential", "stage_list", "check_untied", "call_flops", "flop_weights"]
 
 BY = ("params", "flops")
 
@@ -132,9 +132,32 @@ def split_sequential(seq: Sequential, n: int, by: str = "params", example_input=
                                    for item in unit)) for k in range(n)]
 
 
+def check_untied(stages: Sequence[Module]) -> None:
+    """Refuse a parameter or buffer (the same tensor object) in two stages: each stage has
+    versions and an optimizer of its own, so tied weights would silently become two."""
+    seen: dict[int, tuple[int, str]] = {}
+    for j, stage in enumerate(stages):
+        named = list(stage.named_parameters()) + list(stage.named_buffers())
+        for name, t in named:
+            k, first = seen.setdefault(id(t), (j, name))
+            if k != j:
+                raise PlanError(f"CDP stages {k} and {j} share a tensor (stage {k}'s {first!r}"
+                                f" is stage {j}'s {name!r}, shape {tuple(t.shape)}): tied "
+                                f"weights across CDP stages are not supported (each stage "
+                                f"has its own versions and optimizer); keep the tied layers "
+                                f"in one stage, or give each stage its own copy")
+
+
 def stage_list(stages, split, example_input=None) -> list[Module]:
     """The stages of `CyclicDataParallel`: a list of modules as given, or a Sequential cut by
-    ``split`` (an int N, or ``(N, "params" | "flops")``; "flops" reads ``example_input``)."""
+    ``split`` (an int N, or ``(N, "params" | "flops")``; "flops" reads ``example_input``).
+    No tensor may sit in two stages (`check_untied`)."""
+    out = _stage_modules(stages, split, example_input)
+    check_untied(out)
+    return out
+
+
+def _stage_modules(stages, split, example_input) -> list[Module]:
     if split is None:
         if isinstance(stages, Module):
             raise PlanError("CyclicDataParallel got one module: pass a list of stage modules, "
