@@ -203,6 +203,17 @@ def test_save_timeline_and_errors(tmp_path):
                   world_size=1)
 
 
+def test_non_scalar_loss_is_a_shape_error():
+    def fn():
+        t = CyclicDataParallel(make_stages(2), lambda o, y: sf.nn.functional.cross_entropy(
+            o, y, reduction="none"), sgd, rule="v2", mode="pp")
+        t.step(*batches(2)[0])
+        t.flush()
+    with pytest.raises(sf.ShapeError, match=r"loss_fn .*<lambda> returned a tensor of shape "
+                                            r"\(2,\) .* not a scalar"):
+        sf.launch(fn, world_size=2)
+
+
 @pytest.mark.gloo
 def test_dp_mode_on_gloo_processes():
     from cdp_fns import train as gloo_train

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...errors import PlanError
+from ...errors import PlanError, ShapeError
 from ...nn.modules import Module
 from ...placement import Placement
 from ...sbp import B
@@ -40,6 +40,15 @@ def _lock_of(module: Module) -> threading.Lock:
 
 def _wrap(t: torch.Tensor, pl: Placement) -> GlobalTensor:
     return GlobalTensor(t, tuple(t.shape), pl, (B,))
+
+
+def _check_scalar(loss: Callable, out: GlobalTensor, x: torch.Tensor) -> None:
+    if out.local.numel() != 1:
+        name = getattr(loss, "__qualname__", repr(loss))
+        raise ShapeError(f"CDP loss_fn {name} returned a tensor of shape {tuple(out.shape)} "
+                         f"(the last stage's input {tuple(x.shape)}), not a scalar: it must "
+                         f"give the micro-batch's mean loss (e.g. reduction='mean', not "
+                         f"'none')")
 
 
 class StageRunner:
@@ -116,6 +125,8 @@ class StageRunner:
             if not isinstance(out, GlobalTensor):
                 raise PlanError(f"CDP stage {self.index} returned {type(out).__name__}, not "
                                 f"an sf.GlobalTensor")
+            if loss is not None:
+                _check_scalar(loss, out, x)
             return out.local
         return self._call(tensors, pl, run)
 
