@@ -7,15 +7,19 @@ so ``isinstance`` against both holds and the module's own ``forward`` runs unmod
 calls reach `GlobalTensor.__torch_function__` (`torch_functions`). A torch layer with an
 ``sf.nn`` twin (``Linear``, ``Embedding``, ``LayerNorm``, ``Conv2d``, activations, pooling,
 containers) takes the twin's ``forward`` instead (one dispatch less, and `sf.auto.trace` sees its
-layers). Parameters become `Parameter` s and buffers global tensors, replicated on the placement;
-lay them out afterwards with `sf.parallel.apply`. See docs/torch_models.md.
+layers). Parameters become `Parameter` s and buffers global tensors, replicated on the placement,
+with the values of the placement's first rank (`_synced_values`: DDP's module-state sync); lay
+them out afterwards with `sf.parallel.apply`. See docs/torch_models.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .. import comm as _comm
+from ..errors import ShapeError
 from ..placement import Placement
 from ..sbp import B
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, _to_dtype, lift
@@ -190,18 +194,22 @@ def from_torch(module, placement: Placement | None = None) -> Module:
     """An sbpflow model equal to the ``torch.nn.Module`` ``module`` (a new object: ``module``
     is left as it was); an `sf.nn.Module` is returned as it is.
 
-    Every rank calls it with the same module value. Parameters and buffers are laid out
-    replicated on ``placement`` (default: every rank, 1-D); `sf.parallel.apply` then lays the
-    parameters out by rule. Names, ``state_dict`` keys, tied parameters and modules, attributes
-    and ``requires_grad`` are the torch model's; forward hooks are kept. Backward hooks are
-    refused (`UnsupportedTorchFunction`): sbpflow's autograd runs on the shards."""
+    A collective: every rank of ``placement`` calls it, with the same model structure. The
+    parameter and buffer values are those of the placement's first rank (broadcast, as DDP's
+    module-state sync: `_synced_values`), so a model each rank built with its own random state
+    starts the same everywhere. They are laid out replicated on ``placement`` (default: every
+    rank, 1-D); `sf.parallel.apply` then lays the parameters out by rule. Names, ``state_dict``
+    keys, tied parameters and modules, attributes and ``requires_grad`` are the torch model's;
+    forward hooks are kept. Backward hooks are refused (`UnsupportedTorchFunction`): sbpflow's
+    autograd runs on the shards. Ranks whose models differ in shapes or dtypes: `ShapeError`."""
     if isinstance(module, Module):
         return module
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sf.nn.from_torch takes a torch.nn.Module, got {type(module).__name__}")
     if placement is None:
         placement = Placement("cpu", list(range(_comm.world_size())))
-    return _convert(module, placement, {"twins": _twins()}, "")
+    memo = {"twins": _twins(), "values": _synced_values(module, placement)}
+    return _convert(module, placement, memo, "")
 
 
 def _convert(m: torch.nn.Module, pl: Placement, memo: dict, name: str) -> Module:
@@ -241,12 +249,15 @@ def _convert(m: torch.nn.Module, pl: Placement, memo: dict, name: str) -> Module
 
 
 def _tensor(t: torch.Tensor, pl: Placement, memo: dict, parameter: bool) -> GlobalTensor:
-    """A torch parameter as a replicated `Parameter`, a buffer as a replicated global tensor
-    (memo: a tensor shared by several modules stays one object)."""
+    """A torch parameter as a replicated `Parameter`, a buffer as a replicated global tensor,
+    of the value ``memo["values"]`` holds for it (the first rank's) or its own (memo: a tensor
+    shared by several modules stays one object)."""
     hit = memo.get(id(t))
     if hit is not None:
         return hit
-    value = t.detach()
+    value = memo["values"].get(id(t))
+    if value is None:
+        value = t.detach()
     if parameter:
         out = Parameter(value, requires_grad=t.requires_grad, placement=pl,
                         sbp=(B,) * pl.ndim)
@@ -254,3 +265,94 @@ def _tensor(t: torch.Tensor, pl: Placement, memo: dict, parameter: bool) -> Glob
         out = _sf_tensor(value, pl, (B,) * pl.ndim)
     memo[id(t)] = out
     return out
+
+
+# -- the values every rank starts from (DDP's module-state sync) ----------------------------------
+# bytes one broadcast carries at most (DDP broadcasts module states in buckets of 250 MB): a
+# bound on the extra memory a rank holds while converting, and few messages
+_BUCKET_BYTES = 256 * 2**20
+
+
+def _synced_values(module: torch.nn.Module, pl: Placement) -> dict:
+    """``{id(tensor): value}``: on the ranks of ``pl`` but its first, the first rank's value of
+    every parameter and buffer of ``module`` (views of the received bytes); empty on the first
+    rank (its own values are the ones) and where there is nothing to agree on.
+
+    Why: each rank converts its own torch model; one built on each rank (torchrun without a
+    seed; `sf.launch` rank threads, which share torch's random generator) differs across
+    ranks, and replicated or split parameters would silently disagree. Cost: a 24-byte
+    all-gather of the models' shapes (counted as "meta") and one broadcast per
+    `_BUCKET_BYTES` of state (counted as "broadcast"); meta tensors hold no value and stay."""
+    comm = _comm.current()
+    group = tuple(pl.flat_ranks)
+    if len(group) < 2 or comm.rank not in group:
+        return {}
+    tensors = [t for t in _state_tensors(module) if not t.is_meta]
+    _check_same_state(comm, group, tensors, pl)
+    src, values = group[0], {}
+    for bucket in _buckets(tensors):
+        sizes = [t.numel() * t.element_size() for t in bucket]
+        if comm.rank == src:
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in bucket])
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=bucket[0].device)
+        flat = comm.broadcast(flat, src, group)
+        if comm.rank != src:
+            for t, piece in zip(bucket, flat.split(sizes)):
+                values[id(t)] = piece.view(t.dtype).view(t.shape)
+    return values
+
+
+def _state_tensors(module: torch.nn.Module) -> list:
+    """The parameters and buffers of ``module``, each once, in module order."""
+    seen, out = set(), []
+    for m in module.modules():
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _buckets(tensors: list) -> list:
+    """``tensors`` in broadcasts of one device each, up to `_BUCKET_BYTES` (or one tensor).
+    Larger elements first in each, so every piece of the bytes starts at a multiple of its
+    element size (a view as its dtype needs it)."""
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    out = []
+    for ts in by_device.values():
+        ts = sorted(ts, key=lambda t: -t.element_size())   # stable: module order within a size
+        bucket, size = [], 0
+        for t in ts:
+            n = t.numel() * t.element_size()
+            if bucket and size + n > _BUCKET_BYTES:
+                out.append(bucket)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += n
+        if bucket:
+            out.append(bucket)
+    return out
+
+
+def _check_same_state(comm, group: tuple, tensors: list, pl: Placement) -> None:
+    """Raise `ShapeError` on every rank when the ranks' models differ in their parameters' and
+    buffers' shapes or dtypes (the broadcast needs the same bytes everywhere)."""
+    text = ";".join(f"{tuple(t.shape)}{t.dtype}{t.device.type}" for t in tensors)
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                            signed=True)
+    mine = torch.tensor([digest, len(tensors), sum(t.numel() for t in tensors)],
+                        dtype=torch.int64)
+    rows = [r.tolist() for r in comm.all_gather(mine, group, [(3,)] * len(group),
+                                                count_as="meta")]
+    odd = [r for r, row in zip(group, rows) if row != rows[0]]
+    if odd:
+        (_, n0, e0), (_, n, e) = rows[0], rows[group.index(odd[0])]
+        raise ShapeError(
+            f"sf.nn.from_torch: the torch models of the ranks of {pl} differ: rank {group[0]}'s "
+            f"has {n0} parameters and buffers of {e0} elements, rank {odd[0]}'s {n} of {e} "
+            f"(or the same counts in other shapes, dtypes or devices; ranks {odd} differ from "
+            f"rank {group[0]}); build the same model (same config, same dtype) on every rank: "
+            f"its values are then taken from rank {group[0]}")

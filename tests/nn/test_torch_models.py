@@ -101,10 +101,8 @@ def _torch_run(model, step, steps: int = 3):
     return losses, model.state_dict()
 
 
-def _sf_run(model, step, mesh_ranks, rules, data_sbp, steps: int = 3):
-    """The same on sbpflow ranks: convert, lay out by ``rules``, train with sf.optim.AdamW."""
-    mesh = sf.placement("cpu", mesh_ranks)
-    m = sf.parallel.apply(sf.nn.from_torch(model), mesh, rules)
+def _sf_train(m, step, mesh, data_sbp, steps: int = 3):
+    """Losses of ``steps`` sf.optim.AdamW steps of the sbpflow model ``m``, its state dict."""
     opt = sf.optim.AdamW(m.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
@@ -116,6 +114,20 @@ def _sf_run(model, step, mesh_ranks, rules, data_sbp, steps: int = 3):
     return losses, m.state_dict()
 
 
+def _sf_run(model, step, mesh_ranks, rules, data_sbp, steps: int = 3):
+    """The same on sbpflow ranks: convert, lay out by ``rules``, train with sf.optim.AdamW;
+    ``rules`` = AUTO: `sf.auto.parallelize` on the torch model (``data_sbp``: the example
+    inputs), then ``plan.model`` on the plan's placement."""
+    mesh = sf.placement("cpu", mesh_ranks)
+    if rules is AUTO:
+        plan = sf.auto.parallelize(model, tuple(sf.tensor(t, mesh, sf.B) for t in data_sbp),
+                                   mesh)
+        return _sf_train(plan.model, step, plan.placement, (sf.B,) * plan.placement.ndim,
+                         steps)
+    return _sf_train(sf.parallel.apply(sf.nn.from_torch(model), mesh, rules), step, mesh,
+                     data_sbp, steps)
+
+
 def _same(got, want) -> None:
     (l1, sd1), (l2, sd2) = got, want
     assert l1 == pytest.approx(l2, rel=1e-10, abs=1e-12)
@@ -124,6 +136,7 @@ def _same(got, want) -> None:
         torch.testing.assert_close(sd1[k], sd2[k], rtol=1e-9, atol=1e-11, msg=k)
 
 
+AUTO = "auto"   # _sf_run's rules: sf.auto.parallelize chooses them
 DP = ([0, 1, 2, 3], {"*": sf.B}, sf.S(0))
 GPT_2D = ([[0, 1], [2, 3]],
           {"*.attn.[qkv].*": (sf.B, sf.S(0)), "*.attn.proj.weight": (sf.B, sf.S(1)),
@@ -244,18 +257,71 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def test_resnet_with_batchnorm_and_in_place_adds_trains_as_torch():
+RESNET_2D = ([[0, 1], [2, 3]], {"*conv*.weight": (sf.B, sf.S(0)),
+                                 "*.downsample.0.weight": (sf.B, sf.S(0)), "*": (sf.B, sf.B)},
+             (sf.S(0), sf.B))
+
+
+@pytest.mark.parametrize("how", ["dp", "dp-x-tp", "auto"])
+def test_resnet_with_batchnorm_and_in_place_adds_trains_as_torch(how):
     torch.manual_seed(0)
     model = ResNet().to(F64)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 3, 8, 8, generator=g, dtype=F64)
     y = torch.randint(0, 5, (8,), generator=g)
     want = _torch_run(model, lambda m: F.cross_entropy(m(x), y), steps=2)
+    layout = {"dp": DP, "dp-x-tp": RESNET_2D, "auto": ([0, 1, 2, 3], AUTO, (x,))}[how]
 
     def step(m, mesh, sbp):
         return F.cross_entropy(m(sf.tensor(x, mesh, sbp)), sf.tensor(y, mesh, sbp))
-    got = sf.launch(_sf_run, world_size=4, args=(model, step, *DP, 2))[0]
+    got = sf.launch(_sf_run, world_size=4, args=(model, step, *layout, 2))[0]
     _same(got, want)   # the state dicts hold the running statistics too
+
+
+# -- a model each rank builds itself: the first rank's values, as DDP's module-state sync -------
+def _gpt_step(m, mesh, sbp):
+    x, y = _tokens()
+    return m(sf.tensor(x, mesh, sbp), sf.tensor(y, mesh, sbp))
+
+
+def _own_copy_run(model, mesh_ranks, rules, data_sbp, steps: int = 3):
+    """Each rank trains its own copy of ``model`` with its rank added to every parameter and
+    buffer (rank 0's is ``model``): `_sf_run` after converting it; plus the conversion's
+    (sent, received, calls) of broadcast bytes and the number of calls of meta exchanges."""
+    mine = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in (*mine.parameters(), *mine.buffers()):
+            t.add_(sf.rank())
+    sf.comm.reset_stats()
+    m = sf.nn.from_torch(mine, sf.placement("cpu", mesh_ranks))
+    st = sf.comm.stats()
+    sent = (st["broadcast"].sent, st["broadcast"].recv, st["broadcast"].calls, st["meta"].calls)
+    return _sf_run(m, _gpt_step, mesh_ranks, rules, data_sbp, steps), sent
+
+
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_a_model_built_on_each_rank_trains_on_the_first_ranks_values(backend):
+    torch.manual_seed(0)
+    model = TiedGPT().to(F64)
+    x, y = _tokens()
+    want = _torch_run(model, lambda m: m(x, y))
+    layout = GPT_2D if backend == "threads" else ([0, 1], {"*.mlp.0.*": sf.S(0), "*": sf.B},
+                                                  sf.S(0))
+    n = 4 if backend == "threads" else 2
+    res = sf.launch(_own_copy_run, world_size=n, backend=backend, args=(model, *layout))
+    for got, _ in res:   # every rank: rank 0's values, split shards included
+        _same(got, want)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())   # tied: once
+    assert [r[1] for r in res] == [((n - 1) * nbytes, 0, 1, 1)] + [(0, nbytes, 1, 1)] * (n - 1)
+
+
+def test_ranks_whose_models_differ_in_shape_are_told_so():
+    def body():
+        model = nn.Linear(4, 4 + sf.rank())
+        sf.nn.from_torch(model)
+    with pytest.raises(sf.ShapeError, match=r"rank 0's has 2 parameters and buffers of 20 "
+                                            r"elements, rank 1's 2 of 25"):
+        sf.launch(body, world_size=2)
 
 
 def test_a_split_fused_projection_cut_by_the_model_warns():
