@@ -1,9 +1,11 @@
 """Models written in plain torch, converted by ``sf.nn.from_torch`` and laid out by
-``sf.parallel.apply``, trained against the same torch model on one device (float64): a GPT with
-separate q / k / v projections and tied embeddings, the nanoGPT-style GPT of
-examples/torch_gpt_model.py (fused ``c_attn``, optional LayerNorm bias), and a ResNet with
-BatchNorm and in-place residual adds. Data parallel and 2-D data x tensor parallel: losses,
-weights, running statistics and state dicts equal torch's; names and tied weights are torch's."""
+``sf.parallel.apply`` or ``sf.auto.parallelize``, trained against the same torch model on one
+device (float64): a GPT with separate q / k / v projections and tied embeddings, the
+nanoGPT-style GPT of examples/torch_gpt_model.py (fused ``c_attn``, optional LayerNorm bias),
+and a ResNet with BatchNorm and in-place residual adds. Data parallel, 2-D data x tensor
+parallel and searched: losses, weights, running statistics and state dicts equal torch's; names
+and tied weights are torch's. A model each rank builds with its own values trains on the first
+rank's (threads and gloo)."""
 
 import copy
 import importlib.util
@@ -402,22 +404,22 @@ def _sf_losses(m, opt, xs, ys, steps: int = 3) -> list:
     return out
 
 
-class UntiedGPT(TiedGPT):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(16, 32, bias=False)   # tied weights in sf.auto: issue 19, part 4
-
-
-def test_auto_parallelize_lays_out_a_converted_model():
-    torch.manual_seed(0)
-    model = UntiedGPT().to(F64)
+def _auto_gpt_run(model):
+    """`_sf_run` through `sf.auto.parallelize` on the torch model, plus what the plan did with
+    the tied head: (plan.model's head weight is its token embedding's, the graph's ties)."""
     x, y = _tokens()
-    want = model(x, y).item()
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    plan = sf.auto.parallelize(model, (sf.tensor(x, pl, sf.B), sf.tensor(y, pl, sf.B)), pl)
+    m = plan.model
+    tied = (m.head.weight is m.tok.weight, plan.graph.ties, isinstance(m, TiedGPT))
+    return _sf_train(m, _gpt_step, plan.placement, (sf.B,) * plan.placement.ndim), tied
 
-    def body():
-        pl = sf.placement("cpu", [0, 1, 2, 3])
-        m = sf.nn.from_torch(model, pl)
-        plan = sf.auto.parallelize(m, (sf.tensor(x, pl, sf.B), sf.tensor(y, pl, sf.B)), pl)
-        return m(plan.input(x), plan.input(y)).item(), len(plan.graph.layers)
-    loss, layers = sf.launch(body, world_size=4)[0]
-    assert loss == pytest.approx(want, rel=1e-12) and layers == 15
+
+def test_auto_parallelize_trains_a_tied_torch_gpt_as_torch():
+    torch.manual_seed(0)
+    model = TiedGPT().to(F64)     # separate q / k / v, tied embeddings, as a torch module
+    x, y = _tokens()
+    want = _torch_run(model, lambda m: m(x, y))
+    got, tied = sf.launch(_auto_gpt_run, world_size=4, args=(model,))[0]
+    _same(got, want)
+    assert tied == (True, {"head": "tok"}, True)
