@@ -204,3 +204,35 @@ def test_unknown_attributes_stay_attribute_errors():
         x = sf.tensor(X, sf.placement("cpu", [0]), sf.B)
         return hasattr(x, "no_such_thing"), hasattr(x, "_private"), hasattr(x, "masked_fill")
     assert sf.launch(body, world_size=1)[0] == (False, False, True)
+
+
+def test_attention_dropout_is_layout_independent_and_drops_its_share():
+    """``F.scaled_dot_product_attention(is_causal=True, dropout_p=p)``: with q = k = 0 every
+    attended entry weighs 1 / (i + 1), and v = I makes the output the dropped weights
+    themselves, so each entry is 0 or 1 / ((i + 1)(1 - p))."""
+    b, h, t, p = 4, 2, 16, 0.3
+    zeros, eye = torch.zeros(b, h, t, t, dtype=F64), torch.eye(t, dtype=F64).expand(b, h, t, t)
+
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        out = {}
+        for sbp in (sf.S(0), sf.S(1), sf.B):
+            q, v = sf.tensor(zeros, pl, sbp), sf.tensor(eye, pl, sbp)
+            sf.manual_seed(7)
+            out[sbp] = F.scaled_dot_product_attention(q, q, v, is_causal=True,
+                                                      dropout_p=p).full_tensor()
+            out[sbp, 0.0] = F.scaled_dot_product_attention(q, q, v, is_causal=True,
+                                                           dropout_p=0.0).full_tensor()
+        return out
+    out = sf.launch(body, world_size=2)[0]
+    got = out[sf.S(0)]
+    assert torch.equal(got, out[sf.S(1)]) and torch.equal(got, out[sf.B])
+    want = F.scaled_dot_product_attention(zeros, zeros, eye, is_causal=True)
+    for sbp in (sf.S(0), sf.S(1), sf.B):
+        torch.testing.assert_close(out[sbp, 0.0], want, rtol=1e-12, atol=1e-12)
+    causal = torch.ones(t, t, dtype=torch.bool).tril().expand(b, h, t, t)
+    assert not got[~causal].any()                       # the mask: nothing above the diagonal
+    kept = got[causal] != 0
+    torch.testing.assert_close(got[causal][kept], (want / (1 - p))[causal][kept])
+    dropped = 1.0 - kept.double().mean().item()         # 1088 entries, a fixed seed
+    assert abs(dropped - p) < 0.05, dropped
