@@ -214,6 +214,27 @@ def test_non_scalar_loss_is_a_shape_error():
         sf.launch(fn, world_size=2)
 
 
+def test_a_failure_names_its_absolute_cycle_and_step():
+    """A label out of range in step 1 (cycle 1) fails worker 1's last forward at time step 7
+    (N = 2, CDP): the runtime names the actor relative to its run ('F1w1c0'); the trainer adds
+    the absolute task to the error and keeps it for the next call's PlanError."""
+    where = "F1w1c1: forward of stage 1, worker 1, cycle 1 (training step 1), time step 7"
+
+    def fn():
+        t = CyclicDataParallel(make_stages(2), loss_fn, sgd, rule="v2")
+        data = batches(2)
+        t.step(*data[0])
+        y = data[1][1].clone()
+        y[-1] = 7
+        with pytest.raises(sf.IndexOutOfRange) as err:
+            t.step(data[1][0], y)
+        assert any(where in note for note in err.value.__notes__), err.value.__notes__
+        with pytest.raises(sf.PlanError, match="build a new trainer") as again:
+            t.step(*data[2])
+        assert where in str(again.value)
+    sf.launch(fn, world_size=1)
+
+
 @pytest.mark.gloo
 def test_dp_mode_on_gloo_processes():
     from cdp_fns import train as gloo_train

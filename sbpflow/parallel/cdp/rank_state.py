@@ -69,6 +69,7 @@ class RankState:
         self.messages = self.nbytes = 0
         self.count_lock = threading.Lock()  # each peer's send runs on a thread of its own
         self.log: dict[str, tuple] = {}  # actor name -> (absolute task, version) of this run
+        self.failed: Work | Transfer | None = None  # the run's first task that raised here
 
     def task(self, rel: Work | Transfer) -> Work | Transfer:
         return shift(rel, *self.ctx)
@@ -231,5 +232,10 @@ class RankState:
         """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``
         (the runtime's firing index and input tokens are not needed)."""
         def run(_mb: int, *_tokens) -> None:
-            fn(rel, name)
+            try:
+                fn(rel, name)
+            except BaseException:
+                if self.failed is None:  # the absolute task: actor names are run-relative
+                    self.failed = self.task(rel)
+                raise
         return run

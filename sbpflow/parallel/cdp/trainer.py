@@ -16,7 +16,7 @@ import torch
 
 from ... import memory
 from ...comm import current
-from ...errors import PlanError
+from ...errors import CommAborted, PlanError
 from ...placement import Placement, placement as make_placement
 from ...runtime import Runtime
 from ...tensor import GlobalTensor
@@ -24,7 +24,7 @@ from .cdp_figure import draw_timeline
 from .cdp_plan import window_plan
 from .cdp_stats import Record, gather_records, summary
 from .cycles import check_n
-from .program import cycle_tasks, shift, version_uses, window
+from .program import Transfer, Work, cycle_tasks, shift, version_uses, window
 from .rank_state import RankState
 from .roles import make_roles, ranks_needed
 from .rules import check_rule, timeline_of
@@ -51,6 +51,29 @@ def _split_batch(t, n: int, what: str) -> list[torch.Tensor]:
                         f"at least N = {n} samples (one micro-batch a worker), got "
                         f"{getattr(t, 'shape', type(t).__name__)}")
     return [p.clone() for p in torch.tensor_split(t.detach(), n)]
+
+
+def _where(task: Work | Transfer | None, aborted: bool, active: list, lo: int, span: int,
+           c_ref: int) -> str:
+    """Where a run failed (``aborted``: stopped by another rank's failure), in absolute
+    cycles (training steps fed, from 0) and time steps: the runtime's messages name actors,
+    whose names count cycles from the run's newest."""
+    run = (f"CDP run of time steps {lo}..{lo + span - 1}, cycles {[c for c, _ in active]} "
+           f"(actor names count cycles from {c_ref})")
+    if task is None:
+        return f"failed during the {run}"
+    if isinstance(task, Work):
+        who = "" if task.worker < 0 else f"w{task.worker}"
+        what = (f"{task.kind}{task.stage}{who}c{task.cycle}: {_KIND_WORD[task.kind]} of "
+                f"stage {task.stage}" + (f", worker {task.worker}" if who else ""))
+    else:
+        what = f"transfer of {task.payload} from rank {task.src} to rank {task.dst}"
+    verb = "stopped (another rank failed) in" if aborted else "failed in"
+    return (f"{verb} {what}, cycle {task.cycle} (training step {task.cycle}), time step "
+            f"{task.step}, 0-based; {run}")
+
+
+_KIND_WORD = {"F": "forward", "B": "backward", "A": "gradient sum", "U": "update"}
 
 
 class CyclicDataParallel:
@@ -153,13 +176,17 @@ class CyclicDataParallel:
         lo = 2 * self.n * self.window
         plan, c_ref = self._plan(active, lo)
         st = self.state
-        st.ctx, st.log = (c_ref, lo), {}
+        st.ctx, st.log, st.failed = (c_ref, lo), {}, None
         try:
             with memory.attach([self.tracker]):
                 self.runtime.run(1, plan=plan)
         except BaseException as exc:
-            self.broken = (f"a run failed mid-schedule ({type(exc).__name__}: {exc}), leaving "
-                           f"its cycles half done")
+            where = _where(st.failed, isinstance(exc, CommAborted), active, lo, 2 * self.n,
+                           c_ref)
+            if hasattr(exc, "add_note"):
+                exc.add_note(where)
+            self.broken = (f"a run failed mid-schedule ({type(exc).__name__}: {exc}; {where}), "
+                           f"leaving its cycles half done")
             raise
         for e in self.runtime.timeline():
             task, v = st.log.get(e["actor"], (None, -1))
