@@ -190,6 +190,10 @@ def test_save_timeline_and_errors(tmp_path):
         for x, y in batches(3, 3):
             t.step(x, y)
         t.save_timeline(str(path))
+        with pytest.raises(sf.ShapeError, match=r"x holds 7 samples on axis 0 and y 6 "
+                                                r"\(x \(7, 5\), y \(6,\)\)"):
+            t.step(x, y[:-1])
+        t.step(x, y)   # checked before the run: the trainer goes on
         with pytest.raises(sf.PlanError, match="axis 0 holds at least N = 3"):
             t.step(torch.zeros(2, 5), torch.zeros(2))
         return True

@@ -16,7 +16,7 @@ import torch
 
 from ... import memory
 from ...comm import current
-from ...errors import CommAborted, PlanError
+from ...errors import CommAborted, PlanError, ShapeError
 from ...placement import Placement, placement as make_placement
 from ...runtime import Runtime
 from ...tensor import GlobalTensor
@@ -203,6 +203,12 @@ class CyclicDataParallel:
         """Feed one global batch (``x``, ``y``: axis 0 cut into N micro-batches, worker ``i``
         the ``i``-th) and run one window. Returns the losses this rank finished during the
         call, as ``(step, worker, value)``."""
+        nx, ny = (getattr(t, "shape", (None,))[:1] for t in (x, y))
+        if nx and ny and nx != ny:
+            raise ShapeError(f"CyclicDataParallel.step: x holds {nx[0]} samples on axis 0 and "
+                             f"y {ny[0]} (x {tuple(x.shape)}, y {tuple(y.shape)}); they need "
+                             f"a row a sample, so that both cut into the same N = {self.n} "
+                             f"micro-batches")
         if self.state is None:
             return []
         xs = [t.to(self.device) for t in _split_batch(x, self.n, "x")]
