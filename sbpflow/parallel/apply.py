@@ -56,7 +56,8 @@ def apply(model, placement: Placement, rules: Mapping, zero: int = 0,
           zero_min_size: int = 0) -> Module:
     """Re-lay every parameter of ``model`` onto ``placement`` by ``rules``; returns the model
     to call: ``model`` itself, or for a plain ``torch.nn.Module`` its sbpflow conversion
-    (`sf.nn.from_torch`; the torch model is left as it was).
+    (`sf.nn.from_torch`, whose values are the placement's first rank's on every rank; the torch
+    model is left as it was).
 
     Every rank must call it (the boxing is collective), with the same rules. A model built
     under `sf.nn.init.meta_init` is materialised in these layouts (`relayout`). ``zero``: the
