@@ -189,16 +189,27 @@ def test_save_timeline_and_errors(tmp_path):
                                lambda ps: sf.optim.SGD(ps, lr=0.1), rule="v1", mode="pp")
         for x, y in batches(3, 3):
             t.step(x, y)
-        t.save_timeline(str(path))
+        drawn = t.save_timeline(str(path))
         with pytest.raises(sf.ShapeError, match=r"x holds 7 samples on axis 0 and y 6 "
                                                 r"\(x \(7, 5\), y \(6,\)\)"):
             t.step(x, y[:-1])
         t.step(x, y)   # checked before the run: the trainer goes on
         with pytest.raises(sf.PlanError, match="axis 0 holds at least N = 3"):
             t.step(torch.zeros(2, 5), torch.zeros(2))
-        return True
-    sf.launch(fn, world_size=3)
+        return drawn, [r for r in t.records if r.step < 2 * 3 * 3]  # the 3 runs drawn
+    res = sf.launch(fn, world_size=3)
     assert path.stat().st_size > 10_000
+    # the picture holds a box for each executed F / B of the 3 runs drawn (stage and worker
+    # 1-based), hatched where the op used the previous cycle's version (v1: every cycle after
+    # the first), and a mark per update fired on a rank
+    drawn, ops = res[0][0], [r for _, recs in res for r in recs]
+    fb = [r for r in ops if r.kind in "FB"]
+    assert len(fb) == 18 + 18 + 12  # cycles 0, 1 (2N² ops each), cycle 2's before step 18
+    assert sorted(drawn.labels) == sorted(f"{r.kind}{r.stage + 1}\nw{r.worker + 1}" for r in fb)
+    stale = [r for r in fb if rules.version("v1", r.cycle, r.worker, r.stage, 3) < r.cycle]
+    assert drawn.hatched == len(stale) == sum(1 for r in fb if r.cycle > 0)
+    assert drawn.updates == sum(1 for r in ops if r.kind == "U") > 0
+    assert drawn.rows == ["rank 0", "rank 1", "rank 2"] and res[1][0] is None
     with pytest.raises(sf.PlanError, match="needs 6 ranks; the world has 2"):
         sf.launch(lambda: CyclicDataParallel(make_stages(3), None, None, rule="v2",
                                              mode="mp"), world_size=2)

@@ -7,17 +7,27 @@ ran, never from a model of the schedule. See docs/cdp.md, 'Stats'.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .cdp_stats import Record
 
-__all__ = ["draw_timeline"]
+__all__ = ["draw_timeline", "Drawn"]
+
+
+class Drawn(NamedTuple):
+    """What a timeline picture holds, read back from the figure: the box labels ("F1",
+    "B3\nw2", ...) in drawing order, how many boxes are hatched, the update marks, the rows."""
+
+    labels: list[str]
+    hatched: int
+    updates: int
+    rows: list[str]
 
 
 def draw_timeline(records: Sequence[Record], path: str, rows_by: str, title: str,
-                  steps: tuple[int, int]) -> None:
+                  steps: tuple[int, int]) -> Drawn:
     """Draw ``records`` with steps in ``[steps[0], steps[1])``; ``rows_by`` "worker" or
-    "rank"."""
+    "rank". Returns what the figure holds."""
     from matplotlib.figure import Figure  # not pyplot: no display, the caller's backend kept
     from matplotlib.patches import Patch, Rectangle
 
@@ -63,3 +73,6 @@ def draw_timeline(records: Sequence[Record], path: str, rows_by: str, title: str
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    return Drawn([t.get_text() for t in ax.texts], sum(1 for p in boxes if p.get_hatch()),
+                 len(ax.lines), [t.get_text() for t in ax.get_yticklabels()])

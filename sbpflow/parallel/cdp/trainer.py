@@ -20,7 +20,7 @@ from ...errors import CommAborted, PlanError, ShapeError
 from ...placement import Placement, placement as make_placement
 from ...runtime import Runtime
 from ...tensor import GlobalTensor
-from .cdp_figure import draw_timeline
+from .cdp_figure import Drawn, draw_timeline
 from .cdp_plan import window_plan
 from .cdp_stats import Record, gather_records, summary
 from .cycles import check_n
@@ -270,13 +270,15 @@ class CyclicDataParallel:
         records, counters = self._gather()
         return summary(records, counters, self.n, self.roles.ranks)
 
-    def save_timeline(self, path: str, steps: tuple[int, int] | None = None) -> None:
+    def save_timeline(self, path: str, steps: tuple[int, int] | None = None) -> Drawn | None:
         """Draw the executed schedule to ``path`` (rank 0 writes it; a collective): time
-        steps ``steps`` (default the first five windows of ``2N`` steps)."""
+        steps ``steps`` (default the first five windows of ``2N`` steps). Rank 0 gets what
+        the figure holds (`Drawn`), other ranks None."""
         records, _ = self._gather()
         if self.rank != 0:
-            return
+            return None
         steps = steps or (0, 2 * self.n * 5)
         rows_by = "worker" if self.mode == "single" else "rank"
-        draw_timeline(records, path, rows_by, f"CDP rule {self.rule}, mode {self.mode}, "
-                      f"N = {self.n} (ranks {list(self.roles.ranks)})", steps)
+        return draw_timeline(records, path, rows_by, f"CDP rule {self.rule}, mode "
+                             f"{self.mode}, N = {self.n} (ranks {list(self.roles.ranks)})",
+                             steps)
