@@ -259,6 +259,18 @@ def test_dp_mode_on_gloo_processes():
     assert st["messages_per_step"] == 2 * n * (n - 1)
 
 
+@pytest.mark.gloo
+def test_pp_mode_on_gloo_processes():
+    """pp / v1 (PipeDream-2BW) on 3 gloo processes: bit-for-bit the closed form; the only
+    messages are the activations and their gradients, N - 1 each a micro-batch."""
+    from cdp_fns import train as gloo_train
+    n, rule = 3, "v1"
+    res = sf.launch(gloo_train, n, backend="torch", args=(n, rule, "pp"))
+    st = _check_equal(res, n, rule)
+    assert st["messages_per_step"] == 2 * n * (n - 1)
+    assert st["max_versions"] == [2] * n
+
+
 def test_example_runs(monkeypatch, tmp_path):
     """`examples/cdp_digits.py`, one epoch of v2 in pipeline mode: it learns, and draws."""
     pytest.importorskip("sklearn")
