@@ -11,7 +11,7 @@ import torch
 
 import sbpflow as sf
 import sbpflow.memory as memory
-from sbpflow.auto.space import Strategy, make_layer_strategy
+from sbpflow.auto.space import Strategy, zero_twin
 from sbpflow.auto.trace import trace
 from sbpflow.models import gpt_class, layout, mlp_class
 
@@ -336,23 +336,24 @@ def _gpt_inputs():
 
 
 def _strategy(graph, cluster, name):
-    if name in ("dp", "zero1", "zero2"):
-        return sf.auto.baselines.data_parallel(graph, cluster)
-    if name == "tp":
-        return sf.auto.baselines.megatron(graph, cluster, tp=4)
-    if name == "2d":
-        return sf.auto.baselines.megatron(graph, cluster, tp=2)     # (dp 2, tp 2)
-    # ZeRO-style stored layout: data parallel, every weight stored S(0) over the 4 ranks
-    return Strategy(graph, [make_layer_strategy(l, (4,), ("dp",), zero=True)
-                            for l in graph.layers])
+    """The strategy of layout ``name``: ``dp``, ``tp`` (Megatron, tp 4) or ``2d`` (dp 2 x tp
+    2), each optionally with ``-zero1`` / ``-zero2`` / ``-zero3``: that ZeRO stage along the
+    data-parallel dims of every weight (`sbpflow.auto.space.zero_twin`)."""
+    base, _, zero = name.partition("-zero")
+    if base == "dp":
+        strategy = sf.auto.baselines.data_parallel(graph, cluster)
+    else:
+        strategy = sf.auto.baselines.megatron(graph, cluster, tp=4 if base == "tp" else 2)
+    if not zero:
+        return strategy
+    return Strategy(graph, [zero_twin(l, s, int(zero)) for l, s in
+                            zip(graph.layers, strategy.layers)])
 
 
 def _gpt_step(name, dtype=torch.float32):
-    """Lay out the GPT as ``name`` (dp / tp / 2d: sf.auto.parallelize with the baseline
-    strategy; zero: parallelize with the ZeRO-stored strategy, which runs ZeRO-3; zero1 /
-    zero2: data parallel by sf.parallel.apply with that stage), run one AdamW step and return
-    the measured bytes and evaluate's prediction for the same strategy (zero1 / zero2: the
-    data-parallel one, and the ZeRO-stored one for what the stage shards)."""
+    """Lay out the GPT by sf.auto.parallelize with the strategy of ``name`` (`_strategy`),
+    run one AdamW step and return the measured bytes and evaluate's prediction for the same
+    strategy."""
     sf.manual_seed(0)
     m = gpt_class(sf.nn, sf.nn.functional)(**GPT)
     if dtype != torch.float32:
@@ -361,17 +362,9 @@ def _gpt_step(name, dtype=torch.float32):
     pl = sf.placement("cpu", [0, 1, 2, 3])
     graph, modules = trace(m, _gpt_inputs())
     strategy = _strategy(graph, cluster, name)
-    if name in ("zero1", "zero2"):
-        sf.parallel.apply(m, pl, {"*": B}, zero=int(name[-1]))
-        args = [sf.tensor(v, pl, B) for v in _gpt_inputs()]
-    else:
-        plan = sf.auto.parallelize(m, _gpt_inputs(), pl, cluster, strategy=strategy)
-        args = [plan.input(v) for v in _gpt_inputs()]
+    plan = sf.auto.parallelize(m, _gpt_inputs(), pl, cluster, strategy=strategy)
+    args = [plan.input(v) for v in _gpt_inputs()]
     predicted = dict(sf.auto.evaluate(graph, strategy, cluster).memory)
-    if name in ("zero1", "zero2"):
-        zero = sf.auto.evaluate(graph, _strategy(graph, cluster, "zero"), cluster).memory
-        for cat in ("optimizer",) if name == "zero1" else ("grads", "optimizer"):
-            predicted[cat] = zero[cat]
     # the graph's layers are the traced Linear / Embedding modules: their weights are what
     # evaluate counts; biases and norms are not in the graph
     weights = [modules[l.name].weight for l in graph.layers]
@@ -382,7 +375,8 @@ def _gpt_step(name, dtype=torch.float32):
     opt_w.step()
     opt_rest.step()
     return dict(weights=memory.memory_stats(weights, opt_w),
-                model=memory.memory_stats(m, [opt_w, opt_rest]), predicted=predicted)
+                model=memory.memory_stats(m, [opt_w, opt_rest]), predicted=predicted,
+                stages={s.zero for s in strategy.layers})
 
 
 @functools.cache
@@ -390,22 +384,35 @@ def gpt_results(name, dtype=torch.float32):
     return sf.launch(_gpt_step, 4, args=(name, dtype))
 
 
-AGREE = [(name, cat) for name in ("dp", "tp", "2d", "zero", "zero1", "zero2")
-         for cat in ("params", "grads", "optimizer")]
+LAYOUTS = ["dp", "tp", "2d"] + [f"{b}-zero{z}" for b in ("dp", "2d") for z in (1, 2, 3)]
+AGREE = [(name, cat) for name in LAYOUTS for cat in ("params", "grads", "optimizer")]
 
 
-@pytest.mark.parametrize("name,category", [
-    (n, c)
-    for n, c in AGREE], ids=[f"{n}-{c}" for n, c in AGREE])
+@pytest.mark.parametrize("name,category", AGREE, ids=[f"{n}-{c}" for n, c in AGREE])
 def test_measured_bytes_agree_with_evaluate(name, category):
     """evaluate's params / grads / optimizer per device count the weights of the graph's
-    layers (the traced modules) in their stored layout: float32, AdamW's two states. So the
+    layers (the traced modules) in their stored layout: float32, AdamW's two states; at ZeRO
+    stage 1 the optimizer state split, at 2 also the gradient, at 3 also the weight. So the
     measured bytes of exactly those weights equal it; the whole model (plus biases and norm
     weights, which the graph leaves out) is within 10 % above it."""
+    stage = int(name[-1]) if "-zero" in name else 0
     for r in gpt_results(name):
+        assert stage in r["stages"]   # the strategy has layers at that stage
         want = r["predicted"][category]
         assert r["weights"][category] == pytest.approx(want, rel=1e-9)
         assert want <= r["model"][category] <= 1.10 * want
+
+
+def test_evaluate_splits_what_each_zero_stage_splits():
+    """On 4 data-parallel ranks every stage holds a quarter of data parallelism's bytes of
+    what it splits and all of the rest (the prediction, exactly)."""
+    dp = gpt_results("dp")[0]["predicted"]
+    split = {1: ("optimizer",), 2: ("grads", "optimizer"), 3: ("params", "grads", "optimizer")}
+    for stage, cats in split.items():
+        got = gpt_results(f"dp-zero{stage}")[0]["predicted"]
+        for cat in ("params", "grads", "optimizer"):
+            assert got[cat] == pytest.approx(dp[cat] / 4 if cat in cats else dp[cat]), \
+                (stage, cat)
 
 
 def test_float64_optimizer_state_agrees_with_evaluate():

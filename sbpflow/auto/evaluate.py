@@ -888,11 +888,13 @@ class Evaluator:
         compute = passes * layer.flops / _work_split(s) / self.cluster.device_flops
         gt = gb = gather = 0.0
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-        if layer.weight_shape is not None:
+        if layer.weight_shape is not None and s.zero in (1, 2):
+            gt, gb, mem = self._zero12(layer, s, mem)
+        elif layer.weight_shape is not None:
             w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
             t, b = self._redist(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
             gt, gb = gt + t, gb + b
-            if st != w:  # ZeRO: gather the weight for forward and again for backward
+            if st != w:  # ZeRO-3: gather the weight for forward and again for backward
                 t, b = self._redist(ws, mesh, st, mesh, w)
                 gt, gb, gather = gt + 2 * m * t, gb + 2 * m * b, 2 * m * t
             n = _local_numel(ws, mesh, st)
@@ -917,6 +919,20 @@ class Evaluator:
                "time": compute + gt + ft + bt}
         self._node[key] = out
         return out
+
+    def _zero12(self, layer, s, mem: dict) -> tuple:
+        """(grad-sync time, bytes, memory) of a weight at ZeRO stage 1 or 2 (docs/auto.md,
+        'ZeRO stages'): the gradient reduce-scattered to ``stored`` and the updated shard
+        all-gathered back, once a step (data parallelism's bytes); the weight kept whole,
+        the optimizer state (and at stage 2 the gradient) split."""
+        w, st, ws, mesh = s.weight, s.stored, tuple(layer.weight_shape), s.mesh
+        t1, b1 = self._redist(ws, mesh, dual_nd(w), mesh, st)
+        t2, b2 = self._redist(ws, mesh, st, mesh, w)
+        whole, split = _local_numel(ws, mesh, w), _local_numel(ws, mesh, st)
+        mem["params"] = whole * self.itemsize
+        mem["grads"] = (split if s.zero == 2 else whole) * self.itemsize
+        mem["optimizer"] = split * self.graph.optimizer_itemsize * self.graph.optimizer_states
+        return t1 + t2, b1 + b2, mem
 
     def edge_terms(self, producer, a, consumer, b) -> dict:
         """Forward redistribution of the producer's output into the consumer's input layout

@@ -35,7 +35,7 @@ from ..placement import Placement
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from ..tensor import recording
 from .evaluate import Breakdown, Evaluator
-from .space import LayerStrategy, Strategy, layer_space, meshes
+from .space import LayerStrategy, Strategy, layer_space, meshes, zero_twin
 from .trace import graph_weight_shape, trace
 
 __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeError",
@@ -254,10 +254,10 @@ class _Stream:
 # -- single-mesh search ---------------------------------------------------------------------------
 def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int = 0,
                        memory_limit: float | None = None, max_dims: int = 3,
-                       recompute: bool = False, **options):
+                       recompute: bool = False, zero=False, **options):
     """The best strategy whose layers all share one mesh: the search restricted to each mesh
-    of ``cluster.world_size`` devices in turn (recomputing twins too with ``recompute``).
-    Returns ``(strategy, breakdown, cost)``."""
+    of ``cluster.world_size`` devices in turn (recomputing twins too with ``recompute``,
+    ZeRO twins with ``zero``, as `layer_space`). Returns ``(strategy, breakdown, cost)``."""
     from .search import ALGORITHMS, Problem
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
@@ -268,7 +268,7 @@ def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int 
     for mesh in meshes(p, max_dims):
         spaces = {}
         for l in graph.layers:
-            c = [s for s in layer_space(l, p, max_dims, False, recompute) if s.mesh == mesh]
+            c = [s for s in layer_space(l, p, max_dims, zero, recompute) if s.mesh == mesh]
             if not c:
                 break
             spaces[l.name] = c
@@ -311,7 +311,7 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
             for w in graph.succs[i]:
                 t += ev.edge_terms(l, c, graph.layers[w], layers[w])["time"]
             return t
-        layers[i] = min(cands, key=cost)
+        layers[i] = zero_twin(l, min(cands, key=cost), s.zero)   # keeps the layer's stage
         moved.append(f"{l.name} {s.mesh}->{layers[i].label or layers[i]}")
     notes.append(f"layers use meshes {dict(counts)}; all moved to the majority mesh {mesh} "
                  f"({', '.join(moved)})")
@@ -520,7 +520,8 @@ def _tie_views(graph, strategy, modules, placements) -> None:
 
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
                 algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
-                one_mesh: bool = False, stages=1, recompute: bool = False) -> ParallelPlan:
+                one_mesh: bool = False, stages=1, recompute: bool = False,
+                zero: bool | int | tuple = False) -> ParallelPlan:
     """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
     ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
     with that many devices) or take ``strategy``, and lay the model out for it, in place: each
@@ -532,7 +533,10 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     given strategy may have too (run them with `ParallelPlan.graph_step`). ``recompute=True``
     lets the search choose per-layer activation recomputation, which runs eagerly under
     `sf.nn.checkpoint` (a given strategy's ``LayerStrategy.recompute`` too), not as a graph
-    (`ParallelPlan.configure` raises `GraphError`). A tied weight
+    (`ParallelPlan.configure` raises `GraphError`). ``zero`` (as `sf.auto.search`: True adds
+    each layer's ZeRO-3 twins to the space) lets the search store weights split; each layer
+    runs its strategy's ZeRO stage (``LayerStrategy.zero``: 1, 2 or 3, as
+    ``sf.parallel.apply(..., zero=)``). A tied weight
     gets one layout (docs/auto.md, 'Tied weights and pipelined strategies'). Returns a
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
@@ -551,7 +555,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     t0 = time.perf_counter()
     if strategy is None:
         strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh, stages,
-                               notes, recompute)
+                               notes, recompute, zero)
     else:
         strategy = _given(graph, strategy, placement)
         if one_mesh:
@@ -615,12 +619,7 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
     relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
              ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
     _tie_views(graph, strategy, modules, placements)
-    zero = {id(p) for layer, s in zip(graph.layers, strategy.layers)
-            if s.stored is not None and s.stored != s.weight
-            for p in (modules[layer.name].weight, getattr(modules[layer.name], "bias", None))
-            if p is not None}
-    if zero:   # ZeRO-stored weights: stored split along their data-parallel dims, stage 3
-        _zero_shard(model, 3, only=zero)
+    _zero_stages(model, graph, strategy, modules)
     for m in model.modules():   # recomputation regions of an earlier parallelize
         if getattr(m.__dict__.get("forward"), "sf_recompute", False):
             del m.__dict__["forward"]
@@ -638,6 +637,31 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
     if pipe is not None:
         plan.stages, plan.pipeline = [st.placement for st in streams], pipe
     return plan
+
+
+def _zero_stages(model, graph, strategy, modules) -> None:
+    """Run each layer's ZeRO stage (``LayerStrategy.zero``) on its weight and bias, as
+    ``sf.parallel.apply(..., zero=)`` does (`sbpflow.parallel.zero.shard`, split along their
+    data-parallel dims). Stage 1 first: a later `shard` call gives the units its own
+    parameters. Stages 2 and 3 in one model raise `ParallelizeError` (a unit gathers its
+    parameters one way)."""
+    ids: dict = {1: set(), 2: set(), 3: set()}
+    names: dict = {1: [], 2: [], 3: []}
+    for layer, s in zip(graph.layers, strategy.layers):
+        if not s.zero or s.stored == s.weight:
+            continue
+        names[s.zero].append(layer.name)
+        m = modules[layer.name]
+        ids[s.zero].update(id(p) for p in (m.weight, getattr(m, "bias", None))
+                           if p is not None)
+    if names[2] and names[3]:
+        raise ParallelizeError(
+            f"parallelize: the strategy runs ZeRO stage 2 on layers {names[2]} and stage 3 on "
+            f"layers {names[3]}; one model runs one of the two: give those layers one stage "
+            f"(LayerStrategy.zero, sbpflow.auto.space.zero_twin)")
+    for stage in (1, 2, 3):
+        if ids[stage]:
+            _zero_shard(model, stage, only=ids[stage])
 
 
 # -- pipeline stages -------------------------------------------------------------------------------
@@ -759,24 +783,24 @@ def _cut(model, graph, strategy, groups, stage_pls: list, skip: set):
 
 # -- the strategy ----------------------------------------------------------------------------------
 def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: bool, stages,
-            notes: list, recompute: bool = False):
+            notes: list, recompute: bool = False, zero=False):
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
     with pipeline stages unless ``stages`` is 1; recomputing twins in the space with
-    ``recompute``)."""
+    ``recompute``, ZeRO twins with ``zero``)."""
     from .search import search
     if one_mesh:
         if stages != 1:
             raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "
                                    f"stages=1, not {stages!r}")
         strategy, bd, _ = single_mesh_search(graph, cluster, algorithm, seed, memory_limit,
-                                             recompute=recompute)
+                                             recompute=recompute, zero=zero)
         return strategy, bd
     if stages != 1:
         res = _package().search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                                stages=stages, recompute=recompute)
+                                stages=stages, recompute=recompute, zero=zero)
         return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
     res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                 recompute=recompute)
+                 recompute=recompute, zero=zero)
     return res.strategy, res.breakdown
 
 

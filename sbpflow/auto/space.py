@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..caches import BoundedDict, memoize
+from ..errors import ParallelizeError
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
            "make_layer_strategy", "whole_sequences", "splits_sequences", "weight_layout",
-           "tie_agrees"]
+           "tie_agrees", "zero_stage", "zero_twin"]
 
 _N = None  # no weight
 
@@ -40,8 +41,11 @@ _DP_NAME = "dp"
 @dataclass(frozen=True)
 class LayerStrategy:
     """One layer's parallelisation. ``weight`` is the layout the kernel uses (None for a
-    weightless layer); ``stored`` is where the weight lives between steps when it differs
-    (ZeRO-style sharding: all-gathered before use, gradient reduce-scattered)."""
+    weightless layer). ``stored`` (None: no ZeRO) is ZeRO's split layout along the weight's
+    data-parallel dims, and ``zero`` the stage that keeps things in it (docs/auto.md, 'ZeRO
+    stages'): 1 the optimizer state, 2 also the gradient, 3 (the default when ``stored`` is
+    given) also the weight itself, all-gathered before use. ``zero`` is 0 without ``stored``;
+    ``zero=0`` drops ``stored``."""
 
     mesh: tuple
     input: tuple
@@ -53,6 +57,18 @@ class LayerStrategy:
     # activation recomputation: backward recomputes the layer's forward from its saved input
     # (the layer keeps only its input for backward, at the cost of one more forward)
     recompute: bool = False
+    zero: int | None = None   # ZeRO stage (None: 3 with ``stored``, else 0)
+
+    def __post_init__(self) -> None:
+        z = self.zero
+        if z is not None and (type(z) is not int or not 0 <= z <= 3):
+            raise ParallelizeError(f"LayerStrategy: zero must be a ZeRO stage 0-3 (or None: 3 "
+                                   f"with a stored layout), got {z!r}")
+        if self.stored is None or z == 0:
+            object.__setattr__(self, "stored", None)
+            object.__setattr__(self, "zero", 0)
+        elif z is None:
+            object.__setattr__(self, "zero", 3)
 
     @property
     def devices(self) -> int:
@@ -60,18 +76,21 @@ class LayerStrategy:
 
     @property
     def weight_stored(self) -> tuple | None:
-        return self.stored if self.stored is not None else self.weight
+        """Where the weight lives between steps: ``stored`` at stage 3, else ``weight``."""
+        return self.stored if self.zero == 3 else self.weight
 
     @property
     def label(self) -> str:
         if not self.names:
             return ""
-        return " x ".join(f"{n}:{m}" for n, m in zip(self.names, self.mesh)) + (
-            " +zero" if self.stored is not None else "") + (" +rc" if self.recompute else "")
+        z = "" if not self.zero else " +zero" if self.zero == 3 else f" +zero{self.zero}"
+        return " x ".join(f"{n}:{m}" for n, m in zip(self.names, self.mesh)) + z + (
+            " +rc" if self.recompute else "")
 
     def __repr__(self) -> str:
         w = format_nd_sbp(self.weight) if self.weight is not None else "-"
         z = f", stored={format_nd_sbp(self.stored)}" if self.stored is not None else ""
+        z += f", zero={self.zero}" if self.zero in (1, 2) else ""
         st = f", stage={self.stage}" if self.stage else ""
         rc = ", recompute=True" if self.recompute else ""
         return (f"LayerStrategy(mesh={self.mesh}, input={format_nd_sbp(self.input)}, weight={w}, "
@@ -219,12 +238,25 @@ def splits_sequences(layer, s: LayerStrategy, micro_batches: int) -> bool:
     return n == 0 or n % f != 0
 
 
-def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False,
+def zero_stage(zero) -> int:
+    """``zero`` (a bool or a ZeRO stage 0-3) as a stage: True is 3, False 0; else
+    `ParallelizeError`."""
+    if zero is True or zero is False:
+        return 3 if zero else 0
+    if type(zero) is not int or not 0 <= zero <= 3:
+        raise ParallelizeError(f"zero must be True / False or a ZeRO stage 0-3, got {zero!r}")
+    return zero
+
+
+def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool | int = False,
                         micro_batches: int = 1):
     """The LayerStrategy of ``layer`` on ``mesh`` with 1-D signature ``names[d]`` on dim d, or
     None if it is not valid for the layer's shapes, or if it would split an attention
     layer's sequence at ``micro_batches`` micro-batches a step (a device then gets part of a
-    sequence: the split must divide ``batch // micro_batches``)."""
+    sequence: the split must divide ``batch // micro_batches``). ``zero`` (`zero_stage`:
+    True is 3): that ZeRO stage along the weight's ``B`` dims (None without a weight, a ``B``
+    dim or a split that fits)."""
+    stage = zero_stage(zero)
     sigs = SIGNATURES[layer.kind]
     if any(n not in sigs for n in names):
         return None
@@ -245,29 +277,53 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool = False,
         n = _sequences(layer, micro_batches)
         if n == 0 or n % f[0] or layer.attrs.get("heads", 1) % f[1]:
             return None
-    stored = None
-    if zero:
-        if w is None or not any(s == B for s in w):
-            return None
-        stored = tuple(S(0) if s == B else s for s in w)
-        if not _fits(layer.weight_shape, stored, mesh):
-            return None
-    return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names))
+    stored = _stored(layer, w, mesh) if stage else None
+    if stage and stored is None:
+        return None
+    return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names), zero=stage)
+
+
+def _stored(layer, w: tuple | None, mesh: tuple) -> tuple | None:
+    """ZeRO's split layout of weight layout ``w``: ``S(0)`` on each ``B`` dim (None without
+    a weight, a ``B`` dim or a split that fits the weight)."""
+    if w is None or not any(s == B for s in w):
+        return None
+    stored = tuple(S(0) if s == B else s for s in w)
+    return stored if _fits(layer.weight_shape, stored, mesh) else None
+
+
+def zero_twin(layer, s: LayerStrategy, zero: bool | int) -> LayerStrategy:
+    """``s`` with ZeRO stage ``zero`` (`zero_stage`) along its weight's ``B`` dims (as
+    `make_layer_strategy` builds it); without ZeRO when the stage is 0 or ``s`` has no
+    weight or no ``B`` dim to split (a weightless or tensor-parallel-only layer)."""
+    stage = zero_stage(zero)
+    stored = _stored(layer, s.weight, s.mesh) if stage else None
+    return replace(s, stored=stored, zero=stage if stored is not None else 0)
 
 
 _SPACE_CACHE = BoundedDict("auto.layer_space", 1 << 12)
 
 
-def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False,
+def _zero_stages(zero) -> tuple:
+    """The ZeRO stages of a space: 0, and those ``zero`` asks (True: 3; a stage; stages)."""
+    if isinstance(zero, (tuple, list, set, frozenset)):
+        return (0,) + tuple(sorted({zero_stage(z) for z in zero} - {0}))
+    z = zero_stage(zero)
+    return (0, z) if z else (0,)
+
+
+def layer_space(layer, p: int, max_dims: int = 3, zero: bool | int | tuple = False,
                 recompute: bool = False, micro_batches: int = 1) -> list[LayerStrategy]:
     """Every valid strategy of ``layer`` on ``p`` devices (deduplicated, deterministic order).
-    ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin;
+    ``zero=True`` adds, for each strategy with a replicated weight, its ZeRO-sharded twin
+    (stage 3); a stage or a tuple of stages adds those stages' twins instead;
     ``recompute=True`` then adds every strategy's twin that recomputes the layer's forward
     in backward (after all the others, so the plain space's indices are unchanged).
     ``micro_batches``: an attention layer's batch split keeps whole sequences of one
     micro-batch (empty when the count does not divide its batch)."""
     seqs = _sequences(layer, micro_batches) if layer.kind == "attention" else None
-    key = (layer.key, p, max_dims, zero, recompute, seqs)
+    stages = _zero_stages(zero)
+    key = (layer.key, p, max_dims, stages, recompute, seqs)
     hit = _SPACE_CACHE.get(key)
     if hit is not None:
         return hit
@@ -277,11 +333,11 @@ def layer_space(layer, p: int, max_dims: int = 3, zero: bool = False,
         for combo in _product(names, len(mesh)):
             if p > 1 and all(n == "rep" for n in combo) and len(mesh) > 1:
                 continue  # the same as rep on a 1-D mesh
-            for z in ((False, True) if zero else (False,)):
+            for z in stages:
                 s = make_layer_strategy(layer, mesh, combo, z, micro_batches)
                 if s is None:
                     continue
-                k = (s.mesh, s.input, s.weight, s.output, s.stored)
+                k = (s.mesh, s.input, s.weight, s.output, s.stored, s.zero)
                 if k not in seen:
                     seen.add(k)
                     out.append(s)
@@ -299,7 +355,7 @@ def _product(names, k):
             yield rest + (n,)
 
 
-def space(graph, p: int, max_dims: int = 3, zero: bool = False,
+def space(graph, p: int, max_dims: int = 3, zero: bool | int | tuple = False,
           recompute: bool = False, micro_batches: int = 1) -> dict:
     """Layer name -> list of LayerStrategy (`layer_space`)."""
     return {l.name: layer_space(l, p, max_dims, zero, recompute, micro_batches)

@@ -441,7 +441,7 @@ def test_graph_enable_zero_equals_eager():
     assert res[(3, True)][2]["blocks.0.mlp.fc.weight"] == (S(0),)
 
 
-def _parallelized() -> tuple:
+def _parallelized(stage: int) -> tuple:
     from sbpflow.auto.space import Strategy, make_layer_strategy
     from sbpflow.auto.trace import trace
     sf.manual_seed(0)
@@ -450,7 +450,7 @@ def _parallelized() -> tuple:
     pl = sf.placement("cpu", [0, 1, 2, 3])
     batch = _gpt_batch(0)
     graph, _ = trace(m, batch)
-    strategy = Strategy(graph, [make_layer_strategy(l, (4,), ("dp",), zero=True)
+    strategy = Strategy(graph, [make_layer_strategy(l, (4,), ("dp",), zero=stage)
                                 for l in graph.layers])
     plan = sf.auto.parallelize(m, batch, pl, strategy=strategy)
     opt = sf.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.01)
@@ -461,12 +461,20 @@ def _parallelized() -> tuple:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return sd0, losses, m.state_dict(), {n: p.sbp for n, p in m.named_parameters()}
+    state = opt.state[m.blocks[0].attn.qkv.weight]["exp_avg"].local.shape
+    return sd0, losses, m.state_dict(), {n: p.sbp for n, p in m.named_parameters()}, state
 
 
-def test_parallelize_runs_zero_stored_weights_as_stage_3():
-    sd0, losses, sd, sbps = sf.launch(_parallelized, 4)[0]
-    assert sbps["blocks.0.attn.qkv.weight"] == (S(0),) and sbps["head.weight"] == (S(0),)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parallelize_runs_each_layers_zero_stage(stage):
+    """A strategy whose layers have ZeRO stage 1, 2 or 3 (``LayerStrategy.zero``) trains as
+    the torch twin; stage 1 keeps the weights whole (``B``) with split optimizer state, 2 and
+    3 store them split."""
+    res = sf.launch(_parallelized, 4, args=(stage,))
+    sd0, losses, sd, sbps, _ = res[0]
+    want = (B,) if stage == 1 else (S(0),)
+    assert sbps["blocks.0.attn.qkv.weight"] == want and sbps["head.weight"] == want
+    assert [r[4][0] for r in res] == [14, 14, 13, 13]   # 54 rows of qkv's state, split
     want_losses, want_sd = _torch_gpt(sd0, "plain")
     _close(losses, want_losses, "losses")
     for k, v in want_sd.items():
