@@ -17,7 +17,7 @@ from ..comm.threads import default_timeout
 from ..errors import GraphError
 from ..gradsync import settle
 from ..nn.modules import Module
-from ..optim.zero_layout import check_stage
+from ..optim.zero_layout import check_min_size, check_stage
 from ..optim.zero_units import shard_ as _zero_shard
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace
@@ -71,7 +71,7 @@ class GraphConfig:
         the parameter objects, and so the optimizers built on them, stay the same.
         Parameters with fewer than ``min_size`` elements stay as they are."""
         self.zero_stage = check_stage(stage, "GraphConfig.enable_zero")
-        self.zero_min_size = int(min_size)
+        self.zero_min_size = check_min_size(min_size, "GraphConfig.enable_zero")
 
     def __repr__(self) -> str:
         zero = f", zero_stage={self.zero_stage}" if self.zero_stage else ""

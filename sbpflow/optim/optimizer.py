@@ -33,7 +33,29 @@ from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
 from .zero_sync import ShardSync, collect as _collect_shards
 
-__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
+__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like",
+           "mark_replaced"]
+
+# Parameters that `sf.parallel.relayout` (`sf.parallel.apply`, ``sf.auto.parallelize``) replaced
+# by new objects: id -> (weak reference, name, who replaced it). An optimizer built before holds
+# the old ones, which no forward uses any more: its step would silently change nothing. The
+# version counts the marks, so a step looks its parameters up only after a new mark (or when its
+# parameter list changed).
+_REPLACED: dict = {}
+_REPLACED_VERSION = [0]
+
+
+def mark_replaced(p: GlobalTensor, name: str, who: str) -> None:
+    """Record that parameter ``p`` (``name`` in its model) was replaced by a new object by
+    ``who`` (e.g. ``"sf.parallel.apply"``): an optimizer's step over ``p`` then raises
+    `OptimizerStateError` instead of updating a tensor nothing uses."""
+    key = id(p)
+
+    def gone(ref, key=key) -> None:
+        if _REPLACED.get(key, (None,))[0] is ref:
+            _REPLACED.pop(key, None)
+    _REPLACED[key] = (weakref.ref(p, gone), name, who)
+    _REPLACED_VERSION[0] += 1
 
 
 def _boxed_cache() -> "weakref.WeakKeyDictionary":
@@ -233,6 +255,7 @@ class Optimizer(torch.optim.Optimizer):
         self._sync: GradSync | None = None
         self._shard_sync: ShardSync | None = None
         self._sync_params: list = []
+        self._checked: tuple = (0, [])   # (_REPLACED_VERSION, params) last found current
         groups = list(params)
         if not groups:
             raise ValueError("optimizer got an empty parameter list")
@@ -302,6 +325,10 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         params = [p for group in self.param_groups for p in group["params"]]
+        version = _REPLACED_VERSION[0]
+        if version and (version != self._checked[0] or params != self._checked[1]):
+            self._refuse_replaced(params)
+            self._checked = (version, params)
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
         if not self.linear_update:
             self._refuse_partial(params)
@@ -345,6 +372,18 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _refuse_replaced(self, params: list) -> None:
+        """`OptimizerStateError` naming the first of ``params`` that `mark_replaced` marked."""
+        for p in params:
+            hit = _REPLACED.get(id(p))
+            if hit is not None and hit[0]() is p:
+                raise OptimizerStateError(
+                    f"{type(self).__name__}: parameter {hit[1]!r} (shape {tuple(p.shape)}, "
+                    f"placement {p.placement}, sbp {format_nd_sbp(p.sbp)}) is no longer the "
+                    f"model's: {hit[2]} replaced it by a new parameter object, so this step "
+                    f"would change nothing. Build the optimizer after sf.parallel.apply (it "
+                    f"replaces the parameters): opt = sf.optim.AdamW(model.parameters(), ...)")
 
     def _refuse_partial(self, params: list) -> None:
         """SbpError for a parameter with a gradient laid out as partial sums (a non-linear

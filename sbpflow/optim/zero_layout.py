@@ -23,7 +23,7 @@ from ..sbp import Broadcast, Split, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor
 
 __all__ = ["stored_layout", "Geometry", "geometry", "reduce_scatter", "all_gather_into",
-           "chunks", "shard_view", "check_stage", "STAGES"]
+           "chunks", "shard_view", "check_stage", "check_min_size", "STAGES"]
 
 STAGES = (0, 1, 2, 3)
 _BUCKET_BYTES = 32 << 20   # a coalesced collective moves at most about this much at once
@@ -187,3 +187,13 @@ def check_stage(stage, who: str) -> int:
         raise SbpError(f"{who}: zero must be one of {STAGES} (ZeRO stage; 0: off), got "
                        f"{stage!r}")
     return int(stage)
+
+
+def check_min_size(min_size, who: str) -> int:
+    """``min_size`` (ZeRO's threshold: parameters with fewer elements stay as their layout
+    says) as an int >= 0, else `SbpError` naming ``who``'s argument."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise SbpError(f"{who}: the ZeRO size threshold (zero_min_size / min_size) must be an "
+                       f"int >= 0 (a count of elements; 0 shards every parameter), got "
+                       f"{min_size!r}")
+    return int(min_size)

@@ -7,7 +7,7 @@ so tied parameters stay tied. A parameter built under `sf.nn.init.meta_init` (it
 ``meta`` tensor, no storage) is *materialised* directly in its new layout: each rank allocates
 only its shard, holding the values an ordinary build would have had. Any other parameter is
 boxed there (a collective). Buffers are left as they are. Build the optimizer afterwards: it
-holds the parameter objects.
+holds the parameter objects (the step of one built before raises `OptimizerStateError`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable
 from ..errors import SbpError
 from ..nn.init import materialize
 from ..nn.modules import Module, Parameter
+from ..optim.optimizer import mark_replaced
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
 from ..tensor import GlobalTensor
@@ -48,6 +49,7 @@ def relayout(model: Module, layout_of: LayoutOf, who: str = "sf.parallel.relayou
         if t.placement is not placement:
             t = GlobalTensor(t.local, tuple(t.shape), placement, t.sbp)
         new[id(p)] = Parameter(t, requires_grad=p.requires_grad)
+        mark_replaced(p, name, who)   # an optimizer built before holds it: its step raises
     for m in model.modules():
         for key, p in list(m._parameters.items()):
             if p is not None and id(p) in new:

@@ -24,11 +24,12 @@ from ..optim import zero_layout as _core
 from ..optim import zero_gather as _gather
 from ..optim import zero_units as _units
 
-__all__ = ["shard", "stored_layout", "check_stage", "settle", "STAGES"]
+__all__ = ["shard", "stored_layout", "check_stage", "check_min_size", "settle", "STAGES"]
 
 settle = _settle       # wait for ZeRO-1/2's background all-gathers (reads of a shard also wait)
 stored_layout = _core.stored_layout
 check_stage = _core.check_stage
+check_min_size = _core.check_min_size
 STAGES = _core.STAGES
 
 
@@ -37,7 +38,8 @@ def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None 
     """ZeRO ``stage`` (0-3) on ``model``, in place (the parameter objects stay the same); see
     `sbpflow.optim.zero_units.shard_` (``compute``, ``units``, ``only``). Returns the names
     of the parameters it shards. Every rank calls it, before building the optimizer (or
-    before its first step)."""
+    before its first step). ``min_size``: an int >= 0 (`check_min_size`)."""
+    min_size = check_min_size(min_size, "sf.parallel.zero.shard")
     return _units.shard_(model, stage, min_size, compute=compute, on_gather=_on_gather,
                          units=units, only=only)
 

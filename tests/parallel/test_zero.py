@@ -255,6 +255,99 @@ def test_bytes_per_step_are_the_formulas():
         assert r[3] == {"reduce_scatter": share, "all_gather": 2 * share - first}
 
 
+# -- zero_min_size: small parameters stay as their rule says -------------------------------------
+SMALL = 100   # the biases (32, 32 and 8 elements) stay; the weights (512, 1024, 256) are split
+MLP_MESHES = {"1d": ([0, 1, 2, 3], {"*": B}, (S(0),)),
+              "2d": ([[0, 1], [2, 3]], {k: (B, v) for k, v in TP_RULES["mlp"].items()},
+                     (S(0), B))}
+
+
+def _min_size_runs(mesh: str) -> dict:
+    ranks, rules, data_sbp = MLP_MESHES[mesh]
+    pl = sf.placement("cpu", ranks)
+    out = {}
+    for stage in (0, 1, 2, 3):
+        sf.manual_seed(0)
+        m = mlp_class(sf.nn, sf.nn.functional)(SIZES).double()
+        sd0 = m.state_dict()
+        sf.parallel.apply(m, pl, rules, zero=stage, zero_min_size=SMALL)
+        sbps = {n: p.sbp for n, p in m.named_parameters()}
+        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
+        x = sf.tensor(_MLP_X, pl, data_sbp)
+        for _ in range(2):   # the second step is measured
+            sf.parallel.zero.settle()
+            sf.comm.reset_stats()
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        sf.parallel.zero.settle()
+        sent = {k: v.sent for k, v in sf.comm.stats().kinds.items() if v.sent}
+        state = {n: opt.state[p]["exp_avg"].local.numel() for n, p in m.named_parameters()}
+        out[stage] = dict(sd0=sd0, sbps=sbps, sent=sent, sd=m.state_dict(), state=state)
+    return out
+
+
+def _torch_mlp(sd0: dict) -> dict:
+    m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
+    m.load_state_dict(sd0)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.02, foreach=False)
+    for _ in range(2):
+        m(_MLP_X).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return m.state_dict()
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_zero_min_size_keeps_small_parameters_as_their_rule_says(mesh):
+    """Weights at least ``SMALL`` elements: split (stored S at stages 2 and 3, split
+    optimizer state at 1); biases: their rule's layout, whole state, gradients all-reduced
+    along dp as without ZeRO. Training equals torch; per rank and step the split weights
+    move as each stage's formula and nothing else changes: data parallelism's all-reduce of
+    their local gradients (``L`` bytes a rank over dp groups of ``n``: 2L(n-1)/n) becomes a
+    reduce-scatter and an all-gather of L(n-1)/n each, stage 3 all-gathers again in
+    backward (not the first Linear, whose input needs no gradient)."""
+    res = sf.launch(_min_size_runs, 4, args=(mesh,))
+    _, rules, _ = MLP_MESHES[mesh]
+    ranks = 4 if mesh == "1d" else 2                  # along the data-parallel dims
+    tp = 1 if mesh == "1d" else 2
+    weights = {"net.0.weight": 512, "net.2.weight": 1024, "net.4.weight": 256}
+    local = {n: k * 8 // tp for n, k in weights.items()}   # float64 compute shards
+    moved = sum(local.values()) * (ranks - 1) // ranks
+    first = local["net.0.weight"] * (ranks - 1) // ranks
+    r0 = res[0]
+    want_sd = _torch_mlp(r0[0]["sd0"])
+    for r in res:
+        for stage in (0, 1, 2, 3):
+            for k, v in want_sd.items():
+                _close(r[stage]["sd"][k], v, f"stage {stage} {k}")
+    base = r0[0]["sent"]
+    for stage in (1, 2, 3):
+        got = r0[stage]
+        for name, sbp in got["sbps"].items():
+            if name in weights and stage >= 2:
+                assert sbp != r0[0]["sbps"][name] and sf.B not in sbp, name
+            else:
+                assert sbp == r0[0]["sbps"][name], name
+        for name, n in got["state"].items():
+            assert n == r0[0]["state"][name] // (ranks if name in weights else 1), name
+        want = dict(base)
+        want["all_reduce"] = base["all_reduce"] - 2 * moved
+        want["reduce_scatter"] = base.get("reduce_scatter", 0) + moved
+        want["all_gather"] = base.get("all_gather", 0) + moved + (
+            moved - first if stage == 3 else 0)
+        assert got["sent"] == want, (stage, got["sent"], base)
+
+
+def test_a_bad_zero_min_size_names_the_argument():
+    m = sf.nn.Linear(2, 2)
+    for bad in (-5, "10", 2.5, True):
+        with pytest.raises(sf.SbpError, match="must be an int >= 0"):
+            sf.parallel.zero.shard(m, 1, min_size=bad)
+        with pytest.raises(sf.SbpError, match="GraphConfig.enable_zero.*int >= 0"):
+            sf.nn.Graph().config.enable_zero(3, min_size=bad)
+
+
 # -- checkpoints across layouts ------------------------------------------------------------------
 TARGETS = {   # name: (mesh, zero stage)
     "dp": ("1d", 0), "zero1": ("1d", 1), "zero2": ("1d", 2), "2d": ("2d", 0),
@@ -479,6 +572,33 @@ def test_parallelize_runs_each_layers_zero_stage(stage):
     _close(losses, want_losses, "losses")
     for k, v in want_sd.items():
         _close(sd[k], v, k)
+
+
+def _optimizer_before(stage: int) -> str:
+    m = mlp_class(sf.nn, sf.nn.functional)((8, 8, 4)).double()
+    early = sf.optim.AdamW(m.parameters(), lr=0.02)
+    pl = sf.placement("cpu", [0, 1])
+    sf.parallel.apply(m, pl, {"*": B}, zero=stage)
+    late = sf.optim.AdamW(m.parameters(), lr=0.02)
+    m(sf.randn(4, 8, placement=pl, sbp=S(0), seed=1, dtype=F64)).sum().backward()
+    w0 = m.net[0].weight.full_tensor().clone()
+    late.step()   # built after apply: trains
+    assert not torch.equal(m.net[0].weight.full_tensor(), w0)
+    try:
+        early.step()
+    except sf.SbpError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_built_before_apply_refuses_to_step(stage):
+    """Its parameters are the replaced objects, which no forward uses: a step would silently
+    change nothing, so it raises naming the parameter and the fix."""
+    for msg in sf.launch(_optimizer_before, 2, args=(stage,)):
+        assert "'net.0.weight'" in msg and "sf.parallel.apply replaced it" in msg
+        assert "build the optimizer after sf.parallel.apply (it replaces the parameters)" in \
+            msg.lower()
 
 
 def test_bad_stage_names_the_fix():
