@@ -12,7 +12,7 @@ import torch
 
 import sbpflow as sf
 from cdp_fns import F64, LR, MOMENTUM, batches, loss_fn, make_stages, reference, sgd, train
-from sbpflow.parallel.cdp import CyclicDataParallel, ranks_needed, rules
+from sbpflow.parallel.cdp import CyclicDataParallel, closed_form, ranks_needed, rules
 
 # the issue's grid: every setting and rule at N = 2..5 (mp with rule dp at N = 5 runs 25 ranks;
 # each case takes under 1.5 s here)
@@ -63,6 +63,27 @@ def test_other_optimizers(opt):
     want, _ = sf.launch(lambda: reference(3, rule, optimizer=make), world_size=1)[0]
     for k in want:
         assert torch.equal(res[0]["state"][k], want[k]), k
+
+
+def test_a_sequential_shared_by_the_rank_threads():
+    """One Sequential built outside `sf.launch`, cut by ``split=`` on each of 4 rank threads
+    (a new container a rank around the same layers): the ranks' calls take one lock a stage,
+    and a rank reading the layers' tensors never sees another's version put in (this hung
+    in a few runs out of ten before). Bit-for-bit the closed form."""
+    n, rule = 4, "v2"
+    shared = sf.nn.Sequential(*make_stages(n))
+    want, _ = sf.launch(lambda: closed_form(sf.nn.Sequential(*make_stages(n)), loss_fn, sgd,
+                                            rule, batches(n), split=n), world_size=1)[0]
+
+    def fn():
+        t = CyclicDataParallel(shared, loss_fn, sgd, rule=rule, mode="dp", split=n)
+        for x, y in batches(n):
+            t.step(x, y)
+        t.flush()
+        return t.state_dict()
+    for got in sf.launch(fn, world_size=n):
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _torch_rule(n: int, rule: str) -> list[torch.Tensor]:

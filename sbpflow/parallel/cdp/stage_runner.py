@@ -31,6 +31,11 @@ _LOCKS_GUARD = threading.Lock()
 
 
 def _lock_of(module: Module) -> threading.Lock:
+    """The lock of the tensors ``module`` swaps: keyed by its first sub-module holding
+    parameters or buffers, so stages cut by ``split=`` from one shared Sequential (a new
+    container on each rank around the same layers) share it too."""
+    module = next((m for _, m in module.named_modules() if m._parameters or m._buffers),
+                  module)
     with _LOCKS_GUARD:
         lock = _LOCKS.get(module)
         if lock is None:
@@ -60,25 +65,30 @@ class StageRunner:
         self.module, self.index = module, index
         self.names, self.shapes, self.dtypes = [], [], []
         position: dict[int, int] = {}
-        named = list(module.named_parameters()) + list(module.named_buffers())
-        self.nparams = len(list(module.named_parameters()))
+        self.lock = _lock_of(module)
+        with self.lock:  # another rank thread's call may have its version put in
+            params = list(module.named_parameters())
+            named = params + list(module.named_buffers())
+            mods = [m for _, m in module.named_modules()]
+            tensors = [(m, list(m._parameters.items()), list(m._buffers.items()))
+                       for m in mods]
+        self.nparams = len(params)
         for name, p in named:
             position[id(p)] = len(self.names)
             self.names.append(name)
             self.shapes.append(tuple(p.shape))
             self.dtypes.append(p.dtype)
         # (sub-module, attribute, tensor index), shared tensors at every place they sit
-        mods = [m for _, m in module.named_modules()]
-        self.slots = [(m, attr, position[id(p)]) for m in mods
-                      for attr, p in m._parameters.items() if p is not None]
-        self.buffer_slots = [(m, attr, position[id(b)]) for m in mods
-                             for attr, b in m._buffers.items() if b is not None]
-        self.lock = _lock_of(module)
+        self.slots = [(m, attr, position[id(p)]) for m, ps, _ in tensors
+                      for attr, p in ps if p is not None]
+        self.buffer_slots = [(m, attr, position[id(b)]) for m, _, bs in tensors
+                             for attr, b in bs if b is not None]
 
     def initial(self) -> list[torch.Tensor]:
         """The parameters' and buffers' logical values (``full_tensor``: a collective on their
         placement; every rank calls it in the same order)."""
-        named = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        with self.lock:  # not while another rank thread's call has its version put in
+            named = list(self.module.named_parameters()) + list(self.module.named_buffers())
         return [p.full_tensor().detach().clone() for _, p in named]
 
     def version(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
