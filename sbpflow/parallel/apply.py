@@ -65,9 +65,10 @@ def apply(model, placement: Placement, rules: Mapping, zero: int = 0,
     ``zero_min_size`` elements (`sf.parallel.zero.shard`)."""
     if not isinstance(placement, Placement):
         raise SbpError(f"sf.parallel.apply: expected an sf.placement, got {placement!r}")
+    stage = _zero.check_stage(zero, "sf.parallel.apply")
+    zero_min_size = _zero.check_min_size(zero_min_size, "sf.parallel.apply")
     if is_torch_module(model):
         model = from_torch(model, placement)
-    stage = _zero.check_stage(zero, "sf.parallel.apply")
     names = [n for n, _ in model.named_parameters()]
     layouts = match_rules(names, rules, placement)
     stored = {}   # stages 2 and 3: straight to the split layout (no whole copy on each rank)

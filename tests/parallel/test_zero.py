@@ -346,6 +346,9 @@ def test_a_bad_zero_min_size_names_the_argument():
             sf.parallel.zero.shard(m, 1, min_size=bad)
         with pytest.raises(sf.SbpError, match="GraphConfig.enable_zero.*int >= 0"):
             sf.nn.Graph().config.enable_zero(3, min_size=bad)
+        with pytest.raises(sf.SbpError, match="sf.parallel.apply.*int >= 0"):
+            sf.parallel.apply(m, sf.placement("cpu", [0]), {"*": (sf.B,)}, zero=3,
+                              zero_min_size=bad)
 
 
 # -- checkpoints across layouts ------------------------------------------------------------------
