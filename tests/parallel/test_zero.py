@@ -453,47 +453,17 @@ def test_activation_checkpointing_of_zero_units_equals_torch():
             _close(sd[k], v, f"stage {stage} {k}")
 
 
-def _autocast_runs() -> dict:
-    pl = sf.placement("cpu", [0, 1, 2, 3])
-    out = {}
-    for stage in (0, 3):
-        sf.manual_seed(0)
-        m = _gpt(sf.nn, sf.nn.functional)
-        sf.parallel.apply(m, pl, {"*": B}, zero=stage)
-        opt = sf.optim.AdamW(m.parameters(), lr=0.02)
-        losses = []
-        for step in range(3):
-            with sf.autocast(torch.bfloat16):
-                loss = m(*_sf_args(_gpt_batch(step), pl, (S(0),)))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out[stage] = (losses, m.state_dict())
-    return out
-
-
-def test_bf16_autocast_zero3_equals_data_parallel():
-    """The same bf16 kernels on the gathered weights: ZeRO-3 gives data parallelism's losses
-    and weights (float32 master weights, up to the order of the gradient reductions)."""
-    res = sf.launch(_autocast_runs, 4)[0]
-    (dp_losses, dp_sd), (z_losses, z_sd) = res[0], res[3]
-    assert z_losses[0] != pytest.approx(z_losses[-1])   # it trains
-    torch.testing.assert_close(torch.tensor(z_losses), torch.tensor(dp_losses), rtol=1e-4,
-                               atol=1e-5)
-    for k, v in dp_sd.items():
-        torch.testing.assert_close(z_sd[k], v, rtol=1e-3, atol=1e-5, msg=k)
-
-
-def _autocast_2d_runs() -> dict:
-    ranks, rules, data_sbp = MESHES["2d"]
+def _autocast_runs(mesh: str, stages: tuple, make_opt) -> dict:
+    """{stage: (losses, state_dict)} of 3 bf16-autocast steps of the GPT laid out on ``mesh``
+    at each of ``stages`` (the same seed, batches and optimizer ``make_opt(params)``)."""
+    ranks, rules, data_sbp = MESHES[mesh]
     pl = sf.placement("cpu", ranks)
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         sf.manual_seed(0)
         m = _gpt(sf.nn, sf.nn.functional)
         sf.parallel.apply(m, pl, rules, zero=stage)
-        opt = sf.optim.SGD(m.parameters(), lr=0.5)
+        opt = make_opt(m.parameters())
         losses = []
         for step in range(3):
             with sf.autocast(torch.bfloat16):
@@ -506,6 +476,19 @@ def _autocast_2d_runs() -> dict:
     return out
 
 
+def test_bf16_autocast_zero3_equals_data_parallel():
+    """The same bf16 kernels on the gathered weights: ZeRO-3 gives data parallelism's losses
+    and weights (float32 master weights, up to the order of the gradient reductions)."""
+    res = sf.launch(_autocast_runs, 4, args=("1d", (0, 3),
+                    lambda ps: sf.optim.AdamW(ps, lr=0.02)))[0]
+    (dp_losses, dp_sd), (z_losses, z_sd) = res[0], res[3]
+    assert z_losses[0] != pytest.approx(z_losses[-1])   # it trains
+    torch.testing.assert_close(torch.tensor(z_losses), torch.tensor(dp_losses), rtol=1e-4,
+                               atol=1e-5)
+    for k, v in dp_sd.items():
+        torch.testing.assert_close(z_sd[k], v, rtol=1e-3, atol=1e-5, msg=k)
+
+
 def test_bf16_autocast_on_a_2d_mesh_equals_the_2d_layout_at_every_stage():
     """ZeRO along dp inside the Megatron layout (2 x 2), bf16 autocast, float32 weights, SGD
     (a step proportional to the gradient, so bf16's rounding shows as it is, not magnified
@@ -513,7 +496,8 @@ def test_bf16_autocast_on_a_2d_mesh_equals_the_2d_layout_at_every_stage():
     2-D layout's losses and weights within bf16's resolution. (Stage 1 is bit-equal; stages 2
     and 3 round some matmuls differently: the tensor-parallel attention projection's output
     comes out split where the plain layout keeps it partial.)"""
-    res = sf.launch(_autocast_2d_runs, 4)[0]
+    res = sf.launch(_autocast_runs, 4, args=("2d", (0, 1, 2, 3),
+                    lambda ps: sf.optim.SGD(ps, lr=0.5)))[0]
     base_losses, base_sd = res[0]
     assert base_losses[0] != pytest.approx(base_losses[-1], abs=1e-3)   # it trains
     for stage in (1, 2, 3):
