@@ -2,14 +2,16 @@
 ``2N`` time steps, on one rank.
 
 Each task is an actor that fires once a run. The rank's F and B actors form a chain in key
-order (the time-step table fixes their order; A and U fire as soon as their inputs are there);
-an actor also reads the register of the task of its rank that made each value it needs in
-this run (a value made in an earlier run is already on the rank). A transfer is a send actor
-on its sender's thread for that peer and a receive actor on the receiver's, chained in key
-order per pair, so the point-to-point messages pair up. Under ZeRO a version's relay waits,
-on both ranks, for the rank's op before it in key order, and the sender's next op waits for
-it: a copy travels as the workers reach the ops that use it. Other ranks of the trainer get
-an idle actor each (the plan's peers, which a failure aborts). See docs/cdp.md, 'How it runs'.
+order (A and U fire as soon as their inputs are there); an actor also reads the register of
+the task of its rank that made each value it needs in this run (one made in an earlier run
+is already on the rank). A transfer is a send actor on the sender and a receive actor on the
+receiver. An activation or its gradient (`DIRECT`) travels in the runtime's own message, the
+receive actor reading the send's register, both on the compute thread. Parameters and
+gradient sums go by point-to-point exchange on a thread for that peer, chained in key order
+per pair so the messages pair up; under ZeRO a relay waits, on both ranks, for the rank's op
+before it in key order, and the sender's next op waits for it. Other ranks get stubs of the
+actors this rank's direct transfers talk to (or an idle actor): the plan's peers, which a
+failure aborts. See docs/cdp.md, 'How it runs'.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from ...runtime import ActorSpec, Input, Plan
 from .program import PARAMS, Transfer, Work
 from .rank_state import RankState
 
-__all__ = ["window_plan"]
+__all__ = ["window_plan", "DIRECT"]
 
 _KIND = {"F": "forward", "B": "backward", "A": "compute", "U": "update"}
+# values sent in the runtime's messages: each is waited for by the receiver's next chained
+# op, so one thread hop less a transfer matters (pp, mp); parameters and gradient sums keep
+# the communicator's point-to-point (counted as "p2p" by sf.comm.stats)
+DIRECT = ("act", "gact")
 
 
 def _idle(_mb: int) -> None:
     return None
+
+
+def _direct(t: Transfer) -> bool:
+    return t.payload[0] in DIRECT
 
 
 def _inputs(own: str, key: tuple, needs: Sequence[tuple], made: dict, chain: str | None
@@ -51,27 +61,32 @@ def _gate(t: Transfer, chain: Sequence[Work], keys: list, zero: bool) -> list[In
     return [Input(chain[k - 1].name)] if k else []
 
 
-def _send_name(t: Transfer, k: int) -> str:
-    return f"send>{t.dst}#{k}"
+def _names(moves: Sequence[Transfer]) -> list[tuple[str, str]]:
+    """Each transfer's send and receive actor names: ``send>{dst}#{k}`` on its sender and
+    ``recv<{src}#{k}`` on its receiver, ``k`` counting the pair's transfers in key order
+    (every rank names every transfer alike)."""
+    count: dict[tuple[int, int], int] = {}
+    out = []
+    for t in moves:
+        k = count[(t.src, t.dst)] = count.get((t.src, t.dst), -1) + 1
+        out.append((f"send>{t.dst}#{k}", f"recv<{t.src}#{k}"))
+    return out
 
 
-def _recv_name(t: Transfer, k: int) -> str:
-    return f"recv<{t.src}#{k}"
-
-
-def _transfer_specs(state: RankState, sends: Sequence[Transfer], recvs: Sequence[Transfer],
-                    recv_names: Sequence[str], made: dict, chained: Sequence[Work]
-                    ) -> tuple[list[ActorSpec], dict[str, list[Input]]]:
-    """The send and receive actors, and the inputs they add to chained ops: under ZeRO the
-    rank's next op waits for each relay it sends on, so a copy is gone before that op."""
+def _send_specs(state: RankState, sends: Sequence[tuple[Transfer, str]], made: dict,
+                chained: Sequence[Work]) -> tuple[list[ActorSpec], dict[str, list[Input]]]:
+    """The send actors, and the inputs they add to chained ops: under ZeRO the rank's next op
+    waits for each relay it sends on, so a copy is gone before that op."""
     keys = [w.key for w in chained]
     zero = state.roles.mode == "zero"
-    specs, waits = [], {}
-    last: dict[int, str] = {}
-    count: dict[int, int] = {}
-    for t in sends:
-        k = count[t.dst] = count.get(t.dst, -1) + 1
-        nm = _send_name(t, k)
+    specs, waits, last = [], {}, {}
+    for t, nm in sends:
+        if _direct(t):  # on the compute thread, just after its producer (key order)
+            specs.append(ActorSpec(nm, "send", state.actor_fn(state.post, t, nm),
+                                   stage=t.stage, inputs=_inputs(nm, t.key, [t.payload], made,
+                                                                 None),
+                                   outputs=1, queue="compute"))
+            continue
         inputs = _inputs(nm, t.key, [t.payload], made, last.get(t.dst))
         inputs += [g for g in _gate(t, chained, keys, zero) if g not in inputs]
         specs.append(ActorSpec(nm, "send", state.actor_fn(state.send, t, nm), stage=t.stage,
@@ -81,45 +96,76 @@ def _transfer_specs(state: RankState, sends: Sequence[Transfer], recvs: Sequence
         if zero and t.payload[0] in PARAMS and t.payload[1] in state.relayed_stages \
                 and after < len(chained):
             waits.setdefault(chained[after].name, []).append(Input(nm))
-    last = {}
-    for t, nm in zip(recvs, recv_names):
+    return specs, waits
+
+
+def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
+                chained: Sequence[Work]) -> list[ActorSpec]:
+    """The receive actors (``recvs``: each transfer with its send's and its own name)."""
+    keys = [w.key for w in chained]
+    zero = state.roles.mode == "zero"
+    specs, last = [], {}
+    for t, send, nm in recvs:
+        if _direct(t):  # the value comes in the send's req, to the compute thread
+            specs.append(ActorSpec(nm, "recv", state.actor_fn(state.deliver, t, nm, True),
+                                   stage=t.stage, inputs=[Input(send, rank=t.src)],
+                                   outputs=1, queue="compute"))
+            continue
         inputs = [Input(last[t.src])] if t.src in last else []
         inputs += _gate(t, chained, keys, zero)
         specs.append(ActorSpec(nm, "recv", state.actor_fn(state.recv, t, nm), stage=t.stage,
                                inputs=inputs, outputs=1, queue=f"from{t.src}"))
         last[t.src] = nm
-    return specs, waits
+    return specs
+
+
+def _stubs(rank: int, ranks: Sequence[int], moves: Sequence[Transfer],
+           names: Sequence[tuple[str, str]]) -> dict[int, list[ActorSpec]]:
+    """The other ranks' actors that this rank's direct transfers join (their functions never
+    run here): the sends it receives from, the receives it sends to."""
+    out: dict[int, list[ActorSpec]] = {r: [] for r in ranks if r != rank}
+    for t, (send, recv) in zip(moves, names):
+        if not _direct(t):
+            continue
+        if t.dst == rank:
+            out[t.src].append(ActorSpec(send, "send", _idle, stage=t.stage, outputs=1))
+        elif t.src == rank:
+            out[t.dst].append(ActorSpec(recv, "recv", _idle, stage=t.stage, outputs=1,
+                                        inputs=[Input(send, rank=rank)]))
+    return {r: specs or [ActorSpec("idle", "compute", _idle)] for r, specs in out.items()}
 
 
 def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work],
                 moves: Sequence[Transfer], state: RankState) -> Plan:
     """``rank``'s actors for a run of ``works`` / ``moves`` (relative tasks of every rank,
-    in key order); ``state`` runs them."""
+    in key order); ``state`` runs them. A queue's actors are listed in key order: its
+    thread fires the first that can, so a send goes before the next op."""
     mine = [w for w in works if w.rank == rank]
-    sends = [t for t in moves if t.src == rank]
-    recvs = [t for t in moves if t.dst == rank]
+    names = _names(moves)
+    sends = [(t, s) for t, (s, _) in zip(moves, names) if t.src == rank]
+    recvs = [(t, s, r) for t, (s, r) in zip(moves, names) if t.dst == rank]
     made: dict[tuple, tuple[str, tuple]] = {}   # value -> (actor, key) that makes it here
-    count: dict[int, int] = {}
-    recv_names = []
-    for t in recvs:
-        k = count[t.src] = count.get(t.src, -1) + 1
-        recv_names.append(_recv_name(t, k))
-        made[t.payload] = (recv_names[-1], t.key)
+    for t, _, nm in recvs:
+        made[t.payload] = (nm, t.key)
     for w in mine:
         for value in w.makes:
             made[value] = (w.name, w.key)
     chained = [w for w in mine if w.chained]
-    moved, waits = _transfer_specs(state, sends, recvs, recv_names, made, chained)
-    specs, chain = [], None
+    send_specs, waits = _send_specs(state, sends, made, chained)
+    recv_specs = _recv_specs(state, recvs, chained)
+    keyed, chain = [], None
     fns = {"F": state.forward, "B": state.backward, "A": state.accumulate, "U": state.update}
     for w in mine:
         inputs = _inputs(w.name, w.key, w.needs, made, chain if w.chained else None)
         inputs += waits.get(w.name, [])
-        specs.append(ActorSpec(w.name, _KIND[w.kind], state.actor_fn(fns[w.kind], w, w.name),
-                               stage=w.stage, inputs=inputs, outputs=1))
+        keyed.append((w.key, ActorSpec(w.name, _KIND[w.kind],
+                                       state.actor_fn(fns[w.kind], w, w.name), stage=w.stage,
+                                       inputs=inputs, outputs=1)))
         if w.chained:
             chain = w.name
-    specs += moved
-    actors = {r: [ActorSpec("idle", "compute", _idle)] for r in ranks if r != rank}
+    keyed += [(t.key, s) for (t, _), s in zip(sends, send_specs)]
+    keyed += [(t.key, s) for (t, _, _), s in zip(recvs, recv_specs)]
+    specs = [s for _, s in sorted(keyed, key=lambda e: e[0])]
+    actors = _stubs(rank, ranks, moves, names)
     actors[rank] = specs or [ActorSpec("idle", "compute", _idle)]
     return Plan(actors, name=name)

@@ -5,9 +5,10 @@ until their one reader takes them; versions and ZeRO's relayed copies in the `Ve
 each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After each task that
 adds parameter bytes the bytes the rank holds are measured (``param_peak``). An actor's task
 is stored relative to its run (`program.shift`), so one plan serves every run of the same
-shape; ``ctx`` is the current run's (first cycle, first step). Sends and receives go over
-the Communicator's point-to-point in a stream of the trainer's own. See docs/cdp.md, 'How it
-runs'.
+shape; ``ctx`` is the current run's (first cycle, first step). An activation or its gradient
+travels in the runtime's message (`post`, `deliver`); parameters and gradient sums over the
+Communicator's point-to-point in a stream of the trainer's own (`send`, `recv`). See
+docs/cdp.md, 'How it runs'.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .program import PARAMS, Transfer, Work, refetched, relay_reads, shift
 from .roles import Roles
 from .rules import accumulate, version
 from .stage_runner import StageRunner
-from .version_store import StageOwner, VersionStore
+from .version_store import StageOwner, VersionStore, owns_storage
 
 __all__ = ["RankState"]
 
@@ -228,14 +229,35 @@ class RankState:
             self.sample()
         self.log[name] = (t, -1)
 
-    def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str) -> Callable:
-        """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``
-        (the runtime's firing index and input tokens are not needed)."""
-        def run(_mb: int, *_tokens) -> None:
+    def post(self, rel: Transfer, name: str) -> torch.Tensor:
+        """A direct transfer's send: returns the value, which the runtime carries in its
+        message to the receive actor (`deliver`). Counted as `send` counts."""
+        t = self.task(rel)
+        value = self.values.pop(t.payload)
+        # a view would carry its whole storage (messages pickle storages)
+        value = value if owns_storage(value) else value.contiguous().clone()
+        with self.count_lock:
+            self.messages += 1
+            self.nbytes += value.numel() * value.element_size()
+        self.log[name] = (t, -1)
+        return value
+
+    def deliver(self, rel: Transfer, name: str, value: torch.Tensor) -> None:
+        """A direct transfer's receive: ``value`` came in the send's message."""
+        t = self.task(rel)
+        self.values[t.payload] = value
+        self.log[name] = (t, -1)
+
+    def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str, tokens: bool = False
+                 ) -> Callable:
+        """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``,
+        with ``tokens`` ``fn(rel, name, *input values)`` (the firing index is not needed)."""
+        def run(_mb: int, *values):
             try:
-                fn(rel, name)
+                return fn(rel, name, *values) if tokens else fn(rel, name)
             except BaseException:
                 if self.failed is None:  # the absolute task: actor names are run-relative
                     self.failed = self.task(rel)
                 raise
         return run
+

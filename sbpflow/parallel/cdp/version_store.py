@@ -26,7 +26,7 @@ from ...sbp import B
 from ...tensor import GlobalTensor
 from .rules import advance, average
 
-__all__ = ["VersionStore", "StageOwner"]
+__all__ = ["VersionStore", "StageOwner", "owns_storage"]
 
 
 class VersionStore:
@@ -52,7 +52,7 @@ class VersionStore:
         """A copy relayed for one op (``key``: ``(payload, cycle)``), read ``reads`` times
         (the op, the send to the next worker); with ``free``, its storage is released after
         the last read (each tensor gets a storage of its own here, so that frees only it)."""
-        own = [t if _owns_storage(t) else t.clone() for t in tensors]
+        own = [t if owns_storage(t) else t.clone() for t in tensors]
         with self.lock:
             self.relays[key] = [own, reads, free]
             self._note(key[0][1])
@@ -148,7 +148,8 @@ class VersionStore:
                 del h[version]
 
 
-def _owns_storage(t: torch.Tensor) -> bool:
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage (pickling or freeing it touches only it)."""
     return (t.storage_offset() == 0 and t.is_contiguous()
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
