@@ -4,19 +4,20 @@
 Each task is an actor that fires once a run. The rank's F and B actors form a chain in key
 order (A and U fire as soon as their inputs are there); an actor also reads the register of
 the task of its rank that made each value it needs in this run (one made in an earlier run
-is already on the rank). A transfer is a send actor on the sender and a receive actor on the
-receiver. An activation or its gradient (`DIRECT`) travels in the runtime's own message, the
-receive actor reading the send's register, both on the compute thread. Parameters and
-gradient sums go by point-to-point exchange on a thread for that peer, chained in key order
-per pair so the messages pair up; under ZeRO a relay waits, on both ranks, for the rank's op
-before it in key order, and the sender's next op waits for it. Other ranks get stubs of the
-actors this rank's direct transfers talk to (or an idle actor): the plan's peers, which a
-failure aborts. See docs/cdp.md, 'How it runs'.
+is already on the rank). An activation or its gradient (`DIRECT`) whose consumer runs in the
+same run goes from its producer's register straight to the consumer (the runtime's own
+message, `_fused`); one whose consumer runs in the next run, by a send and a receive actor
+on the compute threads. Parameters and gradient sums go by point-to-point exchange on a
+thread for that peer, chained in key order per pair; under ZeRO a relay waits, on both
+ranks, for the rank's op before it in key order, and the sender's next op waits for it.
+Other ranks get stubs of the actors this rank's direct transfers join (or an idle actor):
+the plan's peers, which a failure aborts. See docs/cdp.md, 'How it runs'.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Sequence
 
 from ...runtime import ActorSpec, Input, Plan
@@ -119,20 +120,54 @@ def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
     return specs
 
 
+def _fused(works: Sequence[Work], moves: Sequence[Transfer]) -> dict:
+    """The direct transfers whose consumer runs in this run too: each travels from its
+    producer's actor straight to its consumer's (no send or receive actor). ``{transfer:
+    (producer, consumer)}``; every rank works out the same."""
+    makers = {(v, w.rank): w for w in works for v in w.makes}
+    readers = {(v, w.rank): w for w in works for v in w.needs}
+    out = {}
+    for t in moves:
+        if _direct(t) and (t.payload, t.dst) in readers and (t.payload, t.src) in makers:
+            out[t] = (makers[(t.payload, t.src)], readers[(t.payload, t.dst)])
+    return out
+
+
 def _stubs(rank: int, ranks: Sequence[int], moves: Sequence[Transfer],
-           names: Sequence[tuple[str, str]]) -> dict[int, list[ActorSpec]]:
+           names: Sequence[tuple[str, str]], fused: dict) -> dict[int, list[ActorSpec]]:
     """The other ranks' actors that this rank's direct transfers join (their functions never
-    run here): the sends it receives from, the receives it sends to."""
-    out: dict[int, list[ActorSpec]] = {r: [] for r in ranks if r != rank}
+    run here): the sends (or fused producers) it receives from, the receives (or fused
+    consumers, whose first input is the value) it sends to."""
+    out: dict[int, dict[str, ActorSpec]] = {r: {} for r in ranks if r != rank}
     for t, (send, recv) in zip(moves, names):
         if not _direct(t):
             continue
+        if t in fused:
+            send, recv = fused[t][0].name, fused[t][1].name
         if t.dst == rank:
-            out[t.src].append(ActorSpec(send, "send", _idle, stage=t.stage, outputs=1))
+            out[t.src].setdefault(send, ActorSpec(send, "send", _idle, stage=t.stage,
+                                                  outputs=1))
         elif t.src == rank:
-            out[t.dst].append(ActorSpec(recv, "recv", _idle, stage=t.stage, outputs=1,
-                                        inputs=[Input(send, rank=rank)]))
-    return {r: specs or [ActorSpec("idle", "compute", _idle)] for r, specs in out.items()}
+            out[t.dst][recv] = ActorSpec(recv, "recv", _idle, stage=t.stage, outputs=1,
+                                         inputs=[Input(send, rank=rank)])
+    return {r: list(specs.values()) or [ActorSpec("idle", "compute", _idle)]
+            for r, specs in out.items()}
+
+
+def _op_spec(state: RankState, w: Work, inputs: list[Input], fused: dict) -> ActorSpec:
+    """The actor of op ``w``: it returns the value of the transfer it makes when that one
+    is fused (`_fused`), and takes the value of one it reads as its first input."""
+    fns = {"F": state.forward, "B": state.backward, "A": state.accumulate, "U": state.update}
+    out_t = next((t for t, (p, _) in fused.items() if p is w), None)
+    in_t = next((t for t, (_, c) in fused.items() if c is w), None)
+    if in_t is not None:
+        inputs = [Input(fused[in_t][0].name, rank=in_t.src)] + inputs
+    if in_t is None and out_t is None:
+        fn = state.actor_fn(fns[w.kind], w, w.name)
+    else:
+        fn = state.actor_fn(functools.partial(state.fused_op, fns[w.kind], in_t, out_t), w,
+                            w.name, True)
+    return ActorSpec(w.name, _KIND[w.kind], fn, stage=w.stage, inputs=inputs, outputs=1)
 
 
 def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work],
@@ -142,8 +177,10 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     thread fires the first that can, so a send goes before the next op."""
     mine = [w for w in works if w.rank == rank]
     names = _names(moves)
-    sends = [(t, s) for t, (s, _) in zip(moves, names) if t.src == rank]
-    recvs = [(t, s, r) for t, (s, r) in zip(moves, names) if t.dst == rank]
+    fused = _fused(works, moves)
+    sends = [(t, s) for t, (s, _) in zip(moves, names) if t.src == rank and t not in fused]
+    recvs = [(t, s, r) for t, (s, r) in zip(moves, names)
+             if t.dst == rank and t not in fused]
     made: dict[tuple, tuple[str, tuple]] = {}   # value -> (actor, key) that makes it here
     for t, _, nm in recvs:
         made[t.payload] = (nm, t.key)
@@ -154,18 +191,15 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     send_specs, waits = _send_specs(state, sends, made, chained)
     recv_specs = _recv_specs(state, recvs, chained)
     keyed, chain = [], None
-    fns = {"F": state.forward, "B": state.backward, "A": state.accumulate, "U": state.update}
     for w in mine:
         inputs = _inputs(w.name, w.key, w.needs, made, chain if w.chained else None)
         inputs += waits.get(w.name, [])
-        keyed.append((w.key, ActorSpec(w.name, _KIND[w.kind],
-                                       state.actor_fn(fns[w.kind], w, w.name), stage=w.stage,
-                                       inputs=inputs, outputs=1)))
+        keyed.append((w.key, _op_spec(state, w, inputs, fused)))
         if w.chained:
             chain = w.name
     keyed += [(t.key, s) for (t, _), s in zip(sends, send_specs)]
     keyed += [(t.key, s) for (t, _, _), s in zip(recvs, recv_specs)]
     specs = [s for _, s in sorted(keyed, key=lambda e: e[0])]
-    actors = _stubs(rank, ranks, moves, names)
+    actors = _stubs(rank, ranks, moves, names, fused)
     actors[rank] = specs or [ActorSpec("idle", "compute", _idle)]
     return Plan(actors, name=name)

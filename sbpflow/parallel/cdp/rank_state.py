@@ -248,6 +248,25 @@ class RankState:
         self.values[t.payload] = value
         self.log[name] = (t, -1)
 
+    def fused_op(self, fn: Callable, t_in: Transfer | None, t_out: Transfer | None,
+                 rel: Work, name: str, *values) -> torch.Tensor | None:
+        """Op ``fn`` of task ``rel`` with its fused direct transfers: the value of ``t_in``
+        (its first input value) goes into ``values``, the op runs, the value of ``t_out`` is
+        returned to travel in the runtime's message to its consumer (counted as `post`
+        counts)."""
+        if t_in is not None:
+            self.values[shift(t_in, *self.ctx).payload] = values[0]
+        fn(rel, name)
+        if t_out is None:
+            return None
+        value = self.values.pop(shift(t_out, *self.ctx).payload)
+        # a view would carry its whole storage (messages pickle storages)
+        value = value if owns_storage(value) else value.contiguous().clone()
+        with self.count_lock:
+            self.messages += 1
+            self.nbytes += value.numel() * value.element_size()
+        return value
+
     def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str, tokens: bool = False
                  ) -> Callable:
         """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``,
