@@ -121,29 +121,30 @@ def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
 
 
 def _fused(works: Sequence[Work], moves: Sequence[Transfer]) -> dict:
-    """The direct transfers whose consumer runs in this run too: each travels from its
-    producer's actor straight to its consumer's (no send or receive actor). ``{transfer:
-    (producer, consumer)}``; every rank works out the same."""
+    """The direct transfers, each leaving from its producer's actor (no send actor), to its
+    consumer's when that runs in this run too, else to a receive actor. ``{transfer:
+    (producer, consumer or None)}``; every rank works out the same."""
     makers = {(v, w.rank): w for w in works for v in w.makes}
     readers = {(v, w.rank): w for w in works for v in w.needs}
     out = {}
     for t in moves:
-        if _direct(t) and (t.payload, t.dst) in readers and (t.payload, t.src) in makers:
-            out[t] = (makers[(t.payload, t.src)], readers[(t.payload, t.dst)])
+        if _direct(t) and (t.payload, t.src) in makers:
+            out[t] = (makers[(t.payload, t.src)], readers.get((t.payload, t.dst)))
     return out
 
 
 def _stubs(rank: int, ranks: Sequence[int], moves: Sequence[Transfer],
            names: Sequence[tuple[str, str]], fused: dict) -> dict[int, list[ActorSpec]]:
     """The other ranks' actors that this rank's direct transfers join (their functions never
-    run here): the sends (or fused producers) it receives from, the receives (or fused
-    consumers, whose first input is the value) it sends to."""
+    run here): the producers (or sends) it receives from, the consumers (whose first input
+    is the value) or receives it sends to."""
     out: dict[int, dict[str, ActorSpec]] = {r: {} for r in ranks if r != rank}
     for t, (send, recv) in zip(moves, names):
         if not _direct(t):
             continue
         if t in fused:
-            send, recv = fused[t][0].name, fused[t][1].name
+            producer, consumer = fused[t]
+            send, recv = producer.name, consumer.name if consumer else recv
         if t.dst == rank:
             out[t.src].setdefault(send, ActorSpec(send, "send", _idle, stage=t.stage,
                                                   outputs=1))
@@ -179,8 +180,8 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     names = _names(moves)
     fused = _fused(works, moves)
     sends = [(t, s) for t, (s, _) in zip(moves, names) if t.src == rank and t not in fused]
-    recvs = [(t, s, r) for t, (s, r) in zip(moves, names)
-             if t.dst == rank and t not in fused]
+    recvs = [(t, fused[t][0].name if t in fused else s, r) for t, (s, r) in zip(moves, names)
+             if t.dst == rank and (t not in fused or fused[t][1] is None)]
     made: dict[tuple, tuple[str, tuple]] = {}   # value -> (actor, key) that makes it here
     for t, _, nm in recvs:
         made[t.payload] = (nm, t.key)
