@@ -82,12 +82,6 @@ def _send_specs(state: RankState, sends: Sequence[tuple[Transfer, str]], made: d
     zero = state.roles.mode == "zero"
     specs, waits, last = [], {}, {}
     for t, nm in sends:
-        if _direct(t):  # on the compute thread, just after its producer (key order)
-            specs.append(ActorSpec(nm, "send", state.actor_fn(state.post, t, nm),
-                                   stage=t.stage, inputs=_inputs(nm, t.key, [t.payload], made,
-                                                                 None),
-                                   outputs=1, queue="compute"))
-            continue
         inputs = _inputs(nm, t.key, [t.payload], made, last.get(t.dst))
         inputs += [g for g in _gate(t, chained, keys, zero) if g not in inputs]
         specs.append(ActorSpec(nm, "send", state.actor_fn(state.send, t, nm), stage=t.stage,
@@ -107,7 +101,7 @@ def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
     zero = state.roles.mode == "zero"
     specs, last = [], {}
     for t, send, nm in recvs:
-        if _direct(t):  # the value comes in the send's req, to the compute thread
+        if _direct(t):  # the value comes in the producer's req, to the compute thread
             specs.append(ActorSpec(nm, "recv", state.actor_fn(state.deliver, t, nm, True),
                                    stage=t.stage, inputs=[Input(send, rank=t.src)],
                                    outputs=1, queue="compute"))
@@ -128,7 +122,7 @@ def _fused(works: Sequence[Work], moves: Sequence[Transfer]) -> dict:
     readers = {(v, w.rank): w for w in works for v in w.needs}
     out = {}
     for t in moves:
-        if _direct(t) and (t.payload, t.src) in makers:
+        if _direct(t):  # made by an op of the run: a transfer's step is its producer's
             out[t] = (makers[(t.payload, t.src)], readers.get((t.payload, t.dst)))
     return out
 

@@ -6,7 +6,7 @@ each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After eac
 adds parameter bytes the bytes the rank holds are measured (``param_peak``). An actor's task
 is stored relative to its run (`program.shift`), so one plan serves every run of the same
 shape; ``ctx`` is the current run's (first cycle, first step). An activation or its gradient
-travels in the runtime's message (`post`, `deliver`); parameters and gradient sums over the
+travels in the runtime's message (`fused_op`, `deliver`); parameters and gradient sums over the
 Communicator's point-to-point in a stream of the trainer's own (`send`, `recv`). See
 docs/cdp.md, 'How it runs'.
 """
@@ -229,19 +229,6 @@ class RankState:
             self.sample()
         self.log[name] = (t, -1)
 
-    def post(self, rel: Transfer, name: str) -> torch.Tensor:
-        """A direct transfer's send: returns the value, which the runtime carries in its
-        message to the receive actor (`deliver`). Counted as `send` counts."""
-        t = self.task(rel)
-        value = self.values.pop(t.payload)
-        # a view would carry its whole storage (messages pickle storages)
-        value = value if owns_storage(value) else value.contiguous().clone()
-        with self.count_lock:
-            self.messages += 1
-            self.nbytes += value.numel() * value.element_size()
-        self.log[name] = (t, -1)
-        return value
-
     def deliver(self, rel: Transfer, name: str, value: torch.Tensor) -> None:
         """A direct transfer's receive: ``value`` came in the send's message."""
         t = self.task(rel)
@@ -252,8 +239,8 @@ class RankState:
                  rel: Work, name: str, *values) -> torch.Tensor | None:
         """Op ``fn`` of task ``rel`` with its fused direct transfers: the value of ``t_in``
         (its first input value) goes into ``values``, the op runs, the value of ``t_out`` is
-        returned to travel in the runtime's message to its consumer (counted as `post`
-        counts)."""
+        returned to travel in the runtime's message to its consumer (or to `deliver`), counted
+        as `send` counts."""
         if t_in is not None:
             self.values[shift(t_in, *self.ctx).payload] = values[0]
         fn(rel, name)
