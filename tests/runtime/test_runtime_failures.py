@@ -97,9 +97,16 @@ def test_a_rank_inside_a_long_actor_stops_when_it_returns():
 
 
 def test_an_actor_stuck_in_its_function_is_left_behind_after_the_grace():
-    log, release = {}, threading.Event()
-    plan = Plan({0: [ActorSpec("load", "load", lambda mb: 1 / 0)],
-                 1: [ActorSpec("stuck", "compute", lambda mb: release.wait(HANG) and mb)]})
+    log, release, entered = {}, threading.Event(), threading.Event()
+
+    def stuck(mb):
+        entered.set()
+        return release.wait(HANG) and mb
+
+    # rank 0 fails only once rank 1 is inside its actor (else the abort can reach rank 1
+    # before it fires, and nothing is left behind: a race under load)
+    plan = Plan({0: [ActorSpec("load", "load", lambda mb: entered.wait(HANG) and 1 / 0)],
+                 1: [ActorSpec("stuck", "compute", stuck)]})
     t = time.monotonic()
     try:
         with pytest.raises(ZeroDivisionError):
