@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -24,6 +24,7 @@ from . import comm as _comm
 from .boxing import plan_layouts
 from .sbp import dual_nd
 from .tensor import GlobalTensor
+from .utils import IdentityMap
 
 __all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "reduce_at_step",
            "set_update_layout", "update_layout",
@@ -34,7 +35,7 @@ FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.
 
 # parameter -> the nd-sbp its optimizer state, reduced gradient and update live in, when not its
 # own (ZeRO stage 1); read by optim (the update) and nn.serialization (loading that state)
-_UPDATE_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_UPDATE_LAYOUTS = IdentityMap()
 
 
 def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
@@ -49,33 +50,8 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
         _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
 
 
-class _ById:
-    """A map keyed by a parameter's identity, whose entry goes with the parameter: a lookup
-    never compares parameters (a weak dict's does, with ``==``: `GlobalTensor.__eq__`, a frame
-    inspection, a few us a parameter)."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self) -> None:
-        self._d: dict = {}   # id -> (weak reference to the parameter, value)
-
-    def __setitem__(self, p: GlobalTensor, value: Any) -> None:
-        def gone(ref, k=id(p), d=self._d) -> None:
-            hit = d.get(k)
-            if hit is not None and hit[0] is ref:
-                del d[k]
-        self._d[id(p)] = (weakref.ref(p, gone), value)
-
-    def get(self, p: GlobalTensor, default: Any = None) -> Any:
-        hit = self._d.get(id(p))
-        return hit[1] if hit is not None and hit[0]() is p else default
-
-    def __bool__(self) -> bool:
-        return bool(self._d)
-
-
 # parameters whose gradient is reduced in the optimizer's step only (`reduce_at_step`)
-_AT_STEP = _ById()
+_AT_STEP = IdentityMap()
 
 
 def reduce_at_step(p: GlobalTensor) -> None:
@@ -89,13 +65,13 @@ def reduce_at_step(p: GlobalTensor) -> None:
 def update_layout(p: GlobalTensor) -> tuple:
     """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
     ``p``'s own)."""
-    return _UPDATE_LAYOUTS.get(p, p.sbp) if _UPDATE_LAYOUTS.data else p.sbp
+    return _UPDATE_LAYOUTS.get(p, p.sbp) if _UPDATE_LAYOUTS else p.sbp
 
 
 # parameter -> (the whole compute-layout local its shard lies in, or None for the parameter's
 # own local; compute layout): after the parameter's update the optimizer all-gathers the other
 # members' shards into it (ZeRO stages 1 and 2, docs/zero.md)
-_BACKFILL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BACKFILL = IdentityMap()
 
 
 def set_backfill(p: GlobalTensor, whole: torch.Tensor | None, compute: tuple) -> None:
@@ -106,7 +82,7 @@ def set_backfill(p: GlobalTensor, whole: torch.Tensor | None, compute: tuple) ->
 
 def backfill(p: GlobalTensor) -> tuple | None:
     """(whole local, compute layout, split layout) to all-gather into after ``p``'s update."""
-    hit = _BACKFILL.get(p) if _BACKFILL.data else None  # (empty: no weak-dict lookup)
+    hit = _BACKFILL.get(p) if _BACKFILL else None
     if hit is None:
         return None
     whole, compute = hit
@@ -118,7 +94,7 @@ def backfill(p: GlobalTensor) -> tuple | None:
 def has_backfills() -> bool:
     """Whether any parameter has an all-gather after its update (else `backfill` is None for
     every one)."""
-    return bool(_BACKFILL.data)
+    return bool(_BACKFILL)
 
 
 def mark_stale(p: GlobalTensor) -> None:
@@ -126,7 +102,7 @@ def mark_stale(p: GlobalTensor) -> None:
     before its next use (`take_stale`)."""
     hit = _BACKFILL.get(p)
     if hit is not None and hit[0] is not None:
-        _comm.current().state.setdefault("stale_wholes", weakref.WeakSet()).add(p)
+        _comm.current().state.setdefault("stale_wholes", IdentityMap())[p] = True
 
 
 def take_stale(params) -> list:
@@ -136,7 +112,7 @@ def take_stale(params) -> list:
         return []
     out = [p for p in params if p in stale]
     for p in out:
-        stale.discard(p)
+        stale.pop(p, None)
     return out
 
 
@@ -147,7 +123,7 @@ def set_pending(p: GlobalTensor, future) -> None:
     of a twin of its class whose shard attribute settles first (`_settling`)."""
     pending = _comm.current().state.get("pending_gathers")
     if pending is None:
-        pending = _comm.current().state["pending_gathers"] = weakref.WeakKeyDictionary()
+        pending = _comm.current().state["pending_gathers"] = IdentityMap()
     pending[p] = future
     if type(p) not in _BASES:
         p.__class__ = _settling(type(p))
@@ -247,7 +223,6 @@ class BucketSync:
         if prev is not None and prev is not self:
             prev._release(p)
         owners[p] = self
-        _note_owner(self._comm, self.OWNERS, p, self)
         self._handles[p] = p.local.register_post_accumulate_grad_hook(
             _hook(weakref.ref(self), b.index, len(b.params) - 1))
 
@@ -292,16 +267,14 @@ class BucketSync:
     @classmethod
     def collect(cls, params: list) -> dict:
         """``take()`` of every sync of this class owning one of ``params`` (on this rank)."""
-        by_id = _comm.current().state.get(cls.OWNERS + "_by_id")
+        owners = _comm.current().state.get(cls.OWNERS)
         out: dict = {}
-        if not by_id:
+        if not owners:
             return out
-        # by identity (`_note_owner`, `_ById`); the sync is the latest to act for p (a
-        # takeover overwrites it)
+        # the sync is the latest to act for p (a takeover overwrites it)
         syncs: dict = {}   # in the order of ``params``, as every rank calls them
         for p in params:
-            ref = by_id.get(p)
-            sync = None if ref is None else ref()
+            sync = owners.get(p)
             if sync is not None:
                 syncs.setdefault(id(sync), sync)
         for sync in syncs.values():
@@ -424,14 +397,9 @@ def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:
     return flat if _use_count(flat.untyped_storage()._cdata) == 2 else None
 
 
-def _owners(comm, key: str) -> "weakref.WeakKeyDictionary":
-    return comm.state.setdefault(key, weakref.WeakKeyDictionary())
-
-
-def _note_owner(comm, key: str, p: GlobalTensor, sync: BucketSync) -> None:
-    """Index ``p`` -> ``sync`` by identity too (``key + "_by_id"``: a `_ById` the step reads
-    without comparing parameters); ``sync`` held weakly."""
-    comm.state.setdefault(key + "_by_id", _ById())[p] = weakref.ref(sync)
+def _owners(comm, key: str) -> IdentityMap:
+    """This rank's map parameter -> the sync of class ``key`` acting for it."""
+    return comm.state.setdefault(key, IdentityMap())
 
 
 def collect(params: list) -> dict:

@@ -33,7 +33,7 @@ from .ops.shape import (Slice, decode_index, encode_index, list_index, resolve_s
 from .placement import Placement
 from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
-from .utils import generate_region, mix_seed
+from .utils import IdentityMap, generate_region, mix_seed
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
@@ -389,7 +389,9 @@ class GlobalTensor:
         """Keep this non-leaf tensor's gradient in ``.grad`` after backward (torch's)."""
         self._local.retain_grad()
         state = _comm.current().state
-        state.setdefault("retained_grads", weakref.WeakSet()).add(self._local)
+        # (by identity: a weak set compares torch tensors with ==, elementwise, and a second
+        # call on the same tensor raised)
+        state.setdefault("retained_grads", IdentityMap())[self._local] = True
 
     def detach(self) -> "GlobalTensor":
         """The same values without autograd history: a view, as torch's (an in-place op on it

@@ -4,16 +4,18 @@
 logical tensor, flattened row-major, is cut into blocks of ``BLOCK`` elements and block ``k`` is
 drawn from its own generator seeded by ``(seed, k)``. Any region is therefore the same values
 whatever layout asks for it, and a rank holds at most its region plus one block.
+`IdentityMap` is a weak map keyed by identity (per-parameter registries).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import weakref
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides"]
+__all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap"]
 
 BLOCK = 1 << 16
 _MASK = (1 << 63) - 1
@@ -69,3 +71,80 @@ def generate_region(kind: str, shape: Sequence[int], box: Sequence[tuple[int, in
         values = _draw(kind, min(BLOCK, total - k * BLOCK), gen, dtype)
         out[lo:hi] = values[flat[lo:hi] - k * BLOCK]
     return out.reshape(region)
+
+
+class IdentityMap:
+    """A map keyed by object identity whose entries go with their key (held by a weak
+    reference). A lookup never compares keys with ``==``: a ``weakref.WeakKeyDictionary``
+    does (its references compare their referents), and for a `GlobalTensor` that is an op, a
+    few us a lookup. For the registries kept per parameter (its update layout, its boxed
+    gradient, which sync owns it)."""
+
+    __slots__ = ("_d", "__weakref__")
+
+    def __init__(self) -> None:
+        self._d: dict = {}   # id(key) -> (weak reference to key, value)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        def gone(ref, k=id(key), d=self._d) -> None:
+            hit = d.get(k)
+            if hit is not None and hit[0] is ref:   # (not a newer key of a reused id)
+                del d[k]
+        self._d[id(key)] = (weakref.ref(key, gone), value)
+
+    def _hit(self, key: Any):
+        hit = self._d.get(id(key))
+        return hit if hit is not None and hit[0]() is key else None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        hit = self._hit(key)
+        return default if hit is None else hit[1]
+
+    def __getitem__(self, key: Any) -> Any:
+        hit = self._hit(key)
+        if hit is None:
+            raise KeyError(f"<{type(key).__name__} at {id(key):#x}>")
+        return hit[1]
+
+    def __contains__(self, key: Any) -> bool:
+        return self._hit(key) is not None
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        hit = self._hit(key)
+        if hit is not None:
+            del self._d[id(key)]
+            return hit[1]
+        if default:
+            return default[0]
+        raise KeyError(f"<{type(key).__name__} at {id(key):#x}>")
+
+    def __delitem__(self, key: Any) -> None:
+        self.pop(key)
+
+    def items(self) -> list:
+        """(key, value) of the live keys (a list: safe while the map changes)."""
+        out = []
+        for ref, value in list(self._d.values()):
+            key = ref()
+            if key is not None:
+                out.append((key, value))
+        return out
+
+    def __iter__(self) -> Iterator:
+        return iter([k for k, _ in self.items()])
+
+    def values(self) -> list:
+        return [v for _, v in self.items()]
+
+    def update(self, other: Any) -> None:
+        for key, value in (other.items() if hasattr(other, "items") else other):
+            self[key] = value
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __bool__(self) -> bool:
+        return bool(self._d)

@@ -245,3 +245,16 @@ def test_single_rank_without_launch():
     x = sf.randn(3, 4, seed=0)
     assert x.placement == sf.placement("cpu", [0]) and x.sbp == (sf.B,)
     assert torch.equal(x.to_global(sbp=sf.S(1)).full_tensor(), x.local)
+
+
+def test_retain_grad_twice_keeps_the_gradient_as_torch():
+    """torch allows retain_grad() twice; sbpflow's registry of retained gradients did not (a
+    weak set compared the torch tensor with itself, elementwise)."""
+    w0 = torch.arange(9.0).reshape(3, 3)
+    pl = sf.placement("cpu", [0])
+    w = sf.nn.Parameter(sf.tensor(w0, pl, (sf.B,)))
+    y = w * 2
+    y.retain_grad()
+    y.retain_grad()
+    (y * y).sum().backward()
+    torch.testing.assert_close(y.grad.full_tensor(), 2 * (2 * w0))

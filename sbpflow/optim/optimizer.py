@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterator
 
@@ -29,6 +28,7 @@ from ..gradsync import (GradSync, backfill, collect, has_backfills, set_pending,
                         update_layout, zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
+from ..utils import IdentityMap
 from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
 from .zero_sync import ShardSync, collect as _collect_shards
@@ -37,11 +37,11 @@ __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "sta
            "mark_replaced"]
 
 # Parameters that `sf.parallel.relayout` (`sf.parallel.apply`, ``sf.auto.parallelize``) replaced
-# by new objects: id -> (weak reference, name, who replaced it). An optimizer built before holds
+# by new objects: parameter -> (name, who replaced it). An optimizer built before holds
 # the old ones, which no forward uses any more: its step would silently change nothing. The
 # version counts the marks, so a step looks its parameters up only after a new mark (or when its
 # parameter list changed).
-_REPLACED: dict = {}
+_REPLACED = IdentityMap()
 _REPLACED_VERSION = [0]
 
 
@@ -49,20 +49,22 @@ def mark_replaced(p: GlobalTensor, name: str, who: str) -> None:
     """Record that parameter ``p`` (``name`` in its model) was replaced by a new object by
     ``who`` (e.g. ``"sf.parallel.apply"``): an optimizer's step over ``p`` then raises
     `OptimizerStateError` instead of updating a tensor nothing uses."""
-    key = id(p)
-
-    def gone(ref, key=key) -> None:
-        if _REPLACED.get(key, (None,))[0] is ref:
-            _REPLACED.pop(key, None)
-    _REPLACED[key] = (weakref.ref(p, gone), name, who)
+    _REPLACED[p] = (name, who)
     _REPLACED_VERSION[0] += 1
 
 
-def _boxed_cache() -> "weakref.WeakKeyDictionary":
+def _same(a: list, b: list) -> bool:
+    """Whether two parameter lists hold the same objects in the same order (``==`` on lists
+    compares differing parameters with `GlobalTensor.__eq__`, an elementwise op)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _boxed_cache() -> IdentityMap:
+    """This rank's parameter -> (gradient local, its version, boxed gradient) remembered."""
     state = _comm.current().state
     cache = state.get("optim_boxed_grads")
     if cache is None:
-        cache = state["optim_boxed_grads"] = weakref.WeakKeyDictionary()
+        cache = state["optim_boxed_grads"] = IdentityMap()
     return cache
 
 
@@ -113,9 +115,8 @@ def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) 
     buckets: dict = {}
     sharded: list = []   # (index, geometry) of ZeRO stage-1 gradients
     cache = _boxed_cache()
-    # all-reduces (gradsync) and ZeRO-1 reduce-scatters started during backward; looked up in
-    # a plain dict (by identity) unless results are remembered: a weak dict's lookup compares
-    # the parameter with itself (GlobalTensor.__eq__), a few us a parameter
+    # all-reduces (gradsync) and ZeRO-1 reduce-scatters started during backward (a dict by
+    # parameter), merged into the remembered results when those are kept
     started = collect(params)
     started.update(_collect_shards(params))
     used = 0
@@ -208,7 +209,7 @@ def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
 
 def _forget(p: GlobalTensor) -> None:
     cache = _boxed_cache()
-    if cache:   # (empty: no weak-dict lookup)
+    if cache:
         cache.pop(p, None)
 
 
@@ -326,20 +327,20 @@ class Optimizer(torch.optim.Optimizer):
             hook(self, (), {})
         params = [p for group in self.param_groups for p in group["params"]]
         version = _REPLACED_VERSION[0]
-        if version and (version != self._checked[0] or params != self._checked[1]):
+        if version and (version != self._checked[0] or not _same(params, self._checked[1])):
             self._refuse_replaced(params)
             self._checked = (version, params)
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
         if not self.linear_update:
             self._refuse_partial(params)
-        if self.overlap_grad_sync and self._sync_params != params:
+        if self.overlap_grad_sync and not _same(self._sync_params, params):
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
         grads = iter(boxed_grads(params, consume=True))
         gather = []   # ZeRO 1 and 2: (parameter, whole local, geometry) to fill after the update
         cache = _boxed_cache()
-        cache = cache if cache.data else None   # (a weak dict's len() is Python code)
+        cache = cache if cache else None
         fills = has_backfills()   # (none: no lookup a parameter)
         state = self.state
         for group in self.param_groups:
@@ -376,12 +377,13 @@ class Optimizer(torch.optim.Optimizer):
     def _refuse_replaced(self, params: list) -> None:
         """`OptimizerStateError` naming the first of ``params`` that `mark_replaced` marked."""
         for p in params:
-            hit = _REPLACED.get(id(p))
-            if hit is not None and hit[0]() is p:
+            hit = _REPLACED.get(p)
+            if hit is not None:
+                name, who = hit
                 raise OptimizerStateError(
-                    f"{type(self).__name__}: parameter {hit[1]!r} (shape {tuple(p.shape)}, "
+                    f"{type(self).__name__}: parameter {name!r} (shape {tuple(p.shape)}, "
                     f"placement {p.placement}, sbp {format_nd_sbp(p.sbp)}) is no longer the "
-                    f"model's: {hit[2]} replaced it by a new parameter object, so this step "
+                    f"model's: {who} replaced it by a new parameter object, so this step "
                     f"would change nothing. Build the optimizer after sf.parallel.apply (it "
                     f"replaces the parameters): opt = sf.optim.AdamW(model.parameters(), ...)")
 

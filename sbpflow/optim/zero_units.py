@@ -12,7 +12,6 @@ the unit's call as tasks that run the same way at each replay (`sbpflow.optim.ze
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from .. import comm as _comm
 from ..gradsync import set_backfill, set_update_layout, settle, take_stale, update_layout
 from ..tensor import GlobalTensor, recording
+from ..utils import IdentityMap
 from . import zero_graph as _graph
 from .zero_layout import check_stage, geometry, stored_layout
 from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call, refill
@@ -37,7 +37,7 @@ class ZeroParam(NamedTuple):
     whole: torch.Tensor | None = None
 
 
-_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PARAMS = IdentityMap()
 _DEFAULT_ON_GATHER: list = [None]
 
 
