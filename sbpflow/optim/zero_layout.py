@@ -183,7 +183,7 @@ def all_gather_into(items: list) -> None:
 
 def check_stage(stage, who: str) -> int:
     """``stage`` as an int of `STAGES`, else `SbpError` naming ``who``."""
-    if isinstance(stage, bool) or stage not in STAGES:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise SbpError(f"{who}: zero must be one of {STAGES} (ZeRO stage; 0: off), got "
                        f"{stage!r}")
     return int(stage)

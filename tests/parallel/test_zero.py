@@ -633,8 +633,9 @@ def test_an_optimizer_built_before_apply_refuses_to_step(stage):
 
 def test_bad_stage_names_the_fix():
     pl = sf.placement("cpu", [0])
-    with pytest.raises(sf.SbpError, match="zero must be one of"):
-        sf.parallel.apply(sf.nn.Linear(2, 2), pl, {"*": B}, zero=4)
+    for bad in (4, -1, True, 3.0, "3", None):
+        with pytest.raises(sf.SbpError, match="zero must be one of"):
+            sf.parallel.apply(sf.nn.Linear(2, 2), pl, {"*": B}, zero=bad)
 
 
 def _meta_vs_real() -> tuple:
