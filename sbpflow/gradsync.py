@@ -27,6 +27,7 @@ from .tensor import GlobalTensor
 from .utils import IdentityMap
 
 __all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "reduce_at_step",
+           "mark_replaced", "replaced_by", "replaced_version",
            "set_update_layout", "update_layout",
            "set_pending", "settle", "set_backfill", "backfill", "has_backfills", "mark_stale",
            "take_stale"]
@@ -48,6 +49,32 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
         _UPDATE_LAYOUTS.pop(p, None)
     else:
         _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
+
+
+# parameters that were replaced by new objects (`sf.parallel.apply`'s relayout, `Module.to`):
+# parameter -> (its name, who replaced it). An optimizer built before holds the old ones, which
+# no forward uses any more: its step would silently change nothing, so it raises (optim). The
+# version counts the marks: a step looks its parameters up only after a new mark.
+_REPLACED = IdentityMap()
+_REPLACED_VERSION = [0]
+
+
+def mark_replaced(p: GlobalTensor, name: str, who: str) -> None:
+    """Record that parameter ``p`` (``name`` in its model) was replaced by a new object by
+    ``who`` (e.g. ``"sf.parallel.apply"``): an optimizer's step over ``p`` then raises
+    instead of updating a tensor nothing uses."""
+    _REPLACED[p] = (name, who)
+    _REPLACED_VERSION[0] += 1
+
+
+def replaced_by(p: GlobalTensor) -> tuple | None:
+    """(name, who) if ``p`` was replaced (`mark_replaced`), else None."""
+    return _REPLACED.get(p) if _REPLACED else None
+
+
+def replaced_version() -> int:
+    """How many parameters were ever marked replaced (0: none, no lookup needed)."""
+    return _REPLACED_VERSION[0]
 
 
 # parameters whose gradient is reduced in the optimizer's step only (`reduce_at_step`)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from ..errors import ShapeError, StateDictError
-from ..gradsync import mark_stale, settle, zero_grads
+from ..gradsync import mark_replaced, mark_stale, settle, zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
@@ -353,12 +353,13 @@ class Module:
 
     def to(self, dtype: torch.dtype) -> "Module":
         """Cast floating parameters and buffers to ``dtype`` (shard by shard, no communication;
-        parameters become new leaves: build the optimizer afterwards)."""
+        parameters become new leaves: build the optimizer afterwards, the step of one built
+        before raises `OptimizerStateError`)."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"Module.to takes a torch.dtype, got {dtype!r} (placements are "
                             f"changed with sf.parallel.apply)")
         new: dict = {}  # by id: tied parameters stay tied
-        for m in self.modules():
+        for prefix, m in self.named_modules():
             for key, p in list(m._parameters.items()):
                 if p is not None and p.dtype.is_floating_point and p.dtype != dtype:
                     if id(p) not in new:
@@ -366,6 +367,8 @@ class Module:
                             GlobalTensor(p.local.detach().to(dtype), tuple(p.shape),
                                          p.placement, p.sbp), requires_grad=p.requires_grad)
                         init.copy_record(p, new[id(p)])   # a meta parameter keeps its init
+                        # an optimizer built before holds p: its step raises
+                        mark_replaced(p, f"{prefix}.{key}" if prefix else key, "Module.to")
                     m._parameters[key] = new[id(p)]
             for key, b in list(m._buffers.items()):
                 if b is not None and b.dtype.is_floating_point and b.dtype != dtype:

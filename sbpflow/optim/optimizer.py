@@ -24,8 +24,8 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import (GradSync, backfill, collect, has_backfills, set_pending, settle,
-                        update_layout, zero_grads)
+from ..gradsync import (GradSync, backfill, collect, has_backfills, replaced_by,
+                        replaced_version, set_pending, settle, update_layout, zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from ..utils import IdentityMap
@@ -33,25 +33,7 @@ from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
 from .zero_sync import ShardSync, collect as _collect_shards
 
-__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like",
-           "mark_replaced"]
-
-# Parameters that `sf.parallel.relayout` (`sf.parallel.apply`, ``sf.auto.parallelize``) replaced
-# by new objects: parameter -> (name, who replaced it). An optimizer built before holds
-# the old ones, which no forward uses any more: its step would silently change nothing. The
-# version counts the marks, so a step looks its parameters up only after a new mark (or when its
-# parameter list changed).
-_REPLACED = IdentityMap()
-_REPLACED_VERSION = [0]
-
-
-def mark_replaced(p: GlobalTensor, name: str, who: str) -> None:
-    """Record that parameter ``p`` (``name`` in its model) was replaced by a new object by
-    ``who`` (e.g. ``"sf.parallel.apply"``): an optimizer's step over ``p`` then raises
-    `OptimizerStateError` instead of updating a tensor nothing uses."""
-    _REPLACED[p] = (name, who)
-    _REPLACED_VERSION[0] += 1
-
+__all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
 def _same(a: list, b: list) -> bool:
     """Whether two parameter lists hold the same objects in the same order (``==`` on lists
@@ -256,7 +238,7 @@ class Optimizer(torch.optim.Optimizer):
         self._sync: GradSync | None = None
         self._shard_sync: ShardSync | None = None
         self._sync_params: list = []
-        self._checked: tuple = (0, [])   # (_REPLACED_VERSION, params) last found current
+        self._checked: tuple = (0, [])   # (replaced_version(), params) last found current
         groups = list(params)
         if not groups:
             raise ValueError("optimizer got an empty parameter list")
@@ -326,7 +308,7 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         params = [p for group in self.param_groups for p in group["params"]]
-        version = _REPLACED_VERSION[0]
+        version = replaced_version()
         if version and (version != self._checked[0] or not _same(params, self._checked[1])):
             self._refuse_replaced(params)
             self._checked = (version, params)
@@ -377,15 +359,15 @@ class Optimizer(torch.optim.Optimizer):
     def _refuse_replaced(self, params: list) -> None:
         """`OptimizerStateError` naming the first of ``params`` that `mark_replaced` marked."""
         for p in params:
-            hit = _REPLACED.get(p)
+            hit = replaced_by(p)
             if hit is not None:
                 name, who = hit
                 raise OptimizerStateError(
                     f"{type(self).__name__}: parameter {name!r} (shape {tuple(p.shape)}, "
                     f"placement {p.placement}, sbp {format_nd_sbp(p.sbp)}) is no longer the "
                     f"model's: {who} replaced it by a new parameter object, so this step "
-                    f"would change nothing. Build the optimizer after sf.parallel.apply (it "
-                    f"replaces the parameters): opt = sf.optim.AdamW(model.parameters(), ...)")
+                    f"would change nothing. Build the optimizer after {who} (it replaces the "
+                    f"parameters): opt = sf.optim.AdamW(model.parameters(), ...)")
 
     def _refuse_partial(self, params: list) -> None:
         """SbpError for a parameter with a gradient laid out as partial sums (a non-linear

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import SbpError
+from ..gradsync import mark_replaced
 from ..nn.init import materialize
 from ..nn.modules import Module, Parameter
-from ..optim.optimizer import mark_replaced
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
 from ..tensor import GlobalTensor

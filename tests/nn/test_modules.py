@@ -347,3 +347,21 @@ def test_layouts_used_by_training_tests_place_parameters_as_named():
     zero = sf.launch(body, world_size=4, args=("zero",))
     assert [z["2.bias"][1] for z in zero] == [(1,), (1,), (1,), (0,)]  # uneven: one empty shard
     assert set(LAYOUTS) == {"dp", "tp", "hybrid", "zero", "replicated"}
+
+
+def test_an_optimizer_built_before_module_to_refuses_to_step():
+    """Module.to makes new parameter objects (torch keeps them): an optimizer built before
+    would step tensors nothing uses, silently; it raises naming the parameter and the fix."""
+    pl = sf.placement("cpu", [0])
+    m = sf.nn.Sequential(sf.nn.Linear(3, 3))
+    early = sf.optim.SGD(m.parameters(), lr=0.1)
+    m.double()
+    late = sf.optim.SGD(m.parameters(), lr=0.1)
+    x = sf.tensor(torch.ones(2, 3, dtype=torch.float64), pl, (sf.B,))
+    m(x).sum().backward()
+    w0 = m[0].weight.full_tensor().clone()
+    late.step()
+    assert not torch.equal(m[0].weight.full_tensor(), w0)
+    with pytest.raises(sf.SbpError, match=r"parameter '0\.weight' .*Module\.to replaced it.*"
+                                          r"Build the optimizer after Module\.to"):
+        early.step()
