@@ -219,6 +219,19 @@ SIZES = (16, 32, 32, 8)   # every weight and bias divides by 4: 1864 float32 ele
 P = (16 * 32 + 32 + 32 * 32 + 32 + 32 * 8 + 8) * 4
 
 
+def _second_step_stats(m, opt, x):
+    """`sf.comm.stats()` of the second of two training steps of ``m`` on ``x`` (the first
+    warms up), ZeRO-1's background all-gathers settled before each count starts and after."""
+    for _ in range(2):
+        sf.parallel.zero.settle()
+        sf.comm.reset_stats()
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sf.parallel.zero.settle()
+    return sf.comm.stats()
+
+
 def _bytes_per_step() -> dict:
     pl = sf.placement("cpu", [0, 1, 2, 3])
     out = {}
@@ -228,15 +241,7 @@ def _bytes_per_step() -> dict:
         sf.parallel.apply(m, pl, {"*": B}, zero=stage)
         opt = sf.optim.AdamW(m.parameters())
         x = sf.randn(8, SIZES[0], placement=pl, sbp=S(0), seed=1)
-        for step in range(2):   # the second step is measured
-            sf.parallel.zero.settle()   # the last step's (stage 1) background all-gathers
-            sf.comm.reset_stats()
-            m(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        sf.parallel.zero.settle()
-        st = sf.comm.stats()
-        out[stage] = {k: v.sent for k, v in st.kinds.items()}
+        out[stage] = {k: v.sent for k, v in _second_step_stats(m, opt, x).kinds.items()}
     return out
 
 
@@ -274,14 +279,8 @@ def _min_size_runs(mesh: str) -> dict:
         sbps = {n: p.sbp for n, p in m.named_parameters()}
         opt = sf.optim.AdamW(m.parameters(), lr=0.02)
         x = sf.tensor(_MLP_X, pl, data_sbp)
-        for _ in range(2):   # the second step is measured
-            sf.parallel.zero.settle()
-            sf.comm.reset_stats()
-            m(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        sf.parallel.zero.settle()
-        sent = {k: v.sent for k, v in sf.comm.stats().kinds.items() if v.sent}
+        stats = _second_step_stats(m, opt, x)
+        sent = {k: v.sent for k, v in stats.kinds.items() if v.sent}
         state = {n: opt.state[p]["exp_avg"].local.numel() for n, p in m.named_parameters()}
         out[stage] = dict(sd0=sd0, sbps=sbps, sent=sent, sd=m.state_dict(), state=state)
     return out
@@ -755,14 +754,8 @@ def _cast_after_apply() -> dict:
         m.double()
         opt = sf.optim.AdamW(m.parameters(), lr=0.02)
         x = sf.tensor(_MLP_X, pl, S(0))
-        for step in range(2):
-            sf.parallel.zero.settle()
-            sf.comm.reset_stats()
-            m(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        sf.parallel.zero.settle()
-        sent = {k: v.sent for k, v in sf.comm.stats().kinds.items() if v.sent}
+        stats = _second_step_stats(m, opt, x)
+        sent = {k: v.sent for k, v in stats.kinds.items() if v.sent}
         w = m.net[0].weight
         out[stage] = dict(sd0=sd0, sd=m.state_dict(), sent=sent, dtype=w.dtype, sbp=w.sbp,
                           state=opt.state[w]["exp_avg"].local.shape)
