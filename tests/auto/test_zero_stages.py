@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sbpflow as sf
+from gpt_twin import torch_gpt_train
 from sbpflow.auto import model_graphs
 from sbpflow.auto.search import search
 from sbpflow.auto.space import (LayerStrategy, Strategy, layer_space, make_layer_strategy,
@@ -136,19 +137,10 @@ def test_parallelize_runs_a_searched_zero_strategy_under_a_memory_limit():
     assert zero and len(zero) < len(strategy.layers)        # mixed
     assert any(len(s.mesh) == 2 for s in zero)              # ZeRO along one dim of a 2-D mesh
     assert predicted <= limit
-    t = gpt_class(torch.nn, torch.nn.functional)(**GPT).double()
-    t.load_state_dict(sd0)
-    opt = torch.optim.AdamW(t.parameters(), lr=0.02, foreach=False)
-    want = []
-    for step in range(2):
-        loss = t(*_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want, want_sd = torch_gpt_train(sd0, GPT, _batch, 2, lr=0.02)   # AdamW's defaults
     for r in res:
         torch.testing.assert_close(torch.tensor(r[1]), torch.tensor(want), rtol=1e-9, atol=0)
-        for k, v in t.state_dict().items():
+        for k, v in want_sd.items():
             torch.testing.assert_close(r[2][k], v, rtol=1e-7, atol=1e-9, msg=k)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sbpflow as sf
+from gpt_twin import torch_gpt_train
 from sbpflow.models import gpt_class
 
 GPT = dict(vocab=30, d=16, heads=2, layers=2, seq=8)
@@ -50,20 +51,11 @@ def test_zero_stages_on_gloo_processes_train_as_torch():
     params = sum(v.numel() for v in res[0][1]["sd0"].values()) * 8   # float64 bytes
     for stage in (1, 2, 3):
         r0 = res[0][stage]
-        m = gpt_class(torch.nn, torch.nn.functional)(**GPT).double()
-        m.load_state_dict(r0["sd0"])
-        opt = torch.optim.AdamW(m.parameters(), lr=0.02, foreach=False)
-        want = []
-        for step in range(2):
-            loss = m(*_batch(step))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            want.append(loss.item())
+        want, want_sd = torch_gpt_train(r0["sd0"], GPT, _batch, 2, lr=0.02)
         for r in res:
             torch.testing.assert_close(torch.tensor(r[stage]["losses"]), torch.tensor(want),
                                        rtol=1e-7, atol=1e-9)
-            for k, v in m.state_dict().items():
+            for k, v in want_sd.items():
                 torch.testing.assert_close(r[stage]["sd"][k], v, rtol=1e-5, atol=1e-9)
         # summed over the ranks (shards may be uneven): an all-gather or a reduce-scatter of
         # every parameter sends |P|(N-1); stage 3 gathers in forward and again in backward
