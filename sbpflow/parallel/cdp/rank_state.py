@@ -196,13 +196,17 @@ class RankState:
             current().exchange([(t.dst, x.contiguous()) for x in tensors], [])
         finally:
             set_collective_stream(previous)
-        with self.count_lock:
-            self.messages += 1
-            self.nbytes += sum(x.numel() * x.element_size() for x in tensors)
+        self._count(tensors)
         del tensors
         if t.payload[0] in PARAMS and self._relayed(t.payload[1]):
             self.store.done_relay((t.payload, t.cycle))
         self.log[name] = (t, -1)
+
+    def _count(self, tensors) -> None:
+        """One message of ``tensors`` sent by this rank (``stats()``'s messages and bytes)."""
+        with self.count_lock:
+            self.messages += 1
+            self.nbytes += sum(x.numel() * x.element_size() for x in tensors)
 
     def recv(self, rel: Transfer, name: str) -> None:
         t = self.task(rel)
@@ -242,16 +246,14 @@ class RankState:
         returned to travel in the runtime's message to its consumer (or to `deliver`), counted
         as `send` counts."""
         if t_in is not None:
-            self.values[shift(t_in, *self.ctx).payload] = values[0]
+            self.values[self.task(t_in).payload] = values[0]
         fn(rel, name)
         if t_out is None:
             return None
-        value = self.values.pop(shift(t_out, *self.ctx).payload)
+        value = self.values.pop(self.task(t_out).payload)
         # a view would carry its whole storage (messages pickle storages)
         value = value if owns_storage(value) else value.contiguous().clone()
-        with self.count_lock:
-            self.messages += 1
-            self.nbytes += value.numel() * value.element_size()
+        self._count([value])
         return value
 
     def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str, tokens: bool = False
