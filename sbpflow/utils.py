@@ -9,13 +9,15 @@ whatever layout asks for it, and a rank holds at most its region plus one block.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap"]
+__all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap",
+           "text_digest"]
 
 BLOCK = 1 << 16
 _MASK = (1 << 63) - 1
@@ -148,3 +150,8 @@ class IdentityMap:
 
     def __bool__(self) -> bool:
         return bool(self._d)
+
+
+def text_digest(text: str) -> int:
+    """A 63-bit digest of ``text`` (an int64 the ranks compare to check they agree)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

@@ -198,6 +198,14 @@ class Communicator:
         self._count(count_as, *gather_traffic(i, sizes), tensor.element_size())
         return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble)
 
+    def gather_ints(self, values: Sequence[int], group: Sequence[int]) -> list[list[int]]:
+        """Every member's ``values`` (as many on each), in group order: the one all-gather of
+        a check that the ranks agree (a digest and a few counts; counted as "meta")."""
+        group = tuple(group)
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        rows = self.all_gather(mine, group, [tuple(mine.shape)] * len(group), count_as="meta")
+        return [r.tolist() for r in rows]
+
     def all_to_all(self, pieces: Sequence[torch.Tensor], group: Sequence[int], shapes=None,
                    assemble: Assemble | None = None):
         """``pieces[j]`` goes to ``group[j]``; returns ``assemble(received)`` in group order.

@@ -11,16 +11,14 @@ loss; non-scalar outputs are refused). See docs/runtime.md, 'Graph mode'.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any
-
-import torch
 
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
+from ..utils import text_digest
 from .lower import lower, stages_of
 from .microbatch import signature, split_inputs
 from .nodes import Env
@@ -97,13 +95,12 @@ class Compiled:
                  tuple((t.src_stage, t.dst_stage, t.meta.shape, str(t.meta.dtype), t.grad)
                        for t in low.transfers),
                  tuple(len(low.backwards[s]) for s in sorted(low.backwards)))
-        digest = int.from_bytes(hashlib.sha256(repr(shape).encode()).digest()[:7], "little")
+        digest = text_digest(repr(shape))
         world = tuple(range(self.comm.world_size))
         if len(world) == 1:
             return
-        got = self.comm.all_gather(torch.tensor([digest], dtype=torch.int64), world,
-                                   [(1,)] * len(world), count_as="meta")
-        differ = [r for r, d in zip(world, got) if int(d) != digest]
+        got = self.comm.gather_ints([digest], world)
+        differ = [r for r, (d,) in zip(world, got) if d != digest]
         if differ:
             raise GraphError(f"graph: ranks {differ} lowered build to other stages or transfers "
                              f"than rank {self.comm.rank} ({len(self.stages)} stages, "

@@ -14,8 +14,6 @@ them out afterwards with `sf.parallel.apply`. See docs/torch_models.md.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from .. import comm as _comm
@@ -24,6 +22,7 @@ from ..placement import Placement
 from ..sbp import B
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, _to_dtype, lift
 from ..tensor import tensor as _sf_tensor
+from ..utils import text_digest
 from . import modules as M
 from .modules import Module
 from .parameter import Parameter
@@ -341,12 +340,8 @@ def _check_same_state(comm, group: tuple, tensors: list, pl: Placement) -> None:
     """Raise `ShapeError` on every rank when the ranks' models differ in their parameters' and
     buffers' shapes or dtypes (the broadcast needs the same bytes everywhere)."""
     text = ";".join(f"{tuple(t.shape)}{t.dtype}{t.device.type}" for t in tensors)
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
-                            signed=True)
-    mine = torch.tensor([digest, len(tensors), sum(t.numel() for t in tensors)],
-                        dtype=torch.int64)
-    rows = [r.tolist() for r in comm.all_gather(mine, group, [(3,)] * len(group),
-                                                count_as="meta")]
+    rows = comm.gather_ints([text_digest(text), len(tensors), sum(t.numel() for t in tensors)],
+                            group)
     odd = [r for r, row in zip(group, rows) if row != rows[0]]
     if odd:
         (_, n0, e0), (_, n, e) = rows[0], rows[group.index(odd[0])]
