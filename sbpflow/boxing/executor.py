@@ -3,7 +3,7 @@ backward runs the dual step (docs/design.md, gradients)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -118,58 +118,85 @@ _KINDS: dict[str, Callable] = {
 }
 
 
-def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    me = comm.rank
-    spl, dpl = step.src_placement, step.dst_placement
-    in_dst = me in dpl
-    device = comm.device(dpl.device_type) if in_dst else x.device
-    sbox = member_boxes(step.shape, spl, step.src_sbp).get(me)
+class _Routes(NamedTuple):
+    """A transfer step's routes as one rank runs them, worked out once a (step, rank):
+    ``sends`` ``(dst, slices)`` and ``recvs`` ``(src, shape, slices)`` (``slices`` None: the
+    whole shard, no view), ``local`` ``(dst slices, src slices)`` kept on this rank, ``dbox``
+    its destination box (None: not in the destination), ``tile``: the routes into it cover
+    it once (pieces are copied in, nothing filled), ``whole``: one received message is the
+    whole destination shard (it is the result, no copy)."""
+
+    sends: tuple
+    recvs: tuple
+    local: tuple
+    dbox: tuple | None
+    tile: bool
+    whole: bool
+
+
+def _routes_of(step: Step, me: int) -> _Routes:
+    sbox = member_boxes(step.shape, step.src_placement, step.src_sbp).get(me)
+    dbox = (member_boxes(step.shape, step.dst_placement, step.dst_sbp)[me]
+            if me in step.dst_placement else None)
+
+    def within(box, origin):  # None when ``box`` is all of ``origin``
+        return None if box == origin else relative(box, origin)
+
     sends, recvs, local = [], [], []
     for s, d, box in step.routes:
-        if s == me:
-            piece = x[relative(box, sbox)]
-            if d == me:
-                local.append((box, piece))
-            else:
-                sends.append((d, piece.contiguous()))
+        if s == me and d == me:
+            local.append((relative(box, dbox), relative(box, sbox)))
+        elif s == me:
+            sends.append((d, within(box, sbox)))
         elif d == me:
-            recvs.append((s, box_shape(box), x.dtype, device))
-    received = iter(comm.exchange(sends, recvs)) if sends or recvs else iter(())
-    if not in_dst:
-        return empty_local(x.dtype, x.device)
-    dbox = member_boxes(step.shape, dpl, step.dst_sbp)[me]
-    if _routes_tile(step, me, dbox):
-        # forward routes cover each element once: the pieces are copied in, nothing is filled
-        out = torch.empty(box_shape(dbox), dtype=x.dtype, device=device)
-        for box, piece in local:
-            out[relative(box, dbox)] = piece
-        for s, d, box in step.routes:
-            if d == me and s != me:
-                out[relative(box, dbox)] = next(received)
-        return out
-    # the dual's routes may overlap (they accumulate) or leave parts uncovered (identity)
-    out = torch.zeros(box_shape(dbox), dtype=x.dtype, device=device)
-    for box, piece in local:
-        out[relative(box, dbox)] += piece.to(device)
-    for s, d, box in step.routes:
-        if d == me and s != me:
-            out[relative(box, dbox)] += next(received)
-    return out
+            recvs.append((s, box_shape(box), within(box, dbox)))
+    tile = dbox is not None and tiles([b for _, d, b in step.routes
+                                       if d == me and box_numel(b) > 0], dbox)
+    whole = tile and not local and len(recvs) == 1 and recvs[0][2] is None
+    return _Routes(tuple(sends), tuple(recvs), tuple(local), dbox, tile, whole)
 
 
-# (id(step), rank) -> (step, whether the routes into the rank tile its box); the entry holds
-# the step, so its id is not reused while the entry lives
-_TILES = BoundedDict("boxing.routes_tile", 1 << 14)
+# (id(step), rank) -> (step, its `_Routes` on the rank); the entry holds the step, so its id
+# is not reused while the entry lives
+_ROUTES = BoundedDict("boxing.transfer_routes", 1 << 14)
 
 
-def _routes_tile(step: Step, me: int, dbox: tuple) -> bool:
-    entry = _TILES.get((id(step), me))
+def _routes(step: Step, me: int) -> _Routes:
+    entry = _ROUTES.get((id(step), me))
     if entry is not None and entry[0] is step:
         return entry[1]
-    boxes = [box for _, d, box in step.routes if d == me and box_numel(box) > 0]
-    result = tiles(boxes, dbox)
-    _TILES.put((id(step), me), (step, result))
-    return result
+    routes = _routes_of(step, me)
+    _ROUTES.put((id(step), me), (step, routes))
+    return routes
+
+
+def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's part of a transfer between placements: its pieces sent, the others'
+    received, in one batched exchange (a stage-to-stage activation: one message, sent and
+    received whole)."""
+    rt = _routes(step, comm.rank)
+    device = comm.device(step.dst_placement.device_type) if rt.dbox is not None else x.device
+    sends = [(d, (x if cut is None else x[cut]).contiguous()) for d, cut in rt.sends]
+    recvs = [(s, shape, x.dtype, device) for s, shape, _ in rt.recvs]
+    received = comm.exchange(sends, recvs) if sends or recvs else []
+    if rt.dbox is None:
+        return empty_local(x.dtype, x.device)
+    if rt.whole:
+        return received[0]
+    if rt.tile:  # forward routes cover each element once: the pieces are copied in
+        out = torch.empty(box_shape(rt.dbox), dtype=x.dtype, device=device)
+        for dcut, scut in rt.local:
+            out[dcut] = x[scut]
+        for (_, _, cut), piece in zip(rt.recvs, received):
+            out[cut if cut is not None else ...] = piece
+        return out
+    # the dual's routes may overlap (they accumulate) or leave parts uncovered (identity)
+    out = torch.zeros(box_shape(rt.dbox), dtype=x.dtype, device=device)
+    for dcut, scut in rt.local:
+        out[dcut] += x[scut].to(device)
+    for (_, _, cut), piece in zip(rt.recvs, received):
+        out[cut if cut is not None else ...] += piece
+    return out
 
 
 def run_step(step: Step, x: torch.Tensor, comm: Communicator,

@@ -69,7 +69,7 @@ def nbytes(t: torch.Tensor | tuple, dtype: torch.dtype | None = None) -> int:
     numel = 1
     for s in t:
         numel *= int(s)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 def _clone_all(pieces: list) -> list:

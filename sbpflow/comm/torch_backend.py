@@ -327,7 +327,7 @@ class TorchCommunicator(Communicator):
                 self._loopback.append(t.detach().clone())
                 continue
             ops.append(dist.P2POp(dist.isend, _bytes(t.to(wire)), dst))
-        out: list[Any] = []  # a tensor, or (uint8 buffer, recv) for a network receive
+        out: list[Any] = []  # a tensor, or (received on the wire, device) for a network receive
         for rv in recvs:
             src, shape, dtype, device = rv
             if nbytes(shape, dtype) == 0:
@@ -340,16 +340,15 @@ class TorchCommunicator(Communicator):
                     raise CommError(f"rank {self.rank} expected a {dtype} tensor of shape "
                                     f"{tuple(shape)} from itself, got {t.dtype} {tuple(t.shape)}")
                 out.append(t.to(device))
-            else:
-                buf = torch.empty(nbytes(shape, dtype), dtype=torch.uint8, device=wire)
-                ops.append(dist.P2POp(dist.irecv, buf, src))
-                out.append((buf, rv))
+            else:  # received as bytes into a tensor of the right type (no view after)
+                buf = torch.empty(shape, dtype=dtype, device=wire)
+                ops.append(dist.P2POp(dist.irecv, _bytes(buf), src))
+                out.append((buf, device))
         if ops:
             peers = sorted({op.peer for op in ops})
             self._run(f"exchange with ranks {peers}", peers, None,
                       lambda: dist.batch_isend_irecv(ops))
-        return [_typed(o[0], o[1][2], o[1][1]).to(o[1][3]) if isinstance(o, tuple) else o
-                for o in out]
+        return [o[0].to(o[1]) if isinstance(o, tuple) else o for o in out]
 
 
 # -- init under torchrun ---------------------------------------------------------------------
