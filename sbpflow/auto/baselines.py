@@ -15,7 +15,7 @@ from . import model_graphs
 from .evaluate import evaluate
 from .pipeline_cost import balanced_cuts, sub_cluster
 from .pipeline_cost import evaluate as evaluate_any
-from .space import Pipeline, Strategy, make_layer_strategy
+from .space import Pipeline, Strategy, check_whole_sequences, make_layer_strategy
 
 __all__ = ["data_parallel", "megatron", "megatron_pipeline", "megatron_layers",
            "best_megatron", "megatron_stages", "megatron_flops",
@@ -110,8 +110,12 @@ def megatron(graph, cluster, tp: int, pp: int = 1, dp: int | None = None,
     equal parts of one)."""
     p = cluster.world_size
     if dp is None:
-        dp = p // (tp * pp) if tp * pp <= p and p % (tp * pp) == 0 else 0
+        if min(tp, pp) < 1 or p % (tp * pp):
+            raise ValueError(f"Megatron tp {tp} x pp {pp} does not divide the cluster's {p} "
+                             f"devices (dp is the rest); choose tp x pp dividing {p}")
+        dp = p // (tp * pp)
     _check(graph, p, tp, pp, dp, micro_batches)
+    check_whole_sequences(graph, micro_batches)
     if pp == 1:
         return _tensor_data(graph, tp, dp)
     if sub_cluster(cluster, tp * dp) is None:

@@ -24,7 +24,7 @@ from .baselines import megatron_layers as _megatron_layers
 from .baselines import megatron_pipeline, megatron_stages
 from .evaluate import Evaluator
 from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
-from .search import PENALTY, SearchResult
+from .search import PENALTY, SearchResult, check_memory_limit
 from .search import search as _search_one
 from .space import Pipeline, Strategy, layer_space, splits_sequences, whole_sequences
 
@@ -420,6 +420,7 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     ``zero=True``, ``micro_batches="auto"`` and ``stages="search"`` memory is met by the
     cheapest combination of ZeRO, recomputation, micro-batches and pipelining."""
     _check_args(stages, schedule)
+    check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
     limit = None if memory_limit is None or math.isinf(memory_limit) else memory_limit

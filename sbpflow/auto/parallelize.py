@@ -20,6 +20,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -258,7 +259,8 @@ def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int 
     """The best strategy whose layers all share one mesh: the search restricted to each mesh
     of ``cluster.world_size`` devices in turn (recomputing twins too with ``recompute``,
     ZeRO twins with ``zero``, as `layer_space`). Returns ``(strategy, breakdown, cost)``."""
-    from .search import ALGORITHMS, Problem
+    from .search import ALGORITHMS, Problem, check_memory_limit
+    check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
     if memory_limit is not None and math.isinf(memory_limit):
@@ -541,7 +543,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
     from ..cost import Cluster
+    from .search import check_memory_limit
 
+    check_memory_limit(memory_limit)
     p = placement.size
     if cluster is None:
         cluster = Cluster.preset("dgx-a100", nodes=1, devices_per_node=p)
@@ -569,6 +573,8 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if bd is None or tied is not strategy:
         bd = _breakdown(graph, tied, cluster)
     strategy = tied
+    _note_memory(bd, memory_limit if memory_limit is not None else
+                 getattr(cluster, "memory_per_device", None), notes)
     seconds = time.perf_counter() - t0
     plan = _lay_out(model, graph, strategy, modules, placement, notes)
     plan.breakdown, plan.search_seconds, plan.model = bd, seconds, model
@@ -578,6 +584,19 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     plan.schedule = pp.schedule if pp is not None else "1f1b"
     object.__setattr__(model, "auto_plan", plan)
     return plan
+
+
+def _note_memory(bd: Breakdown, limit, notes: list) -> None:
+    """Say (a note and a `RuntimeWarning`) when the strategy needs more memory a device than
+    ``limit`` bytes: the model is laid out anyway (the search found nothing within it)."""
+    need = bd.memory.get("total", 0)
+    if limit is None or math.isinf(limit) or need <= limit:
+        return
+    text = (f"the strategy needs {need / 2**30:.3g} GiB a device, over the memory limit of "
+            f"{limit / 2**30:.3g} GiB (nothing searched fits it: allow zero=True, "
+            f"recompute=True or stages='search', or use more devices)")
+    notes.append(text)
+    warnings.warn(f"sf.auto.parallelize: {text}", RuntimeWarning, stacklevel=3)
 
 
 def _evaluator(graph, strategy, cluster):

@@ -23,7 +23,7 @@ from ..sbp import B, Partial, S, Split
 from .evaluate import Breakdown, Evaluator
 from .evaluate import evaluate as _evaluate_one
 from .graph import Graph
-from .space import _tied_weight, weight_layout
+from .space import _tied_weight, check_whole_sequences, weight_layout
 
 __all__ = ["evaluate", "balanced_cuts", "sub_cluster", "stage_graph", "stage_ranges", "StageCost",
            "stage_cost", "transfer_time", "combine", "stage_layers", "tie_sync"]
@@ -276,7 +276,9 @@ def evaluate(graph, strategy, cluster, micro_batches: int = 1) -> Breakdown:
     are sums over its stages (each stage's devices do their own), ``memory`` the fullest
     stage's, and ``stage_times``, ``stage_memory``, ``transfer_time``, ``bubble_time`` say
     the rest."""
-    if getattr(strategy, "pipeline", None) is None:
+    pp = getattr(strategy, "pipeline", None)
+    check_whole_sequences(graph, micro_batches if pp is None else pp.micro_batches)
+    if pp is None:
         return _evaluate_one(graph, strategy, cluster, micro_batches)
     return _pipeline_breakdown(graph, strategy, cluster)
 

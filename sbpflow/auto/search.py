@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import GraphError
+from ..errors import CostError
 from .evaluate import Breakdown, Evaluator, _to_ndim, edge_lower_bounds
-from .space import Strategy, layer_space, tie_agrees, weight_layout, whole_sequences
+from .space import (Strategy, check_whole_sequences, layer_space, tie_agrees, weight_layout,
+                    whole_sequences)
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
 
@@ -900,12 +902,30 @@ def _enumerate(pb: Problem, rng, budget_s, t0, trace, max_combinations=2_000_000
     return best_state, best
 
 
-def _attention_batch(graph):
-    return next(l.attrs.get("batch") for l in graph.layers if l.kind == "attention")
-
-
 ALGORITHMS = {"cd": _coordinate_descent, "mh": _metropolis, "random": _random,
               "exhaustive": _exhaustive, "enumerate": _enumerate}
+
+
+def check_memory_limit(memory_limit) -> None:
+    """A memory limit is None (the cluster's memory, if any) or a number of bytes > 0 (inf:
+    none); anything else raises `CostError` (a limit of 0 made the search divide by it)."""
+    if memory_limit is None:
+        return
+    ok = isinstance(memory_limit, numbers.Real) and not isinstance(memory_limit, bool)
+    if not ok or math.isnan(memory_limit) or memory_limit <= 0:
+        raise CostError(f"memory_limit must be a number of bytes > 0 (or None: the cluster's "
+                        f"memory_per_device), got {memory_limit!r}; e.g. 80 * 2**30 for 80 GiB")
+
+
+def _start_index(cands: list, s) -> int:
+    """Where a descent from ``s`` starts among ``cands``: ``s`` itself, else the first candidate
+    with its mesh and activation layouts (a stage of a pipeline gives a tied layer its own copy
+    of the weight, which the whole model's strategy leaves out), else the first."""
+    try:
+        return cands.index(s)
+    except ValueError:
+        return next((k for k, c in enumerate(cands)
+                     if (c.mesh, c.input, c.output) == (s.mesh, s.input, s.output)), 0)
 
 
 def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
@@ -923,6 +943,7 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     cd and mh start; for exhaustive a bound that prunes, the result unchanged)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {sorted(ALGORITHMS)}")
+    check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
     if memory_limit is not None and math.isinf(memory_limit):
@@ -937,15 +958,12 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
                 return last
             m *= 2
         return last
-    if not whole_sequences(graph, micro_batches):
-        raise GraphError(f"{graph.name}: {micro_batches} micro-batches would split the "
-                         f"attention layers' sequences (batch {_attention_batch(graph)}); "
-                         "give a micro-batch count that divides the batch")
+    check_whole_sequences(graph, micro_batches)
     pb = Problem(graph, cluster, memory_limit, micro_batches, max_dims, zero,
                  in_flight=in_flight, shared=shared, recompute=recompute)
     start = options.pop("start", None)
     if isinstance(start, Strategy):
-        start = [pb.cands[i].index(s) for i, s in enumerate(start.layers)]
+        start = [_start_index(pb.cands[i], s) for i, s in enumerate(start.layers)]
     if start is not None and algorithm in ("cd", "mh", "exhaustive"):
         options["start"] = start
     rng = random.Random(seed)

@@ -10,15 +10,16 @@ count. See docs/auto.md, 'The strategy space'.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..caches import BoundedDict, memoize
-from ..errors import ParallelizeError
+from ..errors import GraphError, ParallelizeError
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
-           "make_layer_strategy", "whole_sequences", "splits_sequences", "weight_layout",
+           "make_layer_strategy", "whole_sequences", "check_whole_sequences", "splits_sequences", "weight_layout",
            "tie_agrees", "zero_stage", "zero_twin"]
 
 _N = None  # no weight
@@ -215,6 +216,20 @@ def whole_sequences(graph, micro_batches: int) -> bool:
     mix no samples, so any count suits them."""
     return all(l.attrs.get("batch", micro_batches) % micro_batches == 0
                for l in graph.layers if l.kind == "attention")
+
+
+def check_whole_sequences(graph, micro_batches: int) -> None:
+    """`GraphError` unless ``micro_batches`` is an int >= 1 whose micro-batches keep whole
+    sequences (`whole_sequences`): what search, evaluate and the baselines accept."""
+    if (not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool)
+            or micro_batches < 1):
+        raise GraphError(f"{graph.name}: micro_batches must be an int >= 1, got "
+                         f"{micro_batches!r}")
+    if not whole_sequences(graph, micro_batches):
+        batch = next(l.attrs.get("batch") for l in graph.layers if l.kind == "attention")
+        raise GraphError(f"{graph.name}: {micro_batches} micro-batches would split the "
+                         f"attention layers' sequences (batch {batch}); give a micro-batch "
+                         f"count that divides the batch")
 
 
 def _sequences(layer, micro_batches: int) -> int:

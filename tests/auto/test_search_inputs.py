@@ -1,0 +1,77 @@
+"""Bad or extreme search inputs: the search answers or names the fix, never a raw error.
+
+Found by probing as a user: a tied GPT with pipeline stages under a memory limit nothing meets
+crashed (the stage's tied head has a weight of its own); a memory limit of 0 divided by zero;
+the Megatron baseline and ``evaluate`` priced micro-batch counts that split sequences, which
+the search refuses; ``parallelize`` laid out a strategy over the limit without a word.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import sbpflow as sf
+from sbpflow.auto import baselines, model_graphs
+from sbpflow.models import mlp_class
+
+GiB = 2 ** 30
+
+
+def _cluster(devices: int = 6):
+    return sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=devices)
+
+
+@pytest.mark.parametrize("stages", [2, 3, "search"])
+def test_tied_stages_under_a_limit_nothing_meets(stages):
+    g = model_graphs.gpt(layers=2, d_model=256, heads=4, seq=128, batch=12, vocab=1000,
+                         tied=True)
+    r = sf.auto.search(g, _cluster(), memory_limit=2 ** 20, stages=stages)
+    assert not r.fits
+    assert r.strategy.pipeline is not None
+    # the answer is priced as evaluate prices it
+    bd = sf.auto.evaluate(g, r.strategy, _cluster())
+    assert math.isclose(bd.time, r.breakdown.time, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("limit", [0, -1, float("nan"), "8", True])
+def test_memory_limit_must_be_positive(limit):
+    g = model_graphs.gpt(layers=2, d_model=64, heads=4, seq=16, batch=12, vocab=100)
+    for kwargs in (dict(stages=1), dict()):
+        with pytest.raises(sf.SbpError, match="memory_limit must be a number of bytes > 0"):
+            sf.auto.search(g, _cluster(), memory_limit=limit, **kwargs)
+    with pytest.raises(sf.SbpError, match="memory_limit must be"):
+        sf.auto.single_mesh_search(g, _cluster(), memory_limit=limit)
+
+
+def test_megatron_and_evaluate_refuse_split_sequences():
+    g = model_graphs.gpt(layers=4, d_model=256, heads=4, seq=64, batch=12, vocab=1000)
+    c = _cluster()
+    with pytest.raises(sf.GraphError, match="5 micro-batches would split"):
+        baselines.megatron(g, c, tp=2, pp=3, micro_batches=5)
+    dp = baselines.megatron(g, c, tp=1, dp=6)
+    with pytest.raises(sf.GraphError, match="8 micro-batches would split"):
+        sf.auto.evaluate(g, dp, c, micro_batches=8)
+    assert sf.auto.evaluate(g, dp, c, micro_batches=4).time > 0  # 4 divides 12
+    with pytest.raises(ValueError, match=r"tp 4 x pp 1 does not divide the cluster's 6"):
+        baselines.megatron(g, c, tp=4)
+
+
+def _mlp_rank(limit):
+    model = mlp_class(sf.nn, sf.nn.functional)((10, 14, 5))
+    g = torch.Generator().manual_seed(0)  # (the traced inputs' shapes are what counts)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 5, (8,), generator=g)
+    pl = sf.placement("cpu", [0, 1])
+    return sf.auto.parallelize(model, [x, y], pl, memory_limit=limit).notes
+
+
+def test_parallelize_says_when_nothing_fits():
+    # (the warning module's state is global: caught around the launch, from both ranks)
+    with pytest.warns(RuntimeWarning, match="over the memory limit"):
+        notes = sf.launch(_mlp_rank, 2, args=(100,))
+    assert all(any("over the memory limit" in n for n in ns) for ns in notes), notes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        notes = sf.launch(_mlp_rank, 2, args=(GiB,))
+    assert not any("over the memory limit" in n for ns in notes for n in ns)
