@@ -111,8 +111,14 @@ class DataLoader:
         raise DataLoaderConfigError(f"DataLoader: {self!r} has no batch in an epoch")
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order from the next iteration on (call it on every rank)."""
+        """Use epoch ``epoch``'s order from the next iteration on (call it on every rank). A
+        call's feed of another epoch, or with no batch left, is dropped: the next call starts
+        epoch ``epoch`` (not the one after it)."""
         self.epoch = _positive_int("epoch", epoch, 0)
+        feed = self._feed
+        if feed is not None and (feed.epoch != self.epoch or feed.exhausted):
+            feed.close()
+            self._feed = None
 
     def __len__(self) -> int:
         return num_batches(len(self.dataset), self.batch_size, self.drop_last)
@@ -233,8 +239,18 @@ class LoaderIterator:
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order this iterator serves."""
+        return self._job.epoch
+
+    @property
+    def exhausted(self) -> bool:
+        """No batch left (the next ``next`` raises StopIteration)."""
+        return self._done or self._next >= self._count
+
     def __next__(self):
-        if self._done or self._next >= self._count:
+        if self.exhausted:
             self.close()
             raise StopIteration
         b = self._next

@@ -153,6 +153,31 @@ def test_every_sample_once_an_epoch(drop_last):
         assert epochs[0] != epochs[1] != epochs[2]
 
 
+def test_set_epoch_with_called_batches_serves_that_epoch():
+    """The usual loop with ``loader()`` (as in a graph's build): ``set_epoch(e)`` then
+    ``len(loader)`` calls give epoch ``e``'s batches, also right after the last batch of an
+    epoch (the exhausted feed used to roll on and serve epoch e + 1); without ``set_epoch``
+    the calls go on into the next epoch; set mid-epoch, the new epoch starts at once."""
+    ds = Encoded(20)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 5, sf.placement("cpu", [0, 1]))
+        called = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            called.append([loader()[1].full_tensor().tolist() for _ in range(len(loader))])
+        rolled = [loader()[1].full_tensor().tolist() for _ in range(len(loader))]
+        loader()                      # a batch of epoch 4, then epoch 1 from its start
+        loader.set_epoch(1)
+        restarted = [loader()[1].full_tensor().tolist() for _ in range(len(loader))]
+        return called, rolled, restarted, loader.epoch
+
+    called, rolled, restarted, epoch = sf.launch(fn, 2)[0]
+    ref = [[r[1].tolist() for r in torch_batches(ds, 5, epoch=e, seed=0)[1]] for e in range(4)]
+    assert called == ref[:3] and rolled == ref[3] and restarted == ref[1]
+    assert epoch == 1
+
+
 def test_set_epoch_changes_the_order_deterministically():
     ds = Encoded(20)
 
