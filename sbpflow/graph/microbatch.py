@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import torch
+
 from ..caches import memoize
 from ..errors import GraphError
 from ..sbp import Split, format_nd_sbp, local_shape
@@ -113,6 +115,11 @@ def signature(args: Sequence[Any]) -> tuple:
     for a in args:
         if isinstance(a, GlobalTensor):
             out.append((tuple(a.shape), a.dtype, a.placement, a.sbp, a.requires_grad))
+        elif isinstance(a, torch.Tensor):  # hashed by identity: a new plan every call
+            raise GraphError(f"graph: input {len(out)} is a torch.Tensor of shape "
+                             f"{tuple(a.shape)}, not a global tensor; give "
+                             f"sf.tensor(x, placement, sbp) (a plain tensor would be a "
+                             f"constant of the plan, compiled again for every new tensor)")
         else:
             try:
                 hash(a)

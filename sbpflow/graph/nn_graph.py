@@ -134,6 +134,10 @@ class Graph:
     def plan(self, rank: int | None = None) -> str:
         """The actors of ``rank`` (default: this rank) with their registers."""
         c = self._current()
+        world = _comm.current().world_size
+        if rank is not None and (type(rank) is not int or not 0 <= rank < world):
+            raise GraphError(f"graph.plan: rank must be an int in 0 .. {world - 1} (the "
+                             f"world's ranks), got {rank!r}")
         return c.plan.describe(_comm.rank() if rank is None else rank)
 
     def timeline(self) -> list[dict]:

@@ -206,3 +206,20 @@ def test_a_gradient_read_in_build():
 def test_activation_checkpointing_in_build():
     with pytest.raises(sf.GraphError, match="activation checkpointing"):
         _on_2_ranks(_linear_fn("checkpoint"))
+
+
+def test_a_plain_torch_tensor_input_and_a_rank_outside_the_world():
+    """A torch tensor input would be a constant of the plan hashed by identity (a new plan,
+    and its threads, every call): refused, naming sf.tensor. ``plan(rank)`` of a rank outside
+    the world is refused; the graph stays usable."""
+    def fn(pl):
+        g = _Sum()
+        with pytest.raises(sf.GraphError, match=r"input 0 is a torch.Tensor of shape \(3, 2\)"
+                           r".*sf.tensor\(x, placement, sbp\)"):
+            g(torch.ones(3, 2, dtype=F64))
+        assert g(_ones(pl, 3)).to_local().item() == 12.0
+        with pytest.raises(sf.GraphError, match=r"rank must be an int in 0 .. 1"):
+            g.plan(7)
+        return g.plan(1)
+
+    assert "rank 1" in _on_2_ranks(fn)[0]
