@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from .. import comm as _comm
 from ..comm.threads import default_timeout
 from ..errors import GraphError
@@ -104,6 +106,8 @@ class Graph:
     def __call__(self, *inputs: Any) -> Any:
         # a module's train / eval mode changes what build does (dropout): compiled apart
         modes = tuple(v.training for v in vars(self).values() if isinstance(v, Module))
+        # so is torch's grad mode (under no_grad a build's backward raises, as on a first call)
+        modes += (torch.is_grad_enabled(),)
         key = (signature(inputs), modes, self.config.micro_batches, self.config.schedule,
                self.config.loss_reduction, self.config.split_inputs)
         settle()   # ZeRO-1 parameters gathered in the background since the last update

@@ -223,3 +223,35 @@ def test_a_plain_torch_tensor_input_and_a_rank_outside_the_world():
         return g.plan(1)
 
     assert "rank 1" in _on_2_ranks(fn)[0]
+
+
+class _Train(sf.nn.Graph):
+    def __init__(self, w, opt) -> None:
+        super().__init__()
+        self.w = w
+        self.add_optimizer(opt)
+
+    def build(self, x):
+        loss = (x * self.w).sum()
+        loss.backward()
+        return loss
+
+
+def test_a_compiled_training_graph_called_under_no_grad_raises_as_a_first_call():
+    """Grad mode is part of the compile key: under ``torch.no_grad()`` the build's backward
+    raises as it does on a first call, instead of replaying the plan (which trained: the
+    weights changed in a would-be validation call)."""
+    def fn(pl):
+        w = sf.nn.Parameter(sf.tensor(torch.ones(2, dtype=F64), pl, sf.B))
+        g = _Train(w, sf.optim.SGD([w], lr=0.5))
+        g(_ones(pl, 3))
+        before = w.full_tensor().clone()
+        with torch.no_grad(), pytest.raises(sf.SbpError, match="does not require grad"):
+            g(_ones(pl, 3))
+        assert torch.equal(w.full_tensor(), before)
+        g(_ones(pl, 3))                                   # grad mode again: it trains
+        return before, w.full_tensor()
+
+    before, after = _on_2_ranks(fn)[0]
+    assert torch.equal(before, torch.full((2,), -0.5, dtype=F64))   # 1 - 0.5 * 3
+    assert torch.equal(after, torch.full((2,), -2.0, dtype=F64))
