@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 __all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap",
-           "text_digest"]
+           "text_digest", "rebuild_sequence"]
 
 BLOCK = 1 << 16
 _MASK = (1 << 63) - 1
@@ -155,3 +155,10 @@ class IdentityMap:
 def text_digest(text: str) -> int:
     """A 63-bit digest of ``text`` (an int64 the ranks compare to check they agree)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def rebuild_sequence(value: Any, items: Any) -> Any:
+    """A tuple / list of ``value``'s type holding ``items`` (a namedtuple takes its fields as
+    arguments, where ``tuple`` and ``list`` take one iterable)."""
+    kind = type(value)
+    return kind(*items) if hasattr(kind, "_fields") else kind(items)

@@ -18,7 +18,7 @@ from ..boxing import empty_local
 from ..errors import GraphError
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
-from ..utils import text_digest
+from ..utils import rebuild_sequence, text_digest
 from .lower import lower, stages_of
 from .microbatch import signature, split_inputs
 from .nodes import Env
@@ -194,7 +194,7 @@ class Compiled:
             return template.value
         if isinstance(template, dict):
             return {k: self._assemble(v, call, index) for k, v in template.items()}
-        return type(template)(self._assemble(v, call, index) for v in template)
+        return rebuild_sequence(template, [self._assemble(v, call, index) for v in template])
 
     def _output(self, slot: int, i: int, call: Call) -> GlobalTensor:
         meta = self.tapes[self.keys[0]].metas[slot]

@@ -19,6 +19,7 @@ from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, error_rule
+from ..utils import rebuild_sequence
 from .microbatch import split_inputs
 from .nodes import (BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, SourceNode,
                     ThunkNode)
@@ -237,7 +238,7 @@ class Recorder:
         if isinstance(value, GlobalTensor):
             return OutSlot(self.read(value, "the graph's output"))
         if isinstance(value, (tuple, list)):
-            return type(value)(self._template(v) for v in value)
+            return rebuild_sequence(value, [self._template(v) for v in value])
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         return OutConst(value)

@@ -6,6 +6,8 @@ calls, no optimizer (gradients accumulate across calls, as eager's), two optimiz
 weight, a second (evaluation) graph on the same model between calls, and micro-batches
 changed after the first call."""
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ CALLS = 3
 
 class _Step(sf.nn.Graph):
     """``cross_entropy(model(x), y, reduction)`` backward; returns the loss, or (``"dict"``) a
-    dict of it, twice it, a constant and a tuple of it and a string."""
+    dict of it, twice it, a constant and a namedtuple of it and a string."""
 
     def __init__(self, model, opts, sch, k: int, reduction: str, out: str) -> None:
         super().__init__()
@@ -35,11 +37,16 @@ class _Step(sf.nn.Graph):
         return _step(self.model, x, y, self.reduction, self.out)
 
 
+class _Pair(NamedTuple):   # a namedtuple output comes back as one (it raised a TypeError)
+    value: Any
+    label: str
+
+
 def _step(model, x, y, reduction: str, out: str):
     loss = F.cross_entropy(model.net(x), y, reduction=reduction)
     loss.backward()
     if out == "dict":
-        return {"loss": loss, "twice": loss * 2.0, "c": 3, "t": (loss, "x")}
+        return {"loss": loss, "twice": loss * 2.0, "c": 3, "t": _Pair(loss, "x")}
     return loss
 
 
@@ -57,6 +64,7 @@ def _values(r, pl) -> tuple:
     def v(t):
         return t.to_global(pl, sf.B).local.item()
     if isinstance(r, dict):
+        assert type(r["t"]) is _Pair
         return v(r["loss"]), v(r["twice"]), r["c"], v(r["t"][0]), r["t"][1]
     return (v(r),)
 
