@@ -543,9 +543,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
     from ..cost import Cluster
-    from .search import check_memory_limit
 
-    check_memory_limit(memory_limit)
     p = placement.size
     if cluster is None:
         cluster = Cluster.preset("dgx-a100", nodes=1, devices_per_node=p)
@@ -555,8 +553,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if is_torch_module(model):
         model = from_torch(model, placement)
     graph, modules = trace(model, example_inputs)
-    notes: list = []
-    t0 = time.perf_counter()
+    notes, t0 = [], time.perf_counter()
     if strategy is None:
         strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh, stages,
                                notes, recompute, zero)
@@ -573,8 +570,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if bd is None or tied is not strategy:
         bd = _breakdown(graph, tied, cluster)
     strategy = tied
-    _note_memory(bd, memory_limit if memory_limit is not None else
-                 getattr(cluster, "memory_per_device", None), notes)
+    _note_memory(bd, memory_limit, cluster, notes)
     seconds = time.perf_counter() - t0
     plan = _lay_out(model, graph, strategy, modules, placement, notes)
     plan.breakdown, plan.search_seconds, plan.model = bd, seconds, model
@@ -586,9 +582,13 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     return plan
 
 
-def _note_memory(bd: Breakdown, limit, notes: list) -> None:
+def _note_memory(bd: Breakdown, limit, cluster, notes: list) -> None:
     """Say (a note and a `RuntimeWarning`) when the strategy needs more memory a device than
-    ``limit`` bytes: the model is laid out anyway (the search found nothing within it)."""
+    ``limit`` bytes (None: the cluster's): the model is laid out anyway (the search found
+    nothing within it)."""
+    from .search import check_memory_limit
+    check_memory_limit(limit)
+    limit = getattr(cluster, "memory_per_device", None) if limit is None else limit
     need = bd.memory.get("total", 0)
     if limit is None or math.isinf(limit) or need <= limit:
         return
@@ -806,7 +806,8 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
     with pipeline stages unless ``stages`` is 1; recomputing twins in the space with
     ``recompute``, ZeRO twins with ``zero``)."""
-    from .search import search
+    from .search import check_memory_limit, search
+    check_memory_limit(memory_limit)
     if one_mesh:
         if stages != 1:
             raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "
