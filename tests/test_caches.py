@@ -10,7 +10,7 @@ from sbpflow.caches import BoundedDict, memoize
 
 def test_every_cache_is_registered_and_bounded():
     info = sf.cache_info()
-    for name in ("tensor.dispatch_choices", "tensor.layout_keys", "boxing.routes_tile",
+    for name in ("tensor.dispatch_choices", "tensor.layout_keys", "boxing.transfer_routes",
                  "sbpflow.ops.registry.out_metas"):
         assert name in info
     assert all(i.maxsize > 0 for i in info.values())
