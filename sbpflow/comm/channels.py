@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
+from ..utils import rebuild_sequence
 from .progress import own_connection
 
 __all__ = ["ThreadChannels", "StoreChannels", "copy_tensors", "tensor_bytes"]
@@ -37,7 +38,7 @@ def copy_tensors(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, (tuple, list)):
-        return type(obj)(copy_tensors(o) for o in obj) if obj else obj
+        return rebuild_sequence(obj, [copy_tensors(o) for o in obj]) if obj else obj
     if isinstance(obj, dict):
         return {k: copy_tensors(v) for k, v in obj.items()}
     return obj

@@ -18,6 +18,7 @@ import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift, set_torch_dispatch
+from ..utils import rebuild_sequence
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -132,7 +133,8 @@ def _lifted(value, pl):
     if isinstance(value, torch.Tensor):
         return lift(value, pl)
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(lift(v, pl) if isinstance(v, torch.Tensor) else v for v in value)
+        return rebuild_sequence(value, [lift(v, pl) if isinstance(v, torch.Tensor) else v
+                                        for v in value])
     return value
 
 

@@ -4,6 +4,7 @@ threads backend's are exercised in tests/runtime/test_runtime_ranks.py."""
 
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -62,6 +63,11 @@ def test_a_reader_whose_store_died_raises_comm_error():
             b.take(1, "c", 0.2, lambda: None)
 
 
+class _Pair(NamedTuple):
+    value: torch.Tensor
+    label: int
+
+
 def test_copy_and_count_tensors_in_messages():
     t = torch.ones(3, dtype=torch.float64)
     msg = ("req", 1, {"x": t, "y": [t, 2]})
@@ -69,6 +75,10 @@ def test_copy_and_count_tensors_in_messages():
     t.add_(1)
     assert torch.equal(c[2]["x"], torch.ones(3, dtype=torch.float64)) and c[2]["y"][1] == 2
     assert tensor_bytes(msg) == 2 * 3 * 8 and tensor_bytes(("wake", 3)) == 0
+    pair = _Pair(t, 2)                     # a namedtuple stays one (it raised a TypeError)
+    copied = copy_tensors(pair)
+    assert type(copied) is _Pair and copied.label == 2 and copied.value is not t
+    assert torch.equal(copied.value, t)
 
 
 def test_a_store_failure_in_post_is_a_comm_error():
