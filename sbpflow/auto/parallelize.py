@@ -806,8 +806,7 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
     with pipeline stages unless ``stages`` is 1; recomputing twins in the space with
     ``recompute``, ZeRO twins with ``zero``)."""
-    from .search import check_memory_limit, search
-    check_memory_limit(memory_limit)
+    from .search import search
     if one_mesh:
         if stages != 1:
             raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "

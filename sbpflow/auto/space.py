@@ -19,8 +19,8 @@ from ..errors import GraphError, ParallelizeError
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
-           "make_layer_strategy", "whole_sequences", "check_whole_sequences", "splits_sequences", "weight_layout",
-           "tie_agrees", "zero_stage", "zero_twin"]
+           "make_layer_strategy", "whole_sequences", "check_whole_sequences", "splits_sequences",
+           "weight_layout", "tie_agrees", "zero_stage", "zero_twin"]
 
 _N = None  # no weight
 
