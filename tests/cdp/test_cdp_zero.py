@@ -71,8 +71,11 @@ def test_zero_relays_at_forward_and_backward(rule):
     assert sum(r["calls"] for r in res) == 2 * STEPS * messages
     # a rank holds its stage's versions and momentum, and at most 3 relayed copies: the one
     # its op uses and those arriving for its next two ops. Keeping each copy from F_j to B_j
-    # (as before) holds N - 1 = 4 of them at the turn of a cycle
+    # (as before) holds N - 1 = 4 of them at the turn of a cycle. At least: its most versions
+    # at once, or one version, the momentum and a relayed copy (whether a copy arrives while
+    # the rank holds two versions depends on the threads' timing)
     versions = st["max_versions"]
     for r, held in st["param_bytes_by_rank"].items():
         owned = (versions[r] + 1) * STAGE_BYTES
-        assert owned + STAGE_BYTES <= held <= owned + 3 * STAGE_BYTES, (r, held / STAGE_BYTES)
+        least = max(owned, 3 * STAGE_BYTES)
+        assert least <= held <= owned + 3 * STAGE_BYTES, (r, held / STAGE_BYTES)
