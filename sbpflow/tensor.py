@@ -9,6 +9,7 @@ as ``dual(s)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import _weakrefset
@@ -33,7 +34,7 @@ from .ops.shape import (Slice, decode_index, encode_index, list_index, resolve_s
 from .placement import Placement
 from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
-from .utils import IdentityMap, generate_region, mix_seed
+from .utils import IdentityMap, generate_region, mix_seed, rebuild_sequence
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
@@ -988,6 +989,47 @@ def lift(value: torch.Tensor, placement: Placement) -> GlobalTensor:
     if _tracing.recorder is not None:  # a graph constant, as sf.tensor(value) in build is
         _tracing.recorder.constant(out)
     return out
+
+
+def lift_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each plain torch tensor, also inside a list or tuple,
+    lifted (`lift`) onto the placement of the first global tensor among them; unchanged when
+    there is none of either. What a torch function or an ``sf.nn.functional`` function does
+    with a mask, a target or positions given as plain torch tensors."""
+    if not any(_holds_plain(a) for a in (*args, *kwargs.values())):
+        return args, kwargs
+    pl = next((t._placement for a in (*args, *kwargs.values()) for t in _members(a)
+               if isinstance(t, GlobalTensor)), None)
+    if pl is None:
+        return args, kwargs
+    return (tuple(_lifted(a, pl) for a in args),
+            {k: _lifted(v, pl) for k, v in kwargs.items()})
+
+
+def lifting_plain_tensors(fn):
+    """``fn`` (a function of global tensors, e.g. ``sf.nn.functional.cross_entropy``) taking
+    plain torch tensors among its arguments too, lifted by `lift_arguments`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        args, kwargs = lift_arguments(args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _members(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _holds_plain(value) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in _members(value))
+
+
+def _lifted(value, pl: Placement):
+    if isinstance(value, (list, tuple)):
+        if not _holds_plain(value):
+            return value
+        return rebuild_sequence(value, [_lifted(v, pl) for v in value])
+    return lift(value, pl) if isinstance(value, torch.Tensor) else value
 
 
 def _lift_args(args: tuple) -> tuple | None:

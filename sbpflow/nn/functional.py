@@ -15,7 +15,8 @@ from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, _next_seed, apply_op, errors_as, fresh, full, guard
+from ..tensor import (GlobalTensor, _next_seed, apply_op, errors_as, fresh, full, guard,
+                      lifting_plain_tensors)
 from .pending_mean import mean_over_count
 from .functional_norm import batch_norm, group_norm, rms_norm
 
@@ -25,6 +26,7 @@ __all__ += ["batch_norm", "group_norm", "rms_norm"]  # sbpflow/nn/functional_nor
 __all__ += ["leaky_relu", "elu", "softplus", "normalize", "one_hot", "nll_loss"]
 
 
+@lifting_plain_tensors
 def linear(x: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = None) -> GlobalTensor:
     """``x @ weight.T + bias`` with ``weight`` of shape (out, in), as ``torch.nn.functional``."""
     return apply_op("linear", x, weight) if bias is None else apply_op("linear", x, weight, bias)
@@ -80,6 +82,7 @@ def one_hot(target: GlobalTensor, num_classes: int = -1) -> GlobalTensor:
     return apply_op("eq", target.unsqueeze(-1), classes).to(torch.int64)
 
 
+@lifting_plain_tensors
 def nll_loss(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
              ignore_index: int = -100, reduction: str = "mean") -> GlobalTensor:
     """``torch.nn.functional.nll_loss``: minus ``input`` (log-probabilities) at each target
@@ -165,6 +168,7 @@ def log_softmax(x: GlobalTensor, dim: int, dtype: torch.dtype | None = None) -> 
     return z - _sum_over(z.exp(), d).log()
 
 
+@lifting_plain_tensors
 def layer_norm(x: GlobalTensor, normalized_shape, weight: GlobalTensor | None = None,
                bias: GlobalTensor | None = None, eps: float = 1e-5) -> GlobalTensor:
     """``torch.nn.functional.layer_norm``. With the normalized axes whole on each rank: the local
@@ -196,6 +200,7 @@ def layer_norm(x: GlobalTensor, normalized_shape, weight: GlobalTensor | None = 
     return y
 
 
+@lifting_plain_tensors
 def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: int | None = None,
               max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> GlobalTensor:
@@ -240,6 +245,7 @@ def _check_replicated_ids(ids: GlobalTensor, weight: GlobalTensor) -> bool:
     return True
 
 
+@lifting_plain_tensors
 def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> GlobalTensor:
@@ -462,6 +468,7 @@ def _batch_or_head_layout(q: GlobalTensor, k: GlobalTensor, v: GlobalTensor) -> 
                for s in q.sbp)
 
 
+@lifting_plain_tensors
 def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: GlobalTensor,
                                  attn_mask: GlobalTensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
@@ -489,3 +496,14 @@ def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: 
     if dropout_p > 0.0:
         attn = dropout(attn, dropout_p, seed=seed)
     return attn @ value
+
+
+def __getattr__(name: str):
+    """The rest of ``torch.nn.functional`` (``mse_loss``, ``pad``, ...): torch's own function,
+    which runs on global tensors through their ``__torch_function__`` (the table of
+    `sbpflow.nn.torch_handlers`; one without an sbpflow version raises naming what to use)."""
+    fn = getattr(torch.nn.functional, name, None)
+    if fn is None or name.startswith("_"):
+        raise AttributeError(f"module 'sbpflow.nn.functional' has no attribute {name!r} (nor "
+                             f"has torch.nn.functional)")
+    return fn

@@ -8,11 +8,12 @@ average pooling keeps them partial. ``sf.nn.functional`` re-exports these names.
 
 from __future__ import annotations
 
-from ..tensor import GlobalTensor, apply_op
+from ..tensor import GlobalTensor, apply_op, lifting_plain_tensors
 
 __all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
 
 
+@lifting_plain_tensors
 def conv2d(input: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = None,
            stride=1, padding=0, dilation=1, groups: int = 1) -> GlobalTensor:
     """2-D convolution: ``input`` (N, C, H, W) or (C, H, W), ``weight`` (O, C/groups, kH, kW),

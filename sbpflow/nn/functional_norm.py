@@ -17,7 +17,7 @@ import torch
 from ..errors import PlacementMismatchError, ShapeError
 from ..ops.norm_ops import stats_dtype
 from ..sbp import B, Partial, Split, format_nd_sbp
-from ..tensor import GlobalTensor, apply_op, recording
+from ..tensor import GlobalTensor, apply_op, lifting_plain_tensors, recording
 
 __all__ = ["batch_norm", "group_norm", "rms_norm"]
 
@@ -120,6 +120,7 @@ def _update_running(running_mean: GlobalTensor, running_var: GlobalTensor, sums:
     return done
 
 
+@lifting_plain_tensors
 def group_norm(input: GlobalTensor, num_groups: int, weight: GlobalTensor | None = None,
                bias: GlobalTensor | None = None, eps: float = 1e-5) -> GlobalTensor:
     """``torch.nn.functional.group_norm`` on ``input`` (N, C, *): local with the batch split or
@@ -137,6 +138,7 @@ def group_norm(input: GlobalTensor, num_groups: int, weight: GlobalTensor | None
                     eps=float(eps))
 
 
+@lifting_plain_tensors
 def rms_norm(input: GlobalTensor, normalized_shape, weight: GlobalTensor | None = None,
              eps: float | None = None) -> GlobalTensor:
     """``torch.nn.functional.rms_norm``: ``x / sqrt(mean(x²) + eps) * weight`` over the trailing

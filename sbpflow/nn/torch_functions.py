@@ -17,8 +17,7 @@ from typing import Callable
 import torch
 
 from ..sbp import format_nd_sbp
-from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift, set_torch_dispatch
-from ..utils import rebuild_sequence
+from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -118,43 +117,10 @@ def handler_for(func) -> Callable:
     return handler
 
 
-def _placement_of(args: tuple, kwargs: dict):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, GlobalTensor):
-            return a.placement
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, GlobalTensor):
-                    return b.placement
-    return None
-
-
-def _lifted(value, pl):
-    if isinstance(value, torch.Tensor):
-        return lift(value, pl)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return rebuild_sequence(value, [lift(v, pl) if isinstance(v, torch.Tensor) else v
-                                        for v in value])
-    return value
-
-
-def _has_plain(args: tuple, kwargs: dict) -> bool:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return True
-        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
-            return True
-    return False
-
-
 def dispatch(func, args: tuple, kwargs: dict):
     """Run torch function ``func`` on ``args`` / ``kwargs`` holding global tensors."""
     handler = _HANDLERS.get(func) or handler_for(func)
-    if _has_plain(args, kwargs):
-        pl = _placement_of(args, kwargs)
-        if pl is not None:
-            args = tuple(_lifted(a, pl) for a in args)
-            kwargs = {k: _lifted(v, pl) for k, v in kwargs.items()}
+    args, kwargs = lift_arguments(args, kwargs)
     return handler(*args, **kwargs)
 
 

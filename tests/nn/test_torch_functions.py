@@ -236,3 +236,39 @@ def test_attention_dropout_is_layout_independent_and_drops_its_share():
     torch.testing.assert_close(got[causal][kept], (want / (1 - p))[causal][kept])
     dropped = 1.0 - kept.double().mean().item()         # 1088 entries, a fixed seed
     assert abs(dropped - p) < 0.05, dropped
+
+
+def test_sbpflow_functional_takes_plain_torch_tensors_and_torch_names():
+    """``sf.nn.functional`` as torch.nn.functional: a target, class weights, ids or a mask given
+    as plain torch tensors are taken as replicated; torch's other names (mse_loss) run too."""
+    SF = sf.nn.functional
+    logits, target = _rand(6, 5, seed=4), torch.tensor([0, 4, 2, 2, 1, 3])
+    cw, ids, table = _rand(5, seed=5).abs(), torch.tensor([[1, 0, 3]]), _rand(4, 8, seed=6)
+    cases = {
+        "cross_entropy": (lambda lg, t: SF.cross_entropy(lg, target, weight=cw),
+                          lambda: F.cross_entropy(logits, target, weight=cw)),
+        "nll_loss": (lambda lg, t: SF.nll_loss(SF.log_softmax(lg, -1), target),
+                     lambda: F.nll_loss(F.log_softmax(logits, -1), target)),
+        "embedding": (lambda lg, t: SF.embedding(ids, t), lambda: F.embedding(ids, table)),
+        "sdpa_mask": (lambda lg, t: SF.scaled_dot_product_attention(
+            t[None], t[None], t[None], attn_mask=MASK[:4, :4] == 0),
+            lambda: F.scaled_dot_product_attention(table[None], table[None], table[None],
+                                                   attn_mask=MASK[:4, :4] == 0)),
+        "mse_loss": (lambda lg, t: SF.mse_loss(lg, logits * 0.5),
+                     lambda: F.mse_loss(logits, logits * 0.5)),
+    }
+
+    def body(sbp):
+        pl = sf.placement("cpu", [0, 1])
+        lg, t = sf.tensor(logits, pl, sbp), sf.tensor(table, pl, sf.B)
+        return {name: fn(lg, t).full_tensor() for name, (fn, _) in cases.items()}
+    for sbp in (sf.S(0), sf.S(1), sf.B):
+        got = sf.launch(body, world_size=2, args=(sbp,))[0]
+        for name, (_, want) in cases.items():
+            torch.testing.assert_close(got[name], want(), rtol=1e-12, atol=1e-12,
+                                       msg=f"{name} {sbp}")
+    try:
+        SF.no_such_function
+        raise AssertionError("an unknown name resolved")
+    except AttributeError as exc:
+        assert "no_such_function" in str(exc)
