@@ -1,15 +1,16 @@
 """Samples to this rank's shards: read the samples of a rank's rows, stack them (as torch's
 ``default_collate`` does for tensors, numpy arrays and numbers), and cut the shard.
 
-A sample is one value or a tuple / list of values; the batch is then one tensor or a tuple of
-them, each of logical shape ``(rows of the batch, *the value's shape)``. Errors name the
+A sample is one value, or a tuple / list / namedtuple / dict of values; the batch is then one
+tensor, or the same structure of them (`ItemForm`), each of logical shape ``(rows of the batch,
+*the value's shape)``. Errors name the
 sample index, the batch, the epoch and the rank (`DataLoaderError`, `ShapeError`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -18,16 +19,36 @@ from ..errors import DataLoaderError, DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..sbp import Sbp, check_axes, format_nd_sbp, shard_box
 
-__all__ = ["Shards", "read_samples", "reading_index", "stack_samples", "cut_rule", "apply_cut",
+__all__ = ["ItemForm", "Shards", "read_samples", "reading_index", "stack_samples", "cut_rule", "apply_cut",
            "cut_shard"]
+
+
+class ItemForm(NamedTuple):
+    """The structure of a dataset's items, which the loader's batches take: ``kind`` None (one
+    value: a batch is one tensor), ``tuple``, ``list``, a namedtuple class, or ``dict`` (then
+    ``keys``, in the first sample's order)."""
+
+    kind: type | None
+    keys: tuple = ()
+
+    def build(self, values: Sequence) -> Any:
+        """The batch: ``values`` (one per element, in order) in this structure."""
+        if self.kind is None:
+            return values[0]
+        if issubclass(self.kind, dict):
+            return dict(zip(self.keys, values))
+        return self.kind(*values) if hasattr(self.kind, "_fields") else self.kind(values)
+
+
+ONE_VALUE = ItemForm(None)
 
 
 @dataclass(frozen=True)
 class Shards:
-    """One batch on one rank: its local shards and their logical shapes, and whether the
-    dataset's items are tuples (the loader then yields a tuple of global tensors)."""
+    """One batch on one rank: its local shards and their logical shapes, and the structure of
+    the dataset's items (`ItemForm`: the loader yields the global tensors in it)."""
 
-    is_tuple: bool
+    form: ItemForm
     locals: tuple
     shapes: tuple
 
@@ -121,34 +142,60 @@ def _checked_stack(leaves: list, indices: Sequence[int], k: int | None,
 
 
 def stack_samples(samples: Sequence, indices: Sequence[int],
-                  where: str) -> tuple[bool, list[torch.Tensor]]:
-    """Stack samples (read from ``indices``) into ``(is_tuple, [tensor of shape (len, *item)
-    per element])``. Samples must agree in structure, shapes and dtypes, as for torch's
+                  where: str) -> tuple[ItemForm, list[torch.Tensor]]:
+    """Stack samples (read from ``indices``) into ``(form, [tensor of shape (len, *item) per
+    element])``. Samples must agree in structure, shapes and dtypes, as for torch's
     ``default_collate``; otherwise the error names the two samples that differ."""
-    is_tuple = isinstance(samples[0], (tuple, list))
-    if not is_tuple:
-        _check_structure(samples, indices, None, where)
-        return False, [_stack_column(samples, indices, None, where)]
-    width = len(samples[0])
-    _check_structure(samples, indices, width, where)
-    return True, [_stack_column(col, indices, k, where) for k, col in enumerate(zip(*samples))]
+    form = _form(samples[0])
+    _check_structure(samples, indices, form, where)
+    if form.kind is None:
+        return form, [_stack_column(samples, indices, None, where)]
+    if form.keys:
+        columns = [[sample[key] for sample in samples] for key in form.keys]
+    else:
+        columns = list(zip(*samples))
+    return form, [_stack_column(col, indices, k, where) for k, col in enumerate(columns)]
 
 
-def _check_structure(samples: Sequence, indices: Sequence[int], width: int | None,
+def _form(sample: Any) -> ItemForm:
+    if isinstance(sample, dict):
+        return ItemForm(dict, tuple(sample))
+    return ItemForm(type(sample)) if isinstance(sample, (tuple, list)) else ONE_VALUE
+
+
+def _shown(form: ItemForm, sample: Any) -> str:
+    if form.kind is None:
+        return "one value"
+    if form.keys:
+        return f"a dict with keys {list(form.keys)}"
+    return f"a {form.kind.__name__} of {len(sample)}"
+
+
+def _check_structure(samples: Sequence, indices: Sequence[int], form: ItemForm,
                      where: str) -> None:
-    """Every sample is a tuple / list of ``width`` values (``None``: none is)."""
+    """Every sample is built as the first (whose `ItemForm` the batch takes, as torch's
+    ``default_collate`` takes the first sample's type): one value; a tuple / list (of any of
+    those types) of the same length; or a dict with the same keys."""
     kinds = set(map(type, samples))  # C loops first: the common, well-formed case is cheap
-    if width is None and not any(issubclass(k, (tuple, list)) for k in kinds):
+    if form.kind is None and not any(issubclass(k, (tuple, list, dict)) for k in kinds):
         return
-    if width is not None and kinds <= {tuple, list} and set(map(len, samples)) == {width}:
+    if form.keys and kinds == {form.kind} and all(tuple(s) == form.keys for s in samples):
+        return
+    if form.kind is not None and not form.keys and \
+            all(issubclass(k, (tuple, list)) for k in kinds) and len(set(map(len, samples))) == 1:
         return
     for sample, i in zip(samples, indices):
-        is_tuple = isinstance(sample, (tuple, list))
-        if is_tuple != (width is not None) or (is_tuple and len(sample) != width):
-            mine = f"a tuple of {len(sample)}" if is_tuple else "one value"
-            first = "one value" if width is None else f"a tuple of {width}"
-            raise DataLoaderError(f"DataLoader: sample {i} ({where}) is {mine} but sample "
-                                  f"{indices[0]} is {first}")
+        if _built_as(sample) != _built_as(samples[0]):
+            raise DataLoaderError(f"DataLoader: sample {i} ({where}) is "
+                                  f"{_shown(_form(sample), sample)} but sample {indices[0]} is "
+                                  f"{_shown(form, samples[0])}")
+
+
+def _built_as(sample: Any) -> tuple:
+    """What must agree between the samples of a batch: dict keys or sequence length."""
+    if isinstance(sample, dict):
+        return ("dict", tuple(sample))
+    return ("seq", len(sample)) if isinstance(sample, (tuple, list)) else ("one",)
 
 
 def cut_rule(rows_shape: tuple, n_rows: int, placement: Placement, nd_sbp: Sequence[Sbp],

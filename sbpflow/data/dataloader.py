@@ -183,7 +183,7 @@ class _BatchJob:
         # batch's first sample (the only read outside its shard)
         mine = indices[start:start + size] or indices[:1]
         samples = read_samples(self.dataset, mine, where, self.progress)
-        is_tuple, stacked = stack_samples(samples, mine, where)
+        form, stacked = stack_samples(samples, mine, where)
         locals_, shapes = [], []
         for k, value in enumerate(stacked):
             if not size:  # an empty shard: the one sample read was for shapes and dtypes
@@ -196,7 +196,7 @@ class _BatchJob:
             locals_.append(apply_cut(value, rule[1]))
             shapes.append(rule[0])
         self.progress["batch"] = None
-        return Shards(is_tuple, tuple(locals_), tuple(shapes))
+        return Shards(form, tuple(locals_), tuple(shapes))
 
     def describe(self) -> str:
         p = self.progress
@@ -266,7 +266,7 @@ class LoaderIterator:
                         for t, s in zip(shards.locals, shards.shapes))
         else:  # the shards were cut by the layout's rule (`cut_rule`): nothing to check again
             out = tuple(GlobalTensor(t, s, pl, nd) for t, s in zip(shards.locals, shards.shapes))
-        return out if shards.is_tuple else out[0]
+        return shards.form.build(out)
 
     def close(self) -> None:
         """Stop loading (the loading thread finishes the sample it is reading, if any)."""

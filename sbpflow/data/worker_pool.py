@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import DataLoaderError
-from .collate import Shards
+from .collate import ItemForm, Shards
 
 __all__ = ["WorkerPool", "Feed"]
 
@@ -50,11 +50,11 @@ _SAME, _NEW_LAYOUT, _FAILED = 0, 1, 2
 
 class _Layout(NamedTuple):
     """Where a batch's shards lie in a slot: per shard (dtype, shape, offset, bytes); the bytes
-    the slot must hold; whether the items are tuples; the logical shapes."""
+    the slot must hold; the items' structure (`ItemForm`); the logical shapes."""
 
     fields: tuple
     nbytes: int
-    is_tuple: bool
+    form: ItemForm
     shapes: tuple
 
 
@@ -65,7 +65,7 @@ def _layout(shards: Shards) -> _Layout:
         fields.append((t.dtype, tuple(t.shape), at, n))
         end = at + n if n else end
         at += -(-n // _ALIGN) * _ALIGN
-    return _Layout(tuple(fields), end, shards.is_tuple, shards.shapes)
+    return _Layout(tuple(fields), end, shards.form, shards.shapes)
 
 
 def _shared_file() -> int:
@@ -254,7 +254,7 @@ class WorkerPool:
         if layout.nbytes and os.preadv(self.slots[i][j], [data], 0) != layout.nbytes:
             raise DataLoaderError(f"DataLoader: worker process {self.procs[i].name}'s slot "
                                   f"{j} holds fewer than the {layout.nbytes} bytes announced")
-        return Shards(layout.is_tuple, tuple(_tensor(data, *f) for f in layout.fields),
+        return Shards(layout.form, tuple(_tensor(data, *f) for f in layout.fields),
                       layout.shapes)
 
     def feed(self, epoch: int, count: int, budget: int, timeout: float) -> "Feed":

@@ -21,7 +21,7 @@ from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
 from .lower import lower, stages_of
 from .microbatch import signature, split_inputs
-from .nodes import Env
+from .nodes import Env, source_values
 from .plan import Call, graph_plan
 from .show import describe
 from .recorder import OutConst, OutSlot, Recorder, Tape
@@ -109,7 +109,7 @@ class Compiled:
 
     def _split_batch(self, batch: Any):
         """A batch a data source gave, cut into the micro-batches (all its values)."""
-        values = batch if isinstance(batch, tuple) else (batch,)
+        values = source_values(batch)
         return split_inputs(values, self.k, [True] * len(values))
 
     def _source_shapes(self, m: int) -> tuple:

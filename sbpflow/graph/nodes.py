@@ -9,14 +9,16 @@ not here). ``mode`` is the grad mode and autocast dtype the task was traced unde
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from ..boxing import apply_step
 from ..placement import Placement
+from ..utils import rebuild_sequence
 
 __all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode", "SourceNode",
+           "source_values", "source_like",
            "BackwardNode", "run_nodes"]
 
 
@@ -157,6 +159,21 @@ class SourceNode(NamedTuple):
     @property
     def name(self) -> str:
         return "load"
+
+
+def source_values(batch: Any) -> tuple:
+    """A data source's batch as its values in order: one global tensor, or those of a tuple,
+    list, namedtuple or dict of them (`source_like` rebuilds that structure)."""
+    if isinstance(batch, dict):
+        return tuple(batch.values())
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def source_like(batch: Any, values: Sequence) -> Any:
+    """``values`` in the structure of ``batch`` (a data source's batch, `source_values`)."""
+    if isinstance(batch, dict):
+        return dict(zip(batch, values))
+    return rebuild_sequence(batch, values) if isinstance(batch, (tuple, list)) else values[0]
 
 
 class GuardNode(NamedTuple):

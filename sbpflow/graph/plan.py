@@ -26,7 +26,7 @@ from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered
 from .microbatch import split_inputs
-from .nodes import Env, run_nodes
+from .nodes import Env, run_nodes, source_values
 
 __all__ = ["Call", "graph_plan"]
 
@@ -66,7 +66,7 @@ class _Stage:
         out = []
         for node in c.lowered[0].sources[self.s]:
             batch = c.preloaded[node.index] if c.preloaded else node.load()
-            values = batch if isinstance(batch, tuple) else (batch,)
+            values = source_values(batch)
             got = tuple((tuple(v.shape), v.dtype, v.placement, v.sbp) for v in values)
             if got != node.metas:
                 raise GraphError(f"graph: data source {node.index} gave a batch of "

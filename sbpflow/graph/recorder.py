@@ -22,7 +22,7 @@ from ..tensor import GlobalTensor, error_rule
 from ..utils import rebuild_sequence
 from .microbatch import split_inputs
 from .nodes import (BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, SourceNode,
-                    ThunkNode)
+                    ThunkNode, source_like, source_values)
 
 __all__ = ["Meta", "Tape", "Recorder", "OutSlot", "OutConst", "out_slots"]
 
@@ -202,17 +202,17 @@ class Recorder:
         if i == len(self.batches):
             self.batches.append(load())
         batch = self.batches[i]
-        values = batch if isinstance(batch, tuple) else (batch,)
+        values = source_values(batch)
         if not values or not all(isinstance(v, GlobalTensor) for v in values):
-            raise GraphError(f"graph: a data source must give a global tensor or a tuple of "
-                             f"them, got {type(batch).__name__}")
+            raise GraphError(f"graph: a data source must give a global tensor, or a tuple, "
+                             f"list or dict of them, got {type(batch).__name__}")
         mbs = split_inputs(values, self.micro_batches, [True] * len(values))
         piece = mbs.args[self.micro_batch]
         metas = tuple((tuple(v.shape), v.dtype, v.placement, v.sbp) for v in values)
         pl = values[0].placement
         self.nodes.append(SourceNode(load, i, tuple(self._new(t) for t in piece), metas, pl,
                                      Mode.now(pl.device_type)))
-        return tuple(piece) if isinstance(batch, tuple) else piece[0]
+        return source_like(batch, piece)
 
     def task(self, make, reads: list, outs: list, placement: Placement) -> None:
         """A task another layer records (ZeRO's unit calls, `sbpflow.optim.zero_graph`):

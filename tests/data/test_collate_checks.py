@@ -17,16 +17,16 @@ def test_structure_errors_name_the_sample():
     with pytest.raises(sf.DataLoaderError, match="sample 12 .* is a tuple of 3 but sample 10 "
                                                  "is a tuple of 2"):
         stack_samples([(a, 0), (b, 1), (a, 2, 3)], [10, 11, 12], "here")
-    with pytest.raises(sf.DataLoaderError, match="sample 11 .* is a tuple of 1 but sample 10 "
+    with pytest.raises(sf.DataLoaderError, match="sample 11 .* is a list of 1 but sample 10 "
                                                  "is one value"):
         stack_samples([a, [b]], [10, 11], "here")
 
 
 def test_namedtuple_and_list_items_stack_as_torch_does():
     samples = [Pair(torch.full((2,), float(i)), i) for i in range(3)] + [[torch.ones(2), 7]]
-    is_tuple, (x, y) = stack_samples(samples, [0, 1, 2, 3], "here")
+    form, (x, y) = stack_samples(samples, [0, 1, 2, 3], "here")
     ref = torch.utils.data.default_collate([tuple(s) for s in samples])
-    assert is_tuple
+    assert form.kind is Pair  # the first sample's type, as default_collate
     assert torch.equal(x, ref[0]) and torch.equal(y, ref[1])
 
 

@@ -41,10 +41,20 @@ def torch_losses() -> list[float]:
     return losses
 
 
-def _graph_run(micro_batches: int, workers: int = 0):
+class Named(torch.utils.data.Dataset):
+    """XS, YS as dict items ``{"x", "y"}``."""
+
+    def __len__(self) -> int:
+        return len(XS)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": XS[i], "y": YS[i]}
+
+
+def _graph_run(micro_batches: int, workers: int = 0, items: str = "tuple"):
     pl = sf.placement("cpu", [0, 1])
-    loader = sf.data.DataLoader(TensorDataset(XS, YS), BATCH, pl, sbp=sf.S(0), seed=SEED,
-                                workers=workers)
+    ds = Named() if items == "dict" else TensorDataset(XS, YS)
+    loader = sf.data.DataLoader(ds, BATCH, pl, sbp=sf.S(0), seed=SEED, workers=workers)
     lin = sf.nn.Linear(6, 3, bias=False, dtype=torch.float64)
     lin.weight = sf.nn.Parameter(sf.tensor(W0, pl, sf.B))
     opt = sf.optim.SGD(lin.parameters(), lr=0.5)
@@ -57,7 +67,8 @@ def _graph_run(micro_batches: int, workers: int = 0):
             self.config.set_gradient_accumulation_steps(micro_batches)
 
         def build(self):
-            x, y = loader()
+            batch = loader()
+            x, y = (batch["x"], batch["y"]) if items == "dict" else batch
             loss = sf.nn.functional.cross_entropy(self.lin(x), y)
             loss.backward()
             return loss
@@ -69,11 +80,12 @@ def _graph_run(micro_batches: int, workers: int = 0):
     return losses, kinds, loader.epoch
 
 
-@pytest.mark.parametrize("micro_batches,workers", [(1, 0), (3, 0), (3, 1)])
-def test_graph_with_loader_equals_torch(micro_batches, workers):
+@pytest.mark.parametrize("micro_batches,workers,items",
+                         [(1, 0, "tuple"), (3, 0, "tuple"), (3, 1, "tuple"), (3, 0, "dict")])
+def test_graph_with_loader_equals_torch(micro_batches, workers, items):
     want = torch_losses()
     for losses, kinds, epoch in sf.launch(_graph_run, world_size=2,
-                                          args=(micro_batches, workers)):
+                                          args=(micro_batches, workers, items)):
         assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
         assert kinds["load"] == "load"
         assert epoch == 1

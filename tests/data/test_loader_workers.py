@@ -7,6 +7,7 @@ slots (fork safety); closing ends the workers."""
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 import signal
 
 import pytest
@@ -136,3 +137,54 @@ def test_a_worker_holds_no_other_pools_pipes_or_slots():
 
     held, alive, batches = sf.launch(fn, 1)[0]
     assert held == set() and not alive and batches == 3
+
+
+Item = namedtuple("Item", "x label")  # module level: a worker process's batches carry the class
+
+
+class Structured(torch.utils.data.Dataset):
+    """Sample ``i`` as a namedtuple, a dict or a list (``kind``)."""
+
+    def __init__(self, n: int, kind: str) -> None:
+        self.n, self.kind = n, kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.arange(4, dtype=torch.float64) * i
+        if self.kind == "namedtuple":
+            return Item(x, i)
+        return {"x": x, "label": i} if self.kind == "dict" else [x, i]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("kind", ["namedtuple", "dict", "list"])
+def test_items_keep_their_structure_as_torch_does(kind, workers):
+    """Batches take the items' structure (a namedtuple, a dict, a list) with global tensors
+    whose values are torch's ``default_collate``'s, on two ranks with S(0)."""
+    ds = Structured(8, kind)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0, 1]), shuffle=False,
+                                    workers=workers)
+        try:
+            out = []
+            for b in loader:
+                pairs = b.items() if kind == "dict" else enumerate(b)
+                out.append((type(b), {k: (v.sbp, v.full_tensor()) for k, v in pairs},
+                            b.label.full_tensor() if kind == "namedtuple" else None))
+            return out
+        finally:
+            loader.close()
+
+    want = _torch(ds, 4)
+    got = sf.launch(fn, 2)[0]
+    assert len(got) == len(want) == 2
+    for (kind_got, values, label), ref in zip(got, want):
+        assert kind_got is type(ref)  # Item, dict, list: default_collate keeps them too
+        assert len(values) == 2
+        for k, (sbp, value) in values.items():
+            assert sbp == (sf.S(0),) and torch.equal(value, ref[k]), (kind, k)
+        if kind == "namedtuple":
+            assert torch.equal(label, ref.label)
