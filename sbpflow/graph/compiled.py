@@ -60,7 +60,8 @@ class Compiled:
         for m, args in enumerate(mbs.args):
             key = (signature(args), self._source_shapes(m))
             if key not in self.tapes:
-                tape = trace(graph, args, Recorder(m, self.k, self.batches))
+                tape = trace(graph, args, Recorder(
+                    m, self.k, self.batches, self.k > 1 and cfg.loss_reduction == "mean"))
                 key = (signature(args), self._source_shapes(m))  # the sources are known now
                 self.tapes.setdefault(key, tape)
             self.keys.append(key)

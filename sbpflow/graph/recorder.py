@@ -102,10 +102,13 @@ class Recorder:
     """Collects the tasks ``build`` runs on this rank (the hooks of `sbpflow.tensor`)."""
 
     def __init__(self, micro_batch: int = 0, micro_batches: int = 1,
-                 batches: list | None = None) -> None:
+                 batches: list | None = None, weighs_means: bool = False) -> None:
         # the micro-batch traced, of how many; the batches data sources gave this compile
         # (shared by the traces of its micro-batch shapes, so each batch is loaded once)
         self.micro_batch, self.micro_batches = micro_batch, micro_batches
+        # whether a mean loss of a micro-batch counts by its share of the batch's rows
+        # (several micro-batches, loss reduction "mean"): read by means over counted targets
+        self.weighs_means = weighs_means
         self.batches = [] if batches is None else batches
         self.sources = 0
         self.draws = 0

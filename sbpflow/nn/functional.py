@@ -11,12 +11,12 @@ import math
 
 import torch
 
-from ..errors import DtypeMismatchError, IndexOutOfRange, ShapeError
+from ..errors import DtypeMismatchError, GraphError, IndexOutOfRange, ShapeError
 from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
                           target_out_of_range)
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
-from ..tensor import (GlobalTensor, _next_seed, apply_op, errors_as, fresh, full, guard,
-                      lifting_plain_tensors)
+from ..tensor import (GlobalTensor, _next_seed, apply_op, current_recorder, errors_as, fresh,
+                      full, guard, lifting_plain_tensors)
 from .pending_mean import mean_over_count
 from .functional_norm import batch_norm, group_norm, rms_norm
 
@@ -94,6 +94,8 @@ def nll_loss(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | N
     pick = {"ignore_index": ignore_index}
     if _check_sliced_target(input, target, ignore_index):
         pick["checked"] = True
+    if reduction == "mean":
+        _check_counted_mean(target, weight, ignore_index, "nll_loss")
     picked = apply_op("pick_class", input, target, **pick)
     if weight is None:
         row_weight = apply_op("ne", target, ignore_index).to(input.dtype)
@@ -268,6 +270,8 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     input, n_classes = _cross_entropy_inputs(input, target, weight, reduction, label_smoothing)
     c = input.ndim - 1
     ignore_index = int(ignore_index)
+    if reduction == "mean":
+        _check_counted_mean(target, weight, ignore_index, "cross_entropy")
     # classes whole on every rank, plain loss: torch's fused kernels on the rows
     plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
     if plain_rows and reduction != "none" and target.sbp == input.sbp:
@@ -335,6 +339,35 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
                              f"{n_classes} classes (logits {tuple(input.shape)}, placement "
                              f"{input.placement}, sbp {input.sbp})")
     return input, n_classes
+
+
+def _check_counted_mean(target: GlobalTensor, weight, ignore_index: int, what: str) -> None:
+    """In a graph that weights each micro-batch's mean loss by its share of the batch's rows
+    (gradient accumulation), a mean over the targets kept is that share only when every
+    target counts once: refuse class weights, and (checked on every call) ignored targets."""
+    rec = current_recorder()
+    if rec is None or not getattr(rec, "weighs_means", False):
+        return
+    k = rec.micro_batches
+    if weight is not None:
+        raise _accumulation_error(what, k, "class weights")
+
+    def check(local: torch.Tensor) -> None:
+        if bool((local == ignore_index).any()):
+            raise _accumulation_error(what, k, f"targets equal to ignore_index={ignore_index}")
+    # recorded only: run now on the ranks holding such targets, it would stop them alone in
+    # the trace; the replay's failing actor stops every rank (the first call replays too)
+    rec.guard(target, check)
+
+
+def _accumulation_error(what: str, k: int, why: str) -> GraphError:
+    return GraphError(
+        f"graph: a mean {what} with {why} over {k} micro-batches: the batch's mean divides by "
+        f"the whole batch's count, which graph mode does not know before the first backward "
+        f"yet (weighting the micro-batches by rows would give a wrong loss and gradients). "
+        f"Sum instead: config.set_loss_reduction('sum') and {what}(..., reduction='sum') / n, "
+        f"n the batch's count of kept targets given to the graph as an input that is not "
+        f"split (docs/runtime.md, 'Graph mode'); or set_gradient_accumulation_steps(1)")
 
 
 def _float_target(logits: GlobalTensor, target: GlobalTensor) -> Exception:
