@@ -108,8 +108,11 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
             if stage == 2 and keep_whole:
                 whole = p.to_global(p.placement, nd).local.clone()
                 geo = geometry(tuple(p.shape), p.placement, nd, st, _rank())
+                # a rank outside the placement takes the layout too (its shard, as its whole
+                # copy, is empty): every rank must agree on a global tensor's layout
+                _rebind(p, whole if geo is None else
+                        whole.narrow(geo.axis, *geo.parts[geo.index]), st)
                 if geo is not None:
-                    _rebind(p, whole.narrow(geo.axis, *geo.parts[geo.index]), st)
                     set_backfill(p, whole, nd)
             elif tuple(p.sbp) != st:
                 _rebind(p, p.to_global(p.placement, st).local.clone(), st)

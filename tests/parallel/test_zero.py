@@ -785,3 +785,37 @@ def test_casting_after_apply_keeps_zero():
         assert r["state"] == (8, 16), stage   # the 32 x 16 weight split 4 ways
         gathered = share if stage < 3 else 2 * share - first
         assert r["sent"] == {"reduce_scatter": share, "all_gather": gathered}, (stage, r["sent"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_on_a_sub_placement_gives_every_rank_one_layout(stage):
+    """``zero.shard`` on a model laid out on ranks 0-1 of a 4-rank world (a pipeline stage's
+    case): every rank takes the same layout (stage 2 left ranks 2-3 at B: ranks disagreed),
+    and an SGD step then equals torch's."""
+    g = torch.Generator().manual_seed(11)
+    w0 = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    b0 = torch.zeros(4, dtype=torch.float64)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    ref = torch.nn.Linear(6, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(w0)
+        ref.bias.copy_(b0)
+    ref(x).pow(2).mean().backward()
+    with torch.no_grad():
+        want = ref.weight - 0.1 * ref.weight.grad
+
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        m = sf.nn.Linear(6, 4, dtype=torch.float64)
+        sf.parallel.apply(m, pl, {"*": sf.B})
+        with torch.no_grad():
+            m.weight.copy_(sf.tensor(w0, pl, sf.B))
+            m.bias.copy_(sf.tensor(b0, pl, sf.B))
+        sf.parallel.zero.shard(m, stage)
+        opt = sf.optim.SGD(m.parameters(), lr=0.1)
+        m(sf.tensor(x, pl, sf.S(0))).pow(2).mean().backward()
+        opt.step()
+        return m.weight.sbp, m.state_dict()["weight"]
+    got = sf.launch(body, world_size=4)
+    assert len({sbp for sbp, _ in got}) == 1, [sbp for sbp, _ in got]
+    torch.testing.assert_close(got[0][1], want, rtol=1e-12, atol=1e-12)
