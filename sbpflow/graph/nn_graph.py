@@ -9,6 +9,7 @@ only run the plan. See docs/runtime.md, 'Graph mode'.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -91,19 +92,25 @@ class Graph:
         self._optimizers: list[tuple] = []
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
-        self._zero_done = 0
+        self._zero_done = (0, 0)   # the (stage, min_size) of ZeRO applied at the first call
 
     def add_optimizer(self, optimizer, lr_sch=None) -> None:
         """Run ``optimizer.step()``, ``optimizer.zero_grad()`` and ``lr_sch.step()`` after the
         micro-batches of each call."""
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "zero_grad"):
             raise GraphError(f"add_optimizer needs an optimizer, got {type(optimizer).__name__}")
+        if lr_sch is not None:
+            _check_scheduler(lr_sch)
         self._optimizers.append((optimizer, lr_sch))
 
     def build(self, *inputs: Any) -> Any:
         raise GraphError(f"{type(self).__name__} must define build(self, *inputs)")
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
+        """One step on ``inputs`` (``build``'s arguments; keyword arguments are bound to its
+        parameters by name)."""
+        if named:
+            inputs = _bound(self.build, type(self).__name__, inputs, named)
         # a module's train / eval mode changes what build does (dropout): compiled apart
         modes = tuple(v.training for v in vars(self).values() if isinstance(v, Module))
         # so is torch's grad mode (under no_grad a build's backward raises, as on a first call)
@@ -111,22 +118,30 @@ class Graph:
         key = (signature(inputs), modes, self.config.micro_batches, self.config.schedule,
                self.config.loss_reduction, self.config.split_inputs)
         settle()   # ZeRO-1 parameters gathered in the background since the last update
+        self._apply_zero()
         compiled = self._compiled.get(key)
         if compiled is None:
-            self._apply_zero()
             compiled = self._compiled[key] = Compiled(self, inputs)
         self._last = compiled
         return compiled.run(inputs)
 
     def _apply_zero(self) -> None:
-        """`GraphConfig.enable_zero` on the registered modules, once per stage asked."""
-        stage = self.config.zero_stage
-        if stage and stage != self._zero_done:
-            for v in vars(self).values():
-                if isinstance(v, Module):
-                    # (stage 2: the replay gathers in forward, no whole copies are kept)
-                    _zero_shard(v, stage, self.config.zero_min_size, keep_whole=False)
-            self._zero_done = stage
+        """`GraphConfig.enable_zero` on the registered modules, at the first call. Asked
+        after it, it is refused: the parameters are laid out and the optimizers' state built
+        for the first layout (a later compile applying it would mix the two)."""
+        wanted = (self.config.zero_stage, self.config.zero_min_size)
+        if wanted == self._zero_done:
+            return
+        if self._compiled:
+            raise GraphError(f"{type(self).__name__}: config.enable_zero(stage={wanted[0]}, "
+                             f"min_size={wanted[1]}) after the graph's first call (compiled "
+                             f"with stage {self._zero_done[0]}, min_size {self._zero_done[1]}); "
+                             f"set it in __init__, before the first call")
+        for v in vars(self).values():
+            if isinstance(v, Module):
+                # (stage 2: the replay gathers in forward, no whole copies are kept)
+                _zero_shard(v, wanted[0], wanted[1], keep_whole=False)
+        self._zero_done = wanted
 
     # -- what a user reads ----------------------------------------------------------------------
     def _current(self) -> Compiled:
@@ -167,6 +182,35 @@ class Graph:
         if self._last is None:
             return f"{type(self).__name__}(not compiled yet; {self.config})"
         return f"{type(self).__name__}({self.config})\n{self._last.describe()}"
+
+
+def _check_scheduler(lr_sch: Any) -> None:
+    """The graph calls ``lr_sch.step()`` after each update: refuse one whose ``step`` needs an
+    argument (``ReduceLROnPlateau``'s metric)."""
+    step = getattr(lr_sch, "step", None)
+    if not callable(step):
+        raise GraphError(f"add_optimizer: lr_sch must be a learning-rate scheduler (with "
+                         f"step()), got {type(lr_sch).__name__}")
+    needed = [p.name for p in inspect.signature(step).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise GraphError(f"add_optimizer: {type(lr_sch).__name__}.step needs {needed}, which "
+                         f"the graph cannot give it; call lr_sch.step(...) yourself after each "
+                         f"graph call and pass add_optimizer(optimizer) alone")
+
+
+def _bound(build, name: str, inputs: tuple, named: dict) -> tuple:
+    """``inputs`` and the keyword arguments ``named`` as ``build``'s positional arguments."""
+    sig = inspect.signature(build)
+    try:
+        bound = sig.bind(*inputs, **named)
+    except TypeError as exc:
+        raise GraphError(f"{name}.build{sig}: {exc}") from None
+    bound.apply_defaults()  # a default before a named argument: an input like the others
+    if bound.kwargs:
+        raise GraphError(f"{name}.build{sig}: keyword-only arguments {sorted(bound.kwargs)} "
+                         f"are not graph inputs; make them positional")
+    return bound.args
 
 
 _TIMELINE_CHANNEL = "sbpflow.graph.timeline"

@@ -1,8 +1,9 @@
 """What a graph refuses, with `sf.GraphError` naming the problem and the fix: a value computed
 outside sbpflow's ops in ``build``, a batch that cannot be cut into k micro-batches, non-scalar
 outputs with k > 1, nothing to cut, bad config values, reading a graph never called, a graph
-without ``build``, placements sharing some ranks, unhashable non-tensor inputs. A refused call
-leaves the graph usable."""
+without ``build``, placements sharing some ranks, unhashable non-tensor inputs, keyword
+inputs that do not bind to ``build`` (those that do run), a scheduler whose ``step`` needs a
+metric, ZeRO enabled after the first call. A refused call leaves the graph usable."""
 
 import pytest
 import torch
@@ -255,3 +256,64 @@ def test_a_compiled_training_graph_called_under_no_grad_raises_as_a_first_call()
     before, after = _on_2_ranks(fn)[0]
     assert torch.equal(before, torch.full((2,), -0.5, dtype=F64))   # 1 - 0.5 * 3
     assert torch.equal(after, torch.full((2,), -2.0, dtype=F64))
+
+
+class _Named(sf.nn.Graph):
+    def build(self, x, y, scale=3.0):
+        return (x * scale + y).sum()
+
+
+def test_keyword_inputs_bind_to_builds_parameters():
+    def fn(pl):
+        x, y = _ones(pl, 2), _ones(pl, 2) * 2.0
+        g = _Named()
+        values = [g(x, y).item(), g(x=x, y=y).item(), g(y=y, x=x).item(), g(x, y=y).item(),
+                  g(x, y, scale=1.0).item()]
+        errors = []
+        for call in (lambda: g(x, z=y), lambda: g(x, y, x=x)):
+            try:
+                call()
+            except sf.GraphError as exc:
+                errors.append(str(exc))
+        return values, errors
+    values, errors = _on_2_ranks(fn)[0]
+    assert values == [4 * 5.0] * 4 + [4 * 3.0]   # sum over (2, 2) of x*scale + y
+    assert len(errors) == 2 and "_Named.build(x, y, scale=3.0)" in errors[0]
+    assert "missing a required argument: 'y'" in errors[0] and "multiple values" in errors[1]
+
+
+def test_a_scheduler_whose_step_needs_a_metric_is_refused():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(sf.GraphError, match=r"ReduceLROnPlateau.step needs \['metrics'\].*"
+                                            r"call lr_sch.step\(...\) yourself"):
+        _Sum().add_optimizer(opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(sf.GraphError, match="lr_sch must be a learning-rate scheduler"):
+        _Sum().add_optimizer(opt, object())
+    _Sum().add_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, 2))  # takes step()
+
+
+def test_enable_zero_after_the_first_call_is_refused():
+    class Step(sf.nn.Graph):
+        def __init__(self, model, opt):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    def fn(pl):
+        model = sf.nn.Linear(2, 4).double()
+        sf.parallel.apply(model, pl, {"*": sf.B})
+        step = Step(model, sf.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        step(_ones(pl, 4, sf.S(0)))
+        step.config.enable_zero(3)
+        try:
+            step(_ones(pl, 6, sf.S(0)))  # a new batch size compiles again
+        except sf.GraphError as exc:
+            return str(exc), model.weight.sbp
+    text, sbp = _on_2_ranks(fn)[0]
+    assert "enable_zero(stage=3, min_size=0) after the graph's first call" in text
+    assert "before the first call" in text and sbp == (sf.B,)
