@@ -149,18 +149,23 @@ class Strategy:
 
     def table(self, per_layer: dict | None = None) -> str:
         """One row per layer (with a stage column when there are stages); ``per_layer``
-        (name -> extra text) adds a column."""
+        (name -> extra text) adds a column. Columns widen to their longest entry."""
         st = self.pipeline is not None
-        rows = [("stage " if st else "") + f"{'layer':<14}{'kind':<12}{'mesh':<16}"
-                f"{'signature':<28}{'input':<22}{'weight':<22}{'output':<22}"]
+        head = ("layer", "kind", "mesh", "signature", "input", "weight", "output")
+        cells = []
         for layer, s in zip(self.graph.layers, self.layers):
             w = format_nd_sbp(s.weight_stored) if s.weight is not None else "-"
-            row = (f"{s.stage:<6}" if st else "") + (
-                f"{layer.name:<14}{layer.kind:<12}{str(s.mesh):<16}{s.label:<28}"
-                f"{format_nd_sbp(s.input):<22}{w:<22}{format_nd_sbp(s.output):<22}")
+            cells.append((layer.name, layer.kind, str(s.mesh), s.label, format_nd_sbp(s.input),
+                          w, format_nd_sbp(s.output)))
+        widths = [max([least] + [len(c[i]) + 1 for c in cells])
+                  for i, least in enumerate(_TABLE_WIDTHS)]
+        rows = [("stage " if st else "") + "".join(f"{h:<{n}}" for h, n in zip(head, widths))]
+        for layer, s, row in zip(self.graph.layers, self.layers, cells):
+            text = (f"{s.stage:<6}" if st else "") + "".join(
+                f"{c:<{n}}" for c, n in zip(row, widths))
             if per_layer:
-                row += str(per_layer.get(layer.name, ""))
-            rows.append(row.rstrip())
+                text += str(per_layer.get(layer.name, ""))
+            rows.append(text.rstrip())
         return "\n".join(rows)
 
     __str__ = table
@@ -170,6 +175,9 @@ class Strategy:
             f", {self.pipeline.stages} stages x {self.pipeline.devices} devices, "
             f"{self.pipeline.micro_batches} micro-batches {self.pipeline.schedule}")
         return f"Strategy({self.graph.name}, {len(self.layers)} layers{pp})\n{self.table()}"
+
+
+_TABLE_WIDTHS = (14, 12, 16, 28, 22, 22, 22)  # `Strategy.table`'s least column widths
 
 
 @memoize(1 << 12)

@@ -88,3 +88,14 @@ def test_cheapest_of_zero_recomputation_micro_batches_and_stages():
     others.append(sf.auto.search(g, c, "exhaustive", memory_limit=limit, stages=2, **opts))
     fitting = [o.cost for o in others if o.fits]
     assert fitting and r.cost <= min(fitting) * (1 + 1e-12)
+
+
+def test_table_columns_widen_to_long_layer_names():
+    g = model_graphs.mlp((64, 128, 64), batch=32)
+    plain = [make_layer_strategy(l, (2,), ("dp",)) for l in g.layers]
+    long = dataclasses.replace(g.layers[0], name="encoder.blocks.11.mlp.fc_in")
+    g.layers[0] = long
+    rows = Strategy(g, plain).table().split("\n")
+    kinds = [r.index(g.layers[0].kind, len(long.name)) for r in rows[1:]]
+    assert rows[1].startswith(long.name + " ") and len(set(kinds)) == 1
+    assert rows[0].index("kind") == kinds[0]   # the header's columns line up with the rows
