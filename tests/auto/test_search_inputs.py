@@ -75,3 +75,16 @@ def test_parallelize_says_when_nothing_fits():
         warnings.simplefilter("error", RuntimeWarning)
         notes = sf.launch(_mlp_rank, 2, args=(GiB,))
     assert not any("over the memory limit" in n for ns in notes for n in ns)
+
+
+def test_auto_stages_try_pipelines_when_the_one_stage_search_finds_nothing_that_fits():
+    """GPT-2 (tied head) on one DGX node under 1 GiB: the one-stage floor (0.93 GiB) is under
+    the limit, but coordinate descent finds no one-stage strategy under it; the default
+    stages="auto" then tries pipelines instead of returning an over-the-limit strategy."""
+    g = sf.auto.model_graphs.gpt(tied=True)
+    c = sf.cost.Cluster.preset("dgx-a100", nodes=1)
+    limit = 2 ** 30
+    assert sf.auto.interop.one_stage_floor(g, c, 1) <= limit
+    assert not sf.auto.search(g, c, memory_limit=limit, stages=1).fits
+    r = sf.auto.search(g, c, memory_limit=limit)
+    assert r.fits and r.breakdown.memory["total"] <= limit
