@@ -410,8 +410,8 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     gradient accumulation; a pipeline chooses its own). ``stages``:
 
     * ``"auto"`` (default): pipelines are tried only when no one-stage strategy fits the
-      memory limit at ``micro_batches`` (`one_stage_floor`), or when the one-stage search
-      finds none that does; otherwise the result is the one-stage search's, unchanged;
+      memory limit at ``micro_batches`` (`one_stage_floor`) or the one-stage search finds
+      none that does; otherwise the result is the one-stage search's, unchanged;
     * ``"search"``: pipelines are always tried beside one stage;
     * ``1``: one stage only; ``S > 1``: S stages only.
 
@@ -433,16 +433,15 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
     node: dict = {}
-    single = None
+    single = None  # the one-stage result, once searched
     if stages == "auto" and (limit is None or
                              one_stage_floor(graph, cluster, m1, max_dims, zero,
                                              options.get("recompute", False), node) <= limit):
         # the floor's node terms are the search's (same cluster and micro-batch count)
-        shared = {"node": node} if micro_batches == m1 else None
-        single = _search_one(*args, shared=shared, **options)
+        single = _search_one(*args, shared={"node": node} if micro_batches == m1 else None,
+                             **options)
         if limit is None or single.fits:
-            return single
-        # a strategy under the limit exists but the search did not find one: pipelines too
+            return single   # (else: nothing found under the limit, though it exists)
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
         raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
                          f"devices by whole nodes or equal parts of a node")
