@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
@@ -87,6 +89,11 @@ class Compiled:
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
+        # without an optimizer the gradients stay after a call: the parameters this rank holds
+        # no shard of get their empty gradient shard, as an eager backward gives them
+        self.off_rank_params = [] if graph._optimizers or not tapes[0].backwards else [
+            t for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
+            and t._local.requires_grad and t._local.is_leaf and self.comm.rank not in t._placement]
 
     def _check_ranks_agree(self, low) -> None:
         """Every rank traced the whole program and lowered it alone: check (one small
@@ -157,6 +164,9 @@ class Compiled:
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
+            for p in self.off_rank_params:
+                if p._local.grad is None:
+                    p._local.grad = torch.zeros_like(p._local)
             # every rank's stream goes on after the call's draws, whichever stage made them
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,

@@ -108,3 +108,42 @@ def test_stages_on_any_ranks_equal_torch(case):
                         args=(ranks, split, None, sf.B, 10, m, "1f1b"))
     _check(results, 10)
     _check_in_flight(results, ranks, m, "1f1b")
+
+
+def test_without_an_optimizer_every_rank_reads_every_gradient():
+    """A pipelined graph with no optimizer leaves the gradients, as eager backward does: on a
+    rank outside a parameter's stage, its empty gradient shard (was None there, so reading
+    ``p.grad`` failed on some ranks only); the values equal torch's."""
+    g = torch.Generator().manual_seed(2)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    ref = ref.double()
+    x = torch.randn(8, 4, dtype=torch.float64, generator=g)
+    ref(x).pow(2).mean().backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    sd0 = ref.state_dict()
+
+    def body():
+        stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
+        m = sf.nn.Sequential(sf.nn.Linear(4, 6), sf.nn.Tanh(), sf.nn.Linear(6, 3)).double()
+        m.load_state_dict(sd0)
+        sf.parallel.pipeline(m, stages, split=["2"])
+
+        class Step(sf.nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.m = m
+                self.config.set_gradient_accumulation_steps(2)
+
+            def build(self, x):
+                loss = self.m(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+        Step()(sf.tensor(x, stages[0], sf.S(0)))
+        return {n: None if p.grad is None else p.grad.full_tensor()
+                for n, p in m.named_parameters()}
+    for grads in sf.launch(body, world_size=2):
+        assert set(grads) == set(want)
+        for n, v in want.items():
+            assert grads[n] is not None, n
+            _close(grads[n], v, f"grad {n}")
