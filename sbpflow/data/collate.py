@@ -3,8 +3,8 @@
 
 A sample is one value, or a tuple / list / namedtuple / dict of values; the batch is then one
 tensor, or the same structure of them (`ItemForm`), each of logical shape ``(rows of the batch,
-*the value's shape)``. Errors name the
-sample index, the batch, the epoch and the rank (`DataLoaderError`, `ShapeError`).
+*the value's shape)``. Errors name the sample index, the batch, the epoch and the rank
+(`DataLoaderError`, `ShapeError`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ..errors import DataLoaderError, DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..sbp import Sbp, check_axes, format_nd_sbp, shard_box
 
-__all__ = ["ItemForm", "Shards", "read_samples", "reading_index", "stack_samples", "cut_rule", "apply_cut",
-           "cut_shard"]
+__all__ = ["ItemForm", "Shards", "read_samples", "reading_index", "stack_samples", "cut_rule",
+           "apply_cut", "cut_shard"]
 
 
 class ItemForm(NamedTuple):
