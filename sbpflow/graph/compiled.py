@@ -89,9 +89,9 @@ class Compiled:
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
-        # without an optimizer the gradients stay after a call: the parameters this rank holds
-        # no shard of get their empty gradient shard, as an eager backward gives them
-        self.off_rank_params = [] if graph._optimizers or not tapes[0].backwards else [
+        # the parameters of a training graph this rank holds no shard of (another stage's):
+        # `_fill_off_rank_grads` gives them the empty gradient shard eager backward gives them
+        self.off_rank_params = [] if not tapes[0].backwards else [
             t for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
             and t._local.requires_grad and t._local.is_leaf and self.comm.rank not in t._placement]
 
@@ -164,9 +164,8 @@ class Compiled:
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
-            for p in self.off_rank_params:
-                if p._local.grad is None:
-                    p._local.grad = torch.zeros_like(p._local)
+            if not self.graph._optimizers:  # the gradients stay after the call
+                self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
@@ -189,7 +188,16 @@ class Compiled:
                 stack.enter_context(opt.no_sync())
         return stack
 
+    def _fill_off_rank_grads(self) -> None:
+        """Another stage's parameters get their empty gradient shard on this rank, as in eager
+        mode: an optimizer then keeps state for every parameter on every rank (a checkpoint
+        saves the same tensors everywhere), and ``p.grad`` reads alike on every rank."""
+        for p in self.off_rank_params:
+            if p._local.grad is None:
+                p._local.grad = torch.zeros_like(p._local)
+
     def _update(self) -> None:
+        self._fill_off_rank_grads()
         for opt, sch in self.graph._optimizers:
             opt.step()
             opt.zero_grad()
