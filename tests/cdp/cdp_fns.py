@@ -45,12 +45,17 @@ def reference(n: int, rule: str, optimizer=sgd) -> tuple[dict, list]:
     return closed_form(make_stages(n), loss_fn, optimizer, rule, batches(n))
 
 
-def train(n: int, rule: str, mode: str, placement=None, optimizer=sgd) -> dict:
+def train(n: int, rule: str, mode: str, placement=None, optimizer=sgd,
+          batch_placement=None) -> dict:
     """On every rank: 3 steps, flush, a 4th step, flush. Returns the state dict, this rank's
-    losses, the stats and the losses each call returned."""
+    losses, the stats and the losses each call returned. ``batch_placement``: the batches are
+    global tensors there (x split S(0), y replicated)."""
     t = CyclicDataParallel(make_stages(n), loss_fn, optimizer, rule=rule, mode=mode,
                            placement=placement)
     data = batches(n)
+    if batch_placement is not None:
+        data = [(sf.tensor(x, batch_placement, sf.S(0)), sf.tensor(y, batch_placement, sf.B))
+                for x, y in data]
     losses = []
     for x, y in data[:3]:
         losses += t.step(x, y)

@@ -143,6 +143,25 @@ def test_placement_and_ranks_outside_it():
     assert sorted(st["activation_bytes_by_rank"]) == [1, 2, 3]
 
 
+def test_global_batches_with_ranks_outside_the_trainer():
+    """Global-tensor batches split over the whole world of 4, the trainer on ranks [1, 2, 3]:
+    every rank gathers them (rank 0 returned before the gather, and the collectives of the
+    ranks mismatched); the result is the closed form's. A batch of another type is refused."""
+    n, rule = 3, "v2"
+    world = sf.placement("cpu", [0, 1, 2, 3])
+    res = sf.launch(lambda: train(n, rule, "dp", placement=sf.placement("cpu", [1, 2, 3]),
+                                  batch_placement=world), world_size=4)
+    _check_equal(res, n, rule)
+
+    def bad_y():
+        t = CyclicDataParallel(make_stages(2), loss_fn, sgd)
+        x, y = batches(2)[0]
+        t.step(x, y.tolist())
+    with pytest.raises(sf.PlanError, match="y must be a torch tensor or a global tensor, got "
+                                           "list"):
+        sf.launch(bad_y, world_size=1)
+
+
 def _act_bytes(rule: str) -> tuple[int, dict]:
     n, width, mb = 4, 64, 16
 

@@ -43,10 +43,8 @@ def _trainer_id(comm) -> int:
     return k
 
 
-def _split_batch(t, n: int, what: str) -> list[torch.Tensor]:
-    if isinstance(t, GlobalTensor):
-        t = t.full_tensor()
-    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < n:
+def _split_batch(t: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
+    if t.dim() == 0 or t.shape[0] < n:
         raise PlanError(f"CyclicDataParallel.step: {what} must be a tensor whose axis 0 holds "
                         f"at least N = {n} samples (one micro-batch a worker), got "
                         f"{getattr(t, 'shape', type(t).__name__)}")
@@ -203,7 +201,14 @@ class CyclicDataParallel:
         """Feed one global batch (``x``, ``y``: axis 0 cut into N micro-batches, worker ``i``
         the ``i``-th) and run one window. Returns the losses this rank finished during the
         call, as ``(step, worker, value)``."""
-        nx, ny = (getattr(t, "shape", (None,))[:1] for t in (x, y))
+        # global tensors: gathered on every rank first (a collective; a rank outside the
+        # trainer returns right after)
+        x, y = (t.full_tensor() if isinstance(t, GlobalTensor) else t for t in (x, y))
+        for t, what in ((x, "x"), (y, "y")):
+            if not isinstance(t, torch.Tensor):
+                raise PlanError(f"CyclicDataParallel.step: {what} must be a torch tensor or a "
+                                f"global tensor, got {type(t).__name__}")
+        nx, ny = x.shape[:1], y.shape[:1]
         if nx and ny and nx != ny:
             raise ShapeError(f"CyclicDataParallel.step: x holds {nx[0]} samples on axis 0 and "
                              f"y {ny[0]} (x {tuple(x.shape)}, y {tuple(y.shape)}); they need "
