@@ -47,8 +47,23 @@ def _param_names(model: Module) -> dict:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+def _check_objects(what: str, model, optimizer) -> None:
+    """`CheckpointError` unless ``model`` is an ``sf.nn.Module`` and ``optimizer`` (if given)
+    an ``sf.optim`` optimizer: a checkpoint holds global tensors."""
+    if not isinstance(model, Module):
+        raise CheckpointError(f"{what}: model must be an sf.nn.Module (a torch module: convert "
+                              f"it with sf.nn.from_torch, or save it with torch.save), got "
+                              f"{type(model).__module__}.{type(model).__name__}")
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and all(
+            isinstance(p, GlobalTensor) for g in optimizer.param_groups for p in g["params"])):
+        raise CheckpointError(f"{what}: optimizer must be an sf.optim optimizer over the "
+                              f"model's parameters, got {type(optimizer).__module__}."
+                              f"{type(optimizer).__name__}")
+
+
 def _tensors(model: Module, optimizer) -> list[tuple[str, GlobalTensor]]:
     """(key, tensor) for everything saved, in the same order on every rank."""
+    _check_objects("sf.save", model, optimizer)
     items = [(f"model/{k}", t) for k, t in model._state_items()]
     if optimizer is not None:
         names = _param_names(model)
@@ -515,6 +530,7 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
 def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[_Target]:
     """Check that the checkpoint fits ``model`` (and ``optimizer``); returns what to read and
     where this rank reads it from (`_Reader.region`, which checks the saved pieces)."""
+    _check_objects("sf.load", model, optimizer)
     model_items = model._state_items()
     saved_model = {k[len("model/"):] for k in reader.manifest["tensors"] if k.startswith("model/")}
     missing = [k for k, _ in model_items if k not in saved_model]

@@ -633,3 +633,30 @@ def test_removing_old_generations_holds_up_no_rank(tmp_path, saved, expected, mo
     monkeypatch.undo()
     assert waited == [True], waited  # one generation removed (step 1's), no rank held up
     _assert_holds(path, 3, expected)
+
+
+def test_objects_that_are_not_sbpflow_ones_are_refused_naming_the_fix(tmp_path):
+    """A torch module, or an optimizer passed as the model, raises `CheckpointError` on every
+    rank naming the type (was a raw AttributeError)."""
+    def body(which):
+        pl = sf.placement("cpu", [0, 1])
+        m = sf.nn.Linear(3, 2)
+        sf.parallel.apply(m, pl, {"*": sf.B})
+        opt = sf.optim.SGD(m.parameters(), lr=0.1)
+        sf.save(str(tmp_path / "ok"), m, opt)
+        t = torch.nn.Linear(3, 2)
+        calls = {"save torch": lambda: sf.save(str(tmp_path / "t"), t),
+                 "load torch": lambda: sf.load(str(tmp_path / "ok"), t),
+                 "load optimizer as model": lambda: sf.load(str(tmp_path / "ok"), opt),
+                 "save torch optimizer": lambda: sf.save(
+                     str(tmp_path / "o"), m, torch.optim.SGD(t.parameters(), lr=0.1))}
+        try:
+            calls[which]()
+        except sf.CheckpointError as exc:
+            return str(exc)
+    for which, text in [("save torch", "sf.save: model must be an sf.nn.Module"),
+                        ("load torch", "sf.nn.from_torch"),
+                        ("load optimizer as model", "got sbpflow.optim.sgd.SGD"),
+                        ("save torch optimizer", "optimizer must be an sf.optim optimizer")]:
+        for got in sf.launch(body, world_size=2, args=(which,)):
+            assert got is not None and text in got, (which, got)
