@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import GraphError, ParallelizeError
-from ..nn.modules import ModuleDict, ModuleList, Sequential
+from ..nn.modules import Module, ModuleDict, ModuleList, Sequential
 from ..nn.recompute import checkpoint as _checkpoint
 from ..nn.torch_modules import from_torch, is_torch_module
 from ..parallel.pipeline import pipeline as _pipeline
@@ -542,14 +542,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     gets one layout (docs/auto.md, 'Tied weights and pipelined strategies'). Returns a
     `ParallelPlan` (also ``model.auto_plan``); a plain ``torch.nn.Module`` is converted first
     (`sf.nn.from_torch`) and the plan's ``model`` is the model to call."""
-    from ..cost import Cluster
-
-    p = placement.size
-    if cluster is None:
-        cluster = Cluster.preset("dgx-a100", nodes=1, devices_per_node=p)
-    if cluster.world_size != p:
-        raise ParallelizeError(f"parallelize: cluster has {cluster.world_size} devices, "
-                               f"placement {placement} has {p}")
+    cluster = _checked_arguments(model, placement, cluster)
     if is_torch_module(model):
         model = from_torch(model, placement)
     graph, modules = trace(model, example_inputs)
@@ -836,6 +829,30 @@ def _cap_micro_batches(graph, strategy, cluster, notes: list, bd):
     return strategy, _breakdown(graph, strategy, cluster)
 
 
+def _checked_arguments(model, placement, cluster):
+    """`ParallelizeError` for a model, placement or cluster of the wrong kind; returns the
+    cluster (default: one ``dgx-a100`` node of the placement's device count)."""
+    from ..cost import Cluster
+
+    if not isinstance(model, Module) and not is_torch_module(model):
+        raise ParallelizeError(f"parallelize: model must be an sf.nn.Module or a torch.nn.Module, "
+                               f"got {type(model).__name__}")
+    if not isinstance(placement, Placement):
+        raise ParallelizeError(f"parallelize: placement must be an sf.placement (e.g. "
+                               f"sf.placement('cpu', ranks)), got {placement!r}")
+    p = placement.size
+    if cluster is None:
+        return Cluster.preset("dgx-a100", nodes=1, devices_per_node=p)
+    if not isinstance(cluster, Cluster):
+        raise ParallelizeError(f"parallelize: cluster must be an sf.cost.Cluster (e.g. "
+                               f"sf.cost.Cluster.preset({cluster!r}, nodes=1, "
+                               f"devices_per_node={p}) for a preset's name), got {cluster!r}")
+    if cluster.world_size != p:
+        raise ParallelizeError(f"parallelize: cluster has {cluster.world_size} devices, "
+                               f"placement {placement} has {p}")
+    return cluster
+
+
 def _given(graph, strategy, placement) -> Strategy:
     """A given strategy (a `Strategy`, a ``{layer name: LayerStrategy}`` dict or a sequence)
     as a `Strategy` of the traced ``graph``, checked against it and ``placement`` (each
@@ -843,8 +860,19 @@ def _given(graph, strategy, placement) -> Strategy:
     p = placement.size
     pp = getattr(strategy, "pipeline", None)
     if isinstance(strategy, dict):
+        names = [l.name for l in graph.layers]
+        missing, unknown = [n for n in names if n not in strategy], \
+            sorted(set(strategy) - set(names))
+        if missing or unknown:
+            raise ParallelizeError(f"parallelize: the strategy dict misses layers {missing} and "
+                                   f"names unknown ones {unknown}; the traced layers: {names}")
         strategy = Strategy(graph, strategy)
     elif not isinstance(strategy, Strategy):
+        if isinstance(strategy, (str, bytes)) or not all(
+                isinstance(s, LayerStrategy) for s in _as_list(strategy)):
+            raise ParallelizeError(f"parallelize: strategy must be a Strategy, a {{layer name: "
+                                   f"LayerStrategy}} dict or a sequence of LayerStrategy (a "
+                                   f"baseline: sf.auto.baselines), got {strategy!r}")
         strategy = Strategy(graph, list(strategy))
     elif strategy.graph is not graph:
         strategy = _restrategy(graph, list(strategy.layers), strategy)
@@ -862,6 +890,13 @@ def _given(graph, strategy, placement) -> Strategy:
         raise ParallelizeError(f"parallelize: layers {bad} have meshes that are not "
                                f"{d} devices (placement {placement})")
     return strategy
+
+
+def _as_list(value) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        return [value]
 
 
 def _placements_by_mesh(placement):

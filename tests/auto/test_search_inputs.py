@@ -88,3 +88,31 @@ def test_auto_stages_try_pipelines_when_the_one_stage_search_finds_nothing_that_
     assert not sf.auto.search(g, c, memory_limit=limit, stages=1).fits
     r = sf.auto.search(g, c, memory_limit=limit)
     assert r.fits and r.breakdown.memory["total"] <= limit
+
+
+def test_parallelize_names_arguments_of_the_wrong_kind():
+    """A placement given as ranks, a cluster given as a preset's name, a function as the
+    model, a strategy given as a string or as a dict naming unknown layers: each a
+    ParallelizeError naming it (were raw AttributeError / KeyError, or "2 layers" for "dp")."""
+    model = mlp_class(sf.nn, sf.nn.functional)((10, 14, 5))
+    x, y = torch.zeros(8, 10), torch.zeros(8, dtype=torch.int64)
+
+    def body(case):
+        pl = sf.placement("cpu", [0])
+        call = {"placement": lambda: sf.auto.parallelize(model, [x, y], [0]),
+                "cluster": lambda: sf.auto.parallelize(model, [x, y], pl, cluster="dgx-a100"),
+                "model": lambda: sf.auto.parallelize(lambda v: v, [x, y], pl),
+                "strategy str": lambda: sf.auto.parallelize(model, [x, y], pl, strategy="dp"),
+                "strategy dict": lambda: sf.auto.parallelize(model, [x, y], pl,
+                                                             strategy={"nope": None})}[case]
+        try:
+            call()
+        except sf.errors.ParallelizeError as exc:
+            return str(exc)
+    for case, text in [("placement", "placement must be an sf.placement"),
+                       ("cluster", "Cluster.preset('dgx-a100'"),
+                       ("model", "got function"),
+                       ("strategy str", "got 'dp'"),
+                       ("strategy dict", "names unknown ones ['nope']")]:
+        got = sf.launch(body, 1, args=(case,))[0]
+        assert got is not None and text in got, (case, got)
