@@ -325,3 +325,28 @@ def test_example_runs(monkeypatch, tmp_path):
     res = g["run"](args)
     assert res["losses"][1] < res["losses"][0] < 2.31 and res["accuracy"] > 0.3
     assert res["stats"]["peak_live_activations"] == 10 and png.stat().st_size > 10_000
+
+
+def test_arguments_of_the_wrong_kind_are_plan_errors():
+    """An optimizer instance where a factory is due, a factory returning something else, a
+    stage without parameters, a split that is not N or (N, by): PlanErrors naming them (were
+    raw TypeError / AttributeError / ValueError)."""
+    def body(case):
+        stages = make_stages(2)
+        make = {"instance": lambda: CyclicDataParallel(
+                    stages, loss_fn, sgd(list(stages[0].parameters()))),
+                "returns None": lambda: CyclicDataParallel(stages, loss_fn, lambda ps: None),
+                "no parameters": lambda: CyclicDataParallel([stages[0], sf.nn.Tanh()],
+                                                            loss_fn, sgd),
+                "split": lambda: CyclicDataParallel(sf.nn.Sequential(*stages), loss_fn, sgd,
+                                                    split="two")}[case]
+        try:
+            make()
+        except sf.PlanError as exc:
+            return str(exc)
+    for case, text in [("instance", "optimizer is a function of a stage's parameters"),
+                       ("returns None", "must return an sf.optim optimizer, got NoneType"),
+                       ("no parameters", "stages [1] have no parameters"),
+                       ("split", "split= is an int N or (N, 'params' | 'flops'), got 'two'")]:
+        got = sf.launch(body, world_size=1, args=(case,))[0]
+        assert got is not None and text in got, (case, got)

@@ -151,9 +151,15 @@ def check_untied(stages: Sequence[Module]) -> None:
 def stage_list(stages, split, example_input=None) -> list[Module]:
     """The stages of `CyclicDataParallel`: a list of modules as given, or a Sequential cut by
     ``split`` (an int N, or ``(N, "params" | "flops")``; "flops" reads ``example_input``).
-    No tensor may sit in two stages (`check_untied`)."""
+    No tensor may sit in two stages (`check_untied`); every stage has parameters (each has
+    an optimizer and versions)."""
     out = _stage_modules(stages, split, example_input)
     check_untied(out)
+    empty = [j for j, m in enumerate(out) if not list(m.parameters())]
+    if empty:
+        raise PlanError(f"CyclicDataParallel: stages {empty} have no parameters (each stage "
+                        f"keeps versions and an optimizer); put their modules into a "
+                        f"neighbouring stage (sf.nn.Sequential)")
     return out
 
 
@@ -169,6 +175,8 @@ def _stage_modules(stages, split, example_input) -> list[Module]:
         return out
     if not isinstance(stages, Sequential):
         raise PlanError(f"split= cuts an sf.nn.Sequential, got {type(stages).__name__}")
+    if not isinstance(split, int) and not (isinstance(split, (tuple, list)) and len(split) == 2):
+        raise PlanError(f"split= is an int N or (N, 'params' | 'flops'), got {split!r}")
     n, by = (split, "params") if isinstance(split, int) else tuple(split)
     if not isinstance(n, int) or n < 2:
         raise PlanError(f"split= needs N >= 2 stages, got {split!r}")

@@ -116,6 +116,10 @@ class CyclicDataParallel:
             self._setup(first, loss_fn, optimizer, device)
 
     def _setup(self, first: list, loss_fn: Callable, optimizer: Callable, device: str) -> None:
+        if not callable(optimizer) or hasattr(optimizer, "param_groups"):
+            raise PlanError(f"CyclicDataParallel: optimizer is a function of a stage's "
+                            f"parameters that makes its optimizer (e.g. lambda ps: "
+                            f"sf.optim.SGD(ps, lr=0.1)), got {type(optimizer).__name__}")
         n, roles, me = self.n, self.roles, self.rank
         pl = make_placement(device, [me])
         store = VersionStore(n, lambda j, v: version_uses(n, self.rule, roles, me, j, v))

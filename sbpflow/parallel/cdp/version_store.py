@@ -165,6 +165,9 @@ class StageOwner:
         self.params = [Parameter(GlobalTensor(t.detach(), tuple(t.shape), pl, (B,)))
                        for t in first[:nparams]]
         self.optimizer = optimizer(self.params)
+        if not (hasattr(self.optimizer, "step") and hasattr(self.optimizer, "state")):
+            raise PlanError(f"CyclicDataParallel: optimizer(params) must return an sf.optim "
+                            f"optimizer, got {type(self.optimizer).__name__}")
 
     def tensors(self) -> list[torch.Tensor]:
         """The stage's latest parameters and its optimizer state (local tensors)."""
