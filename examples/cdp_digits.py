@@ -11,12 +11,16 @@ and draws the first cycles of the executed schedule (--timeline). See docs/cdp.m
 """
 
 import argparse
+import os
 import sys
 
 import torch
 
-import sbpflow as sf
-from sbpflow.parallel.cdp import MODES, RULES, ranks_needed, rules
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `sbpflow run` runs us by path
+
+import common  # noqa: E402
+import sbpflow as sf  # noqa: E402
+from sbpflow.parallel.cdp import MODES, RULES, ranks_needed, rules  # noqa: E402
 
 
 def load(seed: int):
@@ -103,10 +107,10 @@ def arguments() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rule", choices=RULES, default="v2")
     p.add_argument("--mode", choices=MODES, default="single")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--stages", type=int, default=4, help="N: stages = micro-batches a step")
-    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--epochs", type=common.positive(), default=30)
+    p.add_argument("--lr", type=common.positive(float), default=0.05)
+    p.add_argument("--stages", type=common.positive(), default=4, help="N: stages = micro-batches a step")
+    p.add_argument("--micro-batch", type=common.positive(), default=16)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeline", default=None, help="draw the executed schedule to this PNG")

@@ -36,24 +36,39 @@ PIPELINE_LAYOUTS = ("pp", "pp-dp")
 DEFAULT_PIPELINE_MICRO_BATCHES = 8
 
 
+def positive(kind=int):
+    """An argparse type: a number of ``kind`` above 0 (a clear usage error otherwise)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def parser(description: str, *, layouts=LAYOUT_NAMES, layout_default: str = "dp",
            steps: int = 200, batch: int = 32, lr: float = 1e-3) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--layout", choices=list(layouts), default=layout_default,
                    help=f"how parameters and data are laid out over the ranks (default "
                         f"{layout_default}; see sbpflow.models.layout)")
-    p.add_argument("-n", "--nproc", type=int, default=4,
+    p.add_argument("-n", "--nproc", type=positive(), default=4,
                    help="ranks to launch (default 4; ignored inside a multi-rank world)")
     p.add_argument("--backend", choices=["threads", "torch"], default="threads",
                    help="threads (default): one thread a rank in this process; torch: gloo "
                         "processes")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=positive(), default=None,
                    help=f"training steps, at most (default {steps}, or no limit with --seconds)")
-    p.add_argument("--seconds", type=float, default=None,
+    p.add_argument("--seconds", type=positive(float), default=None,
                    help="stop after this many seconds of training (whichever comes first)")
     p.set_defaults(default_steps=steps)
-    p.add_argument("--batch", type=int, default=batch, help=f"global batch size (default {batch})")
-    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr:g})")
+    p.add_argument("--batch", type=positive(), default=batch,
+                   help=f"global batch size (default {batch})")
+    p.add_argument("--lr", type=positive(float), default=lr, help=f"learning rate (default {lr:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--no-bar", action="store_true", help="no progress bar")
     _graph_arguments(p)
@@ -69,7 +84,7 @@ def _graph_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--eager", dest="graph", action="store_false",
                       help="run eagerly (a pipeline layout then runs its stages one after "
                            "another)")
-    g.add_argument("--micro-batches", type=int, default=None, metavar="K",
+    g.add_argument("--micro-batches", type=positive(), default=None, metavar="K",
                    help="graph mode: split each batch into K micro-batches, accumulate their "
                         f"gradients, one update a step (default 1; "
                         f"{DEFAULT_PIPELINE_MICRO_BATCHES} for the pipeline layouts)")

@@ -88,11 +88,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_count(text: str) -> int:
+    """``-n``: a count of ranks, at least 1 (a usage error otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a run needs at least 1 rank, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sbpflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a script on N ranks (SPMD: every rank runs it)")
-    run.add_argument("-n", "--nproc", type=int, default=4, help="number of ranks (default 4)")
+    run.add_argument("-n", "--nproc", type=_rank_count, default=4,
+                     help="number of ranks (default 4)")
     run.add_argument("--backend", choices=["threads", "torch"], default="threads",
                      help="threads: one thread a rank in this process; torch: gloo processes")
     run.add_argument("script")

@@ -189,3 +189,27 @@ def test_calibrate_command_writes_a_cluster_file(tmp_path, capsys):
     c = sf.cost.Cluster.load(str(out))
     # a 2-size, 2-repeat fit on threads may put all the time in alpha (beta clamped at 0)
     assert c.world_size == 2 and min(c.intra) >= 0 and c.intra.alpha + c.intra.beta > 0
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["examples/mlp_digits.py", "--steps", "0"], "argument --steps: must be above 0, got 0"),
+    (["examples/gpt.py", "-n", "-1"], "argument -n/--nproc: must be above 0, got -1"),
+    (["examples/cdp_digits.py", "--micro-batch", "0"], "argument --micro-batch: must be above 0"),
+    (["examples/vgg.py", "--micro-batches", "x"], "argument --micro-batches: not a number: 'x'"),
+])
+def test_example_counts_below_one_are_usage_errors(argv, expect, capsys, monkeypatch):
+    """Counts of steps, ranks, micro-batches, epochs below 1: argparse's usage error (exit 2),
+    not an IndexError / ZeroDivisionError inside the ranks."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", [argv[0].split("/")[-1]] + argv[1:])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    assert exit_.value.code == 2 and expect in capsys.readouterr().err
+
+
+def test_run_needs_at_least_one_rank(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "-n", "0", "script.py"])
+    assert exit_.value.code == 2
+    assert "a run needs at least 1 rank, got 0" in capsys.readouterr().err
