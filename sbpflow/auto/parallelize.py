@@ -563,7 +563,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     if bd is None or tied is not strategy:
         bd = _breakdown(graph, tied, cluster)
     strategy = tied
-    _note_memory(bd, memory_limit, cluster, notes)
+    _note_memory(bd, memory_limit, cluster, notes, {"zero=True": zero, "recompute=True":
+                                                     recompute, "stages='search'": stages ==
+                                                     "search"})
     seconds = time.perf_counter() - t0
     plan = _lay_out(model, graph, strategy, modules, placement, notes)
     plan.breakdown, plan.search_seconds, plan.model = bd, seconds, model
@@ -575,19 +577,21 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     return plan
 
 
-def _note_memory(bd: Breakdown, limit, cluster, notes: list) -> None:
+def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> None:
     """Say (a note and a `RuntimeWarning`) when the strategy needs more memory a device than
     ``limit`` bytes (None: the cluster's): the model is laid out anyway (the search found
-    nothing within it)."""
+    nothing within it). ``options``: the search options that could help, and whether each
+    was given (the advice names the others)."""
     from .search import check_memory_limit
     check_memory_limit(limit)
     limit = getattr(cluster, "memory_per_device", None) if limit is None else limit
     need = bd.memory.get("total", 0)
     if limit is None or math.isinf(limit) or need <= limit:
         return
+    allow = [k for k, given in options.items() if not given]
     text = (f"the strategy needs {need / 2**30:.3g} GiB a device, over the memory limit of "
-            f"{limit / 2**30:.3g} GiB (nothing searched fits it: allow zero=True, "
-            f"recompute=True or stages='search', or use more devices)")
+            f"{limit / 2**30:.3g} GiB (nothing searched fits it: "
+            + (f"allow {', '.join(allow)}, or " if allow else "") + "use more devices)")
     notes.append(text)
     warnings.warn(f"sf.auto.parallelize: {text}", RuntimeWarning, stacklevel=3)
 

@@ -58,12 +58,12 @@ def test_megatron_and_evaluate_refuse_split_sequences():
         baselines.megatron(g, c, tp=4)
 
 
-def _mlp_rank(limit):
+def _mlp_rank(limit, **options):
     model = mlp_class(sf.nn, sf.nn.functional)((10, 14, 5))
     g = torch.Generator().manual_seed(0)  # (the traced inputs' shapes are what counts)
     x, y = torch.randn(8, 10, generator=g), torch.randint(0, 5, (8,), generator=g)
     pl = sf.placement("cpu", [0, 1])
-    return sf.auto.parallelize(model, [x, y], pl, memory_limit=limit).notes
+    return sf.auto.parallelize(model, [x, y], pl, memory_limit=limit, **options).notes
 
 
 def test_parallelize_says_when_nothing_fits():
@@ -71,6 +71,12 @@ def test_parallelize_says_when_nothing_fits():
     with pytest.warns(RuntimeWarning, match="over the memory limit"):
         notes = sf.launch(_mlp_rank, 2, args=(100,))
     assert all(any("over the memory limit" in n for n in ns) for ns in notes), notes
+    assert any("allow zero=True, recompute=True, stage" in n for n in notes[0]), notes[0]
+    with pytest.warns(RuntimeWarning, match="over the memory limit"):
+        notes = sf.launch(lambda: _mlp_rank(100, zero=True, recompute=True), 2)
+    advice = [n for n in notes[0] if "over the memory limit" in n]
+    assert advice and "zero=True" not in advice[0] and "recompute" not in advice[0]
+    assert "allow stages='search', or use more devices" in advice[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         notes = sf.launch(_mlp_rank, 2, args=(GiB,))
