@@ -203,7 +203,16 @@ class WorkerPool:
                                        [fd for fds in self.slots for fd in fds], self.procs)
 
     def send(self, i: int, kind: int, gen: int, value: int) -> None:
-        os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
+        """A grant to worker ``i`` (`DataLoaderError` naming it if it has ended)."""
+        try:
+            os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
+        except OSError as exc:  # BrokenPipeError: the worker's end is closed, it died
+            proc = self.procs[i]
+            proc.join(1.0)
+            what = f"batch {value}" if kind == _SLOT else f"epoch {value}"
+            raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
+                                  f"ended (exit code {proc.exitcode}) before it was given "
+                                  f"{what} ({type(exc).__name__})") from None
 
     def receive(self, i: int, wait: float) -> list[tuple] | None:
         """The replies worker ``i`` has sent, ``(gen, b, ok, Shards or message)`` each:

@@ -206,10 +206,12 @@ def test_rank_stuck_in_its_own_code_does_not_hold_launch():
 def test_rank_busy_in_python_does_not_hold_launch():
     """A rank looping in pure Python (it holds the GIL most of the time, and nothing can
     interrupt it) still lets launch raise at timeout + grace, naming the loop's line."""
-    release, give_up = threading.Event(), time.monotonic() + HANG  # bounded: no hang if broken
+    # a plain flag, not Event.is_set: the stack sample may take the loop inside a Python
+    # function it calls, which would then be the innermost frame the note names
+    release, give_up = [False], time.monotonic() + HANG  # bounded: no hang if broken
     def body():
         if sf.rank() == 1:
-            while not release.is_set() and time.monotonic() < give_up:
+            while not release[0] and time.monotonic() < give_up:
                 sum(range(1000))
         current().barrier()
     t = time.monotonic()
@@ -218,7 +220,7 @@ def test_rank_busy_in_python_does_not_hold_launch():
             sf.launch(body, world_size=2, timeout=0.5)
         assert time.monotonic() - t < PROMPT  # waiting for the loop takes HANG
     finally:
-        release.set()
+        release[0] = True
     notes = "\n".join(info.value.__notes__)
     assert re.search(r"rank\(s\) \[1\] of 2 still running .* rank 1 is not waiting for another "
                      r"rank \(it is at body \(.*test_threads.py:\d+\)\)", notes), notes

@@ -99,9 +99,12 @@ def test_a_worker_that_dies_raises_naming_it():
         finally:
             loader.close()
 
+    # worker 1 may have finished batch 1 before the kill: the loader then learns of its end
+    # at batch 1's read or at batch 3's grant (each names it)
     with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker1 "
-                                                 r"\(pid \d+\) ended \(exit code -9\) without "
-                                                 r"batch 1"):
+                                                 r"\(pid \d+\) ended \(exit code -9\) "
+                                                 r"(without batch 1|before it was given "
+                                                 r"batch \d+)"):
         sf.launch(fn, 1)
 
 

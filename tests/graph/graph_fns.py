@@ -230,9 +230,10 @@ _DONE = "tests.graph.done"  # the message channel the waiting ranks tell the blo
 def blocked_rank(pipelined: bool, out_dir: str | None = None) -> dict:
     """The MLP's graph called once by every rank, then again by all but the last rank, which
     blocks instead (run with a small SBPFLOW_TIMEOUT) until each other rank has posted that its
-    call ended. Returns the second call's outcome (the last rank: {}), also written as JSON to
-    ``out_dir``/rank<r>.json when given (gloo: a timed-out point-to-point op closes the pair, so
-    the launcher's closing barrier may fail and hide the results)."""
+    call ended; those return once all of them have. Returns the second call's outcome (the
+    last rank: {}), also written as JSON to ``out_dir``/rank<r>.json when given (gloo: a
+    timed-out point-to-point op closes the pair, so the launcher's closing barrier may fail and
+    hide the results)."""
     step, pl, sbp = mlp_setup(pipelined)
     x, y = (sf.tensor(v, pl, sbp) for v in EXAMPLES["mlp"].data(0, 8))
     step(x, y)
@@ -243,7 +244,14 @@ def blocked_rank(pipelined: bool, out_dir: str | None = None) -> dict:
             got += len(comm.inbox(_DONE, 0.05))
         return {}
     out = outcome(lambda: step(x, y))
-    comm.post(last, _DONE, comm.rank)
+    for r in range(last + 1):
+        if r != comm.rank:
+            comm.post(r, _DONE, comm.rank)
+    # the waiting ranks return together: one returning while another still waits in the
+    # collective would turn that one's timeout into "rank r already returned"
+    got, deadline = 0, time.monotonic() + 60
+    while got < last - 1 and time.monotonic() < deadline:
+        got += len(comm.inbox(_DONE, 0.05))
     if out_dir is not None:
         with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
             json.dump({k: v for k, v in out.items() if k != "result"}, f)

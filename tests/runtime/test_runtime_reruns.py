@@ -172,8 +172,11 @@ def test_one_reader_a_channel_from_run_to_run_ended_with_its_runtimes():
             got.append(out[0] if out[0] != "ok" else [float(v[0]) for v in out[1].get("c", [])])
         readers = [t for t in threading.enumerate() if t.name == name and t not in before]
         rt.close()
-        time.sleep(0.5)
-        left = [t for t in threading.enumerate() if t.name == name and t not in before]
+        deadline = time.monotonic() + 10  # the reader ends soon after close: poll for it
+        left = [None]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [t for t in threading.enumerate() if t.name == name and t not in before]
         return got, len(readers), len(left)
 
     got = sf.launch(body, world_size=2, timeout=HANG)
