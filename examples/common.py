@@ -105,8 +105,6 @@ def _resolve(args) -> None:
         args.graph = pipelined
     if args.micro_batches is None:
         args.micro_batches = DEFAULT_PIPELINE_MICRO_BATCHES if pipelined and args.graph else 1
-    if args.micro_batches < 1:
-        raise SystemExit(f"--micro-batches must be >= 1, not {args.micro_batches}")
     if not args.graph:
         asked = [o for o, v in (("--micro-batches", args.micro_batches > 1),
                                 ("--timeline", args.timeline), ("--trace", args.trace),
