@@ -110,36 +110,50 @@ def test_stages_on_any_ranks_equal_torch(case):
     _check_in_flight(results, ranks, m, "1f1b")
 
 
+def _two_stage_mlp(sd0: dict):
+    """A Linear-Tanh-Linear (float64) holding ``sd0``, cut into stages on ranks 0 and 1."""
+    stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
+    m = sf.nn.Sequential(sf.nn.Linear(4, 6), sf.nn.Tanh(), sf.nn.Linear(6, 3)).double()
+    m.load_state_dict(sd0)
+    sf.parallel.pipeline(m, stages, split=["2"])
+    return m, stages
+
+
+class _SquaredMean(sf.nn.Graph):
+    """``mean(model(x)**2)``, 2 micro-batches; ``opt`` (if any) steps after each call."""
+
+    def __init__(self, model, opt=None):
+        super().__init__()
+        self.m = model
+        if opt is not None:
+            self.add_optimizer(opt)
+        self.config.set_gradient_accumulation_steps(2)
+
+    def build(self, x):
+        loss = self.m(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+
+def _torch_mlp(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 3)).double()
+    return ref, {k: v.clone() for k, v in ref.state_dict().items()}, g
+
+
 def test_without_an_optimizer_every_rank_reads_every_gradient():
     """A pipelined graph with no optimizer leaves the gradients, as eager backward does: on a
     rank outside a parameter's stage, its empty gradient shard (was None there, so reading
     ``p.grad`` failed on some ranks only); the values equal torch's."""
-    g = torch.Generator().manual_seed(2)
-    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-    ref = ref.double()
+    ref, sd0, g = _torch_mlp(2)
     x = torch.randn(8, 4, dtype=torch.float64, generator=g)
     ref(x).pow(2).mean().backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
-    sd0 = ref.state_dict()
 
     def body():
-        stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
-        m = sf.nn.Sequential(sf.nn.Linear(4, 6), sf.nn.Tanh(), sf.nn.Linear(6, 3)).double()
-        m.load_state_dict(sd0)
-        sf.parallel.pipeline(m, stages, split=["2"])
-
-        class Step(sf.nn.Graph):
-            def __init__(self):
-                super().__init__()
-                self.m = m
-                self.config.set_gradient_accumulation_steps(2)
-
-            def build(self, x):
-                loss = self.m(x).pow(2).mean()
-                loss.backward()
-                return loss
-
-        Step()(sf.tensor(x, stages[0], sf.S(0)))
+        m, stages = _two_stage_mlp(sd0)
+        _SquaredMean(m)(sf.tensor(x, stages[0], sf.S(0)))
         return {n: None if p.grad is None else p.grad.full_tensor()
                 for n, p in m.named_parameters()}
     for grads in sf.launch(body, world_size=2):
@@ -154,10 +168,7 @@ def test_a_pipelined_graph_checkpoint_resumes_as_torch(tmp_path):
     parameter on every rank, as eager (another stage's empty): ``sf.save`` writes it (it
     refused: ranks saved other tensors), and an eager pipeline loading it takes a second step
     equal to torch's second step."""
-    g = torch.Generator().manual_seed(4)
-    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
-                              torch.nn.Linear(6, 3)).double()
-    sd0 = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref, sd0, g = _torch_mlp(4)
     xs = [torch.randn(8, 4, dtype=torch.float64, generator=g) for _ in range(2)]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for x in xs:
@@ -166,32 +177,14 @@ def test_a_pipelined_graph_checkpoint_resumes_as_torch(tmp_path):
         opt.zero_grad()
     want = ref.state_dict()
 
-    def model_and_opt():
-        stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
-        m = sf.nn.Sequential(sf.nn.Linear(4, 6), sf.nn.Tanh(), sf.nn.Linear(6, 3)).double()
-        m.load_state_dict(sd0)
-        sf.parallel.pipeline(m, stages, split=["2"])
-        return m, sf.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), stages
-
     def body():
-        m, o, stages = model_and_opt()
-
-        class Step(sf.nn.Graph):
-            def __init__(self):
-                super().__init__()
-                self.m = m
-                self.add_optimizer(o)
-                self.config.set_gradient_accumulation_steps(2)
-
-            def build(self, x):
-                loss = self.m(x).pow(2).mean()
-                loss.backward()
-                return loss
-
-        Step()(sf.tensor(xs[0], stages[0], sf.S(0)))
+        m, stages = _two_stage_mlp(sd0)
+        o = sf.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        _SquaredMean(m, o)(sf.tensor(xs[0], stages[0], sf.S(0)))
         keys = sorted(o.state_dict()["state"])
         sf.save(str(tmp_path), m, o, step=1)
-        m2, o2, _ = model_and_opt()
+        m2, _ = _two_stage_mlp(sd0)
+        o2 = sf.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
         sf.load(str(tmp_path), m2, o2)
         m2(sf.tensor(xs[1], stages[0], sf.S(0))).pow(2).mean().backward()
         o2.step()
