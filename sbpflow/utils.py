@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 __all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap",
-           "text_digest", "rebuild_sequence"]
+           "text_digest", "sequence_of", "rebuild_sequence"]
 
 BLOCK = 1 << 16
 _MASK = (1 << 63) - 1
@@ -157,8 +157,12 @@ def text_digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def rebuild_sequence(value: Any, items: Any) -> Any:
-    """A tuple / list of ``value``'s type holding ``items`` (a namedtuple takes its fields as
-    arguments, where ``tuple`` and ``list`` take one iterable)."""
-    kind = type(value)
+def sequence_of(kind: type, items: Any) -> Any:
+    """A ``kind`` (tuple, list or a namedtuple class) holding ``items`` (a namedtuple takes its
+    fields as arguments, where ``tuple`` and ``list`` take one iterable)."""
     return kind(*items) if hasattr(kind, "_fields") else kind(items)
+
+
+def rebuild_sequence(value: Any, items: Any) -> Any:
+    """A tuple / list of ``value``'s type holding ``items`` (`sequence_of`)."""
+    return sequence_of(type(value), items)

@@ -18,6 +18,7 @@ import torch
 from ..errors import DataLoaderError, DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..sbp import Sbp, check_axes, format_nd_sbp, shard_box
+from ..utils import sequence_of
 
 __all__ = ["ItemForm", "Shards", "read_samples", "reading_index", "stack_samples", "cut_rule",
            "apply_cut", "cut_shard"]
@@ -37,7 +38,7 @@ class ItemForm(NamedTuple):
             return values[0]
         if issubclass(self.kind, dict):
             return dict(zip(self.keys, values))
-        return self.kind(*values) if hasattr(self.kind, "_fields") else self.kind(values)
+        return sequence_of(self.kind, values)
 
 
 ONE_VALUE = ItemForm(None)

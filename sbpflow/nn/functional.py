@@ -346,7 +346,7 @@ def _check_counted_mean(target: GlobalTensor, weight, ignore_index: int, what: s
     (gradient accumulation), a mean over the targets kept is that share only when every
     target counts once: refuse class weights, and (checked on every call) ignored targets."""
     rec = current_recorder()
-    if rec is None or not getattr(rec, "weighs_means", False):
+    if rec is None or not rec.weighs_means:
         return
     k = rec.micro_batches
     if weight is not None:

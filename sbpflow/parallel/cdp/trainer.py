@@ -47,7 +47,7 @@ def _split_batch(t: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
     if t.dim() == 0 or t.shape[0] < n:
         raise PlanError(f"CyclicDataParallel.step: {what} must be a tensor whose axis 0 holds "
                         f"at least N = {n} samples (one micro-batch a worker), got "
-                        f"{getattr(t, 'shape', type(t).__name__)}")
+                        f"shape {tuple(t.shape)}")
     return [p.clone() for p in torch.tensor_split(t.detach(), n)]
 
 
