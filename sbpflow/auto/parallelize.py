@@ -872,12 +872,12 @@ def _given(graph, strategy, placement) -> Strategy:
                                    f"names unknown ones {unknown}; the traced layers: {names}")
         strategy = Strategy(graph, strategy)
     elif not isinstance(strategy, Strategy):
-        if isinstance(strategy, (str, bytes)) or not all(
-                isinstance(s, LayerStrategy) for s in _as_list(strategy)):
+        layers = _as_list(strategy)  # once: a generator is read once (a string: its letters)
+        if not all(isinstance(s, LayerStrategy) for s in layers):
             raise ParallelizeError(f"parallelize: strategy must be a Strategy, a {{layer name: "
                                    f"LayerStrategy}} dict or a sequence of LayerStrategy (a "
                                    f"baseline: sf.auto.baselines), got {strategy!r}")
-        strategy = Strategy(graph, list(strategy))
+        strategy = Strategy(graph, layers)
     elif strategy.graph is not graph:
         strategy = _restrategy(graph, list(strategy.layers), strategy)
     if len(strategy.layers) != len(graph.layers):
