@@ -186,6 +186,8 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--workers", type=int, default=0,
                    help="loading processes a rank (DataLoader(workers=)); 0: a thread")
+    p.add_argument("--backend", choices=("threads", "torch"), default="threads",
+                   help="ranks as threads of this process, or as gloo processes (one GIL each)")
     p.add_argument("--consumer", action="store_true",
                    help="print the rank thread's CPU a batch taken, not the training rates")
     args = p.parse_args()
@@ -199,7 +201,7 @@ def main() -> None:
               "(read, stack, cut; warm): " + ", ".join(f"{c:.0f} us" for _, c in costs))
         return
     for hidden in (int(h) for h in args.hidden.split(",")):
-        times = sf.launch(_rank, args.ranks, args=(ds, args, hidden))[0]
+        times = sf.launch(_rank, args.ranks, backend=args.backend, args=(ds, args, hidden))[0]
         print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} thread ranks, "
               f"MLP 64-{hidden}-{hidden}-10, prefetch {args.prefetch}, "
               f"{args.workers or 'no'} worker processes a rank; "

@@ -121,6 +121,9 @@ def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) 
                 sharded.append((i, geo))
             continue
         pl = p.placement
+        if comm.rank not in pl:  # outside its placement: the empty shard, nothing to reduce
+            out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)
+            continue
         plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
         group = plan.all_reduce_group(comm.rank)
         if group is not None and len(group) == 1:
