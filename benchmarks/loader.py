@@ -12,10 +12,11 @@ trains on the same batches, built as global tensors before the timed epochs. In 
 the same graph called with in-memory batches. Epochs alternate the feeds in one process; the
 medians are reported, with the process's CPU time (all ranks' threads: the work, which load
 from other jobs on the machine changes less than the wall time; worker processes' CPU is
-outside it):
+outside it). ``--backend torch`` runs the ranks as gloo processes instead, as deployed (each
+rank's Python under its own GIL; the CPU time is then rank 0's process):
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
-        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0] [--consumer]
+        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0] [--backend threads] [--consumer]
 
 ``--consumer`` prints instead what taking a batch costs the rank's thread (its CPU time in
 ``next(iterator)``, median of epochs), the loader iterated beside a 2 ms sleep for a step,
@@ -202,7 +203,8 @@ def main() -> None:
         return
     for hidden in (int(h) for h in args.hidden.split(",")):
         times = sf.launch(_rank, args.ranks, backend=args.backend, args=(ds, args, hidden))[0]
-        print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} thread ranks, "
+        ranks = "thread ranks" if args.backend == "threads" else "gloo processes"
+        print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} {ranks}, "
               f"MLP 64-{hidden}-{hidden}-10, prefetch {args.prefetch}, "
               f"{args.workers or 'no'} worker processes a rank; "
               f"{len(times['loader'])} epochs each, alternated (medians)")
