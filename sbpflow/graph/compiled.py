@@ -21,7 +21,8 @@ from ..errors import GraphError
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
-from .lower import lower, stages_of
+from ..nn.recorded_mean import settle_means
+from .lower import lower, reads, stages_of, writes
 from .microbatch import signature, split_inputs
 from .nodes import Env, source_values
 from .plan import Call, graph_plan
@@ -48,6 +49,15 @@ def trace(graph, args: list, rec: Recorder) -> Tape:
     return rec.tape(result)
 
 
+def _tell_readers(tape: Tape) -> None:
+    """Tell each task that asks (``read_by_tasks``) whether other tasks read what it writes."""
+    read = {s for node in tape.nodes for s in reads(node)}
+    for node in tape.nodes:
+        tell = getattr(node, "read_by_tasks", None)
+        if tell is not None:
+            tell(any(s in read for s in writes(node)))
+
+
 class Compiled:
     """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts)."""
 
@@ -66,6 +76,7 @@ class Compiled:
                     m, self.k, self.batches, self.k > 1 and cfg.loss_reduction == "mean"))
                 key = (signature(args), self._source_shapes(m))  # the sources are known now
                 self.tapes.setdefault(key, tape)
+                _tell_readers(tape)
             self.keys.append(key)
         self.weights = self._weights(mbs.sizes)
         tapes = list(self.tapes.values())
@@ -160,10 +171,11 @@ class Compiled:
         base = state.get("seed_counter", 0)
         self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
                           for args in mbs.args], lowered, self.weights, {}, self._sync,
-                         self._update, preloaded, base)
+                         self._update, preloaded, base, {})
         try:
             if self.runtime is not None:
                 self.runtime.run(self.k)
+            settle_means(self.call.means)   # (a graph without backward: the values only)
             if not self.graph._optimizers:  # the gradients stay after the call
                 self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them

@@ -23,12 +23,16 @@ __all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "Guard
 
 
 class Env(NamedTuple):
-    """What a replay needs besides the slots: the rank's communicator, the device type, and
-    the position in the default seed stream of the micro-batch's first random draw."""
+    """What a replay needs besides the slots: the rank's communicator, the device type, the
+    position in the default seed stream of the micro-batch's first random draw, and for means
+    over micro-batches weighted by rows (`sbpflow.nn.recorded_mean`) the micro-batch's weight
+    and the call's shared record of them."""
 
     comm: Any
     device_type: str
     draw_base: int = 0
+    weight: float = 1.0
+    means: dict | None = None
 
 
 class Mode(NamedTuple):

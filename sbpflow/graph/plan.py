@@ -21,6 +21,7 @@ import torch
 from ..boxing import dual_step, empty_local, run_step
 from ..comm import set_collective_stream
 from ..errors import GraphError
+from ..nn.recorded_mean import settle_means
 from ..optim.zero_graph import abandon as abandon_units
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
@@ -45,6 +46,7 @@ class Call(NamedTuple):
     update: Callable[[], None] | None
     preloaded: list          # batches the data sources gave while compiling (first call)
     draw_base: int           # where the call's random draws start in the default seed stream
+    means: dict              # the call's means over micro-batches (`recorded_mean._Shares`)
 
 
 class _Stage:
@@ -90,7 +92,8 @@ class _Stage:
             for node, pieces in zip(low.sources[self.s], inputs[len(self.sources)]):
                 for slot, local in zip(node.outs, pieces[mb]):
                     vals[slot] = local
-        env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws)
+        env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws,
+                                weight=c.weights[mb], means=c.means)
         try:
             run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
         except BaseException:
@@ -135,6 +138,8 @@ class _Stage:
         if tensors:
             with c.sync(mb):
                 torch.autograd.backward(tensors, grads)
+        if mb == len(c.lowered) - 1:   # every count is known: correct the means' guesses
+            settle_means(c.means)
         return {p: [vals[x.out].grad for x in low.into(self.s, p) if x.grad]
                 for p in self.grad_to}
 

@@ -95,7 +95,7 @@ def nll_loss(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | N
     if _check_sliced_target(input, target, ignore_index):
         pick["checked"] = True
     if reduction == "mean":
-        _check_counted_mean(target, weight, ignore_index, "nll_loss")
+        _check_counted_mean(weight, "nll_loss")
     picked = apply_op("pick_class", input, target, **pick)
     if weight is None:
         row_weight = apply_op("ne", target, ignore_index).to(input.dtype)
@@ -105,7 +105,12 @@ def nll_loss(input: GlobalTensor, target: GlobalTensor, weight: GlobalTensor | N
     loss = -picked * row_weight
     if reduction == "none":
         return loss
-    return loss.sum() if reduction == "sum" else loss.sum() / row_weight.sum()
+    if reduction == "sum":
+        return loss.sum()
+    count = row_weight.to(count_dtype(row_weight.dtype)).sum()
+    return mean_over_count(loss.sum(), count, ("nll_loss", tuple(target.shape), target.sbp,
+                                               ignore_index, weight is not None),
+                           None if weight is not None else float(target.numel()))
 
 
 # -- transformer ops ------------------------------------------------------------------------------
@@ -271,7 +276,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     c = input.ndim - 1
     ignore_index = int(ignore_index)
     if reduction == "mean":
-        _check_counted_mean(target, weight, ignore_index, "cross_entropy")
+        _check_counted_mean(weight, "cross_entropy")
     # classes whole on every rank, plain loss: torch's fused kernels on the rows
     plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
     if plain_rows and reduction != "none" and target.sbp == input.sbp:
@@ -341,33 +346,21 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
     return input, n_classes
 
 
-def _check_counted_mean(target: GlobalTensor, weight, ignore_index: int, what: str) -> None:
+def _check_counted_mean(weight, what: str) -> None:
     """In a graph that weights each micro-batch's mean loss by its share of the batch's rows
-    (gradient accumulation), a mean over the targets kept is that share only when every
-    target counts once: refuse class weights, and (checked on every call) ignored targets."""
+    (gradient accumulation), a mean over the targets kept is corrected to the whole batch's
+    count at the end (`sbpflow.nn.recorded_mean`), by scaling: class weights that learn make
+    the count differentiable, which scaling cannot undo, so they are refused."""
     rec = current_recorder()
-    if rec is None or not rec.weighs_means:
+    if rec is None or not rec.weighs_means or weight is None or not weight.requires_grad:
         return
-    k = rec.micro_batches
-    if weight is not None:
-        raise _accumulation_error(what, k, "class weights")
-
-    def check(local: torch.Tensor) -> None:
-        if bool((local == ignore_index).any()):
-            raise _accumulation_error(what, k, f"targets equal to ignore_index={ignore_index}")
-    # recorded only: run now on the ranks holding such targets, it would stop them alone in
-    # the trace; the replay's failing actor stops every rank (the first call replays too)
-    rec.guard(target, check)
-
-
-def _accumulation_error(what: str, k: int, why: str) -> GraphError:
-    return GraphError(
-        f"graph: a mean {what} with {why} over {k} micro-batches: the batch's mean divides by "
-        f"the whole batch's count, which graph mode does not know before the first backward "
-        f"yet (weighting the micro-batches by rows would give a wrong loss and gradients). "
-        f"Sum instead: config.set_loss_reduction('sum') and {what}(..., reduction='sum') / n, "
-        f"n the batch's count of kept targets given to the graph as an input that is not "
-        f"split (docs/runtime.md, 'Graph mode'); or set_gradient_accumulation_steps(1)")
+    raise GraphError(
+        f"graph: a mean {what} with class weights that require grad over "
+        f"{rec.micro_batches} micro-batches: the batch's mean divides by the whole batch's "
+        f"summed weights, a differentiable count graph mode does not compute across "
+        f"micro-batches. Sum instead: config.set_loss_reduction('sum') and "
+        f"{what}(..., reduction='sum') / n, n the batch's summed weights of kept targets "
+        f"(docs/runtime.md, 'Graph mode'); or set_gradient_accumulation_steps(1)")
 
 
 def _float_target(logits: GlobalTensor, target: GlobalTensor) -> Exception:

@@ -19,7 +19,7 @@ from ..caches import memoize
 from ..gradsync import drop_started
 from ..placement import Placement
 from ..sbp import B, Partial
-from ..tensor import GlobalTensor, recording, retains_grads
+from ..tensor import GlobalTensor, current_recorder, recording, retains_grads
 from .recorded_mean import _correctable, _leaves, _rescale, record_mean
 
 __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
@@ -77,11 +77,18 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple,
     guess is taken from (e.g. the target's shape, layout and ignore_index). ``count``'s shard
     may be reduced in place: pass a tensor nothing else reads. While a graph traces, the
     mean is recorded so that its replay does not wait either (`sbpflow.nn.recorded_mean`;
-    ``full``: the count when nothing is ignored, its guess).
+    ``full``: the count when nothing is ignored, its guess), and so is every mean of a graph
+    that weights micro-batches by their rows (the batch's count is known only at the end).
     """
     pl = count.placement
     comm = _comm.current()
     reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
+    if recording() and weighs_means() and not count.requires_grad:
+        # micro-batches weighted by rows: recorded whatever the layout (`_Shares`), the count
+        # boxed in the forward when one all-reduce does not give it
+        if group is None:
+            count = count.to_global(sbp=reduced)
+        return record_mean(total, count, reduced, group, full)
     if group is not None and recording() and total.requires_grad and \
             not count.requires_grad and torch.is_grad_enabled():
         return record_mean(total, count, reduced, group, full)
@@ -99,6 +106,13 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple,
     pending = comm.all_reduce_start(count.local.detach(), group, "sum", inplace=True)
     stream_.pending.append(pending)
     return PendingMean._make(total, pending, guess, count.dtype)
+
+
+def weighs_means() -> bool:
+    """Whether the graph being traced weights each micro-batch's mean loss by its share of the
+    batch's rows (several micro-batches, loss reduction "mean")."""
+    rec = current_recorder()
+    return rec is not None and rec.weighs_means
 
 
 def _as_dtype(t, dtype: torch.dtype):

@@ -6,9 +6,10 @@ ignored (a target's element count) or else the traced count. Backward runs at on
 guess when scaling the gradients afterwards undoes a wrong one; at its end the count is waited
 for (it arrived long before) and a wrong guess is corrected: the loss value and the gradients
 rescaled, the started gradient all-reduces dropped (the optimizer redoes them), and the task
-waits in every later call. Otherwise (several micro-batches, gradients already there, build not
-calling ``backward()`` on this loss) the task waits, as a plain quotient would.
-See docs/internals.md, 'The pending mean'.
+waits in every later call. Otherwise (gradients already there, build not calling
+``backward()`` on this loss, the value read by other tasks) the task waits. Over micro-batches
+weighted by rows each divides by its share of the batch's guessed count and the last backward
+corrects it (`_Shares`). See docs/internals.md, 'The pending mean'.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ..comm import current as _current_comm
+from ..errors import GraphError
 from ..gradsync import drop_started
 from ..placement import Placement
 from ..tensor import GlobalTensor, current_recorder, retains_grads
 
-__all__ = ["record_mean"]
+__all__ = ["record_mean", "settle_means"]
 
 _LOCAL = operator.attrgetter("_local")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -43,10 +45,11 @@ class _Guessing:
     while tracing), whether guessing still holds (a wrong guess stops it, on every rank), and
     the leaves its backward reached (`leaves`)."""
 
-    __slots__ = ("backward_seen", "on", "externals", "cache")
+    __slots__ = ("backward_seen", "on", "externals", "cache", "value_read")
 
     def __init__(self, on: bool, externals: list) -> None:
         self.backward_seen, self.on = False, on
+        self.value_read = False  # other tasks read the value (`CountedMean.read_by_tasks`)
         self.externals = externals  # the tape's (slot, tensor) re-read at each replay
         self.cache: _LeafCache | None = None   # the last walk's, while it holds
 
@@ -85,18 +88,22 @@ class _TracedMean(GlobalTensor):
 def record_mean(total: GlobalTensor, count: GlobalTensor, reduced: tuple, group: tuple,
                 full: float | None) -> GlobalTensor:
     """While tracing: ``total / count`` (``count`` all-reduced over ``group``, laid out
-    ``reduced``) recorded as a `CountedMean` task; ``full``: the count when nothing is
-    ignored (the guess; None: the traced count)."""
-    comm = _current_comm()
-    summed = comm.all_reduce(count.local.detach(), group, "sum")
+    ``reduced``; ``group`` None: ``count`` is the whole count already) recorded as a
+    `CountedMean` task; ``full``: the count when nothing is ignored (the guess; None: the
+    traced count)."""
+    summed = count.local.detach() if group is None else \
+        _current_comm().all_reduce(count.local.detach(), group, "sum")
     value = _as_dtype(total.local / summed, total.dtype)
     out = _TracedMean(value, (), total.placement, total.sbp)
     rec = current_recorder()
     guessing = _Guessing(rec.micro_batches == 1, rec.externals)
     out._guessing = guessing
     guess = float(summed) if full is None else float(full)
+    # over weighted micro-batches: which of the tape's means this is (a call's `_Shares` key)
+    index = sum(isinstance(n, CountedMean) for n in rec.nodes) if rec.weighs_means else None
     pl = total.placement
-    rec.task(lambda r, o, mode: CountedMean(r, o, pl, mode, group, guess, count.dtype, guessing),
+    rec.task(lambda r, o, mode: CountedMean(r, o, pl, mode, group, guess, count.dtype, guessing,
+                                            index, full is not None),
              [total, count], [out], pl)
     return out
 
@@ -117,10 +124,19 @@ class CountedMean(NamedTuple):
     guess: float
     count_dtype: torch.dtype
     guessing: _Guessing
+    index: int | None = None    # over weighted micro-batches: its `_Shares` key, else None
+    exact: bool = False         # the guess is an element count (an integer)
 
     @property
     def name(self) -> str:
         return "mean_over_count"
+
+    def read_by_tasks(self, read: bool) -> None:
+        """Told by the graph once traced: whether other tasks read the value (a value computed
+        with a wrong guess would reach them before the correction): then it never guesses."""
+        self.guessing.value_read = read
+        if read:
+            self.guessing.on = False
 
     def __repr__(self) -> str:
         t, c = self.slots_read
@@ -131,7 +147,10 @@ class CountedMean(NamedTuple):
         t, c = self.slots_read
         total = vals[t]
         # started the same way on every rank whatever is guessed: the collectives agree
-        pending = env.comm.all_reduce_start(vals[c].detach(), self.group, "sum", inplace=True)
+        pending = _Ready(vals[c].detach()) if self.group is None else \
+            env.comm.all_reduce_start(vals[c].detach(), self.group, "sum", inplace=True)
+        if self.index is not None:
+            return self._run_share(vals, env, total, pending)
         g = self.guessing
         if not (g.on and g.backward_seen and total.requires_grad and torch.is_grad_enabled()):
             vals[self.slots_written[0]] = _as_dtype(total / pending.wait(), total.dtype)
@@ -142,6 +161,103 @@ class CountedMean(NamedTuple):
         # detached aliases: the value's storage, without a cycle through the autograd graph
         call.out, call.total = out.detach(), total.detach()
         vals[self.slots_written[0]] = out
+
+
+    def _run_share(self, vals: list, env: Any, total: torch.Tensor, pending) -> None:
+        """Micro-batch ``env.micro_batch`` of several weighted by their rows: ``total /
+        (weight * R)`` (`_Shares`)."""
+        shares = env.means.get(self.index)
+        if shares is None:   # the call's first micro-batch: R and what a correction may touch
+            shares = env.means[self.index] = _Shares(self, total, env.weight)
+        divisor = torch.full((), env.weight * shares.divisor, dtype=self.count_dtype,
+                             device=total.device)
+        out = _as_dtype(total / divisor, total.dtype)
+        shares.pending.append(pending)
+        shares.outs.append(out.detach())
+        vals[self.slots_written[0]] = out
+
+
+class _Ready(NamedTuple):
+    """A count that needs no all-reduce, read as a pending one."""
+
+    value: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class _Shares:
+    """One call's micro-batches of one recorded mean, each weighted by its share of the batch's
+    rows (``weight``). Micro-batch m's value is ``total_m / (weight_m * R)``, R the batch's
+    guessed count (micro-batch 0's guess over its weight: the batch's element count when
+    nothing is ignored), so the weighted values and the gradients they seed add up to
+    ``sum_m total_m / R``. `settle` sums the counts and corrects a wrong R by scaling every
+    value and the gradients by ``R / count``: exact when build calls ``backward()`` on this
+    mean, the leaves it reaches are the parameters, without gradients or hooks before the
+    call, and no other task reads the value; otherwise a wrong R is refused."""
+
+    __slots__ = ("divisor", "pending", "outs", "leaves", "why_not", "settled")
+
+    def __init__(self, node: CountedMean, total: torch.Tensor, weight: float) -> None:
+        r = node.guess / weight
+        self.divisor = float(round(r)) if node.exact else r
+        self.pending: list = []
+        self.outs: list = []
+        self.settled = False
+        g = node.guessing
+        grads = total.requires_grad and torch.is_grad_enabled()
+        self.leaves = g.leaves(total) if grads and g.backward_seen else []
+        self.why_not = _why_not_correctable(g, grads, self.leaves)
+
+    def settle(self) -> None:
+        """Once the last micro-batch's backward is done (or the call's forwards, without
+        one): sum the counts and correct a wrong R, or raise `GraphError`."""
+        if self.settled:
+            return
+        self.settled = True
+        count = sum(float(p.wait()) for p in self.pending)
+        if count == self.divisor:
+            return
+        if self.why_not:
+            raise GraphError(
+                f"graph: a mean over the targets kept, over {len(self.pending)} micro-batches, "
+                f"counted {count:g} where {self.divisor:g} was guessed, and the correction "
+                f"cannot be made exactly: {self.why_not}. Sum instead: "
+                f"config.set_loss_reduction('sum') and reduction='sum' divided by the batch's "
+                f"count of kept targets, given as an input that is not split "
+                f"(docs/runtime.md, 'Graph mode')")
+        scale = self.divisor / count if count else float("inf")   # torch: 0/0 is nan
+        with torch.no_grad():
+            for out in self.outs:
+                out.mul_(scale)
+        if self.leaves:
+            _rescale(self.leaves, scale)
+
+
+def _why_not_correctable(g: _Guessing, grads: bool, leaves: list) -> str:
+    """Why scaling afterwards would not give the exact value and gradients ('' when it
+    would): read when the call's first micro-batch runs, before any of its backwards."""
+    if g.value_read:
+        return "other tasks of build read its value"
+    if not grads:
+        return ""
+    if not g.backward_seen:
+        return "build does not call backward() on the mean itself"
+    if retains_grads():
+        return "a tensor retains its gradient"
+    if g.cache is None:   # `_Guessing.leaves` keeps its walk only when the leaves are externals
+        return ("its backward reaches values other than the parameters (another stage's "
+                "activations, or inputs requiring grad), whose gradients leave before the "
+                "last micro-batch")
+    if not all(map(_correctable, leaves)):
+        return "a parameter it reaches has a gradient from before the call, or a hook"
+    return ""
+
+
+def settle_means(means: dict | None) -> None:
+    """`_Shares.settle` of every mean of a call (``means``: its `_Shares` by index)."""
+    for shares in (means or {}).values():
+        shares.settle()
 
 
 class _Call:

@@ -1,7 +1,10 @@
 """A mean over the targets kept (cross_entropy / nll_loss with ignore_index or class weights)
-under gradient accumulation: graph mode refuses it with a GraphError before any update (the
-rows' shares would weight the micro-batches wrongly), and the documented sum recipe equals
-one-device torch in float64; with no target ignored, the mean equals torch as before."""
+under gradient accumulation: each micro-batch divides by its weight times the batch's guessed
+count, and the end of the last backward corrects a wrong guess (`sbpflow.nn.recorded_mean`), so
+losses and weights equal one-device torch in float64, on 1 and 2 ranks, even and uneven
+micro-batches. Where the correction cannot be exact (the value read by other tasks, backward
+on a derived loss, a pipeline), a wrong guess is refused with a GraphError before any update;
+the documented sum recipe equals torch too."""
 
 import pytest
 import torch
@@ -12,18 +15,27 @@ F64 = torch.float64
 G = torch.Generator().manual_seed(5)
 X = torch.randn(8, 6, dtype=F64, generator=G)
 W0 = torch.randn(4, 6, dtype=F64, generator=G)
+CLASS_W = torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=F64)
 Y_FULL = torch.tensor([0, 3, 1, 2, 2, 0, 1, 3])
-# ignored in micro-batch 0 of both ranks' shards (S(0), each rank cuts its own rows): every
-# rank's check fails alike
+# ignored unevenly: the micro-batches' counts differ (rows' shares would weight them wrongly)
 Y_IGNORED = torch.tensor([0, -100, 1, 2, -100, 0, 1, 3])
 
 
-def _torch(y: torch.Tensor, steps: int = 2) -> tuple[list, torch.Tensor]:
+def _torch_loss(logits: torch.Tensor, y: torch.Tensor, mode: str) -> torch.Tensor:
+    F = torch.nn.functional
+    if mode == "nll":
+        return F.nll_loss(F.log_softmax(logits, -1), y)
+    if mode == "weight":
+        return F.cross_entropy(logits, y, weight=CLASS_W)
+    return F.cross_entropy(logits, y)
+
+
+def _torch(y: torch.Tensor, mode: str = "mean", steps: int = 2) -> tuple[list, torch.Tensor]:
     w = W0.clone().requires_grad_(True)
     opt = torch.optim.SGD([w], lr=0.5)
     losses = []
     for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(X @ w.T, y)
+        loss = _torch_loss(X @ w.T, y, "mean" if mode in ("sum", "derived") else mode)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -31,12 +43,26 @@ def _torch(y: torch.Tensor, steps: int = 2) -> tuple[list, torch.Tensor]:
     return losses, w.detach()
 
 
-def _run(y: torch.Tensor, mode: str, k: int = 2, steps: int = 2):
-    pl = sf.placement("cpu", [0, 1])
+def _sf_loss(logits, y, kept, mode: str, pl):
+    F = sf.nn.functional
+    if mode == "sum":
+        return F.cross_entropy(logits, y, reduction="sum") / kept
+    if mode == "nll":
+        return F.nll_loss(F.log_softmax(logits, -1), y)
+    if mode == "weight":
+        return F.cross_entropy(logits, y, weight=sf.tensor(CLASS_W, pl, sf.B))
+    return F.cross_entropy(logits, y)
+
+
+def _run(y: torch.Tensor, mode: str, k: int = 2, steps: int = 2, ranks: int = 2,
+         ret: str = "loss"):
+    """``steps`` calls of a graph training a linear layer on ``y`` over ``k`` micro-batches;
+    ``ret``: what build returns and calls backward on ("loss"; "exp": also the loss's exp,
+    read by another task; "derived": backward on ``loss * 1``)."""
+    pl = sf.placement("cpu", list(range(ranks)))
     lin = sf.nn.Linear(6, 4, bias=False, dtype=F64)
     lin.weight = sf.nn.Parameter(sf.tensor(W0, pl, sf.B))
     opt = sf.optim.SGD(lin.parameters(), lr=0.5)
-    F = sf.nn.functional
 
     class Step(sf.nn.Graph):
         def __init__(self):
@@ -48,58 +74,161 @@ def _run(y: torch.Tensor, mode: str, k: int = 2, steps: int = 2):
                 self.config.set_loss_reduction("sum")
 
         def build(self, x, y, kept):
-            logits = self.lin(x)
-            if mode == "sum":
-                loss = F.cross_entropy(logits, y, reduction="sum") / kept
-            elif mode == "nll":
-                loss = F.nll_loss(F.log_softmax(logits, -1), y)
-            elif mode == "weight":
-                loss = F.cross_entropy(logits, y, weight=sf.tensor(torch.ones(4, dtype=F64),
-                                                                   pl, sf.B))
-            else:
-                loss = F.cross_entropy(logits, y)
-            loss.backward()
-            return loss
+            loss = _sf_loss(self.lin(x), y, kept, mode, pl)
+            (loss * 1.0 if ret == "derived" else loss).backward()
+            return (loss, loss.exp()) if ret == "exp" else loss
 
     step = Step()
     x, t = sf.tensor(X, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
     kept = sf.tensor((y != -100).sum().to(F64), pl, sf.B)
     try:
-        losses = [step(x, t, kept).item() for _ in range(steps)]
+        losses = [step(x, t, kept) for _ in range(steps)]
     except sf.SbpError as exc:  # the rank that failed first: GraphError; others: its name
         return "refused", str(exc), lin.weight.full_tensor()
+    losses = [v[0].item() if isinstance(v, tuple) else v.item() for v in losses]
     return losses, None, lin.weight.full_tensor()
 
 
-@pytest.mark.parametrize("mode", ["mean", "nll"])
-def test_ignored_targets_over_micro_batches_are_refused_before_any_update(mode):
-    for got, text, w in sf.launch(_run, world_size=2, args=(Y_IGNORED, mode)):
-        assert got == "refused" and "ignore_index=-100" in text and "reduction='sum'" in text
-        assert torch.equal(w, W0)  # no update
+def _check(got, want) -> None:
+    (losses, _, w), (want_losses, want_w) = got, want
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(w, want_w, rtol=1e-12, atol=1e-12)
 
 
-def test_class_weights_over_micro_batches_are_refused_when_compiling():
-    got, text, _ = sf.launch(_run, world_size=2, args=(Y_FULL, "weight"))[0]
-    assert got == "refused" and "class weights" in text
+@pytest.mark.parametrize("mode,k,ranks", [("mean", 2, 2), ("nll", 2, 2), ("mean", 3, 2),
+                                          ("mean", 3, 1), ("weight", 2, 2), ("weight", 3, 1)])
+def test_ignored_targets_over_micro_batches_equal_torch(mode, k, ranks):
+    want = _torch(Y_IGNORED, mode)
+    for got in sf.launch(_run, world_size=ranks, args=(Y_IGNORED, mode, k, 2, ranks)):
+        _check(got, want)
 
 
-def test_the_sum_recipe_equals_torch_with_ignored_targets():
-    want, w_want = _torch(Y_IGNORED)
-    losses, _, w = sf.launch(_run, world_size=2, args=(Y_IGNORED, "sum"))[0]
-    assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(w, w_want, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("mode,k", [("mean", 2), ("nll", 2), ("mean", 1)])
+@pytest.mark.parametrize("mode,k", [("mean", 2), ("nll", 2), ("mean", 1), ("weight", 3)])
 def test_means_with_every_target_kept_equal_torch(mode, k):
-    want, w_want = _torch(Y_FULL)
-    losses, _, w = sf.launch(_run, world_size=2, args=(Y_FULL, mode, k))[0]
-    assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(w, w_want, rtol=1e-12, atol=1e-12)
+    _check(sf.launch(_run, world_size=2, args=(Y_FULL, mode, k))[0], _torch(Y_FULL, mode))
 
 
 def test_one_micro_batch_takes_ignored_targets():
-    want, w_want = _torch(Y_IGNORED)
-    losses, _, w = sf.launch(_run, world_size=2, args=(Y_IGNORED, "mean", 1))[0]
-    assert losses == pytest.approx(want, rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(w, w_want, rtol=1e-12, atol=1e-12)
+    _check(sf.launch(_run, world_size=2, args=(Y_IGNORED, "mean", 1))[0], _torch(Y_IGNORED))
+
+
+def test_the_sum_recipe_equals_torch_with_ignored_targets():
+    _check(sf.launch(_run, world_size=2, args=(Y_IGNORED, "sum"))[0], _torch(Y_IGNORED))
+
+
+def test_a_value_read_by_other_tasks_is_exact_with_one_micro_batch():
+    """The exp of the loss is computed from the mean's value in the forward: the mean waits for
+    its count instead of guessing (a guessed value would reach the exp uncorrected)."""
+    want = torch.nn.functional.cross_entropy(X @ W0.T, Y_IGNORED)
+    pl = sf.placement("cpu", [0, 1])
+
+    def rank():
+        lin = sf.nn.Linear(6, 4, bias=False, dtype=F64)
+        lin.weight = sf.nn.Parameter(sf.tensor(W0, pl, sf.B))
+
+        class Step(sf.nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.lin = lin
+
+            def build(self, x, y):
+                loss = sf.nn.functional.cross_entropy(self.lin(x), y)
+                loss.backward()
+                return loss * 2, loss.exp()
+
+        step = Step()
+        return [[v.item() for v in step(sf.tensor(X, pl, sf.S(0)),
+                                        sf.tensor(Y_IGNORED, pl, sf.S(0)))]
+                for _ in range(2)]
+
+    for calls in sf.launch(rank, world_size=2):
+        for double, exp in calls:
+            assert double == pytest.approx(2 * want.item(), rel=1e-12)
+            assert exp == pytest.approx(want.exp().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("ret", ["exp", "derived"])
+def test_an_uncorrectable_mean_with_ignored_targets_is_refused_before_any_update(ret):
+    for got, text, w in sf.launch(_run, world_size=2, args=(Y_IGNORED, "mean", 2, 2, 2, ret)):
+        assert got == "refused" and "reduction='sum'" in text
+        assert "read its value" in text  # (loss * 1.0 reads it too)
+        assert torch.equal(w, W0)  # no update
+
+
+@pytest.mark.parametrize("ret", ["exp", "derived"])
+def test_an_uncorrectable_mean_with_every_target_kept_equals_torch(ret):
+    _check(sf.launch(_run, world_size=2, args=(Y_FULL, "mean", 2, 2, 2, ret))[0],
+           _torch(Y_FULL))
+
+
+def _eval(y: torch.Tensor, k: int):
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4, bias=False, dtype=F64)
+    lin.weight = sf.nn.Parameter(sf.tensor(W0, pl, sf.B))
+
+    class Eval(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+            self.config.set_gradient_accumulation_steps(k)
+
+        def build(self, x, y):
+            with torch.no_grad():
+                return sf.nn.functional.cross_entropy(self.lin(x), y)
+
+    step = Eval()
+    return [step(sf.tensor(X, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))).item()
+            for _ in range(2)]
+
+
+def test_a_graph_without_backward_gives_the_batch_mean_over_micro_batches():
+    want = torch.nn.functional.cross_entropy(X @ W0.T, Y_IGNORED).item()
+    for losses in sf.launch(_eval, world_size=2, args=(Y_IGNORED, 3)):
+        assert losses == pytest.approx([want, want], rel=1e-12)
+
+
+def _pipelined(y: torch.Tensor):
+    """Two stages (a rank each) over two micro-batches, the loss on the last."""
+    stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
+    model = sf.nn.Sequential(sf.nn.Linear(6, 5, bias=False, dtype=F64),
+                             sf.nn.Linear(5, 4, bias=False, dtype=F64))
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), _pipe_weights()):
+            p.copy_(sf.tensor(ref, p.placement, sf.B))
+    sf.parallel.pipeline(model, stages, split=["1"])
+    opt = sf.optim.SGD(model.parameters(), lr=0.5)
+
+    class Step(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(2)
+
+        def build(self, x, y):
+            loss = sf.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            return loss
+
+    step = Step()
+    x, t = sf.tensor(X, stages[0], sf.B), sf.tensor(y, stages[1], sf.B)
+    try:
+        loss = step(x, t).to_global(stages[1], sf.B)
+    except sf.SbpError as exc:
+        return "refused", str(exc), [p.full_tensor() for p in model.parameters()]
+    return loss, None, [p.full_tensor() for p in model.parameters()]
+
+
+def _pipe_weights() -> list:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randn(5, 6, dtype=F64, generator=g), torch.randn(4, 5, dtype=F64, generator=g)]
+
+
+def test_a_pipeline_refuses_ignored_targets_over_micro_batches_before_any_update():
+    """The last stage sends each micro-batch's gradients upstream before the batch's count is
+    known, so a wrong guess cannot be undone by scaling there: refused, on every stage before
+    its update."""
+    for got, text, weights in sf.launch(_pipelined, world_size=2, args=(Y_IGNORED,)):
+        assert got == "refused" and "another stage" in text, text
+        for w, ref in zip(weights, _pipe_weights()):
+            assert torch.equal(w, ref)
