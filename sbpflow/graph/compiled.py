@@ -18,10 +18,10 @@ import torch
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
+from ..nn.recorded_mean import settle_means
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
-from ..nn.recorded_mean import settle_means
 from .lower import lower, reads, stages_of, writes
 from .microbatch import signature, split_inputs
 from .nodes import Env, source_values

@@ -232,3 +232,63 @@ def test_a_pipeline_refuses_ignored_targets_over_micro_batches_before_any_update
         assert got == "refused" and "another stage" in text, text
         for w, ref in zip(weights, _pipe_weights()):
             assert torch.equal(w, ref)
+
+
+def _mlp_torch(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list:
+    a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([a, b], lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(torch.relu(X @ a.T) @ b.T, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return [losses, a.detach(), b.detach()]
+
+
+def _mlp(layout: str, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list:
+    """A two-layer MLP on 4 ranks: Megatron tensor parallel over 3 micro-batches (the batch
+    whole on every rank), or data parallel with ZeRO-3 over 2 (the batch split: a rank's
+    2 rows)."""
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    m = sf.nn.Sequential(sf.nn.Linear(6, 8, bias=False, dtype=F64), sf.nn.ReLU(),
+                         sf.nn.Linear(8, 4, bias=False, dtype=F64))
+    tp = layout == "tp"
+    sf.parallel.apply(m, pl, {"0.weight": sf.S(0), "2.weight": sf.S(1)} if tp else {"*": sf.B})
+    with torch.no_grad():
+        m[0].weight.copy_(sf.tensor(w1, pl, sf.B))
+        m[2].weight.copy_(sf.tensor(w2, pl, sf.B))
+    opt = sf.optim.AdamW(m.parameters(), lr=0.1)
+
+    class Step(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(3 if tp else 2)
+            if not tp:
+                self.config.enable_zero(stage=3)
+
+        def build(self, x, y):
+            loss = sf.nn.functional.cross_entropy(self.m(x), y)
+            loss.backward()
+            return loss
+
+    step, batch = Step(), sf.B if tp else sf.S(0)
+    x, t = sf.tensor(X, pl, batch), sf.tensor(y, pl, batch)
+    losses = [step(x, t).to_global(pl, sf.B).local.item() for _ in range(2)]
+    return [losses, m[0].weight.full_tensor(), m[2].weight.full_tensor()]
+
+
+@pytest.mark.parametrize("layout", ["tp", "zero3"])
+def test_tensor_parallel_and_zero3_take_ignored_targets_over_micro_batches(layout):
+    g = torch.Generator().manual_seed(11)
+    w1, w2 = torch.randn(8, 6, dtype=F64, generator=g), torch.randn(4, 8, dtype=F64, generator=g)
+    # both ignored targets in micro-batch 0 of either split: the micro-batches' counts differ
+    y = torch.tensor([-100, 3, -100, 2, 2, 0, 1, 3])
+    want = _mlp_torch(y, w1, w2)
+    for got in sf.launch(_mlp, world_size=4, args=(layout, y, w1, w2)):
+        assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
+        for a, b in zip(got[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
