@@ -164,8 +164,8 @@ class CountedMean(NamedTuple):
 
 
     def _run_share(self, vals: list, env: Any, total: torch.Tensor, pending) -> None:
-        """Micro-batch ``env.micro_batch`` of several weighted by their rows: ``total /
-        (weight * R)`` (`_Shares`)."""
+        """One of several micro-batches weighted by their rows (``env.weight`` this one's):
+        ``total / (weight * R)``, recorded in the call's ``env.means`` (`_Shares`)."""
         shares = env.means.get(self.index)
         if shares is None:   # the call's first micro-batch: R and what a correction may touch
             shares = env.means[self.index] = _Shares(self, total, env.weight)
