@@ -130,8 +130,12 @@ def on_rank0() -> bool:
 
 
 def get_layout(model: str, args) -> Layout:
-    """The named layout ``args.layout`` of ``model`` on this world's ranks."""
-    return layout(model, args.layout, sf.world_size())
+    """The named layout ``args.layout`` of ``model`` on this world's ranks (a layout the rank
+    count cannot take ends the script with its message, as the pipeline layouts do)."""
+    try:
+        return layout(model, args.layout, sf.world_size())
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 class Stages(NamedTuple):

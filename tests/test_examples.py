@@ -105,3 +105,8 @@ def test_gpt_split_points(monkeypatch):
     assert split(3, 4) == ["blocks.1", "blocks.2", "ln_f"]
     with pytest.raises(SystemExit, match="at most 3 pipeline stages"):
         split(1, 4)
+
+
+def test_a_layout_the_rank_count_cannot_take_ends_with_its_message(example):
+    with pytest.raises(SystemExit, match="layout '2d' needs an even number of ranks >= 4, not 3"):
+        example("gpt", ["--layout", "2d", "-n", "3"])
