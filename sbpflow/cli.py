@@ -1,4 +1,5 @@
-"""The ``sbpflow`` command: ``run`` a script on N ranks, ``demo``, ``calibrate``."""
+"""The ``sbpflow`` command: ``run`` a script on N ranks, ``demo``, ``calibrate``, ``search``,
+``bench``."""
 
 from __future__ import annotations
 
@@ -119,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     from .auto.search_cli import add_arguments as search_arguments
     search_arguments(sub.add_parser("search", help="search a parallel strategy for a preset "
                                     "model on a modelled cluster"))
+    from .bench import add_arguments as bench_arguments
+    bench_arguments(sub.add_parser("bench", help="run the benchmark scripts of a source "
+                                   "checkout (default: boxing, train_gpt; --list)"))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import bench_command
+        return bench_command(args)
     if args.command == "calibrate":
         from .cost.calibrate import calibrate_command
         return calibrate_command(args)

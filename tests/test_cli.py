@@ -1,4 +1,4 @@
-"""The command line: `sbpflow run` and `sbpflow demo`."""
+"""The command line: `sbpflow run`, `sbpflow demo` and `sbpflow bench`."""
 
 import os
 import pathlib
@@ -213,3 +213,28 @@ def test_run_needs_at_least_one_rank(capsys):
         main(["run", "-n", "0", "script.py"])
     assert exit_.value.code == 2
     assert "a run needs at least 1 rank, got 0" in capsys.readouterr().err
+
+
+def test_bench_runs_the_checkouts_benchmarks(tmp_path, capfd, monkeypatch):
+    """`sbpflow bench`: the runnable scripts of benchmarks/ (a fake directory here: the real
+    ones take minutes), each in a new process with the arguments given; a failing one makes
+    the exit status 1, an unknown name 2."""
+    import sbpflow.bench as bench
+    assert bench.benchmarks_dir() == ROOT / "benchmarks"
+    assert {"boxing", "train_gpt", "pipeline", "loader"} <= set(bench.available(ROOT / "benchmarks"))
+    assert "timing" not in bench.available(ROOT / "benchmarks")   # a helper module
+    (tmp_path / "ok.py").write_text('"""Prints its arguments."""\nimport sys\n'
+                                    'if __name__ == "__main__":\n    print("ok", sys.argv[1:])\n')
+    (tmp_path / "bad.py").write_text('"""Fails."""\nif __name__ == "__main__":\n    raise SystemExit(3)\n')
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    monkeypatch.setattr(bench, "benchmarks_dir", lambda: tmp_path)
+    assert main(["bench", "--list"]) == 0
+    out = capfd.readouterr().out
+    assert "ok   Prints its arguments." in out and "bad  Fails." in out and "helper" not in out
+    done = subprocess.run([sys.executable, "-m", "sbpflow", "bench", "nope"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "no benchmark 'nope'; one of" in done.stderr
+    assert main(["bench", "ok", "--args", "--x 1"]) == 0
+    assert "== benchmarks/ok.py --x 1\nok ['--x', '1']" in capfd.readouterr().out
+    assert main(["bench", "ok", "bad"]) == 1
+    assert "sbpflow bench: bad failed" in capfd.readouterr().err

@@ -28,7 +28,7 @@ LAYERS = [
     {"data"},
     {"parallel", "models"},
     {"auto"},
-    {"demo"},
+    {"demo", "bench"},
     {"cli"},
     {"__main__"},
 ]
