@@ -18,7 +18,7 @@ import torch
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
-from ..nn.recorded_mean import settle_means
+from ..nn.recorded_mean import CountedMean, scale_grads, settle_means, upstream_scale
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
@@ -58,6 +58,20 @@ def _tell_readers(tape: Tape) -> None:
             tell(any(s in read for s in writes(node)))
 
 
+def _correct_upstream(tapes: list, stages: int) -> bool:
+    """Whether the stages before a pipeline's mean over micro-batches (`CountedMean`) scale
+    their gradients by its correction: when it is the only such mean and the only loss backward
+    starts from (their gradients are then all its own). Tells the means."""
+    means = [n for t in tapes for n in t.nodes
+             if isinstance(n, CountedMean) and n.index is not None]
+    ok = stages > 1 and bool(tapes[0].backwards) and all(
+        len(t.backwards) == 1 and sum(n.index is not None for n in t.nodes
+                                      if isinstance(n, CountedMean)) == 1 for t in tapes)
+    for n in means:
+        n.corrected_upstream(ok)
+    return ok
+
+
 class Compiled:
     """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts)."""
 
@@ -84,6 +98,9 @@ class Compiled:
         for t in tapes[1:]:
             if stages_of(t) != self.stages:
                 raise GraphError("graph: micro-batches of different sizes use different stages")
+        # a pipelined mean's correction reaches the earlier stages (Megatron hands its token
+        # count to every stage the same way): one small all-reduce before the update
+        self.exchange = _correct_upstream(tapes, len(self.stages))
         self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
         self._check_ranks_agree(self.lowered[self.keys[0]])
         self._check_outputs(tapes[0])
@@ -177,6 +194,7 @@ class Compiled:
                 self.runtime.run(self.k)
             settle_means(self.call.means)   # (a graph without backward: the values only)
             if not self.graph._optimizers:  # the gradients stay after the call
+                self._exchange_scale()
                 self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
@@ -208,7 +226,24 @@ class Compiled:
             if p._local.grad is None:
                 p._local.grad = torch.zeros_like(p._local)
 
+    def _exchange_scale(self) -> None:
+        """The stage of a pipelined mean over micro-batches hands the correction it made to
+        every other stage (an all-reduce of (scale, 1) from its ranks, (0, 0) from the others),
+        which scale their gradients by it (`recorded_mean.upstream_scale`)."""
+        if not self.exchange:
+            return
+        scale, held = upstream_scale(self.call.means)
+        group = tuple(sorted(set().union(*self.stages)))
+        if self.comm.rank not in group:
+            return
+        t = torch.tensor([scale if held else 0.0, float(held)], dtype=torch.float64)
+        total, holders = self.comm.all_reduce(t, group, "sum").tolist()
+        if not held and holders and total / holders != 1.0:
+            scale_grads([p for _, p in self.tapes[self.keys[0]].externals
+                         if isinstance(p, GlobalTensor)], total / holders)
+
     def _update(self) -> None:
+        self._exchange_scale()
         self._fill_off_rank_grads()
         for opt, sch in self.graph._optimizers:
             opt.step()

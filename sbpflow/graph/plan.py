@@ -85,15 +85,18 @@ class _Stage:
         c = self.call()
         low = c.lowered[mb]
         vals = low.tape.new_vals(c.inputs[mb]) + [None] * (low.nslots - low.tape.nslots)
+        received = []
         for p, locals_ in zip(self.sources, inputs):
             for t, local in zip(low.into(self.s, p), locals_):
                 vals[t.out] = local
+                received.append(id(local))
         if self.loads:
             for node, pieces in zip(low.sources[self.s], inputs[len(self.sources)]):
                 for slot, local in zip(node.outs, pieces[mb]):
                     vals[slot] = local
         env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws,
-                                weight=c.weights[mb], means=c.means)
+                                weight=c.weights[mb], means=c.means,
+                                received=frozenset(received))
         try:
             run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
         except BaseException:

@@ -83,9 +83,11 @@ def mean_over_count(total: GlobalTensor, count: GlobalTensor, stream: tuple,
     pl = count.placement
     comm = _comm.current()
     reduced, group = _route(pl, count.sbp, count.dtype, comm.rank, comm.world_size)
-    if recording() and weighs_means() and not count.requires_grad:
+    if recording() and weighs_means():
         # micro-batches weighted by rows: recorded whatever the layout (`_Shares`), the count
-        # boxed in the forward when one all-reduce does not give it
+        # boxed in the forward when one all-reduce does not give it. (A count that learns, of
+        # class weights requiring grad, was refused: `functional._check_counted_mean`; a rank
+        # outside the placement sees requires_grad on it, and must record the same task.)
         if group is None:
             count = count.to_global(sbp=reduced)
         return record_mean(total, count, reduced, group, full)

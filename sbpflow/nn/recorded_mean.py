@@ -24,7 +24,7 @@ from ..gradsync import drop_started
 from ..placement import Placement
 from ..tensor import GlobalTensor, current_recorder, retains_grads
 
-__all__ = ["record_mean", "settle_means"]
+__all__ = ["record_mean", "settle_means", "upstream_scale", "scale_grads"]
 
 _LOCAL = operator.attrgetter("_local")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -45,11 +45,13 @@ class _Guessing:
     while tracing), whether guessing still holds (a wrong guess stops it, on every rank), and
     the leaves its backward reached (`leaves`)."""
 
-    __slots__ = ("backward_seen", "on", "externals", "cache", "value_read")
+    __slots__ = ("backward_seen", "on", "externals", "cache", "value_read", "upstream")
 
     def __init__(self, on: bool, externals: list) -> None:
         self.backward_seen, self.on = False, on
         self.value_read = False  # other tasks read the value (`CountedMean.read_by_tasks`)
+        # the stages before this one scale their gradients too (`CountedMean.corrected_upstream`)
+        self.upstream = False
         self.externals = externals  # the tape's (slot, tensor) re-read at each replay
         self.cache: _LeafCache | None = None   # the last walk's, while it holds
 
@@ -131,6 +133,12 @@ class CountedMean(NamedTuple):
     def name(self) -> str:
         return "mean_over_count"
 
+    def corrected_upstream(self, ok: bool) -> None:
+        """Told by a pipelined graph once traced: whether the stages before this mean's scale
+        their gradients by this mean's correction (`settle_means` then `exchange_scale`):
+        they do when this is the graph's only such mean and its only loss."""
+        self.guessing.upstream = ok
+
     def read_by_tasks(self, read: bool) -> None:
         """Told by the graph once traced: whether other tasks read the value (a value computed
         with a wrong guess would reach them before the correction): then it never guesses."""
@@ -168,7 +176,7 @@ class CountedMean(NamedTuple):
         ``total / (weight * R)``, recorded in the call's ``env.means`` (`_Shares`)."""
         shares = env.means.get(self.index)
         if shares is None:   # the call's first micro-batch: R and what a correction may touch
-            shares = env.means[self.index] = _Shares(self, total, env.weight)
+            shares = env.means[self.index] = _Shares(self, total, env)
         divisor = torch.full((), env.weight * shares.divisor, dtype=self.count_dtype,
                              device=total.device)
         out = _as_dtype(total / divisor, total.dtype)
@@ -196,18 +204,20 @@ class _Shares:
     mean, the leaves it reaches are the parameters, without gradients or hooks before the
     call, and no other task reads the value; otherwise a wrong R is refused."""
 
-    __slots__ = ("divisor", "pending", "outs", "leaves", "why_not", "settled")
+    __slots__ = ("divisor", "pending", "outs", "leaves", "why_not", "upstream", "scale",
+                 "settled")
 
-    def __init__(self, node: CountedMean, total: torch.Tensor, weight: float) -> None:
-        r = node.guess / weight
+    def __init__(self, node: CountedMean, total: torch.Tensor, env: Any) -> None:
+        r = node.guess / env.weight
         self.divisor = float(round(r)) if node.exact else r
         self.pending: list = []
         self.outs: list = []
         self.settled = False
+        self.scale = 1.0   # the correction made (`exchange_scale` hands it to earlier stages)
         g = node.guessing
         grads = total.requires_grad and torch.is_grad_enabled()
-        self.leaves = g.leaves(total) if grads and g.backward_seen else []
-        self.why_not = _why_not_correctable(g, grads, self.leaves)
+        leaves = g.leaves(total) if grads and g.backward_seen else []
+        self.why_not, self.leaves, self.upstream = _correction(g, grads, leaves, env.received)
 
     def settle(self) -> None:
         """Once the last micro-batch's backward is done (or the call's forwards, without
@@ -232,32 +242,60 @@ class _Shares:
                 out.mul_(scale)
         if self.leaves:
             _rescale(self.leaves, scale)
+        self.scale = scale
 
 
-def _why_not_correctable(g: _Guessing, grads: bool, leaves: list) -> str:
-    """Why scaling afterwards would not give the exact value and gradients ('' when it
-    would): read when the call's first micro-batch runs, before any of its backwards."""
+def _correction(g: _Guessing, grads: bool, leaves: list, received: frozenset) -> tuple:
+    """(why scaling afterwards would not give the exact value and gradients, '' when it
+    would; the leaves to scale here: the parameters; whether the earlier stages of a pipeline
+    scale theirs), read when the call's first micro-batch runs, before any of its backwards.
+    ``received``: the ids of the activations this stage received."""
     if g.value_read:
-        return "other tasks of build read its value"
+        return "other tasks of build read its value", [], False
     if not grads:
-        return ""
+        return "", [], False
     if not g.backward_seen:
-        return "build does not call backward() on the mean itself"
+        return "build does not call backward() on the mean itself", [], False
     if retains_grads():
-        return "a tensor retains its gradient"
+        return "a tensor retains its gradient", [], False
+    params, upstream = leaves, False
     if g.cache is None:   # `_Guessing.leaves` keeps its walk only when the leaves are externals
-        return ("its backward reaches values other than the parameters (another stage's "
-                "activations, or inputs requiring grad), whose gradients leave before the "
-                "last micro-batch")
-    if not all(map(_correctable, leaves)):
-        return "a parameter it reaches has a gradient from before the call, or a hook"
-    return ""
+        known = {id(t._local) for _, t in g.externals if isinstance(t, GlobalTensor)}
+        params = [v for v in leaves if id(v) in known]
+        others = [v for v in leaves if id(v) not in known]
+        if any(id(v) not in received for v in others):
+            return ("its backward reaches inputs of build that require grad (each "
+                    "micro-batch's gradient leaves with it)"), [], False
+        if not g.upstream:
+            return ("its backward reaches another stage's activations, and the pipeline has "
+                    "other losses or means whose gradients its correction would scale"), [], False
+        upstream = True
+    if not all(map(_correctable, params)):
+        return "a parameter it reaches has a gradient from before the call, or a hook", [], False
+    return "", params, upstream
 
 
 def settle_means(means: dict | None) -> None:
     """`_Shares.settle` of every mean of a call (``means``: its `_Shares` by index)."""
     for shares in (means or {}).values():
         shares.settle()
+
+
+def upstream_scale(means: dict | None) -> tuple[float, bool]:
+    """(the correction this rank's settled mean hands the earlier stages of a pipeline,
+    whether this rank holds one): `settle_means` first."""
+    for shares in (means or {}).values():
+        if shares.upstream:
+            return shares.scale, True
+    return 1.0, False
+
+
+def scale_grads(params: list, scale: float) -> None:
+    """An earlier stage's part of a correction: scale the gradients of ``params`` (global
+    tensors; those without one are skipped) and drop the started all-reduces, as the stage
+    of the mean did (`_rescale`)."""
+    leaves = [p._local for p in params if p._local.grad is not None]
+    _rescale(leaves, scale)
 
 
 class _Call:

@@ -2,9 +2,10 @@
 under gradient accumulation: each micro-batch divides by its weight times the batch's guessed
 count, and the end of the last backward corrects a wrong guess (`sbpflow.nn.recorded_mean`), so
 losses and weights equal one-device torch in float64, on 1 and 2 ranks, even and uneven
-micro-batches. Where the correction cannot be exact (the value read by other tasks, backward
-on a derived loss, a pipeline), a wrong guess is refused with a GraphError before any update;
-the documented sum recipe equals torch too."""
+micro-batches, layouts dp / tp / ZeRO-3 and pipelines (the last stage hands its correction to the
+others). Where the correction cannot be exact (the value read by other tasks, backward on a
+derived loss, a pipeline with another loss), a wrong guess is refused with a GraphError before
+any update; the documented sum recipe equals torch too."""
 
 import pytest
 import torch
@@ -187,16 +188,37 @@ def test_a_graph_without_backward_gives_the_batch_mean_over_micro_batches():
         assert losses == pytest.approx([want, want], rel=1e-12)
 
 
-def _pipelined(y: torch.Tensor):
-    """Two stages (a rank each) over two micro-batches, the loss on the last."""
-    stages = [sf.placement("cpu", [0]), sf.placement("cpu", [1])]
+def _pipe_weights() -> list:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randn(5, 6, dtype=F64, generator=g), torch.randn(4, 5, dtype=F64, generator=g)]
+
+
+def _pipe_torch(y: torch.Tensor, steps: int = 2) -> list:
+    w1, w2 = (w.clone().requires_grad_(True) for w in _pipe_weights())
+    opt = torch.optim.SGD([w1, w2], lr=0.5, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(X @ w1.T @ w2.T, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return [losses, w1.detach(), w2.detach()]
+
+
+def _pipelined(y: torch.Tensor, schedule: str, dp: int, steps: int = 2,
+               aux: bool = False) -> list:
+    """Two stages (``dp`` ranks each, the batch split over them) over two micro-batches, the
+    loss on the last (``aux``: and a second backward, from a loss on the first stage's
+    weight)."""
+    stages = [sf.placement("cpu", list(range(s * dp, (s + 1) * dp))) for s in range(2)]
     model = sf.nn.Sequential(sf.nn.Linear(6, 5, bias=False, dtype=F64),
                              sf.nn.Linear(5, 4, bias=False, dtype=F64))
     with torch.no_grad():
         for p, ref in zip(model.parameters(), _pipe_weights()):
             p.copy_(sf.tensor(ref, p.placement, sf.B))
     sf.parallel.pipeline(model, stages, split=["1"])
-    opt = sf.optim.SGD(model.parameters(), lr=0.5)
+    opt = sf.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
     class Step(sf.nn.Graph):
         def __init__(self):
@@ -204,34 +226,36 @@ def _pipelined(y: torch.Tensor):
             self.model = model
             self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(2)
+            self.config.set_pipeline_schedule(schedule)
 
         def build(self, x, y):
             loss = sf.nn.functional.cross_entropy(self.model(x), y)
             loss.backward()
+            if aux:
+                (self.model[0].weight.square().sum() * 1e-3).backward()
             return loss
 
-    step = Step()
-    x, t = sf.tensor(X, stages[0], sf.B), sf.tensor(y, stages[1], sf.B)
+    step, batch = Step(), sf.S(0) if dp > 1 else sf.B
+    x, t = sf.tensor(X, stages[0], batch), sf.tensor(y, stages[1], batch)
     try:
-        loss = step(x, t).to_global(stages[1], sf.B)
+        losses = [step(x, t).to_global(stages[1], sf.B) for _ in range(steps)]
     except sf.SbpError as exc:
-        return "refused", str(exc), [p.full_tensor() for p in model.parameters()]
-    return loss, None, [p.full_tensor() for p in model.parameters()]
+        return ["refused", str(exc), *[p.full_tensor() for p in model.parameters()]]
+    on_last = sf.comm.current().rank in stages[1]
+    return [[v.local.item() for v in losses] if on_last else None,
+            *[p.full_tensor() for p in model.parameters()]]
 
 
-def _pipe_weights() -> list:
-    g = torch.Generator().manual_seed(9)
-    return [torch.randn(5, 6, dtype=F64, generator=g), torch.randn(4, 5, dtype=F64, generator=g)]
-
-
-def test_a_pipeline_refuses_ignored_targets_over_micro_batches_before_any_update():
-    """The last stage sends each micro-batch's gradients upstream before the batch's count is
-    known, so a wrong guess cannot be undone by scaling there: refused, on every stage before
-    its update."""
-    for got, text, weights in sf.launch(_pipelined, world_size=2, args=(Y_IGNORED,)):
-        assert got == "refused" and "another stage" in text, text
-        for w, ref in zip(weights, _pipe_weights()):
-            assert torch.equal(w, ref)
+@pytest.mark.parametrize("schedule,dp", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_a_pipeline_takes_ignored_targets_over_micro_batches(schedule, dp):
+    """The last stage corrects its own gradients and hands the correction to the first before
+    its update (one small all-reduce); losses and weights equal torch."""
+    want = _pipe_torch(Y_IGNORED)
+    for got in sf.launch(_pipelined, world_size=2 * dp, args=(Y_IGNORED, schedule, dp)):
+        if got[0] is not None:
+            assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
+        for a, b in zip(got[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def _mlp_torch(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list:
@@ -292,3 +316,12 @@ def test_tensor_parallel_and_zero3_take_ignored_targets_over_micro_batches(layou
         assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
         for a, b in zip(got[1:], want[1:]):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_pipeline_with_another_loss_refuses_ignored_targets_before_any_update():
+    """A second backward (a loss on the first stage) mixes its gradients with the mean's
+    upstream, where the mean's correction alone cannot be applied: refused, no update."""
+    for got in sf.launch(_pipelined, world_size=2, args=(Y_IGNORED, "1f1b", 1, 1, True)):
+        assert got[0] == "refused" and "other losses or means" in got[1], got[1]
+        for w, ref in zip(got[2:], _pipe_weights()):
+            assert torch.equal(w, ref)
