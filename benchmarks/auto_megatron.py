@@ -6,13 +6,16 @@
     .venv/bin/python benchmarks/auto_megatron.py --rows 0 1 2 3 4 5 6 --grid  # ~2 min
 
 Per row of Table 1 (Narayanan et al., SC'21; `sbpflow.auto.baselines.TABLE1`): Megatron's own
-configuration (tensor x pipeline x data, one sequence a micro-batch) evaluated on the dgx-a100
+configuration (tensor x pipeline x data, one sequence a micro-batch, full activation
+recomputation of every transformer block as the paper's runs had) evaluated on the dgx-a100
 preset, its predicted TFLOP/s a GPU (the paper's FLOP count over the predicted step time) next
 to the paper's measured figure (the PyTorch-based Megatron-LM on A100s: the reference this
 benchmark compares with; nothing is run), then `sf.auto.search` with default arguments and the
 same 80 GiB memory limit, one row at a time: the strategy found, its predicted step time over
-Megatron's, and the search's wall time on this machine. Rows above ``--search-up-to`` billion
-parameters are evaluated only. ``--grid``: under each row, the best Megatron configuration of
+Megatron's (``/ no-rc``: over Megatron's configuration without recomputation, which the paper
+did not run but which fits 80 GiB on rows 0-8), and the search's wall time on this machine.
+Rows above ``--search-up-to`` billion parameters are evaluated only. ``--no-recompute``:
+Megatron's configurations (the rows and the grid) without recomputation. ``--grid``: under each row, the best Megatron configuration of
 a grid of tp x pp x dp x micro-batches in the same cost model and memory limit (is the paper's
 within 5 % of Megatron's best, and does the search beat that?), and where Megatron's step
 goes beyond the compute floor (the work spread evenly: no strategy is faster).
@@ -78,7 +81,7 @@ def with_micro_batches(graph, cluster, result, m: int):
     return s, evaluate(graph, s, cluster)
 
 
-def megatron_grid(case, row, limit: float = 80 * GiB):
+def megatron_grid(case, row, limit: float = 80 * GiB, recompute: bool = True):
     """The best Megatron configuration in the cost model under ``limit``: tensor tp in 1, 2,
     4, 8 x pipeline pp dividing the layers x data the rest, micro-batches M dividing the
     batch with whole sequences on each data-parallel rank (M >= pp when pp > 1; with pp 1,
@@ -93,7 +96,7 @@ def megatron_grid(case, row, limit: float = 80 * GiB):
                 if row.batch % m or (row.batch // m) % dp:
                     continue
                 try:
-                    s = megatron(g, c, tp, pp, dp, m)
+                    s = megatron(g, c, tp, pp, dp, m, recompute=recompute)
                 except ValueError:
                     continue
                 b = evaluate(g, s, c, m if pp == 1 else 1)
@@ -111,21 +114,30 @@ def compute_floor(case) -> float:
     return work / (c.flops_per_device * c.compute_efficiency) / c.world_size
 
 
+def recompute_time(case) -> float:
+    """The recomputed forward of the layers Megatron's configuration recomputes, spread evenly
+    over every device at the preset's speed (0 without recomputation)."""
+    c = case.cluster
+    work = sum(l.flops for l, s in zip(case.graph.layers, case.strategy.layers) if s.recompute)
+    return work / (c.flops_per_device * c.compute_efficiency) / c.world_size
+
+
 def parts_line(case) -> str:
-    """Where Megatron's predicted step time goes beyond the compute floor: per stage (stages
-    alike, so the sums over stages / S) its tensor-parallel collectives and gradient sync, the
-    bubble, and the rest (the slowest stage's excess, stage-to-stage transfers)."""
-    b, floor = case.breakdown, compute_floor(case)
+    """Where Megatron's predicted step time goes beyond the compute floor: the recomputed
+    forward, and per stage (stages alike, so the sums over stages / S) its tensor-parallel
+    collectives and gradient sync, the bubble, and the rest (the slowest stage's excess,
+    stage-to-stage transfers)."""
+    b, floor, rc = case.breakdown, compute_floor(case), recompute_time(case)
     s = max(b.stages, 1)
     tp, gs = (b.forward_time + b.backward_time) / s, b.grad_sync_time / s
-    rest = b.time - floor - tp - gs - b.bubble_time
+    rest = b.time - floor - rc - tp - gs - b.bubble_time
     return (f"      Megatron's step: compute floor {floor:.2f} s ({b.time / floor:.3f}x it), "
-            f"tp collectives {tp:.2f}, grad sync {gs:.2f}, bubble {b.bubble_time:.2f}, "
-            f"rest {rest:.2f}; 0.95x is {0.95 * b.time:.2f} s")
+            f"recompute {rc:.2f}, tp collectives {tp:.2f}, grad sync {gs:.2f}, bubble "
+            f"{b.bubble_time:.2f}, rest {rest:.2f}; 0.95x is {0.95 * b.time:.2f} s")
 
 
-def grid_line(case, row) -> str:
-    best = megatron_grid(case, row)
+def grid_line(case, row, recompute: bool) -> str:
+    best = megatron_grid(case, row, recompute=recompute)
     if best is None:
         return "      best Megatron config in the model: none fits"
     t, tp, pp, dp, m = best
@@ -133,8 +145,8 @@ def grid_line(case, row) -> str:
             f"{t / case.breakdown.time:.3f}x the paper's")
 
 
-def row_line(i: int, row, search: bool, budget) -> str:
-    case = table1_case(row)
+def row_line(i: int, row, search: bool, budget, recompute: bool) -> str:
+    case = table1_case(row, recompute=recompute)
     b = case.breakdown
     cfg = f"t{row.tp} p{row.pp} d{row.dp} m{case.micro_batches}"
     mem = b.memory["total"] / GiB
@@ -149,9 +161,10 @@ def row_line(i: int, row, search: bool, budget) -> str:
     m = whole_sequences(r.strategy, r.micro_batches)
     _, vb = with_micro_batches(case.graph, case.cluster, r, m)
     vfits = "" if vb.memory["total"] <= 80 * GiB else " DOES NOT FIT"
+    plain = table1_case(row, recompute=False).breakdown.time
     return (head + f"  {describe(r):<44}{r.breakdown.time:>9.2f}"
             f"{r.breakdown.time / b.time:>7.3f}{m:>6}{vb.time / b.time:>7.3f}{vfits}"
-            f"{wall:>8.0f}{fits}")
+            f"{r.breakdown.time / plain:>8.3f}{wall:>8.0f}{fits}")
 
 
 def main(argv=None) -> None:
@@ -162,6 +175,8 @@ def main(argv=None) -> None:
                     help="search rows up to this many billion parameters (default 175)")
     ap.add_argument("--grid", action="store_true",
                     help="also the best Megatron tp x pp x dp x M in the cost model, a row")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="Megatron's configurations without activation recomputation")
     ap.add_argument("--budget", type=float, default=None,
                     help="search budget_s a row (default: none, the search's default)")
     a = ap.parse_args(argv)
@@ -170,17 +185,20 @@ def main(argv=None) -> None:
           f"{c.compute_efficiency}, NVLink {1 / c.intra.beta / 1e9:.0f} GB/s, "
           f"{1 / c.inter.beta / 1e9:.1f} GB/s between nodes a device, "
           f"{c.memory_per_device / GiB:.0f} GiB")
+    rc = not a.no_recompute
+    print(f"Megatron's configurations {'with full' if rc else 'without'} activation "
+          "recomputation")
     print(f"{'row':>3} {'params':>8} {'GPUs':>5} {'Megatron config':<20}{'paper':>7}{'pred':>8}"
           f"{'ratio':>7}{'step s':>9}{'GiB':>7}  {'found (search, default arguments)':<44}"
-          f"{'step s':>9}{'/ Meg':>7}{'m ok':>6}{'/ Meg':>7}{'wall s':>8}")
+          f"{'step s':>9}{'/ Meg':>7}{'m ok':>6}{'/ Meg':>7}{'/ no-rc':>8}{'wall s':>8}")
     for i in (a.rows if a.rows else range(len(TABLE1))):
         row = TABLE1[i]
         search = not a.no_search and row.params_b <= a.search_up_to
-        print(row_line(i, row, search, a.budget), flush=True)
+        print(row_line(i, row, search, a.budget, rc), flush=True)
         if a.grid:
-            case = table1_case(row)
+            case = table1_case(row, recompute=rc)
             print(parts_line(case), flush=True)
-            print(grid_line(case, row), flush=True)
+            print(grid_line(case, row, rc), flush=True)
 
 
 if __name__ == "__main__":

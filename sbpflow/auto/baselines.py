@@ -18,7 +18,8 @@ from .pipeline_cost import evaluate as evaluate_any
 from .space import Pipeline, Strategy, check_whole_sequences, make_layer_strategy
 
 __all__ = ["data_parallel", "megatron", "megatron_pipeline", "megatron_layers",
-           "best_megatron", "megatron_stages", "megatron_flops",
+           "best_megatron", "megatron_stages", "megatron_flops", "block_layers",
+           "full_recompute",
            "MegatronRow", "TABLE1", "MegatronCase", "table1_case"]
 
 
@@ -65,6 +66,27 @@ def megatron_layers(graph, tp: int, dp: int) -> list:
     return _tensor_data(graph, tp, dp, list(graph.layers))
 
 
+def block_layers(graph) -> list:
+    """Indices of the layers of ``graph``'s repeated blocks: those whose key occurs as often as
+    the most repeated key, when that is more than once (a GPT's transformer-block layers: not
+    its embedding or head)."""
+    counts: dict = {}
+    for l in graph.layers:
+        counts[l.key] = counts.get(l.key, 0) + 1
+    most = max(counts.values(), default=0)
+    return [i for i, l in enumerate(graph.layers) if most > 1 and counts[l.key] == most]
+
+
+def full_recompute(strategy: Strategy) -> Strategy:
+    """``strategy`` with Megatron-LM's full activation recomputation: every layer of a repeated
+    block (`block_layers`) keeps only its input for backward and runs its forward again there
+    (``LayerStrategy.recompute``); the other layers as they were."""
+    blocks = set(block_layers(strategy.graph))
+    layers = [dataclasses.replace(s, recompute=True) if i in blocks else s
+              for i, s in enumerate(strategy.layers)]
+    return Strategy(strategy.graph, layers, strategy.pipeline)
+
+
 def megatron_stages(graph, pp: int) -> list:
     """Where Megatron's ``pp`` stages start: equal numbers of the most repeated layer (a GPT's
     transformer blocks) a stage, the embedding in the first and the head in the last; when the
@@ -99,13 +121,15 @@ def _check(graph, p: int, tp: int, pp: int, dp: int, micro_batches: int) -> None
 
 
 def megatron(graph, cluster, tp: int, pp: int = 1, dp: int | None = None,
-             micro_batches: int = 1) -> Strategy:
+             micro_batches: int = 1, recompute: bool = False) -> Strategy:
     """Megatron-LM's configuration tensor ``tp`` x pipeline ``pp`` x data ``dp`` (default: the
     rest of the devices) as a Strategy. ``pp > 1``: the chain cut into ``pp`` stages
     (`megatron_stages`) of ``tp * dp`` consecutive ranks each, ``micro_batches`` a step run
     1F1B (the strategy's `Pipeline`). ``pp == 1``: one stage; ``micro_batches`` is then
     gradient accumulation, which a Strategy does not carry: evaluate with
-    ``evaluate(graph, s, cluster, micro_batches)``. ValueError when tp x pp x dp is not the
+    ``evaluate(graph, s, cluster, micro_batches)``. ``recompute``: Megatron's full activation
+    recomputation of every transformer block (`full_recompute`), as the paper's runs used.
+    ValueError when tp x pp x dp is not the
     device count, tp does not divide the heads, or the stages do not tile whole nodes (or
     equal parts of one)."""
     p = cluster.world_size
@@ -117,11 +141,13 @@ def megatron(graph, cluster, tp: int, pp: int = 1, dp: int | None = None,
     _check(graph, p, tp, pp, dp, micro_batches)
     check_whole_sequences(graph, micro_batches)
     if pp == 1:
-        return _tensor_data(graph, tp, dp)
-    if sub_cluster(cluster, tp * dp) is None:
+        s = _tensor_data(graph, tp, dp)
+    elif sub_cluster(cluster, tp * dp) is None:
         raise ValueError(f"{pp} stages of {tp * dp} devices do not tile {cluster} by whole "
                          "nodes or equal parts of a node")
-    return megatron_pipeline(graph, tp, dp, megatron_stages(graph, pp), micro_batches)
+    else:
+        s = megatron_pipeline(graph, tp, dp, megatron_stages(graph, pp), micro_batches)
+    return full_recompute(s) if recompute else s
 
 
 def megatron_pipeline(graph, tp: int, dp: int, starts: list, micro_batches: int,
@@ -217,14 +243,17 @@ class MegatronCase(NamedTuple):
 
 
 def table1_case(row: MegatronRow, preset: str = "dgx-a100", seq: int = 2048,
-                vocab: int = 51200, **cluster_overrides) -> MegatronCase:
+                vocab: int = 51200, recompute: bool = True,
+                **cluster_overrides) -> MegatronCase:
     """Row ``row`` of `TABLE1` on ``row.gpus / 8`` nodes of ``preset``: the GPT graph, Megatron's
-    configuration with one sequence a micro-batch (Table 1 does not give the micro-batch size),
-    evaluated; its predicted TFLOP/s a GPU is `megatron_flops` over the step time."""
+    configuration with one sequence a micro-batch (Table 1 does not give the micro-batch size)
+    and, as the paper's runs had (its FLOP count includes it), full activation recomputation
+    of every transformer block (``recompute=False``: none), evaluated; its predicted TFLOP/s a
+    GPU is `megatron_flops` over the step time."""
     g = model_graphs.gpt(row.layers, row.hidden, row.heads, seq, row.batch, vocab)
     c = Cluster.preset(preset, nodes=row.gpus // 8, **cluster_overrides)
     m = row.batch // row.dp
-    s = megatron(g, c, row.tp, row.pp, row.dp, m)
+    s = megatron(g, c, row.tp, row.pp, row.dp, m, recompute=recompute)
     b = evaluate_any(g, s, c, m if row.pp == 1 else 1)
     tf = megatron_flops(row.batch, seq, row.layers, row.hidden, vocab) / b.time / row.gpus
     return MegatronCase(g, c, s, m, b, tf / 1e12)

@@ -99,12 +99,13 @@ def _link(value: Any, what: str) -> Link:
 PRESETS: dict[str, dict] = {
     # DGX A100: 8 A100-80GB a node on NVLink 3 / NVSwitch (~240 GB/s bus bandwidth a GPU as
     # NCCL measures it, ~3 us latency); 100 Gb/s (12.5 GB/s) between nodes a device, ~10 us.
-    # flops: A100 dense bf16/fp16 tensor-core peak, 312 TFLOP/s, of which layers achieve 0.44:
+    # flops: A100 dense bf16/fp16 tensor-core peak, 312 TFLOP/s, of which layers achieve 0.58:
     # fitted once, the geometric mean over the 10 rows of the Megatron-LM paper's Table 1 of
-    # predicted / measured TFLOP/s being 1 (docs/auto.md, 'Against Megatron-LM').
+    # predicted / measured TFLOP/s being 1, each row's configuration run as the paper ran it,
+    # with full activation recomputation (docs/auto.md, 'Against Megatron-LM').
     "dgx-a100": dict(devices_per_node=8, intra=(3e-6, 1 / 240e9), inter=(1e-5, 1 / 12.5e9),
                      memory_per_device=80 * GiB, flops_per_device=312e12,
-                     compute_efficiency=0.44),
+                     compute_efficiency=0.58),
     # A supercomputer with one GPU a node (Piz Daint-like: one P100-16GB a node, Cray Aries
     # dragonfly, ~1.5 us MPI latency, ~10 GB/s injection bandwidth a node). intra is never used
     # (a one-rank group costs nothing); it is set to PCIe 3 x16 figures for completeness.

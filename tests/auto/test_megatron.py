@@ -6,7 +6,8 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs
-from sbpflow.auto.baselines import (TABLE1, megatron, megatron_flops, megatron_layers,
+from sbpflow.auto.baselines import (TABLE1, block_layers, full_recompute, megatron,
+                                    megatron_flops, megatron_layers,
                                     megatron_pipeline, megatron_stages, table1_case)
 from sbpflow.auto.interop import explored_counts, micro_batch_ladder, one_stage_floor
 from sbpflow.auto.space import splits_sequences
@@ -138,3 +139,35 @@ def test_search_is_no_worse_than_megatrons_best_pipeline(d_model, seq, batch):
     r = sf.auto.search(g, c, memory_limit=limit)
     assert r.fits and r.strategy.pipeline is not None
     assert r.breakdown.time <= best[0] * (1 + 1e-9)
+
+
+def test_full_recompute_is_the_blocks_forward_once_more():
+    # Megatron's full activation recomputation: every transformer-block layer (not the
+    # embedding, not the head) keeps only its input and runs its forward again in backward
+    g, c = small()
+    names = [l.name for i, l in enumerate(g.layers) if i in set(block_layers(g))]
+    assert names == [f"h{b}.{x}" for b in range(4) for x in ("qkv", "attn", "proj", "fc1", "fc2")]
+    for pp, m in ((1, 1), (2, 4)):
+        plain = megatron(g, c, tp=4, pp=pp, micro_batches=m)
+        rc = megatron(g, c, tp=4, pp=pp, micro_batches=m, recompute=True)
+        assert rc == full_recompute(plain) and rc.pipeline == plain.pipeline
+        assert [s.recompute for s in rc.layers] == [n in names for n in (l.name for l in g.layers)]
+        a, b = sf.auto.evaluate(g, plain, c), sf.auto.evaluate(g, rc, c)
+        for l in g.layers:   # forward + backward is 3 forwards; recomputation adds one
+            ratio = b.per_layer[l.name]["compute"] / a.per_layer[l.name]["compute"]
+            assert ratio == pytest.approx(4 / 3 if l.name in names else 1.0)
+        assert b.time > a.time and b.memory["activations"] < a.memory["activations"]
+
+
+def test_table1_cases_recompute_as_the_paper_ran():
+    row = TABLE1[4]
+    case, plain = table1_case(row), table1_case(row, recompute=False)
+    assert all(s.recompute == (l.name not in ("embed", "head")) for l, s in
+               zip(case.graph.layers, case.strategy.layers))
+    assert not any(s.recompute for s in plain.strategy.layers)
+    assert case.breakdown.time > plain.breakdown.time
+    # the 1T row fits an 80 GB A100 as it did in the paper's run (not without recomputation)
+    big = table1_case(TABLE1[9])
+    assert max(big.breakdown.stage_memory) <= big.cluster.memory_per_device
+    assert max(table1_case(TABLE1[9], recompute=False).breakdown.stage_memory) > \
+        big.cluster.memory_per_device
