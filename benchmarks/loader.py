@@ -16,7 +16,10 @@ outside it). ``--backend torch`` runs the ranks as gloo processes instead, as de
 rank's Python under its own GIL; the CPU time is then rank 0's process):
 
     .venv/bin/python benchmarks/loader.py [--ranks 2] [--batch 64] [--hidden 256,1024]
-        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers 0] [--backend threads] [--consumer]
+        [--epochs 3] [--rounds 3] [--prefetch 2] [--workers N] [--backend threads] [--consumer]
+
+``--workers`` defaults to the loader's own default (one loading process a rank where the
+platform forks); ``--workers 0`` measures the loading thread.
 
 ``--consumer`` prints instead what taking a batch costs the rank's thread (its CPU time in
 ``next(iterator)``, median of epochs), the loader iterated beside a 2 ms sleep for a step,
@@ -185,20 +188,23 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefetch", type=int, default=2)
-    p.add_argument("--workers", type=int, default=0,
-                   help="loading processes a rank (DataLoader(workers=)); 0: a thread")
+    p.add_argument("--workers", type=int, default=None,
+                   help="loading processes a rank (DataLoader(workers=)); 0: a thread; "
+                        "default: the loader's (one process a rank where the platform forks)")
     p.add_argument("--backend", choices=("threads", "torch"), default="threads",
                    help="ranks as threads of this process, or as gloo processes (one GIL each)")
     p.add_argument("--consumer", action="store_true",
                    help="print the rank thread's CPU a batch taken, not the training rates")
     args = p.parse_args()
+    args.shown_workers = sf.data.DataLoader(  # what the loader makes of --workers
+        [0], 1, sf.placement("cpu", [0]), prefetch=args.prefetch, workers=args.workers).workers
     torch.set_num_threads(1)  # kernels on the rank threads: no intra-op pool on 2 cores
     ds = Digits()
     if args.consumer:
         costs = sf.launch(_consumer, args.ranks, args=(ds, args))
         print(f"digits, batch {args.batch}, {args.ranks} thread ranks, prefetch {args.prefetch}, "
-              f"{args.workers or 'no'} worker processes a rank: the rank thread's CPU a batch "
-              "taken: " + ", ".join(f"{c:.0f} us" for c, _ in costs) + "; loading a batch "
+              f"{args.shown_workers or 'no'} worker processes a rank: the rank thread's CPU a "
+              "batch taken: " + ", ".join(f"{c:.0f} us" for c, _ in costs) + "; loading a batch "
               "(read, stack, cut; warm): " + ", ".join(f"{c:.0f} us" for _, c in costs))
         return
     for hidden in (int(h) for h in args.hidden.split(",")):
@@ -206,7 +212,7 @@ def main() -> None:
         ranks = "thread ranks" if args.backend == "threads" else "gloo processes"
         print(f"digits: {len(ds)} samples, batch {args.batch}, {args.ranks} {ranks}, "
               f"MLP 64-{hidden}-{hidden}-10, prefetch {args.prefetch}, "
-              f"{args.workers or 'no'} worker processes a rank; "
+              f"{args.shown_workers or 'no'} worker processes a rank; "
               f"{len(times['loader'])} epochs each, alternated (medians)")
         _report(times)
 

@@ -1,15 +1,19 @@
 """``sf.data.DataLoader``: the batches of a map-style dataset as global tensors on a placement.
 
 Every rank runs the loader and reads only the samples of its shard of each logical batch; the
-batches are the same whatever the placement (`batch_order`). A background thread a rank loads
-at most ``prefetch`` batches ahead (`prefetch.Prefetcher`); the global tensors are made on the
-consumer with `from_local` (no communication). Called (``loader()``), it gives the next batch
-and goes on into the next epoch; inside an ``sf.nn.Graph``'s ``build`` that call is the graph's
-loading actor. See docs/runtime.md, 'Data loading'.
+batches are the same whatever the placement (`batch_order`). Worker processes
+(`worker_pool.WorkerPool`; one a rank by default, where the platform forks) or a background
+thread a rank (`prefetch.Prefetcher`, ``workers=0``) load at most ``prefetch`` batches ahead;
+the global tensors are made on the consumer with `from_local` (no communication). Called
+(``loader()``), it gives the next batch and goes on into the next epoch; inside an
+``sf.nn.Graph``'s ``build`` that call is the graph's loading actor. See docs/runtime.md,
+'Data loading'.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 import threading
 from functools import partial
 from typing import Any
@@ -37,6 +41,22 @@ def _positive_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _workers(workers: Any, prefetch: int) -> int:
+    """The loading processes a rank: ``workers`` as given, or for ``None`` (the default) one
+    where a forked process can load, else 0 (the loading thread). A thread's Python (the
+    dataset's ``__getitem__``, stacking) runs under the rank's GIL and adds to every step;
+    a process runs beside it (benchmarks/loader.py: a thread cannot reach 0.95 of the
+    in-memory throughput on a step of Python dispatch, a process does). No process off Linux
+    (no fork, or an unsafe one), when CUDA is initialised in this process (a forked child
+    cannot use it) or with ``prefetch=0`` (asked for: each batch on demand, in the caller's
+    thread)."""
+    if workers is None:  # macOS offers fork, but a forked child of threads may crash there
+        forks = sys.platform.startswith("linux") and \
+            "fork" in multiprocessing.get_all_start_methods()
+        return int(prefetch > 0 and forks and not torch.cuda.is_initialized())
+    return _positive_int("workers", workers, 0)
+
+
 def _check_dataset(dataset: Any) -> None:
     if isinstance(dataset, torch.utils.data.IterableDataset) or not (
             hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
@@ -59,13 +79,16 @@ class DataLoader:
     thread is bounded by ``timeout`` (default the world's collective timeout,
     ``SBPFLOW_TIMEOUT``). ``workers=k > 0`` loads in ``k`` forked processes a rank instead
     (kept from epoch to epoch, at most ``max(prefetch, 1)`` batches ahead), as torch's
-    ``num_workers``: the dataset's Python then runs beside the rank's, not under its GIL.
+    ``num_workers``: the dataset's Python then runs beside the rank's, not under its GIL, and
+    reads the forked copy of the dataset. The default (``workers=None``) is one process a rank
+    where that works (`_workers`: the platform forks, CUDA is not initialised, ``prefetch >
+    0``), else the thread; ``workers=0`` asks for the thread (the rank's own dataset object).
     """
 
     def __init__(self, dataset: Any, batch_size: int, placement: Placement,
                  sbp: SbpLike = S(0), shuffle: bool = True, seed: int = 0,
                  drop_last: bool = True, prefetch: int = 2,
-                 timeout: float | None = None, workers: int = 0) -> None:
+                 timeout: float | None = None, workers: int | None = None) -> None:
         _check_dataset(dataset)
         if not isinstance(placement, Placement):
             raise DataLoaderConfigError(f"DataLoader: expected an sf.placement, got "
@@ -80,7 +103,7 @@ class DataLoader:
         self.dataset, self.placement, self.sbp = dataset, placement, nd
         self.batch_size = _positive_int("batch_size", batch_size, 1)
         self.prefetch = _positive_int("prefetch", prefetch, 0)
-        self.workers = _positive_int("workers", workers, 0)
+        self.workers = _workers(workers, self.prefetch)
         self._pools: dict[int, WorkerPool] = {}  # a rank's worker processes (workers > 0)
         self._pools_lock = threading.Lock()
         if not isinstance(seed, int) or isinstance(seed, bool):

@@ -9,8 +9,10 @@ The hot path has no pickle: a grant is one 20-byte write to the worker's pipe; t
 writes the batch's shards into one of its shared-memory slots (files made before the fork,
 grown by the worker) and answers with a small fixed header; the consumer copies the slot out
 (one copy, then a numpy view a tensor). The shards' dtypes and shapes travel (pickled) only
-when they change. An error travels as its message (`DataLoaderError`). A worker ends when
-its pool is closed or garbage, when its rank's process ends, or when its parent is gone.
+when they change. An error travels as its class (sbpflow's own, else `DataLoaderError`), its
+message and, when it pickles, its cause (the dataset's exception, as with the loading thread).
+A worker ends when its pool is closed or garbage, when its rank's process ends, or when its
+parent is gone.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import DataLoaderError
+from ..errors import DataLoaderError, SbpError
 from .collate import ItemForm, Shards
 
 __all__ = ["WorkerPool", "Feed"]
@@ -104,6 +106,35 @@ def _store(job: Callable[[int], Shards], b: int, slot: int, last: list) -> tuple
     return _NEW_LAYOUT, pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _failure(exc: BaseException) -> bytes:
+    """A worker's error for the consumer, pickled: ``(class, message, pickled cause or b"")``.
+    The class is kept for sbpflow's own errors (the loader's checks: `ShapeError`,
+    `SplitAxisError`, `DataLoaderError`, ..., raised as with the loading thread), else
+    `DataLoaderError` with the exception's type in the message. The cause is the original
+    exception (a failing ``__getitem__``'s own, which the loader wrapped; pickle keeps no
+    ``__cause__``, so it travels by itself); b"" when it does not pickle."""
+    ours = isinstance(exc, SbpError)
+    cause = exc.__cause__ if ours and exc.__cause__ is not None else (None if ours else exc)
+    try:
+        blob = b"" if cause is None else pickle.dumps(cause, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an unpicklable exception travels as its message only
+        blob = b""
+    message = str(exc) if ours else f"{type(exc).__name__}: {exc}"
+    return pickle.dumps((type(exc) if ours else DataLoaderError, message, blob),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _failed(extra: bytes) -> tuple[type, str, BaseException | None]:
+    """`_failure`'s ``(class, message, cause or None)`` on the consumer (no cause when it did
+    not pickle or does not unpickle, e.g. a class whose constructor takes other arguments)."""
+    cls, message, blob = pickle.loads(extra)
+    try:
+        cause = pickle.loads(blob) if blob else None
+    except Exception:  # noqa: BLE001 - the message still names the error
+        cause = None
+    return cls, message, cause if isinstance(cause, BaseException) else None
+
+
 def _serve(grants: int, out: int, fds: list[int], k: int,
            make_job: Callable[[int], Callable[[int], Shards]], parent: int) -> None:
     """A worker's loop: an epoch record switches to that epoch's batches, a grant of batch b
@@ -139,8 +170,7 @@ def _serve(grants: int, out: int, fds: list[int], k: int,
                 try:
                     status, extra = _store(job, value, fds[j], last)
                 except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                    status = _FAILED
-                    extra = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+                    status, extra = _FAILED, _failure(exc)
                 try:
                     _write_all(out, _REPLY.pack(gen, value, status, j, len(extra)) + extra)
                 except OSError:  # the consumer's end is closed
@@ -246,7 +276,7 @@ class WorkerPool:
             extra = bytes(buf[at + _REPLY.size:at + _REPLY.size + n])
             at += _REPLY.size + n
             if status == _FAILED:
-                out.append((gen, b, False, extra.decode("utf-8", "replace")))
+                out.append((gen, b, False, _failed(extra)))
                 continue
             if status == _NEW_LAYOUT:
                 self.layouts[i] = pickle.loads(extra)
@@ -340,8 +370,9 @@ class Feed:
                                       f"(SBPFLOW_TIMEOUT or DataLoader(timeout=))")
         ok, value = got
         if not ok:
-            raise DataLoaderError(f"DataLoader: worker process {self.pool.procs[i].name}: "
-                                  f"{value}")
+            cls, message, cause = value
+            raise cls(f"DataLoader: worker process {self.pool.procs[i].name}: {message}") \
+                from cause
         if self.granted < self.count:
             self._grant()
         return value

@@ -33,13 +33,14 @@ def torch_batches(ds, batch_size: int, epoch: int = 0, drop_last: bool = False,
     return list(batch_sampler), [v if isinstance(v, list) else [v] for v in values]
 
 
-def _launch_loader(ds, batch_size, ranks, sbp, world, drop_last, prefetch, epoch=0):
+def _launch_loader(ds, batch_size, ranks, sbp, world, drop_last, prefetch, epoch=0,
+                   workers=None):
     """Per rank: [(full value, local shard, sbp, shape) per element] per batch, len(loader)."""
     pl = sf.placement("cpu", ranks)
 
     def fn():
         loader = sf.data.DataLoader(ds, batch_size, pl, sbp=sbp, seed=SEED,
-                                    drop_last=drop_last, prefetch=prefetch)
+                                    drop_last=drop_last, prefetch=prefetch, workers=workers)
         loader.set_epoch(epoch)
         out = []
         for batch in loader:
@@ -64,14 +65,14 @@ LAYOUTS = {
 }
 
 
-def _check_reads(ds, pl, index_batches, results) -> None:
+def _check_reads(all_reads, pl, index_batches, results) -> None:
     """Each rank read, for each batch, exactly the samples its shard holds (whose index its
     values encode) — or, with no rows, the batch's first sample (for the shapes) — each once;
     the ranks together read the whole batch."""
     for b, idx in enumerate(index_batches):
         union = set()
         for r, (batches, _) in enumerate(results):
-            reads = [i for rr, i in ds.reads if rr == r and i in set(idx)]
+            reads = [i for rr, i in all_reads if rr == r and i in set(idx)]
             local = batches[b][0][1]
             held = set((local // 100).long().flatten().tolist()) if r in pl else set()
             want = held if held else {idx[0]}
@@ -80,15 +81,22 @@ def _check_reads(ds, pl, index_batches, results) -> None:
         assert union == set(idx), (b, union, idx)
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
+# (prefetch, workers): on demand in the rank thread, a loading thread, the default (a
+# loading process a rank where the platform forks)
+FEEDS = {"on-demand": (0, None), "thread": (2, 0), "default": (2, None)}
+
+
+@pytest.mark.parametrize("feed", list(FEEDS))
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_batches_equal_torch_and_ranks_read_their_shard(name, drop_last, prefetch):
+def test_batches_equal_torch_and_ranks_read_their_shard(name, drop_last, feed, tmp_path):
     ranks, sbp, world, n, bs, tuples = LAYOUTS[name]
     index_batches, ref = torch_batches(Encoded(n, tuples), bs, drop_last=drop_last)
     assert len(ref[-1][0]) != bs or drop_last   # the last batch is a smaller one
-    ds = Encoded(n, tuples)
-    pl, results = _launch_loader(ds, bs, ranks, sbp, world, drop_last, prefetch)
+    ds = Encoded(n, tuples, log=str(tmp_path / "reads"))
+    prefetch, workers = FEEDS[feed]
+    pl, results = _launch_loader(ds, bs, ranks, sbp, world, drop_last, prefetch,
+                                 workers=workers)
     nd = parse_nd_sbp(sbp, pl.ndim)
     for batches, length in results:
         assert length == len(ref) == len(batches)
@@ -97,7 +105,7 @@ def test_batches_equal_torch_and_ranks_read_their_shard(name, drop_last, prefetc
             for (full, _, t_sbp, shape), value in zip(got, want):
                 assert t_sbp == nd and tuple(shape) == tuple(value.shape)
                 assert full.dtype == value.dtype and torch.equal(full, value)
-    _check_reads(ds, pl, index_batches, results)
+    _check_reads(ds.logged_reads(), pl, index_batches, results)
 
 
 def test_split_of_a_scalar_element_names_its_shape():
@@ -242,7 +250,7 @@ def test_prefetch_loads_at_most_its_budget_ahead(prefetch):
     def fn():
         me, seen = sf.rank(), []
         loader = sf.data.DataLoader(ds, bs, sf.placement("cpu", [0, 1]), seed=SEED,
-                                    prefetch=prefetch)
+                                    prefetch=prefetch, workers=0)   # the loading thread
         before = set(threading.enumerate())
         thread = None
         for k, _ in enumerate(loader):
@@ -264,14 +272,17 @@ def test_a_failing_sample_raises_on_the_consumer_naming_it():
     index_batches, _ = torch_batches(Encoded(16), 4)
     bad_batch = _batch_of(index_batches)[13]
 
-    for prefetch in (0, 2):
+    for prefetch, workers in FEEDS.values():  # the cause reaches the consumer in every mode
         yielded = []
 
         def fn():
             loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0]), seed=SEED,
-                                        prefetch=prefetch)
-            for _ in loader:
-                yielded.append(1)
+                                        prefetch=prefetch, workers=workers)
+            try:
+                for _ in loader:
+                    yielded.append(1)
+            finally:
+                loader.close()
 
         with pytest.raises(sf.DataLoaderError, match=rf"sample 13 \(batch {bad_batch} of "
                                                      rf"epoch 0 on rank 0\)") as info:
@@ -294,14 +305,14 @@ def _stopped(threads, seconds: float = 30.0) -> bool:
 def test_abandoned_iteration_stops_its_thread():
     pl = sf.placement("cpu", [0])
     before = _data_threads()
-    it = iter(sf.data.DataLoader(Encoded(50), 2, pl))   # the loader itself is garbage too
+    it = iter(sf.data.DataLoader(Encoded(50), 2, pl, workers=0))   # the loader is garbage too
     next(it)
     started = _data_threads() - before
     assert len(started) == 1 and all(t.is_alive() for t in started)
     del it
     gc.collect()
     assert _stopped(started)
-    loader = sf.data.DataLoader(Encoded(50), 2, pl)
+    loader = sf.data.DataLoader(Encoded(50), 2, pl, workers=0)
     for _ in loader:                                    # a loop left by break
         break
     assert _stopped(_data_threads() - before)
@@ -317,7 +328,7 @@ def test_the_thread_stops_when_its_rank_ends():
     before = _data_threads()
 
     def fn():
-        it = iter(sf.data.DataLoader(Encoded(50), 2, sf.placement("cpu", [0, 1])))
+        it = iter(sf.data.DataLoader(Encoded(50), 2, sf.placement("cpu", [0, 1]), workers=0))
         next(it)
         return it
 
@@ -338,7 +349,7 @@ def test_a_hung_sample_times_out_naming_it():
             return super().__getitem__(i)
 
     loader = sf.data.DataLoader(Hung(8), 8, sf.placement("cpu", [0]), shuffle=False,
-                                timeout=0.3)
+                                timeout=0.3, workers=0)
     start = time.monotonic()
     try:
         with pytest.raises(sf.DataLoaderError, match=r"waited 0.3 s for batch 0 .*reading "
@@ -391,7 +402,7 @@ def test_single_values_numbers_and_getitems():
             return [(float(i), i, bool(i % 2)) for i in indices]
 
     pl = sf.placement("cpu", [0])
-    x, i, odd = next(iter(sf.data.DataLoader(Batched(6), 3, pl, shuffle=False)))
+    x, i, odd = next(iter(sf.data.DataLoader(Batched(6), 3, pl, shuffle=False, workers=0)))
     assert (x.dtype, i.dtype, odd.dtype) == (torch.float64, torch.int64, torch.bool)
     assert x.local.tolist() == [0.0, 1.0, 2.0] and Batched.calls[0] == [0, 1, 2]
     single = next(iter(sf.data.DataLoader(Encoded(6, tuples=False), 3, pl, shuffle=False)))

@@ -6,6 +6,7 @@ slots (fork safety); closing ends the workers."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections import namedtuple
 import signal
@@ -191,3 +192,77 @@ def test_items_keep_their_structure_as_torch_does(kind, workers):
             assert sbp == (sf.S(0),) and torch.equal(value, ref[k]), (kind, k)
         if kind == "namedtuple":
             assert torch.equal(label, ref.label)
+
+
+def test_the_default_is_a_loading_process_where_the_platform_forks(monkeypatch):
+    """``workers=None`` (the default): one process a rank, but the loading thread with
+    ``prefetch=0`` (each batch on demand, in the caller), where the platform cannot fork or
+    once CUDA is initialised (a forked child cannot use it); a given count is kept. The
+    default loader's batches equal torch's and its processes end with ``close``."""
+    pl = sf.placement("cpu", [0])
+    ds = Encoded(12)
+    assert sf.data.DataLoader(ds, 4, pl).workers == 1
+    assert sf.data.DataLoader(ds, 4, pl, prefetch=0).workers == 0
+    assert [sf.data.DataLoader(ds, 4, pl, workers=k).workers for k in (0, 2)] == [0, 2]
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert sf.data.DataLoader(ds, 4, pl).workers == 0
+    with monkeypatch.context() as m:
+        m.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+        assert sf.data.DataLoader(ds, 4, pl).workers == 0
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, pl, shuffle=False)
+        got = [(x.full_tensor(), y.full_tensor()) for x, y in loader]
+        procs = list(loader._pools[0].procs)
+        loader.close()
+        return got, procs
+
+    got, procs = sf.launch(fn, 1)[0]
+    want = _torch(Encoded(12), 4)
+    assert len(got) == len(want) == 3 and len(procs) == 1
+    assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(got, want))
+    for p in procs:
+        p.join(10)
+    assert not any(p.is_alive() for p in procs)
+
+
+class _Unpicklable(Exception):
+    """An exception whose class takes two arguments: it pickles but does not unpickle."""
+
+    def __init__(self, a, b) -> None:
+        super().__init__(f"{a} and {b}")
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc,cause", [(KeyError("k"), KeyError), (_Unpicklable(1, 2), None)])
+def test_a_worker_error_keeps_its_cause_when_it_can(exc, cause):
+    """A failing ``__getitem__`` in a worker: `DataLoaderError` naming the worker and the
+    sample, with the dataset's exception as its cause (as with the loading thread), or none
+    when that exception does not come back through pickle (its message still named)."""
+    def fn():
+        loader = sf.data.DataLoader(_Failing(exc), 2, sf.placement("cpu", [0]), shuffle=False,
+                                    workers=1)
+        try:
+            next(iter(loader))
+        finally:
+            loader.close()
+
+    with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker0:"
+                                                 r".*reading sample 0 .*" + type(exc).__name__
+                       ) as info:
+        sf.launch(fn, 1)
+    if cause is None:
+        assert info.value.__cause__ is None
+    else:
+        assert isinstance(info.value.__cause__, cause) and info.value.__cause__.args == ("k",)
