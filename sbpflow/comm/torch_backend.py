@@ -16,6 +16,7 @@ import threading
 import traceback
 import weakref
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -318,6 +319,10 @@ class TorchCommunicator(Communicator):
         """Point-to-point on the default group, all posted at once (``batch_isend_irecv``).
         Messages travel through host memory (gloo), or all through the GPU (NCCL) when the
         default group has NCCL, whatever device each side's tensor is on."""
+        if len(sends) + len(recvs) == 1 and not self.nccl and self.world_pg is not None:
+            one = self._one_message(sends, recvs)
+            if one is not None:
+                return one
         wire = self.device("cuda") if self.nccl else torch.device("cpu")
         ops: list[dist.P2POp] = []
         for dst, t in sends:
@@ -349,6 +354,28 @@ class TorchCommunicator(Communicator):
             self._run(f"exchange with ranks {peers}", peers, None,
                       lambda: dist.batch_isend_irecv(ops))
         return [o[0].to(o[1]) if isinstance(o, tuple) else o for o in out]
+
+    def _one_message(self, sends, recvs) -> list[torch.Tensor] | None:
+        """The exchange of one gloo message between host tensors and another rank (a
+        stage-to-stage transfer): the default group's own ``send`` / ``recv`` with tag 0, the
+        call ``batch_isend_irecv`` makes for a one-op list, without its per-call checks (a
+        third of a transfer's CPU on 2 shared cores). None when the exchange is not that (to
+        itself, empty, a GPU tensor): the general path takes it."""
+        if sends:
+            peer, t = sends[0]
+            if peer == self.rank or t.device.type != "cpu" or t.numel() == 0:
+                return None
+            data, out = _bytes(t), []
+            start = partial(self.world_pg.send, [data], peer, 0)
+        else:
+            peer, shape, dtype, device = recvs[0]
+            if peer == self.rank or device.type != "cpu" or nbytes(shape, dtype) == 0:
+                return None
+            buf = torch.empty(shape, dtype=dtype)  # received as bytes into it (no view after)
+            out = [buf]
+            start = partial(self.world_pg.recv, [_bytes(buf)], peer, 0)
+        self._run(f"exchange with ranks [{peer}]", (peer,), None, start)
+        return out
 
 
 # -- init under torchrun ---------------------------------------------------------------------

@@ -144,6 +144,16 @@ def collectives_fn() -> dict:
             comm.send(_t(600, 3), 1)
         else:
             _eq(comm.recv((3,), torch.float32, 0), _t(600, 3), "send / recv")
+    # one message an exchange (the backend's single send / recv path): other dtypes, a 0-d
+    # tensor, a non-contiguous source, in order after one another
+    singles = [_t(610, 2, 3, dtype=torch.int64), torch.tensor(2.5), _t(620, 4, 3).t(),
+               torch.tensor([True, False, True])]
+    for i, x in enumerate(singles):
+        if r == 2:
+            assert comm.exchange([(3, x)], []) == []
+        elif r == 3:
+            got = comm.exchange([], [(2, tuple(x.shape), x.dtype)])
+            _eq(got[0], x, f"one-message exchange {i}")
 
     # message channels (sockets between the processes): a ring of posts, in order
     for k in range(30):
