@@ -10,6 +10,7 @@ tensor, or the same structure of them (`ItemForm`), each of logical shape ``(row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -91,6 +92,9 @@ def reading_index(progress: dict) -> Any:
 
 
 _NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}  # as default_collate
+# the same dtypes in numpy: np.array of a list of numbers is a quarter of torch.tensor's cost
+_NUMPY_NUMBERS = {bool: np.bool_, int: np.int64, float: np.float64}
+_dtype_of = attrgetter("dtype")
 
 
 def _leaf(value: Any, index: int, element: int | None, where: str) -> torch.Tensor:
@@ -116,9 +120,12 @@ def _stack_column(values: Sequence, indices: Sequence[int], k: int | None,
     kinds = set(map(type, values))
     if len(kinds) == 1:
         kind = next(iter(kinds))
-        if kind in _NUMBERS:
-            return torch.tensor(values, dtype=_NUMBERS[kind])
-        if issubclass(kind, torch.Tensor) and len({v.dtype for v in values}) == 1:
+        if kind in _NUMBERS:  # exact types: a bool is no int here (an int64 beyond: overflow)
+            try:
+                return torch.from_numpy(np.array(values, dtype=_NUMPY_NUMBERS[kind]))
+            except OverflowError:
+                return torch.tensor(values, dtype=_NUMBERS[kind])  # torch's own error
+        if issubclass(kind, torch.Tensor) and len(set(map(_dtype_of, values))) == 1:
             try:
                 return torch.stack(values)
             except RuntimeError:
@@ -178,7 +185,10 @@ def _check_structure(samples: Sequence, indices: Sequence[int], form: ItemForm,
     ``default_collate`` takes the first sample's type): one value; a tuple / list (of any of
     those types) of the same length; or a dict with the same keys."""
     kinds = set(map(type, samples))  # C loops first: the common, well-formed case is cheap
-    if form.kind is None and not any(issubclass(k, (tuple, list, dict)) for k in kinds):
+    if len(kinds) == 1 and form.kind in (tuple, list):  # every sample of the first's type
+        if len(set(map(len, samples))) == 1:
+            return
+    elif form.kind is None and not any(issubclass(k, (tuple, list, dict)) for k in kinds):
         return
     if form.keys and kinds == {form.kind} and all(tuple(s) == form.keys for s in samples):
         return

@@ -46,3 +46,31 @@ def test_reading_index_follows_the_reads():
     with pytest.raises(sf.DataLoaderError, match="reading sample 9 .here. failed: KeyError"):
         read_samples(Probe(), [4, 9, 6], "here", progress)
     assert reading_index(progress) == 9
+
+
+@pytest.mark.parametrize("values", [[3, -2, 2**62], [0.5, -1e300, 3.0], [True, False, True]])
+def test_numbers_stack_as_default_collate(values):
+    """Python numbers of one type (stacked through numpy) give default_collate's values and
+    dtypes (int64, float64, bool), one value or one element of a tuple."""
+    _, (one,) = stack_samples(values, [0, 1, 2], "here")
+    _, (x, n) = stack_samples([(torch.zeros(1), v) for v in values], [0, 1, 2], "here")
+    ref = torch.utils.data.default_collate(values)
+    for got in (one, n):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_an_int_beyond_int64_fails_as_in_torch():
+    with pytest.raises(Exception) as ours:
+        stack_samples([1, 2**64], [0, 1], "here")
+    with pytest.raises(Exception) as torchs:
+        torch.utils.data.default_collate([1, 2**64])
+    assert type(ours.value) is type(torchs.value) and "Overflow" in str(ours.value)
+
+
+def test_mixed_tuple_and_list_samples_still_checked():
+    """A list sample after tuple ones of another length is named (the one-type fast path
+    does not hide it)."""
+    a = torch.zeros(2)
+    with pytest.raises(sf.DataLoaderError, match="sample 2 .* is a list of 3 but sample 0 "
+                                                 "is a tuple of 2"):
+        stack_samples([(a, 0), (a, 1), [a, 2, 3]], [0, 1, 2], "here")
