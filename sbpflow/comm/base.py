@@ -63,6 +63,14 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     return out
 
 
+_CPU = torch.device("cpu")
+
+
+def _device(d: torch.device | str) -> torch.device:
+    """``d`` as a `torch.device` (a device is returned as it is: no new object a message)."""
+    return d if isinstance(d, torch.device) else torch.device(d)
+
+
 def nbytes(t: torch.Tensor | tuple, dtype: torch.dtype | None = None) -> int:
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
@@ -293,7 +301,7 @@ class Communicator:
         """Batched point-to-point: ``sends`` are ``(dst, tensor)``, ``recvs`` are
         ``(src, shape, dtype[, device])``; messages between a pair arrive in order.
         Returns the received tensors in the order of ``recvs``. Never deadlocks on ordering."""
-        recvs = [(r[0], tuple(r[1]), r[2], torch.device(r[3] if len(r) > 3 else "cpu"))
+        recvs = [(r[0], tuple(r[1]), r[2], _device(r[3] if len(r) > 3 else _CPU))
                  for r in recvs]
         if sends or recvs:
             self._count("p2p", sum(nbytes(t) for _, t in sends),

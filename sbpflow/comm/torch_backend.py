@@ -36,11 +36,17 @@ __all__ = ["TorchCommunicator", "init_from_env", "launch_processes", "shutdown"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _GRACE = 2.0  # s to wait for a root cause after a rank reports a CommError (run_ranks)
+_CPU = torch.device("cpu")  # (made once: a transfer asks for it on every message)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a flat contiguous uint8 tensor (a view when ``t`` is contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """``t`` as a flat contiguous uint8 tensor (a view when ``t`` is contiguous). Two tensor
+    calls in the usual case (a detached contiguous tensor): this is on every message's path."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(-1).view(torch.uint8)
 
 
 def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -189,7 +195,7 @@ class TorchCommunicator(Communicator):
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":
-            return torch.device("cpu")
+            return _CPU
         if device_type == "cuda":
             n = torch.cuda.device_count()
             if n == 0:
@@ -361,19 +367,23 @@ class TorchCommunicator(Communicator):
         call ``batch_isend_irecv`` makes for a one-op list, without its per-call checks (a
         third of a transfer's CPU on 2 shared cores). None when the exchange is not that (to
         itself, empty, a GPU tensor): the general path takes it."""
+        # gloo moves a tensor's bytes (numel x element size) whatever its dtype, as the
+        # general path's uint8 views: the two paths pair with each other, and no view is made
         if sends:
             peer, t = sends[0]
             if peer == self.rank or t.device.type != "cpu" or t.numel() == 0:
                 return None
-            data, out = _bytes(t), []
+            if t.requires_grad:
+                t = t.detach()
+            data, out = t if t.is_contiguous() else t.contiguous(), []
             start = partial(self.world_pg.send, [data], peer, 0)
         else:
             peer, shape, dtype, device = recvs[0]
             if peer == self.rank or device.type != "cpu" or nbytes(shape, dtype) == 0:
                 return None
-            buf = torch.empty(shape, dtype=dtype)  # received as bytes into it (no view after)
+            buf = torch.empty(shape, dtype=dtype)  # received into it: it is the result
             out = [buf]
-            start = partial(self.world_pg.recv, [_bytes(buf)], peer, 0)
+            start = partial(self.world_pg.recv, [buf], peer, 0)
         self._run(f"exchange with ranks [{peer}]", (peer,), None, start)
         return out
 

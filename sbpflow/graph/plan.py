@@ -59,6 +59,7 @@ class _Stage:
         self.grad_from = [t for t in self.targets if any(x.grad for x in first.out_of(s, t))]
         self.grad_to = [p for p in self.sources if any(x.grad for x in first.into(s, p))]
         self.loads = bool(first.sources[s])
+        self.blanks: dict = {}  # (dtype, device type) -> the empty input of a receive
 
     def load(self, mb: int) -> list:
         """Each data source's next batch, cut into the call's micro-batches: per source, per
@@ -108,22 +109,35 @@ class _Stage:
                          for k in low.tape.outs]
         return vals
 
+    # (no ``torch.no_grad()`` around a send or a receive: no tensor of theirs requires grad,
+    # the value sent being detached and a receive's input `_received`'s empty one, so autograd
+    # records nothing anyway, and entering the context costs each message a few Python calls)
     def send(self, t: int) -> Callable:
         def send(mb: int, vals: list) -> None:
-            with torch.no_grad():
-                for x in self.call().lowered[mb].out_of(self.s, t):
-                    run_step(x.step, vals[x.src].detach(), self.env.comm)
+            for x in self.call().lowered[mb].out_of(self.s, t):
+                run_step(x.step, vals[x.src].detach(), self.env.comm)
         return send
 
     def recv(self, p: int) -> Callable:
         def recv(mb: int) -> list:
             out = []
-            with torch.no_grad():
-                for x in self.call().lowered[mb].into(self.s, p):
-                    local = run_step(x.step, _empty(x, self.env), self.env.comm)
-                    out.append(local.requires_grad_(True) if x.grad else local)
+            for x in self.call().lowered[mb].into(self.s, p):
+                local = self._received(x)
+                out.append(local.requires_grad_(True) if x.grad else local)
             return out
         return recv
+
+    def _received(self, x, step=None) -> torch.Tensor:
+        """This rank's value of transfer ``x`` (``step``: its step, default ``x.step``), which it
+        receives: the step's input is an empty tensor of the value's dtype and device, made
+        once (a receiver's input is read for its dtype and device only). A step that would
+        give back that input itself gets a new one, so the shared tensor is never handed on."""
+        key = (x.meta.dtype, x.meta.placement.device_type)
+        blank = self.blanks.get(key)
+        if blank is None:
+            blank = self.blanks[key] = _empty(x, self.env)
+        local = run_step(x.step if step is None else step, blank, self.env.comm)
+        return _empty(x, self.env) if local is blank else local
 
     def backward(self, mb: int, vals: list, *rest: Any) -> dict:
         c = self.call()
@@ -160,9 +174,7 @@ class _Stage:
     def grad_recv(self, t: int) -> Callable:
         def grad_recv(mb: int) -> list:
             xs = [x for x in self.call().lowered[mb].out_of(self.s, t) if x.grad]
-            with torch.no_grad():
-                return [run_step(dual_step(x.step), _empty(x, self.env), self.env.comm)
-                        for x in xs]
+            return [self._received(x, dual_step(x.step)) for x in xs]
         return grad_recv
 
 
@@ -187,8 +199,13 @@ def _in_stream(stream: str, fn: Callable, failures: Callable[[], int]) -> Callab
     forward of one micro-batch and the backward of another may swap between ranks). The stream
     is renamed after each failed run (``failures()``): an aborted collective leaves the ranks'
     call counts apart, and a new series starts them together again."""
+    named = [-1, ""]  # the failure count the name was made for, the name (made once a series)
+
     def run(*args: Any) -> Any:
-        previous = set_collective_stream(f"{stream}/{failures()}")
+        n = failures()
+        if n != named[0]:
+            named[:] = [n, f"{stream}/{n}"]
+        previous = set_collective_stream(named[1])
         try:
             return fn(*args)
         finally:
