@@ -266,3 +266,17 @@ def test_a_worker_error_keeps_its_cause_when_it_can(exc, cause):
         assert info.value.__cause__ is None
     else:
         assert isinstance(info.value.__cause__, cause) and info.value.__cause__.args == ("k",)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_workers_are_batch_tasks():
+    """A worker is SCHED_BATCH: woken by a grant, it never preempts the rank that granted."""
+    def fn():
+        loader = sf.data.DataLoader(Encoded(8), 4, sf.placement("cpu", [0]), workers=1)
+        try:
+            next(iter(loader))
+            return os.sched_getscheduler(loader._pools[0].procs[0].pid)
+        finally:
+            loader.close()
+
+    assert sf.launch(fn, 1)[0] == os.SCHED_BATCH
