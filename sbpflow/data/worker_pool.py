@@ -87,18 +87,30 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _raw(t: torch.Tensor):
+    """A buffer of ``t``'s bytes that pwritev takes: its numpy array when the dtype has a
+    numpy twin (one call, where a byte view is four: a quarter of the worker's cost of
+    writing a batch), else a byte view (bfloat16 and the like)."""
+    t = t.contiguous()
+    try:
+        return t.numpy()
+    except TypeError:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def _store(job: Callable[[int], Shards], b: int, slot: int, last: list) -> tuple[int, bytes]:
     """Load batch ``b`` into the slot file ``slot`` (one pwritev; the file grows as needed):
     (status, extra bytes of the reply: the layout when it changed)."""
     shards = job(b)
     layout = _layout(shards)
     parts: list = []
+    end = 0  # bytes the parts cover so far
     for t, (_, _, at, n) in zip(shards.locals, layout.fields):
         if n:
-            pad = at - sum(len(p) for p in parts)
-            if pad:
-                parts.append(bytes(pad))
-            parts.append(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if at > end:
+                parts.append(bytes(at - end))
+            parts.append(_raw(t))
+            end = at + n
     if parts:
         os.pwritev(slot, parts, 0)
     if layout == last[0]:
