@@ -37,6 +37,8 @@ class ItemForm(NamedTuple):
         """The batch: ``values`` (one per element, in order) in this structure."""
         if self.kind is None:
             return values[0]
+        if self.kind is tuple:  # the common case first (the consumer builds every batch)
+            return tuple(values)
         if issubclass(self.kind, dict):
             return dict(zip(self.keys, values))
         return sequence_of(self.kind, values)

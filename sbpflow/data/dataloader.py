@@ -288,7 +288,7 @@ class LoaderIterator:
             out = tuple(from_local(t, pl, nd, shape=s)
                         for t, s in zip(shards.locals, shards.shapes))
         else:  # the shards were cut by the layout's rule (`cut_rule`): nothing to check again
-            out = tuple(GlobalTensor(t, s, pl, nd) for t, s in zip(shards.locals, shards.shapes))
+            out = [GlobalTensor(t, s, pl, nd) for t, s in zip(shards.locals, shards.shapes)]
         return shards.form.build(out)
 
     def close(self) -> None:

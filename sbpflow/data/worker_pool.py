@@ -238,6 +238,7 @@ class WorkerPool:
         self.grants, self.replies, self.procs, self.slots = [], [], [], []
         self.buffers: list[bytearray] = []
         self.layouts: list[_Layout | None] = [None] * k
+        self.makers: list[tuple] = [()] * k  # `_makers` of each worker's layout
         for i in range(k):
             fds = [_shared_file() for _ in range(per_worker)]
             grant_r, grant_w = os.pipe()
@@ -276,7 +277,7 @@ class WorkerPool:
         """The replies worker ``i`` has sent, ``(gen, b, ok, Shards or message)`` each:
         those already read, else what its pipe holds (waiting at most ``wait`` s when it
         holds nothing); ``None``: its end is closed."""
-        out = self._frames(i)
+        out = self._frames(i) if self.buffers[i] else None  # usually empty: no parse
         if out:
             return out
         fd = self.replies[i]
@@ -301,13 +302,14 @@ class WorkerPool:
             gen, b, status, j, n = _REPLY.unpack_from(buf, at)
             if len(buf) - at - _REPLY.size < n:
                 break
-            extra = bytes(buf[at + _REPLY.size:at + _REPLY.size + n])
+            extra = bytes(buf[at + _REPLY.size:at + _REPLY.size + n]) if n else b""
             at += _REPLY.size + n
             if status == _FAILED:
                 out.append((gen, b, False, _failed(extra)))
                 continue
             if status == _NEW_LAYOUT:
                 self.layouts[i] = pickle.loads(extra)
+                self.makers[i] = _makers(self.layouts[i])
             # copied at once (the slot is then free); an abandoned epoch's batch is not
             out.append((gen, b, True, self._copy_out(i, j) if gen == self.gen else None))
         del buf[:at]
@@ -315,13 +317,14 @@ class WorkerPool:
 
     def _copy_out(self, i: int, j: int) -> Shards:
         """Slot ``j`` of worker ``i`` as a batch the caller owns: one pread of the slot's bytes
-        (no mapping: a mapping would be inherited by every later fork), then a view a shard."""
+        (no mapping: Python's mmap holds a duplicate of the file's descriptor, which later
+        forks would inherit), then a view a shard (`_makers`: worked out once a layout)."""
         layout = self.layouts[i]
         data = bytearray(layout.nbytes)
         if layout.nbytes and os.preadv(self.slots[i][j], [data], 0) != layout.nbytes:
             raise DataLoaderError(f"DataLoader: worker process {self.procs[i].name}'s slot "
                                   f"{j} holds fewer than the {layout.nbytes} bytes announced")
-        return Shards(layout.form, tuple(_tensor(data, *f) for f in layout.fields),
+        return Shards(layout.form, tuple(_tensor(data, *f) for f in self.makers[i]),
                       layout.shapes)
 
     def feed(self, epoch: int, count: int, budget: int, timeout: float) -> "Feed":
@@ -336,25 +339,34 @@ class WorkerPool:
         self._close()
 
 
-_NUMPY: dict = {}  # torch dtype -> (numpy dtype or None, item size)
+_NUMPY: dict = {}  # torch dtype -> numpy dtype or None
 
 
-def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple, at: int,
-            n: int) -> torch.Tensor:
-    """The tensor of ``n`` bytes at ``at`` of ``data`` (sharing them). Through numpy when the
-    dtype has a numpy twin: half the cost of torch.frombuffer + view."""
-    if not n:
+def _makers(layout: _Layout) -> tuple:
+    """Per shard of ``layout``: what `_tensor` needs, worked out once a layout (the consumer
+    makes the tensors of every batch from it): (torch dtype, numpy twin or None, shape,
+    offset, elements)."""
+    out = []
+    for dtype, shape, at, n in layout.fields:
+        twin = _NUMPY.get(dtype, False)
+        if twin is False:
+            try:
+                twin = _NUMPY[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+            except TypeError:  # bfloat16 and the like: no numpy dtype
+                twin = _NUMPY[dtype] = None
+        out.append((dtype, twin, shape, at, n // torch.empty(0, dtype=dtype).element_size()))
+    return tuple(out)
+
+
+def _tensor(data: bytearray, dtype: torch.dtype, twin, shape: tuple, at: int,
+            count: int) -> torch.Tensor:
+    """The tensor of ``count`` elements at byte ``at`` of ``data`` (sharing them). Through
+    numpy when the dtype has a numpy ``twin``: half the cost of torch.frombuffer + view."""
+    if not count:
         return torch.empty(shape, dtype=dtype)
-    twin = _NUMPY.get(dtype)
     if twin is None:
-        probe = torch.empty(0, dtype=dtype)
-        try:
-            twin = _NUMPY[dtype] = (probe.numpy().dtype, probe.element_size())
-        except TypeError:  # bfloat16 and the like: no numpy dtype
-            twin = _NUMPY[dtype] = (None, probe.element_size())
-    if twin[0] is None:
-        return torch.frombuffer(data, dtype=dtype, count=n // twin[1], offset=at).view(shape)
-    return torch.from_numpy(np.frombuffer(data, twin[0], n // twin[1], at).reshape(shape))
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=at).view(shape)
+    return torch.from_numpy(np.frombuffer(data, twin, count, at).reshape(shape))
 
 
 class Feed:
