@@ -10,10 +10,10 @@ writes the batch's shards into one of its shared-memory slots (files made before
 grown by the worker) and answers with a small fixed header; the consumer copies the slot out
 (one copy, then a numpy view a tensor). Workers run as SCHED_BATCH (`_batch_policy`), so a
 grant never has the worker preempt the rank that granted. The shards' dtypes and shapes travel
-(pickled) only when they change. An error travels as its class (sbpflow's own, else `DataLoaderError`), its
-message and, when it pickles, its cause (the dataset's exception, as with the loading thread).
-A worker ends when its pool is closed or garbage, when its rank's process ends, or when its
-parent is gone.
+(pickled) only when they change. An error travels as its class (sbpflow's own, else
+`DataLoaderError`), its message and, when it pickles, its cause (the dataset's exception, as
+with the loading thread). A worker ends when its pool is closed or garbage, when its rank's
+process ends, or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -379,6 +379,11 @@ class Feed:
         self.got: dict[int, tuple] = {}
         for _ in range(min(budget, count)):
             self._grant()
+
+    @property
+    def stale(self) -> bool:
+        """A later feed of the pool has started: this one's batches will not come."""
+        return self.gen != self.pool.gen
 
     def _grant(self) -> None:
         b = self.granted

@@ -311,3 +311,34 @@ def test_batches_of_many_dtypes_through_the_slots_equal_torch():
     for batch, ref in zip(got, want):
         assert [t.dtype for t in batch] == [t.dtype for t in ref]
         assert all(torch.equal(a, b) for a, b in zip(batch, ref))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_called_loader_starts_the_next_epoch_at_the_last_batch(workers):
+    """``loader()`` at an epoch's last batch starts the next epoch's feed (its loading runs
+    during that step) without counting the epoch up before the next call; an iteration of the
+    same loader that abandons that feed's workers meanwhile does not leave the next call
+    waiting: it gets the next epoch's first batch, as torch's sampler orders it."""
+    ds = Encoded(12)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0]), seed=3, workers=workers)
+        try:
+            first = [loader()[1].full_tensor() for _ in range(len(loader))]
+            ahead = (loader.epoch, loader._feed.epoch)
+            evaluated = [y.full_tensor() for _, y in loader]   # epoch 0 again, iterated
+            second = [loader()[1].full_tensor() for _ in range(len(loader))]
+            return first, ahead, evaluated, second, loader.epoch
+        finally:
+            loader.close()
+
+    first, ahead, evaluated, second, epoch = sf.launch(fn, 1)[0]
+    assert ahead == (0, 1) and epoch == 1
+
+    def want(e):
+        sampler = torch.utils.data.DistributedSampler(Encoded(12), 1, 0, seed=3)
+        sampler.set_epoch(e)
+        return [y for _, y in torch.utils.data.DataLoader(Encoded(12), 4, sampler=sampler)]
+
+    for got, e in ((first, 0), (evaluated, 0), (second, 1)):
+        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want(e)))
