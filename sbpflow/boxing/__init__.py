@@ -13,12 +13,12 @@ from typing import Iterator
 import torch
 
 from ..comm import Communicator, current
-from .executor import apply_step, empty_local, identity_value, run_step
+from .executor import apply_step, empty_local, identity_value, run_step, whole_message
 from .planner import BoxingPlan, plan, plan_layouts
 from .steps import Step, dual_step
 
 __all__ = ["BoxingPlan", "Step", "plan", "plan_layouts", "run_plan", "run_step", "apply_step",
-           "dual_step", "empty_local", "identity_value", "record_steps"]
+           "dual_step", "empty_local", "identity_value", "record_steps", "whole_message"]
 
 
 def run_plan(boxing_plan: BoxingPlan, local: torch.Tensor,

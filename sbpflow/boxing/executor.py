@@ -13,7 +13,7 @@ from ..sbp import Partial, Split, holds_value, shard_box
 from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
 from .steps import Step, dual_step, member_boxes
 
-__all__ = ["run_step", "apply_step", "identity_value", "empty_local"]
+__all__ = ["run_step", "apply_step", "identity_value", "empty_local", "whole_message"]
 
 
 def identity_value(op: str, dtype: torch.dtype):
@@ -168,6 +168,24 @@ def _routes(step: Step, me: int) -> _Routes:
     routes = _routes_of(step, me)
     _ROUTES.put((id(step), me), (step, routes))
     return routes
+
+
+def whole_message(step: Step, rank: int) -> tuple | None:
+    """``rank``'s part of ``step`` when it is one message of a whole shard and nothing else:
+    ``("send", dst)``, or ``("recv", src, shape)`` (``shape`` the received shard's, which is
+    the rank's result); None for any other part or kind of step. A stage-to-stage activation
+    and its gradient are such messages: `Communicator.send` / ``recv`` of the shard give what
+    `run_step` gives, counted alike (one "p2p" call), without the general path's work."""
+    if step.kind != "transfer":
+        return None
+    rt = _routes(step, rank)
+    if rt.local or len(rt.sends) + len(rt.recvs) != 1:
+        return None
+    if rt.sends and rt.sends[0][1] is None and rt.dbox is None:
+        return ("send", rt.sends[0][0])
+    if rt.whole:
+        return ("recv", rt.recvs[0][0], rt.recvs[0][1])
+    return None
 
 
 def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..boxing import dual_step, empty_local, run_step
+from ..boxing import dual_step, empty_local, run_step, whole_message
 from ..comm import set_collective_stream
 from ..errors import GraphError
 from ..nn.recorded_mean import settle_means
@@ -115,8 +115,26 @@ class _Stage:
     def send(self, t: int) -> Callable:
         def send(mb: int, vals: list) -> None:
             for x in self.call().lowered[mb].out_of(self.s, t):
-                run_step(x.step, vals[x.src].detach(), self.env.comm)
+                self._sent(x.step, vals[x.src].detach())
         return send
+
+    def _message(self, step) -> tuple | None:
+        """`whole_message` of ``step`` on this rank: its part is one message of a whole shard,
+        which the communicator's ``send`` / ``recv`` move with none of `run_step`'s general
+        work (a fifth of a transfer's CPU). None also while boxing steps are recorded
+        (`record_steps`: `run_step` records them)."""
+        comm = self.env.comm
+        if comm.state.get("boxing_trace") is not None:
+            return None
+        return whole_message(step, comm.rank)
+
+    def _sent(self, step, value: torch.Tensor) -> None:
+        """This rank's part of transfer ``step``, which sends ``value``."""
+        how = self._message(step)
+        if how is None:
+            run_step(step, value, self.env.comm)
+        else:
+            self.env.comm.send(value.contiguous(), how[1])  # (as run_step sends it)
 
     def recv(self, p: int) -> Callable:
         def recv(mb: int) -> list:
@@ -132,11 +150,17 @@ class _Stage:
         receives: the step's input is an empty tensor of the value's dtype and device, made
         once (a receiver's input is read for its dtype and device only). A step that would
         give back that input itself gets a new one, so the shared tensor is never handed on."""
+        step = x.step if step is None else step
+        how = self._message(step)
+        if how is not None:
+            comm = self.env.comm
+            return comm.recv(how[2], x.meta.dtype, how[1],
+                             comm.device(step.dst_placement.device_type))
         key = (x.meta.dtype, x.meta.placement.device_type)
         blank = self.blanks.get(key)
         if blank is None:
             blank = self.blanks[key] = _empty(x, self.env)
-        local = run_step(x.step if step is None else step, blank, self.env.comm)
+        local = run_step(step, blank, self.env.comm)
         return _empty(x, self.env) if local is blank else local
 
     def backward(self, mb: int, vals: list, *rest: Any) -> dict:
@@ -168,7 +192,7 @@ class _Stage:
                     if g is None:  # the value did not reach the loss: its gradient is zero
                         g = torch.zeros(_received_shape(x, self.env), dtype=x.meta.dtype,
                                         device=self.env.comm.device(x.meta.placement.device_type))
-                    run_step(dual_step(x.step), g.contiguous(), self.env.comm)
+                    self._sent(dual_step(x.step), g.contiguous())
         return grad_send
 
     def grad_recv(self, t: int) -> Callable:
