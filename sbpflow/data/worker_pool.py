@@ -173,6 +173,9 @@ def _serve(grants: int, out: int, fds: list[int], k: int,
         except OSError:
             pass
     _batch_policy()
+    # as torch's DataLoader workers: a forked child's first parallel kernel may wait for the
+    # parent's intra-op threads, which the fork did not copy
+    torch.set_num_threads(1)
     job, gen, pending, last = None, None, b"", [None]
     while True:
         try:
