@@ -5,15 +5,12 @@ for its GIL (torch's ``num_workers``).
 `WorkerPool` forks ``k`` processes per (loader, rank) once and keeps them from epoch to epoch.
 `WorkerPool.feed` starts an epoch: batch ``b`` goes to worker ``b % k``, which loads it only
 once the consumer has granted it, so at most ``budget`` batches are loaded ahead of `Feed.get`.
-The hot path has no pickle: a grant is one 20-byte write to the worker's pipe; the worker
-writes the batch's shards into one of its shared-memory slots (files made before the fork,
-grown by the worker) and answers with a small fixed header; the consumer copies the slot out
-(one copy, then a numpy view a tensor). Workers run as SCHED_BATCH (`_batch_policy`), so a
-grant never has the worker preempt the rank that granted. The shards' dtypes and shapes travel
-(pickled) only when they change. An error travels as its class (sbpflow's own, else
-`DataLoaderError`), its message and, when it pickles, its cause (the dataset's exception, as
-with the loading thread). A worker ends when its pool is closed or garbage, when its rank's
-process ends, or when its parent is gone.
+The hot path has no pickle: a grant is a 20-byte pipe write; the worker writes the batch's
+shards into a shared-memory slot (a file made before the fork) and answers with a fixed
+header; the consumer copies the slot out. Workers run as SCHED_BATCH (`_batch_policy`). The
+shards' dtypes and shapes travel (pickled) only when they change; an error travels as its
+class, message and (when it pickles) cause. A worker ends when its pool is closed or
+garbage, when its rank's process ends, or when its parent is gone (docs/runtime.md).
 """
 
 from __future__ import annotations
