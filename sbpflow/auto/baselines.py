@@ -6,6 +6,7 @@ See docs/auto.md, 'Against Megatron-LM'.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import NamedTuple
@@ -66,13 +67,16 @@ def megatron_layers(graph, tp: int, dp: int) -> list:
     return _tensor_data(graph, tp, dp, list(graph.layers))
 
 
+def _key_counts(graph) -> collections.Counter:
+    """How often each layer key (shapes and kind) occurs in ``graph``: a block repeats its."""
+    return collections.Counter(l.key for l in graph.layers)
+
+
 def block_layers(graph) -> list:
     """Indices of the layers of ``graph``'s repeated blocks: those whose key occurs as often as
     the most repeated key, when that is more than once (a GPT's transformer-block layers: not
     its embedding or head)."""
-    counts: dict = {}
-    for l in graph.layers:
-        counts[l.key] = counts.get(l.key, 0) + 1
+    counts = _key_counts(graph)
     most = max(counts.values(), default=0)
     return [i for i, l in enumerate(graph.layers) if most > 1 and counts[l.key] == most]
 
@@ -91,9 +95,7 @@ def megatron_stages(graph, pp: int) -> list:
     """Where Megatron's ``pp`` stages start: equal numbers of the most repeated layer (a GPT's
     transformer blocks) a stage, the embedding in the first and the head in the last; when the
     count does not divide by ``pp``, cut before those layers balancing forward flops."""
-    counts: dict = {}
-    for l in graph.layers:
-        counts[l.key] = counts.get(l.key, 0) + 1
+    counts = _key_counts(graph)
     key = max(counts, key=counts.get)
     starts = [i for i, l in enumerate(graph.layers) if l.key == key and i > 0]
     n = counts[key]
