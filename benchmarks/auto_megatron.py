@@ -109,17 +109,20 @@ def megatron_grid(case, row, limit: float = 80 * GiB, recompute: bool = True):
 def compute_floor(case) -> float:
     """The step time of the row's work (forward + backward flops of every layer) spread evenly
     over every device at the preset's speed: no strategy in the cost model is faster."""
+    return _spread(case, 3 * sum(l.flops for l in case.graph.layers))
+
+
+def _spread(case, work: float) -> float:
+    """Seconds of ``work`` flops spread evenly over every device at the preset's speed."""
     c = case.cluster
-    work = 3 * sum(l.flops for l in case.graph.layers)
     return work / (c.flops_per_device * c.compute_efficiency) / c.world_size
 
 
 def recompute_time(case) -> float:
     """The recomputed forward of the layers Megatron's configuration recomputes, spread evenly
     over every device at the preset's speed (0 without recomputation)."""
-    c = case.cluster
-    work = sum(l.flops for l, s in zip(case.graph.layers, case.strategy.layers) if s.recompute)
-    return work / (c.flops_per_device * c.compute_efficiency) / c.world_size
+    return _spread(case, sum(l.flops for l, s in zip(case.graph.layers, case.strategy.layers)
+                             if s.recompute))
 
 
 def parts_line(case) -> str:
