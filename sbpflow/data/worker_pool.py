@@ -354,7 +354,7 @@ def _makers(layout: _Layout) -> tuple:
                 twin = _NUMPY[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
             except TypeError:  # bfloat16 and the like: no numpy dtype
                 twin = _NUMPY[dtype] = None
-        out.append((dtype, twin, shape, at, n // torch.empty(0, dtype=dtype).element_size()))
+        out.append((dtype, twin, shape, at, n // dtype.itemsize))
     return tuple(out)
 
 
