@@ -72,6 +72,14 @@ def _correct_upstream(tapes: list, stages: int) -> bool:
     return ok
 
 
+def _mean_stage(low) -> int | None:
+    """The stage of the pipelined mean over micro-batches of lowered tape ``low``."""
+    for s, nodes in sorted(low.forward.items()):
+        if any(isinstance(n, CountedMean) and n.index is not None for n in nodes):
+            return s
+    return None
+
+
 class Compiled:
     """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts)."""
 
@@ -99,8 +107,8 @@ class Compiled:
             if stages_of(t) != self.stages:
                 raise GraphError("graph: micro-batches of different sizes use different stages")
         # a pipelined mean's correction reaches the earlier stages (Megatron hands its token
-        # count to every stage the same way): one small all-reduce before the update
-        self.exchange = _correct_upstream(tapes, len(self.stages))
+        # count to every stage the same way): a runtime message before their update
+        exchange = _correct_upstream(tapes, len(self.stages))
         self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
         self._check_ranks_agree(self.lowered[self.keys[0]])
         self._check_outputs(tapes[0])
@@ -113,7 +121,8 @@ class Compiled:
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
                                name=f"graph{state['graph_plans']}",
-                               failures=lambda: self.runtime.failures if self.runtime else 0)
+                               failures=lambda: self.runtime.failures if self.runtime else 0,
+                               scale_stage=_mean_stage(first) if exchange else None)
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
@@ -186,15 +195,15 @@ class Compiled:
         preloaded, self.batches = self.batches, []
         state = self.comm.state
         base = state.get("seed_counter", 0)
+        means: dict = {}
         self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
                           for args in mbs.args], lowered, self.weights, {}, self._sync,
-                         self._update, preloaded, base, {})
+                         self._update, preloaded, base, means, lambda: upstream_scale(means))
         try:
-            if self.runtime is not None:
-                self.runtime.run(self.k)
+            results = self.runtime.run(self.k) if self.runtime is not None else {}
             settle_means(self.call.means)   # (a graph without backward: the values only)
             if not self.graph._optimizers:  # the gradients stay after the call
-                self._exchange_scale()
+                self._take_scale(results.get("scale<", [None])[0])
                 self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them
             state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
@@ -226,24 +235,21 @@ class Compiled:
             if p._local.grad is None:
                 p._local.grad = torch.zeros_like(p._local)
 
-    def _exchange_scale(self) -> None:
-        """The stage of a pipelined mean over micro-batches hands the correction it made to
-        every other stage (an all-reduce of (scale, 1) from its ranks, (0, 0) from the others),
-        which scale their gradients by it (`recorded_mean.upstream_scale`)."""
-        if not self.exchange:
+    def _take_scale(self, got: list | None) -> None:
+        """The correction the stage of a pipelined mean over micro-batches made, handed to
+        this rank's stage (``got``: each of its ranks' ``(scale, held)``, from the plan's
+        ``scale<``; None on that stage or without one): the gradients scaled by it, as that
+        stage scaled its own (`recorded_mean.scale_grads`)."""
+        if not got:
             return
-        scale, held = upstream_scale(self.call.means)
-        group = tuple(sorted(set().union(*self.stages)))
-        if self.comm.rank not in group:
-            return
-        t = torch.tensor([scale if held else 0.0, float(held)], dtype=torch.float64)
-        total, holders = self.comm.all_reduce(t, group, "sum").tolist()
-        if not held and holders and total / holders != 1.0:
+        holders = sum(1 for _, held in got if held)
+        total = sum(scale for scale, held in got if held)
+        if holders and total / holders != 1.0:
             scale_grads([p for _, p in self.tapes[self.keys[0]].externals
                          if isinstance(p, GlobalTensor)], total / holders)
 
-    def _update(self) -> None:
-        self._exchange_scale()
+    def _update(self, scales: list | None = None) -> None:
+        self._take_scale(scales)
         self._fill_off_rank_grads()
         for opt, sch in self.graph._optimizers:
             opt.step()

@@ -8,8 +8,9 @@ recv waiting never blocks a send); ``bwd`` runs ``torch.autograd.backward`` from
 loss seeds and the gradients ``gradrecv<t`` got, and ``gradsend>p`` sends its inputs' gradients
 back; ``flush`` (GPipe) holds the backwards until the last forward; ``grads`` then ``update``
 run each optimizer's ``step()`` and ``zero_grad()`` after the last backward. Values cross ranks
-only inside transfers (the transfer step's point-to-point exchange): the registers are all
-rank-local. See docs/runtime.md, 'Graph mode'.
+inside transfers (the transfer step's point-to-point exchange); the one register read on other
+ranks is ``scale``, the correction of a pipelined mean its stage hands the others' ``scale<``
+(a runtime message, no collective). See docs/runtime.md, 'Graph mode'.
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ class Call(NamedTuple):
     """What one call of the graph hands the actors: per micro-batch its input shards, its tape's
     lowering and its loss weight; ``outputs`` is filled by the forward that holds them;
     ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last); ``update``
-    runs the optimizers."""
+    runs the optimizers, given the ``(scale, held)`` the stage of a pipelined mean handed this
+    rank (`scale_actors`; None on that stage or without one); ``upstream()`` is that stage's
+    own pair (`recorded_mean.upstream_scale`)."""
 
     inputs: list
     lowered: list
     weights: list
     outputs: dict
     sync: Callable[[int], Any]
-    update: Callable[[], None] | None
+    update: Callable[[list | None], None] | None
     preloaded: list          # batches the data sources gave while compiling (first call)
     draw_base: int           # where the call's random draws start in the default seed stream
     means: dict              # the call's means over micro-batches (`recorded_mean._Shares`)
+    upstream: Callable[[], tuple] = lambda: (1.0, False)
 
 
 class _Stage:
@@ -238,9 +242,10 @@ def _in_stream(stream: str, fn: Callable, failures: Callable[[], int]) -> Callab
 
 
 def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
-                  trains: bool, update: bool, name: str,
-                  failures: Callable[[], int]) -> list[ActorSpec]:
-    """Stage ``st.s``'s actors; ``trains``: the graph runs a backward."""
+                  trains: bool, update: bool, name: str, failures: Callable[[], int],
+                  scale_from: tuple | None = None) -> list[ActorSpec]:
+    """Stage ``st.s``'s actors; ``trains``: the graph runs a backward; ``scale_from``: as
+    `_end_actors`'s."""
     s = st.s
     keep = trains or bool(st.targets)
 
@@ -284,27 +289,64 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
                         queue=f"gradrecv<{t}") for t in st.grad_from]
     specs += [ActorSpec(f"gradsend>{p}", "send", wire(s, p, st.grad_send(p), "grad"), stage=s,
                         inputs=[Input("bwd")], queue=f"gradsend>{p}") for p in st.grad_to]
+    return specs + _end_actors(st, micro_batches, update, scale_from, name, failures)
+
+
+def _end_actors(st: _Stage, micro_batches: int, update: bool, scale_from: tuple | None,
+                name: str, failures: Callable[[], int]) -> list[ActorSpec]:
+    """The actors after stage ``st.s``'s last backward: ``grads`` (the last backward done),
+    the correction's (`scale_actors`) and ``update``. ``scale_from``: (the stage of a
+    pipelined mean, its ranks); None: no correction to hand on."""
+    s = st.s
+    scale = scale_actors(st, scale_from)
+    names = {a.name for a in scale}
+    specs = [ActorSpec("grads", "compute", _noop, stage=s, inputs=[Input("bwd")],
+                       emit_every=micro_batches, outputs=1)] if update or "scale" in names else []
+    specs += scale
     if update:
-        specs.append(ActorSpec("grads", "compute", _noop, stage=s, inputs=[Input("bwd")],
-                               emit_every=micro_batches, outputs=1))
-        update_fn = _in_stream(f"{name}/update", lambda mb, _: st.call().update(), failures)
-        specs.append(ActorSpec("update", "update", update_fn, stage=s, inputs=[Input("grads")],
-                               times=1))
+        takes = [Input("grads")]
+        if "scale<" in names:
+            takes.append(Input("scale<"))
+        update_fn = _in_stream(f"{name}/update",
+                               lambda mb, _, *got: st.call().update(got[0] if got else None),
+                               failures)
+        specs.append(ActorSpec("update", "update", update_fn, stage=s, inputs=takes, times=1))
     return specs
+
+
+def scale_actors(st: _Stage, scale_from: tuple | None) -> list[ActorSpec]:
+    """How a pipelined mean's correction (`recorded_mean.upstream_scale`) reaches the other
+    stages before their update (``scale_from``: the mean's stage and its ranks, the holders;
+    None: no correction to hand on): on each holder, ``scale`` publishes its ``(scale,
+    held)`` once the last backward is done; on every other rank ``scale<`` reads them all (a runtime req from each, one ack back: the holders never wait for the others'
+    backwards, as an all-reduce would make them) and hands them to ``update``, or without an
+    optimizer to the caller (a sink). On the compute thread: it fires between two kernels."""
+    if scale_from is None:
+        return []
+    stage, holders = scale_from
+    if st.s == stage:
+        return [ActorSpec("scale", "compute", lambda mb, _: st.call().upstream(), stage=st.s,
+                          inputs=[Input("grads")], times=1, outputs=1)]
+    return [ActorSpec("scale<", "compute", lambda mb, *got: list(got), stage=st.s,
+                      inputs=[Input("scale", rank=h) for h in holders], times=1, outputs=1)]
 
 
 def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
                call: Callable[[], Call], micro_batches: int, schedule: str, update: bool,
-               name: str, failures: Callable[[], int]) -> Plan:
+               name: str, failures: Callable[[], int], scale_stage: int | None = None) -> Plan:
     """The plan of every rank (each runs its own; the others' tell it who its peers are).
-    ``failures()``: the runtime's count of failed runs (the actors' collective streams)."""
+    ``failures()``: the runtime's count of failed runs (the actors' collective streams);
+    ``scale_stage``: the stage of a pipelined mean whose correction the others take
+    (`scale_actors`), None for none."""
     trains = bool(first.tape.backwards)
+    scale_from = None if scale_stage is None or not trains else \
+        (scale_stage, tuple(sorted(stages[scale_stage])))
     actors = {}
     for s, ranks in enumerate(stages):
         st = _Stage(s, env, call, first)
         for r in ranks:
             actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
-                                      update and trains, name, failures)
+                                      update and trains, name, failures, scale_from)
     # the actors wait only in collectives and transfers (the runtime's interrupt or the
     # communicator's timeout ends them): a rank with nothing to overlap runs on its caller
     return Plan(actors, name=name, inline=True)

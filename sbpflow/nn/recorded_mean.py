@@ -135,8 +135,8 @@ class CountedMean(NamedTuple):
 
     def corrected_upstream(self, ok: bool) -> None:
         """Told by a pipelined graph once traced: whether the stages before this mean's scale
-        their gradients by this mean's correction (`settle_means` then `exchange_scale`):
-        they do when this is the graph's only such mean and its only loss."""
+        their gradients by this mean's correction (`settle_means`, then the graph plan's
+        `scale_actors`): they do when this is the graph's only such mean and its only loss."""
         self.guessing.upstream = ok
 
     def read_by_tasks(self, read: bool) -> None:
@@ -213,7 +213,7 @@ class _Shares:
         self.pending: list = []
         self.outs: list = []
         self.settled = False
-        self.scale = 1.0   # the correction made (`exchange_scale` hands it to earlier stages)
+        self.scale = 1.0   # the correction made (`scale_actors` hands it to earlier stages)
         g = node.guessing
         grads = total.requires_grad and torch.is_grad_enabled()
         leaves = g.leaves(total) if grads and g.backward_seen else []

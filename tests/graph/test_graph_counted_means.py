@@ -188,43 +188,54 @@ def test_a_graph_without_backward_gives_the_batch_mean_over_micro_batches():
         assert losses == pytest.approx([want, want], rel=1e-12)
 
 
-def _pipe_weights() -> list:
+def _pipe_weights(n: int = 2) -> list:
+    """The weights of an ``n``-stage chain of linear layers, 6 -> 5 ... 5 -> 4."""
     g = torch.Generator().manual_seed(9)
-    return [torch.randn(5, 6, dtype=F64, generator=g), torch.randn(4, 5, dtype=F64, generator=g)]
+    dims = [6] + [5] * (n - 1) + [4]
+    return [torch.randn(dims[i + 1], dims[i], dtype=F64, generator=g) for i in range(n)]
 
 
-def _pipe_torch(y: torch.Tensor, steps: int = 2) -> list:
-    w1, w2 = (w.clone().requires_grad_(True) for w in _pipe_weights())
-    opt = torch.optim.SGD([w1, w2], lr=0.5, momentum=0.9)
+def _pipe_torch(y: torch.Tensor, steps: int = 2, n: int = 2, train: bool = True) -> list:
+    """The chain's losses and weights after ``steps`` SGD steps, or (``train`` False) its
+    loss and the weights' gradients on one batch."""
+    ws = [w.clone().requires_grad_(True) for w in _pipe_weights(n)]
+    opt = torch.optim.SGD(ws, lr=0.5, momentum=0.9)
     losses = []
-    for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(X @ w1.T @ w2.T, y)
+    for _ in range(steps if train else 1):
+        h = X
+        for w in ws:
+            h = h @ w.T
+        loss = torch.nn.functional.cross_entropy(h, y)
         loss.backward()
+        losses.append(loss.item())
+        if not train:
+            return [losses, *[w.grad for w in ws]]
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return [losses, w1.detach(), w2.detach()]
+    return [losses, *[w.detach() for w in ws]]
 
 
 def _pipelined(y: torch.Tensor, schedule: str, dp: int, steps: int = 2,
-               aux: bool = False) -> list:
-    """Two stages (``dp`` ranks each, the batch split over them) over two micro-batches, the
+               aux: bool = False, n: int = 2, train: bool = True) -> list:
+    """``n`` stages (``dp`` ranks each, the batch split over them) over two micro-batches, the
     loss on the last (``aux``: and a second backward, from a loss on the first stage's
-    weight)."""
-    stages = [sf.placement("cpu", list(range(s * dp, (s + 1) * dp))) for s in range(2)]
-    model = sf.nn.Sequential(sf.nn.Linear(6, 5, bias=False, dtype=F64),
-                             sf.nn.Linear(5, 4, bias=False, dtype=F64))
+    weight); ``train`` False: no optimizer, one call, the gradients returned."""
+    stages = [sf.placement("cpu", list(range(s * dp, (s + 1) * dp))) for s in range(n)]
+    refs = _pipe_weights(n)
+    model = sf.nn.Sequential(*[sf.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=F64)
+                               for w in refs])
     with torch.no_grad():
-        for p, ref in zip(model.parameters(), _pipe_weights()):
+        for p, ref in zip(model.parameters(), refs):
             p.copy_(sf.tensor(ref, p.placement, sf.B))
-    sf.parallel.pipeline(model, stages, split=["1"])
+    sf.parallel.pipeline(model, stages, split=[str(i) for i in range(1, n)])
     opt = sf.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
     class Step(sf.nn.Graph):
         def __init__(self):
             super().__init__()
             self.model = model
-            self.add_optimizer(opt)
+            if train:
+                self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(2)
             self.config.set_pipeline_schedule(schedule)
 
@@ -236,26 +247,49 @@ def _pipelined(y: torch.Tensor, schedule: str, dp: int, steps: int = 2,
             return loss
 
     step, batch = Step(), sf.S(0) if dp > 1 else sf.B
-    x, t = sf.tensor(X, stages[0], batch), sf.tensor(y, stages[1], batch)
+    x, t = sf.tensor(X, stages[0], batch), sf.tensor(y, stages[-1], batch)
     try:
-        losses = [step(x, t).to_global(stages[1], sf.B) for _ in range(steps)]
+        losses = [step(x, t).to_global(stages[-1], sf.B) for _ in range(steps if train else 1)]
     except sf.SbpError as exc:
         return ["refused", str(exc), *[p.full_tensor() for p in model.parameters()]]
-    on_last = sf.comm.current().rank in stages[1]
+    on_last = sf.comm.current().rank in stages[-1]
     return [[v.local.item() for v in losses] if on_last else None,
-            *[p.full_tensor() for p in model.parameters()]]
+            *[(p if train else p.grad).full_tensor() for p in model.parameters()]]
+
+
+def _check_pipelined(results: list, want: list) -> None:
+    for got in results:
+        if got[0] is not None:
+            assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
+        for a, b in zip(got[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("schedule,dp", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
 def test_a_pipeline_takes_ignored_targets_over_micro_batches(schedule, dp):
     """The last stage corrects its own gradients and hands the correction to the first before
-    its update (one small all-reduce); losses and weights equal torch."""
+    its update (a runtime message from each of its ranks); losses and weights equal torch."""
     want = _pipe_torch(Y_IGNORED)
-    for got in sf.launch(_pipelined, world_size=2 * dp, args=(Y_IGNORED, schedule, dp)):
-        if got[0] is not None:
-            assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-12)
-        for a, b in zip(got[1:], want[1:]):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _check_pipelined(sf.launch(_pipelined, world_size=2 * dp, args=(Y_IGNORED, schedule, dp)),
+                     want)
+
+
+@pytest.mark.parametrize("schedule,dp", [("1f1b", 1), ("gpipe", 2)])
+def test_three_stages_take_the_correction_with_and_without_an_optimizer(schedule, dp):
+    """Both earlier stages get the last one's correction: trained, the weights equal torch's;
+    without an optimizer the gradients left after the call do."""
+    for train in (True, False):
+        want = _pipe_torch(Y_IGNORED, n=3, train=train)
+        _check_pipelined(sf.launch(_pipelined, world_size=3 * dp,
+                                   args=(Y_IGNORED, schedule, dp, 2, False, 3, train)), want)
+
+
+@pytest.mark.gloo
+def test_three_gloo_processes_take_the_correction():
+    """On the torch backend the correction travels as a message over its sockets."""
+    want = _pipe_torch(Y_IGNORED, n=3)
+    _check_pipelined(sf.launch(_pipelined, world_size=3, backend="torch",
+                               args=(Y_IGNORED, "1f1b", 1, 2, False, 3)), want)
 
 
 def _mlp_torch(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list:
