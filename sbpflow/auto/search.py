@@ -186,6 +186,41 @@ def _seed_columns(t, F: np.ndarray, cols: np.ndarray, lim: np.ndarray | None) ->
     t.fill(match[ok], cols[ok])
 
 
+def _price_best_first(pb, t, rows: np.ndarray, cols: np.ndarray, Fr: np.ndarray,
+                      lim: np.ndarray | None) -> None:
+    """Price every unknown entry of ``t`` (rows ``rows`` with values ``Fr``, columns ``cols``)
+    that can lower its column's least sum: one whose row value plus lower bound is below the
+    column's least sum over the priced entries (below ``lim`` too, when given). Each column's
+    candidates are priced in increasing order of that bound, in batches that double, and
+    dropped once the bound reaches the least sum so far, so a column prices few entries
+    beyond those below its final minimum (the bound is below the entry by a relative 1e-9,
+    so an entry that ties with the minimum is always priced)."""
+    gc = (Fr[:, None] + t.M[np.ix_(rows, cols)]).min(axis=0)
+    low = Fr[:, None] + t.lower[np.ix_(rows, cols)]
+    need = (low < gc[None, :]) & ~t.known[np.ix_(rows, cols)]
+    if lim is not None:
+        need &= low < lim[cols][None, :]
+    i, j = np.nonzero(need)
+    lv = low[i, j]
+    order = np.lexsort((lv, j))          # by column, then by bound
+    i, j, lv = i[order], j[order], lv[order]
+    batch = 1
+    while len(i):
+        first = np.ones(len(j), dtype=bool)
+        first[1:] = j[1:] != j[:-1]
+        start = np.maximum.accumulate(np.where(first, np.arange(len(j)), 0))
+        take = np.arange(len(j)) - start < batch
+        ti, tj = i[take], j[take]
+        t.fill(rows[ti], cols[tj])
+        if not pb.nonnegative:            # a negative edge time: pruning is no longer exact
+            t.fill_all()
+            return
+        np.minimum.at(gc, tj, Fr[ti] + t.M[rows[ti], cols[tj]])
+        keep = ~take & (lv < gc[j])
+        i, j, lv = i[keep], j[keep], lv[keep]
+        batch *= 2
+
+
 class Problem:
     """The search problem as arrays: per layer its candidates, node times and memory; per edge
     class an `_EdgeTable` filled on demand (coordinate descent reads rows and columns of it,
@@ -324,24 +359,10 @@ class Problem:
         Fr = F[rows]
         if self.nonnegative:
             _seed_columns(t, F, cols, lim)
-        while True:
-            s = Fr[:, None] + t.M[np.ix_(rows, cols)]
-            a = np.argmin(s, axis=0)
-            gc = s[a, np.arange(len(cols))]
-            if not self.nonnegative:
-                break
-            # an entry can lower a minimum only if its row value plus its lower bound does
-            # (the bound is below the entry, so a tie with the minimum is always priced)
-            low = Fr[:, None] + t.lower[np.ix_(rows, cols)]
-            need = (low < gc[None, :]) & ~t.known[np.ix_(rows, cols)]
-            if lim is not None:
-                need &= low < lim[cols][None, :]
-            if not need.any():
-                break
-            i, j = np.nonzero(need)
-            t.fill(rows[i], cols[j])
-            if not self.nonnegative:   # a negative edge time seen: pruning is no longer exact
-                t.fill_all()
+            _price_best_first(self, t, rows, cols, Fr, lim)
+        s = Fr[:, None] + t.M[np.ix_(rows, cols)]
+        a = np.argmin(s, axis=0)
+        gc = s[a, np.arange(len(cols))]
         g[cols] = gc
         arg[cols] = rows[a]
         return g[t.col_of], best[arg][t.col_of]
