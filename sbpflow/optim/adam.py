@@ -73,6 +73,14 @@ class Adam(Optimizer):
             self._update_batch([p for p, _, _ in items], [g for _, g, _ in items],
                                [st for _, _, st in items], step, dtype, device, group)
 
+    def _idle_group(self, params, states, group) -> None:
+        """Another rank's parameters (empty shards): the step counted and the state made, as
+        the update would, and nothing else."""
+        for p, st in zip(params, states):
+            if not st:
+                self._init_state(p, st, group)
+            st["step"] += 1
+
     def _update_batch(self, params, grads, states, step, dtype, device, group) -> None:
         """Update parameters of one step, dtype and device: fused where the kernel takes them."""
         fused = group.get("fused")

@@ -181,6 +181,14 @@ def _reduce_scattered(params: list, sharded: list, out: list, remember: bool) ->
             cache[p] = (p.local.grad, p.local.grad._version, out[i])
 
 
+def _idle(params: list, rank: int) -> set:
+    """The ids of ``params`` that ``rank`` holds no shard of and whose update layout is their
+    own (no ZeRO split): their gradient there is the empty shard, which `boxed_grads` would
+    only relabel and the update would not touch."""
+    return {id(p) for p in params if rank not in p._placement and update_layout(p) == p._sbp
+            and backfill(p) is None}
+
+
 @functools.lru_cache(maxsize=256)
 def _has_partial(nd_sbp: tuple) -> bool:
     return any(isinstance(s, Partial) for s in nd_sbp)
@@ -322,34 +330,13 @@ class Optimizer(torch.optim.Optimizer):
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
-        grads = iter(boxed_grads(params, consume=True))
+        # parameters of other ranks (a pipeline's other stages): only their state's bookkeeping
+        idle = _idle(params, _comm.rank())
+        grads = iter(boxed_grads([p for p in params if id(p) not in idle] if idle else params,
+                                 consume=True))
         gather = []   # ZeRO 1 and 2: (parameter, whole local, geometry) to fill after the update
-        cache = _boxed_cache()
-        cache = cache if cache else None
-        fills = has_backfills()   # (none: no lookup a parameter)
-        state = self.state
         for group in self.param_groups:
-            ps, gs, sts = [], [], []
-            for p in group["params"]:
-                g = next(grads)
-                if g is None:
-                    continue
-                if cache is not None:
-                    cache.pop(p, None)
-                sts.append(state[p])
-                fill = backfill(p) if fills else None
-                if fill is not None:
-                    whole, compute, split = fill
-                    geo = _zero.geometry(tuple(p.shape), p.placement, compute, split,
-                                         _comm.rank())
-                    if geo is not None:
-                        gather.append((p, whole, geo))
-                if g._sbp != p._sbp:   # stage 1: update the split shard in place
-                    p = _zero.shard_view(p, g.sbp)
-                ps.append(p)
-                gs.append(g.local)
-            if ps:
-                self._update_group(ps, gs, sts, group)
+            self._step_group(group, grads, idle, gather)
         if gather:   # in the background: the next forward's units wait for their own
             for chunk in _zero.chunks(gather, _SHARD_BUCKET):
                 fut = _zero_comm.submit(_zero.all_gather_into, [it[1:] for it in chunk])
@@ -358,6 +345,49 @@ class Optimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _step_group(self, group: dict, grads: Iterator, idle: set, gather: list) -> None:
+        """Update ``group``'s parameters from their boxed gradients ``grads`` (an iterator
+        over the parameters not in ``idle``, in order); those in ``idle`` (ids) with a gradient
+        get `_idle_group`; ZeRO's all-gathers to make after are added to ``gather``."""
+        cache = _boxed_cache()
+        cache = cache if cache else None
+        fills = has_backfills()   # (none: no lookup a parameter)
+        state = self.state
+        ps, gs, sts, rest, rest_sts = [], [], [], [], []
+        for p in group["params"]:
+            if idle and id(p) in idle:
+                if p._local.grad is not None:
+                    rest.append(p)
+                    rest_sts.append(state[p])
+                continue
+            g = next(grads)
+            if g is None:
+                continue
+            if cache is not None:
+                cache.pop(p, None)
+            sts.append(state[p])
+            fill = backfill(p) if fills else None
+            if fill is not None:
+                whole, compute, split = fill
+                geo = _zero.geometry(tuple(p.shape), p.placement, compute, split, _comm.rank())
+                if geo is not None:
+                    gather.append((p, whole, geo))
+            if g._sbp != p._sbp:   # stage 1: update the split shard in place
+                p = _zero.shard_view(p, g.sbp)
+            ps.append(p)
+            gs.append(g.local)
+        if ps:
+            self._update_group(ps, gs, sts, group)
+        if rest:
+            self._idle_group(rest, rest_sts, group)
+
+    def _idle_group(self, params: list, states: list, group: dict) -> None:
+        """A step of parameters this rank holds no shard of (their gradient is the empty
+        shard): no element to update, only the state's bookkeeping, so that every rank keeps
+        the same state entries (a state dict's collectives pair up). By default the update
+        itself, on the empty shards; a subclass may do just the bookkeeping."""
+        self._update_group(params, [p._local.grad for p in params], states, group)
 
     def _refuse_replaced(self, params: list) -> None:
         """`OptimizerStateError` naming the first of ``params`` that `mark_replaced` marked."""

@@ -163,6 +163,36 @@ def test_without_an_optimizer_every_rank_reads_every_gradient():
             _close(grads[n], v, f"grad {n}")
 
 
+def test_a_pipelined_graph_keeps_adam_state_for_every_parameter_on_every_rank():
+    """AdamW over a pipelined graph: each rank counts the steps of the other stage's
+    parameters too (their update on the empty shard is only that bookkeeping), so every
+    rank's state dict is torch's: the same entries, steps and moments."""
+    ref, sd0, g = _torch_mlp(6)
+    xs = [torch.randn(8, 4, dtype=torch.float64, generator=g) for _ in range(2)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    want = opt.state_dict()["state"]
+
+    def body():
+        m, stages = _two_stage_mlp(sd0)
+        o = sf.optim.AdamW(m.parameters(), lr=0.1)
+        step = _SquaredMean(m, o)
+        for x in xs:
+            step(sf.tensor(x, stages[0], sf.S(0)))
+        return o.state_dict()["state"], m.state_dict()
+    for state, sd in sf.launch(body, world_size=2):
+        assert sorted(state) == sorted(want) == [0, 1, 2, 3]
+        for i, entry in want.items():
+            assert set(state[i]) == set(entry)
+            for key, v in entry.items():
+                _close(state[i][key], v, f"optimizer state {i}.{key}")
+        for k, v in ref.state_dict().items():
+            _close(sd[k], v, f"weight {k}")
+
+
 def test_a_pipelined_graph_checkpoint_resumes_as_torch(tmp_path):
     """After a pipelined graph step with SGD momentum, the optimizer keeps state for every
     parameter on every rank, as eager (another stage's empty): ``sf.save`` writes it (it
