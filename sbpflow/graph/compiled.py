@@ -128,8 +128,9 @@ class Compiled:
         self.timeline_calls = 0
         # the parameters of a training graph this rank holds no shard of (another stage's):
         # `_fill_off_rank_grads` gives them the empty gradient shard eager backward gives them
+        # ([parameter, its shard, that shard's empty gradient], the last two made on first use)
         self.off_rank_params = [] if not tapes[0].backwards else [
-            t for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
+            [t, None, None] for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
             and t._local.requires_grad and t._local.is_leaf and self.comm.rank not in t._placement]
 
     def _check_ranks_agree(self, low) -> None:
@@ -230,10 +231,17 @@ class Compiled:
     def _fill_off_rank_grads(self) -> None:
         """Another stage's parameters get their empty gradient shard on this rank, as in eager
         mode: an optimizer then keeps state for every parameter on every rank (a checkpoint
-        saves the same tensors everywhere), and ``p.grad`` reads alike on every rank."""
-        for p in self.off_rank_params:
-            if p._local.grad is None:
-                p._local.grad = torch.zeros_like(p._local)
+        saves the same tensors everywhere), and ``p.grad`` reads alike on every rank. Each
+        one's empty tensor is made once and given again while the shard is the same tensor
+        (a ``zeros_like`` a parameter every call was a fifth of a pipeline stage's update;
+        with no element, nothing written to it persists)."""
+        for entry in self.off_rank_params:
+            shard = entry[0]._local
+            if shard.grad is not None:
+                continue
+            if entry[1] is not shard:
+                entry[1:] = [shard, torch.zeros_like(shard)]
+            shard.grad = entry[2]
 
     def _take_scale(self, got: list | None) -> None:
         """The correction the stage of a pipelined mean over micro-batches made, handed to
