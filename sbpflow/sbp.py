@@ -63,6 +63,9 @@ class Split(Sbp):
     def __repr__(self) -> str:
         return f"S({self.axis})"
 
+    def __hash__(self) -> int:   # (the generated one builds a tuple: searches hash millions)
+        return self.axis
+
 
 @dataclass(frozen=True, slots=True)
 class Broadcast(Sbp):
@@ -70,6 +73,9 @@ class Broadcast(Sbp):
 
     def __repr__(self) -> str:
         return "B"
+
+    def __hash__(self) -> int:
+        return -3
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,9 @@ class Partial(Sbp):
 
     def __repr__(self) -> str:
         return "P" if self.op == "sum" else f"P({self.op})"
+
+    def __hash__(self) -> int:
+        return -4 if self.op == "sum" else -5 if self.op == "max" else -6
 
 
 S = Split

@@ -203,7 +203,9 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     slo, shi, parts, tiny = _src_side(fine, src, ndim)
     dlo, dhi, dvol, receives = _dst_side(fine, dst, ndim)
     # per axis and rank: how much of the destination interval the rank's source one covers
-    inter = np.maximum(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0.0)
+    inter = np.minimum(dhi, shi)
+    inter -= np.maximum(dlo, slo)
+    np.maximum(inter, 0.0, out=inter)
     held = inter[0]
     meets = inter[0] > tiny[0]
     for a in range(1, ndim):
@@ -211,25 +213,34 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
         meets &= inter[a] > tiny[a]
     elems = dvol - held
     need = receives & (elems > 1e-12)
-    if not need.any():
+    idx = np.flatnonzero(need)
+    if not len(idx):
         return ()
     # per axis and rank: the source cells the destination interval meets (whole numbers)
-    eps = 1e-9
-    per_axis = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0)
-    cells = per_axis[0]
-    for a in range(1, ndim):
-        cells = cells * per_axis[a]
-    msgs = cells - meets
+    msgs = _cells(fine, dst, ndim, parts.tobytes())[idx] - meets[idx]
     # the Pareto front of (elements, messages), elements compared to rounding
     # (rounded once per distinct pair: ranks share a few loads)
-    pairs = np.unique(elems[need] + 1j * msgs[need])
-    loads = sorted({(round(e, 12), int(round(m))) for e, m in zip(pairs.real.tolist(),
-                                                                   pairs.imag.tolist())})
+    pairs = set(zip(elems[idx].tolist(), msgs.tolist()))
+    loads = sorted({(round(e, 12), int(round(m))) for e, m in pairs})
     front: list = []
     for e, m in reversed(loads):          # most elements first
         if not front or m > front[-1][1]:
             front.append((e, m))
     return tuple(front)
+
+
+@memoize(1 << 14)
+def _cells(fine: tuple, dst: tuple, ndim: int, parts: bytes) -> np.ndarray:
+    """Per rank: the cells of the source grid (``parts``: each axis's equal parts, float64
+    bytes) its destination box meets (`_transfer_fraction`; whole numbers, as floats)."""
+    dlo, dhi, _, _ = _dst_side(fine, dst, ndim)
+    parts = np.frombuffer(parts, dtype=np.float64)[:, None]
+    eps = 1e-9
+    per_axis = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0)
+    cells = per_axis[0]
+    for a in range(1, ndim):
+        cells = cells * per_axis[a]
+    return cells
 
 
 class Move(NamedTuple):
@@ -869,10 +880,41 @@ class Evaluator:
         self.graph, self.cluster, self.micro = graph, cluster, int(micro_batches)
         self.itemsize = graph.itemsize
         self._node: dict = {}
+        self._mem: dict = {}
         self._edge: dict = {}
 
     def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
         return redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster, micro)
+
+    def node_memory(self, layer, s) -> dict:
+        """Memory per device of one layer (bytes): ``params``, ``grads``, ``optimizer``,
+        ``activations`` (per micro-batch in flight) and their ``total``; no pricing."""
+        key = (layer.key, s)
+        hit = self._mem.get(key)
+        if hit is not None:
+            return hit
+        mesh, it = s.mesh, self.itemsize
+        g = self.graph
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        if layer.weight_shape is not None:
+            ws = tuple(layer.weight_shape)
+            if s.zero in (1, 2):   # docs/auto.md, 'ZeRO stages': the weight kept whole
+                whole, split = _local_numel(ws, mesh, s.weight), _local_numel(ws, mesh, s.stored)
+                mem["params"] = whole * it
+                mem["grads"] = (split if s.zero == 2 else whole) * it
+                mem["optimizer"] = split * g.optimizer_itemsize * g.optimizer_states
+            else:
+                n = _local_numel(ws, mesh, s.weight_stored)
+                mem["params"] = mem["grads"] = n * it
+                mem["optimizer"] = n * g.optimizer_itemsize * g.optimizer_states
+        # saved for backward: the input and the output (a recomputed layer only its input)
+        saved = _local_numel(layer.input_shape, mesh, s.input)
+        if not getattr(s, "recompute", False):
+            saved += _local_numel(layer.output_shape, mesh, s.output)
+        mem["activations"] = saved * it / self.micro
+        mem["total"] = sum(mem.values())
+        self._mem[key] = mem
+        return mem
 
     def node_terms(self, layer, s) -> dict:
         """compute, grad-sync (time, bytes), sink reduction (fwd/bwd), memory of one layer."""
@@ -882,14 +924,13 @@ class Evaluator:
         hit = self._node.get(key)
         if hit is not None:
             return hit
-        mesh, it, m = s.mesh, self.itemsize, self.micro
+        mesh, m = s.mesh, self.micro
         # forward + backward (2x forward); recomputation runs the forward once more
         passes = 4.0 if getattr(s, "recompute", False) else 3.0
         compute = passes * layer.flops / _work_split(s) / self.cluster.device_flops
         gt = gb = gather = 0.0
-        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         if layer.weight_shape is not None and s.zero in (1, 2):
-            gt, gb, mem = self._zero12(layer, s, mem)
+            gt, gb = self._zero12(layer, s)
         elif layer.weight_shape is not None:
             w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
             t, b = self._redist(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
@@ -897,42 +938,34 @@ class Evaluator:
             if st != w:  # ZeRO-3: gather the weight for forward and again for backward
                 t, b = self._redist(ws, mesh, st, mesh, w)
                 gt, gb, gather = gt + 2 * m * t, gb + 2 * m * b, 2 * m * t
-            n = _local_numel(ws, mesh, st)
-            mem["params"] = mem["grads"] = n * it
-            mem["optimizer"] = n * self.graph.optimizer_itemsize * self.graph.optimizer_states
-        # saved for backward: the input and the output (a recomputed layer only its input)
-        saved = _local_numel(layer.input_shape, mesh, s.input)
-        if not getattr(s, "recompute", False):
-            saved += _local_numel(layer.output_shape, mesh, s.output)
-        mem["activations"] = saved * it / m
-        ft = fb = bt = bb = 0.0
-        if sink:
-            if any(isinstance(x, Partial) for x in s.output):  # the loss needs a full value
-                red = tuple(S(0) if isinstance(x, Partial) else x for x in s.output)
-                ft, fb = self._redist(layer.output_shape, mesh, s.output, mesh, red, m)
-                bt, bb = self._redist(layer.output_shape, mesh, dual_nd(red), mesh,
-                                      dual_nd(s.output), m)
-        mem["total"] = sum(mem.values())
+        ft, fb, bt, bb = self._sink_terms(layer, s) if sink else (0.0, 0.0, 0.0, 0.0)
         out = {"compute": compute, "grad_time": gt, "grad_bytes": gb, "fwd_time": ft,
-               "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb, "memory": mem,
-               "gather_time": gather,
+               "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb,
+               "memory": self.node_memory(layer, s), "gather_time": gather,
                "time": compute + gt + ft + bt}
         self._node[key] = out
         return out
 
-    def _zero12(self, layer, s, mem: dict) -> tuple:
-        """(grad-sync time, bytes, memory) of a weight at ZeRO stage 1 or 2 (docs/auto.md,
-        'ZeRO stages'): the gradient reduce-scattered to ``stored`` and the updated shard
-        all-gathered back, once a step (data parallelism's bytes); the weight kept whole,
-        the optimizer state (and at stage 2 the gradient) split."""
+    def _sink_terms(self, layer, s) -> tuple:
+        """(fwd time, bytes, bwd time, bytes) of a sink layer: the loss needs a full value,
+        so a partial output is reduced (and its gradient sent back the dual way)."""
+        if not any(isinstance(x, Partial) for x in s.output):
+            return 0.0, 0.0, 0.0, 0.0
+        mesh, m = s.mesh, self.micro
+        red = tuple(S(0) if isinstance(x, Partial) else x for x in s.output)
+        ft, fb = self._redist(layer.output_shape, mesh, s.output, mesh, red, m)
+        bt, bb = self._redist(layer.output_shape, mesh, dual_nd(red), mesh, dual_nd(s.output),
+                              m)
+        return ft, fb, bt, bb
+
+    def _zero12(self, layer, s) -> tuple:
+        """(grad-sync time, bytes) of a weight at ZeRO stage 1 or 2 (docs/auto.md, 'ZeRO
+        stages'): the gradient reduce-scattered to ``stored`` and the updated shard
+        all-gathered back, once a step (data parallelism's bytes)."""
         w, st, ws, mesh = s.weight, s.stored, tuple(layer.weight_shape), s.mesh
         t1, b1 = self._redist(ws, mesh, dual_nd(w), mesh, st)
         t2, b2 = self._redist(ws, mesh, st, mesh, w)
-        whole, split = _local_numel(ws, mesh, w), _local_numel(ws, mesh, st)
-        mem["params"] = whole * self.itemsize
-        mem["grads"] = (split if s.zero == 2 else whole) * self.itemsize
-        mem["optimizer"] = split * self.graph.optimizer_itemsize * self.graph.optimizer_states
-        return t1 + t2, b1 + b2, mem
+        return t1 + t2, b1 + b2
 
     def edge_terms(self, producer, a, consumer, b) -> dict:
         """Forward redistribution of the producer's output into the consumer's input layout

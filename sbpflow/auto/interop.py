@@ -159,7 +159,7 @@ class _Explorer:
             memo: dict = {}
             for l in self.graph.layers:
                 if l.key not in memo:
-                    mem = [ev.node_terms(l, s)["memory"]
+                    mem = [ev.node_memory(l, s)
                            for s in layer_space(l, devices, self.max_dims, self.zero,
                                                 self.recompute, micro_batches)]
                     act = np.array([m["activations"] for m in mem])
@@ -367,23 +367,19 @@ def micro_batch_ladder(graph, s: int) -> list:
 
 
 def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
-                    zero: bool = False, recompute: bool = False,
-                    node_cache: dict | None = None) -> float:
+                    zero: bool = False, recompute: bool = False) -> float:
     """The least memory per device any one-stage strategy can have: per layer the least of
     its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
-    each layer takes its least-memory candidate). ``node_cache``: the `Evaluator`'s node
-    terms go there (a search at the same micro-batch count reuses them)."""
+    each layer takes its least-memory candidate; nothing is priced)."""
     if not whole_sequences(graph, micro_batches):
         return math.inf      # no strategy keeps whole sequences
     ev = Evaluator(graph, cluster, micro_batches)
-    if node_cache is not None:
-        ev._node = node_cache
     memo: dict = {}
     total = 0.0
     for i, l in enumerate(graph.layers):
         key = (l.key, not graph.succs[i])
         if key not in memo:
-            memo[key] = min(ev.node_terms(l, s)["memory"]["total"]
+            memo[key] = min(ev.node_memory(l, s)["total"]
                             for s in layer_space(l, cluster.world_size, max_dims, zero,
                                                  recompute, micro_batches))
         total += memo[key]
@@ -432,14 +428,11 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     if not chain:
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
-    node: dict = {}
     single = None  # the one-stage result, once searched
     if stages == "auto" and (limit is None or
                              one_stage_floor(graph, cluster, m1, max_dims, zero,
-                                             options.get("recompute", False), node) <= limit):
-        # the floor's node terms are the search's (same cluster and micro-batch count)
-        single = _search_one(*args, shared={"node": node} if micro_batches == m1 else None,
-                             **options)
+                                             options.get("recompute", False)) <= limit):
+        single = _search_one(*args, **options)
         if limit is None or single.fits:
             return single   # (else: nothing found under the limit, though it exists)
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
