@@ -295,10 +295,10 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
 
 @memoize(1 << 20)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
-    """``("moves", _Sk s)`` or ``("transfer", (fine, s, pre-moves and fractions per reduced
-    layout))``, for any shape of ``ndim`` axes (`_plan`). It depends on the meshes and layouts
-    only through their common refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,)
-    one walks the same (8, 8) layouts as two (8, 8) meshes do."""
+    """``("moves", _Sk s)`` or ``("transfer", `_transfer_options`)``, for any shape of
+    ``ndim`` axes (`_plan`). It depends on the meshes and layouts only through their common
+    refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,) one walks the same (8, 8)
+    layouts as two (8, 8) meshes do."""
     if src_mesh == dst_mesh and src == dst:
         return "moves", ()
     ref = _refine(src_mesh, dst_mesh)
@@ -341,9 +341,10 @@ def _sized(m: _Sk, shape: tuple) -> Move:
 
 def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
     """The planner's reduce-then-transfer options from ``s`` to ``d`` on the refined mesh
-    ``fine``, shape-free: per reduced layout (broadcast, or a split of some axis), its
-    reduction ``(kind, dims, div, axis)`` (None without partial dims) and the receivers' loads
-    as fractions (`_transfer_fraction`); None above ``_TRANSFER_MAX_RANKS``."""
+    ``fine``, shape-free: ``(fine, s, d, ndim, options)``, per reduced layout ``mid``
+    (broadcast, or a split of some axis) its reduction ``(kind, dims, div, axis)`` (None
+    without partial dims) and ``mid``; None above ``_TRANSFER_MAX_RANKS``. The receivers'
+    loads (`_transfer_fraction`) are found when `_via_transfer` needs them."""
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
@@ -359,19 +360,21 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
                 continue
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
-        out.append((pre, _transfer_fraction(fine, mid, d, ndim)))
-    return fine, s, tuple(out)
+        out.append((pre, mid))
+    return fine, s, d, ndim, tuple(out)
 
 
-def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
+def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
+                  options: tuple) -> tuple:
     """The planner's reduce-then-transfer for ``shape``: of `_transfer_options`, the reduced
-    layout that moves fewest bytes per device."""
+    layout that moves fewest bytes per device (the first of them on a tie). The transfer only
+    adds bytes, so options are tried in increasing order of their reduction's bytes and the
+    rest dropped once that reaches the best total: their loads are never found."""
     numel = math.prod(shape)
-    best = None
     local = None
-    for spec, front in options:
-        pre = []
-        vol = 0
+    tried = []
+    for i, (spec, mid) in enumerate(options):
+        pre, vol = [], 0
         if spec is not None:
             kind, pdims, div, ax = spec
             if local is None:
@@ -379,8 +382,12 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
             copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
             pre.append(Move(kind, fine, pdims, numel / div, copy))
             vol = _per_device(kind, numel / div, math.prod(fine[j] for j in pdims))
-            if best is not None and vol >= best[0]:
-                continue   # the transfer only adds: this reduced layout cannot move fewer
+        tried.append((vol, i, pre, mid))
+    best = None   # (bytes, option index, moves)
+    for vol, i, pre, mid in sorted(tried, key=lambda x: x[:2]):
+        if best is not None and (vol, i) > best[:2]:
+            break   # neither this option nor a later one can move fewer bytes
+        front = _transfer_fraction(fine, mid, d, ndim)
         if front:
             # the front runs from most elements to fewest (`_transfer_fraction`)
             loads = tuple((f * numel, m) for f, m in front)
@@ -388,9 +395,9 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, options: tuple) -> tuple:
                             0.0, loads))
             vol += front[0][0] * numel
         # the planner's choice: fewest bytes (per device here)
-        if best is None or vol < best[0]:
-            best = (vol, tuple(pre))
-    return best[1]
+        if best is None or (vol, i) < best[:2]:
+            best = (vol, i, tuple(pre))
+    return best[2]
 
 
 def _divisor(fine, nd, skip) -> int:

@@ -35,9 +35,21 @@ class Layer:
     def params(self) -> int:
         return math.prod(self.weight_shape) if self.weight_shape else 0
 
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_key", None)     # a field changed: `key` is found again
+
     @property
     def key(self) -> tuple:
-        """Layers with equal keys have the same strategy space and per-layer costs."""
+        """Layers with equal keys have the same strategy space and per-layer costs (found
+        once: a search reads it for every cached term; a layer's ``attrs`` are not changed
+        in place)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = self.__dict__["_key"] = self._find_key()
+        return k
+
+    def _find_key(self) -> tuple:
         return (self.kind, tuple(self.input_shape), self.weight_shape and tuple(self.weight_shape),
                 tuple(self.output_shape), float(self.flops), self.accepts_partial,
                 tuple(sorted(self.attrs.items()))) + (("tied",) if self.tied else ())

@@ -88,6 +88,19 @@ class LayerStrategy:
         return " x ".join(f"{n}:{m}" for n, m in zip(self.names, self.mesh)) + z + (
             " +rc" if self.recompute else "")
 
+    def __hash__(self) -> int:
+        # the fields that compare, hashed once (a search hashes a strategy for every cached
+        # node term it reads)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.input, self.weight, self.output, self.stored, self.stage,
+                      self.recompute, self.zero))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __repr__(self) -> str:
         w = format_nd_sbp(self.weight) if self.weight is not None else "-"
         z = f", stored={format_nd_sbp(self.stored)}" if self.stored is not None else ""
