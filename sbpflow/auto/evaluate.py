@@ -317,14 +317,16 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
 @memoize(1 << 20)
 def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
     """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
-    moves = _FixedOrder(ndim, fine, list(s), list(d)).run()
+    enumerable = math.prod(fine) <= _TRANSFER_MAX_RANKS
+    try:
+        moves = _FixedOrder(ndim, fine, list(s), list(d), stop_at_nested=enumerable).run()
+    except _NestedMove:   # the walk is dropped: the planner's reduce-then-transfer instead
+        return "transfer", _transfer_options(ndim, fine, s, d)
     if not any(m.kind == "nested" for m in moves):
         return "moves", moves
-    best = _transfer_options(ndim, fine, s, d)
-    if best is None:  # too many ranks to enumerate: each move priced as its own collective
-        return "moves", tuple(m if m.kind != "nested" else
-                              _Sk(m.fallback, m.mesh, m.dims, m.div) for m in moves)
-    return "transfer", best
+    # too many ranks to enumerate: each move priced as its own collective
+    return "moves", tuple(m if m.kind != "nested" else
+                          _Sk(m.fallback, m.mesh, m.dims, m.div) for m in moves)
 
 
 def _sized(m: _Sk, shape: tuple) -> Move:
@@ -371,6 +373,8 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
     rest dropped once that reaches the best total: their loads are never found."""
     numel = math.prod(shape)
+    if len(options) == 1 and options[0][0] is None:   # no partial dims: the transfer alone
+        return _sized_transfer(fine, numel, _transfer_fraction(fine, options[0][1], d, ndim))
     local = None
     tried = []
     for i, (spec, mid) in enumerate(options):
@@ -389,15 +393,21 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
             break   # neither this option nor a later one can move fewer bytes
         front = _transfer_fraction(fine, mid, d, ndim)
         if front:
-            # the front runs from most elements to fewest (`_transfer_fraction`)
-            loads = tuple((f * numel, m) for f, m in front)
-            pre.append(Move("transfer", fine, tuple(range(len(fine))), front[0][0] * numel,
-                            0.0, loads))
+            pre += _sized_transfer(fine, numel, front)
             vol += front[0][0] * numel
         # the planner's choice: fewest bytes (per device here)
         if best is None or (vol, i) < best[:2]:
             best = (vol, i, tuple(pre))
     return best[2]
+
+
+def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
+    """The transfer `Move` (none if nobody receives) of a tensor of ``numel`` elements whose
+    receivers' loads are ``front`` (`_transfer_fraction`: from most elements to fewest)."""
+    if not front:
+        return ()
+    loads = tuple((f * numel, m) for f, m in front)
+    return (Move("transfer", fine, tuple(range(len(fine))), front[0][0] * numel, 0.0, loads),)
 
 
 def _divisor(fine, nd, skip) -> int:
@@ -410,13 +420,21 @@ def _divisor(fine, nd, skip) -> int:
     return out
 
 
+class _NestedMove(Exception):
+    """The fixed order's walk met a move it cannot make (`_FixedOrder`, ``stop_at_nested``)."""
+
+
 class _FixedOrder:
     """The fixed order's walk from ``s`` to ``d`` on the refined mesh ``fine``: ``state`` is
     the layout so far, ``target`` what the phases move it to, ``moves`` the records (`_Sk`:
-    pieces as divisors, strided copies as conditions, for any shape of ``ndim`` axes)."""
+    pieces as divisors, strided copies as conditions, for any shape of ``ndim`` axes).
+    ``stop_at_nested``: raise `_NestedMove` at the first move that is not a valid step (the
+    caller then prices the planner's transfer, and the rest of the walk is not needed)."""
 
-    def __init__(self, ndim: int, fine: tuple, s: list, d: list) -> None:
+    def __init__(self, ndim: int, fine: tuple, s: list, d: list,
+                 stop_at_nested: bool = False) -> None:
         self.fine = fine
+        self.stop_at_nested = stop_at_nested
         self.final = d
         self.target = _reduced_first(s, d, ndim)  # until the last local phase
         self.state = list(s)
@@ -452,6 +470,11 @@ class _FixedOrder:
     def piece(self, dims) -> int:
         return _divisor(self.fine, self.state, dims)  # dims: a few ints, no set needed
 
+    def nested_move(self, dims: tuple, piece: int, fallback: str) -> None:
+        if self.stop_at_nested:
+            raise _NestedMove
+        self.moves.append(_Sk("nested", self.fine, dims, piece, fallback=fallback))
+
     def moved(self, dims) -> list:
         """``state`` with ``dims`` at their target."""
         new = list(self.state)
@@ -473,8 +496,7 @@ class _FixedOrder:
             if isinstance(state[j], Broadcast) and isinstance(target[j], Split) and \
                     later_split(j, target[j].axis) and j not in moved:
                 dims = (j,) + tuple(k for k in later_split(j, target[j].axis) if k not in moved)
-                self.moves.append(_Sk("nested", fine, dims, self.piece(dims),
-                                      fallback="all_to_all"))
+                self.nested_move(dims, self.piece(dims), "all_to_all")
                 moved.update(dims)
         for j in moved:
             if isinstance(state[j], Broadcast):
@@ -489,8 +511,7 @@ class _FixedOrder:
         if self.nested and not is_valid_move(self.state, new, dims):
             # the collective the move would be (a local slice whose part is held by others:
             # an all-to-all) is the price of last resort (`_plan`)
-            self.moves.append(_Sk("nested", self.fine, dims, self.piece(dims),
-                                  fallback=kind or "all_to_all"))
+            self.nested_move(dims, self.piece(dims), kind or "all_to_all")
         elif kind is None:
             self.moves.append(_Sk("local", self.fine, dims, None))
         else:
@@ -527,7 +548,7 @@ class _FixedOrder:
         if valid:
             self.moves.append(_Sk("all_gather", self.fine, dims, piece, terms))
         else:
-            self.moves.append(_Sk("nested", self.fine, dims, piece, fallback="all_gather"))
+            self.nested_move(dims, piece, "all_gather")
 
 
 @memoize(1 << 14)
@@ -579,8 +600,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
         if m.kind == "transfer":
             b += nbytes
             if cluster is not None:
+                fit = _p2p_fit(cluster, m.mesh)
                 t += micro_batches * max(
-                    _transfer_time(cluster, e * itemsize / micro_batches, msgs, m.mesh)
+                    _transfer_time(cluster, e * itemsize / micro_batches, msgs, fit)
                     for e, msgs in m.loads)
             continue
         g = math.prod(m.mesh[j] for j in m.dims)
@@ -593,15 +615,15 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
     return t, b
 
 
-def _transfer_time(cluster, nbytes, msgs, fine):
+def _transfer_time(cluster, nbytes, msgs, fit):
     """A point-to-point transfer in which the busiest rank receives ``nbytes`` in ``msgs``
     messages: ``o + msgs·α + nbytes·β`` (plus ``copy_beta·nbytes``: the pieces are written
-    into the receiver's output shard) with the p2p parameters of the whole mesh's link class
-    (`Cluster.fit`; ``o`` = 0 without a per-kind fit). An estimate of what
+    into the receiver's output shard) with ``fit``, the p2p parameters of the whole mesh's
+    link class (`_p2p_fit`; ``o`` = 0 without a per-kind fit). An estimate of what
     `sbpflow.cost.step_time` gives the planner's transfer step: that one prices each message
     on the link of its own pair and takes the larger of a rank's sends and receives (equal on
     one node, when every rank receives at least what it sends)."""
-    return _p2p_fit(cluster, fine).time(msgs, nbytes) + cluster.copy_time(nbytes)
+    return fit.time(msgs, nbytes) + cluster.copy_time(nbytes)
 
 
 def _p2p_fit(cluster, fine: tuple):
@@ -698,6 +720,18 @@ def _least_beta(cluster) -> float:
     return min(betas, default=0.0)
 
 
+def _least_fixed(cluster) -> float:
+    """The least seconds a move in which a rank receives costs besides its bytes: of the link
+    classes a group of two or more ranks can have, the least per-message ``alpha`` (plus a
+    per-kind fit's ``overhead``); every collective and transfer sends a receiver at least
+    one message (`sbpflow.cost.formulas`: ``messages(p) >= 1`` for ``p >= 2``)."""
+    classes = [lc for lc, ok in (("intra", cluster.devices_per_node > 1),
+                                 ("inter", cluster.nodes > 1)) if ok]
+    fixed = [getattr(cluster, lc).alpha for lc in classes] + \
+        [f.overhead + f.alpha for lc, _, f in cluster.kinds if lc in classes]
+    return min(fixed, default=0.0)
+
+
 def _node_side(layouts: list, ndim: int, cluster) -> tuple:
     """Per ``(mesh, nd-sbp)``, what node 0 (ranks ``0 .. k-1``, ``k`` devices a node) holds:
     per axis the fraction ``[0, x)`` of it (the union of its ranks' boxes: mesh dims are
@@ -756,7 +790,8 @@ def _inter_beta(cluster) -> float:
     return min(betas) / min(cluster.devices_per_node, cluster.world_size)
 
 
-def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list) -> np.ndarray:
+def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list,
+                      micro_batches: int = 1) -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
     layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix, per direction (forward,
     and backward: the duals, broadcast <-> partial) the larger of two: the elements rank 0
@@ -766,8 +801,10 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     ``[0, 1/f_a)`` of every axis ``a`` split ``f_a`` ways, and every move the price sums sends
     each receiver at least what it gets (a collective's volume, a transfer's busiest
     receiver); the node bound needs real moves: meshes of at most ``_TRANSFER_MAX_RANKS``
-    ranks with a common refinement (else the price holds estimates). Scaled by ``1 - 1e-9``
-    against rounding."""
+    ranks with a common refinement (else the price holds estimates). A direction in which
+    rank 0 must receive something also has at least one move in which it does, so, once a
+    micro-batch, a step's overhead and the least fixed cost of a message (`_least_fixed`).
+    Scaled by ``1 - 1e-9`` against rounding."""
     beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
@@ -790,7 +827,9 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
         bwd = np.maximum(bwd, np.where(fine, _node_lacks(nd_, ns, ks[:, 1], 1).T, 0.0)
                          * bx)
     odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
-    return np.where(odd, 0.0, fwd + bwd) * (math.prod(shape) * itemsize * (1 - 1e-9))
+    lat = micro_batches * (cluster.step_overhead + _least_fixed(cluster))
+    total = (fwd + bwd) * (math.prod(shape) * itemsize) + lat * ((fwd > 0) * 1.0 + (bwd > 0))
+    return np.where(odd, 0.0, total) * (1 - 1e-9)
 
 
 # ---- per-layer and per-edge terms --------------------------------------------------------------

@@ -81,7 +81,7 @@ class _EdgeTable:
         if self._lower is None:
             ev = self.pb.ev
             self._lower = edge_lower_bounds(self.shape, ev.itemsize, ev.cluster, self.rows,
-                                            self.cols)
+                                            self.cols, ev.micro)
         return self._lower
 
 
