@@ -318,9 +318,10 @@ def scale_actors(st: _Stage, scale_from: tuple | None) -> list[ActorSpec]:
     """How a pipelined mean's correction (`recorded_mean.upstream_scale`) reaches the other
     stages before their update (``scale_from``: the mean's stage and its ranks, the holders;
     None: no correction to hand on): on each holder, ``scale`` publishes its ``(scale,
-    held)`` once the last backward is done; on every other rank ``scale<`` reads them all (a runtime req from each, one ack back: the holders never wait for the others'
-    backwards, as an all-reduce would make them) and hands them to ``update``, or without an
-    optimizer to the caller (a sink). On the compute thread: it fires between two kernels."""
+    held)`` once the last backward is done; on every other rank ``scale<`` reads them all (a
+    runtime req from each, one ack back: the holders never wait for the others' backwards,
+    as an all-reduce would make them) and hands them to ``update``, or without an optimizer
+    to the caller (a sink). On the compute thread: it fires between two kernels."""
     if scale_from is None:
         return []
     stage, holders = scale_from
