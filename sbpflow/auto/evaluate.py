@@ -856,7 +856,7 @@ def _work_split(s) -> int:
 
 
 def _to_ndim(nd, ndim):
-    return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
+    return tuple(S(ndim - 1) if isinstance(s, Split) and s.axis >= ndim else s for s in nd)
 
 
 @dataclass

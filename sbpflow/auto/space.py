@@ -228,7 +228,7 @@ def _fits(shape, nd, mesh) -> bool:
 
 def _clip_axis(nd, ndim):
     """Embedding ids (tokens,) have one axis: S(1) of the input is meaningless there."""
-    return tuple(S(min(s.axis, ndim - 1)) if isinstance(s, Split) else s for s in nd)
+    return tuple(S(ndim - 1) if isinstance(s, Split) and s.axis >= ndim else s for s in nd)
 
 
 def whole_sequences(graph, micro_batches: int) -> bool:
