@@ -280,7 +280,27 @@ def _summary(events: list[dict], rank: int, stages: int) -> dict:
         if r == rank and kind == "backward" and ("backward", r - 1, mb) in at:
             hops_b.append(at[("backward", r - 1, mb)]["start"] - e["end"])
     return {"fwd": busy("forward"), "bwd": busy("backward"), "update": busy("update"),
-            "hop_f": hops_f, "hop_b": hops_b}
+            "hop_f": hops_f, "hop_b": hops_b, **_handoffs(events, rank)}
+
+
+def _handoffs(events: list[dict], rank: int) -> dict:
+    """sbpflow's two parts of a hop (its timeline names the transfer actors): ``hop_send``,
+    from a forward's (backward's) end to the start of the send of its value, here (the wake-up
+    of the send thread); ``hop_wire``, from that start to the end of the receive on the other
+    rank (gloo and the receiving thread's wake-up). Empty for torch's events."""
+    at = {(e["rank"], e["actor"], e["micro_batch"]): e for e in events if "actor" in e}
+    to_send, wire = [], []
+    for (r, actor, mb), e in at.items():
+        if r != rank or not actor.startswith(("send>", "gradsend>")):
+            continue
+        made = at.get((r, "fwd" if actor[0] == "s" else "bwd", mb))
+        peer = int(actor.rpartition(">")[2])
+        got = at.get((peer, f"{'recv' if actor[0] == 's' else 'gradrecv'}<{r}", mb))
+        if made is not None:
+            to_send.append(e["start"] - made["end"])
+        if got is not None:
+            wire.append(got["end"] - e["start"])
+    return {"hop_send": to_send, "hop_wire": wire}
 
 
 class _RuntimeMarks:
@@ -364,8 +384,8 @@ def _profile_rank(cfg: dict, m: int, schedule: str, steps: int) -> dict:
 def _medians(rows: list[dict]) -> dict:
     """The median of each figure over the steps (of every hop of every step, for the hops)."""
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if not k.startswith("hop")}
-    for k in ("hop_f", "hop_b"):
-        hops = [h for r in rows for h in r[k]]
+    for k in ("hop_f", "hop_b", "hop_send", "hop_wire"):
+        hops = [h for r in rows for h in r.get(k, [])]
         out[k] = statistics.median(hops) if hops else float("nan")
     return out
 
@@ -390,16 +410,20 @@ def _save_both(profile: dict, path: str, config: str) -> None:
 def _print_profile(config: str, per_rank: list[dict]) -> None:
     ms = lambda v: f"{v * 1e3:6.1f}"  # noqa: E731
     print(f"\n{config}: per rank, medians per step (ms); hop = a micro-batch's forward (backward)"
-          " start on the next (previous) stage minus its end here")
+          " start on the next (previous) stage minus its end here; sbpflow's hops from here in"
+          " two parts: to send (its value's end to its send's start), wire (that start to the "
+          "receive's end there)")
     print(f"{'':<9}{'rank':>4}{'wall':>7}{'cpu':>7}{'fwd':>7}{'bwd':>7}{'update':>7}"
-          f"{'hop f':>7}{'hop b':>7}  sbpflow: outside run / handshake / head / tail; thread cpu")
+          f"{'hop f':>7}{'hop b':>7}  sbpflow: to send / wire; outside run / handshake / head / "
+          f"tail; thread cpu")
     for name in ("sbpflow", "torch"):
         for r, res in enumerate(per_rank):
             v = res[name]
             line = (f"{name if r == 0 else '':<9}{r:>4}" + "".join(
                 ms(v[k]) + " " for k in ("wall", "cpu", "fwd", "bwd", "update", "hop_f", "hop_b")))
             if name == "sbpflow":
-                line += " " + " / ".join(f"{v[k] * 1e3:.2f}" for k in (
+                line += " " + " / ".join(f"{v[k] * 1e3:.2f}" for k in ("hop_send", "hop_wire"))
+                line += "; " + " / ".join(f"{v[k] * 1e3:.2f}" for k in (
                     "outside", "handshake", "head", "tail")) + "; "
             line += " ".join(f"{k} {t * 1e3:.1f}" for k, t in sorted(
                 v["threads"].items(), key=lambda kv: -kv[1]) if t > 0)
