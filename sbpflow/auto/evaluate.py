@@ -318,9 +318,8 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
 def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
     """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
     enumerable = math.prod(fine) <= _TRANSFER_MAX_RANKS
-    try:
-        moves = _FixedOrder(ndim, fine, list(s), list(d), stop_at_nested=enumerable).run()
-    except _NestedMove:   # the walk is dropped: the planner's reduce-then-transfer instead
+    moves = _FixedOrder(ndim, fine, list(s), list(d), stop_at_nested=enumerable).run()
+    if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
         return "transfer", _transfer_options(ndim, fine, s, d)
     if not any(m.kind == "nested" for m in moves):
         return "moves", moves
@@ -420,21 +419,18 @@ def _divisor(fine, nd, skip) -> int:
     return out
 
 
-class _NestedMove(Exception):
-    """The fixed order's walk met a move it cannot make (`_FixedOrder`, ``stop_at_nested``)."""
-
-
 class _FixedOrder:
     """The fixed order's walk from ``s`` to ``d`` on the refined mesh ``fine``: ``state`` is
     the layout so far, ``target`` what the phases move it to, ``moves`` the records (`_Sk`:
     pieces as divisors, strided copies as conditions, for any shape of ``ndim`` axes).
-    ``stop_at_nested``: raise `_NestedMove` at the first move that is not a valid step (the
-    caller then prices the planner's transfer, and the rest of the walk is not needed)."""
+    ``stop_at_nested``: at the first move that is not a valid step the walk stops (``stopped``;
+    `run` gives None: the caller prices the planner's transfer, the rest is not needed)."""
 
     def __init__(self, ndim: int, fine: tuple, s: list, d: list,
                  stop_at_nested: bool = False) -> None:
         self.fine = fine
         self.stop_at_nested = stop_at_nested
+        self.stopped = False
         self.final = d
         self.target = _reduced_first(s, d, ndim)  # until the last local phase
         self.state = list(s)
@@ -465,14 +461,15 @@ class _FixedOrder:
         self.all_gather()
         self.target = self.final
         self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, self.final)) if a != b))
-        return tuple(self.moves)  # the last phase: S -> P, local
+        return None if self.stopped else tuple(self.moves)  # the last phase: S -> P, local
 
     def piece(self, dims) -> int:
         return _divisor(self.fine, self.state, dims)  # dims: a few ints, no set needed
 
     def nested_move(self, dims: tuple, piece: int, fallback: str) -> None:
         if self.stop_at_nested:
-            raise _NestedMove
+            self.stopped = True   # the phases after this one do nothing
+            return
         self.moves.append(_Sk("nested", self.fine, dims, piece, fallback=fallback))
 
     def moved(self, dims) -> list:
@@ -505,7 +502,7 @@ class _FixedOrder:
     def phase(self, kind: str | None, dims: tuple) -> None:
         """Move ``dims`` to their target at once: a ``kind`` collective over their joint group
         (None: a local step)."""
-        if not dims:
+        if not dims or self.stopped:
             return
         new = self.moved(dims)
         if self.nested and not is_valid_move(self.state, new, dims):
@@ -537,7 +534,7 @@ class _FixedOrder:
         state."""
         dims = tuple(j for j in range(len(self.fine)) if isinstance(self.state[j], Split) and
                      isinstance(self.target[j], Broadcast))
-        if not dims:
+        if not dims or self.stopped:
             return
         new = self.moved(dims)
         valid = not self.nested or is_valid_move(self.state, new, dims)
