@@ -73,7 +73,7 @@ import time
 import torch
 
 import sbpflow as sf
-from sbpflow.auto.evaluate import _to_ndim
+from sbpflow.auto.space import _clip_axis
 from sbpflow.auto.graph import Graph
 from sbpflow.auto.parallelize import single_mesh_search
 from sbpflow.cost.calibrate import MEASURED_KINDS
@@ -182,7 +182,7 @@ def transitions(graph, strategy) -> list[tuple]:
     for u, v in graph.edges:
         a, b = layers[u], layers[v]
         shape = tuple(graph.layers[u].output_shape)
-        b_in = _to_ndim(b.input, len(shape))
+        b_in = _clip_axis(b.input, len(shape))
         out.append((f"{graph.layers[u].name}->{graph.layers[v].name} fwd", shape, a.mesh,
                     a.output, b.mesh, b_in))
         out.append((f"{graph.layers[u].name}->{graph.layers[v].name} bwd", shape, b.mesh,

@@ -21,6 +21,7 @@ from ..boxing.steps import is_local_change, is_valid_move
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
+from .space import _clip_axis
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "edge_lower_bounds"]
@@ -852,10 +853,6 @@ def _work_split(s) -> int:
     return n
 
 
-def _to_ndim(nd, ndim):
-    return tuple(S(ndim - 1) if isinstance(s, Split) and s.axis >= ndim else s for s in nd)
-
-
 @dataclass
 class Breakdown:
     """Predicted cost of one strategy (times in seconds, bytes per device)."""
@@ -1014,7 +1011,7 @@ class Evaluator:
         """Forward redistribution of the producer's output into the consumer's input layout
         and the dual redistribution of its gradient in backward."""
         shape = tuple(producer.output_shape)
-        b_in = _to_ndim(b.input, len(shape))
+        b_in = _clip_axis(b.input, len(shape))
         key = (shape, a.mesh, a.output, b.mesh, b_in)
         hit = self._edge.get(key)
         if hit is not None:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CostError
-from .evaluate import Breakdown, Evaluator, _to_ndim, edge_lower_bounds
-from .space import (Strategy, check_whole_sequences, layer_space, tie_agrees, weight_layout,
-                    whole_sequences)
+from .evaluate import Breakdown, Evaluator, edge_lower_bounds
+from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space, tie_agrees,
+                    weight_layout, whole_sequences)
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
 
@@ -305,7 +305,7 @@ class Problem:
                 nd = len(shape)
                 rows, row_of = _layout_index(self.cands[u], lambda s: (s.mesh, s.output))
                 cols, col_of = _layout_index(self.cands[v],
-                                             lambda s: (s.mesh, _to_ndim(s.input, nd)))
+                                             lambda s: (s.mesh, _clip_axis(s.input, nd)))
                 content = (shape, tuple(rows), tuple(cols))
                 if content not in by_content:
                     by_content[content] = _EdgeTable(self, shape, rows, cols)

@@ -227,7 +227,9 @@ def _fits(shape, nd, mesh) -> bool:
 
 
 def _clip_axis(nd, ndim):
-    """Embedding ids (tokens,) have one axis: S(1) of the input is meaningless there."""
+    """``nd`` for a tensor of ``ndim`` axes: a split of an axis it lacks splits its last one
+    (embedding ids (tokens,) have one axis: S(1) of the input means S(0) there; an edge's
+    consumer layout read on its producer's output likewise)."""
     return tuple(S(ndim - 1) if isinstance(s, Split) and s.axis >= ndim else s for s in nd)
 
 
