@@ -20,6 +20,7 @@ import time
 import numpy as np
 from typing import NamedTuple
 
+from .baselines import _key_counts
 from .baselines import megatron_layers as _megatron_layers
 from .baselines import megatron_pipeline, megatron_stages
 from .evaluate import Evaluator
@@ -51,9 +52,7 @@ def explored_counts(graph, cluster) -> list:
     """The stage counts the pass tries by itself: `stage_counts` up to half the repeats of
     the most repeated layer kind (at least two GPT blocks a stage, cut at block starts, so
     stages are alike), or half the layers when no kind repeats four times."""
-    counts: dict = {}
-    for l in graph.layers:
-        counts[l.key] = counts.get(l.key, 0) + 1
+    counts = _key_counts(graph)
     most = max(counts.values())
     return stage_counts(graph, cluster, most // 2 if most >= 4 else len(graph.layers) // 2)
 
@@ -62,9 +61,7 @@ def _cut_points(graph, stages: int) -> list:
     """Where stages may start: before each layer of the most repeated kind of layer (a GPT's
     blocks, so middle stages are alike and searched once) when it repeats at least twice a
     stage, else before any layer."""
-    counts: dict = {}
-    for l in graph.layers:
-        counts[l.key] = counts.get(l.key, 0) + 1
+    counts = _key_counts(graph)
     key = max(counts, key=counts.get)
     if counts[key] >= 2 * stages:
         return [i for i, l in enumerate(graph.layers) if l.key == key and i > 0]
