@@ -788,6 +788,80 @@ def _inter_beta(cluster) -> float:
     return min(betas) / min(cluster.devices_per_node, cluster.world_size)
 
 
+class _BoundSide(NamedTuple):
+    """One side of `edge_lower_bounds`: the arrays of its distinct layout features (what the
+    bound reads of a layout: split factors, kinds, groups and, with ``node``, `_node_side`),
+    each layout's row among them (``of``), the distinct meshes and each layout's (``mesh_of``).
+    A table's layouts are many (1,039 producer layouts in a GPT-3 stage) but their features
+    few (352), so the bound is found on the distinct features and gathered once."""
+
+    f: np.ndarray
+    kind: np.ndarray
+    group: np.ndarray
+    node: tuple | None
+    of: np.ndarray
+    meshes: list
+    mesh_of: np.ndarray
+
+
+# (layout, (ndim, node-side key)) -> the layout's features as floats (`_bound_rows`)
+_BOUND_ROWS = BoundedDict("auto.bound_rows", 1 << 16)
+
+
+def _bound_rows(layouts: list, ndim: int, cluster, node: bool) -> list:
+    """Each ``(mesh, nd-sbp)`` layout's features as one tuple of floats: `_axis_factors`,
+    then with ``node`` `_node_side` (cached: a table's layouts recur in the search's other
+    tables; the missing ones are found together)."""
+    tag = (ndim, (cluster.devices_per_node, cluster.world_size) if node else None)
+    rows = {l: _BOUND_ROWS.get((l, tag)) for l in layouts}
+    missing = [l for l, r in rows.items() if r is None]
+    if missing:
+        parts = list(_axis_factors(missing, ndim))
+        if node:
+            own, spans, ok = _node_side(missing, ndim, cluster)
+            parts += [own, spans, ok[:, None]]
+        feat = np.concatenate([np.asarray(x, dtype=np.float64) for x in parts], axis=1)
+        for l, row in zip(missing, feat.tolist()):
+            rows[l] = _BOUND_ROWS.put((l, tag), tuple(row))
+    return [rows[l] for l in layouts]
+
+
+def _bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
+    """The `_BoundSide` of ``layouts`` (the floats are the ones the per-layout arrays hold)."""
+    index: dict = {}
+    of = np.array([index.setdefault(r, len(index))
+                   for r in _bound_rows(layouts, ndim, cluster, node)], dtype=np.int64)
+    feat = np.array(list(index), dtype=np.float64)
+    n = ndim
+    side = None
+    if node:
+        side = (feat[:, n + 5:2 * n + 5], feat[:, 2 * n + 5:2 * n + 7] != 0,
+                feat[:, 2 * n + 7] != 0)
+    meshes, mesh_of = _layout_meshes(layouts)
+    return _BoundSide(feat[:, :n], feat[:, n:n + 3] != 0, feat[:, n + 3:n + 5], side, of,
+                      meshes, mesh_of)
+
+
+def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbytes: float,
+                  lat: float) -> np.ndarray:
+    """`edge_lower_bounds` between the distinct features of ``src`` and ``dst``, with the
+    node bound when ``bx > 0`` (for meshes with a common refinement)."""
+    own_s, own_d = 1.0 / src.f, 1.0 / dst.f
+    ks, kd = src.kind, dst.kind
+    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(src.f, src.group, dst.f)) \
+        * beta
+    # backward: dual(input) -> dual(output); a dual has a partial where the layout broadcasts
+    # (and a broadcast where it has a partial)
+    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1],
+                 _reduced_piece(dst.f, dst.group[:, ::-1], src.f)).T * beta
+    if bx > 0:
+        fwd = np.maximum(fwd, _node_lacks(src.node, dst.node, kd[:, 0], 0) * bx)
+        bwd = np.maximum(bwd, _node_lacks(dst.node, src.node, ks[:, 1], 1).T * bx)
+    odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
+    total = (fwd + bwd) * nbytes + lat * ((fwd > 0) * 1.0 + (bwd > 0))
+    return np.where(odd, 0.0, total) * (1 - 1e-9)
+
+
 def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list,
                       micro_batches: int = 1) -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
@@ -802,32 +876,28 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     ranks with a common refinement (else the price holds estimates). A direction in which
     rank 0 must receive something also has at least one move in which it does, so, once a
     micro-batch, a step's overhead and the least fixed cost of a message (`_least_fixed`).
-    Scaled by ``1 - 1e-9`` against rounding."""
+    Scaled by ``1 - 1e-9`` against rounding. Found on distinct layout features
+    (`_BoundSide`) and gathered: the same floats as layout by layout."""
     beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
         return np.zeros((len(rows), len(cols)))
-    fs, ks, gs = _axis_factors(rows, nd)
-    fd, kd, gd = _axis_factors(cols, nd)
-    own_s, own_d = 1.0 / fs, 1.0 / fd
-    fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(fs, gs, fd)) * beta
-    # backward: dual(input) -> dual(output); a dual has a partial where the layout broadcasts
-    # (and a broadcast where it has a partial)
-    bwd = _lacks(own_d, own_s, kd[:, 1], ks[:, 1], _reduced_piece(fd, gd[:, ::-1], fs)).T * beta
     bx = _inter_beta(cluster)
     # one device a node: node 0 is rank 0, and the rank bound is as tight
-    if bx > 0 and cluster.devices_per_node > 1 and cluster.world_size <= _TRANSFER_MAX_RANKS:
-        ns, nd_ = _node_side(rows, nd, cluster), _node_side(cols, nd, cluster)
-        (mr, ri), (mc, ci) = _layout_meshes(rows), _layout_meshes(cols)
-        ref = np.array([[_refine(a, b) is not None for b in mc] for a in mr])
-        fine = ref[np.ix_(ri, ci)]   # the meshes have a common refinement
-        fwd = np.maximum(fwd, np.where(fine, _node_lacks(ns, nd_, kd[:, 0], 0), 0.0) * bx)
-        bwd = np.maximum(bwd, np.where(fine, _node_lacks(nd_, ns, ks[:, 1], 1).T, 0.0)
-                         * bx)
-    odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
+    node = bx > 0 and cluster.devices_per_node > 1 and cluster.world_size <= _TRANSFER_MAX_RANKS
+    src, dst = _bound_side(rows, nd, cluster, node), _bound_side(cols, nd, cluster, node)
     lat = micro_batches * (cluster.step_overhead + _least_fixed(cluster))
-    total = (fwd + bwd) * (math.prod(shape) * itemsize) + lat * ((fwd > 0) * 1.0 + (bwd > 0))
-    return np.where(odd, 0.0, total) * (1 - 1e-9)
+    nbytes = math.prod(shape) * itemsize
+    pick = np.ix_(src.of, dst.of)
+    if not node:
+        return _bound_matrix(src, dst, beta, 0.0, nbytes, lat)[pick]
+    with_node = _bound_matrix(src, dst, beta, bx, nbytes, lat)[pick]
+    # the node bound holds between meshes with a common refinement (usually all of them)
+    ref = np.array([[_refine(a, b) is not None for b in dst.meshes] for a in src.meshes])
+    if ref.all():
+        return with_node
+    rank = _bound_matrix(src, dst, beta, 0.0, nbytes, lat)[pick]
+    return np.where(ref[np.ix_(src.mesh_of, dst.mesh_of)], with_node, rank)
 
 
 # ---- per-layer and per-edge terms --------------------------------------------------------------

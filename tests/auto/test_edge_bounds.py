@@ -3,6 +3,8 @@ the price: every entry of every distinct table filled and compared. The dynamic 
 and the pruned min-plus skip entries by these bounds, so a bound above its price could
 change a search's answer."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -64,3 +66,26 @@ def test_node_bound_binds_across_nodes():
     assert lo == pytest.approx((2 * 0.5 * nbytes * c.inter.beta / 8 + 2 * c.intra.alpha) *
                                (1 - 1e-9))
     assert 2 * 15 / 16 * nbytes * c.intra.beta < lo <= price
+
+
+def test_table_bound_is_each_pair_bound():
+    """The dense bound of a table (found on distinct layout features and gathered) equals
+    the bound of each (row, column) pair on its own, bit for bit; between meshes with no
+    common refinement ((4, 6) and (6, 4)) it is the rank bound alone (the node bound needs
+    real moves), elsewhere at least that and sometimes more."""
+    c = sf.cost.Cluster.preset("dgx-a100", nodes=12, devices_per_node=2)   # 24 devices
+    sbps = [sf.S(0), sf.S(1), sf.B, sf.P]
+    meshes = [(24,), (4, 6), (6, 4), (2, 12), (3, 8)]
+    layouts = [(m, nd) for m in meshes for nd in
+               ([(x,) for x in sbps] if len(m) == 1 else [(x, y) for x in sbps for y in sbps])]
+    shape = (48, 96)
+    table = edge_lower_bounds(shape, 4, c, layouts, layouts, 3)
+    # above _TRANSFER_MAX_RANKS devices there is no node bound: the rank bound alone
+    rank = edge_lower_bounds(shape, 4, dataclasses.replace(c, nodes=200), layouts, layouts, 3)
+    assert table.shape == (len(layouts), len(layouts)) and (table > 0).any()
+    for i, j in np.random.default_rng(0).integers(0, len(layouts), size=(300, 2)):
+        one = edge_lower_bounds(shape, 4, c, [layouts[i]], [layouts[j]], 3)[0, 0]
+        assert one == table[i, j], (layouts[i], layouts[j])
+    apart = np.array([[{a[0], b[0]} == {(4, 6), (6, 4)} for b in layouts] for a in layouts])
+    assert np.array_equal(table[apart], rank[apart])
+    assert (table[~apart] >= rank[~apart]).all() and (table[~apart] > rank[~apart]).any()
