@@ -584,15 +584,25 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
         on = set(path)
         # per layer: node time + edges to fixed layers off the path (and, for a layer with
         # several producers, the ones not on the path); the last layer's edges to its
-        # consumers off the path as lower bounds, priced below only where they can matter
-        loc = [pb.local_vec(state, v, skip=on) for v in path[:-1]]
+        # consumers off the path as lower bounds, priced below only where they can matter;
+        # the first layer's one fixed producer, if it has one, as a product priced so too
+        head = _fixed_head(g, path, on)
+        loc = [pb.local_vec(state, v, skip=on if k or head is None else on | {head})
+               for k, v in enumerate(path[:-1])]
         last, low_last = pb.lazy_local_vec(state, path[-1], on)
         loc.append(low_last)
-        cur = sum(float(x[state[v]]) for x, v in zip(loc[:-1], path)) + \
+        first = float(loc[0][state[path[0]]])
+        if head is not None:   # the sum local_vec would have made
+            first += pb.edge(head, state[head], path[0], state[path[0]])
+        cur = sum([first] + [float(x[state[v]]) for x, v in zip(loc[1:-1], path[1:])]) + \
             float(last([state[path[-1]]])[0]) + \
             sum(pb.edge(a, state[a], b, state[b]) for a, b in zip(path, path[1:]))
         tails = _tail_bounds(pb, path, loc)
         f, args = loc[0], []
+        if head is not None:
+            fu = np.full(len(pb.cands[head]), np.inf)
+            fu[state[head]] = 0.0
+            f = pb.min_plus(head, path[0], fu, cap=cur, rest=tails[0])[0] + loc[0]
         for k in range(1, len(path)):
             best, arg = pb.min_plus(path[k - 1], path[k], f, cap=cur, rest=tails[k])
             pb.evaluations += len(best)
@@ -619,6 +629,14 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
             mem = pb.memory_of(state)
             changed = True
     return changed, mem
+
+
+def _fixed_head(graph, path: list, on: set) -> int | None:
+    """The producer of ``path``'s first layer that stays fixed, when it is its only one off
+    the path: `_window_sweep` prices that edge as a capped product (only the candidates
+    that can beat the path's cost), not for every candidate."""
+    ins = [u for u in graph.preds[path[0]] if u not in on]
+    return ins[0] if len(ins) == 1 else None
 
 
 def _tail_bounds(pb: Problem, path: list, loc: list) -> list:
