@@ -843,9 +843,10 @@ def _bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
 
 
 def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbytes: float,
-                  lat: float) -> np.ndarray:
+                  lat: float, backward: bool = False) -> np.ndarray:
     """`edge_lower_bounds` between the distinct features of ``src`` and ``dst``, with the
-    node bound when ``bx > 0`` (for meshes with a common refinement)."""
+    node bound when ``bx > 0`` (for meshes with a common refinement); ``backward``: of the
+    backward direction alone."""
     own_s, own_d = 1.0 / src.f, 1.0 / dst.f
     ks, kd = src.kind, dst.kind
     fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(src.f, src.group, dst.f)) \
@@ -858,12 +859,15 @@ def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbyt
         fwd = np.maximum(fwd, _node_lacks(src.node, dst.node, kd[:, 0], 0) * bx)
         bwd = np.maximum(bwd, _node_lacks(dst.node, src.node, ks[:, 1], 1).T * bx)
     odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
-    total = (fwd + bwd) * nbytes + lat * ((fwd > 0) * 1.0 + (bwd > 0))
+    if backward:   # the backward direction alone
+        total = bwd * nbytes + lat * (bwd > 0)
+    else:
+        total = (fwd + bwd) * nbytes + lat * ((fwd > 0) * 1.0 + (bwd > 0))
     return np.where(odd, 0.0, total) * (1 - 1e-9)
 
 
 def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list,
-                      micro_batches: int = 1) -> np.ndarray:
+                      micro_batches: int = 1, backward: bool = False) -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
     layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix, per direction (forward,
     and backward: the duals, broadcast <-> partial) the larger of two: the elements rank 0
@@ -877,7 +881,8 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     rank 0 must receive something also has at least one move in which it does, so, once a
     micro-batch, a step's overhead and the least fixed cost of a message (`_least_fixed`).
     Scaled by ``1 - 1e-9`` against rounding. Found on distinct layout features
-    (`_BoundSide`) and gathered: the same floats as layout by layout."""
+    (`_BoundSide`) and gathered: the same floats as layout by layout. ``backward``: the
+    bound of the backward direction alone (`Evaluator.edge_backward`)."""
     beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
@@ -890,13 +895,13 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     nbytes = math.prod(shape) * itemsize
     pick = np.ix_(src.of, dst.of)
     if not node:
-        return _bound_matrix(src, dst, beta, 0.0, nbytes, lat)[pick]
-    with_node = _bound_matrix(src, dst, beta, bx, nbytes, lat)[pick]
+        return _bound_matrix(src, dst, beta, 0.0, nbytes, lat, backward)[pick]
+    with_node = _bound_matrix(src, dst, beta, bx, nbytes, lat, backward)[pick]
     # the node bound holds between meshes with a common refinement (usually all of them)
     ref = np.array([[_refine(a, b) is not None for b in dst.meshes] for a in src.meshes])
     if ref.all():
         return with_node
-    rank = _bound_matrix(src, dst, beta, 0.0, nbytes, lat)[pick]
+    rank = _bound_matrix(src, dst, beta, 0.0, nbytes, lat, backward)[pick]
     return np.where(ref[np.ix_(src.mesh_of, dst.mesh_of)], with_node, rank)
 
 
@@ -1099,13 +1104,26 @@ class Evaluator:
         ft, _, bt, _ = self._edge_pair(shape, a_mesh, a_out, b_mesh, b_in)
         return ft + bt
 
+    def edge_forward(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
+                     b_in: tuple) -> float:
+        """The forward part of `edge_time` (its first term)."""
+        return self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)[0]
+
+    def edge_backward(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
+                      b_in: tuple) -> float:
+        """The backward part of `edge_time` (its second term)."""
+        return self._edge_backward(shape, a_mesh, a_out, b_mesh, b_in)[0]
+
+    def _edge_backward(self, shape, a_mesh, a_out, b_mesh, b_in):
+        """(seconds, bytes) of the gradient's dual redistribution; none after a partial other
+        than a sum (its gradient is not a redistribution: `sbpflow.sbp.dual_nd`)."""
+        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
+            return 0.0, 0.0
+        return self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out), self.micro)
+
     def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):
         ft, fb = self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)
-        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
-            bt = bb = 0.0
-        else:
-            bt, bb = self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out),
-                                  self.micro)
+        bt, bb = self._edge_backward(shape, a_mesh, a_out, b_mesh, b_in)
         return ft, fb, bt, bb
 
     def breakdown(self, strategy) -> Breakdown:

@@ -72,7 +72,10 @@ class _EdgeTable:
         self.match = np.array([index.get(k, -1) for k in cols], dtype=np.int64)
         self.M = np.full((len(rows), len(cols)), np.inf)
         self.known = np.zeros(self.M.shape, dtype=bool)
-        self._lower = None
+        # forward times found ahead of the backward ones (`fill_forward`)
+        self.Mf = np.full(self.M.shape, np.nan)
+        self.fwd_known = np.zeros(self.M.shape, dtype=bool)
+        self._lower = self._lower_bwd = None
 
     @property
     def lower(self) -> np.ndarray:
@@ -84,18 +87,48 @@ class _EdgeTable:
                                             self.cols, ev.micro)
         return self._lower
 
+    @property
+    def lower_bwd(self) -> np.ndarray:
+        """A lower bound of every entry's backward part (`Evaluator.edge_backward`)."""
+        if self._lower_bwd is None:
+            ev = self.pb.ev
+            self._lower_bwd = edge_lower_bounds(self.shape, ev.itemsize, ev.cluster,
+                                                self.rows, self.cols, ev.micro, backward=True)
+        return self._lower_bwd
+
+    def _todo(self, r, c, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct pairs (r[k], c[k]) not marked in ``known``."""
+        r, c = np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.int64)
+        todo = ~known[r, c]
+        flat = np.unique(r[todo] * self.M.shape[1] + c[todo])
+        return np.divmod(flat, self.M.shape[1])
+
+    def fill_forward(self, r: np.ndarray, c: np.ndarray) -> None:
+        """Compute the forward part of the unknown entries among the pairs (r[k], c[k]) (an
+        entry whose forward part already rules it out need not pay for its backward)."""
+        r, c = self._todo(r, c, self.known | self.fwd_known)
+        if not len(r):
+            return
+        edge, shape, rows, cols = self.pb.ev.edge_forward, self.shape, self.rows, self.cols
+        vals = np.array([edge(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
+        self.Mf[r, c] = vals
+        self.fwd_known[r, c] = True
+        if vals.min() < 0:
+            self.pb.nonnegative = False
 
     def fill(self, r: np.ndarray, c: np.ndarray) -> None:
-        """Compute the unknown entries among the pairs (r[k], c[k])."""
-        r, c = np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.int64)
-        todo = ~self.known[r, c]
-        if not todo.any():
+        """Compute the unknown entries among the pairs (r[k], c[k]): forward plus backward
+        time (`Evaluator.edge_time`'s sum), the forward part reused when known."""
+        r, c = self._todo(r, c, self.known)
+        if not len(r):
             return
-        r, c = r[todo], c[todo]
-        flat = np.unique(r * self.M.shape[1] + c)
-        r, c = np.divmod(flat, self.M.shape[1])
-        edge, shape, rows, cols = self.pb.ev.edge_time, self.shape, self.rows, self.cols
-        vals = np.array([edge(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
+        ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
+        half = self.fwd_known[r, c].tolist()
+        ft = self.Mf[r, c].tolist()
+        vals = np.array([
+            (ft[k] if half[k] else ev.edge_forward(shape, *rows[i], *cols[j])) +
+            ev.edge_backward(shape, *rows[i], *cols[j])
+            for k, (i, j) in enumerate(zip(r.tolist(), c.tolist()))])
         self.M[r, c] = vals
         self.known[r, c] = True
         self.pb.edge_evaluations += len(vals)
@@ -131,11 +164,16 @@ class _EdgeView:
         self.table, self.row_of, self.col_of = table, row_of, col_of
         self.M, self.known, self.match = table.M, table.known, table.match
         self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
-        self.fill_all = table.fill_all
+        self.fill_all, self.fill_forward = table.fill_all, table.fill_forward
+        self.Mf, self.fwd_known = table.Mf, table.fwd_known
 
     @property
     def lower(self) -> np.ndarray:
         return self.table.lower
+
+    @property
+    def lower_bwd(self) -> np.ndarray:
+        return self.table.lower_bwd
 
 
 def _layout_index(cands: list, key) -> tuple[list, np.ndarray]:
@@ -210,8 +248,9 @@ def _price_best_first(pb, t, rows: np.ndarray, cols: np.ndarray, Fr: np.ndarray,
         first[1:] = j[1:] != j[:-1]
         start = np.maximum.accumulate(np.where(first, np.arange(len(j)), 0))
         take = np.arange(len(j)) - start < batch
-        ti, tj = i[take], j[take]
-        t.fill(rows[ti], cols[tj])
+        ti, tj = _forward_first(t, rows, cols, Fr, gc, i[take], j[take])
+        if pb.nonnegative:
+            t.fill(rows[ti], cols[tj])
         if not pb.nonnegative:            # a negative edge time: pruning is no longer exact
             t.fill_all()
             return
@@ -219,6 +258,23 @@ def _price_best_first(pb, t, rows: np.ndarray, cols: np.ndarray, Fr: np.ndarray,
         keep = ~take & (lv < gc[j])
         i, j, lv = i[keep], j[keep], lv[keep]
         batch *= 2
+
+
+def _forward_first(t, rows, cols, Fr, gc, ti, tj) -> tuple[np.ndarray, np.ndarray]:
+    """Of the entries ``(rows[ti], cols[tj])`` `_price_best_first` is about to price, the
+    ones still needed once their forward part is priced: an unknown entry whose row value
+    plus forward time plus backward bound exceeds its column's least sum ``gc`` cannot lower
+    it nor tie with it (IEEE sums of non-negative terms are monotonic), so its backward part
+    is not priced (here; another product may still need it)."""
+    r, c = rows[ti], cols[tj]
+    t.fill_forward(r, c)
+    half = ~t.known[r, c]
+    if not half.any():
+        return ti, tj
+    need = np.ones(len(ti), dtype=bool)
+    need[half] = Fr[ti[half]] + (t.Mf[r[half], c[half]] + t.lower_bwd[r[half], c[half]]) \
+        <= gc[tj[half]]
+    return ti[need], tj[need]
 
 
 class Problem:
@@ -581,22 +637,8 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
             break
         if any(pb.tables[e].M.size > max_entries for e in zip(path, path[1:])):
             continue
-        on = set(path)
-        # per layer: node time + edges to fixed layers off the path (and, for a layer with
-        # several producers, the ones not on the path); the last layer's edges to its
-        # consumers off the path as lower bounds, priced below only where they can matter;
-        # the first layer's one fixed producer, if it has one, as a product priced so too
-        head = _fixed_head(g, path, on)
-        loc = [pb.local_vec(state, v, skip=on if k or head is None else on | {head})
-               for k, v in enumerate(path[:-1])]
-        last, low_last = pb.lazy_local_vec(state, path[-1], on)
-        loc.append(low_last)
-        first = float(loc[0][state[path[0]]])
-        if head is not None:   # the sum local_vec would have made
-            first += pb.edge(head, state[head], path[0], state[path[0]])
-        cur = sum([first] + [float(x[state[v]]) for x, v in zip(loc[1:-1], path[1:])]) + \
-            float(last([state[path[-1]]])[0]) + \
-            sum(pb.edge(a, state[a], b, state[b]) for a, b in zip(path, path[1:]))
+        head, loc, last, cur = _path_terms(pb, state, path)
+        low_last = loc[-1]
         tails = _tail_bounds(pb, path, loc)
         f, args = loc[0], []
         if head is not None:
@@ -629,6 +671,26 @@ def _window_sweep(pb: Problem, state, mem, length, out_of_time, max_entries=400_
             mem = pb.memory_of(state)
             changed = True
     return changed, mem
+
+
+def _path_terms(pb: Problem, state, path: list) -> tuple:
+    """``(head, loc, last, cur)`` of `_window_sweep`'s ``path`` (two layers or more): per
+    layer, node time + edges to fixed layers off the path (and, for a layer with several
+    producers, the ones not on the path); for the last layer its edges to consumers off the
+    path as lower bounds (``loc[-1]``), ``last`` pricing them where they can matter
+    (`Problem.lazy_local_vec`); the first layer's one fixed producer ``head``, if it has
+    one, left to a product priced so too (`_fixed_head`); ``cur``: the path's cost now."""
+    on = set(path)
+    head = _fixed_head(pb.graph, path, on)
+    loc = [pb.local_vec(state, v, skip=on if k or head is None else on | {head})
+           for k, v in enumerate(path[:-1])]
+    last, low_last = pb.lazy_local_vec(state, path[-1], on)
+    terms = [float(x[state[v]]) for x, v in zip(loc, path)]
+    if head is not None:   # the sum local_vec would have made
+        terms[0] += pb.edge(head, state[head], path[0], state[path[0]])
+    cur = sum(terms) + float(last([state[path[-1]]])[0]) + \
+        sum(pb.edge(a, state[a], b, state[b]) for a, b in zip(path, path[1:]))
+    return head, loc + [low_last], last, cur
 
 
 def _fixed_head(graph, path: list, on: set) -> int | None:

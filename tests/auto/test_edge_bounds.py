@@ -1,5 +1,6 @@
 """The edge tables' lower bounds (`sbpflow.auto.evaluate.edge_lower_bounds`) never exceed
-the price: every entry of every distinct table filled and compared. The dynamic programme
+the price, nor the backward-only bounds the backward part: every entry of every distinct
+table filled and compared (the backward part on a sample). The dynamic programme
 and the pruned min-plus skip entries by these bounds, so a bound above its price could
 change a search's answer."""
 
@@ -27,6 +28,13 @@ def _check_tables(pb, seen: set) -> int:
         bad = np.argwhere(t.lower > t.M)
         assert not len(bad), (t.shape, t.rows[bad[0][0]], t.cols[bad[0][1]],
                               t.lower[tuple(bad[0])], t.M[tuple(bad[0])])
+        # the backward direction's own bound, which prunes before the backward is priced
+        # (on 1,500 entries a table: pricing each direction again is slow)
+        rng = np.random.default_rng(len(seen))
+        for i, j in zip(rng.integers(0, t.M.shape[0], 1500), rng.integers(0, t.M.shape[1], 1500)):
+            bwd = pb.ev.edge_backward(t.shape, *t.rows[i], *t.cols[j])
+            assert t.lower_bwd[i, j] <= bwd, (t.shape, t.rows[i], t.cols[j])
+        assert (t.lower_bwd <= t.lower).all() and (t.lower_bwd > 0).any()
         n += t.M.size
     return n
 
