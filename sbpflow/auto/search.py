@@ -295,6 +295,7 @@ class Problem:
         self.shared = shared if shared is not None else {}
         if shared is not None:
             self.ev._node = shared.setdefault("node", {})
+            self.ev._layer_redist = shared.setdefault("layer_moves", {})
         p = cluster.world_size
         self.cands = [spaces[l.name] if spaces else
                       layer_space(l, p, max_dims, zero, recompute, micro_batches)
