@@ -991,13 +991,17 @@ class Evaluator:
     """Per-layer and per-edge cost terms for one (graph, cluster), cached. The cost of a
     strategy is the sum of ``node`` over layers and ``edge`` over the graph's edges."""
 
-    def __init__(self, graph, cluster, micro_batches: int = 1):
+    def __init__(self, graph, cluster, micro_batches: int = 1, shared: dict | None = None):
+        """``shared``: the caches' dicts, shared by evaluators of graphs cut from one model
+        (a pipeline's stages) on the same cluster and micro-batch count (the caches are
+        keyed by layer keys and layouts, not by layer names)."""
         self.graph, self.cluster, self.micro = graph, cluster, int(micro_batches)
         self.itemsize = graph.itemsize
-        self._node: dict = {}
-        self._mem: dict = {}
-        self._edge: dict = {}
-        self._layer_redist: dict = {}
+        shared = {} if shared is None else shared
+        self._node: dict = shared.setdefault("node", {})
+        self._mem: dict = shared.setdefault("memory", {})
+        self._edge: dict = shared.setdefault("edge", {})
+        self._layer_redist: dict = shared.setdefault("layer_moves", {})
 
     def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
         return redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster, micro)

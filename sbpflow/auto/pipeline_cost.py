@@ -227,11 +227,11 @@ def _stage_breakdowns(graph, strategy, cluster, pipeline, ranges):
     if sub is None:
         raise ValueError(f"{pipeline.stages} stages of {pipeline.devices} devices do not "
                          f"tile {cluster} by whole nodes or equal parts of a node")
-    out = []
+    out, shared = [], {}   # equal stages (a GPT's middle blocks) are priced once
     for k, (a, b) in enumerate(ranges):
         g = stage_graph(graph, a, b)
-        bd = Evaluator(g, sub, pipeline.micro_batches).breakdown(stage_layers(graph, strategy,
-                                                                              a, b))
+        bd = Evaluator(g, sub, pipeline.micro_batches, shared).breakdown(
+            stage_layers(graph, strategy, a, b))
         out.append(stage_cost(bd, pipeline.micro_batches, pipeline.in_flight(k)))
     return out
 

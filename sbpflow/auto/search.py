@@ -291,11 +291,9 @@ class Problem:
         ``recompute``: per-layer activation recomputation in the space."""
         self.graph, self.cluster = graph, cluster
         self.limit = memory_limit
-        self.ev = Evaluator(graph, cluster, micro_batches)
         self.shared = shared if shared is not None else {}
-        if shared is not None:
-            self.ev._node = shared.setdefault("node", {})
-            self.ev._layer_redist = shared.setdefault("layer_moves", {})
+        self.ev = Evaluator(graph, cluster, micro_batches,
+                            self.shared.setdefault("evaluator", {}))
         p = cluster.world_size
         self.cands = [spaces[l.name] if spaces else
                       layer_space(l, p, max_dims, zero, recompute, micro_batches)
