@@ -295,23 +295,19 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool | int = Fal
     True is 3): that ZeRO stage along the weight's ``B`` dims (None without a weight, a ``B``
     dim or a split that fits)."""
     stage = zero_stage(zero)
-    sigs = SIGNATURES[layer.kind]
-    if any(n not in sigs for n in names):
-        return None
-    parts = [sigs[n] for n in names]
-    inp = _clip_axis(tuple(p[0] for p in parts), len(layer.input_shape))
-    out = tuple(p[2] for p in parts)
-    w = tuple(p[1] for p in parts) if layer.weight_shape is not None else None
     if "pin" in names and not layer.accepts_partial:
         return None
-    if layer.kind == "embedding" and any(isinstance(s, Split) and s.axis > 0 for s in inp):
+    t = _template(layer.kind, len(layer.input_shape), len(layer.output_shape),
+                  None if layer.weight_shape is None else len(layer.weight_shape),
+                  tuple(mesh), tuple(names))
+    if t is None:
         return None
-    if not (_fits(layer.input_shape, inp, mesh) and _fits(layer.output_shape, out, mesh)):
-        return None
-    if w is not None and not _fits(layer.weight_shape, w, mesh):
-        return None
+    inp, w, out, splits = t
+    for shape, f in zip((layer.input_shape, layer.output_shape, layer.weight_shape), splits):
+        if f is not None and any(k > n for k, n in zip(f, shape)):
+            return None     # a split finer than the axis
     if layer.kind == "attention":
-        f = _splits(inp, mesh, 2)
+        f = splits[0]
         n = _sequences(layer, micro_batches)
         if n == 0 or n % f[0] or layer.attrs.get("heads", 1) % f[1]:
             return None
@@ -319,6 +315,28 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool | int = Fal
     if stage and stored is None:
         return None
     return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names), zero=stage)
+
+
+@memoize(1 << 14)
+def _template(kind: str, in_ndim: int, out_ndim: int, w_ndim: int | None, mesh: tuple,
+              names: tuple) -> tuple | None:
+    """What `make_layer_strategy` reads of a layer's kind and ranks alone: ``(input, weight,
+    output, splits)`` for the 1-D signatures ``names`` on ``mesh`` (the input clipped to its
+    axes; weight None without one; ``splits``: each layout's split product per axis, for
+    the shape checks), or None when a name is not the kind's or an embedding's ids would be
+    split along an axis past the first."""
+    sigs = SIGNATURES[kind]
+    if any(n not in sigs for n in names):
+        return None
+    parts = [sigs[n] for n in names]
+    inp = _clip_axis(tuple(p[0] for p in parts), in_ndim)
+    out = tuple(p[2] for p in parts)
+    w = tuple(p[1] for p in parts) if w_ndim is not None else None
+    if kind == "embedding" and any(isinstance(x, Split) and x.axis > 0 for x in inp):
+        return None
+    splits = (tuple(_splits(inp, mesh, in_ndim)), tuple(_splits(out, mesh, out_ndim)),
+              None if w is None else tuple(_splits(w, mesh, w_ndim)))
+    return inp, w, out, splits
 
 
 def _stored(layer, w: tuple | None, mesh: tuple) -> tuple | None:
