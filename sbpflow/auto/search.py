@@ -883,7 +883,8 @@ def _tree_tail_bounds(pb: Problem, loc: list, sub: list) -> tuple[list, list]:
 
 def _greedy_state(pb: Problem, loc: list) -> list:
     """Each layer in order takes the candidate least in its local term plus the edges from
-    its producers' choices (pricing only candidates whose partial sum can still win)."""
+    its producers' choices (pricing only candidates whose partial sum, plus the edge's lower
+    bound, can still win)."""
     g = pb.graph
     state: list = []
     for v in range(len(loc)):
@@ -899,7 +900,11 @@ def _greedy_state(pb: Problem, loc: list) -> list:
             vec = base[ks]
             for u in g.preds[v]:
                 t = pb.tables[(u, v)]
-                r, c = int(t.row_of[state[u]]), t.col_of[ks]
+                r = int(t.row_of[state[u]])
+                if prune:   # an edge whose bound already passes the cap is not priced
+                    ok = vec + t.lower[r, t.col_of[ks]] <= cap
+                    ks, vec = ks[ok], vec[ok]
+                c = t.col_of[ks]
                 t.fill(np.full(len(c), r), c)
                 vec = vec + t.M[r, c]
                 if prune:
