@@ -534,22 +534,31 @@ class Problem:
                 return table[fixed, t.col_of[ks]]
             return table[t.row_of[ks], fixed]
 
+        def below(ks, part, k):
+            rest = part
+            for t, fixed, into in edges[k:]:
+                rest = rest + entries(t, fixed, into, ks, t.lower)
+            return rest + prune[1][ks] <= prune[0]
+
         def keep(ks, vec, k):
             if prune is None:
                 return ks, vec
-            rest = vec
-            for t, fixed, into in edges[k:]:
-                rest = rest + entries(t, fixed, into, ks, t.lower)
-            ok = rest + prune[1][ks] <= prune[0]
+            ok = below(ks, vec, k)
             return ks[ok], vec[ok]
         ks, vec = keep(ks, self.node_t[v][ks], 0)
         for k, (t, fixed, into) in enumerate(edges):
             n = len(ks)
-            if into:
-                t.fill(np.full(n, fixed), t.col_of[ks])
-            else:
-                t.fill(t.row_of[ks], np.full(n, fixed))
-            ks, vec = keep(ks, vec + entries(t, fixed, into, ks, t.M), k + 1)
+            r, c = (np.full(n, fixed), t.col_of[ks]) if into else (t.row_of[ks], np.full(n, fixed))
+            if prune is not None and n:
+                # forward first: the backward of an entry whose forward part plus the
+                # backward's bound already passes the cap is not priced (the sum with its
+                # exact backward would pass it too: IEEE sums are monotonic)
+                t.fill_forward(r, c)
+                part = np.where(t.known[r, c], t.M[r, c], t.Mf[r, c] + t.lower_bwd[r, c])
+                ok = below(ks, vec + part, k + 1)
+                ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
+            t.fill(r, c)
+            ks, vec = keep(ks, vec + t.M[r, c], k + 1)
         return ks, vec
 
     def strategy(self, state) -> Strategy:
