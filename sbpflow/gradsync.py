@@ -118,6 +118,12 @@ def backfill(p: GlobalTensor) -> tuple | None:
     return whole, compute, tuple(p.sbp)
 
 
+def has_update_layouts() -> bool:
+    """Whether any parameter is updated in a layout of its own (else `update_layout` is the
+    parameter's layout for every one)."""
+    return bool(_UPDATE_LAYOUTS)
+
+
 def has_backfills() -> bool:
     """Whether any parameter has an all-gather after its update (else `backfill` is None for
     every one)."""

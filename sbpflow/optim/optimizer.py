@@ -24,8 +24,9 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import (GradSync, backfill, collect, has_backfills, replaced_by,
-                        replaced_version, set_pending, settle, update_layout, zero_grads)
+from ..gradsync import (GradSync, backfill, collect, has_backfills, has_update_layouts,
+                        replaced_by, replaced_version, set_pending, settle, update_layout,
+                        zero_grads)
 from ..sbp import Partial, format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from ..utils import IdentityMap
@@ -121,7 +122,9 @@ def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) 
                 sharded.append((i, geo))
             continue
         pl = p.placement
-        if comm.rank not in pl:  # outside its placement: the empty shard, nothing to reduce
+        # outside its placement: the empty shard, nothing to reduce; on a placement of one
+        # device (a pipeline stage's): the local gradient is the value (a partial sum of one)
+        if pl.size == 1 or comm.rank not in pl:
             out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)
             continue
         plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
@@ -185,6 +188,8 @@ def _idle(params: list, rank: int) -> set:
     """The ids of ``params`` that ``rank`` holds no shard of and whose update layout is their
     own (no ZeRO split): their gradient there is the empty shard, which `boxed_grads` would
     only relabel and the update would not touch."""
+    if not has_update_layouts() and not has_backfills():   # no ZeRO split anywhere
+        return {id(p) for p in params if rank not in p._placement}
     return {id(p) for p in params if rank not in p._placement and update_layout(p) == p._sbp
             and backfill(p) is None}
 
