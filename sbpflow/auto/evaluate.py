@@ -831,15 +831,13 @@ def _bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
     index: dict = {}
     of = np.array([index.setdefault(r, len(index))
                    for r in _bound_rows(layouts, ndim, cluster, node)], dtype=np.int64)
-    feat = np.array(list(index), dtype=np.float64)
-    n = ndim
-    side = None
-    if node:
-        side = (feat[:, n + 5:2 * n + 5], feat[:, 2 * n + 5:2 * n + 7] != 0,
-                feat[:, 2 * n + 7] != 0)
+    feat = np.array(list(index), dtype=np.float64).reshape(len(index), -1)
+    # the columns `_bound_rows` concatenates: `_axis_factors`' then `_node_side`'s arrays
+    widths = [ndim, 3, 2] + ([ndim, 2, 1] if node else [])
+    cols = np.split(feat, np.cumsum(widths)[:-1], axis=1)
+    side = (cols[3], cols[4] != 0, cols[5][:, 0] != 0) if node else None
     meshes, mesh_of = _layout_meshes(layouts)
-    return _BoundSide(feat[:, :n], feat[:, n:n + 3] != 0, feat[:, n + 3:n + 5], side, of,
-                      meshes, mesh_of)
+    return _BoundSide(cols[0], cols[1] != 0, cols[2], side, of, meshes, mesh_of)
 
 
 def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbytes: float,

@@ -116,6 +116,14 @@ class _EdgeTable:
         if vals.min() < 0:
             self.pb.nonnegative = False
 
+    def forward_bound(self, r: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """Per pair (r[k], c[k]): the entry if known, else its forward part (priced now if
+        missing) plus its backward's lower bound: at most the entry (IEEE sums of
+        non-negative terms are monotonic), so a sum with it that passes a cap rules the
+        entry out before its backward is priced."""
+        self.fill_forward(r, c)
+        return np.where(self.known[r, c], self.M[r, c], self.Mf[r, c] + self.lower_bwd[r, c])
+
     def fill(self, r: np.ndarray, c: np.ndarray) -> None:
         """Compute the unknown entries among the pairs (r[k], c[k]): forward plus backward
         time (`Evaluator.edge_time`'s sum), the forward part reused when known."""
@@ -164,16 +172,11 @@ class _EdgeView:
         self.table, self.row_of, self.col_of = table, row_of, col_of
         self.M, self.known, self.match = table.M, table.known, table.match
         self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
-        self.fill_all, self.fill_forward = table.fill_all, table.fill_forward
-        self.Mf, self.fwd_known = table.Mf, table.fwd_known
+        self.fill_all, self.forward_bound = table.fill_all, table.forward_bound
 
     @property
     def lower(self) -> np.ndarray:
         return self.table.lower
-
-    @property
-    def lower_bwd(self) -> np.ndarray:
-        return self.table.lower_bwd
 
 
 def _layout_index(cands: list, key) -> tuple[list, np.ndarray]:
@@ -267,13 +270,7 @@ def _forward_first(t, rows, cols, Fr, gc, ti, tj) -> tuple[np.ndarray, np.ndarra
     it nor tie with it (IEEE sums of non-negative terms are monotonic), so its backward part
     is not priced (here; another product may still need it)."""
     r, c = rows[ti], cols[tj]
-    t.fill_forward(r, c)
-    half = ~t.known[r, c]
-    if not half.any():
-        return ti, tj
-    need = np.ones(len(ti), dtype=bool)
-    need[half] = Fr[ti[half]] + (t.Mf[r[half], c[half]] + t.lower_bwd[r[half], c[half]]) \
-        <= gc[tj[half]]
+    need = t.known[r, c] | (Fr[ti] + t.forward_bound(r, c) <= gc[tj])
     return ti[need], tj[need]
 
 
@@ -550,12 +547,9 @@ class Problem:
             n = len(ks)
             r, c = (np.full(n, fixed), t.col_of[ks]) if into else (t.row_of[ks], np.full(n, fixed))
             if prune is not None and n:
-                # forward first: the backward of an entry whose forward part plus the
-                # backward's bound already passes the cap is not priced (the sum with its
-                # exact backward would pass it too: IEEE sums are monotonic)
-                t.fill_forward(r, c)
-                part = np.where(t.known[r, c], t.M[r, c], t.Mf[r, c] + t.lower_bwd[r, c])
-                ok = below(ks, vec + part, k + 1)
+                # forward first: the backward of an entry ruled out by its forward part is
+                # not priced (`_EdgeTable.forward_bound`)
+                ok = below(ks, vec + t.forward_bound(r, c), k + 1)
                 ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
             t.fill(r, c)
             ks, vec = keep(ks, vec + t.M[r, c], k + 1)
