@@ -15,7 +15,9 @@ from typing import Any, Callable
 __all__ = ["PRIORITY", "EXIT_COMM", "Report", "RankProcess", "Outcome", "run_ranks",
            "CommandRank", "rank_env"]
 
-PRIORITY = {"error": 0, "dead": 1, "comm_error": 2}  # lower: more likely the root cause
+# lower: more likely the root cause. A timeout names the ranks that did not arrive; a plain
+# comm_error (a connection closed) is mostly what a peer's exit left behind.
+PRIORITY = {"error": 0, "dead": 1, "comm_timeout": 2, "comm_error": 3}
 EXIT_COMM = 3      # a command rank's exit code when it failed in a collective (`CommandRank`)
 _STOP_WAIT = 5.0   # s a terminated rank gets to exit before it is killed
 
@@ -147,7 +149,7 @@ class _Watch:
         now = time.monotonic()
         if not self.out.failed:
             self.give_up = min(self.give_up, now + self.grace)
-        if PRIORITY[report.kind] < PRIORITY["comm_error"]:
+        if PRIORITY[report.kind] < PRIORITY["comm_timeout"]:   # not a communication failure
             self.give_up = min(self.give_up, now + self.settle)
         self.out.failed.append(r)
 

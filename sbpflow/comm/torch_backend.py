@@ -481,7 +481,8 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
         comm.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        kind = "comm_error" if isinstance(exc, CommError) else "error"  # maybe a consequence
+        kind = ("comm_timeout" if isinstance(exc, CommTimeout) else  # maybe a consequence
+                "comm_error" if isinstance(exc, CommError) else "error")
         try:
             msg = pickle.dumps((kind, exc, tb))
             pickle.loads(msg)

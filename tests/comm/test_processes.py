@@ -110,6 +110,19 @@ def test_error_beats_dead_beats_comm_error_and_settle_keeps_watching():
     assert _run(dead_first, grace=0.3)[0].root == 1
 
 
+def test_a_timeout_beats_the_closed_connection_it_left_behind():
+    """Rank 1 times out and exits; rank 0's pending collective then fails with a closed
+    connection and may report first: the timeout (it names who did not arrive) is the root
+    cause, and neither ends the grace early (both are communication failures)."""
+    timeout = Report("comm_timeout", "timed out")
+    ranks = [Scripted(COMM, 0.0), Scripted(timeout, 0.05), Scripted(at=None)]
+    out, took = _run(ranks, grace=0.3)
+    assert out.failed == [0, 1] and out.root == 1 and out.stopped == [2]
+    assert 0.3 <= took < PROMPT
+    later_error = [Scripted(timeout, 0.0), Scripted(ERR, 0.05), Scripted(at=None)]
+    assert _run(later_error, grace=0.3)[0].root == 1
+
+
 def test_a_rank_that_ended_between_the_last_look_and_the_stop_is_read():
     """Rank 2 fails on its own just as the grace runs out (its report shows only after the
     stop): it is the root cause, not rank 0's comm_error, and it was not stopped."""
