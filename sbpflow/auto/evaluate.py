@@ -24,7 +24,7 @@ from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
-           "edge_lower_bounds"]
+           "redistribution_floor", "edge_lower_bounds"]
 
 
 # ---- analytic redistribution -------------------------------------------------------------------
@@ -219,9 +219,15 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
         return ()
     # per axis and rank: the source cells the destination interval meets (whole numbers)
     msgs = _cells(fine, dst, ndim, parts.tobytes())[idx] - meets[idx]
+    elems = elems[idx]
+    most, busiest = elems.max(), msgs.max()
+    if ((elems == most) & (msgs == busiest)).any():
+        # the usual case: a rank with the most elements has the most messages too; it
+        # dominates every other, and the front is its pair (rounded as below)
+        return ((round(float(most), 12), int(round(float(busiest)))),)
     # the Pareto front of (elements, messages), elements compared to rounding
     # (rounded once per distinct pair: ranks share a few loads)
-    pairs = set(zip(elems[idx].tolist(), msgs.tolist()))
+    pairs = set(zip(elems.tolist(), msgs.tolist()))
     loads = sorted({(round(e, 12), int(round(m))) for e, m in pairs})
     front: list = []
     for e, m in reversed(loads):          # most elements first
@@ -341,12 +347,19 @@ def _sized(m: _Sk, shape: tuple) -> Move:
     return Move(m.kind, m.mesh, m.dims, piece, copy, (), m.fallback)
 
 
+class _Option(NamedTuple):
+    """One of the planner's reduce-then-transfer options (`_transfer_options`)."""
+
+    pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
+    mid: tuple          # the reduced layout the transfer starts from
+    lack: float         # rank 0's load of the transfer (`_rank0_lack`), for the floor
+
+
 def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
     """The planner's reduce-then-transfer options from ``s`` to ``d`` on the refined mesh
-    ``fine``, shape-free: ``(fine, s, d, ndim, options)``, per reduced layout ``mid``
-    (broadcast, or a split of some axis) its reduction ``(kind, dims, div, axis)`` (None
-    without partial dims) and ``mid``; None above ``_TRANSFER_MAX_RANKS``. The receivers'
-    loads (`_transfer_fraction`) are found when `_via_transfer` needs them."""
+    ``fine``, shape-free: ``(fine, s, d, ndim, options)``, an `_Option` per reduced layout
+    ``mid`` (broadcast, or a split of some axis); None above ``_TRANSFER_MAX_RANKS``. The
+    receivers' loads (`_transfer_fraction`) are found when `_via_transfer` needs them."""
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
@@ -362,7 +375,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
                 continue
             ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
             pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
-        out.append((pre, mid))
+        out.append(_Option(pre, mid, _rank0_lack(fine, mid, d, ndim)))
     return fine, s, d, ndim, tuple(out)
 
 
@@ -373,11 +386,11 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
     rest dropped once that reaches the best total: their loads are never found."""
     numel = math.prod(shape)
-    if len(options) == 1 and options[0][0] is None:   # no partial dims: the transfer alone
-        return _sized_transfer(fine, numel, _transfer_fraction(fine, options[0][1], d, ndim))
+    if len(options) == 1 and options[0].pre is None:   # no partial dims: the transfer alone
+        return _sized_transfer(fine, numel, _transfer_fraction(fine, options[0].mid, d, ndim))
     local = None
     tried = []
-    for i, (spec, mid) in enumerate(options):
+    for i, (spec, mid, _) in enumerate(options):
         pre, vol = [], 0
         if spec is not None:
             kind, pdims, div, ax = spec
@@ -613,6 +626,54 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
     return t, b
 
 
+def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, cluster,
+                         micro_batches: int = 1) -> float:
+    """A lower bound of ``redistribution(...)[0]`` (seconds) found from the walk alone, before
+    any receiver's load: when the redistribution is the planner's reduce-then-transfer, the
+    least over its options of the reduction's price plus the transfer's price for rank 0's
+    load (rank 0, at coordinate 0 of the mesh, receives no more elements than the busiest
+    receiver, and at least one message), at the mesh's p2p fit, the one the price uses
+    (inter-node for a mesh across nodes, so this is far above `edge_lower_bounds`' least
+    link); 0 for the fixed order's moves. The price's terms, added in its order, each at
+    most the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
+    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
+    if how != "transfer":
+        return 0.0
+    fine, options = sk[0], sk[4]
+    numel, m = math.prod(shape), micro_batches
+    fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
+    least = math.inf
+    for spec, _, lack in options:   # `_via_transfer`'s options, each priced as it would be
+        t = 0.0
+        if spec is not None:
+            kind, pdims, div, _ = spec
+            n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
+            t += step
+            t += m * _coll_time(cluster, kind, n / m, fine, pdims)
+        if lack > 1e-12:   # rank 0 receives: the transfer has a receiver
+            t += step
+            # (the load's elements are rounded to 1e-12: below them by more than that)
+            t += m * _transfer_time(cluster, (lack - 1e-12) * numel * itemsize / m, 1, fit)
+        least = min(least, t)
+    return least * (1 - 1e-9)
+
+
+def _rank0_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
+    """The elements rank 0 receives in `_transfer_fraction` (as a fraction of the tensor; the
+    same floats: its boxes are ``[0, x)`` on every axis, cut as `_boxes` cuts them)."""
+    own_s, own_d = [1.0] * ndim, [1.0] * ndim
+    for x, y, m in zip(src, dst, fine):
+        if isinstance(x, Split):
+            own_s[x.axis] = own_s[x.axis] / m
+        if isinstance(y, Split):
+            own_d[y.axis] = own_d[y.axis] / m
+    box, held = own_d[0], min(own_s[0], own_d[0])
+    for a in range(1, ndim):
+        box *= own_d[a]
+        held *= min(own_s[a], own_d[a])
+    return box - held
+
+
 def _transfer_time(cluster, nbytes, msgs, fit):
     """A point-to-point transfer in which the busiest rank receives ``nbytes`` in ``msgs``
     messages: ``o + msgs·α + nbytes·β`` (plus ``copy_beta·nbytes``: the pieces are written
@@ -841,10 +902,10 @@ def _bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
 
 
 def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbytes: float,
-                  lat: float, backward: bool = False) -> np.ndarray:
+                  lat: float, part: str = "both") -> np.ndarray:
     """`edge_lower_bounds` between the distinct features of ``src`` and ``dst``, with the
-    node bound when ``bx > 0`` (for meshes with a common refinement); ``backward``: of the
-    backward direction alone."""
+    node bound when ``bx > 0`` (for meshes with a common refinement); ``part``: of both
+    directions, or of the ``"forward"`` or ``"backward"`` one alone."""
     own_s, own_d = 1.0 / src.f, 1.0 / dst.f
     ks, kd = src.kind, dst.kind
     fwd = _lacks(own_s, own_d, ks[:, 0], kd[:, 0], _reduced_piece(src.f, src.group, dst.f)) \
@@ -857,15 +918,17 @@ def _bound_matrix(src: _BoundSide, dst: _BoundSide, beta: float, bx: float, nbyt
         fwd = np.maximum(fwd, _node_lacks(src.node, dst.node, kd[:, 0], 0) * bx)
         bwd = np.maximum(bwd, _node_lacks(dst.node, src.node, ks[:, 1], 1).T * bx)
     odd = ks[:, 2][:, None] | kd[:, 2][None, :]    # non-sum partials: no bound (rare)
-    if backward:   # the backward direction alone
+    if part == "backward":
         total = bwd * nbytes + lat * (bwd > 0)
+    elif part == "forward":
+        total = fwd * nbytes + lat * (fwd > 0)
     else:
         total = (fwd + bwd) * nbytes + lat * ((fwd > 0) * 1.0 + (bwd > 0))
     return np.where(odd, 0.0, total) * (1 - 1e-9)
 
 
 def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: list,
-                      micro_batches: int = 1, backward: bool = False) -> np.ndarray:
+                      micro_batches: int = 1, part: str = "both") -> np.ndarray:
     """A lower bound of every edge time between producer layouts ``rows`` and consumer input
     layouts ``cols`` (``(mesh, nd-sbp)`` pairs), as a dense matrix, per direction (forward,
     and backward: the duals, broadcast <-> partial) the larger of two: the elements rank 0
@@ -879,8 +942,12 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     rank 0 must receive something also has at least one move in which it does, so, once a
     micro-batch, a step's overhead and the least fixed cost of a message (`_least_fixed`).
     Scaled by ``1 - 1e-9`` against rounding. Found on distinct layout features
-    (`_BoundSide`) and gathered: the same floats as layout by layout. ``backward``: the
-    bound of the backward direction alone (`Evaluator.edge_backward`)."""
+    (`_BoundSide`) and gathered: the same floats as layout by layout. ``part``:
+    ``"forward"`` / ``"backward"``, the bound of that direction alone
+    (`Evaluator.edge_forward`, `Evaluator.edge_backward`)."""
+    if part not in ("both", "forward", "backward"):
+        raise ValueError(f"edge_lower_bounds: part must be 'both', 'forward' or 'backward', "
+                         f"got {part!r}")
     beta = _least_beta(cluster)
     nd = len(shape)
     if beta <= 0 or not rows or not cols:
@@ -893,13 +960,13 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     nbytes = math.prod(shape) * itemsize
     pick = np.ix_(src.of, dst.of)
     if not node:
-        return _bound_matrix(src, dst, beta, 0.0, nbytes, lat, backward)[pick]
-    with_node = _bound_matrix(src, dst, beta, bx, nbytes, lat, backward)[pick]
+        return _bound_matrix(src, dst, beta, 0.0, nbytes, lat, part)[pick]
+    with_node = _bound_matrix(src, dst, beta, bx, nbytes, lat, part)[pick]
     # the node bound holds between meshes with a common refinement (usually all of them)
     ref = np.array([[_refine(a, b) is not None for b in dst.meshes] for a in src.meshes])
     if ref.all():
         return with_node
-    rank = _bound_matrix(src, dst, beta, 0.0, nbytes, lat, backward)[pick]
+    rank = _bound_matrix(src, dst, beta, 0.0, nbytes, lat, part)[pick]
     return np.where(ref[np.ix_(src.mesh_of, dst.mesh_of)], with_node, rank)
 
 
@@ -1133,6 +1200,21 @@ class Evaluator:
         if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
             return 0.0, 0.0
         return self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out), self.micro)
+
+    def edge_forward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
+                           b_in: tuple) -> float:
+        """A lower bound of `edge_forward` from the walk alone (`redistribution_floor`), not
+        cached here (the search's tables keep it)."""
+        return redistribution_floor(shape, a_mesh, a_out, b_mesh, b_in, self.itemsize,
+                                    self.cluster, self.micro)
+
+    def edge_backward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
+                            b_in: tuple) -> float:
+        """A lower bound of `edge_backward` from the walk alone."""
+        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
+            return 0.0
+        return redistribution_floor(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out),
+                                    self.itemsize, self.cluster, self.micro)
 
     def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):
         ft, fb = self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)

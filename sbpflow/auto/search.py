@@ -75,7 +75,10 @@ class _EdgeTable:
         # forward times found ahead of the backward ones (`fill_forward`)
         self.Mf = np.full(self.M.shape, np.nan)
         self.fwd_known = np.zeros(self.M.shape, dtype=bool)
-        self._lower = self._lower_bwd = None
+        # the entries whose bounds were raised by their walks' floors (`raise_floors`)
+        self.floored_fwd = np.zeros(self.M.shape, dtype=bool)
+        self.floored_bwd = np.zeros(self.M.shape, dtype=bool)
+        self._lower = self._lower_bwd = self._lower_fwd = None
 
     @property
     def lower(self) -> np.ndarray:
@@ -91,10 +94,41 @@ class _EdgeTable:
     def lower_bwd(self) -> np.ndarray:
         """A lower bound of every entry's backward part (`Evaluator.edge_backward`)."""
         if self._lower_bwd is None:
-            ev = self.pb.ev
-            self._lower_bwd = edge_lower_bounds(self.shape, ev.itemsize, ev.cluster,
-                                                self.rows, self.cols, ev.micro, backward=True)
+            self._lower_bwd = self._part_bounds("backward")
         return self._lower_bwd
+
+    @property
+    def lower_fwd(self) -> np.ndarray:
+        """A lower bound of every entry's forward part (`Evaluator.edge_forward`)."""
+        if self._lower_fwd is None:
+            self._lower_fwd = self._part_bounds("forward")
+        return self._lower_fwd
+
+    def _part_bounds(self, part: str) -> np.ndarray:
+        ev = self.pb.ev
+        return edge_lower_bounds(self.shape, ev.itemsize, ev.cluster, self.rows, self.cols,
+                                 ev.micro, part=part)
+
+    def raise_floors(self, r: np.ndarray, c: np.ndarray, part: str) -> None:
+        """Raise the ``part`` (``"forward"`` or ``"backward"``) bound and ``lower`` of the
+        unknown entries among the pairs (r[k], c[k]) to what the walk of that direction gives
+        (`Evaluator.edge_floors`: a transfer is priced at the mesh's own link, often ten times
+        the least one the dense bound must assume). A walk costs a fraction of a price and
+        is kept for it, so an entry ruled out here is never priced, and one that is not has
+        lost little."""
+        backward = part == "backward"
+        done = self.floored_bwd if backward else self.floored_fwd
+        r, c = self._todo(r, c, self.known | done)
+        if not len(r):
+            return
+        done[r, c] = True
+        floor = self.pb.ev.edge_backward_floor if backward else self.pb.ev.edge_forward_floor
+        shape, rows, cols = self.shape, self.rows, self.cols
+        fl = np.array([floor(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
+        fwd, bwd = self.lower_fwd, self.lower_bwd
+        side = bwd if backward else fwd
+        side[r, c] = np.maximum(side[r, c], fl)
+        self._lower[r, c] = np.maximum(self.lower[r, c], fwd[r, c] + bwd[r, c])
 
     def _todo(self, r, c, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pairs (r[k], c[k]) not marked in ``known``."""
@@ -173,6 +207,7 @@ class _EdgeView:
         self.M, self.known, self.match = table.M, table.known, table.match
         self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
         self.fill_all, self.forward_bound = table.fill_all, table.forward_bound
+        self.raise_floors = table.raise_floors
 
     @property
     def lower(self) -> np.ndarray:
@@ -215,16 +250,25 @@ def _seed_columns(t, F: np.ndarray, cols: np.ndarray, lim: np.ndarray | None) ->
     top = np.argsort(F, kind="stable")[:4]
     top = top[np.isfinite(F[top])]
     r, c = np.repeat(top, len(cols)), np.tile(cols, len(top))
-    if lim is not None:   # only entries that can stay below the cap (lower bounds)
-        keep = F[r] + t.lower[r, c] < lim[c]
-        r, c = r[keep], c[keep]
-    t.fill(r, c)
+    t.fill(*_below_limit(t, F, r, c, lim))
     match = t.match[cols]
     ok = match >= 0
     ok[ok] = np.isfinite(F[match[ok]])
-    if lim is not None:
-        ok[ok] = F[match[ok]] + t.lower[match[ok], cols[ok]] < lim[cols[ok]]
-    t.fill(match[ok], cols[ok])
+    t.fill(*_below_limit(t, F, match[ok], cols[ok], lim))
+
+
+def _below_limit(t, F: np.ndarray, r: np.ndarray, c: np.ndarray, lim: np.ndarray | None):
+    """The pairs (r[k], c[k]) whose row value ``F`` plus the entry's lower bound is below
+    ``lim`` of its column (all of them without ``lim``), each direction's walk floor raised
+    first (`_EdgeTable.raise_floors`)."""
+    if lim is None:
+        return r, c
+    for part in (None, "forward", "backward"):
+        if part is not None:
+            t.raise_floors(r, c, part)
+        keep = F[r] + t.lower[r, c] < lim[c]
+        r, c = r[keep], c[keep]
+    return r, c
 
 
 def _price_best_first(pb, t, rows: np.ndarray, cols: np.ndarray, Fr: np.ndarray,
@@ -270,6 +314,10 @@ def _forward_first(t, rows, cols, Fr, gc, ti, tj) -> tuple[np.ndarray, np.ndarra
     it nor tie with it (IEEE sums of non-negative terms are monotonic), so its backward part
     is not priced (here; another product may still need it)."""
     r, c = rows[ti], cols[tj]
+    for part in ("forward", "backward"):    # first the walks' floors: cheaper than a price
+        t.raise_floors(r, c, part)
+        need = t.known[r, c] | (Fr[ti] + t.lower[r, c] <= gc[tj])
+        ti, tj, r, c = ti[need], tj[need], r[need], c[need]
     need = t.known[r, c] | (Fr[ti] + t.forward_bound(r, c) <= gc[tj])
     return ti[need], tj[need]
 
@@ -547,8 +595,12 @@ class Problem:
             n = len(ks)
             r, c = (np.full(n, fixed), t.col_of[ks]) if into else (t.row_of[ks], np.full(n, fixed))
             if prune is not None and n:
-                # forward first: the backward of an entry ruled out by its forward part is
-                # not priced (`_EdgeTable.forward_bound`)
+                # the walks' floors first, then the forward part: the backward of an entry
+                # ruled out by its forward part is not priced (`_EdgeTable.forward_bound`)
+                for part in ("forward", "backward"):
+                    t.raise_floors(r, c, part)
+                    ok = below(ks, vec + t.lower[r, c], k + 1)
+                    ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
                 ok = below(ks, vec + t.forward_bound(r, c), k + 1)
                 ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
             t.fill(r, c)

@@ -97,3 +97,24 @@ def test_table_bound_is_each_pair_bound():
     apart = np.array([[{a[0], b[0]} == {(4, 6), (6, 4)} for b in layouts] for a in layouts])
     assert np.array_equal(table[apart], rank[apart])
     assert (table[~apart] >= rank[~apart]).all() and (table[~apart] > rank[~apart]).any()
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_walk_floors_below_each_direction_and_above_the_dense_bound(micro):
+    """`Evaluator.edge_forward_floor` / `edge_backward_floor` (the search raises an entry's
+    bound to them before pricing it) never exceed the direction's price, on a sample of every
+    table of a GPT on two 8-GPU nodes; and on transfers across nodes they are far above the
+    dense bound, which must assume NVLink's beta."""
+    g = model_graphs.gpt(2, 256, 8, 128, 16)
+    pb = Problem(g, sf.cost.Cluster.preset("dgx-a100", nodes=2), micro_batches=micro)
+    ev, rng, n, above = pb.ev, np.random.default_rng(micro), 0, 0
+    for t in {id(v.table): v.table for v in pb.tables.values()}.values():
+        for i, j in zip(rng.integers(0, t.M.shape[0], 400), rng.integers(0, t.M.shape[1], 400)):
+            pair = (t.shape, *t.rows[i], *t.cols[j])
+            fwd, bwd = ev.edge_forward(*pair), ev.edge_backward(*pair)
+            ff, fb = ev.edge_forward_floor(*pair), ev.edge_backward_floor(*pair)
+            assert 0 <= ff < fwd or ff == fwd == 0, (pair, ff, fwd)
+            assert 0 <= fb < bwd or fb == bwd == 0, (pair, fb, bwd)
+            above += ff + fb > 4 * t.lower[i, j]
+            n += 1
+    assert n >= 2000 and above > n // 20, (n, above)

@@ -23,7 +23,7 @@ def _first_fewest_bytes(shape, fine, s, d) -> tuple:
     fine, s, d, ndim, options = sk
     numel = math.prod(shape)
     best = None
-    for spec, mid in options:
+    for spec, mid, _ in options:
         moves, vol = [], 0
         if spec is not None:
             kind, pdims, div, ax = spec
