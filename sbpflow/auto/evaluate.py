@@ -363,18 +363,18 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
     if math.prod(fine) > _TRANSFER_MAX_RANKS:
         return None
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
-    mids = [s] if not pdims else \
-        [tuple(B if j in pdims else x for j, x in enumerate(s))] + \
-        [tuple(S(a) if j in pdims else x for j, x in enumerate(s)) for a in range(ndim)]
+    if not pdims:
+        return fine, s, d, ndim, (_Option(None, s, _rank0_lack(fine, s, d, ndim)),)
+    div = _divisor(fine, s, pdims)   # the same reduced piece for every option
     out = []
-    for mid in mids:
-        pre = None
-        if pdims:
-            kind = "all_reduce" if mid[pdims[0]] == B else "reduce_scatter"
-            if kind == "reduce_scatter" and not is_valid_move(s, mid, pdims):
-                continue
-            ax = mid[pdims[0]].axis if kind == "reduce_scatter" else 0
-            pre = (kind, pdims, _divisor(fine, s, set(pdims)), ax)
+    for x in [B] + [S(a) for a in range(ndim)]:
+        mid = tuple(x if isinstance(y, Partial) else y for y in s)
+        if x is B:
+            pre = ("all_reduce", pdims, div, 0)
+        elif is_valid_move(s, mid, pdims):
+            pre = ("reduce_scatter", pdims, div, x.axis)
+        else:
+            continue
         out.append(_Option(pre, mid, _rank0_lack(fine, mid, d, ndim)))
     return fine, s, d, ndim, tuple(out)
 
