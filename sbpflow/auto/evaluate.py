@@ -461,18 +461,28 @@ class _FixedOrder:
 
     def run(self) -> tuple:
         self.nested_slices()
-        # each phase's dims are read off the state the previous phases left (plain loops:
-        # this runs for every distinct layout pair a search prices)
-        st, tg = self.state, self.target
-        self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, tg))
-                               if isinstance(a, Broadcast) and a != b))
-        self.phase("reduce_scatter", tuple(j for j, (a, b) in enumerate(zip(st, tg))
-                                           if isinstance(a, Partial) and isinstance(b, Split)))
-        self.phase("all_to_all", tuple(j for j, (a, b) in enumerate(zip(st, tg))
-                                       if isinstance(a, Split) and isinstance(b, Split) and a != b))
-        self.phase("all_reduce", tuple(j for j, (a, b) in enumerate(zip(st, tg))
-                                       if isinstance(a, Partial) and isinstance(b, Broadcast)))
+        # a phase moves its dims to their targets and no other dim, so which phase a dim
+        # belongs to is read off the state once, in one plain loop (this runs for every
+        # distinct layout pair a search prices)
+        local, scatter, a2a, reduce = [], [], [], []
+        for j, (a, b) in enumerate(zip(self.state, self.target)):
+            if a == b:
+                continue
+            if isinstance(a, Broadcast):
+                local.append(j)
+            elif isinstance(a, Partial):
+                if isinstance(b, Split):
+                    scatter.append(j)
+                elif isinstance(b, Broadcast):
+                    reduce.append(j)
+            elif isinstance(b, Split):
+                a2a.append(j)
+        self.phase(None, tuple(local))
+        self.phase("reduce_scatter", tuple(scatter))
+        self.phase("all_to_all", tuple(a2a))
+        self.phase("all_reduce", tuple(reduce))
         self.all_gather()
+        st = self.state
         self.target = self.final
         self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, self.final)) if a != b))
         return None if self.stopped else tuple(self.moves)  # the last phase: S -> P, local
@@ -627,29 +637,32 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
 
 
 def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, cluster,
-                         micro_batches: int = 1) -> float:
-    """A lower bound of ``redistribution(...)[0]`` (seconds) found from the walk alone, before
-    any receiver's load: when the redistribution is the planner's reduce-then-transfer, the
-    least over its options of the reduction's price plus the transfer's price for rank 0's
-    load (rank 0, at coordinate 0 of the mesh, receives no more elements than the busiest
-    receiver, and at least one message), at the mesh's p2p fit, the one the price uses
-    (inter-node for a mesh across nodes, so this is far above `edge_lower_bounds`' least
-    link); 0 for the fixed order's moves. The price's terms, added in its order, each at
-    most the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
+                         micro_batches: int = 1) -> float | None:
+    """None when the redistribution is the fixed order's moves, whose price is cheap once
+    the walk is known (price it instead); else a lower bound of ``redistribution(...)[0]``
+    (seconds) found from the walk alone, before any receiver's load is: the least over the
+    planner's reduce-then-transfer options of the reduction's price plus the transfer's price for rank
+    0's load (rank 0, at coordinate 0 of the mesh, receives no more elements than the
+    busiest receiver, and at least one message), at the mesh's p2p fit, the one the price
+    uses (inter-node for a mesh across nodes, so this is far above `edge_lower_bounds`'
+    least link). The price's terms, added in its order, each at most the price's; scaled by
+    ``1 - 1e-9`` like the dense bounds."""
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
     if how != "transfer":
-        return 0.0
+        return None
     fine, options = sk[0], sk[4]
     numel, m = math.prod(shape), micro_batches
     fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
-    least = math.inf
+    least, reductions = math.inf, {}
     for spec, _, lack in options:   # `_via_transfer`'s options, each priced as it would be
         t = 0.0
         if spec is not None:
             kind, pdims, div, _ = spec
-            n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
+            if kind not in reductions:   # every reduce-scatter option reduces the same piece
+                n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
+                reductions[kind] = m * _coll_time(cluster, kind, n / m, fine, pdims)
             t += step
-            t += m * _coll_time(cluster, kind, n / m, fine, pdims)
+            t += reductions[kind]
         if lack > 1e-12:   # rank 0 receives: the transfer has a receiver
             t += step
             # (the load's elements are rounded to 1e-12: below them by more than that)
@@ -1052,6 +1065,11 @@ class Breakdown:
                 + " ".join(f"{m / gb:.2f}" for m in self.stage_memory))
 
 
+# prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
+# for about 200k distinct ones, a few hundred bytes each
+_PRICES_KEPT = 1 << 19
+
+
 class Evaluator:
     """Per-layer and per-edge cost terms for one (graph, cluster), cached. The cost of a
     strategy is the sum of ``node`` over layers and ``edge`` over the graph's edges."""
@@ -1066,19 +1084,20 @@ class Evaluator:
         self._node: dict = shared.setdefault("node", {})
         self._mem: dict = shared.setdefault("memory", {})
         self._edge: dict = shared.setdefault("edge", {})
-        self._layer_redist: dict = shared.setdefault("layer_moves", {})
+        self._prices: dict = shared.setdefault("prices", {})
 
     def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
-        return redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster, micro)
-
-    def _layer_move(self, shape, a_mesh, a, b_mesh, b, micro=1):
-        """`_redist` of a layer's own moves (gradient sync, a sink's reduction), cached: a
-        layer's candidates share few weight and output layouts (GPT-3: 28,663 such moves
-        asked for in a default search, 9,627 distinct); edges are cached by their tables."""
+        """`redistribution` ``(seconds, bytes)`` on this cluster, memoised: a layer's
+        candidates share few weight and output layouts (GPT-3: 28,663 gradient syncs asked
+        for in a default search, 9,627 distinct), and an edge direction the search bounded
+        by its walk (`edge_forward_floor`) is asked for again when the entry is priced."""
         key = (shape, a_mesh, a, b_mesh, b, micro)
-        hit = self._layer_redist.get(key)
+        hit = self._prices.get(key)
         if hit is None:
-            hit = self._layer_redist[key] = self._redist(shape, a_mesh, a, b_mesh, b, micro)
+            if len(self._prices) >= _PRICES_KEPT:
+                self._prices.clear()
+            hit = self._prices[key] = redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize,
+                                                     self.cluster, micro)
         return hit
 
     def node_memory(self, layer, s) -> dict:
@@ -1128,10 +1147,10 @@ class Evaluator:
             gt, gb = self._zero12(layer, s)
         elif layer.weight_shape is not None:
             w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
-            t, b = self._layer_move(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
+            t, b = self._redist(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
             gt, gb = gt + t, gb + b
             if st != w:  # ZeRO-3: gather the weight for forward and again for backward
-                t, b = self._layer_move(ws, mesh, st, mesh, w)
+                t, b = self._redist(ws, mesh, st, mesh, w)
                 gt, gb, gather = gt + 2 * m * t, gb + 2 * m * b, 2 * m * t
         ft, fb, bt, bb = self._sink_terms(layer, s) if sink else (0.0, 0.0, 0.0, 0.0)
         out = {"compute": compute, "grad_time": gt, "grad_bytes": gb, "fwd_time": ft,
@@ -1149,8 +1168,8 @@ class Evaluator:
         mesh, m = s.mesh, self.micro
         red = tuple(S(0) if isinstance(x, Partial) else x for x in s.output)
         shape = tuple(layer.output_shape)
-        ft, fb = self._layer_move(shape, mesh, s.output, mesh, red, m)
-        bt, bb = self._layer_move(shape, mesh, dual_nd(red), mesh, dual_nd(s.output), m)
+        ft, fb = self._redist(shape, mesh, s.output, mesh, red, m)
+        bt, bb = self._redist(shape, mesh, dual_nd(red), mesh, dual_nd(s.output), m)
         return ft, fb, bt, bb
 
     def _zero12(self, layer, s) -> tuple:
@@ -1158,8 +1177,8 @@ class Evaluator:
         stages'): the gradient reduce-scattered to ``stored`` and the updated shard
         all-gathered back, once a step (data parallelism's bytes)."""
         w, st, ws, mesh = s.weight, s.stored, tuple(layer.weight_shape), s.mesh
-        t1, b1 = self._layer_move(ws, mesh, dual_nd(w), mesh, st)
-        t2, b2 = self._layer_move(ws, mesh, st, mesh, w)
+        t1, b1 = self._redist(ws, mesh, dual_nd(w), mesh, st)
+        t2, b2 = self._redist(ws, mesh, st, mesh, w)
         return t1 + t2, b1 + b2
 
     def edge_terms(self, producer, a, consumer, b) -> dict:
@@ -1202,19 +1221,25 @@ class Evaluator:
         return self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out), self.micro)
 
     def edge_forward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                           b_in: tuple) -> float:
-        """A lower bound of `edge_forward` from the walk alone (`redistribution_floor`), not
-        cached here (the search's tables keep it)."""
-        return redistribution_floor(shape, a_mesh, a_out, b_mesh, b_in, self.itemsize,
-                                    self.cluster, self.micro)
+                           b_in: tuple) -> tuple[float, bool]:
+        """``(seconds, exact)``: `edge_forward` when its walk is the fixed order's moves (cheap
+        to price once the walk is known), else `redistribution_floor`'s lower bound of it
+        (a transfer's loads not found)."""
+        return self._floor(shape, a_mesh, a_out, b_mesh, b_in)
 
     def edge_backward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                            b_in: tuple) -> float:
-        """A lower bound of `edge_backward` from the walk alone."""
+                            b_in: tuple) -> tuple[float, bool]:
+        """`edge_backward` or a lower bound of it, as `edge_forward_floor`."""
         if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
-            return 0.0
-        return redistribution_floor(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out),
-                                    self.itemsize, self.cluster, self.micro)
+            return 0.0, True
+        return self._floor(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out))
+
+    def _floor(self, shape, a_mesh, a, b_mesh, b) -> tuple[float, bool]:
+        floor = redistribution_floor(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster,
+                                     self.micro)
+        if floor is None:
+            return self._redist(shape, a_mesh, a, b_mesh, b, self.micro)[0], True
+        return floor, False
 
     def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):
         ft, fb = self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)

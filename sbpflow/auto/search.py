@@ -112,22 +112,30 @@ class _EdgeTable:
     def raise_floors(self, r: np.ndarray, c: np.ndarray, part: str) -> None:
         """Raise the ``part`` (``"forward"`` or ``"backward"``) bound and ``lower`` of the
         unknown entries among the pairs (r[k], c[k]) to what the walk of that direction gives
-        (`Evaluator.edge_floors`: a transfer is priced at the mesh's own link, often ten times
-        the least one the dense bound must assume). A walk costs a fraction of a price and
-        is kept for it, so an entry ruled out here is never priced, and one that is not has
-        lost little."""
+        (`Evaluator.edge_forward_floor`: the fixed order's moves priced, a transfer bounded at
+        the mesh's own link, often ten times the least one the dense bound must assume); a
+        forward price so found is kept (`fill_forward`'s). A walk costs a fraction of a
+        transfer's price and is kept for it, so an entry ruled out here is never priced, and
+        one that is not has lost little."""
         backward = part == "backward"
         done = self.floored_bwd if backward else self.floored_fwd
         r, c = self._todo(r, c, self.known | done)
         if not len(r):
             return
         done[r, c] = True
-        floor = self.pb.ev.edge_backward_floor if backward else self.pb.ev.edge_forward_floor
-        shape, rows, cols = self.shape, self.rows, self.cols
-        fl = np.array([floor(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
+        ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
+        floor = ev.edge_backward_floor if backward else ev.edge_forward_floor
+        got = [floor(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())]
+        secs = np.array([t for t, _ in got])
+        exact = np.array([e for _, e in got], dtype=bool)
+        if secs.min() < 0:
+            self.pb.nonnegative = False
+        if not backward:
+            self.Mf[r[exact], c[exact]] = secs[exact]
+            self.fwd_known[r[exact], c[exact]] = True
         fwd, bwd = self.lower_fwd, self.lower_bwd
         side = bwd if backward else fwd
-        side[r, c] = np.maximum(side[r, c], fl)
+        side[r, c] = np.maximum(side[r, c], np.where(exact, secs * (1 - 1e-9), secs))
         self._lower[r, c] = np.maximum(self.lower[r, c], fwd[r, c] + bwd[r, c])
 
     def _todo(self, r, c, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -102,19 +102,24 @@ def test_table_bound_is_each_pair_bound():
 @pytest.mark.parametrize("micro", [1, 4])
 def test_walk_floors_below_each_direction_and_above_the_dense_bound(micro):
     """`Evaluator.edge_forward_floor` / `edge_backward_floor` (the search raises an entry's
-    bound to them before pricing it) never exceed the direction's price, on a sample of every
-    table of a GPT on two 8-GPU nodes; and on transfers across nodes they are far above the
-    dense bound, which must assume NVLink's beta."""
+    bound to them before pricing it) are each direction's price when they say so (the fixed
+    order's moves) and below it otherwise, on a sample of every table of a GPT on two 8-GPU
+    nodes; and on transfers across nodes they are far above the dense bound, which must
+    assume NVLink's beta."""
     g = model_graphs.gpt(2, 256, 8, 128, 16)
     pb = Problem(g, sf.cost.Cluster.preset("dgx-a100", nodes=2), micro_batches=micro)
-    ev, rng, n, above = pb.ev, np.random.default_rng(micro), 0, 0
+    ev, rng, n, above, bounds = pb.ev, np.random.default_rng(micro), 0, 0, 0
     for t in {id(v.table): v.table for v in pb.tables.values()}.values():
         for i, j in zip(rng.integers(0, t.M.shape[0], 400), rng.integers(0, t.M.shape[1], 400)):
             pair = (t.shape, *t.rows[i], *t.cols[j])
-            fwd, bwd = ev.edge_forward(*pair), ev.edge_backward(*pair)
-            ff, fb = ev.edge_forward_floor(*pair), ev.edge_backward_floor(*pair)
-            assert 0 <= ff < fwd or ff == fwd == 0, (pair, ff, fwd)
-            assert 0 <= fb < bwd or fb == bwd == 0, (pair, fb, bwd)
-            above += ff + fb > 4 * t.lower[i, j]
+            for price, (floor, exact) in ((ev.edge_forward(*pair), ev.edge_forward_floor(*pair)),
+                                          (ev.edge_backward(*pair),
+                                           ev.edge_backward_floor(*pair))):
+                # (strictly below, by the bounds' 1e-9, unless nothing moves at all)
+                assert floor == price if exact else 0 <= floor < price or floor == price == 0, \
+                    (pair, floor, price)
+                if not exact:
+                    bounds += 1
+                    above += floor > 4 * t.lower[i, j]
             n += 1
-    assert n >= 2000 and above > n // 20, (n, above)
+    assert n >= 2000 and bounds > n // 10 and above > bounds // 4, (n, bounds, above)
