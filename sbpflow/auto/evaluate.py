@@ -641,12 +641,12 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     """None when the redistribution is the fixed order's moves, whose price is cheap once
     the walk is known (price it instead); else a lower bound of ``redistribution(...)[0]``
     (seconds) found from the walk alone, before any receiver's load is: the least over the
-    planner's reduce-then-transfer options of the reduction's price plus the transfer's price for rank
-    0's load (rank 0, at coordinate 0 of the mesh, receives no more elements than the
-    busiest receiver, and at least one message), at the mesh's p2p fit, the one the price
-    uses (inter-node for a mesh across nodes, so this is far above `edge_lower_bounds`'
-    least link). The price's terms, added in its order, each at most the price's; scaled by
-    ``1 - 1e-9`` like the dense bounds."""
+    planner's reduce-then-transfer options of the reduction's price plus the transfer's
+    price for rank 0's load (rank 0, at coordinate 0 of the mesh, receives no more elements
+    than the busiest receiver, and at least one message), at the mesh's p2p fit, the one
+    the price uses (inter-node for a mesh across nodes, so this is far above
+    `edge_lower_bounds`' least link). The price's terms, added in its order, each at most
+    the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
     if how != "transfer":
         return None

@@ -83,7 +83,8 @@ class _EdgeTable:
     @property
     def lower(self) -> np.ndarray:
         """A lower bound of every entry (`sbpflow.auto.evaluate.edge_lower_bounds`), below
-        the exact value by at least a relative 1e-9: cheap, dense, computed once."""
+        the exact value by at least a relative 1e-9: cheap, dense, computed once, then
+        raised entry by entry to the walks' floors (`raise_floors`)."""
         if self._lower is None:
             ev = self.pb.ev
             self._lower = edge_lower_bounds(self.shape, ev.itemsize, ev.cluster, self.rows,
