@@ -4,13 +4,14 @@ as the boxing planner does. `_via_transfer` finds a transfer's loads only for op
 whose reduction alone can still beat the best total; here every option is priced in full
 and the first least total must be the one it chose."""
 
+import collections
 import importlib
 import itertools
 import math
 
 import pytest
 
-from sbpflow.sbp import B, P, S
+from sbpflow.sbp import B, P, S, shard_box
 
 E = importlib.import_module("sbpflow.auto.evaluate")
 
@@ -54,3 +55,45 @@ def test_reduce_then_transfer_takes_the_first_fewest_bytes(fine):
             (fine, s, d)
         checked += 1
     assert checked >= 10   # nested splits after a reduction are common on these meshes
+
+
+def _front_by_hand(shape, fine, src, dst) -> tuple:
+    """`_transfer_fraction`'s front from the ranks' integer boxes (`shard_box`): per
+    receiving rank the elements of its destination box it does not hold (a fraction of the
+    tensor) and the distinct source boxes it meets, less its own; the (elements, messages)
+    pairs not dominated by another, most elements first."""
+    numel = math.prod(shape)
+    coords = list(itertools.product(*[range(m) for m in fine]))
+    boxes = {shard_box(shape, fine, src, c) for c in coords}
+
+    def meet(a, b):
+        return math.prod(max(0, min(x + n, y + k) - max(x, y)) for (x, n), (y, k) in zip(a, b))
+    loads = set()
+    for c in coords:
+        if any(isinstance(x, type(P)) and x.op == "sum" and i for x, i in zip(dst, c)):
+            continue   # a non-first rank of a P(sum) dim holds zeros: it receives nothing
+        want, have = shard_box(shape, fine, dst, c), shard_box(shape, fine, src, c)
+        lack = math.prod(n for _, n in want) - meet(want, have)
+        if lack:
+            msgs = sum(meet(want, b) > 0 for b in boxes) - (meet(want, have) > 0)
+            loads.add((round(lack / numel, 12), msgs))
+    front = []
+    for e, m in sorted(loads, reverse=True):
+        if not front or m > front[-1][1]:
+            front.append((e, m))
+    return tuple(front)
+
+
+def test_transfer_loads_are_the_ranks_own():
+    """`_transfer_fraction` (per-axis arrays; the front taken from the busiest rank when it
+    dominates) equals the front found from every rank's integer boxes, on meshes where
+    some fronts have one point and some several."""
+    shape = (24, 48)   # every split even (the fractions assume even parts)
+    sizes = collections.Counter()
+    for fine in [(2, 2, 2), (4, 2), (2, 3), (3, 2, 2)]:
+        for src in itertools.product((S(0), S(1), B), repeat=len(fine)):
+            for dst in itertools.product((S(0), S(1), B, P), repeat=len(fine)):
+                got = E._transfer_fraction(fine, src, dst, 2)
+                assert got == _front_by_hand(shape, fine, src, dst), (fine, src, dst)
+                sizes[min(len(got), 2)] += 1
+    assert sizes[1] > 100 and sizes[2] > 10, sizes
