@@ -481,6 +481,8 @@ class _FixedOrder:
         self.phase("reduce_scatter", tuple(scatter))
         self.phase("all_to_all", tuple(a2a))
         self.phase("all_reduce", tuple(reduce))
+        if self.stopped:   # the usual end of a nested walk: the rest is not needed
+            return None
         self.all_gather()
         st = self.state
         self.target = self.final
