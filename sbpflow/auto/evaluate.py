@@ -220,11 +220,11 @@ def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     # per axis and rank: the source cells the destination interval meets (whole numbers)
     msgs = _cells(fine, dst, ndim, parts.tobytes())[idx] - meets[idx]
     elems = elems[idx]
-    most, busiest = elems.max(), msgs.max()
-    if ((elems == most) & (msgs == busiest)).any():
-        # the usual case: a rank with the most elements has the most messages too; it
-        # dominates every other, and the front is its pair (rounded as below)
-        return ((round(float(most), 12), int(round(float(busiest)))),)
+    k, busiest = int(elems.argmax()), float(msgs.max())
+    if float(msgs[k]) == busiest:
+        # the usual case: the first rank with the most elements has the most messages too;
+        # it dominates every other, and the front is its pair (rounded as below)
+        return ((round(float(elems[k]), 12), int(round(busiest))),)
     # the Pareto front of (elements, messages), elements compared to rounding
     # (rounded once per distinct pair: ranks share a few loads)
     pairs = set(zip(elems.tolist(), msgs.tolist()))
