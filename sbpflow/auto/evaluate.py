@@ -352,7 +352,7 @@ class _Option(NamedTuple):
 
     pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
     mid: tuple          # the reduced layout the transfer starts from
-    lack: float         # a receiver's load of the transfer (`_probe_lack`), for the floor
+    lack: float         # rank 0's load of the transfer (`_rank0_lack`), for the floor
 
 
 def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
@@ -364,7 +364,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
         return None
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
     if not pdims:
-        return fine, s, d, ndim, (_Option(None, s, _probe_lack(fine, s, d, ndim)),)
+        return fine, s, d, ndim, (_Option(None, s, _rank0_lack(fine, s, d, ndim)),)
     div = _divisor(fine, s, pdims)   # the same reduced piece for every option
     out = []
     for x in [B] + [S(a) for a in range(ndim)]:
@@ -375,7 +375,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
             pre = ("reduce_scatter", pdims, div, x.axis)
         else:
             continue
-        out.append(_Option(pre, mid, _probe_lack(fine, mid, d, ndim)))
+        out.append(_Option(pre, mid, _rank0_lack(fine, mid, d, ndim)))
     return fine, s, d, ndim, tuple(out)
 
 
@@ -644,8 +644,8 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     the walk is known (price it instead); else a lower bound of ``redistribution(...)[0]``
     (seconds) found from the walk alone, before any receiver's load is: the least over the
     planner's reduce-then-transfer options of the reduction's price plus the transfer's
-    price for the load of the busiest of a few receivers (`_probe_lack`: no more elements
-    than the busiest receiver's, and at least one message), at the mesh's p2p fit, the one
+    price for rank 0's load (rank 0, at coordinate 0 of the mesh, receives no more elements
+    than the busiest receiver, and at least one message), at the mesh's p2p fit, the one
     the price uses (inter-node for a mesh across nodes, so this is far above
     `edge_lower_bounds`' least link). The price's terms, added in its order, each at most
     the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
@@ -665,7 +665,7 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
                 reductions[kind] = m * _coll_time(cluster, kind, n / m, fine, pdims)
             t += step
             t += reductions[kind]
-        if lack > 1e-12:   # a probed rank receives: the transfer has a receiver
+        if lack > 1e-12:   # rank 0 receives: the transfer has a receiver
             t += step
             # (the load's elements are rounded to 1e-12: below them by more than that)
             t += m * _transfer_time(cluster, (lack - 1e-12) * numel * itemsize / m, 1, fit)
@@ -673,35 +673,20 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     return least * (1 - 1e-9)
 
 
-@memoize(1 << 14)
-def _probe_boxes(fine: tuple, nd: tuple, ndim: int) -> tuple:
-    """The boxes (`_boxes`' floats) of the ranks `_probe_lack` looks at under ``nd``: rank 0
-    and each rank one step from it along a single mesh dim, as ``(dim, lo, hi)`` (dim -1 for
-    rank 0; ``lo`` / ``hi`` tuples over the tensor's axes)."""
-    lo, hi = _boxes(fine, nd, ndim)
-    strides = [math.prod(fine[j + 1:]) for j in range(len(fine))]
-    probes = [(-1, 0)] + [(j, strides[j]) for j in range(len(fine)) if fine[j] > 1]
-    return tuple((j, tuple(lo[r].tolist()), tuple(hi[r].tolist())) for j, r in probes)
-
-
-def _probe_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
-    """The most elements (a fraction of the tensor) one of a few receivers gets in
-    `_transfer_fraction` (the same floats, less rounding): rank 0 and the ranks one step from
-    it along a single mesh dim. Over the transfers GPT-3's and VGG-13's searches price, one
-    of them is the busiest receiver in over 95 % (rank 0 alone: its boxes start at 0 in
-    both layouts, so it often holds much of what it needs). A non-first rank of a ``P(sum)``
-    destination dim receives nothing and is skipped."""
-    most = 0.0
-    for (j, slo, shi), (_, dlo, dhi) in zip(_probe_boxes(fine, src, ndim),
-                                            _probe_boxes(fine, dst, ndim)):
-        if j >= 0 and isinstance(dst[j], Partial) and dst[j].op == "sum":
-            continue
-        box = held = 1.0
-        for a in range(ndim):
-            box *= dhi[a] - dlo[a]
-            held *= max(0.0, min(dhi[a], shi[a]) - max(dlo[a], slo[a]))
-        most = max(most, box - held)
-    return most
+def _rank0_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
+    """The elements rank 0 receives in `_transfer_fraction` (as a fraction of the tensor; the
+    same floats: its boxes are ``[0, x)`` on every axis, cut as `_boxes` cuts them)."""
+    own_s, own_d = [1.0] * ndim, [1.0] * ndim
+    for x, y, m in zip(src, dst, fine):
+        if isinstance(x, Split):
+            own_s[x.axis] = own_s[x.axis] / m
+        if isinstance(y, Split):
+            own_d[y.axis] = own_d[y.axis] / m
+    box, held = own_d[0], min(own_s[0], own_d[0])
+    for a in range(1, ndim):
+        box *= own_d[a]
+        held *= min(own_s[a], own_d[a])
+    return box - held
 
 
 def _transfer_time(cluster, nbytes, msgs, fit):
