@@ -1067,6 +1067,12 @@ class Breakdown:
                 + " ".join(f"{m / gb:.2f}" for m in self.stage_memory))
 
 
+def _no_backward(a_out: tuple, b_in: tuple) -> bool:
+    """An edge has no backward redistribution after a partial other than a sum (its gradient
+    is not a redistribution: `sbpflow.sbp.dual_nd`)."""
+    return any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out)
+
+
 # prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
 # for about 200k distinct ones, a few hundred bytes each
 _PRICES_KEPT = 1 << 19
@@ -1216,9 +1222,8 @@ class Evaluator:
         return self._edge_backward(shape, a_mesh, a_out, b_mesh, b_in)[0]
 
     def _edge_backward(self, shape, a_mesh, a_out, b_mesh, b_in):
-        """(seconds, bytes) of the gradient's dual redistribution; none after a partial other
-        than a sum (its gradient is not a redistribution: `sbpflow.sbp.dual_nd`)."""
-        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
+        """(seconds, bytes) of the gradient's dual redistribution (`_no_backward`: none)."""
+        if _no_backward(a_out, b_in):
             return 0.0, 0.0
         return self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out), self.micro)
 
@@ -1232,7 +1237,7 @@ class Evaluator:
     def edge_backward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
                             b_in: tuple) -> tuple[float, bool]:
         """`edge_backward` or a lower bound of it, as `edge_forward_floor`."""
-        if any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out):
+        if _no_backward(a_out, b_in):
             return 0.0, True
         return self._floor(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out))
 

@@ -139,6 +139,23 @@ class _EdgeTable:
         side[r, c] = np.maximum(side[r, c], np.where(exact, secs * (1 - 1e-9), secs))
         self._lower[r, c] = np.maximum(self.lower[r, c], fwd[r, c] + bwd[r, c])
 
+    def survivors(self, r: np.ndarray, c: np.ndarray, keep, price: bool = True) -> np.ndarray:
+        """The positions k of the pairs (r[k], c[k]) that ``keep(k, bound)`` (a bool per
+        position) accepts at each bound, cheapest first: the walks' floors forward, then
+        backward (`raise_floors`, read in ``lower``), then with ``price`` the forward part
+        priced (`forward_bound`). A pair ruled out at one bound is not carried to the next,
+        so the dearer bound's work is not done for it."""
+        k = np.arange(len(r))
+        for part in ("forward", "backward") + (("price",) if price else ()):
+            rr, cc = r[k], c[k]
+            if part == "price":
+                bound = self.forward_bound(rr, cc)
+            else:
+                self.raise_floors(rr, cc, part)
+                bound = self.lower[rr, cc]
+            k = k[keep(k, bound)]
+        return k
+
     def _todo(self, r, c, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pairs (r[k], c[k]) not marked in ``known``."""
         r, c = np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.int64)
@@ -216,7 +233,7 @@ class _EdgeView:
         self.M, self.known, self.match = table.M, table.known, table.match
         self.fill, self.row, self.col, self.get = table.fill, table.row, table.col, table.get
         self.fill_all, self.forward_bound = table.fill_all, table.forward_bound
-        self.raise_floors = table.raise_floors
+        self.survivors = table.survivors
 
     @property
     def lower(self) -> np.ndarray:
@@ -272,12 +289,10 @@ def _below_limit(t, F: np.ndarray, r: np.ndarray, c: np.ndarray, lim: np.ndarray
     first (`_EdgeTable.raise_floors`)."""
     if lim is None:
         return r, c
-    for part in (None, "forward", "backward"):
-        if part is not None:
-            t.raise_floors(r, c, part)
-        keep = F[r] + t.lower[r, c] < lim[c]
-        r, c = r[keep], c[keep]
-    return r, c
+    keep = F[r] + t.lower[r, c] < lim[c]     # the dense bound first
+    r, c = r[keep], c[keep]
+    k = t.survivors(r, c, lambda k, bound: F[r[k]] + bound < lim[c[k]], price=False)
+    return r[k], c[k]
 
 
 def _price_best_first(pb, t, rows: np.ndarray, cols: np.ndarray, Fr: np.ndarray,
@@ -323,12 +338,8 @@ def _forward_first(t, rows, cols, Fr, gc, ti, tj) -> tuple[np.ndarray, np.ndarra
     it nor tie with it (IEEE sums of non-negative terms are monotonic), so its backward part
     is not priced (here; another product may still need it)."""
     r, c = rows[ti], cols[tj]
-    for part in ("forward", "backward"):    # first the walks' floors: cheaper than a price
-        t.raise_floors(r, c, part)
-        need = t.known[r, c] | (Fr[ti] + t.lower[r, c] <= gc[tj])
-        ti, tj, r, c = ti[need], tj[need], r[need], c[need]
-    need = t.known[r, c] | (Fr[ti] + t.forward_bound(r, c) <= gc[tj])
-    return ti[need], tj[need]
+    k = t.survivors(r, c, lambda k, bound: t.known[r[k], c[k]] | (Fr[ti[k]] + bound <= gc[tj[k]]))
+    return ti[k], tj[k]
 
 
 class Problem:
@@ -605,12 +616,8 @@ class Problem:
             r, c = (np.full(n, fixed), t.col_of[ks]) if into else (t.row_of[ks], np.full(n, fixed))
             if prune is not None and n:
                 # the walks' floors first, then the forward part: the backward of an entry
-                # ruled out by its forward part is not priced (`_EdgeTable.forward_bound`)
-                for part in ("forward", "backward"):
-                    t.raise_floors(r, c, part)
-                    ok = below(ks, vec + t.lower[r, c], k + 1)
-                    ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
-                ok = below(ks, vec + t.forward_bound(r, c), k + 1)
+                # ruled out by its forward part is not priced (`_EdgeTable.survivors`)
+                ok = t.survivors(r, c, lambda i, bound: below(ks[i], vec[i] + bound, k + 1))
                 ks, vec, r, c = ks[ok], vec[ok], r[ok], c[ok]
             t.fill(r, c)
             ks, vec = keep(ks, vec + t.M[r, c], k + 1)
