@@ -10,7 +10,6 @@ with the planner's).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,6 +21,7 @@ from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
+from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, rank0_lack, transfer_fraction
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -116,30 +116,6 @@ def _reduced_first(s: list, d: list, ndim: int) -> list:
     return out
 
 
-_TRANSFER_MAX_RANKS = 256
-
-
-@memoize(1 << 10)
-def _coords(fine: tuple) -> np.ndarray:
-    """Every coordinate of the mesh ``fine``, row-major, as an integer array."""
-    return np.array(list(itertools.product(*[range(m) for m in fine])))
-
-
-@memoize(1 << 12)
-def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
-    rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
-    coords = _coords(fine).astype(np.float64)
-    lo = np.zeros((len(coords), ndim))
-    hi = np.ones((len(coords), ndim))
-    for d, (x, m) in enumerate(zip(nd, fine)):
-        if isinstance(x, Split):
-            w = (hi[:, x.axis] - lo[:, x.axis]) / m
-            lo[:, x.axis] += coords[:, d] * w
-            hi[:, x.axis] = lo[:, x.axis] + w
-    return lo, hi
-
-
 def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     """What the receivers get when a partial-free ``src`` layout is sent point to point into
     ``dst`` (the boxing planner's transfer step): a rank receives the part of its destination
@@ -148,106 +124,13 @@ def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     nothing (it holds zeros; a ``P(max)`` / ``P(min)`` one holds a copy, so it does receive).
     Returns ``(elements, loads)``: the most elements a rank receives, and the ``(elements,
     messages)`` of every receiver not dominated by another (the busiest in time is one of them,
-    whatever alpha and beta are). None on meshes of more than ``_TRANSFER_MAX_RANKS`` ranks
+    whatever alpha and beta are). None on meshes of more than ``TRANSFER_MAX_RANKS`` ranks
     (too many boxes to enumerate in a search)."""
-    t = _transfer_fraction(fine, src, dst, len(shape))
+    t = transfer_fraction(fine, src, dst, len(shape))
     if t is None:
         return None
     n = math.prod(shape)
     return max((f for f, _ in t), default=0.0) * n, tuple((f * n, m) for f, m in t)
-
-
-@memoize(1 << 14)
-def _src_side(fine: tuple, src: tuple, ndim: int):
-    """`_transfer_fraction`'s parts of a source layout: its boxes' ``lo`` and ``hi``, each
-    ``[axis, rank]`` (one contiguous row per axis: the hot loop works axis by axis), each
-    axis's equal parts (the product of the mesh dims splitting it; a column, ``[axis, 1]``)
-    and the overlap below which a box is not met (a tuple)."""
-    slo, shi = _boxes(fine, src, ndim)
-    parts = [1.0] * ndim
-    for x, m in zip(src, fine):
-        if isinstance(x, Split):
-            parts[x.axis] *= m
-    return (np.ascontiguousarray(slo.T), np.ascontiguousarray(shi.T),
-            np.array(parts)[:, None], tuple(1e-9 / p for p in parts))
-
-
-@memoize(1 << 14)
-def _dst_side(fine: tuple, dst: tuple, ndim: int):
-    """`_transfer_fraction`'s arrays of a destination layout: its boxes' ``lo`` and ``hi``,
-    each ``[axis, rank]``, their volumes and which ranks receive (a non-first rank of a
-    ``P(sum)`` dim holds zeros)."""
-    dlo, dhi = _boxes(fine, dst, ndim)
-    receives = np.ones(len(dlo), dtype=bool)
-    coords = _coords(fine)
-    for d, x in enumerate(dst):
-        if isinstance(x, Partial) and x.op == "sum":
-            receives &= coords[:, d] == 0
-    return (np.ascontiguousarray(dlo.T), np.ascontiguousarray(dhi.T),
-            (dhi - dlo).prod(axis=1), receives)
-
-
-@memoize(1 << 20)
-def _transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
-    """`_transfer`'s loads as fractions of the tensor (they depend on the shape only through
-    that). The distinct source boxes tile the tensor as a grid, the product over axes of
-    each axis's equal parts (as many as the product of the mesh dims splitting it), so for a
-    receiver whose destination box is ``want`` and own source box ``have``: the elements it
-    lacks are ``|want| - |want ∩ have|`` and its messages are the grid cells ``want`` meets
-    less its own cell if ``want`` meets it; both factor over axes. Every rank at once, as
-    arrays, an axis at a time (the layouts' parts cached: `_src_side`, `_dst_side`; products
-    over axes run left to right, as ``prod(axis=1)`` did, so every float is unchanged)."""
-    if math.prod(fine) > _TRANSFER_MAX_RANKS:
-        return None
-    if ndim == 0:  # a scalar: every rank holds it whole
-        return ()
-    slo, shi, parts, tiny = _src_side(fine, src, ndim)
-    dlo, dhi, dvol, receives = _dst_side(fine, dst, ndim)
-    # per axis and rank: how much of the destination interval the rank's source one covers
-    inter = np.minimum(dhi, shi)
-    inter -= np.maximum(dlo, slo)
-    np.maximum(inter, 0.0, out=inter)
-    held = inter[0]
-    meets = inter[0] > tiny[0]
-    for a in range(1, ndim):
-        held = held * inter[a]
-        meets &= inter[a] > tiny[a]
-    elems = dvol - held
-    need = receives & (elems > 1e-12)
-    idx = np.flatnonzero(need)
-    if not len(idx):
-        return ()
-    # per axis and rank: the source cells the destination interval meets (whole numbers)
-    msgs = _cells(fine, dst, ndim, parts.tobytes())[idx] - meets[idx]
-    elems = elems[idx]
-    k, busiest = int(elems.argmax()), float(msgs.max())
-    if float(msgs[k]) == busiest:
-        # the usual case: the first rank with the most elements has the most messages too;
-        # it dominates every other, and the front is its pair (rounded as below)
-        return ((round(float(elems[k]), 12), int(round(busiest))),)
-    # the Pareto front of (elements, messages), elements compared to rounding
-    # (rounded once per distinct pair: ranks share a few loads)
-    pairs = set(zip(elems.tolist(), msgs.tolist()))
-    loads = sorted({(round(e, 12), int(round(m))) for e, m in pairs})
-    front: list = []
-    for e, m in reversed(loads):          # most elements first
-        if not front or m > front[-1][1]:
-            front.append((e, m))
-    return tuple(front)
-
-
-@memoize(1 << 14)
-def _cells(fine: tuple, dst: tuple, ndim: int, parts: bytes) -> np.ndarray:
-    """Per rank: the cells of the source grid (``parts``: each axis's equal parts, float64
-    bytes) its destination box meets (`_transfer_fraction`; whole numbers, as floats)."""
-    dlo, dhi, _, _ = _dst_side(fine, dst, ndim)
-    parts = np.frombuffer(parts, dtype=np.float64)[:, None]
-    eps = 1e-9
-    per_axis = np.maximum(np.ceil(dhi * parts - eps) - np.floor(dlo * parts + eps), 0.0)
-    cells = per_axis[0]
-    for a in range(1, ndim):
-        cells = cells * per_axis[a]
-    return cells
 
 
 class Move(NamedTuple):
@@ -324,7 +207,7 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
 @memoize(1 << 20)
 def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
     """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
-    enumerable = math.prod(fine) <= _TRANSFER_MAX_RANKS
+    enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
     moves = _FixedOrder(ndim, fine, list(s), list(d), stop_at_nested=enumerable).run()
     if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
         return "transfer", _transfer_options(ndim, fine, s, d)
@@ -352,19 +235,19 @@ class _Option(NamedTuple):
 
     pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
     mid: tuple          # the reduced layout the transfer starts from
-    lack: float         # rank 0's load of the transfer (`_rank0_lack`), for the floor
+    lack: float         # rank 0's load of the transfer (`rank0_lack`), for the floor
 
 
 def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
     """The planner's reduce-then-transfer options from ``s`` to ``d`` on the refined mesh
     ``fine``, shape-free: ``(fine, s, d, ndim, options)``, an `_Option` per reduced layout
-    ``mid`` (broadcast, or a split of some axis); None above ``_TRANSFER_MAX_RANKS``. The
-    receivers' loads (`_transfer_fraction`) are found when `_via_transfer` needs them."""
-    if math.prod(fine) > _TRANSFER_MAX_RANKS:
+    ``mid`` (broadcast, or a split of some axis); None above ``TRANSFER_MAX_RANKS``. The
+    receivers' loads (`transfer_fraction`) are found when `_via_transfer` needs them."""
+    if math.prod(fine) > TRANSFER_MAX_RANKS:
         return None
     pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
     if not pdims:
-        return fine, s, d, ndim, (_Option(None, s, _rank0_lack(fine, s, d, ndim)),)
+        return fine, s, d, ndim, (_Option(None, s, rank0_lack(fine, s, d, ndim)),)
     div = _divisor(fine, s, pdims)   # the same reduced piece for every option
     out = []
     for x in [B] + [S(a) for a in range(ndim)]:
@@ -375,7 +258,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
             pre = ("reduce_scatter", pdims, div, x.axis)
         else:
             continue
-        out.append(_Option(pre, mid, _rank0_lack(fine, mid, d, ndim)))
+        out.append(_Option(pre, mid, rank0_lack(fine, mid, d, ndim)))
     return fine, s, d, ndim, tuple(out)
 
 
@@ -387,7 +270,7 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     rest dropped once that reaches the best total: their loads are never found."""
     numel = math.prod(shape)
     if len(options) == 1 and options[0].pre is None:   # no partial dims: the transfer alone
-        return _sized_transfer(fine, numel, _transfer_fraction(fine, options[0].mid, d, ndim))
+        return _sized_transfer(fine, numel, transfer_fraction(fine, options[0].mid, d, ndim))
     local = None
     tried = []
     for i, (spec, mid, _) in enumerate(options):
@@ -404,7 +287,7 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     for vol, i, pre, mid in sorted(tried, key=lambda x: x[:2]):
         if best is not None and (vol, i) > best[:2]:
             break   # neither this option nor a later one can move fewer bytes
-        front = _transfer_fraction(fine, mid, d, ndim)
+        front = transfer_fraction(fine, mid, d, ndim)
         if front:
             pre += _sized_transfer(fine, numel, front)
             vol += front[0][0] * numel
@@ -414,9 +297,19 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     return best[2]
 
 
+def transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
+    """The `transfer_fraction` keys ``redistribution(shape, ...)`` may read: one per option of
+    its reduce-then-transfer, none when it is the fixed order's moves (a walk, memoised)."""
+    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
+    if how != "transfer":
+        return ()
+    fine, _, d, ndim, options = sk
+    return tuple((fine, o.mid, d, ndim) for o in options)
+
+
 def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
     """The transfer `Move` (none if nobody receives) of a tensor of ``numel`` elements whose
-    receivers' loads are ``front`` (`_transfer_fraction`: from most elements to fewest)."""
+    receivers' loads are ``front`` (`transfer_fraction`: from most elements to fewest)."""
     if not front:
         return ()
     loads = tuple((f * numel, m) for f, m in front)
@@ -671,22 +564,6 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
             t += m * _transfer_time(cluster, (lack - 1e-12) * numel * itemsize / m, 1, fit)
         least = min(least, t)
     return least * (1 - 1e-9)
-
-
-def _rank0_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
-    """The elements rank 0 receives in `_transfer_fraction` (as a fraction of the tensor; the
-    same floats: its boxes are ``[0, x)`` on every axis, cut as `_boxes` cuts them)."""
-    own_s, own_d = [1.0] * ndim, [1.0] * ndim
-    for x, y, m in zip(src, dst, fine):
-        if isinstance(x, Split):
-            own_s[x.axis] = own_s[x.axis] / m
-        if isinstance(y, Split):
-            own_d[y.axis] = own_d[y.axis] / m
-    box, held = own_d[0], min(own_s[0], own_d[0])
-    for a in range(1, ndim):
-        box *= own_d[a]
-        held *= min(own_s[a], own_d[a])
-    return box - held
 
 
 def _transfer_time(cluster, nbytes, msgs, fit):
@@ -952,7 +829,7 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
     (`_node_lacks`) at `_inter_beta`. Rank 0 sits at coordinate 0 of every mesh, so it holds
     ``[0, 1/f_a)`` of every axis ``a`` split ``f_a`` ways, and every move the price sums sends
     each receiver at least what it gets (a collective's volume, a transfer's busiest
-    receiver); the node bound needs real moves: meshes of at most ``_TRANSFER_MAX_RANKS``
+    receiver); the node bound needs real moves: meshes of at most ``TRANSFER_MAX_RANKS``
     ranks with a common refinement (else the price holds estimates). A direction in which
     rank 0 must receive something also has at least one move in which it does, so, once a
     micro-batch, a step's overhead and the least fixed cost of a message (`_least_fixed`).
@@ -969,7 +846,7 @@ def edge_lower_bounds(shape: tuple, itemsize: int, cluster, rows: list, cols: li
         return np.zeros((len(rows), len(cols)))
     bx = _inter_beta(cluster)
     # one device a node: node 0 is rank 0, and the rank bound is as tight
-    node = bx > 0 and cluster.devices_per_node > 1 and cluster.world_size <= _TRANSFER_MAX_RANKS
+    node = bx > 0 and cluster.devices_per_node > 1 and cluster.world_size <= TRANSFER_MAX_RANKS
     src, dst = _bound_side(rows, nd, cluster, node), _bound_side(cols, nd, cluster, node)
     lat = micro_batches * (cluster.step_overhead + _least_fixed(cluster))
     nbytes = math.prod(shape) * itemsize
@@ -1107,6 +984,22 @@ class Evaluator:
             hit = self._prices[key] = redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize,
                                                      self.cluster, micro)
         return hit
+
+    def find_loads(self, shape: tuple, pairs: list, forward: list, backward: bool) -> None:
+        """Before the edge entries ``pairs`` (``((a_mesh, a_out), (b_mesh, b_in))`` each, of a
+        tensor of ``shape``) are priced: the transfer loads their prices will read, found in
+        one batch (`find_fractions`), a numpy pass for all instead of one each; the forward
+        direction where ``forward[k]``, the backward with ``backward``, directions already
+        priced left out. The prices that follow read them from the memo, unchanged."""
+        keys, micro, prices = [], self.micro, self._prices
+        for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
+            if fwd and (shape, am, ao, bm, bi, micro) not in prices:
+                keys += transfer_keys(shape, am, ao, bm, bi)
+            if backward and not _no_backward(ao, bi):
+                ga, gb = dual_nd(bi), dual_nd(ao)
+                if (shape, bm, ga, am, gb, micro) not in prices:
+                    keys += transfer_keys(shape, bm, ga, am, gb)
+        find_fractions(keys)
 
     def node_memory(self, layer, s) -> dict:
         """Memory per device of one layer (bytes): ``params``, ``grads``, ``optimizer``,

@@ -169,8 +169,10 @@ class _EdgeTable:
         r, c = self._todo(r, c, self.known | self.fwd_known)
         if not len(r):
             return
-        edge, shape, rows, cols = self.pb.ev.edge_forward, self.shape, self.rows, self.cols
-        vals = np.array([edge(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())])
+        ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
+        pairs = [(rows[i], cols[j]) for i, j in zip(r.tolist(), c.tolist())]
+        ev.find_loads(shape, pairs, [True] * len(pairs), backward=False)
+        vals = np.array([ev.edge_forward(shape, *a, *b) for a, b in pairs])
         self.Mf[r, c] = vals
         self.fwd_known[r, c] = True
         if vals.min() < 0:
@@ -193,10 +195,10 @@ class _EdgeTable:
         ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
         half = self.fwd_known[r, c].tolist()
         ft = self.Mf[r, c].tolist()
-        vals = np.array([
-            (ft[k] if half[k] else ev.edge_forward(shape, *rows[i], *cols[j])) +
-            ev.edge_backward(shape, *rows[i], *cols[j])
-            for k, (i, j) in enumerate(zip(r.tolist(), c.tolist()))])
+        pairs = [(rows[i], cols[j]) for i, j in zip(r.tolist(), c.tolist())]
+        ev.find_loads(shape, pairs, [not h for h in half], backward=True)
+        vals = np.array([(ft[k] if half[k] else ev.edge_forward(shape, *a, *b)) +
+                         ev.edge_backward(shape, *a, *b) for k, (a, b) in enumerate(pairs)])
         self.M[r, c] = vals
         self.known[r, c] = True
         self.pb.edge_evaluations += len(vals)

@@ -14,6 +14,7 @@ import pytest
 from sbpflow.sbp import B, P, S, shard_box
 
 E = importlib.import_module("sbpflow.auto.evaluate")
+TL = importlib.import_module("sbpflow.auto.transfer_loads")
 
 
 def _first_fewest_bytes(shape, fine, s, d) -> tuple:
@@ -33,7 +34,7 @@ def _first_fewest_bytes(shape, fine, s, d) -> tuple:
                 else 0.0
             moves.append(E.Move(kind, fine, pdims, numel / div, copy))
             vol = E._per_device(kind, numel / div, math.prod(fine[j] for j in pdims))
-        front = E._transfer_fraction(fine, mid, d, ndim)
+        front = TL.transfer_fraction(fine, mid, d, ndim)
         if front:
             moves += E._sized_transfer(fine, numel, front)
             vol += front[0][0] * numel
@@ -58,7 +59,7 @@ def test_reduce_then_transfer_takes_the_first_fewest_bytes(fine):
 
 
 def _front_by_hand(shape, fine, src, dst) -> tuple:
-    """`_transfer_fraction`'s front from the ranks' integer boxes (`shard_box`): per
+    """`transfer_fraction`'s front from the ranks' integer boxes (`shard_box`): per
     receiving rank the elements of its destination box it does not hold (a fraction of the
     tensor) and the distinct source boxes it meets, less its own; the (elements, messages)
     pairs not dominated by another, most elements first."""
@@ -85,15 +86,21 @@ def _front_by_hand(shape, fine, src, dst) -> tuple:
 
 
 def test_transfer_loads_are_the_ranks_own():
-    """`_transfer_fraction` (per-axis arrays; the front taken from the busiest rank when it
+    """`transfer_fraction` (per-axis arrays; the front taken from the busiest rank when it
     dominates) equals the front found from every rank's integer boxes, on meshes where
-    some fronts have one point and some several."""
+    some fronts have one point and some several; found one pair at a time, and in one
+    batch of every pair (`find_fractions`: meshes of 6, 8 and 12 ranks mixed)."""
     shape = (24, 48)   # every split even (the fractions assume even parts)
-    sizes = collections.Counter()
-    for fine in [(2, 2, 2), (4, 2), (2, 3), (3, 2, 2)]:
-        for src in itertools.product((S(0), S(1), B), repeat=len(fine)):
-            for dst in itertools.product((S(0), S(1), B, P), repeat=len(fine)):
-                got = E._transfer_fraction(fine, src, dst, 2)
-                assert got == _front_by_hand(shape, fine, src, dst), (fine, src, dst)
-                sizes[min(len(got), 2)] += 1
+    keys = [(fine, src, dst, 2) for fine in [(2, 2, 2), (4, 2), (2, 3), (3, 2, 2)]
+            for src in itertools.product((S(0), S(1), B), repeat=len(fine))
+            for dst in itertools.product((S(0), S(1), B, P), repeat=len(fine))]
+    want = {k: _front_by_hand(shape, *k[:3]) for k in keys}
+    sizes = collections.Counter(min(len(f), 2) for f in want.values())
     assert sizes[1] > 100 and sizes[2] > 10, sizes
+    for batch in ([[k] for k in keys], [keys]):
+        TL._FRACTIONS.clear()
+        for b in batch:
+            TL.find_fractions(b)
+        assert len(TL._FRACTIONS) == len(keys)
+        for k in keys:
+            assert TL.transfer_fraction(*k) == want[k], k

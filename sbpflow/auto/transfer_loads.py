@@ -1,0 +1,191 @@
+"""What each rank receives in the boxing planner's point-to-point transfer, as fractions of the
+tensor: the analytic price's reduce-then-transfer reads these loads (`evaluate._via_transfer`).
+
+A search asks for thousands of them at a time (an edge table's entries), so they are found in
+batches: one numpy pass over ``[layout pair, axis, rank]`` arrays for every pair of the same
+rank count and number of axes (`find_fractions`), each then read from one memo
+(`transfer_fraction`). Every float is the one a pass over one pair at a time gives (the same
+elementwise operations, products over axes left to right).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from ..caches import BoundedDict, memoize
+from ..sbp import Partial, Split
+
+__all__ = ["TRANSFER_MAX_RANKS", "transfer_fraction", "find_fractions", "rank0_lack"]
+
+# meshes of more ranks than this are not enumerated (too many boxes for a search)
+TRANSFER_MAX_RANKS = 256
+
+# (fine, src, dst, ndim) -> the front: 1 << 20 entries, as the walks' memo (GPT-3's searches
+# find about 100k; VGG-13's 20k)
+_FRACTIONS = BoundedDict("auto.transfer_fractions", 1 << 20)
+
+
+@memoize(1 << 10)
+def _coords(fine: tuple) -> np.ndarray:
+    """Every coordinate of the mesh ``fine``, row-major, as an integer array."""
+    return np.array(list(itertools.product(*[range(m) for m in fine])))
+
+
+@memoize(1 << 12)
+def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
+    rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
+    coords = _coords(fine).astype(np.float64)
+    lo = np.zeros((len(coords), ndim))
+    hi = np.ones((len(coords), ndim))
+    for d, (x, m) in enumerate(zip(nd, fine)):
+        if isinstance(x, Split):
+            w = (hi[:, x.axis] - lo[:, x.axis]) / m
+            lo[:, x.axis] += coords[:, d] * w
+            hi[:, x.axis] = lo[:, x.axis] + w
+    return lo, hi
+
+
+@memoize(1 << 14)
+def _src_side(fine: tuple, src: tuple, ndim: int):
+    """A source layout's parts: its boxes' ``lo`` and ``hi``, each ``[axis, rank]``, each
+    axis's equal parts (the product of the mesh dims splitting it; ``[axis, 1]``) and the
+    overlap below which a box is not met (``[axis]``)."""
+    slo, shi = _boxes(fine, src, ndim)
+    parts = [1.0] * ndim
+    for x, m in zip(src, fine):
+        if isinstance(x, Split):
+            parts[x.axis] *= m
+    return (np.ascontiguousarray(slo.T), np.ascontiguousarray(shi.T),
+            np.array(parts)[:, None], np.array([1e-9 / p for p in parts]))
+
+
+@memoize(1 << 14)
+def _dst_side(fine: tuple, dst: tuple, ndim: int):
+    """A destination layout's parts: its boxes' ``lo`` and ``hi``, each ``[axis, rank]``,
+    their volumes and which ranks receive (a non-first rank of a ``P(sum)`` dim holds
+    zeros)."""
+    dlo, dhi = _boxes(fine, dst, ndim)
+    receives = np.ones(len(dlo), dtype=bool)
+    coords = _coords(fine)
+    for d, x in enumerate(dst):
+        if isinstance(x, Partial) and x.op == "sum":
+            receives &= coords[:, d] == 0
+    return (np.ascontiguousarray(dlo.T), np.ascontiguousarray(dhi.T),
+            (dhi - dlo).prod(axis=1), receives)
+
+
+def transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
+    """The receivers' loads when a partial-free ``src`` layout is sent point to point into
+    ``dst`` on the mesh ``fine``: the ``(elements, messages)`` of every receiver not
+    dominated by another, most elements first, elements as fractions of the tensor (rounded
+    to 1e-12); ``()`` if nobody receives, None above ``TRANSFER_MAX_RANKS`` ranks. A rank
+    receives the part of its destination box it does not hold, one message from each
+    distinct source box it meets; a non-first rank of a ``P(sum)`` destination dim receives
+    nothing (it holds zeros; a ``P(max)`` / ``P(min)`` one holds a copy, so it does)."""
+    key = (fine, src, dst, ndim)
+    hit = _FRACTIONS.get(key, _FRACTIONS)
+    if hit is _FRACTIONS:
+        find_fractions([key])
+        hit = _FRACTIONS[key]
+    return hit
+
+
+def find_fractions(keys) -> None:
+    """Find `transfer_fraction` of every ``(fine, src, dst, ndim)`` in ``keys`` not yet known,
+    a batch per rank count and number of axes."""
+    batches: dict = defaultdict(dict)
+    for key in keys:
+        if key in _FRACTIONS:
+            continue
+        fine, _, _, ndim = key
+        ranks = math.prod(fine)
+        if ranks > TRANSFER_MAX_RANKS:
+            _FRACTIONS.put(key, None)
+        elif ndim == 0:   # a scalar: every rank holds it whole
+            _FRACTIONS.put(key, ())
+        else:
+            batches[(ranks, ndim)][key] = None
+    for (_, ndim), batch in batches.items():
+        batch = list(batch)
+        for key, front in zip(batch, _fronts(batch, ndim)):
+            _FRACTIONS.put(key, front)
+
+
+def _fronts(keys: list, ndim: int) -> list:
+    """The fronts of ``keys`` (each on a mesh of the same number of ranks, tensors of ``ndim``
+    axes). The distinct source boxes tile the tensor as a grid (each axis cut in as many
+    equal parts as the mesh dims splitting it make), so for a receiver whose destination box
+    is ``want`` and own source box ``have``, the elements it lacks are ``|want| - |want ∩
+    have|`` and its messages the grid cells ``want`` meets, less its own if ``want`` meets
+    it; both factor over axes. Arrays ``[pair, axis, rank]``, an axis at a time."""
+    src = [_src_side(f, s, ndim) for f, s, _, _ in keys]
+    dst = [_dst_side(f, d, ndim) for f, _, d, _ in keys]
+    slo, shi = np.stack([x[0] for x in src]), np.stack([x[1] for x in src])
+    parts, tiny = np.stack([x[2] for x in src]), np.stack([x[3] for x in src])[:, :, None]
+    dlo, dhi = np.stack([x[0] for x in dst]), np.stack([x[1] for x in dst])
+    dvol, receives = np.stack([x[2] for x in dst]), np.stack([x[3] for x in dst])
+    # per pair, axis and rank: how much of the destination interval the source one covers,
+    # and how many source cells the destination interval meets (whole numbers)
+    inter = np.minimum(dhi, shi)
+    inter -= np.maximum(dlo, slo)
+    np.maximum(inter, 0.0, out=inter)
+    cells = np.maximum(np.ceil(dhi * parts - 1e-9) - np.floor(dlo * parts + 1e-9), 0.0)
+    met = inter > tiny
+    held, meets, grid = inter[:, 0], met[:, 0], cells[:, 0]
+    for a in range(1, ndim):
+        held = held * inter[:, a]
+        meets = meets & met[:, a]
+        grid = grid * cells[:, a]
+    elems = dvol - held
+    msgs = grid - meets
+    need = receives & (elems > 1e-12)
+    # the usual case: the first rank with the most elements has the most messages too; it
+    # dominates every other, and the front is its pair
+    k = np.where(need, elems, -np.inf).argmax(axis=1)
+    busiest = np.where(need, msgs, -np.inf).max(axis=1)
+    at = np.arange(len(keys))
+    ek, lone = elems[at, k].tolist(), (msgs[at, k] == busiest).tolist()
+    busiest, anyone = busiest.tolist(), need.any(axis=1).tolist()
+    out = []
+    for i in range(len(keys)):
+        if not anyone[i]:
+            out.append(())
+        elif lone[i]:
+            out.append(((round(ek[i], 12), int(round(busiest[i]))),))
+        else:
+            out.append(_front(elems[i][need[i]], msgs[i][need[i]]))
+    return out
+
+
+def _front(elems: np.ndarray, msgs: np.ndarray) -> tuple:
+    """The Pareto front of the receivers' ``(elements, messages)``, elements compared to
+    rounding (rounded once per distinct pair: ranks share a few loads), most elements
+    first."""
+    pairs = set(zip(elems.tolist(), msgs.tolist()))
+    loads = sorted({(round(e, 12), int(round(m))) for e, m in pairs})
+    front: list = []
+    for e, m in reversed(loads):
+        if not front or m > front[-1][1]:
+            front.append((e, m))
+    return tuple(front)
+
+
+def rank0_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
+    """The elements rank 0 receives in `transfer_fraction` (as a fraction of the tensor; the
+    same floats: its boxes are ``[0, x)`` on every axis, cut as `_boxes` cuts them)."""
+    own_s, own_d = [1.0] * ndim, [1.0] * ndim
+    for x, y, m in zip(src, dst, fine):
+        if isinstance(x, Split):
+            own_s[x.axis] = own_s[x.axis] / m
+        if isinstance(y, Split):
+            own_d[y.axis] = own_d[y.axis] / m
+    box, held = own_d[0], min(own_s[0], own_d[0])
+    for a in range(1, ndim):
+        box *= own_d[a]
+        held *= min(own_s[a], own_d[a])
+    return box - held
