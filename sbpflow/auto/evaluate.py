@@ -21,7 +21,8 @@ from ..caches import BoundedDict, memoize
 from ..cost.formulas import collective_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
-from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, rank0_lack, transfer_fraction
+from .transfer_loads import (TRANSFER_MAX_RANKS, find_fractions, lack_of, own_box, rank0_lack,
+                             transfer_fraction)
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -249,17 +250,33 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
     if not pdims:
         return fine, s, d, ndim, (_Option(None, s, rank0_lack(fine, s, d, ndim)),)
     div = _divisor(fine, s, pdims)   # the same reduced piece for every option
-    out = []
-    for x in [B] + [S(a) for a in range(ndim)]:
-        mid = tuple(x if isinstance(y, Partial) else y for y in s)
-        if x is B:
-            pre = ("all_reduce", pdims, div, 0)
-        elif is_valid_move(s, mid, pdims):
-            pre = ("reduce_scatter", pdims, div, x.axis)
-        else:
-            continue
-        out.append(_Option(pre, mid, rank0_lack(fine, mid, d, ndim)))
+    # rank 0's boxes: the partial dims split nothing, so the broadcast option's is the
+    # source's, and a split of axis a cuts that axis by their product more (the floor's
+    # lack within rounding of `rank0_lack`'s: it subtracts far more, 1e-12)
+    own_d, own_b = own_box(fine, d, ndim), own_box(fine, s, ndim)
+    reduced = math.prod(fine[j] for j in pdims)
+    out = [_Option(("all_reduce", pdims, div, 0), _with(s, pdims, B), lack_of(own_b, own_d))]
+    for x in _splits(ndim):
+        mid = _with(s, pdims, x)
+        if is_valid_move(s, mid, pdims):
+            own = list(own_b)
+            own[x.axis] = own[x.axis] / reduced
+            out.append(_Option(("reduce_scatter", pdims, div, x.axis), mid, lack_of(own, own_d)))
     return fine, s, d, ndim, tuple(out)
+
+
+@memoize(1 << 6)
+def _splits(ndim: int) -> tuple:
+    """``S(0), ..., S(ndim - 1)``."""
+    return tuple(S(a) for a in range(ndim))
+
+
+def _with(nd: tuple, dims: tuple, x) -> tuple:
+    """``nd`` with ``x`` at the mesh dims ``dims``."""
+    out = list(nd)
+    for j in dims:
+        out[j] = x
+    return tuple(out)
 
 
 def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
@@ -950,6 +967,14 @@ def _no_backward(a_out: tuple, b_in: tuple) -> bool:
     return any(isinstance(x, Partial) and x.op != "sum" for x in b_in + a_out)
 
 
+@memoize(1 << 17)
+def _gradient_layouts(a_out: tuple, b_in: tuple) -> tuple | None:
+    """``(dual(b_in), dual(a_out))``: the layouts an edge's gradient moves from and to, or
+    None when it has no backward redistribution (`_no_backward`); asked for at every
+    backward floor, price and batch of loads."""
+    return None if _no_backward(a_out, b_in) else (dual_nd(b_in), dual_nd(a_out))
+
+
 # prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
 # for about 200k distinct ones, a few hundred bytes each
 _PRICES_KEPT = 1 << 19
@@ -995,10 +1020,9 @@ class Evaluator:
         for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
             if fwd and (shape, am, ao, bm, bi, micro) not in prices:
                 keys += transfer_keys(shape, am, ao, bm, bi)
-            if backward and not _no_backward(ao, bi):
-                ga, gb = dual_nd(bi), dual_nd(ao)
-                if (shape, bm, ga, am, gb, micro) not in prices:
-                    keys += transfer_keys(shape, bm, ga, am, gb)
+            grad = _gradient_layouts(ao, bi) if backward else None
+            if grad is not None and (shape, bm, grad[0], am, grad[1], micro) not in prices:
+                keys += transfer_keys(shape, bm, grad[0], am, grad[1])
         find_fractions(keys)
 
     def node_memory(self, layer, s) -> dict:
@@ -1116,9 +1140,10 @@ class Evaluator:
 
     def _edge_backward(self, shape, a_mesh, a_out, b_mesh, b_in):
         """(seconds, bytes) of the gradient's dual redistribution (`_no_backward`: none)."""
-        if _no_backward(a_out, b_in):
+        grad = _gradient_layouts(a_out, b_in)
+        if grad is None:
             return 0.0, 0.0
-        return self._redist(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out), self.micro)
+        return self._redist(shape, b_mesh, grad[0], a_mesh, grad[1], self.micro)
 
     def edge_forward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
                            b_in: tuple) -> tuple[float, bool]:
@@ -1130,9 +1155,10 @@ class Evaluator:
     def edge_backward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
                             b_in: tuple) -> tuple[float, bool]:
         """`edge_backward` or a lower bound of it, as `edge_forward_floor`."""
-        if _no_backward(a_out, b_in):
+        grad = _gradient_layouts(a_out, b_in)
+        if grad is None:
             return 0.0, True
-        return self._floor(shape, b_mesh, dual_nd(b_in), a_mesh, dual_nd(a_out))
+        return self._floor(shape, b_mesh, grad[0], a_mesh, grad[1])
 
     def _floor(self, shape, a_mesh, a, b_mesh, b) -> tuple[float, bool]:
         floor = redistribution_floor(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster,
