@@ -6,14 +6,19 @@ measure cold-start costs); `cache_info` shows each one's size and bound.
 
 Two kinds: `memoize` (``functools.lru_cache`` with a bound) for pure functions, and
 `BoundedDict` for hot paths that want a plain ``dict.get`` in C; it empties itself when full.
+`collector_paused` keeps CPython's cyclic collector from re-scanning them while they fill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Hashable, NamedTuple
+import gc
+import threading
+from typing import Any, Callable, Hashable, Iterator, NamedTuple
 
-__all__ = ["memoize", "BoundedDict", "clear_caches", "cache_info", "CacheInfo"]
+__all__ = ["memoize", "BoundedDict", "clear_caches", "cache_info", "CacheInfo",
+           "collector_paused"]
 
 
 class CacheInfo(NamedTuple):
@@ -86,3 +91,31 @@ def clear_caches() -> None:
 def cache_info() -> dict[str, CacheInfo]:
     """Each registered cache's current size and bound, by name."""
     return {name: CacheInfo(e.size(), e.maxsize) for name, e in _REGISTRY.items()}
+
+
+_PAUSE = {"depth": 0, "was_enabled": False}
+_PAUSE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause CPython's cyclic garbage collector inside the block, restoring its state after.
+
+    A strategy search fills these memos with millions of small tuples, and each of the
+    collector's full passes walks every one of them again: 11-13 % of a default search
+    (GPT-3 exhaustive, VGG-13). Memo entries hold no reference cycles, so nothing is lost:
+    reference counting frees what the block drops, and whatever cyclic garbage it leaves is
+    collected as usual once the block ends. Nested and concurrent blocks share one pause
+    (the collector is the process's); the outermost block restores it."""
+    with _PAUSE_LOCK:
+        if _PAUSE["depth"] == 0:
+            _PAUSE["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _PAUSE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _PAUSE_LOCK:
+            _PAUSE["depth"] -= 1
+            if _PAUSE["depth"] == 0 and _PAUSE["was_enabled"]:
+                gc.enable()

@@ -65,3 +65,44 @@ def test_clearing_caches_between_ops_keeps_results():
     for first, second in sf.launch(body, world_size=4):
         torch.testing.assert_close(first, (a @ w).relu().sum(dim=0))
         assert torch.equal(first, second)
+
+
+def test_collector_paused_nests_and_restores_the_collectors_state():
+    import gc
+    from sbpflow.caches import collector_paused
+    was = gc.isenabled()
+    try:
+        for start in (True, False):
+            (gc.enable if start else gc.disable)()
+            with collector_paused():
+                assert not gc.isenabled()
+                with collector_paused():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()   # the outer block still holds the pause
+            assert gc.isenabled() == start
+            with pytest.raises(RuntimeError):
+                with collector_paused():
+                    raise RuntimeError("the state is restored on errors too")
+            assert gc.isenabled() == start
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_search_runs_with_the_collector_paused(monkeypatch):
+    """`sf.auto.search` pauses the cyclic collector while its memos fill (docs/auto.md) and
+    gives it back as it found it."""
+    import gc
+    import importlib
+    S = importlib.import_module("sbpflow.auto.search")
+    seen = []
+    cost = S.Problem.cost
+
+    def spy(self, state):
+        seen.append(gc.isenabled())
+        return cost(self, state)
+    monkeypatch.setattr(S.Problem, "cost", spy)
+    from sbpflow.auto import model_graphs
+    assert gc.isenabled()
+    sf.auto.search(model_graphs.mlp(), sf.cost.Cluster.preset("dgx-a100", nodes=1), "cd")
+    assert seen and not any(seen)
+    assert gc.isenabled()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..caches import collector_paused
 from ..errors import CostError
 from .evaluate import Breakdown, Evaluator, edge_lower_bounds
 from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space, tie_agrees,
@@ -1106,6 +1107,7 @@ def _start_index(cands: list, s) -> int:
                      if (c.mesh, c.input, c.output) == (s.mesh, s.input, s.output)), 0)
 
 
+@collector_paused()
 def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
            memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
            zero: bool = False, in_flight: int = 1, shared: dict | None = None,
