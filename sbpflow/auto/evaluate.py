@@ -18,7 +18,7 @@ import numpy as np
 
 from ..boxing.steps import is_local_change, is_valid_move
 from ..caches import BoundedDict, memoize
-from ..cost.formulas import collective_time, volume
+from ..cost.formulas import linear_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 from .transfer_loads import (TRANSFER_MAX_RANKS, find_fractions, lack_of, own_box, rank0_lack,
@@ -169,9 +169,10 @@ class _Sk(NamedTuple):
     fallback: str = ""
 
 
-# 1 << 20 entries (here and for the skeletons): GPT-3's 128-device stages walk about 200k
-# distinct skeletons, evicted before reuse at 1 << 18; peak RSS of that search 0.98 GB
-@memoize(1 << 20)
+# not memoised: the evaluator keeps every price (`Evaluator._redist`), so a plan is asked for
+# again only by another evaluator (0.3 % of VGG-13's, 4.6 % of GPT-3 exhaustive's), and a
+# memo of its 116k plans cost more than those; the skeletons are (1 << 20 entries: GPT-3's
+# 128-device stages walk about 200k distinct ones, evicted before reuse at 1 << 18)
 def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
     """The `Move` s of the redistribution: the fixed order, or, when one of its moves is not a
     valid boxing step (nested splits of one axis), what the planner does instead: partial dims
@@ -619,8 +620,9 @@ def _coll_time(cluster, kind, nbytes, fine, dims):
     hit = _FIT_CACHE.get(key)
     if hit is None or hit[0] is not cluster:
         ranks = _group_ranks(fine, dims)
-        hit = _FIT_CACHE.put(key, (cluster, len(ranks), cluster.fit(kind, ranks)))
-    return float(collective_time(kind, nbytes, hit[1], hit[2]))
+        hit = _FIT_CACHE.put(key, (cluster, linear_time(kind, len(ranks),
+                                                        cluster.fit(kind, ranks))))
+    return hit[1].time(nbytes)
 
 
 def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -36,7 +36,7 @@ def _coords(fine: tuple) -> np.ndarray:
     return np.array(list(itertools.product(*[range(m) for m in fine])))
 
 
-@memoize(1 << 12)
+@memoize(1 << 14)   # GPT-3 exhaustive's transfers cut about 8k layouts
 def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
     rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""

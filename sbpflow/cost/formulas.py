@@ -21,7 +21,7 @@ from ..comm.kinds import ALGORITHMS, KINDS, LINEAR_KINDS, TABLE, VARIANTS, Form
 from ..errors import CostError
 
 __all__ = ["CostError", "Link", "CollectiveFit", "KINDS", "ALGORITHMS", "collective_time",
-           "latency_messages", "volume", "form"]
+           "latency_messages", "volume", "form", "LinearTime", "linear_time"]
 
 
 class Link(NamedTuple):
@@ -118,10 +118,40 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link | CollectiveFit
         return 0.0
     if not isinstance(link, CollectiveFit):
         link = CollectiveFit(*link)
-    a, b, algo = link.alpha, link.beta, link.algorithm
     if kind == "broadcast":
+        a, b = link.alpha, link.beta
         levels = math.ceil(math.log2(p))
         binomial = levels * (a + nbytes * b)
         scatter_allgather = (levels + p - 1) * a + 2 * (p - 1) / p * nbytes * b
         return link.overhead + min(binomial, scatter_allgather)
-    return link.time(latency_messages(kind, p, algo), volume(kind, nbytes, p, algo))
+    return linear_time(kind, p, link).time(nbytes)
+
+
+class LinearTime(NamedTuple):
+    """`collective_time` of a linear kind on one group and fit, for any ``nbytes``: found
+    once per group by `linear_time` (a strategy search prices thousands of collectives on
+    a few groups), the same floats as `CollectiveFit.time`."""
+
+    base: float     # overhead + m·alpha
+    volume: float   # per-rank bytes per byte the call is about (v / n)
+    beta: float
+    knee: float
+    beta2: float
+
+    def time(self, nbytes: float) -> float:
+        """Seconds for a call about ``nbytes`` bytes."""
+        v = self.volume * nbytes
+        t = self.base + v * self.beta
+        if self.beta2 and v > self.knee:
+            t += (v - self.knee) * self.beta2
+        return t
+
+
+def linear_time(kind: str, p: int, fit: CollectiveFit) -> LinearTime:
+    """`collective_time` of the linear ``kind`` on ``p`` ranks with ``fit``, as a `LinearTime`
+    (free for one rank)."""
+    if p <= 1:
+        return LinearTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    f = form(kind, fit.algorithm)
+    return LinearTime(fit.overhead + f.messages(p) * fit.alpha, f.volume(p), fit.beta, fit.knee,
+                      fit.beta2)

@@ -281,3 +281,27 @@ def test_calibrate_gloo(tmp_path, capsys):
     # group sizes 2 and 4, 5 kinds (p2p included), 2 sizes
     assert len(report["samples"]) == 2 * 5 * 2
     assert c.intra.alpha >= 0 and c.intra.beta >= 0 and c.intra.alpha + c.intra.beta > 0
+
+
+def test_a_linear_time_is_the_collective_time_of_its_group_for_any_size():
+    """`linear_time` (found once per group, as the search prices) gives `CollectiveFit.time`'s
+    floats for every kind, variant, group size and size, past a fit's knee too."""
+    from sbpflow.comm.kinds import LINEAR_KINDS, VARIANTS
+    from sbpflow.cost.formulas import (CollectiveFit, collective_time, latency_messages,
+                                       linear_time, volume)
+    fits = [CollectiveFit(3e-6, 1.7e-10, 9e-6), CollectiveFit(2e-6, 1e-10, 4e-6, "", 3e-11, 1e5)]
+    fits += [CollectiveFit(3e-6, 1.7e-10, 9e-6, alg) for _, alg in VARIANTS]
+    checked = 0
+    for kind in sorted(LINEAR_KINDS):
+        for fit in fits:
+            if fit.algorithm and (kind, fit.algorithm) not in VARIANTS:
+                continue
+            for p in (1, 2, 3, 8, 24):
+                lt = linear_time(kind, p, fit)
+                for n in (0.0, 1.0, 4096.0, 3e5 / 7, 1e9 + 0.5):
+                    want = 0.0 if p == 1 else fit.time(latency_messages(kind, p, fit.algorithm),
+                                                       volume(kind, n, p, fit.algorithm))
+                    assert lt.time(n) == want == collective_time(kind, n, p, fit), \
+                        (kind, fit, p, n)
+                    checked += 1
+    assert checked == 275   # 5 kinds x 2 fits + the direct all-reduce, x 5 groups x 5 sizes
