@@ -896,10 +896,10 @@ def _work_split(s) -> int:
     device does the dim's whole work: replicated (``rep``), or a partial input kept unreduced
     (``pin``: each device multiplies a whole-size partial sum). (A vocabulary-split embedding
     counts as divided: its lookups are a negligible part of any model's work.)"""
-    n = 1
-    for d, size in enumerate(s.mesh):
-        ops = (s.input[d], s.output[d]) + (() if s.weight is None else (s.weight[d],))
-        if any(isinstance(x, Split) for x in ops):
+    n, inp, out, w = 1, s.input, s.output, s.weight
+    for d, size in enumerate(s.mesh):   # (plain tests: every candidate of every layer asks)
+        if isinstance(inp[d], Split) or isinstance(out[d], Split) or \
+                (w is not None and isinstance(w[d], Split)):
             n *= size
     return n
 
