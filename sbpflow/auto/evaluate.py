@@ -285,34 +285,40 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     """The planner's reduce-then-transfer for ``shape``: of `_transfer_options`, the reduced
     layout that moves fewest bytes per device (the first of them on a tie). The transfer only
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
-    rest dropped once that reaches the best total: their loads are never found."""
+    rest dropped once that reaches the best total: their loads are never read. The moves are
+    made for the chosen option only."""
     numel = math.prod(shape)
     if len(options) == 1 and options[0].pre is None:   # no partial dims: the transfer alone
         return _sized_transfer(fine, numel, transfer_fraction(fine, options[0].mid, d, ndim))
-    local = None
+    sent: dict = {}   # a reduction's bytes per device, by kind (every option's piece is one)
     tried = []
-    for i, (spec, mid, _) in enumerate(options):
-        pre, vol = [], 0
+    for i, (spec, _, _) in enumerate(options):
+        vol = 0
         if spec is not None:
-            kind, pdims, div, ax = spec
-            if local is None:
-                local = _local_shape(shape, fine, s)
-            copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
-            pre.append(Move(kind, fine, pdims, numel / div, copy))
-            vol = _per_device(kind, numel / div, math.prod(fine[j] for j in pdims))
-        tried.append((vol, i, pre, mid))
-    best = None   # (bytes, option index, moves)
-    for vol, i, pre, mid in sorted(tried, key=lambda x: x[:2]):
+            kind, pdims, div, _ = spec
+            vol = sent.get(kind)
+            if vol is None:
+                vol = sent[kind] = _per_device(kind, numel / div,
+                                               math.prod(fine[j] for j in pdims))
+        tried.append((vol, i))
+    best = None   # (bytes, option index, front)
+    for vol, i in sorted(tried):
         if best is not None and (vol, i) > best[:2]:
             break   # neither this option nor a later one can move fewer bytes
-        front = transfer_fraction(fine, mid, d, ndim)
+        front = transfer_fraction(fine, options[i].mid, d, ndim)
         if front:
-            pre += _sized_transfer(fine, numel, front)
             vol += front[0][0] * numel
         # the planner's choice: fewest bytes (per device here)
         if best is None or (vol, i) < best[:2]:
-            best = (vol, i, tuple(pre))
-    return best[2]
+            best = (vol, i, front)
+    _, i, front = best
+    pre = ()
+    if options[i].pre is not None:
+        kind, pdims, div, ax = options[i].pre
+        local = _local_shape(shape, fine, s)
+        copy = math.prod(local) if kind == "reduce_scatter" and _strided(local, ax) else 0.0
+        pre = (Move(kind, fine, pdims, numel / div, copy),)
+    return pre + (_sized_transfer(fine, numel, front) if front else ())
 
 
 def transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
