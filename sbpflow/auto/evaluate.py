@@ -572,16 +572,23 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     fine, options = sk[0], sk[4]
     numel, m = math.prod(shape), micro_batches
     fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
-    least, reductions = math.inf, {}
-    for spec, _, lack in options:   # `_via_transfer`'s options, each priced as it would be
+    # `_via_transfer`'s options, each priced as it would be: the options of one reduction
+    # kind reduce the same piece, and a transfer's time grows with its load, so of each kind
+    # the option with the least load is the least
+    cheapest: dict = {}   # reduction kind -> (its spec, the least rank-0 load of its options)
+    for spec, _, lack in options:
+        kind = None if spec is None else spec[0]
+        have = cheapest.get(kind)
+        if have is None or lack < have[1]:
+            cheapest[kind] = (spec if have is None else have[0], lack)
+    least = math.inf
+    for spec, lack in cheapest.values():
         t = 0.0
         if spec is not None:
             kind, pdims, div, _ = spec
-            if kind not in reductions:   # every reduce-scatter option reduces the same piece
-                n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
-                reductions[kind] = m * _coll_time(cluster, kind, n / m, fine, pdims)
+            n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
             t += step
-            t += reductions[kind]
+            t += m * _coll_time(cluster, kind, n / m, fine, pdims)
         if lack > 1e-12:   # rank 0 receives: the transfer has a receiver
             t += step
             # (the load's elements are rounded to 1e-12: below them by more than that)
