@@ -251,9 +251,9 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | Non
     if not pdims:
         return fine, s, d, ndim, (_Option(None, s, rank0_lack(fine, s, d, ndim)),)
     div = _divisor(fine, s, pdims)   # the same reduced piece for every option
-    # rank 0's boxes: the partial dims split nothing, so the broadcast option's is the
-    # source's, and a split of axis a cuts that axis by their product more (the floor's
-    # lack within rounding of `rank0_lack`'s: it subtracts far more, 1e-12)
+    # rank 0's boxes: the partial dims split nothing, so the broadcast option's box is the
+    # source's, and a split of axis a cuts that axis by their product more (each lack equals
+    # `rank0_lack(fine, mid, d, ndim)` up to rounding, far below the 1e-12 the floor takes off)
     own_d, own_b = own_box(fine, d, ndim), own_box(fine, s, ndim)
     reduced = math.prod(fine[j] for j in pdims)
     out = [_Option(("all_reduce", pdims, div, 0), _with(s, pdims, B), lack_of(own_b, own_d))]
@@ -321,7 +321,7 @@ def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
     return pre + (_sized_transfer(fine, numel, front) if front else ())
 
 
-def transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
+def _transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
     """The `transfer_fraction` keys ``redistribution(shape, ...)`` may read: one per option of
     its reduce-then-transfer, none when it is the fixed order's moves (a walk, memoised)."""
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
@@ -628,7 +628,8 @@ def _coll_time(cluster, kind, nbytes, fine, dims):
     """Time of one collective over the group of ``dims`` of the fine mesh that holds rank 0
     (groups along a dim are translates of it, so they cross node boundaries alike when the
     mesh dims align with nodes; they do for meshes whose dims are divisors in row-major):
-    `sbpflow.cost.Cluster.collective_time`, with the group's fit looked up once per group."""
+    `sbpflow.cost.Cluster.collective_time`, with the group's fit and linear form found once
+    per group (`linear_time`; the walks make linear kinds only)."""
     key = (id(cluster), kind, fine, dims)
     hit = _FIT_CACHE.get(key)
     if hit is None or hit[0] is not cluster:
@@ -1034,10 +1035,10 @@ class Evaluator:
         keys, micro, prices = [], self.micro, self._prices
         for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
             if fwd and (shape, am, ao, bm, bi, micro) not in prices:
-                keys += transfer_keys(shape, am, ao, bm, bi)
+                keys += _transfer_keys(shape, am, ao, bm, bi)
             grad = _gradient_layouts(ao, bi) if backward else None
             if grad is not None and (shape, bm, grad[0], am, grad[1], micro) not in prices:
-                keys += transfer_keys(shape, bm, grad[0], am, grad[1])
+                keys += _transfer_keys(shape, bm, grad[0], am, grad[1])
         find_fractions(keys)
 
     def node_memory(self, layer, s) -> dict:
