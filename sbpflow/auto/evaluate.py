@@ -203,7 +203,8 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
         moves.append(_Sk("all_to_all", (math.prod(src_mesh),), (0,), 0))
         return "moves", tuple(moves)
     fine, oa, ob = ref
-    return _fine_skeleton(ndim, fine, tuple(src[i] for i in oa), tuple(dst[i] for i in ob))
+    return _fine_skeleton(ndim, fine, tuple(map(src.__getitem__, oa)),
+                          tuple(map(dst.__getitem__, ob)))
 
 
 @memoize(1 << 20)
@@ -336,8 +337,11 @@ def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
     receivers' loads are ``front`` (`transfer_fraction`: from most elements to fewest)."""
     if not front:
         return ()
-    loads = tuple((f * numel, m) for f, m in front)
-    return (Move("transfer", fine, tuple(range(len(fine))), front[0][0] * numel, 0.0, loads),)
+    most = front[0][0] * numel
+    # the usual front is one receiver that dominates the others
+    loads = ((most, front[0][1]),) if len(front) == 1 else \
+        tuple((f * numel, m) for f, m in front)
+    return (Move("transfer", fine, tuple(range(len(fine))), most, 0.0, loads),)
 
 
 def _divisor(fine, nd, skip) -> int:
@@ -812,8 +816,24 @@ def _bound_rows(layouts: list, ndim: int, cluster, node: bool) -> list:
     return [rows[l] for l in layouts]
 
 
+# (id(layouts), ndim, node-side key) -> (a copy of layouts, side): an edge table asks for the
+# bounds of its rows and columns three times (both directions, forward, backward); the copy
+# is compared on every hit (its items are the list's own, so that is cheap), so a list
+# reused or changed in place gets its own side
+_BOUND_SIDES = BoundedDict("auto.bound_sides", 1 << 10)
+
+
 def _bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
     """The `_BoundSide` of ``layouts`` (the floats are the ones the per-layout arrays hold)."""
+    key = (id(layouts), ndim, (cluster.devices_per_node, cluster.world_size) if node else None)
+    hit = _BOUND_SIDES.get(key)
+    if hit is None or hit[0] != layouts:
+        hit = _BOUND_SIDES.put(key, (list(layouts), _new_bound_side(layouts, ndim, cluster,
+                                                                    node)))
+    return hit[1]
+
+
+def _new_bound_side(layouts: list, ndim: int, cluster, node: bool) -> _BoundSide:
     index: dict = {}
     of = np.array([index.setdefault(r, len(index))
                    for r in _bound_rows(layouts, ndim, cluster, node)], dtype=np.int64)
