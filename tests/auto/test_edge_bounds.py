@@ -88,7 +88,7 @@ def test_table_bound_is_each_pair_bound():
                ([(x,) for x in sbps] if len(m) == 1 else [(x, y) for x in sbps for y in sbps])]
     shape = (48, 96)
     table = edge_lower_bounds(shape, 4, c, layouts, layouts, 3)
-    # above _TRANSFER_MAX_RANKS devices there is no node bound: the rank bound alone
+    # above TRANSFER_MAX_RANKS devices there is no node bound: the rank bound alone
     rank = edge_lower_bounds(shape, 4, dataclasses.replace(c, nodes=200), layouts, layouts, 3)
     assert table.shape == (len(layouts), len(layouts)) and (table > 0).any()
     for i, j in np.random.default_rng(0).integers(0, len(layouts), size=(300, 2)):
@@ -123,3 +123,20 @@ def test_walk_floors_below_each_direction_and_above_the_dense_bound(micro):
                     above += floor > 4 * t.lower[i, j]
             n += 1
     assert n >= 2000 and bounds > n // 10 and above > bounds // 4, (n, bounds, above)
+
+
+def test_a_layout_list_changed_in_place_gets_its_own_bounds():
+    """The bound sides are kept by the layout list (a table asks three times); a list whose
+    items change in place between calls gets the bounds of its new items, not the old."""
+    c = sf.cost.Cluster.preset("dgx-a100", nodes=2)
+    shape = (64, 32)
+    rows = [((16,), (sf.S(0),)), ((4, 4), (sf.S(0), sf.S(1)))]
+    cols = [((16,), (sf.B,)), ((16,), (sf.S(1),))]
+    before = edge_lower_bounds(shape, 4, c, rows, cols)
+    again = edge_lower_bounds(shape, 4, c, rows, cols)
+    assert np.array_equal(before, again)
+    rows[0] = ((16,), (sf.P,))
+    cols[1] = ((2, 8), (sf.S(1), sf.S(0)))
+    changed = edge_lower_bounds(shape, 4, c, rows, cols)
+    fresh = edge_lower_bounds(shape, 4, c, list(rows), list(cols))
+    assert np.array_equal(changed, fresh) and not np.array_equal(changed, before)
