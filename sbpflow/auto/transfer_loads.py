@@ -32,22 +32,29 @@ _FRACTIONS = BoundedDict("auto.transfer_fractions", 1 << 20)
 
 @memoize(1 << 10)
 def _coords(fine: tuple) -> np.ndarray:
-    """Every coordinate of the mesh ``fine``, row-major, as an integer array."""
+    """Every coordinate of the mesh ``fine``, row-major, as an integer array ``[rank, dim]``."""
     return np.array(list(itertools.product(*[range(m) for m in fine])))
+
+
+@memoize(1 << 10)
+def _coord_rows(fine: tuple) -> np.ndarray:
+    """`_coords` as floats, ``[dim, rank]``: one contiguous row per mesh dim."""
+    return np.ascontiguousarray(_coords(fine).T, dtype=np.float64)
 
 
 @memoize(1 << 14)   # GPT-3 exhaustive's transfers cut about 8k layouts
 def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(lo, hi)``, each ``[rank, axis]``: the fraction ``[lo, hi)`` of every tensor axis the
+    """``(lo, hi)``, each ``[axis, rank]``: the fraction ``[lo, hi)`` of every tensor axis the
     rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
-    coords = _coords(fine).astype(np.float64)
-    lo = np.zeros((len(coords), ndim))
-    hi = np.ones((len(coords), ndim))
+    coords = _coord_rows(fine)
+    lo = np.zeros((ndim, coords.shape[1]))
+    hi = np.ones((ndim, coords.shape[1]))
     for d, (x, m) in enumerate(zip(nd, fine)):
         if isinstance(x, Split):
-            w = (hi[:, x.axis] - lo[:, x.axis]) / m
-            lo[:, x.axis] += coords[:, d] * w
-            hi[:, x.axis] = lo[:, x.axis] + w
+            a = x.axis
+            w = (hi[a] - lo[a]) / m
+            lo[a] += coords[d] * w
+            hi[a] = lo[a] + w
     return lo, hi
 
 
@@ -61,23 +68,25 @@ def _src_side(fine: tuple, src: tuple, ndim: int):
     for x, m in zip(src, fine):
         if isinstance(x, Split):
             parts[x.axis] *= m
-    return (np.ascontiguousarray(slo.T), np.ascontiguousarray(shi.T),
-            np.array(parts)[:, None], np.array([1e-9 / p for p in parts]))
+    return slo, shi, np.array(parts)[:, None], np.array([1e-9 / p for p in parts])
 
 
 @memoize(1 << 14)
 def _dst_side(fine: tuple, dst: tuple, ndim: int):
     """A destination layout's parts: its boxes' ``lo`` and ``hi``, each ``[axis, rank]``,
-    their volumes and which ranks receive (a non-first rank of a ``P(sum)`` dim holds
-    zeros)."""
+    their volumes (products over axes left to right) and which ranks receive (a non-first
+    rank of a ``P(sum)`` dim holds zeros)."""
     dlo, dhi = _boxes(fine, dst, ndim)
-    receives = np.ones(len(dlo), dtype=bool)
+    receives = np.ones(dlo.shape[1], dtype=bool)
     coords = _coords(fine)
     for d, x in enumerate(dst):
         if isinstance(x, Partial) and x.op == "sum":
             receives &= coords[:, d] == 0
-    return (np.ascontiguousarray(dlo.T), np.ascontiguousarray(dhi.T),
-            (dhi - dlo).prod(axis=1), receives)
+    widths = dhi - dlo
+    vol = widths[0]
+    for a in range(1, ndim):
+        vol = vol * widths[a]
+    return dlo, dhi, vol, receives
 
 
 def transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
