@@ -1011,6 +1011,11 @@ def _gradient_layouts(a_out: tuple, b_in: tuple) -> tuple | None:
     return None if _no_backward(a_out, b_in) else (dual_nd(b_in), dual_nd(a_out))
 
 
+def _price_key(shape, a_mesh, a, b_mesh, b, micro) -> tuple:
+    """The key of `Evaluator._redist`'s memo (`Evaluator.find_loads` reads it too)."""
+    return shape, a_mesh, a, b_mesh, b, micro
+
+
 # prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
 # for about 200k distinct ones, a few hundred bytes each
 _PRICES_KEPT = 1 << 19
@@ -1037,7 +1042,7 @@ class Evaluator:
         candidates share few weight and output layouts (GPT-3: 28,663 gradient syncs asked
         for in a default search, 9,627 distinct), and an edge direction the search bounded
         by its walk (`edge_forward_floor`) is asked for again when the entry is priced."""
-        key = (shape, a_mesh, a, b_mesh, b, micro)
+        key = _price_key(shape, a_mesh, a, b_mesh, b, micro)
         hit = self._prices.get(key)
         if hit is None:
             if len(self._prices) >= _PRICES_KEPT:
@@ -1054,10 +1059,11 @@ class Evaluator:
         priced left out. The prices that follow read them from the memo, unchanged."""
         keys, micro, prices = [], self.micro, self._prices
         for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
-            if fwd and (shape, am, ao, bm, bi, micro) not in prices:
+            if fwd and _price_key(shape, am, ao, bm, bi, micro) not in prices:
                 keys += _transfer_keys(shape, am, ao, bm, bi)
             grad = _gradient_layouts(ao, bi) if backward else None
-            if grad is not None and (shape, bm, grad[0], am, grad[1], micro) not in prices:
+            if grad is not None and \
+                    _price_key(shape, bm, grad[0], am, grad[1], micro) not in prices:
                 keys += _transfer_keys(shape, bm, grad[0], am, grad[1])
         find_fractions(keys)
 

@@ -31,15 +31,11 @@ _FRACTIONS = BoundedDict("auto.transfer_fractions", 1 << 20)
 
 
 @memoize(1 << 10)
-def _coords(fine: tuple) -> np.ndarray:
-    """Every coordinate of the mesh ``fine``, row-major, as an integer array ``[rank, dim]``."""
-    return np.array(list(itertools.product(*[range(m) for m in fine])))
-
-
-@memoize(1 << 10)
 def _coord_rows(fine: tuple) -> np.ndarray:
-    """`_coords` as floats, ``[dim, rank]``: one contiguous row per mesh dim."""
-    return np.ascontiguousarray(_coords(fine).T, dtype=np.float64)
+    """Every coordinate of the mesh ``fine``, ranks row-major, as floats ``[dim, rank]``: one
+    contiguous row per mesh dim."""
+    coords = np.array(list(itertools.product(*[range(m) for m in fine])), dtype=np.float64)
+    return np.ascontiguousarray(coords.T)
 
 
 @memoize(1 << 14)   # GPT-3 exhaustive's transfers cut about 8k layouts
@@ -78,10 +74,10 @@ def _dst_side(fine: tuple, dst: tuple, ndim: int):
     rank of a ``P(sum)`` dim holds zeros)."""
     dlo, dhi = _boxes(fine, dst, ndim)
     receives = np.ones(dlo.shape[1], dtype=bool)
-    coords = _coords(fine)
+    coords = _coord_rows(fine)
     for d, x in enumerate(dst):
         if isinstance(x, Partial) and x.op == "sum":
-            receives &= coords[:, d] == 0
+            receives &= coords[d] == 0
     widths = dhi - dlo
     vol = widths[0]
     for a in range(1, ndim):

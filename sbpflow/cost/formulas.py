@@ -44,6 +44,16 @@ class Link(NamedTuple):
                f"({self.bandwidth / 1e9:.4g} GB/s)"
 
 
+def _seconds(fixed: float, v: float, beta: float, knee: float, beta2: float) -> float:
+    """``fixed + v·beta + max(0, v - knee)·beta2``: a call's seconds once its fixed part
+    (overhead + m·alpha) and its per-rank bytes ``v`` are known (`CollectiveFit.time`,
+    `LinearTime.time`)."""
+    t = fixed + v * beta
+    if beta2 and v > knee:
+        t += (v - knee) * beta2
+    return t
+
+
 class CollectiveFit(NamedTuple):
     """Parameters of one collective kind on one link class: ``overhead + m·alpha + v·beta +
     max(0, v - knee)·beta2`` seconds for a call with alpha count ``m`` and per-rank bytes ``v``
@@ -61,10 +71,8 @@ class CollectiveFit(NamedTuple):
 
     def time(self, messages: float, nbytes: float) -> float:
         """Seconds for a call with ``messages`` alpha terms and ``nbytes`` per-rank bytes."""
-        t = self.overhead + messages * self.alpha + nbytes * self.beta
-        if self.beta2 and nbytes > self.knee:
-            t += (nbytes - self.knee) * self.beta2
-        return t
+        return _seconds(self.overhead + messages * self.alpha, nbytes, self.beta, self.knee,
+                        self.beta2)
 
     def __str__(self) -> str:
         algo = f" ({self.algorithm})" if self.algorithm else ""
@@ -140,11 +148,7 @@ class LinearTime(NamedTuple):
 
     def time(self, nbytes: float) -> float:
         """Seconds for a call about ``nbytes`` bytes."""
-        v = self.volume * nbytes
-        t = self.base + v * self.beta
-        if self.beta2 and v > self.knee:
-            t += (v - self.knee) * self.beta2
-        return t
+        return _seconds(self.base, self.volume * nbytes, self.beta, self.knee, self.beta2)
 
 
 def linear_time(kind: str, p: int, fit: CollectiveFit) -> LinearTime:
