@@ -16,13 +16,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..boxing.steps import is_local_change, is_valid_move
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import linear_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
-from .transfer_loads import (TRANSFER_MAX_RANKS, find_fractions, lack_of, own_box, rank0_lack,
-                             transfer_fraction)
+from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, transfer_fraction
+from .walk import Transfer, WalkMove, divisor, fixed_order, layout_code, transfer_options
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -98,25 +97,6 @@ def _strided(local, axis) -> bool:
     return math.prod(local[:axis]) > 1 + 1e-9
 
 
-def _reduced_first(s: list, d: list, ndim: int) -> list:
-    """``d`` with every dim whose change is not a local one between two partials (``P(sum) ->
-    P(max)``: `sbpflow.boxing.steps.is_local_change`) made a split of an axis no dim splits
-    (else axis 0): such a dim is reduce-scattered first, as the planner does, and the split
-    turns partial locally at the end."""
-    for a, b in zip(s, d):
-        if isinstance(a, Partial) and isinstance(b, Partial) and a != b:
-            break
-    else:
-        return list(d)   # the common case: no two different partials meet
-    used = {x.axis for x in s + d if isinstance(x, Split)}
-    free = [a for a in range(ndim) if a not in used]
-    out = list(d)
-    for j, (a, b) in enumerate(zip(s, d)):
-        if isinstance(a, Partial) and isinstance(b, Partial) and not is_local_change(a, b):
-            out[j] = S(free.pop(0) if free else 0)
-    return out
-
-
 def _transfer(shape: tuple, fine: tuple, src: tuple, dst: tuple):
     """What the receivers get when a partial-free ``src`` layout is sent point to point into
     ``dst`` (the boxing planner's transfer step): a rank receives the part of its destination
@@ -155,20 +135,6 @@ class Collective(NamedTuple):
     numel: float
 
 
-class _Sk(NamedTuple):
-    """A `Move` before the tensor's shape is known: its piece is ``numel / div`` (``div`` 0:
-    the whole ``numel``; None: no piece, a local move), its strided copies ``copy`` terms
-    ``(layout, axes, g)``: ``piece / g`` (``g`` None: ``piece``) when a rank's local shard
-    under ``layout`` is strided along one of ``axes`` (`_strided`)."""
-
-    kind: str
-    mesh: tuple
-    dims: tuple
-    div: int | None
-    copy: tuple = ()
-    fallback: str = ""
-
-
 # not memoised: the evaluator keeps every price (`Evaluator._redist`), so a plan is asked for
 # again only by another evaluator (0.3 % of VGG-13's, 4.6 % of GPT-3 exhaustive's), and a
 # memo of its 116k plans cost more than those; the skeletons are (1 << 20 entries: GPT-3's
@@ -182,12 +148,12 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
     if how == "moves":
         return tuple(_sized(m, shape) for m in sk)
-    return _via_transfer(shape, *sk)
+    return _via_transfer(shape, sk)
 
 
 @memoize(1 << 20)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
-    """``("moves", _Sk s)`` or ``("transfer", `_transfer_options`)``, for any shape of
+    """``("moves", WalkMove s)`` or ``("transfer", `Transfer`)``, for any shape of
     ``ndim`` axes (`_plan`). It depends on the meshes and layouts only through their common
     refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,) one walks the same (8, 8)
     layouts as two (8, 8) meshes do."""
@@ -198,9 +164,9 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
         moves = []
         pdims = tuple(j for j, s in enumerate(src) if isinstance(s, Partial))
         if pdims:
-            moves.append(_Sk("reduce_scatter", tuple(src_mesh), pdims,
-                             _divisor(src_mesh, list(src), set(pdims))))
-        moves.append(_Sk("all_to_all", (math.prod(src_mesh),), (0,), 0))
+            moves.append(WalkMove("reduce_scatter", tuple(src_mesh), pdims,
+                                  divisor(src_mesh, layout_code(src), pdims)))
+        moves.append(WalkMove("all_to_all", (math.prod(src_mesh),), (0,), 0))
         return "moves", tuple(moves)
     fine, oa, ob = ref
     return _fine_skeleton(ndim, fine, tuple(map(src.__getitem__, oa)),
@@ -209,19 +175,19 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
 
 @memoize(1 << 20)
 def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
-    """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``."""
+    """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine`` (`walk`)."""
     enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
-    moves = _FixedOrder(ndim, fine, list(s), list(d), stop_at_nested=enumerable).run()
+    moves = fixed_order(ndim, fine, s, d, stop_at_nested=enumerable)
     if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
-        return "transfer", _transfer_options(ndim, fine, s, d)
+        return "transfer", transfer_options(ndim, fine, s, d)
     if not any(m.kind == "nested" for m in moves):
         return "moves", moves
     # too many ranks to enumerate: each move priced as its own collective
     return "moves", tuple(m if m.kind != "nested" else
-                          _Sk(m.fallback, m.mesh, m.dims, m.div) for m in moves)
+                          WalkMove(m.fallback, m.mesh, m.dims, m.div) for m in moves)
 
 
-def _sized(m: _Sk, shape: tuple) -> Move:
+def _sized(m: WalkMove, shape: tuple) -> Move:
     """The `Move` of ``m`` for a tensor of ``shape`` (the same arithmetic as the walk's)."""
     numel = math.prod(shape)
     piece = 0.0 if m.div is None else numel if m.div == 0 else numel / m.div
@@ -233,61 +199,13 @@ def _sized(m: _Sk, shape: tuple) -> Move:
     return Move(m.kind, m.mesh, m.dims, piece, copy, (), m.fallback)
 
 
-class _Option(NamedTuple):
-    """One of the planner's reduce-then-transfer options (`_transfer_options`)."""
-
-    pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
-    mid: tuple          # the reduced layout the transfer starts from
-    lack: float         # rank 0's load of the transfer (`rank0_lack`), for the floor
-
-
-def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple | None:
-    """The planner's reduce-then-transfer options from ``s`` to ``d`` on the refined mesh
-    ``fine``, shape-free: ``(fine, s, d, ndim, options)``, an `_Option` per reduced layout
-    ``mid`` (broadcast, or a split of some axis); None above ``TRANSFER_MAX_RANKS``. The
-    receivers' loads (`transfer_fraction`) are found when `_via_transfer` needs them."""
-    if math.prod(fine) > TRANSFER_MAX_RANKS:
-        return None
-    pdims = tuple(j for j, x in enumerate(s) if isinstance(x, Partial))
-    if not pdims:
-        return fine, s, d, ndim, (_Option(None, s, rank0_lack(fine, s, d, ndim)),)
-    div = _divisor(fine, s, pdims)   # the same reduced piece for every option
-    # rank 0's boxes: the partial dims split nothing, so the broadcast option's box is the
-    # source's, and a split of axis a cuts that axis by their product more (each lack equals
-    # `rank0_lack(fine, mid, d, ndim)` up to rounding, far below the 1e-12 the floor takes off)
-    own_d, own_b = own_box(fine, d, ndim), own_box(fine, s, ndim)
-    reduced = math.prod(fine[j] for j in pdims)
-    out = [_Option(("all_reduce", pdims, div, 0), _with(s, pdims, B), lack_of(own_b, own_d))]
-    for x in _splits(ndim):
-        mid = _with(s, pdims, x)
-        if is_valid_move(s, mid, pdims):
-            own = list(own_b)
-            own[x.axis] = own[x.axis] / reduced
-            out.append(_Option(("reduce_scatter", pdims, div, x.axis), mid, lack_of(own, own_d)))
-    return fine, s, d, ndim, tuple(out)
-
-
-@memoize(1 << 6)
-def _splits(ndim: int) -> tuple:
-    """``S(0), ..., S(ndim - 1)``."""
-    return tuple(S(a) for a in range(ndim))
-
-
-def _with(nd: tuple, dims: tuple, x) -> tuple:
-    """``nd`` with ``x`` at the mesh dims ``dims``."""
-    out = list(nd)
-    for j in dims:
-        out[j] = x
-    return tuple(out)
-
-
-def _via_transfer(shape: tuple, fine: tuple, s: tuple, d: tuple, ndim: int,
-                  options: tuple) -> tuple:
-    """The planner's reduce-then-transfer for ``shape``: of `_transfer_options`, the reduced
+def _via_transfer(shape: tuple, t: Transfer) -> tuple:
+    """The planner's reduce-then-transfer for ``shape``: of the options of ``t``, the reduced
     layout that moves fewest bytes per device (the first of them on a tie). The transfer only
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
     rest dropped once that reaches the best total: their loads are never read. The moves are
     made for the chosen option only."""
+    fine, s, d, ndim, options = t[:5]
     numel = math.prod(shape)
     if len(options) == 1 and options[0].pre is None:   # no partial dims: the transfer alone
         return _sized_transfer(fine, numel, transfer_fraction(fine, options[0].mid, d, ndim))
@@ -328,8 +246,7 @@ def _transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
     if how != "transfer":
         return ()
-    fine, _, d, ndim, options = sk
-    return tuple((fine, o.mid, d, ndim) for o in options)
+    return tuple((sk.fine, o.mid, sk.dst, sk.ndim) for o in sk.options)
 
 
 def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
@@ -342,157 +259,6 @@ def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
     loads = ((most, front[0][1]),) if len(front) == 1 else \
         tuple((f * numel, m) for f, m in front)
     return (Move("transfer", fine, tuple(range(len(fine))), most, 0.0, loads),)
-
-
-def _divisor(fine, nd, skip) -> int:
-    """What `_piece` divides by: the product of the split factors outside ``skip``."""
-    # = prod(_split_factors(...).values()), without the dict: called once per move priced
-    out = 1
-    for j, (s, m) in enumerate(zip(nd, fine)):
-        if j not in skip and isinstance(s, Split):
-            out *= m
-    return out
-
-
-class _FixedOrder:
-    """The fixed order's walk from ``s`` to ``d`` on the refined mesh ``fine``: ``state`` is
-    the layout so far, ``target`` what the phases move it to, ``moves`` the records (`_Sk`:
-    pieces as divisors, strided copies as conditions, for any shape of ``ndim`` axes).
-    ``stop_at_nested``: at the first move that is not a valid step the walk stops (``stopped``;
-    `run` gives None: the caller prices the planner's transfer, the rest is not needed)."""
-
-    def __init__(self, ndim: int, fine: tuple, s: list, d: list,
-                 stop_at_nested: bool = False) -> None:
-        self.fine = fine
-        self.stop_at_nested = stop_at_nested
-        self.stopped = False
-        self.final = d
-        self.target = _reduced_first(s, d, ndim)  # until the last local phase
-        self.state = list(s)
-        self.moves: list[_Sk] = []
-        # a move can only be invalid if some tensor axis is split on two different dims (in
-        # the source or the destination): otherwise skip the checks (the common, fast case)
-        first_dim: dict = {}
-        n, nested = len(fine), False
-        for j, x in enumerate(s + self.target):
-            if isinstance(x, Split) and first_dim.setdefault(x.axis, j % n) != j % n:
-                nested = True
-                break
-        self.nested = nested
-
-    def run(self) -> tuple:
-        self.nested_slices()
-        # a phase moves its dims to their targets and no other dim, so which phase a dim
-        # belongs to is read off the state once, in one plain loop (this runs for every
-        # distinct layout pair a search prices)
-        local, scatter, a2a, reduce = [], [], [], []
-        for j, (a, b) in enumerate(zip(self.state, self.target)):
-            if a == b:
-                continue
-            if isinstance(a, Broadcast):
-                local.append(j)
-            elif isinstance(a, Partial):
-                if isinstance(b, Split):
-                    scatter.append(j)
-                elif isinstance(b, Broadcast):
-                    reduce.append(j)
-            elif isinstance(b, Split):
-                a2a.append(j)
-        self.phase(None, tuple(local))
-        self.phase("reduce_scatter", tuple(scatter))
-        self.phase("all_to_all", tuple(a2a))
-        self.phase("all_reduce", tuple(reduce))
-        if self.stopped:   # the usual end of a nested walk: the rest is not needed
-            return None
-        self.all_gather()
-        st = self.state
-        self.target = self.final
-        self.phase(None, tuple(j for j, (a, b) in enumerate(zip(st, self.final)) if a != b))
-        return None if self.stopped else tuple(self.moves)  # the last phase: S -> P, local
-
-    def piece(self, dims) -> int:
-        return _divisor(self.fine, self.state, dims)  # dims: a few ints, no set needed
-
-    def nested_move(self, dims: tuple, piece: int, fallback: str) -> None:
-        if self.stop_at_nested:
-            self.stopped = True   # the phases after this one do nothing
-            return
-        self.moves.append(_Sk("nested", self.fine, dims, piece, fallback=fallback))
-
-    def moved(self, dims) -> list:
-        """``state`` with ``dims`` at their target."""
-        new = list(self.state)
-        for j in dims:
-            new[j] = self.target[j]
-        return new
-
-    def nested_slices(self) -> None:
-        """B -> S is a local slice, unless a later dim splits the same axis: then the slice a
-        rank needs is mostly held by others (priced as an all-to-all over those dims:
-        estimate)."""
-        state, target, fine = self.state, self.target, self.fine
-
-        def later_split(j, axis):
-            return tuple(k for k in range(j + 1, len(fine))
-                         if isinstance(state[k], Split) and state[k].axis == axis)
-        moved = set()
-        for j in range(len(fine)):
-            if isinstance(state[j], Broadcast) and isinstance(target[j], Split) and \
-                    later_split(j, target[j].axis) and j not in moved:
-                dims = (j,) + tuple(k for k in later_split(j, target[j].axis) if k not in moved)
-                self.nested_move(dims, self.piece(dims), "all_to_all")
-                moved.update(dims)
-        for j in moved:
-            if isinstance(state[j], Broadcast):
-                state[j] = target[j]
-
-    def phase(self, kind: str | None, dims: tuple) -> None:
-        """Move ``dims`` to their target at once: a ``kind`` collective over their joint group
-        (None: a local step)."""
-        if not dims or self.stopped:
-            return
-        new = self.moved(dims)
-        if self.nested and not is_valid_move(self.state, new, dims):
-            # the collective the move would be (a local slice whose part is held by others:
-            # an all-to-all) is the price of last resort (`_plan`)
-            self.nested_move(dims, self.piece(dims), kind or "all_to_all")
-        elif kind is None:
-            self.moves.append(_Sk("local", self.fine, dims, None))
-        else:
-            self.moves.append(_Sk(kind, self.fine, dims, self.piece(dims),
-                                  self.copies(kind, dims)))
-        self.state[:] = new
-
-    def copies(self, kind: str, dims: tuple) -> tuple:
-        """Strided-copy terms of a reduce-scatter / all-to-all (`_Sk`)."""
-        if kind not in ("reduce_scatter", "all_to_all"):
-            return ()
-        g = math.prod(self.fine[j] for j in dims)
-        # the pieces are cut along the destination split of the local input
-        terms = [(tuple(self.state), tuple(self.target[j].axis for j in dims),
-                  None if kind == "reduce_scatter" else g)]
-        if kind == "all_to_all":
-            # received pieces are written along the source split of the local output
-            terms.append((tuple(self.moved(dims)), tuple(self.state[j].axis for j in dims), g))
-        return tuple(terms)
-
-    def all_gather(self) -> None:
-        """An all-gather is about the gathered piece: the other dims already in their final
-        state."""
-        dims = tuple(j for j in range(len(self.fine)) if isinstance(self.state[j], Split) and
-                     isinstance(self.target[j], Broadcast))
-        if not dims or self.stopped:
-            return
-        new = self.moved(dims)
-        valid = not self.nested or is_valid_move(self.state, new, dims)
-        # the gathered pieces are written along the source split axes of the local output
-        terms = ((tuple(new), tuple(self.state[j].axis for j in dims), None),)
-        self.state[:] = new
-        piece = self.piece(dims)
-        if valid:
-            self.moves.append(_Sk("all_gather", self.fine, dims, piece, terms))
-        else:
-            self.nested_move(dims, piece, "all_gather")
 
 
 @memoize(1 << 14)
@@ -573,24 +339,17 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
     if how != "transfer":
         return None
-    fine, options = sk[0], sk[4]
+    fine = sk.fine
     numel, m = math.prod(shape), micro_batches
     fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
     # `_via_transfer`'s options, each priced as it would be: the options of one reduction
     # kind reduce the same piece, and a transfer's time grows with its load, so of each kind
-    # the option with the least load is the least
-    cheapest: dict = {}   # reduction kind -> (its spec, the least rank-0 load of its options)
-    for spec, _, lack in options:
-        kind = None if spec is None else spec[0]
-        have = cheapest.get(kind)
-        if have is None or lack < have[1]:
-            cheapest[kind] = (spec if have is None else have[0], lack)
+    # the option with the least load is the least (`Transfer.least`)
     least = math.inf
-    for spec, lack in cheapest.values():
+    for kind, pdims, div, g, lack in sk.least:
         t = 0.0
-        if spec is not None:
-            kind, pdims, div, _ = spec
-            n = _about(kind, numel / div * itemsize, math.prod(fine[j] for j in pdims))
+        if kind is not None:
+            n = _about(kind, numel / div * itemsize, g)
             t += step
             t += m * _coll_time(cluster, kind, n / m, fine, pdims)
         if lack > 1e-12:   # rank 0 receives: the transfer has a receiver
@@ -667,7 +426,7 @@ def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray, np.
 def _reduced_piece(fs, gs, fd) -> np.ndarray:
     """Per source row and destination column: a lower bound of the fraction of the tensor a
     rank sends reducing the source's partial (sum) dims, for a destination without partials.
-    Every price reduces them first (`_FixedOrder`'s reduce-scatter / all-reduce phases, the
+    Every price reduces them first (`walk.fixed_order`'s reduce-scatter / all-reduce phases, the
     reduce-then-transfer options, the incompatible meshes' reduce-scatter) over their group
     of ``g`` ranks, about a piece of at least the source box ``x`` cut by the local slices
     before it (broadcast source dims that split in the destination: at most the broadcast
