@@ -21,7 +21,7 @@ from ..cost.formulas import linear_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, transfer_fraction
-from .walk import Transfer, WalkMove, divisor, fixed_order, layout_code, transfer_options
+from .walk import Transfer, Walk, WalkMove, divisor, fixed_order, layout_code, transfer_options
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -145,20 +145,25 @@ def _plan(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple
     reduced on the source devices, then each rank sent what it lacks (`_via_transfer`). The
     walk depends on the shape only through its size and which local shards are strided, so
     it is found once per number of axes (`_skeleton`) and sized here."""
-    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
-    if how == "moves":
-        return tuple(_sized(m, shape) for m in sk)
-    return _via_transfer(shape, sk)
+    return _sized_walk(_skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh),
+                                 tuple(dst)), shape)
+
+
+def _sized_walk(walk: Walk, shape: tuple) -> tuple:
+    """The `Move` s of ``walk`` for a tensor of ``shape``."""
+    if walk.how == "moves":
+        return tuple(_sized(m, shape) for m in walk.body)
+    return _via_transfer(shape, walk.body)
 
 
 @memoize(1 << 20)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
-    """``("moves", WalkMove s)`` or ``("transfer", `Transfer`)``, for any shape of
+    """The `Walk`: ``("moves", WalkMove s)`` or ``("transfer", `Transfer`)``, for any shape of
     ``ndim`` axes (`_plan`). It depends on the meshes and layouts only through their common
     refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,) one walks the same (8, 8)
     layouts as two (8, 8) meshes do."""
     if src_mesh == dst_mesh and src == dst:
-        return "moves", ()
+        return Walk("moves", ())
     ref = _refine(src_mesh, dst_mesh)
     if ref is None:  # incompatible meshes: reduce partials, then everything to everyone
         moves = []
@@ -167,7 +172,7 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
             moves.append(WalkMove("reduce_scatter", tuple(src_mesh), pdims,
                                   divisor(src_mesh, layout_code(src), pdims)))
         moves.append(WalkMove("all_to_all", (math.prod(src_mesh),), (0,), 0))
-        return "moves", tuple(moves)
+        return Walk("moves", tuple(moves))
     fine, oa, ob = ref
     return _fine_skeleton(ndim, fine, tuple(map(src.__getitem__, oa)),
                           tuple(map(dst.__getitem__, ob)))
@@ -179,12 +184,12 @@ def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
     enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
     moves = fixed_order(ndim, fine, s, d, stop_at_nested=enumerable)
     if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
-        return "transfer", transfer_options(ndim, fine, s, d)
+        return Walk("transfer", transfer_options(ndim, fine, s, d))
     if not any(m.kind == "nested" for m in moves):
-        return "moves", moves
+        return Walk("moves", moves)
     # too many ranks to enumerate: each move priced as its own collective
-    return "moves", tuple(m if m.kind != "nested" else
-                          WalkMove(m.fallback, m.mesh, m.dims, m.div) for m in moves)
+    return Walk("moves", tuple(m if m.kind != "nested" else
+                               WalkMove(m.fallback, m.mesh, m.dims, m.div) for m in moves))
 
 
 def _sized(m: WalkMove, shape: tuple) -> Move:
@@ -300,8 +305,16 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
       receiver, ``n`` the bytes and ``m`` the messages it receives, plus ``copy_beta·n`` for
       writing them into its output shard.
     """
+    return _walk_price(_skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh),
+                                tuple(dst)), tuple(shape), itemsize, cluster, micro_batches)
+
+
+def _walk_price(walk: Walk, shape: tuple, itemsize: int, cluster,
+               micro_batches: int) -> tuple[float, float]:
+    """`redistribution` of a tensor of ``shape`` whose walk is ``walk`` (it depends on the
+    layouts and meshes only through the walk)."""
     t = b = 0.0
-    for m in _plan(tuple(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst)):
+    for m in _sized_walk(walk, shape):
         if cluster is not None:
             t += micro_batches * cluster.step_overhead
         if m.kind == "local":
@@ -336,9 +349,15 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     the price uses (inter-node for a mesh across nodes, so this is far above
     `edge_lower_bounds`' least link). The price's terms, added in its order, each at most
     the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
-    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
-    if how != "transfer":
+    walk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
+    if walk.how != "transfer":
         return None
+    return _transfer_floor(walk.body, shape, itemsize, cluster, micro_batches)
+
+
+def _transfer_floor(sk: Transfer, shape: tuple, itemsize: int, cluster,
+                   micro_batches: int) -> float:
+    """`redistribution_floor` of a tensor of ``shape`` whose walk is the transfer ``sk``."""
     fine = sk.fine
     numel, m = math.prod(shape), micro_batches
     fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
@@ -795,6 +814,9 @@ class Evaluator:
         self._mem: dict = shared.setdefault("memory", {})
         self._edge: dict = shared.setdefault("edge", {})
         self._prices: dict = shared.setdefault("prices", {})
+        # prices and transfer floors by (`Walk`, shape[, micro]): the walk holds its layouts
+        self._walk_prices: dict = shared.setdefault("walk_prices", {})
+        self._floors: dict = shared.setdefault("floors", {})
 
     def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
         """`redistribution` ``(seconds, bytes)`` on this cluster, memoised: a layer's
@@ -805,9 +827,17 @@ class Evaluator:
         hit = self._prices.get(key)
         if hit is None:
             if len(self._prices) >= _PRICES_KEPT:
-                self._prices.clear()
-            hit = self._prices[key] = redistribution(shape, a_mesh, a, b_mesh, b, self.itemsize,
-                                                     self.cluster, micro)
+                for memo in (self._prices, self._walk_prices, self._floors):
+                    memo.clear()
+            # layout pairs whose meshes refine to one walk share its price (VGG-13: 40 % of
+            # the prices a search asks for)
+            walk = _skeleton(len(shape), tuple(a_mesh), tuple(a), tuple(b_mesh), tuple(b))
+            wkey = (walk, shape, micro)
+            hit = self._walk_prices.get(wkey)
+            if hit is None:
+                hit = self._walk_prices[wkey] = _walk_price(walk, tuple(shape), self.itemsize,
+                                                           self.cluster, micro)
+            self._prices[key] = hit
         return hit
 
     def find_loads(self, shape: tuple, pairs: list, forward: list, backward: bool) -> None:
@@ -962,10 +992,18 @@ class Evaluator:
         return self._floor(shape, b_mesh, grad[0], a_mesh, grad[1])
 
     def _floor(self, shape, a_mesh, a, b_mesh, b) -> tuple[float, bool]:
-        floor = redistribution_floor(shape, a_mesh, a, b_mesh, b, self.itemsize, self.cluster,
-                                     self.micro)
-        if floor is None:
+        """`redistribution_floor`, kept by walk and shape (`Walk`), or the price when the
+        walk is the fixed order's moves (exact: True)."""
+        walk = _skeleton(len(shape), tuple(a_mesh), tuple(a), tuple(b_mesh), tuple(b))
+        if walk.how != "transfer":
             return self._redist(shape, a_mesh, a, b_mesh, b, self.micro)[0], True
+        key = (walk, shape)
+        floor = self._floors.get(key)
+        if floor is None:
+            if len(self._floors) >= _PRICES_KEPT:
+                self._floors.clear()
+            floor = self._floors[key] = _transfer_floor(walk.body, shape, self.itemsize,
+                                                       self.cluster, self.micro)
         return floor, False
 
     def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):

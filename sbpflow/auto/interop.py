@@ -365,13 +365,16 @@ def micro_batch_ladder(graph, s: int) -> list:
 
 
 def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
-                    zero: bool = False, recompute: bool = False) -> float:
+                    zero: bool = False, recompute: bool = False,
+                    shared: dict | None = None) -> float:
     """The least memory per device any one-stage strategy can have: per layer the least of
     its candidates' memory, summed (memory is a sum of per-layer terms, so this is exact:
-    each layer takes its least-memory candidate; nothing is priced)."""
+    each layer takes its least-memory candidate; nothing is priced). ``shared``: the caches
+    of the one-stage search that follows (`Problem`), which then finds these terms kept."""
     if not whole_sequences(graph, micro_batches):
         return math.inf      # no strategy keeps whole sequences
-    ev = Evaluator(graph, cluster, micro_batches)
+    ev = Evaluator(graph, cluster, micro_batches,
+                   None if shared is None else shared.setdefault("evaluator", {}))
     memo: dict = {}
     total = 0.0
     for i, l in enumerate(graph.layers):
@@ -431,10 +434,12 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
     single = None  # the one-stage result, once searched
+    # the floor's memory terms are the one-stage search's (same micro-batches): kept for it
+    shared = None if micro_batches == "auto" else {}
     if stages == "auto" and (limit is None or
                              one_stage_floor(graph, cluster, m1, max_dims, zero,
-                                             options.get("recompute", False)) <= limit):
-        single = _search_one(*args, **options)
+                                             options.get("recompute", False), shared) <= limit):
+        single = _search_one(*args, shared=shared, **options)
         if limit is None or single.fits:
             return single   # (else: nothing found under the limit, though it exists)
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):

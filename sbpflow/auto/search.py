@@ -121,7 +121,7 @@ class _EdgeTable:
         one that is not has lost little."""
         backward = part == "backward"
         done = self.floored_bwd if backward else self.floored_fwd
-        r, c = self._todo(r, c, self.known | done)
+        r, c = self._todo(r, c, self.known, done)
         if not len(r):
             return
         done[r, c] = True
@@ -157,17 +157,20 @@ class _EdgeTable:
             k = k[keep(k, bound)]
         return k
 
-    def _todo(self, r, c, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct pairs (r[k], c[k]) not marked in ``known``."""
+    def _todo(self, r, c, *known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct pairs (r[k], c[k]) marked in none of the ``known`` masks (read at
+        the pairs only: a table's masks are far larger than a call's pairs)."""
         r, c = np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.int64)
-        todo = ~known[r, c]
+        todo = ~known[0][r, c]
+        for mask in known[1:]:
+            todo &= ~mask[r, c]
         flat = np.unique(r[todo] * self.M.shape[1] + c[todo])
         return np.divmod(flat, self.M.shape[1])
 
     def fill_forward(self, r: np.ndarray, c: np.ndarray) -> None:
         """Compute the forward part of the unknown entries among the pairs (r[k], c[k]) (an
         entry whose forward part already rules it out need not pay for its backward)."""
-        r, c = self._todo(r, c, self.known | self.fwd_known)
+        r, c = self._todo(r, c, self.known, self.fwd_known)
         if not len(r):
             return
         ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from ..sbp import B, Broadcast, Partial, S, Split
 from .transfer_loads import TRANSFER_MAX_RANKS, lack_of
 
-__all__ = ["WalkMove", "TransferOption", "Transfer", "layout_code", "fixed_order",
+__all__ = ["Walk", "WalkMove", "TransferOption", "Transfer", "layout_code", "fixed_order",
            "transfer_options", "divisor"]
 
 _B = -1                                           # code of B; partials are <= -2
@@ -61,6 +61,24 @@ class Transfer(NamedTuple):
     ndim: int
     options: tuple
     least: tuple
+
+
+class Walk:
+    """A redistribution's shape-free walk: ``how`` is ``"moves"`` (``body``: its `WalkMove` s)
+    or ``"transfer"`` (``body``: a `Transfer`); unpacks as ``how, body``. Compared and hashed
+    by identity: the evaluator keeps prices by walk and shape (layout pairs that refine to one
+    walk share them), and an equal walk held by another object is only a memo miss."""
+
+    __slots__ = ("how", "body")
+
+    def __init__(self, how: str, body) -> None:
+        self.how, self.body = how, body
+
+    def __iter__(self):
+        return iter((self.how, self.body))
+
+    def __repr__(self) -> str:
+        return f"Walk({self.how!r}, {self.body!r})"
 
 
 def layout_code(nd) -> list:

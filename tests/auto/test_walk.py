@@ -59,3 +59,29 @@ def test_transfer_least_loads_are_the_least_of_each_reductions_options():
     assert lacks.index(min(lacks)) == 1 and len(set(lacks)) == 2
     for kind, pdims, div, g, _ in t.least:
         assert pdims == (2,) and g == 4 and div == 4
+
+
+def test_prices_and_floors_kept_by_walk_are_each_layout_pairs_own():
+    """The evaluator keeps prices by (walk, shape): pairs of meshes that refine to one walk
+    share a price. Each must still be what `redistribution` gives that pair (a key missing
+    the shape, or a walk shared by pairs that differ, fails here)."""
+    import sbpflow as sf
+    from sbpflow.auto import model_graphs
+    cluster = sf.cost.Cluster.preset("dgx-a100", nodes=2)
+    ev = E.Evaluator(model_graphs.gpt(2, 256, 8, 128, 16), cluster, micro_batches=2)
+    meshes = [(16,), (2, 8), (4, 4), (2, 2, 4)]
+    kinds = (S(0), S(1), B, P)
+    checked = 0
+    for shape in ((64, 48), (64, 40)):
+        for am, bm in itertools.product(meshes, repeat=2):
+            for a in itertools.product(kinds, repeat=len(am)):
+                for b in itertools.product(kinds[:3], repeat=len(bm)):
+                    want = E.redistribution(shape, am, a, bm, b, ev.itemsize, cluster, 2)
+                    assert ev._redist(shape, am, a, bm, b, 2) == want, (shape, am, a, bm, b)
+                    floor, exact = ev._floor(shape, am, a, bm, b)
+                    direct = E.redistribution_floor(shape, am, a, bm, b, ev.itemsize, cluster,
+                                                    2)
+                    assert floor == (want[0] if exact else direct) and exact == (direct is None)
+                    checked += 1
+    assert checked > 5000
+    assert len(ev._walk_prices) < len(ev._prices) / 2   # walks are shared, and often
