@@ -387,6 +387,12 @@ def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
     return total
 
 
+def _check_stage_count(graph, cluster, stages) -> None:
+    if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
+        raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
+                         f"devices by whole nodes or equal parts of a node")
+
+
 def _check_args(stages, schedule) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; one of {SCHEDULES}")
@@ -433,18 +439,15 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     if not chain:
         raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
     m1 = 1 if micro_batches == "auto" else micro_batches
+    shared = None if micro_batches == "auto" else {}   # the floor's terms, kept for `single`
     single = None  # the one-stage result, once searched
-    # the floor's memory terms are the one-stage search's (same micro-batches): kept for it
-    shared = None if micro_batches == "auto" else {}
     if stages == "auto" and (limit is None or
                              one_stage_floor(graph, cluster, m1, max_dims, zero,
                                              options.get("recompute", False), shared) <= limit):
         single = _search_one(*args, shared=shared, **options)
         if limit is None or single.fits:
             return single   # (else: nothing found under the limit, though it exists)
-    if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
-        raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
-                         f"devices by whole nodes or equal parts of a node")
+    _check_stage_count(graph, cluster, stages)
     t0 = time.perf_counter()
     deadline = None if budget_s is None else t0 + budget_s
     ex = _Explorer(graph, cluster, algorithm, seed, limit, max_dims, zero, schedule,

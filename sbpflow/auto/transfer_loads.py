@@ -38,51 +38,93 @@ def _coord_rows(fine: tuple) -> np.ndarray:
     return np.ascontiguousarray(coords.T)
 
 
-@memoize(1 << 14)   # GPT-3 exhaustive's transfers cut about 8k layouts
-def _boxes(fine: tuple, nd: tuple, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(lo, hi)``, each ``[axis, rank]``: the fraction ``[lo, hi)`` of every tensor axis the
-    rank at each mesh coordinate (row-major) holds under ``nd`` (even splits)."""
-    coords = _coord_rows(fine)
-    lo = np.zeros((ndim, coords.shape[1]))
-    hi = np.ones((ndim, coords.shape[1]))
-    for d, (x, m) in enumerate(zip(nd, fine)):
-        if isinstance(x, Split):
-            a = x.axis
-            w = (hi[a] - lo[a]) / m
-            lo[a] += coords[d] * w
-            hi[a] = lo[a] + w
-    return lo, hi
+class _BoxTable:
+    """The boxes of layouts on meshes of one rank count, for tensors of one number of axes:
+    row ``i`` of ``lo`` and ``hi`` (``[row, axis, rank]``) is the fraction ``[lo, hi)`` of
+    every tensor axis the rank at each mesh coordinate (row-major) holds under layout
+    ``i`` (even splits), cut axis by axis in mesh-dim order. Per row, for a source: each
+    axis's equal parts (the product of the mesh dims splitting it, ``parts``) and the
+    overlap below which a box is not met (``tiny``); for a destination: the boxes' volumes
+    (products over axes left to right, ``vol``) and which ranks receive (``receives``: a
+    non-first rank of a ``P(sum)`` dim holds zeros). New layouts are cut in one numpy pass
+    per batch (`rows`); a batch then gathers its pairs' rows, no per-pair arrays."""
+
+    _FIELDS = ("lo", "hi", "parts", "tiny", "vol", "receives")
+
+    def __init__(self, ranks: int, ndim: int) -> None:
+        self.ranks, self.ndim = ranks, ndim
+        self.index: dict = {}    # (fine, layout) -> row
+        # the fields' arrays, with room to grow (doubling; rows past the index's unused)
+        self.lo = self.hi = self.parts = self.tiny = self.vol = self.receives = None
+
+    def rows(self, layouts: list) -> np.ndarray:
+        """The rows of ``layouts`` (``(fine, layout)`` each), the new ones cut first."""
+        new = [k for k in dict.fromkeys(layouts) if k not in self.index]
+        if new:
+            if len(self.index) + len(new) > _BOX_ROWS_KEPT:   # start afresh (the rows of
+                self.__init__(self.ranks, self.ndim)          # this batch are all new)
+                new = list(dict.fromkeys(layouts))
+            self._append(self._cut(new))
+            for k in new:
+                self.index[k] = len(self.index)
+        index = self.index
+        return np.array([index[k] for k in layouts], dtype=np.int64)
+
+    def _append(self, cut: dict) -> None:
+        n, k = len(self.index), len(cut["lo"])
+        if self.lo is None or n + k > len(self.lo):
+            room = max(2 * n, n + k, 64)
+            for f in _BoxTable._FIELDS:
+                grown = np.empty((room,) + cut[f].shape[1:], dtype=cut[f].dtype)
+                if n:
+                    grown[:n] = getattr(self, f)[:n]
+                setattr(self, f, grown)
+        for f in _BoxTable._FIELDS:
+            getattr(self, f)[n:n + k] = cut[f]
+
+    def _cut(self, new: list) -> dict:
+        n, ndim, dims = len(new), self.ndim, max(len(f) for f, _ in new)
+        coords = np.zeros((n, dims, self.ranks))
+        axis = np.full((n, dims), -1)               # the axis a mesh dim splits, or -1
+        summed = np.zeros((n, dims), dtype=bool)    # a P(sum) mesh dim
+        size = np.ones((n, dims))
+        for i, (fine, nd) in enumerate(new):
+            coords[i, :len(fine)] = _coord_rows(fine)
+            size[i, :len(fine)] = fine
+            for d, x in enumerate(nd):
+                if isinstance(x, Split):
+                    axis[i, d] = x.axis
+                elif isinstance(x, Partial) and x.op == "sum":
+                    summed[i, d] = True
+        lo, hi = np.zeros((n, ndim, self.ranks)), np.ones((n, ndim, self.ranks))
+        parts, receives = np.ones((n, ndim)), np.ones((n, self.ranks), dtype=bool)
+        for d in range(dims):
+            at = np.nonzero(axis[:, d] >= 0)[0]
+            a = axis[at, d]
+            # the same elementwise operations as cutting one layout at a time
+            w = (hi[at, a] - lo[at, a]) / size[at, d, None]
+            lo[at, a] += coords[at, d] * w
+            hi[at, a] = lo[at, a] + w
+            parts[at, a] *= size[at, d]
+            receives[summed[:, d]] &= coords[summed[:, d], d] == 0
+        widths = hi - lo
+        vol = widths[:, 0]
+        for a in range(1, ndim):
+            vol = vol * widths[:, a]
+        return {"lo": lo, "hi": hi, "parts": parts, "tiny": 1e-9 / parts, "vol": vol,
+                "receives": receives}
 
 
-@memoize(1 << 14)
-def _src_side(fine: tuple, src: tuple, ndim: int):
-    """A source layout's parts: its boxes' ``lo`` and ``hi``, each ``[axis, rank]``, each
-    axis's equal parts (the product of the mesh dims splitting it; ``[axis, 1]``) and the
-    overlap below which a box is not met (``[axis]``)."""
-    slo, shi = _boxes(fine, src, ndim)
-    parts = [1.0] * ndim
-    for x, m in zip(src, fine):
-        if isinstance(x, Split):
-            parts[x.axis] *= m
-    return slo, shi, np.array(parts)[:, None], np.array([1e-9 / p for p in parts])
+# layouts a table keeps (GPT-3 exhaustive's transfers cut about 8k, VGG-13's 6k)
+_BOX_ROWS_KEPT = 1 << 14
+_BOX_TABLES = BoundedDict("auto.box_tables", 1 << 8)   # (ranks, ndim) -> _BoxTable
 
 
-@memoize(1 << 14)
-def _dst_side(fine: tuple, dst: tuple, ndim: int):
-    """A destination layout's parts: its boxes' ``lo`` and ``hi``, each ``[axis, rank]``,
-    their volumes (products over axes left to right) and which ranks receive (a non-first
-    rank of a ``P(sum)`` dim holds zeros)."""
-    dlo, dhi = _boxes(fine, dst, ndim)
-    receives = np.ones(dlo.shape[1], dtype=bool)
-    coords = _coord_rows(fine)
-    for d, x in enumerate(dst):
-        if isinstance(x, Partial) and x.op == "sum":
-            receives &= coords[d] == 0
-    widths = dhi - dlo
-    vol = widths[0]
-    for a in range(1, ndim):
-        vol = vol * widths[a]
-    return dlo, dhi, vol, receives
+def _box_table(ranks: int, ndim: int) -> _BoxTable:
+    table = _BOX_TABLES.get((ranks, ndim))
+    if table is None:
+        table = _BOX_TABLES.put((ranks, ndim), _BoxTable(ranks, ndim))
+    return table
 
 
 def transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
@@ -129,12 +171,12 @@ def _fronts(keys: list, ndim: int) -> list:
     is ``want`` and own source box ``have``, the elements it lacks are ``|want| - |want ∩
     have|`` and its messages the grid cells ``want`` meets, less its own if ``want`` meets
     it; both factor over axes. Arrays ``[pair, axis, rank]``, an axis at a time."""
-    src = [_src_side(f, s, ndim) for f, s, _, _ in keys]
-    dst = [_dst_side(f, d, ndim) for f, _, d, _ in keys]
-    slo, shi = np.stack([x[0] for x in src]), np.stack([x[1] for x in src])
-    parts, tiny = np.stack([x[2] for x in src]), np.stack([x[3] for x in src])[:, :, None]
-    dlo, dhi = np.stack([x[0] for x in dst]), np.stack([x[1] for x in dst])
-    dvol, receives = np.stack([x[2] for x in dst]), np.stack([x[3] for x in dst])
+    table = _box_table(math.prod(keys[0][0]), ndim)
+    rows = table.rows([(f, s) for f, s, _, _ in keys] + [(f, d) for f, _, d, _ in keys])
+    sr, dr = rows[:len(keys)], rows[len(keys):]
+    slo, shi, parts, tiny = table.lo[sr], table.hi[sr], table.parts[sr, :, None], \
+        table.tiny[sr, :, None]
+    dlo, dhi, dvol, receives = table.lo[dr], table.hi[dr], table.vol[dr], table.receives[dr]
     # per pair, axis and rank: how much of the destination interval the source one covers,
     # and how many source cells the destination interval meets (whole numbers)
     inter = np.minimum(dhi, shi)

@@ -85,11 +85,16 @@ def _front_by_hand(shape, fine, src, dst) -> tuple:
     return tuple(front)
 
 
-def test_transfer_loads_are_the_ranks_own():
+@pytest.mark.parametrize("kept", [1 << 14, 5])
+def test_transfer_loads_are_the_ranks_own(kept, monkeypatch):
     """`transfer_fraction` (per-axis arrays; the front taken from the busiest rank when it
     dominates) equals the front found from every rank's integer boxes, on meshes where
     some fronts have one point and some several; found one pair at a time, and in one
-    batch of every pair (`find_fractions`: meshes of 6, 8 and 12 ranks mixed)."""
+    batch of every pair (`find_fractions`: meshes of 6, 8 and 12 ranks mixed); with
+    ``kept`` 5, the box tables start afresh on most batches and grow past it in the big
+    one."""
+    monkeypatch.setattr(TL, "_BOX_ROWS_KEPT", kept)
+    TL._BOX_TABLES.clear()
     shape = (24, 48)   # every split even (the fractions assume even parts)
     keys = [(fine, src, dst, 2) for fine in [(2, 2, 2), (4, 2), (2, 3), (3, 2, 2)]
             for src in itertools.product((S(0), S(1), B), repeat=len(fine))
