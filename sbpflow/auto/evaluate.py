@@ -21,7 +21,7 @@ from ..cost.formulas import linear_time, volume
 from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, transfer_fraction
-from .walk import Transfer, Walk, WalkMove, divisor, fixed_order, layout_code, transfer_options
+from .walk import Transfer, Walk, WalkMove, divisor, fine_walk, layout_code
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -178,18 +178,8 @@ def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tupl
                           tuple(map(dst.__getitem__, ob)))
 
 
-@memoize(1 << 20)
-def _fine_skeleton(ndim: int, fine: tuple, s: tuple, d: tuple) -> tuple:
-    """`_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine`` (`walk`)."""
-    enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
-    moves = fixed_order(ndim, fine, s, d, stop_at_nested=enumerable)
-    if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
-        return Walk("transfer", transfer_options(ndim, fine, s, d))
-    if not any(m.kind == "nested" for m in moves):
-        return Walk("moves", moves)
-    # too many ranks to enumerate: each move priced as its own collective
-    return Walk("moves", tuple(m if m.kind != "nested" else
-                               WalkMove(m.fallback, m.mesh, m.dims, m.div) for m in moves))
+# `_skeleton` of the layouts ``s`` -> ``d`` on the refined mesh ``fine``
+_fine_skeleton = memoize(1 << 20, name="sbpflow.auto.evaluate._fine_skeleton")(fine_walk)
 
 
 def _sized(m: WalkMove, shape: tuple) -> Move:

@@ -23,8 +23,8 @@ import numpy as np
 from ..caches import collector_paused
 from ..errors import CostError
 from .evaluate import Breakdown, Evaluator, edge_lower_bounds
-from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space, tie_agrees,
-                    weight_layout, whole_sequences)
+from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space,
+                    tie_agreement, weight_layout, whole_sequences)
 
 __all__ = ["SearchResult", "search", "Problem", "PENALTY"]
 
@@ -164,7 +164,9 @@ class _EdgeTable:
         todo = ~known[0][r, c]
         for mask in known[1:]:
             todo &= ~mask[r, c]
-        flat = np.unique(r[todo] * self.M.shape[1] + c[todo])
+        flat = np.sort(r[todo] * self.M.shape[1] + c[todo])
+        if len(flat) > 1:   # np.unique's values, without its general path's overhead
+            flat = flat[np.concatenate(([True], flat[1:] != flat[:-1]))]
         return np.divmod(flat, self.M.shape[1])
 
     def fill_forward(self, r: np.ndarray, c: np.ndarray) -> None:
@@ -402,8 +404,7 @@ class Problem:
                 continue
             h, i = g.index[holder], g.index[user]
             hl, il = g.layers[h], g.layers[i]
-            out.append((h, i, np.array([[tie_agrees(hl, a, il, b) for b in self.cands[i]]
-                                        for a in self.cands[h]], dtype=bool)))
+            out.append((h, i, tie_agreement(hl, self.cands[h], il, self.cands[i])))
         return out
 
     def tie_term(self, state) -> float:

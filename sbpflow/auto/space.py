@@ -14,13 +14,15 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
+
 from ..caches import BoundedDict, memoize
 from ..errors import GraphError, ParallelizeError
 from ..sbp import B, P, S, Split, format_nd_sbp
 
 __all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
            "make_layer_strategy", "whole_sequences", "check_whole_sequences", "splits_sequences",
-           "weight_layout", "tie_agrees", "zero_stage", "zero_twin"]
+           "weight_layout", "tie_agrees", "tie_agreement", "zero_stage", "zero_twin"]
 
 _N = None  # no weight
 
@@ -314,7 +316,16 @@ def make_layer_strategy(layer, mesh: tuple, names: tuple, zero: bool | int = Fal
     stored = _stored(layer, w, mesh) if stage else None
     if stage and stored is None:
         return None
-    return LayerStrategy(tuple(mesh), inp, w, out, stored, tuple(names), zero=stage)
+    key = (tuple(mesh), inp, w, out, stored, tuple(names), stage)
+    s = _STRATEGIES.get(key)
+    if s is None:
+        s = _STRATEGIES.put(key, LayerStrategy(*key[:6], zero=stage))
+    return s
+
+
+# one object per distinct strategy: layers of a kind share their spaces' strategies, so each
+# is built and hashed once (a search hashes one for every node term it reads)
+_STRATEGIES = BoundedDict("auto.layer_strategies", 1 << 16)
 
 
 @memoize(1 << 14)
@@ -452,3 +463,14 @@ def tie_agrees(holder, hs: LayerStrategy, tied, ts: LayerStrategy) -> bool:
     weights and pipelined strategies'). The search keeps every tie agreeing."""
     a = weight_layout(holder, hs)
     return a is not None and a == weight_layout(tied, ts)
+
+
+def tie_agreement(holder, holder_cands: list, tied, tied_cands: list) -> np.ndarray:
+    """`tie_agrees` of every pair: ``[a, b]`` for the holder's candidate a and the tied
+    layer's candidate b, each candidate's weight layout found once (not once a pair)."""
+    ids: dict = {}
+    hw = np.array([-1 if w is None else ids.setdefault(w, len(ids))
+                   for w in (weight_layout(holder, s) for s in holder_cands)])
+    tw = np.array([-2 if w is None else ids.get(w, -2)
+                   for w in (weight_layout(tied, s) for s in tied_cands)])
+    return hw[:, None] == tw[None, :]

@@ -18,8 +18,8 @@ from typing import NamedTuple
 from ..sbp import B, Broadcast, Partial, S, Split
 from .transfer_loads import TRANSFER_MAX_RANKS, lack_of
 
-__all__ = ["Walk", "WalkMove", "TransferOption", "Transfer", "layout_code", "fixed_order",
-           "transfer_options", "divisor"]
+__all__ = ["Walk", "WalkMove", "TransferOption", "Transfer", "fine_walk", "layout_code",
+           "divisor"]
 
 _B = -1                                           # code of B; partials are <= -2
 _PARTIAL_CODES = {"sum": -2, "max": -3, "min": -4}
@@ -145,17 +145,29 @@ def _reduced_first(s: list, d: list, ndim: int) -> list:
     return out
 
 
-def fixed_order(ndim: int, fine: tuple, s: tuple, d: tuple, stop_at_nested: bool) -> tuple | None:
-    """The fixed order's `WalkMove` s from layout ``s`` to ``d`` on ``fine``: nested slices,
-    local slices, reduce-scatters, all-to-alls, all-reduces, all-gathers, the last local
-    steps. A move that is not a valid step is a ``"nested"`` record, or with
-    ``stop_at_nested`` ends the walk: None (the caller prices the transfer instead)."""
-    return _FixedOrder(ndim, fine, layout_code(s), layout_code(d), stop_at_nested).run()
+def fine_walk(ndim: int, fine: tuple, s: tuple, d: tuple) -> Walk:
+    """The walk from layout ``s`` to ``d`` on the mesh ``fine`` (both layouts on it), for
+    tensors of ``ndim`` axes: the fixed order's moves (nested slices, local slices,
+    reduce-scatters, all-to-alls, all-reduces, all-gathers, the last local steps), or, at
+    the first of them that is not a valid step, the planner's reduce-then-transfer
+    (`transfer_options`); above ``TRANSFER_MAX_RANKS`` ranks such a move is priced as the
+    collective the fixed order would use."""
+    sc, dc = layout_code(s), layout_code(d)
+    enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
+    moves = _FixedOrder(ndim, fine, list(sc), dc, stop_at_nested=enumerable).run()
+    if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
+        return Walk("transfer", transfer_options(ndim, fine, s, d, sc, dc))
+    if not any(m.kind == "nested" for m in moves):
+        return Walk("moves", moves)
+    return Walk("moves", tuple(m if m.kind != "nested" else
+                               WalkMove(m.fallback, m.mesh, m.dims, m.div) for m in moves))
 
 
 class _FixedOrder:
-    """`fixed_order`'s walk: ``state`` is the layout so far (codes), ``target`` what the
-    phases move it to, ``moves`` the records."""
+    """The fixed order's walk (`fine_walk`): ``state`` is the layout so far (codes),
+    ``target`` what the phases move it to, ``moves`` the records (a move that is not a
+    valid step is a ``"nested"`` one, or with ``stop_at_nested`` ends the walk: `run` gives
+    None)."""
 
     def __init__(self, ndim: int, fine: tuple, s: list, d: list, stop_at_nested: bool) -> None:
         self.fine = fine
@@ -295,15 +307,16 @@ def _own_box(fine: tuple, codes, ndim: int) -> list:
     return own
 
 
-def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple) -> Transfer | None:
+def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
+                     dc: list) -> Transfer | None:
     """The planner's reduce-then-transfer from ``s`` to ``d`` on the refined mesh ``fine``,
     shape-free: a `TransferOption` per reduced layout it may start from (broadcast, or a
     split of some axis, where that reduce-scatter is a valid step); None above
-    ``TRANSFER_MAX_RANKS``. The receivers' loads (`transfer_fraction`) are found when a
-    price needs them."""
+    ``TRANSFER_MAX_RANKS``; ``sc``, ``dc``: the layouts' codes. The receivers' loads
+    (`transfer_fraction`) are found when a price needs them."""
     if math.prod(fine) > TRANSFER_MAX_RANKS:
         return None
-    sc, own_d = layout_code(s), _own_box(fine, layout_code(d), ndim)
+    own_d = _own_box(fine, dc, ndim)
     own_s = _own_box(fine, sc, ndim)
     pdims = tuple(j for j, x in enumerate(sc) if x <= -2)
     if not pdims:

@@ -147,3 +147,15 @@ def test_a_tie_across_stages_with_different_shards_sends_each_gradient_over():
     u = sf.auto.evaluate(free, _two_stages(free, "dp", "col"), c)
     assert b.time - u.time == pytest.approx((alpha + V * D * beta) + (2 * alpha + V * D * 2 * beta),
                                             rel=1e-9)
+
+
+def test_a_ties_agreement_matrix_is_tie_agrees_of_every_pair():
+    """`Problem` reads the tie as one matrix (each candidate's weight layout found once);
+    every entry must be `tie_agrees` of its pair, agreeing pairs and disagreeing ones."""
+    g = mg.gpt(1, 64, 4, 16, 16, 128, tied=True)
+    pb = Problem(g, _cluster(nodes=2, dpn=4))
+    (h, i, agree), = pb.ties
+    want = [[tie_agrees(g.layers[h], a, g.layers[i], b) for b in pb.cands[i]]
+            for a in pb.cands[h]]
+    assert agree.tolist() == want
+    assert 0 < agree.sum() < agree.size / 2
