@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import defaultdict
 
 import numpy as np
@@ -118,6 +119,7 @@ class _BoxTable:
 # layouts a table keeps (GPT-3 exhaustive's transfers cut about 8k, VGG-13's 6k)
 _BOX_ROWS_KEPT = 1 << 14
 _BOX_TABLES = BoundedDict("auto.box_tables", 1 << 8)   # (ranks, ndim) -> _BoxTable
+_BOX_LOCK = threading.Lock()   # a batch's rows found and gathered before another changes them
 
 
 def _box_table(ranks: int, ndim: int) -> _BoxTable:
@@ -171,12 +173,14 @@ def _fronts(keys: list, ndim: int) -> list:
     is ``want`` and own source box ``have``, the elements it lacks are ``|want| - |want ∩
     have|`` and its messages the grid cells ``want`` meets, less its own if ``want`` meets
     it; both factor over axes. Arrays ``[pair, axis, rank]``, an axis at a time."""
-    table = _box_table(math.prod(keys[0][0]), ndim)
-    rows = table.rows([(f, s) for f, s, _, _ in keys] + [(f, d) for f, _, d, _ in keys])
-    sr, dr = rows[:len(keys)], rows[len(keys):]
-    slo, shi, parts, tiny = table.lo[sr], table.hi[sr], table.parts[sr, :, None], \
-        table.tiny[sr, :, None]
-    dlo, dhi, dvol, receives = table.lo[dr], table.hi[dr], table.vol[dr], table.receives[dr]
+    layouts = [(f, s) for f, s, _, _ in keys] + [(f, d) for f, _, d, _ in keys]
+    with _BOX_LOCK:   # concurrent searches (rank threads) share the tables
+        table = _box_table(math.prod(keys[0][0]), ndim)
+        rows = table.rows(layouts)
+        sr, dr = rows[:len(keys)], rows[len(keys):]
+        slo, shi, parts, tiny = table.lo[sr], table.hi[sr], table.parts[sr, :, None], \
+            table.tiny[sr, :, None]
+        dlo, dhi, dvol, receives = table.lo[dr], table.hi[dr], table.vol[dr], table.receives[dr]
     # per pair, axis and rank: how much of the destination interval the source one covers,
     # and how many source cells the destination interval meets (whole numbers)
     inter = np.minimum(dhi, shi)

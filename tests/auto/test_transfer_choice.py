@@ -8,6 +8,7 @@ import collections
 import importlib
 import itertools
 import math
+import random
 
 import pytest
 
@@ -109,3 +110,36 @@ def test_transfer_loads_are_the_ranks_own(kept, monkeypatch):
         assert len(TL._FRACTIONS) == len(keys)
         for k in keys:
             assert TL.transfer_fraction(*k) == want[k], k
+
+
+def test_transfer_loads_found_by_concurrent_threads_are_each_ranks_own(monkeypatch):
+    """Searches run in rank threads at once (`sf.auto.parallelize` inside `sf.launch`), and
+    the box tables are shared: batches found concurrently, the tables starting afresh
+    often (few rows kept), must each give the fronts of the ranks' integer boxes."""
+    import threading
+    monkeypatch.setattr(TL, "_BOX_ROWS_KEPT", 24)
+    shape = (24, 48)
+    keys = [(fine, src, dst, 2) for fine in [(2, 2, 2), (4, 2), (2, 4)]
+            for src in itertools.product((S(0), S(1), B), repeat=len(fine))
+            for dst in itertools.product((S(0), S(1), B, P), repeat=len(fine))]
+    want = {k: _front_by_hand(shape, *k[:3]) for k in keys}
+    wrong, errors = [], []
+
+    def work(seed):
+        try:
+            order = list(keys)
+            random.Random(seed).shuffle(order)
+            for i in range(0, len(order), 7):
+                batch = order[i:i + 7]
+                for k in batch:
+                    TL._FRACTIONS.pop(k, None)
+                TL.find_fractions(batch)
+                wrong.extend(k for k in batch if TL._FRACTIONS.get(k, want[k]) != want[k])
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong, (errors[:1], wrong[:3])
