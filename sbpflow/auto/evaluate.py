@@ -18,7 +18,7 @@ import numpy as np
 
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import linear_time, volume
-from ..sbp import B, Broadcast, Partial, S, Split, dual_nd
+from ..sbp import Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, transfer_fraction
 from .walk import Transfer, Walk, WalkMove, divisor, fine_walk, layout_code
@@ -157,7 +157,7 @@ def _sized_walk(walk: Walk, shape: tuple) -> tuple:
 
 
 @memoize(1 << 20)
-def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> tuple:
+def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> Walk:
     """The `Walk`: ``("moves", WalkMove s)`` or ``("transfer", `Transfer`)``, for any shape of
     ``ndim`` axes (`_plan`). It depends on the meshes and layouts only through their common
     refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,) one walks the same (8, 8)
@@ -200,7 +200,7 @@ def _via_transfer(shape: tuple, t: Transfer) -> tuple:
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
     rest dropped once that reaches the best total: their loads are never read. The moves are
     made for the chosen option only."""
-    fine, s, d, ndim, options = t[:5]
+    fine, s, d, ndim, options = t.fine, t.src, t.dst, t.ndim, t.options
     numel = math.prod(shape)
     if len(options) == 1 and options[0].pre is None:   # no partial dims: the transfer alone
         return _sized_transfer(fine, numel, transfer_fraction(fine, options[0].mid, d, ndim))

@@ -20,8 +20,7 @@ import numpy as np
 from ..caches import BoundedDict, memoize
 from ..sbp import Partial, Split
 
-__all__ = ["TRANSFER_MAX_RANKS", "transfer_fraction", "find_fractions", "rank0_lack", "own_box",
-           "lack_of"]
+__all__ = ["TRANSFER_MAX_RANKS", "transfer_fraction", "find_fractions", "lack_of"]
 
 # meshes of more ranks than this are not enumerated (too many boxes for a search)
 TRANSFER_MAX_RANKS = 256
@@ -227,24 +226,9 @@ def _front(elems: np.ndarray, msgs: np.ndarray) -> tuple:
     return tuple(front)
 
 
-def rank0_lack(fine: tuple, src: tuple, dst: tuple, ndim: int) -> float:
-    """The elements rank 0 receives in `transfer_fraction` (as a fraction of the tensor; the
-    same floats: its boxes are ``[0, x)`` on every axis, cut as `_boxes` cuts them)."""
-    return lack_of(own_box(fine, src, ndim), own_box(fine, dst, ndim))
-
-
-def own_box(fine: tuple, nd: tuple, ndim: int) -> list:
-    """Rank 0's box under ``nd``: per axis the ``x`` of its ``[0, x)``."""
-    own = [1.0] * ndim
-    for x, m in zip(nd, fine):
-        if isinstance(x, Split):
-            own[x.axis] = own[x.axis] / m
-    return own
-
-
 def lack_of(own_s: list, own_d: list) -> float:
     """What a rank whose source box is ``own_s`` lacks of its destination box ``own_d``
-    (both ``[0, x)`` on every axis, `own_box`)."""
+    (both ``[0, x)`` on every axis: rank 0's, whose boxes the tables cut to these floats)."""
     box, held = own_d[0], min(own_s[0], own_d[0])
     for a in range(1, len(own_d)):
         box *= own_d[a]

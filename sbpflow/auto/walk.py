@@ -46,7 +46,7 @@ class TransferOption(NamedTuple):
 
     pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
     mid: tuple          # the reduced layout the transfer starts from
-    lack: float         # rank 0's load of the transfer (`transfer_loads.rank0_lack`)
+    lack: float         # rank 0's load of the transfer (`transfer_loads.lack_of`)
 
 
 class Transfer(NamedTuple):
@@ -299,7 +299,7 @@ class _FixedOrder:
 
 def _own_box(fine: tuple, codes, ndim: int) -> list:
     """Rank 0's box under the layout ``codes``: per axis the ``x`` of its ``[0, x)`` (the
-    floats of `transfer_loads.own_box`)."""
+    floats the box tables of `transfer_loads` cut for rank 0)."""
     own = [1.0] * ndim
     for c, m in zip(codes, fine):
         if c >= 0:
@@ -326,7 +326,7 @@ def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
     div = divisor(fine, sc, pdims)   # the same reduced piece for every option
     # rank 0's boxes: the partial dims split nothing, so the broadcast option's box is the
     # source's, and a split of axis a cuts that axis by their product more (each lack equals
-    # `rank0_lack(fine, mid, d, ndim)` up to rounding, far below the 1e-12 a floor takes off)
+    # the lack of mid's own box up to rounding, far below the 1e-12 a floor takes off)
     g = math.prod(fine[j] for j in pdims)
     lack = lack_of(own_s, own_d)
     out = [TransferOption(("all_reduce", pdims, div, 0), _with(s, pdims, B), lack)]
