@@ -235,15 +235,6 @@ def _via_transfer(shape: tuple, t: Transfer) -> tuple:
     return pre + (_sized_transfer(fine, numel, front) if front else ())
 
 
-def _transfer_keys(shape, src_mesh, src, dst_mesh, dst) -> tuple:
-    """The `transfer_fraction` keys ``redistribution(shape, ...)`` may read: one per option of
-    its reduce-then-transfer, none when it is the fixed order's moves (a walk, memoised)."""
-    how, sk = _skeleton(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
-    if how != "transfer":
-        return ()
-    return tuple((sk.fine, o.mid, sk.dst, sk.ndim) for o in sk.options)
-
-
 def _sized_transfer(fine: tuple, numel: float, front: tuple) -> tuple:
     """The transfer `Move` (none if nobody receives) of a tensor of ``numel`` elements whose
     receivers' loads are ``front`` (`transfer_fraction`: from most elements to fewest)."""
@@ -807,6 +798,9 @@ class Evaluator:
         # prices and transfer floors by (`Walk`, shape[, micro]): the walk holds its layouts
         self._walk_prices: dict = shared.setdefault("walk_prices", {})
         self._floors: dict = shared.setdefault("floors", {})
+        # the transfer walks whose loads `find_loads` found (a cleared loads memo is only
+        # slower: a price then finds what it reads itself)
+        self._loaded: set = shared.setdefault("loaded", set())
 
     def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
         """`redistribution` ``(seconds, bytes)`` on this cluster, memoised: a layer's
@@ -817,7 +811,7 @@ class Evaluator:
         hit = self._prices.get(key)
         if hit is None:
             if len(self._prices) >= _PRICES_KEPT:
-                for memo in (self._prices, self._walk_prices, self._floors):
+                for memo in (self._prices, self._walk_prices, self._floors, self._loaded):
                     memo.clear()
             # layout pairs whose meshes refine to one walk share its price (VGG-13: 40 % of
             # the prices a search asks for)
@@ -836,15 +830,18 @@ class Evaluator:
         one batch (`find_fractions`), a numpy pass for all instead of one each; the forward
         direction where ``forward[k]``, the backward with ``backward``, directions already
         priced left out. The prices that follow read them from the memo, unchanged."""
-        keys, micro, prices = [], self.micro, self._prices
+        walks, micro, prices, loaded = [], self.micro, self._prices, self._loaded
         for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
             if fwd and _price_key(shape, am, ao, bm, bi, micro) not in prices:
-                keys += _transfer_keys(shape, am, ao, bm, bi)
+                walks.append(_skeleton(len(shape), am, ao, bm, bi))
             grad = _gradient_layouts(ao, bi) if backward else None
             if grad is not None and \
                     _price_key(shape, bm, grad[0], am, grad[1], micro) not in prices:
-                keys += _transfer_keys(shape, bm, grad[0], am, grad[1])
-        find_fractions(keys)
+                walks.append(_skeleton(len(shape), bm, grad[0], am, grad[1]))
+        # a walk's loads are found once (for any shape: they are fractions of the tensor)
+        walks = [w for w in dict.fromkeys(walks) if w.how == "transfer" and w not in loaded]
+        find_fractions([k for w in walks for k in w.body.keys])
+        loaded.update(walks)
 
     def node_memory(self, layer, s) -> dict:
         """Memory per device of one layer (bytes): ``params``, ``grads``, ``optimizer``,

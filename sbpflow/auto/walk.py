@@ -51,9 +51,10 @@ class TransferOption(NamedTuple):
 
 class Transfer(NamedTuple):
     """The reduce-then-transfer walk from ``src`` to ``dst`` on ``fine`` (tensors of ``ndim``
-    axes): its ``options``, and per reduction kind (None: no reduction) the least rank-0 load
-    of its options, ``(kind, dims, div, group size, lack)`` in ``least`` (a floor's terms:
-    the options of one kind reduce the same piece)."""
+    axes): its ``options``; per reduction kind (None: no reduction) the least rank-0 load of
+    its options, ``(kind, dims, div, group size, lack)`` in ``least`` (a floor's terms: the
+    options of one kind reduce the same piece); the `transfer_fraction` keys of its options'
+    loads, ``keys``."""
 
     fine: tuple
     src: tuple
@@ -61,6 +62,7 @@ class Transfer(NamedTuple):
     ndim: int
     options: tuple
     least: tuple
+    keys: tuple
 
 
 class Walk:
@@ -322,7 +324,7 @@ def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
     if not pdims:
         lack = lack_of(own_s, own_d)
         return Transfer(fine, s, d, ndim, (TransferOption(None, s, lack),),
-                        ((None, (), 1, 1, lack),))
+                        ((None, (), 1, 1, lack),), ((fine, s, d, ndim),))
     div = divisor(fine, sc, pdims)   # the same reduced piece for every option
     # rank 0's boxes: the partial dims split nothing, so the broadcast option's box is the
     # source's, and a split of axis a cuts that axis by their product more (each lack equals
@@ -343,7 +345,8 @@ def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
                                       lack))
             if len(least) == 1 or lack < least[1][4]:
                 least[1:] = [("reduce_scatter", pdims, div, g, lack)]
-    return Transfer(fine, s, d, ndim, tuple(out), tuple(least))
+    return Transfer(fine, s, d, ndim, tuple(out), tuple(least),
+                    tuple((fine, o.mid, d, ndim) for o in out))
 
 
 def _with(nd: tuple, dims: tuple, x) -> tuple:
