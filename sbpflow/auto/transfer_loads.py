@@ -139,30 +139,34 @@ def transfer_fraction(fine: tuple, src: tuple, dst: tuple, ndim: int):
     key = (fine, src, dst, ndim)
     hit = _FRACTIONS.get(key, _FRACTIONS)
     if hit is _FRACTIONS:
-        find_fractions([key])
-        hit = _FRACTIONS[key]
+        # read what it found, not the memo: a concurrent search may empty the full memo
+        found = find_fractions([key])
+        hit = found[key] if key in found else _FRACTIONS[key]
     return hit
 
 
-def find_fractions(keys) -> None:
+def find_fractions(keys) -> dict:
     """Find `transfer_fraction` of every ``(fine, src, dst, ndim)`` in ``keys`` not yet known,
-    a batch per rank count and number of axes."""
+    a batch per rank count and number of axes; those found, by key."""
     batches: dict = defaultdict(dict)
+    found: dict = {}
     for key in keys:
         if key in _FRACTIONS:
             continue
         fine, _, _, ndim = key
         ranks = math.prod(fine)
         if ranks > TRANSFER_MAX_RANKS:
-            _FRACTIONS.put(key, None)
+            found[key] = None
         elif ndim == 0:   # a scalar: every rank holds it whole
-            _FRACTIONS.put(key, ())
+            found[key] = ()
         else:
             batches[(ranks, ndim)][key] = None
     for (_, ndim), batch in batches.items():
         batch = list(batch)
-        for key, front in zip(batch, _fronts(batch, ndim)):
-            _FRACTIONS.put(key, front)
+        found.update(zip(batch, _fronts(batch, ndim)))
+    for key, front in found.items():
+        _FRACTIONS.put(key, front)
+    return found
 
 
 def _fronts(keys: list, ndim: int) -> list:
