@@ -20,8 +20,9 @@ from ..caches import BoundedDict, memoize
 from ..cost.formulas import linear_time, volume
 from ..sbp import Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
-from .transfer_loads import TRANSFER_MAX_RANKS, find_fractions, transfer_fraction
-from .walk import Transfer, Walk, WalkMove, divisor, fine_walk, layout_code
+from .transfer_loads import find_fractions, transfer_fraction
+from .walk import (TRANSFER_MAX_RANKS, Transfer, Walk, WalkMove, divisor, fine_walk,
+                   layout_code)
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
            "redistribution_floor", "edge_lower_bounds"]
@@ -291,7 +292,7 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
 
 
 def _walk_price(walk: Walk, shape: tuple, itemsize: int, cluster,
-               micro_batches: int) -> tuple[float, float]:
+                micro_batches: int) -> tuple[float, float]:
     """`redistribution` of a tensor of ``shape`` whose walk is ``walk`` (it depends on the
     layouts and meshes only through the walk)."""
     t = b = 0.0
@@ -337,7 +338,7 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
 
 
 def _transfer_floor(sk: Transfer, shape: tuple, itemsize: int, cluster,
-                   micro_batches: int) -> float:
+                    micro_batches: int) -> float:
     """`redistribution_floor` of a tensor of ``shape`` whose walk is the transfer ``sk``."""
     fine = sk.fine
     numel, m = math.prod(shape), micro_batches
@@ -426,7 +427,7 @@ def _axis_factors(layouts: list, ndim: int) -> tuple[np.ndarray, np.ndarray, np.
 def _reduced_piece(fs, gs, fd) -> np.ndarray:
     """Per source row and destination column: a lower bound of the fraction of the tensor a
     rank sends reducing the source's partial (sum) dims, for a destination without partials.
-    Every price reduces them first (`walk.fixed_order`'s reduce-scatter / all-reduce phases, the
+    Every price reduces them first (`walk.fine_walk`'s reduce-scatter / all-reduce phases, the
     reduce-then-transfer options, the incompatible meshes' reduce-scatter) over their group
     of ``g`` ranks, about a piece of at least the source box ``x`` cut by the local slices
     before it (broadcast source dims that split in the destination: at most the broadcast

@@ -18,12 +18,9 @@ from collections import defaultdict
 import numpy as np
 
 from ..caches import BoundedDict, memoize
-from ..sbp import Partial, Split
+from .walk import PARTIAL_SUM, TRANSFER_MAX_RANKS, layout_code
 
-__all__ = ["TRANSFER_MAX_RANKS", "transfer_fraction", "find_fractions", "lack_of"]
-
-# meshes of more ranks than this are not enumerated (too many boxes for a search)
-TRANSFER_MAX_RANKS = 256
+__all__ = ["transfer_fraction", "find_fractions"]
 
 # (fine, src, dst, ndim) -> the front: 1 << 20 entries, as the walks' memo (GPT-3's searches
 # find about 100k; VGG-13's 20k)
@@ -91,10 +88,10 @@ class _BoxTable:
         for i, (fine, nd) in enumerate(new):
             coords[i, :len(fine)] = _coord_rows(fine)
             size[i, :len(fine)] = fine
-            for d, x in enumerate(nd):
-                if isinstance(x, Split):
-                    axis[i, d] = x.axis
-                elif isinstance(x, Partial) and x.op == "sum":
+            for d, c in enumerate(layout_code(nd)):
+                if c >= 0:
+                    axis[i, d] = c
+                elif c == PARTIAL_SUM:
                     summed[i, d] = True
         lo, hi = np.zeros((n, ndim, self.ranks)), np.ones((n, ndim, self.ranks))
         parts, receives = np.ones((n, ndim)), np.ones((n, self.ranks), dtype=bool)
@@ -228,13 +225,3 @@ def _front(elems: np.ndarray, msgs: np.ndarray) -> tuple:
         if not front or m > front[-1][1]:
             front.append((e, m))
     return tuple(front)
-
-
-def lack_of(own_s: list, own_d: list) -> float:
-    """What a rank whose source box is ``own_s`` lacks of its destination box ``own_d``
-    (both ``[0, x)`` on every axis: rank 0's, whose boxes the tables cut to these floats)."""
-    box, held = own_d[0], min(own_s[0], own_d[0])
-    for a in range(1, len(own_d)):
-        box *= own_d[a]
-        held *= min(own_s[a], own_d[a])
-    return box - held

@@ -16,13 +16,17 @@ import math
 from typing import NamedTuple
 
 from ..sbp import B, Broadcast, Partial, S, Split
-from .transfer_loads import TRANSFER_MAX_RANKS, lack_of
 
-__all__ = ["Walk", "WalkMove", "TransferOption", "Transfer", "fine_walk", "layout_code",
-           "divisor"]
+__all__ = ["TRANSFER_MAX_RANKS", "PARTIAL_SUM", "Walk", "WalkMove", "TransferOption",
+           "Transfer", "fine_walk", "layout_code", "divisor"]
+
+# meshes of more ranks than this are not enumerated (too many boxes for a search): a move the
+# fixed order cannot make is priced as its collective instead of the planner's transfer
+TRANSFER_MAX_RANKS = 256
 
 _B = -1                                           # code of B; partials are <= -2
-_PARTIAL_CODES = {"sum": -2, "max": -3, "min": -4}
+PARTIAL_SUM = -2                                  # code of P(sum)
+_PARTIAL_CODES = {"sum": PARTIAL_SUM, "max": -3, "min": -4}
 _PARTIALS = {-2: Partial("sum"), -3: Partial("max"), -4: Partial("min")}
 _SPLITS = tuple(S(a) for a in range(16))   # shared values: later equality tests are identity
 
@@ -42,11 +46,11 @@ class WalkMove(NamedTuple):
 
 
 class TransferOption(NamedTuple):
-    """One of the planner's reduce-then-transfer options (`transfer_options`)."""
+    """One of the planner's reduce-then-transfer options (`_transfer_options`)."""
 
     pre: tuple | None   # the reduction ``(kind, dims, div, axis)``; None without partial dims
     mid: tuple          # the reduced layout the transfer starts from
-    lack: float         # rank 0's load of the transfer (`transfer_loads.lack_of`)
+    lack: float         # rank 0's load of the transfer (`lack_of`)
 
 
 class Transfer(NamedTuple):
@@ -152,13 +156,13 @@ def fine_walk(ndim: int, fine: tuple, s: tuple, d: tuple) -> Walk:
     tensors of ``ndim`` axes: the fixed order's moves (nested slices, local slices,
     reduce-scatters, all-to-alls, all-reduces, all-gathers, the last local steps), or, at
     the first of them that is not a valid step, the planner's reduce-then-transfer
-    (`transfer_options`); above ``TRANSFER_MAX_RANKS`` ranks such a move is priced as the
+    (`_transfer_options`); above ``TRANSFER_MAX_RANKS`` ranks such a move is priced as the
     collective the fixed order would use."""
     sc, dc = layout_code(s), layout_code(d)
     enumerable = math.prod(fine) <= TRANSFER_MAX_RANKS
     moves = _FixedOrder(ndim, fine, list(sc), dc, stop_at_nested=enumerable).run()
     if moves is None:   # the walk is dropped: the planner's reduce-then-transfer instead
-        return Walk("transfer", transfer_options(ndim, fine, s, d, sc, dc))
+        return Walk("transfer", _transfer_options(ndim, fine, s, d, sc, dc))
     if not any(m.kind == "nested" for m in moves):
         return Walk("moves", moves)
     return Walk("moves", tuple(m if m.kind != "nested" else
@@ -309,15 +313,13 @@ def _own_box(fine: tuple, codes, ndim: int) -> list:
     return own
 
 
-def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
-                     dc: list) -> Transfer | None:
-    """The planner's reduce-then-transfer from ``s`` to ``d`` on the refined mesh ``fine``,
-    shape-free: a `TransferOption` per reduced layout it may start from (broadcast, or a
-    split of some axis, where that reduce-scatter is a valid step); None above
-    ``TRANSFER_MAX_RANKS``; ``sc``, ``dc``: the layouts' codes. The receivers' loads
+def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
+                      dc: list) -> Transfer:
+    """The planner's reduce-then-transfer from ``s`` to ``d`` on the refined mesh ``fine`` (of
+    at most ``TRANSFER_MAX_RANKS`` ranks), shape-free: a `TransferOption` per reduced layout
+    it may start from (broadcast, or a split of some axis, where that reduce-scatter is a
+    valid step); ``sc``, ``dc``: the layouts' codes. The receivers' loads
     (`transfer_fraction`) are found when a price needs them."""
-    if math.prod(fine) > TRANSFER_MAX_RANKS:
-        return None
     own_d = _own_box(fine, dc, ndim)
     own_s = _own_box(fine, sc, ndim)
     pdims = tuple(j for j, x in enumerate(sc) if x <= -2)
@@ -347,6 +349,16 @@ def transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
                 least[1:] = [("reduce_scatter", pdims, div, g, lack)]
     return Transfer(fine, s, d, ndim, tuple(out), tuple(least),
                     tuple((fine, o.mid, d, ndim) for o in out))
+
+
+def lack_of(own_s: list, own_d: list) -> float:
+    """What a rank whose source box is ``own_s`` lacks of its destination box ``own_d``
+    (both ``[0, x)`` on every axis: rank 0's, `_own_box`)."""
+    box, held = own_d[0], min(own_s[0], own_d[0])
+    for a in range(1, len(own_d)):
+        box *= own_d[a]
+        held *= min(own_s[a], own_d[a])
+    return box - held
 
 
 def _with(nd: tuple, dims: tuple, x) -> tuple:

@@ -19,7 +19,7 @@ TL = importlib.import_module("sbpflow.auto.transfer_loads")
 
 
 def _first_fewest_bytes(shape, fine, s, d) -> tuple:
-    """Every option of `walk.transfer_options` priced in full; the moves of the first whose
+    """Every option of `walk._transfer_options` priced in full; the moves of the first whose
     bytes per device are least."""
     how, sk = E._skeleton(len(shape), fine, s, fine, d)
     assert how == "transfer"
