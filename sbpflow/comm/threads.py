@@ -4,7 +4,8 @@ A collective is a *slot* keyed by (group, sequence number): each member deposits
 a signature, computes its own result by reading the others' inputs, and returns once every
 member has finished reading. The members' signatures must agree (else every member raises the
 same `CommError`), and nothing hangs: waits raise `CommAborted`, `CommError` (a missing rank
-returned, or a cycle of waits) or `CommTimeout`. A rank communicates from one thread at a time.
+returned, or a cycle of waits) or `CommTimeout`. The cycle check follows a rank's one waiting
+thread; threads that wait beside it (`waits_alongside`) end by abort or timeout.
 See docs/internals.md, 'The threads backend'.
 """
 
@@ -169,8 +170,9 @@ _flags = _ThreadFlags()
 
 def waits_alongside(on: bool) -> None:
     """Mark the calling thread's waits as running beside other waiting threads of its rank (an
-    actor runtime's recv and compute threads). Deadlock detection assumes one waiting thread a
-    rank, so it leaves these waits out; they still end by abort or timeout."""
+    actor runtime's recv and compute threads, a ZeRO worker beside its owner). Deadlock
+    detection assumes one waiting thread a rank, so it leaves these waits out; they still end
+    by abort or timeout."""
     _flags.alongside = on
 
 

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from .. import comm as _comm
+from ..comm.threads import waits_alongside
 
 __all__ = ["submit", "STREAM"]
 
@@ -39,6 +40,9 @@ _LOCK = threading.Lock()   # a worker's decision to end and a submit to it do no
 def _serve(w: _Worker, comm, owner: threading.Thread, stream: str) -> None:
     _comm.set_current(comm)
     _comm.set_collective_stream(stream)
+    # the owner may wait in its own collectives meanwhile: the threads backend's deadlock
+    # check, which follows one waiting thread a rank, must not chain through this one's waits
+    waits_alongside(True)
     while True:
         try:
             job = w.jobs.get(timeout=_IDLE_CHECK)

@@ -740,6 +740,40 @@ def test_reading_a_parameter_right_after_the_step_waits_for_its_gather():
             _close(r["sd"][k], v, f"stage {stage} {k}")
 
 
+def _worker_waits_while_owner_computes() -> list:
+    """Rank 1's ZeRO worker waits in an all-gather for rank 0's, which starts late; meanwhile
+    rank 0's own thread waits in an all-reduce for rank 1's, which is still computing. Neither
+    wait is stuck: each partner arrives later (a graph step's background gathers and the
+    caller's ``loss.item()`` interleave so)."""
+    import time
+    from sbpflow.optim.zero_comm import submit
+    comm = sf.comm.current()
+    x = torch.full((2,), float(comm.rank + 1))
+
+    def gather(delay: float) -> list:
+        time.sleep(delay)
+        return comm.all_gather(x, [0, 1])
+
+    if comm.rank == 0:
+        time.sleep(0.3)   # rank 1's worker waits for rank 0's from the start
+        fut = submit(gather, 0.6)
+        total = comm.all_reduce(x, [0, 1])
+    else:
+        fut = submit(gather, 0.0)
+        time.sleep(0.6)   # computing while rank 0 waits
+        total = comm.all_reduce(x, [0, 1])
+    return [total, *fut.result()]
+
+
+def test_a_zero_workers_wait_is_not_taken_for_a_deadlock():
+    """The threads backend's deadlock check follows one waiting thread a rank: a ZeRO
+    worker's wait beside its rank's own thread must not form a false cycle (a flaky
+    ``CommError: deadlock`` in graph + ZeRO tests before)."""
+    for total, a, b in sf.launch(_worker_waits_while_owner_computes, 2):
+        assert total.tolist() == [3.0, 3.0]
+        assert a.tolist() == [1.0, 1.0] and b.tolist() == [2.0, 2.0]
+
+
 # -- Module.to(dtype) after apply: the new parameters stay ZeRO's ----------------------------------
 def _cast_after_apply() -> dict:
     """float32 model, ``sf.parallel.apply(..., zero=stage)``, then ``.double()`` (new parameter
