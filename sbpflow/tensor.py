@@ -38,7 +38,8 @@ from .utils import IdentityMap, generate_region, mix_seed, rebuild_sequence
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
-           "fresh", "guard", "source", "errors_as", "error_rule", "UnsupportedTorchFunction",
+           "fresh", "guard", "source", "module_called", "errors_as", "error_rule",
+           "UnsupportedTorchFunction",
            "set_torch_dispatch", "lift", "watch_resplit", "is_view"]
 
 
@@ -120,6 +121,14 @@ def source(load):
     calls ``load`` once per call, in a loading actor, and hands each micro-batch its rows."""
     rec = _tracing.recorder
     return load() if rec is None else rec.source(load)
+
+
+def module_called(module) -> None:
+    """``module``'s forward runs (a graph's trace keeps the modules it ran: their train / eval
+    modes are part of what the graph was compiled for)."""
+    rec = _tracing.recorder
+    if rec is not None:
+        rec.module(module)
 
 
 def guard(t: "GlobalTensor", check) -> None:
@@ -623,14 +632,20 @@ class GlobalTensor:
             torch.is_grad_enabled() and local.requires_grad and not local.is_leaf) or (
             local._base is not None and type(self) is GlobalTensor and not local.requires_grad) \
             or local.is_inference()
+        rec = _tracing.recorder
         if not takes:
-            local.copy_(result.to_global(self._placement, self._sbp)._local)
+            src = result.to_global(self._placement, self._sbp)
+            if rec is not None:   # a graph replays the write (and undoes the trace's)
+                rec.assign(self, src)
+            local.copy_(src._local)
             return self
         if not fresh:
             result = apply_op("clone", result)
         if self._view is not None:
             _write_back(self, result)
         else:
+            if rec is not None:
+                rec.check_taken(self)
             _take(self, result)
         return self
 

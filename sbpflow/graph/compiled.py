@@ -18,6 +18,7 @@ import torch
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
+from ..gradsync import replaced_by, replaced_version
 from ..nn.recorded_mean import CountedMean, scale_grads, settle_means, upstream_scale
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
@@ -46,6 +47,7 @@ def trace(graph, args: list, rec: Recorder) -> Tape:
     finally:
         set_recorder(previous)
         state["seed_counter"] = counter
+        rec.restore()   # the first call's replay writes the buffers build writes
     return rec.tape(result)
 
 
@@ -91,11 +93,14 @@ class Compiled:
         self.batches: list = []  # what data sources in build gave while compiling
         self.tapes: dict[tuple, Tape] = {}
         self.keys: list[tuple] = []  # micro-batch m's tape
+        self.modules: dict[int, Any] = {}   # id -> a module whose forward build ran
+        self.replaced = replaced_version()
         for m, args in enumerate(mbs.args):
             key = (signature(args), self._source_shapes(m))
             if key not in self.tapes:
-                tape = trace(graph, args, Recorder(
-                    m, self.k, self.batches, self.k > 1 and cfg.loss_reduction == "mean"))
+                rec = Recorder(m, self.k, self.batches, self.k > 1 and cfg.loss_reduction == "mean")
+                tape = trace(graph, args, rec)
+                self.modules.update(rec.modules)
                 key = (signature(args), self._source_shapes(m))  # the sources are known now
                 self.tapes.setdefault(key, tape)
                 _tell_readers(tape)
@@ -132,6 +137,16 @@ class Compiled:
         self.off_rank_params = [] if not tapes[0].backwards else [
             [t, None, None] for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
             and t._local.requires_grad and t._local.is_leaf and self.comm.rank not in t._placement]
+
+    def uses_replaced(self) -> bool:
+        """Whether a parameter the plan reads was replaced since it was compiled (by
+        ``sf.parallel.apply`` and the like: the model now holds new objects)."""
+        version = replaced_version()
+        if version == self.replaced:
+            return False
+        self.replaced = version
+        return any(replaced_by(t) for tape in self.tapes.values() for _, t in tape.externals
+                   if isinstance(t, GlobalTensor))
 
     def _check_ranks_agree(self, low) -> None:
         """Every rank traced the whole program and lowered it alone: check (one small

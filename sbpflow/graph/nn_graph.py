@@ -93,6 +93,7 @@ class Graph:
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
         self._zero_done = (0, 0)   # the (stage, min_size) of ZeRO applied at the first call
+        self._ran: dict[int, Module] = {}   # id -> a module whose forward a trace ran
 
     def add_optimizer(self, optimizer, lr_sch=None) -> None:
         """Run ``optimizer.step()``, ``optimizer.zero_grad()`` and ``lr_sch.step()`` after the
@@ -102,6 +103,7 @@ class Graph:
         if lr_sch is not None:
             _check_scheduler(lr_sch)
         self._optimizers.append((optimizer, lr_sch))
+        self._compiled.clear()   # plans compiled before have no update: compile again
 
     def build(self, *inputs: Any) -> Any:
         raise GraphError(f"{type(self).__name__} must define build(self, *inputs)")
@@ -111,19 +113,33 @@ class Graph:
         parameters by name)."""
         if named:
             inputs = _bound(self.build, type(self).__name__, inputs, named)
-        # a module's train / eval mode changes what build does (dropout): compiled apart
-        modes = tuple(v.training for v in vars(self).values() if isinstance(v, Module))
-        # so is torch's grad mode (under no_grad a build's backward raises, as on a first call)
-        modes += (torch.is_grad_enabled(),)
-        key = (signature(inputs), modes, self.config.micro_batches, self.config.schedule,
-               self.config.loss_reduction, self.config.split_inputs)
         settle()   # ZeRO-1 parameters gathered in the background since the last update
         self._apply_zero()
+        key = self._key(inputs)
         compiled = self._compiled.get(key)
+        if compiled is not None and compiled.uses_replaced():
+            del self._compiled[key]   # the model holds new parameter objects: trace it again
+            compiled = None
         if compiled is None:
-            compiled = self._compiled[key] = Compiled(self, inputs)
+            compiled = Compiled(self, inputs)
+            self._ran.update(compiled.modules)
+            self._compiled[self._key(inputs)] = compiled   # (with the modules it ran)
         self._last = compiled
         return compiled.run(inputs)
+
+    def _key(self, inputs: tuple) -> tuple:
+        """What a plan is compiled for besides the config: the inputs' shapes and layouts,
+        the train / eval mode of every module a trace ran (dropout; a module reached through
+        a closure or a list too) and of the registered ones, the registered modules
+        themselves, torch's grad mode (under no_grad a build's backward raises, as on a first
+        call) and autocast state (the dtype the traced ops compute in)."""
+        attrs = [v for v in vars(self).values() if isinstance(v, Module)]
+        modes = tuple(m.training for m in self._ran.values())
+        modes += tuple((id(v), v.training) for v in attrs)
+        modes += (torch.is_grad_enabled(),) + _autocast_state()
+        cfg = self.config
+        return (signature(inputs), modes, cfg.micro_batches, cfg.schedule, cfg.loss_reduction,
+                cfg.split_inputs)
 
     def _apply_zero(self) -> None:
         """`GraphConfig.enable_zero` on the registered modules, at the first call. Asked
@@ -182,6 +198,12 @@ class Graph:
         if self._last is None:
             return f"{type(self).__name__}(not compiled yet; {self.config})"
         return f"{type(self).__name__}({self.config})\n{self._last.describe()}"
+
+
+def _autocast_state() -> tuple:
+    """The autocast dtype of the cpu and cuda device types (None where autocast is off)."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+                 for d in ("cpu", "cuda"))
 
 
 def _check_scheduler(lr_sch: Any) -> None:

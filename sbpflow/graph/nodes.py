@@ -18,6 +18,7 @@ from ..placement import Placement
 from ..utils import rebuild_sequence
 
 __all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "GuardNode", "SourceNode",
+           "AssignNode",
            "source_values", "source_like",
            "BackwardNode", "run_nodes"]
 
@@ -195,6 +196,30 @@ class GuardNode(NamedTuple):
     @property
     def name(self) -> str:
         return "check"
+
+
+class AssignNode(NamedTuple):
+    """``vals[dst].copy_(vals[src])``: an in-place op of ``build`` on a tensor that keeps its
+    shard (a buffer, a parameter under ``no_grad``: ``+=``, ``copy_``, ``x[i] = v``; see
+    `GlobalTensor._assign_`). Always run: later tasks and later calls read what it wrote."""
+
+    src: int
+    dst: int
+    placement: Placement
+    mode: Mode
+
+    keep = True   # (a class attribute, not a field: `live_nodes` keeps it whatever reads it)
+
+    @property
+    def slots_read(self) -> tuple:
+        return (self.src, self.dst)
+
+    def run(self, vals: list, env: Any) -> None:
+        vals[self.dst].copy_(vals[self.src])   # (in the grad mode traced, as eager's copy)
+
+    @property
+    def name(self) -> str:
+        return "assign"
 
 
 class BackwardNode(NamedTuple):

@@ -21,8 +21,8 @@ from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, error_rule
 from ..utils import rebuild_sequence
 from .microbatch import split_inputs
-from .nodes import (BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, SourceNode,
-                    ThunkNode, source_like, source_values)
+from .nodes import (AssignNode, BackwardNode, BoxNode, DetachNode, GuardNode, Mode, OpNode,
+                    SourceNode, ThunkNode, source_like, source_values)
 
 __all__ = ["Meta", "Tape", "Recorder", "OutSlot", "OutConst", "out_slots"]
 
@@ -117,9 +117,12 @@ class Recorder:
         self.keep: list = []                # the shards whose ids are in use
         self.untraced: set[int] = set()     # shards made outside the recorded tasks
         self.externals: list = []
+        self.external_slots: set[int] = set()   # externals' and inputs' slots
         self.backwards: list = []
         self.metas: dict[int, Meta] = {}
         self.inputs: list = []
+        self.modules: dict[int, Any] = {}   # id -> a module whose forward ran
+        self.written: list = []   # (tensor, its shard's values before build wrote them)
 
     # -- slots -------------------------------------------------------------------------------
     def _new(self, t: GlobalTensor) -> int:
@@ -151,10 +154,14 @@ class Recorder:
                 f"ops, or pass it to the graph as an input")
         slot = self._new(t)
         self.externals.append((slot, t))
+        self.external_slots.add(slot)
         return slot
 
     def add_input(self, t: Any) -> None:
-        self.inputs.append(self._new(t) if isinstance(t, GlobalTensor) else None)
+        slot = self._new(t) if isinstance(t, GlobalTensor) else None
+        self.inputs.append(slot)
+        if slot is not None:
+            self.external_slots.add(slot)   # (as an external: its writes are undone after)
 
     # -- the hooks of sbpflow.tensor ------------------------------------------------------------
     def made(self, local: torch.Tensor) -> None:
@@ -224,6 +231,40 @@ class Recorder:
         r = tuple(self.read(t, "a ZeRO unit's gather") for t in reads)
         o = tuple(self._new(t) for t in outs)
         self.nodes.append(make(r, o, Mode.now(placement.device_type)))
+
+    def module(self, module: Any) -> None:
+        self.modules.setdefault(id(module), module)
+
+    def assign(self, dst: GlobalTensor, src: GlobalTensor) -> None:
+        """``dst``'s shard is about to take ``src``'s values in place (``src`` already in
+        ``dst``'s layout). A tensor build did not make (a buffer, a parameter) is put back as
+        it was when the trace ends (`restore`): the first call's replay makes the write."""
+        s = self.read(src, "an in-place op")
+        d = self.read(dst, "an in-place op")
+        local = dst._local
+        if d in self.external_slots and all(w is not local for w, _ in self.written):
+            self.written.append((local, local.detach().clone()))
+        self.nodes.append(AssignNode(s, d, dst._placement, Mode.now(dst._placement.device_type)))
+
+    def check_taken(self, t: GlobalTensor) -> None:
+        """``t`` is about to hold another shard (an in-place op on a tensor in the autograd
+        graph, or on a torch view): refused for a tensor build did not make, whose shard each
+        replay re-reads (the new one would be the trace's, never the call's)."""
+        slot = self.slot_of.get(id(t._local))
+        if slot is None or slot in self.external_slots:
+            raise GraphError(
+                f"graph: build changes in place a tensor of shape {t._shape} on "
+                f"{t._placement} with sbp {format_nd_sbp(t._sbp)} that it did not compute and "
+                f"whose shard is a torch view or in the autograd graph; a graph cannot replay "
+                f"that. Write it under torch.no_grad() into a tensor that owns its storage, "
+                f"or compute a new tensor")
+
+    def restore(self) -> None:
+        """Undo the trace's in-place writes into tensors build did not make (`assign`)."""
+        with torch.no_grad():
+            for local, before in reversed(self.written):
+                local.copy_(before)
+        self.written = []
 
     def guard(self, t: GlobalTensor, check) -> None:
         self.nodes.append(GuardNode(check, self.read(t, "a value check"), t._placement,

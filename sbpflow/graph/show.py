@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..sbp import format_nd_sbp
 from .lower import Lowered
-from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, ThunkNode
+from .nodes import AssignNode, BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, ThunkNode
 
 __all__ = ["describe"]
 
@@ -53,6 +53,8 @@ def _line(node, low: Lowered, names: dict[int, str]) -> str:
         return f"%{node.out} = draw()  (a new random value each call)"
     if isinstance(node, GuardNode):
         return f"check(%{node.src})  (index range, on every call)"
+    if isinstance(node, AssignNode):
+        return f"{_value(node.dst, names)}.copy_({_value(node.src, names)})  (in place)"
     if isinstance(node, BackwardNode):
         return f"backward(%{node.loss})"
     return repr(node)

@@ -20,7 +20,8 @@ from ..errors import ShapeError, StateDictError
 from ..gradsync import mark_replaced, mark_stale, settle, zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
-from ..tensor import GlobalTensor, zeros as _sf_zeros
+from ..tensor import GlobalTensor, module_called
+from ..tensor import zeros as _sf_zeros
 from . import functional as F
 from . import functional_conv as FC
 from . import init
@@ -94,6 +95,7 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
+        module_called(self)   # (a graph's trace keeps the modules it ran)
         d = self.__dict__
         if not (d.get("_forward_pre_hooks") or d.get("_forward_hooks")):
             return self.forward(*args, **kwargs)

@@ -16,12 +16,13 @@ from typing import Iterable
 import torch
 
 from .. import comm as _comm
+from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import B, Broadcast, Partial
-from ..tensor import GlobalTensor, from_local
+from ..tensor import GlobalTensor, from_local, recording
 from .optimizer import _remember, boxed_grads
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm", "clip_groups"]
 
 
 def _counts_once(t: GlobalTensor) -> bool:
@@ -40,6 +41,12 @@ def _world_scalar(value: float, op: str, device_type: str) -> float:
 
 
 def _grads(parameters) -> list[tuple[GlobalTensor, GlobalTensor]]:
+    if recording():   # (the trace records backward, not runs it: no gradient to read yet)
+        raise GraphError("graph: build clips or measures gradients (clip_grad_norm_ / "
+                         "grad_norm), but a graph runs backward after build, so they are not "
+                         "there yet. Clip in the optimizer's update instead: give its "
+                         "parameter group 'clip_grad_max_norm' (and 'clip_grad_norm_type', "
+                         "default 2), as OneFlow's graphs do")
     if isinstance(parameters, GlobalTensor):
         parameters = [parameters]
     parameters = list(parameters)
@@ -104,3 +111,14 @@ def clip_grad_norm_(parameters: Iterable[GlobalTensor] | GlobalTensor, max_norm:
                 g.local.mul_(coef.to(g.local.dtype))
             _remember(p, g)
     return total_t
+
+
+def clip_groups(groups: list[dict]) -> None:
+    """`clip_grad_norm_` of each parameter group that names ``clip_grad_max_norm`` (and
+    optionally ``clip_grad_norm_type``, default 2), over that group's parameters, as OneFlow's
+    optimizers do: the optimizer's `step` calls it first, so clipping works in graph mode, where
+    ``build`` cannot read gradients."""
+    for group in groups:
+        max_norm = group.get("clip_grad_max_norm")
+        if max_norm is not None:
+            clip_grad_norm_(group["params"], max_norm, group.get("clip_grad_norm_type", 2.0))

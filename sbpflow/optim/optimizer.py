@@ -316,7 +316,9 @@ class Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One update of every parameter that has a gradient (every rank must call it: the
-        gradients' boxing is a collective, in ``param_groups`` order)."""
+        gradients' boxing is a collective, in ``param_groups`` order). A parameter group with
+        ``clip_grad_max_norm`` (and ``clip_grad_norm_type``, default 2) has its gradients
+        clipped to that joint norm first (`clip.clip_groups`, as OneFlow's)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,6 +331,9 @@ class Optimizer(torch.optim.Optimizer):
             self._refuse_replaced(params)
             self._checked = (version, params)
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
+        if any("clip_grad_max_norm" in g for g in self.param_groups):
+            from .clip import clip_groups   # (clip builds on this module's boxed gradients)
+            clip_groups(self.param_groups)
         if not self.linear_update:
             self._refuse_partial(params)
         if self.overlap_grad_sync and not _same(self._sync_params, params):
