@@ -29,7 +29,7 @@ from ..tensor import GlobalTensor, from_local, source
 from .batch_order import batch_indices, num_batches, row_range
 from .collate import Shards, apply_cut, cut_rule, read_samples, reading_index, stack_samples
 from .prefetch import Prefetcher
-from .worker_pool import WorkerPool
+from .worker_pool import STALE, WorkerPool
 
 __all__ = ["DataLoader", "LoaderIterator"]
 
@@ -179,7 +179,8 @@ class DataLoader:
 
     def close(self) -> None:
         """End the worker processes (``workers > 0``; also done when the loader is garbage);
-        a later epoch forks new ones."""
+        a later epoch forks new ones. An epoch under way (an iterator, a called feed) loads
+        its remaining batches in a loading thread (`LoaderIterator`)."""
         with self._pools_lock:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
@@ -260,7 +261,13 @@ def _timeout(loader: DataLoader, comm: Any) -> float:
 
 class LoaderIterator:
     """One pass over an epoch's batches on the calling rank. Closing it (`close`, or dropping
-    the last reference to it) stops its loading thread."""
+    the last reference to it) stops its loading thread.
+
+    With worker processes, a new iteration of the same loader on the rank takes the rank's
+    workers over (the common case, a finished or abandoned epoch, stays as fast); an iterator
+    whose feed has gone stale that way, or by `DataLoader.close`, loads its remaining batches
+    in a loading thread of its own, as ``workers=0`` does (`_load`): two iterators of one
+    loader (``zip(loader, loader)``, an inner loop) give the same batches as with a thread."""
 
     def __init__(self, loader: DataLoader, owner: threading.Thread | None = None,
                  epoch: int | None = None) -> None:
@@ -269,14 +276,21 @@ class LoaderIterator:
         self._loader = loader  # keeps the loader alive while iterating
         self._job = _BatchJob(loader, comm.rank, epoch)  # epoch None: the loader's
         self._count, self._next, self._done = len(self._job.batches), 0, False
+        self._owner, self._timeout = owner, _timeout(loader, comm)
         self._prefetcher = None
         if loader.workers > 0 and self._count > 0:
             self._prefetcher = loader._pool(comm.rank).feed(
-                self._job.epoch, self._count, loader.prefetch, _timeout(loader, comm))
-        elif loader.prefetch > 0 and self._count > 0:
-            self._prefetcher = Prefetcher(
-                self._job, self._count, loader.prefetch, f"sbpflow-data-rank{comm.rank}",
-                _timeout(loader, comm), self._job.describe, owner)
+                self._job.epoch, self._count, loader.prefetch, self._timeout)
+        elif self._count > 0:
+            self._prefetcher = self._thread(0)
+
+    def _thread(self, start: int) -> Prefetcher | None:
+        """A loading thread for batches ``start..`` (None with ``prefetch=0``: on demand)."""
+        if not self._loader.prefetch:
+            return None
+        return Prefetcher(self._job, self._count, self._loader.prefetch,
+                          f"sbpflow-data-rank{self._job.rank}", self._timeout,
+                          self._job.describe, self._owner, start=start)
 
     def __iter__(self) -> "LoaderIterator":
         return self
@@ -308,7 +322,7 @@ class LoaderIterator:
         b = self._next
         self._next += 1
         try:
-            shards = self._prefetcher.get(b) if self._prefetcher else self._job(b)
+            shards = self._load(b)
         except BaseException:
             self.close()
             raise
@@ -319,6 +333,18 @@ class LoaderIterator:
         else:  # the shards were cut by the layout's rule (`cut_rule`): nothing to check again
             out = [GlobalTensor(t, s, pl, nd) for t, s in zip(shards.locals, shards.shapes)]
         return shards.form.build(out)
+
+    def _load(self, b: int) -> Shards:
+        """Batch ``b``: from the feed, or, once a worker feed is stale (`STALE`), from a
+        loading thread started at ``b`` (never a wait for batches that will not come)."""
+        feed = self._prefetcher
+        if feed is None:
+            return self._job(b)
+        shards = feed.get(b)
+        if shards is STALE:
+            feed = self._prefetcher = self._thread(b)
+            shards = feed.get(b) if feed is not None else self._job(b)
+        return shards
 
     def close(self) -> None:
         """Stop loading (the loading thread finishes the sample it is reading, if any)."""

@@ -32,11 +32,11 @@ def _take_slot(slots: threading.Semaphore, stop: threading.Event,
     return not stop.is_set()
 
 
-def _produce(load: Callable[[int], Any], count: int, slots: threading.Semaphore,
+def _produce(load: Callable[[int], Any], start: int, count: int, slots: threading.Semaphore,
              out: queue.SimpleQueue, stop: threading.Event, owner: threading.Thread) -> None:
-    """The thread's body: ``(b, value, True)`` for each batch into ``out``; a failing ``load``
-    puts ``(b, exc, False)`` and ends the thread."""
-    for b in range(count):
+    """The thread's body: ``(b, value, True)`` for each batch from ``start`` into ``out``; a
+    failing ``load`` puts ``(b, exc, False)`` and ends the thread."""
+    for b in range(start, count):
         if not _take_slot(slots, stop, owner):
             return
         try:
@@ -53,21 +53,22 @@ def _halt(stop: threading.Event, slots: threading.Semaphore) -> None:
 
 
 class Prefetcher:
-    """Loads batches ``0..count-1`` with ``load`` on a daemon thread named ``name``, at most
-    ``budget`` (>= 1) batches ahead of `get`. ``describe()`` says what the loading is doing
-    (for the timeout message). The thread stops when ``owner`` (default: the calling thread)
-    has ended."""
+    """Loads batches ``start..count-1`` with ``load`` on a daemon thread named ``name``, at
+    most ``budget`` (>= 1) batches ahead of `get`. ``describe()`` says what the loading is
+    doing (for the timeout message). The thread stops when ``owner`` (default: the calling
+    thread) has ended. ``start > 0``: the rest of an epoch whose first batches came from
+    elsewhere (a worker feed gone stale)."""
 
     def __init__(self, load: Callable[[int], Any], count: int, budget: int, name: str,
                  timeout: float, describe: Callable[[], str],
-                 owner: threading.Thread | None = None) -> None:
+                 owner: threading.Thread | None = None, start: int = 0) -> None:
         self._slots = threading.Semaphore(budget)
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._timeout, self._describe, self._name = timeout, describe, name
         self._thread = threading.Thread(
             target=_produce, name=name, daemon=True,
-            args=(load, count, self._slots, self._out, self._stop,
+            args=(load, start, count, self._slots, self._out, self._stop,
                   owner or threading.current_thread()))
         self._close = weakref.finalize(self, _halt, self._stop, self._slots)
         self._thread.start()

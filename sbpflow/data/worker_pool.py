@@ -7,10 +7,11 @@ for its GIL (torch's ``num_workers``).
 once the consumer has granted it, so at most ``budget`` batches are loaded ahead of `Feed.get`.
 The hot path has no pickle: a grant is a 20-byte pipe write; the worker writes the batch's
 shards into a shared-memory slot (a file made before the fork) and answers with a fixed
-header; the consumer copies the slot out. Workers run as SCHED_BATCH (`_batch_policy`). The
-shards' dtypes and shapes travel (pickled) only when they change; an error travels as its
-class, message and (when it pickles) cause. A worker ends when its pool is closed or
-garbage, when its rank's process ends, or when its parent is gone (docs/runtime.md).
+header; the consumer copies the slot out. Workers run as SCHED_BATCH (`_batch_policy`). An
+error travels as its class, message and (when it pickles) cause. A worker ends when its pool
+is closed or garbage, when its rank's process ends, or when its parent is gone. A feed whose
+pool went on to a later feed or was closed answers `STALE`; a closed pool's descriptors are
+never used again (docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from ..errors import DataLoaderError, SbpError
 from .collate import ItemForm, Shards
 
-__all__ = ["WorkerPool", "Feed"]
+__all__ = ["WorkerPool", "Feed", "STALE"]
 
 _POLL = 0.05  # s between a waiting consumer's looks at its workers
 _ALIGN = 64  # each shard starts at a multiple of this in its slot
@@ -46,6 +47,10 @@ _OPEN_LOCK = threading.Lock()
 # worker -> consumer: (generation, batch, status, slot, extra bytes that follow)
 _REPLY = struct.Struct("<qqiiq")
 _SAME, _NEW_LAYOUT, _FAILED = 0, 1, 2
+# `Feed.get`'s answer when the batch will not come: the pool started a later feed (another
+# iteration of the same loader on this rank) or was closed. No error for the user: the loader
+# loads the rest of the epoch itself
+STALE = object()
 
 
 class _Layout(NamedTuple):
@@ -227,12 +232,17 @@ def _close(grants: list, replies: list, fds: list, procs: list) -> None:
 class WorkerPool:
     """``k`` forked processes loading batches with ``make_job(epoch)`` (a function of the batch
     index), each with ``ceil(budget / k)`` shared-memory slots (enough for ``budget`` batches
-    loaded ahead); ``name`` names them in messages."""
+    loaded ahead); ``name`` names them in messages.
+
+    Every use of the pipes and slots holds ``lock`` and checks ``closed`` first: after
+    `close` (from any thread) their descriptors are closed and their numbers free for reuse,
+    and a use would read or write whatever file took them (a closed pool sends nothing and
+    receives nothing)."""
 
     def __init__(self, k: int, make_job: Callable[[int], Callable[[int], Shards]],
                  name: str, budget: int = 1) -> None:
         ctx = multiprocessing.get_context("fork")
-        self.name, self.k, self.gen = name, k, 0
+        self.name, self.k, self.gen, self.closed = name, k, 0, False
         self.budget = max(1, budget)
         per_worker = -(-self.budget // k)
         self.grants, self.replies, self.procs, self.slots = [], [], [], []
@@ -257,14 +267,18 @@ class WorkerPool:
             self.slots.append(fds)
             self.buffers.append(bytearray())
             self.procs.append(p)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # `feed` holds it across its grants (`send`)
         self._close = weakref.finalize(self, _close, self.grants, self.replies,
                                        [fd for fds in self.slots for fd in fds], self.procs)
 
     def send(self, i: int, kind: int, gen: int, value: int) -> None:
-        """A grant to worker ``i`` (`DataLoaderError` naming it if it has ended)."""
+        """A grant to worker ``i`` (`DataLoaderError` naming it if it has ended; nothing once
+        the pool is closed: its feeds are stale)."""
         try:
-            os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
+            with self.lock:
+                if self.closed:
+                    return
+                os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
         except OSError as exc:  # BrokenPipeError: the worker's end is closed, it died
             proc = self.procs[i]
             proc.join(1.0)
@@ -273,10 +287,16 @@ class WorkerPool:
                                   f"ended (exit code {proc.exitcode}) before it was given "
                                   f"{what} ({type(exc).__name__})") from None
 
-    def receive(self, i: int, wait: float) -> list[tuple] | None:
+    def receive(self, i: int, wait: float, gen: int) -> list[tuple] | None:
         """The replies worker ``i`` has sent, ``(gen, b, ok, Shards or message)`` each:
         those already read, else what its pipe holds (waiting at most ``wait`` s when it
-        holds nothing); ``None``: its end is closed."""
+        holds nothing); ``None``: its end is closed. ``[]`` when generation ``gen`` (the
+        caller's feed) is no longer the pool's, or the pool is closed: a stale feed must not
+        take the current feed's replies."""
+        with self.lock:  # a wait holds it at most ``wait`` s (`close` from another thread)
+            return [] if self.closed or gen != self.gen else self._receive(i, wait)
+
+    def _receive(self, i: int, wait: float) -> list[tuple] | None:
         out = self._frames(i) if self.buffers[i] else None  # usually empty: no parse
         if out:
             return out
@@ -328,14 +348,18 @@ class WorkerPool:
                       layout.shapes)
 
     def feed(self, epoch: int, count: int, budget: int, timeout: float) -> "Feed":
-        """Start loading ``count`` batches of ``epoch`` (any earlier feed is abandoned)."""
+        """Start loading ``count`` batches of ``epoch`` (any earlier feed is abandoned: its
+        `Feed.get` answers `STALE`; so does this one's if the pool is closed)."""
         with self.lock:
             self.gen += 1
             for i in range(self.k):
                 self.send(i, _EPOCH, self.gen, epoch)
-        return Feed(self, self.gen, count, min(max(1, budget), self.budget), timeout)
+            return Feed(self, self.gen, count, min(max(1, budget), self.budget), timeout)
 
     def close(self) -> None:
+        """End the workers and close the descriptors; the pool's feeds are stale from now."""
+        with self.lock:
+            self.closed = True
         self._close()
 
 
@@ -382,8 +406,9 @@ class Feed:
 
     @property
     def stale(self) -> bool:
-        """A later feed of the pool has started: this one's batches will not come."""
-        return self.gen != self.pool.gen
+        """A later feed of the pool has started, or the pool was closed: this one's batches
+        (beyond those already copied out) will not come."""
+        return self.gen != self.pool.gen or self.pool.closed
 
     def _grant(self) -> None:
         b = self.granted
@@ -392,18 +417,21 @@ class Feed:
 
     def get(self, b: int) -> Shards:
         """Batch ``b`` (the next one); grants the next batch to its worker (its slot is free:
-        batch ``b`` was copied out of its own)."""
+        batch ``b`` was copied out of its own). `STALE` when the batch will not come (the
+        pool went on to a later feed or was closed): never a wait for it."""
         i = b % self.pool.k
         got = self.got.pop(b, None)
         deadline = None
         while got is None:
-            replies = self.pool.receive(i, _POLL)
+            replies = self.pool.receive(i, _POLL, self.gen)
             for gen, g, ok, value in replies or ():
-                if gen == self.gen:
+                if gen == self.gen and (value is not None or not ok):  # None: not copied
                     self.got[g] = (ok, value)
             got = self.got.pop(b, None)
             if got is not None:
                 break
+            if self.stale:  # checked after the receive: a close meanwhile ends the workers
+                return STALE
             proc = self.pool.procs[i]
             if replies is None or not proc.is_alive():
                 raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
@@ -418,6 +446,6 @@ class Feed:
             cls, message, cause = value
             raise cls(f"DataLoader: worker process {self.pool.procs[i].name}: {message}") \
                 from cause
-        if self.granted < self.count:
+        if self.granted < self.count and not self.stale:
             self._grant()
         return value
