@@ -186,14 +186,20 @@ class DataLoader:
         for pool in pools:
             pool.close()
 
-    def _pool(self, rank: int) -> WorkerPool:
-        """The rank's worker processes, forked at its first epoch and kept."""
+    def _pool(self, rank: int, length: int) -> WorkerPool:
+        """The rank's worker processes, forked at its first epoch and kept while the dataset
+        has the ``length`` it had at the fork: the workers' forked copy keeps that length, so
+        their epoch order would be the old length's (a grown dataset's new indices never
+        read, a shrunk one's gone indices read); another length forks new workers."""
         with self._pools_lock:
             pool = self._pools.get(rank)
+            if pool is not None and pool.tag != length:
+                pool.close()  # its feeds under way are stale: they load their rest in a thread
+                pool = None
             if pool is None:
                 pool = self._pools[rank] = WorkerPool(
                     self.workers, partial(_BatchJob, self, rank), f"sbpflow-data-rank{rank}",
-                    max(self.prefetch, 1))
+                    max(self.prefetch, 1), tag=length)
             return pool
 
 
@@ -206,7 +212,8 @@ class _BatchJob:
         self.rank = rank
         self.epoch = loader.epoch if epoch is None else epoch
         self.coord = loader.placement.coord_of(rank) if rank in loader.placement else None
-        self.batches = batch_indices(len(loader.dataset), loader.batch_size,
+        self.length = len(loader.dataset)
+        self.batches = batch_indices(self.length, loader.batch_size,
                                      shuffle=loader.shuffle, seed=loader.seed,
                                      epoch=self.epoch, drop_last=loader.drop_last)
         self.progress: dict = {"batch": None, "index": None}
@@ -279,7 +286,7 @@ class LoaderIterator:
         self._owner, self._timeout = owner, _timeout(loader, comm)
         self._prefetcher = None
         if loader.workers > 0 and self._count > 0:
-            self._prefetcher = loader._pool(comm.rank).feed(
+            self._prefetcher = loader._pool(comm.rank, self._job.length).feed(
                 self._job.epoch, self._count, loader.prefetch, self._timeout)
         elif self._count > 0:
             self._prefetcher = self._thread(0)

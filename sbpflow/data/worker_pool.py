@@ -232,7 +232,8 @@ def _close(grants: list, replies: list, fds: list, procs: list) -> None:
 class WorkerPool:
     """``k`` forked processes loading batches with ``make_job(epoch)`` (a function of the batch
     index), each with ``ceil(budget / k)`` shared-memory slots (enough for ``budget`` batches
-    loaded ahead); ``name`` names them in messages.
+    loaded ahead); ``name`` names them in messages; ``tag`` is its owner's (the loader keeps
+    there the dataset's length at the fork, which the workers' copy keeps).
 
     Every use of the pipes and slots holds ``lock`` and checks ``closed`` first: after
     `close` (from any thread) their descriptors are closed and their numbers free for reuse,
@@ -240,9 +241,9 @@ class WorkerPool:
     receives nothing)."""
 
     def __init__(self, k: int, make_job: Callable[[int], Callable[[int], Shards]],
-                 name: str, budget: int = 1) -> None:
+                 name: str, budget: int = 1, tag: object = None) -> None:
         ctx = multiprocessing.get_context("fork")
-        self.name, self.k, self.gen, self.closed = name, k, 0, False
+        self.name, self.k, self.gen, self.tag, self.closed = name, k, 0, tag, False
         self.budget = max(1, budget)
         per_worker = -(-self.budget // k)
         self.grants, self.replies, self.procs, self.slots = [], [], [], []

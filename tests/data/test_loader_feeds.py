@@ -125,3 +125,43 @@ def test_a_loader_closed_mid_epoch_goes_on_without_its_descriptors(workers):
     assert untouched
     assert forked == ([1, 1] if workers is None else [0, 0])
 
+
+class _Resizable(torch.utils.data.Dataset):
+    """Sample ``i`` is ``[i]`` while ``i < n``; ``n`` is changed between epochs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(f"{i} not in a dataset of {self.n}")
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("workers", [0, None])
+def test_a_dataset_grown_or_shrunk_between_epochs_is_read_at_its_new_length(workers):
+    """A dataset whose length changes before the next epoch (a curriculum): that epoch is
+    ``randperm`` of the new length, as torch's sampler orders it. Worker processes forked at
+    the old length kept it (a grown dataset failed with an IndexError, a shrunk one gave
+    indices no longer in it)."""
+    ds = _Resizable(8)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0, 1]), seed=SEED,
+                                    workers=workers, timeout=20)
+        out = []
+        try:
+            for epoch, n in enumerate((8, 12, 6)):
+                ds.n = n
+                loader.set_epoch(epoch)
+                out.append([b.full_tensor().flatten().tolist() for b in loader])
+            return out
+        finally:
+            loader.close()
+
+    want = [_want(n, 4, epoch) for epoch, n in enumerate((8, 12, 6))]
+    assert sf.launch(fn, 2)[0] == want
+
