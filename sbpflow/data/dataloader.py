@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..comm import current
+from ..comm import current, rank_local
 from ..comm.threads import default_timeout
 from ..errors import DataLoaderConfigError, DataLoaderError
 from ..placement import Placement
@@ -111,7 +111,9 @@ class DataLoader:
         self.seed = seed
         self.shuffle, self.drop_last, self.timeout = bool(shuffle), bool(drop_last), timeout
         self.epoch = 0
-        self._feed: "LoaderIterator | None" = None  # what `__call__` reads
+        # what `__call__` reads, a feed a rank: a loader made outside `sf.launch` may be
+        # called by every rank thread, each with its own position in its own epoch
+        self._feeds: dict[int, LoaderIterator] = {}
         # the rank thread that made the loader: `__call__`'s loading threads live as long as
         # it does (a graph calls it from its loading actor's thread, which ends with each call)
         self._owner = threading.current_thread()
@@ -123,46 +125,50 @@ class DataLoader:
         return source(self._next_batch)
 
     def _next_batch(self):
-        """The called batch. An epoch's last batch starts the next epoch's feed at once, so
-        its loading (``prefetch`` batches, as within an epoch) runs while the caller trains
-        on that batch instead of after (a rank waited 1-4 ms at each epoch's first batch);
-        ``epoch`` still counts up at the call that takes the next epoch's first batch, and
-        `set_epoch` to another epoch drops that feed."""
-        for _ in range(2):
-            feed = self._feed
-            if feed is None or feed.abandoned:
-                feed = self._feed = LoaderIterator(self, owner=self._owner,
-                                                   epoch=None if feed is None else feed.epoch)
-            try:
-                batch = next(feed)
-            except StopIteration:
-                self._feed = None
-                self.epoch = feed.epoch + 1
-                continue
-            self.epoch = feed.epoch
-            if feed.exhausted:
-                self._start_next(feed.epoch + 1)
-            return batch
-        raise DataLoaderConfigError(f"DataLoader: {self!r} has no batch in an epoch")
+        """The calling rank's next called batch. An epoch's last batch starts the next
+        epoch's feed at once, so its loading (``prefetch`` batches, as within an epoch) runs
+        while the caller trains on that batch instead of after (a rank waited 1-4 ms at each
+        epoch's first batch); ``epoch`` still counts up at the call that takes the next
+        epoch's first batch, and `set_epoch` to another epoch drops that feed. An epoch
+        without batches raises and leaves ``epoch`` as it was."""
+        rank = current().rank
+        feed = self._feeds.get(rank)
+        if feed is None or feed.abandoned:  # abandoned: a fresh feed takes the workers back
+            feed = LoaderIterator(self, owner=self._owner,
+                                  epoch=None if feed is None else feed.epoch)
+        elif feed.exhausted:  # the next epoch's feed did not start at the last batch: retried
+            feed = LoaderIterator(self, owner=self._owner, epoch=feed.epoch + 1)
+        if not len(feed):  # not kept: the next call looks at the dataset's length again
+            raise DataLoaderConfigError(f"DataLoader: {self!r} has no batch in an epoch "
+                                        f"(fewer samples than batch_size with drop_last?)")
+        self._feeds[rank] = feed
+        batch = next(feed)
+        self.epoch = feed.epoch
+        if feed.exhausted:
+            self._start_next(rank, feed.epoch + 1)
+        return batch
 
-    def _start_next(self, epoch: int) -> None:
+    def _start_next(self, rank: int, epoch: int) -> None:
         """The called feed of ``epoch`` (the next one), started ahead. A failure to start it
         (a worker process that has ended) is left to the next call, which retries and
         raises it: this call has its batch."""
         try:
-            self._feed = LoaderIterator(self, owner=self._owner, epoch=epoch)
+            self._feeds[rank] = LoaderIterator(self, owner=self._owner, epoch=epoch)
         except DataLoaderError:
-            self._feed = None
+            pass
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order from the next iteration on (call it on every rank). A
-        call's feed of another epoch, or with no batch left, is dropped: the next call starts
-        epoch ``epoch`` (not the one after it)."""
+        """Use epoch ``epoch``'s order from the next iteration on (call it on every rank). The
+        calling rank's called feed (every rank's, called outside a rank thread) of another
+        epoch, or with no batch left, is dropped: its next call starts epoch ``epoch`` (not
+        the one after it)."""
         self.epoch = _positive_int("epoch", epoch, 0)
-        feed = self._feed
-        if feed is not None and (feed.epoch != self.epoch or feed.exhausted):
-            feed.close()
-            self._feed = None
+        comm = rank_local().comm
+        for rank in [comm.rank] if comm is not None else list(self._feeds):
+            feed = self._feeds.get(rank)
+            if feed is not None and (feed.epoch != self.epoch or feed.exhausted):
+                feed.close()
+                self._feeds.pop(rank, None)
 
     def __len__(self) -> int:
         return num_batches(len(self.dataset), self.batch_size, self.drop_last)

@@ -165,3 +165,42 @@ def test_a_dataset_grown_or_shrunk_between_epochs_is_read_at_its_new_length(work
     want = [_want(n, 4, epoch) for epoch, n in enumerate((8, 12, 6))]
     assert sf.launch(fn, 2)[0] == want
 
+
+@pytest.mark.parametrize("workers", [0, None])
+def test_a_loader_shared_by_rank_threads_gives_each_rank_its_batches(workers):
+    """One loader made outside ``sf.launch`` and called on every rank thread: each rank goes
+    through epoch 0 then 1 in torch's order (the called feed is per rank; it was one for the
+    loader, which mixed the ranks' batches). Iterating it too."""
+    loader = sf.data.DataLoader(Encoded(8), 4, sf.placement("cpu", [0, 1]), seed=SEED,
+                                workers=workers, timeout=20)
+
+    def fn():
+        called = [_labels(loader()) for _ in range(4)]
+        return called, [_labels(b) for b in loader]
+
+    try:
+        got = sf.launch(fn, 2)
+    finally:
+        loader.close()
+    e0, e1 = _want(8, 4, 0), _want(8, 4, 1)
+    assert got == [(e0 + e1, e1)] * 2
+
+
+def test_a_called_loader_without_batches_raises_and_keeps_its_epoch():
+    """A called loader whose epoch has no batch (fewer samples than ``batch_size``) raises
+    `DataLoaderConfigError` at each call and leaves ``epoch`` as it was (it counted up by 2
+    a failing call); once the dataset has grown, the call serves that epoch."""
+    ds = Encoded(3)
+
+    def fn():
+        loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0]), seed=SEED, workers=0)
+        loader.set_epoch(5)
+        epochs = []
+        for _ in range(2):
+            with pytest.raises(sf.DataLoaderConfigError, match="has no batch in an epoch"):
+                loader()
+            epochs.append(loader.epoch)
+        ds.n = 8
+        return epochs, _labels(loader()), loader.epoch
+
+    assert sf.launch(fn, 1)[0] == ([5, 5], _want(8, 4, 5)[0], 5)

@@ -325,7 +325,7 @@ def test_a_called_loader_starts_the_next_epoch_at_the_last_batch(workers):
         loader = sf.data.DataLoader(ds, 4, sf.placement("cpu", [0]), seed=3, workers=workers)
         try:
             first = [loader()[1].full_tensor() for _ in range(len(loader))]
-            ahead = (loader.epoch, loader._feed.epoch)
+            ahead = (loader.epoch, loader._feeds[0].epoch)
             evaluated = [y.full_tensor() for _, y in loader]   # epoch 0 again, iterated
             second = [loader()[1].full_tensor() for _ in range(len(loader))]
             return first, ahead, evaluated, second, loader.epoch
