@@ -101,13 +101,17 @@ _dtype_of = attrgetter("dtype")
 
 def _leaf(value: Any, index: int, element: int | None, where: str) -> torch.Tensor:
     """One value of a sample as a tensor (numbers as ``default_collate``: int -> int64,
-    float -> float64, bool -> bool)."""
+    float -> float64, bool -> bool; a subclass of int or float, e.g. an ``IntEnum``, as its
+    base, as torch's ``isinstance`` test does)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
         return torch.as_tensor(value)
     if type(value) in _NUMBERS:
         return torch.tensor(value, dtype=_NUMBERS[type(value)])
+    for base in (float, int):  # (a bool is caught above: bool cannot be subclassed)
+        if isinstance(value, base):
+            return torch.tensor(base(value), dtype=_NUMBERS[base])
     part = f" element {element}" if element is not None else ""
     raise DataLoaderError(f"DataLoader: sample {index}{part} ({where}) is a "
                           f"{type(value).__name__}; the loader batches tensors, numeric numpy "
@@ -185,7 +189,8 @@ def _check_structure(samples: Sequence, indices: Sequence[int], form: ItemForm,
                      where: str) -> None:
     """Every sample is built as the first (whose `ItemForm` the batch takes, as torch's
     ``default_collate`` takes the first sample's type): one value; a tuple / list (of any of
-    those types) of the same length; or a dict with the same keys."""
+    those types) of the same length; or a dict with the same keys, in any order (the batch's
+    are the first sample's, in its order, as torch's)."""
     kinds = set(map(type, samples))  # C loops first: the common, well-formed case is cheap
     if len(kinds) == 1 and form.kind in (tuple, list):  # every sample of the first's type
         if len(set(map(len, samples))) == 1:
@@ -205,9 +210,9 @@ def _check_structure(samples: Sequence, indices: Sequence[int], form: ItemForm,
 
 
 def _built_as(sample: Any) -> tuple:
-    """What must agree between the samples of a batch: dict keys or sequence length."""
+    """What must agree between the samples of a batch: dict keys (a set) or sequence length."""
     if isinstance(sample, dict):
-        return ("dict", tuple(sample))
+        return ("dict", frozenset(sample))
     return ("seq", len(sample)) if isinstance(sample, (tuple, list)) else ("one",)
 
 

@@ -1,6 +1,7 @@
 """The collate's cheap checks of well-formed batches still name the sample of a bad one, and
 the timeout message's sample comes from the samples read so far."""
 
+import enum
 from collections import namedtuple
 
 import pytest
@@ -74,3 +75,34 @@ def test_mixed_tuple_and_list_samples_still_checked():
     with pytest.raises(sf.DataLoaderError, match="sample 2 .* is a list of 3 but sample 0 "
                                                  "is a tuple of 2"):
         stack_samples([(a, 0), (a, 1), [a, 2, 3]], [0, 1, 2], "here")
+
+
+class Color(enum.IntEnum):
+    RED = 1
+    BLUE = 7
+
+
+def test_int_and_float_subclasses_stack_as_default_collate():
+    """An IntEnum label (an int subclass) is int64, as torch's ``isinstance`` test makes it,
+    alone or beside plain ints; a bool beside ints is still refused (a bool tensor is no
+    int64 one)."""
+    for values in ([Color.RED, Color.BLUE], [Color.BLUE, 3]):
+        _, (got,) = stack_samples(values, [0, 1], "here")
+        ref = torch.utils.data.default_collate(values)
+        assert got.dtype == ref.dtype == torch.int64 and torch.equal(got, ref)
+    with pytest.raises(sf.DtypeMismatchError, match="sample 1 is torch.bool but sample 0 is "
+                                                    "torch.int64"):
+        stack_samples([3, True], [0, 1], "here")
+
+
+def test_dicts_with_keys_in_another_order_stack_by_the_first():
+    """Dict samples with the same keys in another order are collated by the first sample's
+    keys, as torch does; a dict with other keys is still refused, naming it."""
+    samples = [{"x": torch.zeros(2), "y": 1}, {"y": 2, "x": torch.ones(2)}]
+    form, (x, y) = stack_samples(samples, [0, 1], "here")
+    ref = torch.utils.data.default_collate(samples)
+    assert form.keys == ("x", "y") and list(ref) == ["x", "y"]
+    assert torch.equal(x, ref["x"]) and torch.equal(y, ref["y"])
+    with pytest.raises(sf.DataLoaderError, match=r"sample 1 .* is a dict with keys \['x', "
+                                                 r"'z'\] but sample 0 is a dict"):
+        stack_samples([samples[0], {"x": torch.ones(2), "z": 2}], [0, 1], "here")
