@@ -111,7 +111,8 @@ def _register(rt: "Runtime") -> None:
         mine = _DIRECT.setdefault(rt.comm.world, {})
         if (rt.rank, rt.channel) in mine:
             return
-        mine[(rt.rank, rt.channel)] = (rt.router, rt.shared, rt.comm)
+        # (the communicator weakly: it holds the world, this map's key)
+        mine[(rt.rank, rt.channel)] = (rt.router, rt.shared, weakref.ref(rt.comm))
         try:
             pending = rt.comm.inbox(rt.channel, 0.0)
         except CommError:  # the world aborted: the run's reader reports it
@@ -343,7 +344,10 @@ class _Step:
                           f"sbpflow-rank{self.rank}-inbox")
         with shared.route:
             router.active, router.last = self, self.run_id
-            router.on_stale_failure = self._stale_failure
+            # (weakly: the communicator's shared state outlives the run, and a strong reference
+            # kept the run, its runtime, and so the communicator itself and all that a graph
+            # holds, its data loader's processes too, alive as long as the process)
+            router.on_stale_failure = weakref.WeakMethod(self._stale_failure)
             if self.careful:
                 self._post_start()
             self.dispatch(shared.early.pop(self.rt.channel, []))
@@ -532,13 +536,15 @@ class _Step:
         """Hand ``msg`` to the run active on the receiver's channel, or keep it for a later
         run, as its reader would (its route lock taken, no lock of this rank held: the
         receiver's dispatch of a req or ack posts nothing). Counted and copied as a post."""
-        router, shared, comm = target
+        router, shared, comm_ref = target
         size = tensor_bytes(msg)
         self.comm._count("message", size, 0)
         msg = copy_tensors(msg)
         with shared.route:
             route(router, shared.early.setdefault(self.rt.channel, []), [(self.rank, msg)])
-        comm._count("message", 0, size)
+        comm = comm_ref()
+        if comm is not None:
+            comm._count("message", 0, size)
 
     def dispatch(self, msgs: list[tuple[int, tuple]]) -> None:
         """Hand the messages read from the channel to the actors (the route lock held)."""

@@ -34,15 +34,16 @@ class Router:
     """Where one channel's messages go (guarded by the communicator state's ``route`` lock):
     ``active``: the run under way on this rank (``None`` between runs), which has
     ``dispatch(msgs)``; ``last``: the id of the last run made active; ``runtimes``: the live
-    runtimes of the channel (the reader ends with the last); ``on_stale_failure(run)``: called
-    when a failure notice of run ``run`` (not newer than ``last``) arrives between runs."""
+    runtimes of the channel (the reader ends with the last); ``on_stale_failure``: a weak
+    method, called ``(run)`` when a failure notice of run ``run`` (not newer than ``last``)
+    arrives between runs."""
 
     def __init__(self) -> None:
         self.active: Any = None
         self.last = 0
         self.runtimes: "weakref.WeakSet" = weakref.WeakSet()
         self.reader: threading.Thread | None = None
-        self.on_stale_failure: Callable[[int], None] | None = None
+        self.on_stale_failure: "weakref.WeakMethod | None" = None
 
 
 def route(router: Router, early: list, msgs: list) -> None:
@@ -54,7 +55,9 @@ def route(router: Router, early: list, msgs: list) -> None:
         if msg[1] > router.last:
             early.append((src, msg))
         elif failure_notice(msg) and router.on_stale_failure is not None:
-            router.on_stale_failure(msg[1])
+            call = router.on_stale_failure()   # (a weak method: None once its run is gone)
+            if call is not None:
+                call(msg[1])
 
 
 def _read(comm: Communicator, channel: str, router: Router, lock: threading.RLock,

@@ -1,10 +1,14 @@
 """What a graph's plan depends on besides its inputs, and the state ``build`` changes: in-place
 writes to buffers and parameters replayed on every call; a plan compiled again when a module
 build ran changes train / eval mode, under another autocast state, after the model's
-parameters were replaced, or after an optimizer is added; gradient clipping in graph mode.
-Each against plain torch on one device."""
+parameters were replaced, or after an optimizer is added; gradient clipping in graph mode
+(each against plain torch on one device); a graph is garbage once its launch ended."""
 
 from __future__ import annotations
+
+import gc
+import time
+import weakref
 
 import pytest
 import torch
@@ -283,3 +287,37 @@ def test_clipping_in_build_is_refused_naming_the_way_that_works():
     clipped, silently."""
     with pytest.raises(GraphError, match="clip_grad_max_norm"):
         sf.launch(_clip_in_build, 2)
+
+
+_GONE: list = []   # weak references to what each rank's graph held
+
+
+def _graph_and_go() -> float:
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4).double()
+    sf.parallel.apply(lin, pl, {"*": sf.B})
+
+    class Apply(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def build(self, x):
+            return self.lin(x).sum()
+
+    g = Apply()
+    out = g(sf.tensor(X, pl, sf.B)).item()
+    _GONE.extend([weakref.ref(g), weakref.ref(lin)])
+    return out
+
+
+def test_a_graph_is_garbage_after_its_launch():
+    """The runtime's per-communicator state held the last run, so the runtime, the
+    communicator (the state's own weak key) and everything the graph held (a model, a data
+    loader's worker processes) lived as long as the process."""
+    sf.launch(_graph_and_go, 2)
+    deadline = time.monotonic() + 10   # (idle threads look at their owner every 0.25 s)
+    while any(r() is not None for r in _GONE) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    assert len(_GONE) == 4 and all(r() is None for r in _GONE)
