@@ -24,7 +24,7 @@ from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
 from .lower import lower, reads, stages_of, writes
-from .microbatch import signature, split_inputs
+from .microbatch import signature, split_inputs, unflatten_inputs
 from .nodes import Env, source_values
 from .plan import Call, graph_plan
 from .show import describe
@@ -33,17 +33,17 @@ from .recorder import OutConst, OutSlot, Recorder, Tape
 __all__ = ["Compiled", "trace"]
 
 
-def trace(graph, args: list, rec: Recorder) -> Tape:
-    """Run ``graph.build(*args)`` eagerly with ``rec`` recording on this thread. The default
-    seed stream is wound back after: the calls make the draws (the first call's are the ones
-    an eager step would have made)."""
+def trace(graph, args: list, rec: Recorder, forms: tuple | None = None) -> Tape:
+    """Run ``graph.build(*args)`` eagerly with ``rec`` recording on this thread (``args``
+    nested as ``forms`` say, `unflatten_inputs`). The default seed stream is wound back after:
+    the calls make the draws (the first call's are the ones an eager step would have made)."""
     for a in args:
         rec.add_input(a)
     state = _comm.current().state
     counter = state.get("seed_counter", 0)
     previous = set_recorder(rec)
     try:
-        result = graph.build(*args)
+        result = graph.build(*unflatten_inputs(forms, args))
     finally:
         set_recorder(previous)
         state["seed_counter"] = counter
@@ -83,9 +83,10 @@ def _mean_stage(low) -> int | None:
 
 
 class Compiled:
-    """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts)."""
+    """``graph`` compiled for inputs like ``inputs`` (same shapes, dtypes, layouts; the
+    leaves of build's arguments, nested as ``forms`` say: `flatten_inputs`)."""
 
-    def __init__(self, graph, inputs: tuple) -> None:
+    def __init__(self, graph, inputs: tuple, forms: tuple | None = None) -> None:
         cfg = graph.config
         self.graph, self.k, self.cfg = graph, cfg.micro_batches, cfg
         self.comm = _comm.current()
@@ -99,7 +100,7 @@ class Compiled:
             key = (signature(args), self._source_shapes(m))
             if key not in self.tapes:
                 rec = Recorder(m, self.k, self.batches, self.k > 1 and cfg.loss_reduction == "mean")
-                tape = trace(graph, args, rec)
+                tape = trace(graph, args, rec, forms)
                 self.modules.update(rec.modules)
                 key = (signature(args), self._source_shapes(m))  # the sources are known now
                 self.tapes.setdefault(key, tape)
@@ -202,6 +203,15 @@ class Compiled:
                              f"scalars (combined as the batch's weighted mean), not tensors of "
                              f"shapes {big}; return them from a graph without gradient "
                              f"accumulation")
+        # (a weighted mean of counts is neither the batch's count nor of their dtype)
+        ints = [str(tape.metas[s].dtype) for s in tape.outs
+                if not (tape.metas[s].dtype.is_floating_point or tape.metas[s].dtype.is_complex)]
+        if ints:
+            raise GraphError(f"graph: with {self.k} micro-batches build returns scalars of "
+                             f"{ints}, which the graph would combine as the micro-batches' "
+                             f"weighted mean ({self.cfg.loss_reduction!r} reduction); return "
+                             f"a floating-point mean instead (a count c of n rows: "
+                             f"c.double() / n, or with set_loss_reduction('sum'), c.double())")
 
     # -- a call ---------------------------------------------------------------------------------
     def run(self, inputs: tuple) -> Any:

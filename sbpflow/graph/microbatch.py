@@ -19,8 +19,9 @@ from ..caches import memoize
 from ..errors import GraphError
 from ..sbp import Split, format_nd_sbp, local_shape
 from ..tensor import GlobalTensor
+from ..utils import sequence_of
 
-__all__ = ["MicroBatches", "split_inputs", "signature"]
+__all__ = ["MicroBatches", "split_inputs", "signature", "flatten_inputs", "unflatten_inputs"]
 
 
 class MicroBatches(NamedTuple):
@@ -129,3 +130,46 @@ def signature(args: Sequence[Any]) -> tuple:
                                  f"{type(a).__name__}") from None
             out.append((type(a), a))
     return tuple(out)
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, GlobalTensor):
+        return True
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else ()
+    return any(_holds_tensor(x) for x in items)
+
+
+def _flatten(v: Any, out: list) -> Any:
+    """Append ``v``'s leaves to ``out``; its form: None for a leaf, else (container type,
+    dict keys or None, the items' forms). Only containers holding a global tensor open."""
+    if isinstance(v, (tuple, list, dict)) and _holds_tensor(v):
+        keys = tuple(v) if isinstance(v, dict) else None
+        items = [v[k] for k in keys] if keys is not None else v
+        return (type(v), keys, tuple(_flatten(x, out) for x in items))
+    out.append(v)
+    return None
+
+
+def flatten_inputs(inputs: Sequence[Any]) -> tuple[tuple, tuple | None]:
+    """A call's inputs as leaves and their form (None: every input is a leaf): a tuple, list,
+    namedtuple or dict holding global tensors is its leaves, so its tensors are inputs of the
+    plan (split into micro-batches, replaced at each call) and not constants of it."""
+    flat: list = []
+    forms = tuple(_flatten(v, flat) for v in inputs)
+    return tuple(flat), None if all(f is None for f in forms) else forms
+
+
+def _rebuild(form: Any, leaves) -> Any:
+    if form is None:
+        return next(leaves)
+    kind, keys, parts = form
+    items = [_rebuild(p, leaves) for p in parts]
+    return kind(zip(keys, items)) if keys is not None else sequence_of(kind, items)
+
+
+def unflatten_inputs(forms: tuple | None, flat: Sequence[Any]) -> tuple:
+    """`flatten_inputs`'s inverse: build's arguments from the leaves."""
+    if forms is None:
+        return tuple(flat)
+    leaves = iter(flat)
+    return tuple(_rebuild(f, leaves) for f in forms)

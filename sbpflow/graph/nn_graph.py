@@ -26,7 +26,7 @@ from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace
 from ..runtime.schedules import SCHEDULES
 from .compiled import Compiled
-from .microbatch import signature
+from .microbatch import flatten_inputs, signature
 
 __all__ = ["Graph", "GraphConfig"]
 
@@ -65,7 +65,8 @@ class GraphConfig:
 
     def set_split_inputs(self, *flags: bool) -> None:
         """Which inputs of ``build`` are cut into micro-batches (default: the global tensors
-        whose axis 0 has the first input's size); the others go whole to each micro-batch."""
+        whose axis 0 has the first input's size); the others go whole to each micro-batch. A
+        tuple, list or dict input holding global tensors counts as its leaves, in order."""
         self.split_inputs = tuple(bool(f) for f in flags)
 
     def enable_zero(self, stage: int = 2, *, min_size: int = 0) -> None:
@@ -115,20 +116,22 @@ class Graph:
             inputs = _bound(self.build, type(self).__name__, inputs, named)
         settle()   # ZeRO-1 parameters gathered in the background since the last update
         self._apply_zero()
-        key = self._key(inputs)
+        flat, forms = flatten_inputs(inputs)   # (a tuple or dict of tensors: its leaves)
+        key = self._key(flat, forms)
         compiled = self._compiled.get(key)
         if compiled is not None and compiled.uses_replaced():
             del self._compiled[key]   # the model holds new parameter objects: trace it again
             compiled = None
         if compiled is None:
-            compiled = Compiled(self, inputs)
+            compiled = Compiled(self, flat, forms)
             self._ran.update(compiled.modules)
-            self._compiled[self._key(inputs)] = compiled   # (with the modules it ran)
+            self._compiled[self._key(flat, forms)] = compiled   # (with the modules it ran)
         self._last = compiled
-        return compiled.run(inputs)
+        return compiled.run(flat)
 
-    def _key(self, inputs: tuple) -> tuple:
-        """What a plan is compiled for besides the config: the inputs' shapes and layouts,
+    def _key(self, inputs: tuple, forms: tuple | None) -> tuple:
+        """What a plan is compiled for besides the config: the inputs' shapes and layouts
+        (``inputs``: the leaves, nested as ``forms`` say),
         the train / eval mode of every module a trace ran (dropout; a module reached through
         a closure or a list too) and of the registered ones, the registered modules
         themselves, torch's grad mode (under no_grad a build's backward raises, as on a first
@@ -138,8 +141,8 @@ class Graph:
         modes += tuple((id(v), v.training) for v in attrs)
         modes += (torch.is_grad_enabled(),) + _autocast_state()
         cfg = self.config
-        return (signature(inputs), modes, cfg.micro_batches, cfg.schedule, cfg.loss_reduction,
-                cfg.split_inputs)
+        return (signature(inputs), forms, modes, cfg.micro_batches, cfg.schedule,
+                cfg.loss_reduction, cfg.split_inputs)
 
     def _apply_zero(self) -> None:
         """`GraphConfig.enable_zero` on the registered modules, at the first call. Asked

@@ -321,3 +321,72 @@ def test_a_graph_is_garbage_after_its_launch():
         gc.collect()
         time.sleep(0.1)
     assert len(_GONE) == 4 and all(r() is None for r in _GONE)
+
+
+def _count_output():
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4).double()
+    sf.parallel.apply(lin, pl, {"*": sf.B})
+
+    class Count(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.config.set_gradient_accumulation_steps(2)
+
+        def build(self, x, y):
+            return (lin(x).argmax(-1) == y).sum()
+
+    Count()(sf.tensor(X, pl, sf.S(0)), sf.tensor(Y, pl, sf.S(0)))
+
+
+def test_an_integer_output_over_micro_batches_is_refused():
+    """Before, a count came back as the micro-batches' weighted mean, in float32."""
+    with pytest.raises(GraphError, match=r"scalars of \['torch.int64'\].*c.double\(\) / n"):
+        sf.launch(_count_output, 2)
+
+
+def _nested_inputs(kind: str, k: int, batches: list, sd0: dict) -> tuple:
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4).double()
+    lin.load_state_dict(sd0)
+    sf.parallel.apply(lin, pl, {"*": sf.B})
+
+    class Nested(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.add_optimizer(sf.optim.SGD(lin.parameters(), lr=0.5))
+            self.config.set_gradient_accumulation_steps(k)
+
+        def build(self, batch):
+            x, y = (batch["x"], batch["y"]) if kind == "dict" else batch
+            loss = sf.nn.functional.cross_entropy(lin(x), y)
+            loss.backward()
+            return loss
+
+    g, losses = Nested(), []
+    for x, y in batches:
+        x, y = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+        losses.append(g({"x": x, "y": y} if kind == "dict" else (x, y)).item())
+    return losses, len(g._compiled)
+
+
+@pytest.mark.parametrize("kind,k", [("tuple", 1), ("dict", 2)])
+def test_a_tuple_or_dict_input_is_its_tensors(kind, k):
+    """Its tensors are inputs of the plan, split into micro-batches: one compile for three
+    batches (before, the tuple was a constant of the plan: a compile a call, or with k > 1
+    'nothing to split'; a dict was refused)."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, generator=g, dtype=F64), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(3)]
+    ref = torch.nn.Linear(6, 4).double()
+    sd0 = {n: v.clone() for n, v in ref.state_dict().items()}
+    losses, plans = sf.launch(_nested_inputs, 2, args=(kind, k, batches, sd0))[0]
+    opt, want = torch.optim.SGD(ref.parameters(), lr=0.5), []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    torch.testing.assert_close(losses, want, rtol=0, atol=1e-12)
+    assert plans == 1
