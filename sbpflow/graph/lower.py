@@ -80,7 +80,7 @@ def stages_of(tape: Tape) -> list[frozenset]:
                     f"ranks)")
         sets.append(r)
     after: dict[frozenset, set] = {r: set() for r in sets}
-    for node in tape.nodes:
+    for node in live_nodes(tape):   # (a move nothing reads is no edge: lowering drops it)
         if isinstance(node, BoxNode):
             a, b = _ranks(tape.metas[node.src].placement), _ranks(node.placement)
             if a != b:
@@ -94,7 +94,8 @@ def stages_of(tape: Tape) -> list[frozenset]:
         if state.get(r) == 1:
             raise GraphError(f"graph: values go from the stage on ranks {sorted(r)} to later "
                              f"stages and back; pipeline stages must form a chain without "
-                             f"cycles")
+                             f"cycles (an input given on a stage's placement goes back if "
+                             f"an earlier stage reads it: give it where it is first read)")
         state[r] = 1
         for nxt in sorted(after[r], key=sets.index):
             visit(nxt)

@@ -102,13 +102,15 @@ class Pipeline:
 
     def enter_model(self, frame: list, args: tuple, kwargs: dict) -> None:
         """Fill ``frame`` (already on ``_frames``): remember the model's global-tensor inputs
-        (restored by `leave_model`) and put each on stage 0 (its home, from which every later
-        stage's copy is moved)."""
+        (restored by `leave_model`) as given (their home, from which each stage's copy is
+        moved) and put each on stage 0. Moving from where the caller put an input, not from
+        stage 0, keeps targets given on the last stage (as torch's pipelining takes them)
+        there: a graph then drops the copies nothing reads, and no value goes back a stage."""
         for t in _global_inputs(args, kwargs):
             saved = _fields(t)
-            home = self.move(_snapshot(t), 0, "a model input")
+            home = _snapshot(t)
             frame.append((t, saved, home))
-            _set_fields(t, _fields(home))
+            _set_fields(t, _fields(self.move(home, 0, "a model input")))
 
     def leave_model(self, frame: list) -> None:
         """Take ``frame`` off ``_frames`` and give its inputs back their own layouts."""

@@ -145,13 +145,15 @@ def graph_vs_eager(name: str, layout_name: str, k: int, n, split: bool = False) 
 
 # -- the GPT pipeline ---------------------------------------------------------------------------
 def gpt_pipeline(stage_ranks: list, split: list, rules, data_sbp, n: int, k: int,
-                 schedule: str, steps: int = STEPS, files: str | None = None) -> dict:
+                 schedule: str, steps: int = STEPS, files: str | None = None,
+                 targets_stage: int = 0) -> dict:
     """On every rank: the GPT (seed 0) pipelined over ``sf.placement("cpu", r)`` for each ``r``
     of ``stage_ranks``, trained ``steps`` steps by a graph of ``k`` micro-batches; inputs on
     stage 0 (tokens and targets ``data_sbp``, positions replicated). Returns the initial state
     dict, the losses, the final state dict, the last call's timeline, the plan and the graph's
     text, the traces of build. ``files``: a directory where every rank calls
-    ``save_timeline`` and ``save_trace`` with its own file names (rank 0 writes)."""
+    ``save_timeline`` and ``save_trace`` with its own file names (rank 0 writes).
+    ``targets_stage``: the stage whose placement the targets are given on."""
     stages = [sf.placement("cpu", r) for r in stage_ranks]
     everyone = sf.placement("cpu", list(range(sf.comm.world_size())))
     sf.manual_seed(0)
@@ -164,7 +166,7 @@ def gpt_pipeline(stage_ranks: list, split: list, rules, data_sbp, n: int, k: int
     for i in range(steps):
         tok, pos, tgt = gpt_data(i, n)
         loss = step(sf.tensor(tok, stages[0], data_sbp), sf.tensor(pos, stages[0], replicated),
-                    sf.tensor(tgt, stages[0], data_sbp))
+                    sf.tensor(tgt, stages[targets_stage], data_sbp))
         losses.append(_losses(loss, everyone))
     if files is not None:
         step.save_timeline(f"{files}/timeline{sf.comm.rank()}.png")

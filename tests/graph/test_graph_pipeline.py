@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from graph_fns import gpt_pipeline, torch_gpt
+from graph_fns import STEPS, gpt_pipeline, torch_gpt
 from sbpflow.models import TP_RULES
 from sbpflow.runtime import in_flight
 
@@ -108,6 +108,16 @@ def test_stages_on_any_ranks_equal_torch(case):
                         args=(ranks, split, None, sf.B, 10, m, "1f1b"))
     _check(results, 10)
     _check_in_flight(results, ranks, m, "1f1b")
+
+
+def test_targets_given_on_the_last_stage_equal_torch():
+    """As torch's pipelining takes them: the model's inputs follow the stages from where they
+    are given, so the targets never go back to stage 0 (a 'cycle' GraphError before)."""
+    ranks = [[0], [1], [2]]
+    results = sf.launch(gpt_pipeline, world_size=3,
+                        args=(ranks, SPLITS[3], None, sf.B, 10, 4, "1f1b", STEPS, None, 2))
+    _check(results, 10)
+    _check_in_flight(results, ranks, 4, "1f1b")
 
 
 def _two_stage_mlp(sd0: dict):
