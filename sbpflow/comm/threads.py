@@ -181,6 +181,8 @@ class ThreadWorld:
 
     ``blocked[rank]`` lists the waits the rank's threads are in, as ``(what, missing)``:
     what the call is and which ranks it still needs (computed live, under ``cond``).
+    ``alongside[rank]`` lists the waits of its `waits_alongside` threads, as ``(thread name,
+    what, missing)``: error messages name them, the cycle check never reads them.
     """
 
     def __init__(self, world_size: int, timeout: float | None = None) -> None:
@@ -194,6 +196,7 @@ class ThreadWorld:
         self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()
         self.blocked: dict[int, list[tuple[What, Callable[[], list[int]]]]] = {}
+        self.alongside: dict[int, list[tuple[str, What, Callable[[], list[int]]]]] = {}
         self.verdicts: dict[int, str] = {}  # a rank's wait must raise CommError(this)
         # rank -> (count, reason): waits that began before the count grew raise CommAborted
         self.interrupts: dict[int, tuple[int, str]] = {}
@@ -245,13 +248,18 @@ class ThreadWorld:
                 self.cond.wait(left)
 
     def describe(self, rank: int) -> str:
-        """What ``rank`` is doing, for error messages. Call with ``cond`` held."""
+        """What ``rank`` is doing, for error messages: each wait of its threads (its own and
+        those that wait alongside it, by thread name) with the ranks it still needs; where its
+        own thread is if none of them waits. Call with ``cond`` held."""
         if rank in self.finished:
             return f"rank {rank} has returned from the launched function"
-        waits = self.blocked.get(rank)
+        waits = [f"rank {rank} waits in {what()} for rank(s) {missing()}"
+                 for what, missing in self.blocked.get(rank, ())]
+        # a rank whose own thread computes may still wait on its actor or worker threads
+        waits += [f"rank {rank}'s thread {name!r} waits in {what()} for rank(s) {missing()}"
+                  for name, what, missing in self.alongside.get(rank, ())]
         if waits:
-            return "; ".join(f"rank {rank} waits in {what()} for rank(s) {missing()}"
-                             for what, missing in waits)
+            return "; ".join(waits)
         where = _where(self.idents.get(rank))
         return f"rank {rank} is not waiting for another rank" + \
             (f" (it is{where})" if where else "")
@@ -261,9 +269,13 @@ class ThreadWorld:
         """Wait on ``self.cond`` (held by the caller) until ``ready()``; never forever."""
         if ready():
             return
-        entry = (what, missing)
         alone = not _flags.alongside
-        waits = self.blocked.setdefault(rank, []) if alone else []
+        if alone:
+            entry: tuple = (what, missing)
+            waits = self.blocked.setdefault(rank, [])
+        else:  # described in messages only: kept out of `_needs` and `_cycle`
+            entry = (threading.current_thread().name, what, missing)
+            waits = self.alongside.setdefault(rank, [])
         waits.append(entry)
         try:
             start = time.monotonic()
