@@ -2,10 +2,11 @@
 
 An event is ``{"rank", "actor", "kind", "stage", "micro_batch", "start", "end"}`` (seconds on
 one clock for all ranks). `save_trace` writes the Chrome trace JSON that Perfetto and
-chrome://tracing open (a process a rank, a thread a queue); `save_timeline` draws a PNG with
-matplotlib (a row a rank, forward and backward in two colours, micro-batch numbers on the
-bars); `in_flight` reads, per stage, the most forward micro-batches whose backward had not
-ended. See docs/runtime.md, 'Schedules as register budgets'.
+chrome://tracing open (a process a rank; a thread its kernels, one each other actor);
+`save_timeline` draws a PNG with matplotlib (a row a rank, forward and backward in two
+colours, micro-batch numbers on the bars); `in_flight` reads, per stage, the most forward
+micro-batches whose backward had not ended. See docs/runtime.md, 'Schedules as register
+budgets'.
 """
 
 from __future__ import annotations
@@ -29,22 +30,66 @@ def _origin(events: Sequence[dict]) -> float:
     return min((e["start"] for e in events), default=0.0)
 
 
+def _overlap(spans: list[tuple[float, float]], more: list[tuple[float, float]]) -> bool:
+    """Whether an interval of ``more`` overlaps one of ``spans`` (each list's own do not)."""
+    end = float("-inf")
+    for start, stop in sorted(spans + more):
+        if start < end:
+            return True
+        end = max(end, stop)
+    return False
+
+
+def _threads(events: Sequence[dict]) -> dict[tuple[int, str], tuple[int, str]]:
+    """``(rank, actor) -> (tid, thread name)`` of the trace. The kernels (kinds of the compute
+    queue) share the rank's ``compute`` thread, as they do in the runtime, unless an actor's
+    firings overlap it (its plan gave it a queue of its own): then it has its own thread. Every
+    other actor has a thread of its own, named after it: a graph runs each transfer on its own
+    queue, and on one thread slices that overlap without nesting are drawn mis-nested."""
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    kinds: dict[tuple[int, str], str] = {}
+    for e in events:
+        key = (e["rank"], e["actor"])
+        spans.setdefault(key, []).append((e["start"], e["end"]))
+        kinds[key] = QUEUES.get(e["kind"], "compute")
+    rows = {}
+    for r in sorted({rank for rank, _ in spans}):
+        mine = [k for k in spans if k[0] == r]
+        kernels = sorted((k for k in mine if kinds[k] == "compute"), key=lambda k: min(spans[k]))
+        shared: list[tuple[float, float]] = []
+        alone = []
+        for k in kernels:  # the first always joins: the compute thread is tid 0
+            if _overlap(shared, spans[k]):
+                alone.append(k)
+            else:
+                shared += spans[k]
+                rows[k] = (0, "compute")
+        others = sorted((k for k in mine if kinds[k] != "compute"), key=lambda k: (kinds[k], k))
+        for tid, k in enumerate(alone + others, start=1 if kernels else 0):
+            rows[k] = (tid, k[1])
+    return rows
+
+
 def save_trace(events: Iterable[dict], path: str) -> None:
     """Write ``events`` as a Chrome trace (JSON object format; times in µs from the first
-    start): one process a rank, one thread a queue (compute, comm, data)."""
+    start): one process a rank; in it one thread the kernels (``compute``) and one each other
+    actor (a transfer, collective or load, named after it), so that no two slices of a thread
+    overlap (see `_threads`)."""
     events = list(events)
     t0 = _origin(events)
-    queues = sorted({QUEUES.get(e["kind"], "compute") for e in events})
-    tid = {q: i for i, q in enumerate(queues)}
+    rows = _threads(events)
     out = []
     for r in sorted({e["rank"] for e in events}):
         out.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
-        out += [{"ph": "M", "name": "thread_name", "pid": r, "tid": tid[q],
-                 "args": {"name": q}} for q in queues]
+        for tid, name in sorted({v for (rank, _), v in rows.items() if rank == r}):
+            out += [{"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                     "args": {"name": name}},
+                    {"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid,
+                     "args": {"sort_index": tid}}]
     for e in events:
         out.append({"name": f"{e['actor']} #{e['micro_batch']}", "cat": e["kind"], "ph": "X",
                     "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
-                    "pid": e["rank"], "tid": tid[QUEUES.get(e["kind"], "compute")],
+                    "pid": e["rank"], "tid": rows[e["rank"], e["actor"]][0],
                     "args": {"stage": e["stage"], "micro_batch": e["micro_batch"]}})
     with open(path, "w") as f:
         json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
