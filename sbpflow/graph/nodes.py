@@ -207,6 +207,8 @@ class AssignNode(NamedTuple):
     dst: int
     placement: Placement
     mode: Mode
+    fresh: bool = False   # ``dst`` is a constant build made: write a copy of it, which the
+    # rest of this replay reads, and leave the constant as made for the next one
 
     keep = True   # (a class attribute, not a field: `live_nodes` keeps it whatever reads it)
 
@@ -215,6 +217,8 @@ class AssignNode(NamedTuple):
         return (self.src, self.dst)
 
     def run(self, vals: list, env: Any) -> None:
+        if self.fresh:
+            vals[self.dst] = vals[self.dst].clone()
         vals[self.dst].copy_(vals[self.src])   # (in the grad mode traced, as eager's copy)
 
     @property

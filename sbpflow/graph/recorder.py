@@ -123,6 +123,7 @@ class Recorder:
         self.inputs: list = []
         self.modules: dict[int, Any] = {}   # id -> a module whose forward ran
         self.written: list = []   # (tensor, its shard's values before build wrote them)
+        self.constants: set[int] = set()   # ids of the shards of constants build made
 
     # -- slots -------------------------------------------------------------------------------
     def _new(self, t: GlobalTensor) -> int:
@@ -171,6 +172,8 @@ class Recorder:
 
     def constant(self, t: GlobalTensor) -> None:
         self.untraced.discard(id(t._local))
+        self.constants.add(id(t._local))
+        self.keep.append(t._local)   # (its id stays its own while tracing)
 
     def op(self, entry, args: tuple, boxed: list, local_args, attrs: dict, out, pl) -> None:
         name = entry.op.name
@@ -244,7 +247,10 @@ class Recorder:
         local = dst._local
         if d in self.external_slots and all(w is not local for w, _ in self.written):
             self.written.append((local, local.detach().clone()))
-        self.nodes.append(AssignNode(s, d, dst._placement, Mode.now(dst._placement.device_type)))
+        # a constant build made is made afresh by each eager call: a replay writes a copy
+        fresh = id(local) in self.constants
+        self.nodes.append(AssignNode(s, d, dst._placement, Mode.now(dst._placement.device_type),
+                                     fresh))
 
     def check_taken(self, t: GlobalTensor) -> None:
         """``t`` is about to hold another shard (an in-place op on a tensor in the autograd

@@ -390,3 +390,31 @@ def test_a_tuple_or_dict_input_is_its_tensors(kind, k):
         want.append(loss.item())
     torch.testing.assert_close(losses, want, rtol=0, atol=1e-12)
     assert plans == 1
+
+
+def _constant_written() -> list:
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4).double()
+    sf.parallel.apply(lin, pl, {"*": sf.B})
+
+    class Tally(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.add_optimizer(sf.optim.SGD(lin.parameters(), lr=0.5))
+
+        def build(self, x, y):
+            loss = sf.nn.functional.cross_entropy(lin(x), y)
+            loss.backward()
+            total = sf.zeros((), placement=pl, dtype=F64)   # made afresh by each eager call
+            with torch.no_grad():
+                total += 2 * loss.detach()
+            return loss, total
+
+    g = Tally()
+    x, y = sf.tensor(X, pl, sf.S(0)), sf.tensor(Y, pl, sf.S(0))
+    return [(loss.item(), total.item()) for loss, total in (g(x, y) for _ in range(3))]
+
+
+def test_a_constant_build_makes_and_writes_starts_afresh_each_call():
+    for loss, total in sf.launch(_constant_written, 2)[0]:
+        assert total == 2 * loss
