@@ -13,6 +13,7 @@ included), the same rules the boxing planner charges and the cost model prices.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -26,11 +27,16 @@ from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_tr
                     scatter_traffic)
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
-           "nbytes", "Pending"]
+           "nbytes", "Pending", "default_timeout"]
 
 Assemble = Callable[[list], object]  # receives the pieces (valid only during the call)
 
 _REDUCERS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def default_timeout() -> float:
+    """Seconds a collective may wait: ``SBPFLOW_TIMEOUT`` (default 300)."""
+    return float(os.environ.get("SBPFLOW_TIMEOUT", "300"))
 
 
 class _Stream(threading.local):
@@ -161,6 +167,12 @@ class Communicator:
         self._stats = CommStats(rank)
         self._stats_lock = threading.Lock()
         self.state: dict = {}  # per-rank state of the layers above (e.g. RNG seed counters)
+
+    def wait_timeout(self) -> float:
+        """Seconds a wait on this communicator may take: what its world was made with
+        (``sf.launch(..., timeout=)``), else ``SBPFLOW_TIMEOUT``. The layers above bound their
+        own waits (an actor's, a loader's, a timeline's exchange) by it."""
+        return default_timeout()
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, sent: int, recv: int, itemsize: int = 1) -> None:

@@ -22,18 +22,13 @@ from typing import Callable
 import torch
 
 from ..errors import CommAborted, CommError, CommTimeout
-from .base import Communicator, collective_stream, reduce_tensors
+from .base import Communicator, collective_stream, default_timeout, reduce_tensors
 from .channels import ThreadChannels, copy_tensors
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "default_timeout"]
 
 _POLL = 0.05
 What = Callable[[], str]  # describes a call, lazily: formatting costs more than the rendezvous
-
-
-def default_timeout() -> float:
-    """Seconds a collective may wait: ``SBPFLOW_TIMEOUT`` (default 300)."""
-    return float(os.environ.get("SBPFLOW_TIMEOUT", "300"))
 
 
 class _Slot:
@@ -371,6 +366,9 @@ class ThreadCommunicator(Communicator):
         self._seq: dict[tuple, int] = defaultdict(int)
         self._epochs: dict[str, int] = {}  # named stream -> the interrupt count at first use
         world.idents[rank] = threading.get_ident()
+
+    def wait_timeout(self) -> float:
+        return self.world.timeout   # (``sf.launch(..., timeout=)`` sets the world's)
 
     def _epoch(self, stream: str | None, what: What) -> int | None:
         """The interrupt count a named stream belongs to (that of its first call), after

@@ -29,7 +29,7 @@ from .socket_channels import SocketChannels
 from .current import current_process, set_current
 from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
 from .progress import P2P, Progress, group_key, period_for
-from .threads import default_timeout
+from .base import default_timeout
 
 __all__ = ["TorchCommunicator", "init_from_env", "launch_processes", "shutdown"]
 
@@ -80,6 +80,9 @@ class TorchCommunicator(Communicator):
         self._channels: SocketChannels | None = None
         self._channels_lock = threading.Lock()  # the runtime posts and reads from threads
         self._chan()
+
+    def wait_timeout(self) -> float:
+        return self.timeout.total_seconds()   # (the process groups' own)
 
     def _key(self, group: tuple, cuda: bool) -> str:
         """``group_key(group, cuda)`` (and the collective stream), cached (this is on every

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from ..comm import current, rank_local
-from ..comm.threads import default_timeout
 from ..errors import DataLoaderConfigError, DataLoaderError
 from ..placement import Placement
 from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
@@ -265,11 +264,8 @@ class _BatchJob:
 
 
 def _timeout(loader: DataLoader, comm: Any) -> float:
-    """The loader's own timeout, else the world's collective timeout, else SBPFLOW_TIMEOUT."""
-    if loader.timeout is not None:
-        return float(loader.timeout)
-    world_timeout = getattr(getattr(comm, "world", None), "timeout", None)
-    return float(world_timeout) if world_timeout is not None else default_timeout()
+    """The loader's own timeout, else the communicator's (`Communicator.wait_timeout`)."""
+    return float(loader.timeout) if loader.timeout is not None else comm.wait_timeout()
 
 
 class LoaderIterator:

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .. import comm as _comm
-from ..comm.threads import default_timeout
 from ..errors import GraphError
 from ..gradsync import settle
 from ..nn.modules import Module
@@ -255,7 +254,7 @@ def _gather_events(c: Compiled) -> list[dict]:
             comm.post(r, _TIMELINE_CHANNEL, (tag, mine))
     events = list(mine)
     want = comm.world_size - 1
-    deadline = time.monotonic() + default_timeout()
+    deadline = time.monotonic() + comm.wait_timeout()
     got = early.pop(tag, [])
     while len(got) < want:
         if time.monotonic() > deadline:

@@ -28,7 +28,7 @@ from .. import memory
 from ..comm.base import Communicator
 from ..comm.channels import copy_tensors, tensor_bytes
 from ..comm.current import current, rank_local, set_current
-from ..comm.threads import ThreadCommunicator, default_timeout, waits_alongside
+from ..comm.threads import ThreadCommunicator, waits_alongside
 from ..errors import ActorAborted, ActorTimeout, CommError, PlanError
 from .actors import Actor
 from .inbox import Router, ensure_reader, failure_notice, route
@@ -133,7 +133,8 @@ def _state(comm: Communicator) -> _CommState:
 class Runtime:
     """Runs this rank's part of ``plan`` (every rank of the plan makes its own `Runtime` and
     calls `run` the same number of times). ``comm``: default the calling rank's. ``timeout``:
-    seconds an actor may wait (default ``SBPFLOW_TIMEOUT``)."""
+    seconds an actor may wait (default the communicator's, `Communicator.wait_timeout`:
+    ``sf.launch(..., timeout=)`` or ``SBPFLOW_TIMEOUT``)."""
 
     def __init__(self, plan: Plan, comm: Communicator | None = None,
                  timeout: float | None = None) -> None:
@@ -143,7 +144,7 @@ class Runtime:
         if outside:
             raise PlanError(f"plan {plan.name!r} has actors on ranks {outside}, outside the "
                             f"world of {self.comm.world_size}")
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = self.comm.wait_timeout() if timeout is None else float(timeout)
         self.channel = f"sbpflow.runtime/{plan.name}"
         self.shared = _state(self.comm)  # run ids and early messages per (comm, channel)
         self.router = self.shared.router(self.channel)

@@ -135,3 +135,37 @@ def test_print_names_stages_ops_parameters_and_transfers(run):
     sends = re.findall(r"send %\d+ -> stage (\d) as %\d+  \[([\d,]+) B, gradient back\]", text)
     assert sorted(sends) == [("1", "2,048"), ("2", "2,048"), ("3", "2,048")]
     assert "backward(%" in text
+
+
+def _timeline_on_rank_0_only() -> float:
+    import time
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(4, 2)
+    sf.parallel.apply(lin, pl, {"*": sf.B})
+
+    class Apply(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def build(self, x):
+            return self.lin(x).sum()
+
+    g = Apply()
+    g(sf.ones(3, 4, placement=pl, sbp=sf.B))
+    if sf.comm.rank() == 1:
+        return 0.0
+    start = time.monotonic()
+    try:
+        g.timeline()
+    except sf.GraphError as exc:
+        assert "every rank must call timeline()" in str(exc)
+        return time.monotonic() - start
+    raise AssertionError("timeline() on one rank returned")
+
+
+def test_timeline_waits_at_most_the_launchs_timeout():
+    """``sf.launch(..., timeout=3)`` bounds the exchange of events, as every wait of the run
+    (it read SBPFLOW_TIMEOUT only: 300 s by default)."""
+    waited = sf.launch(_timeline_on_rank_0_only, 2, timeout=3)[0]
+    assert 3 <= waited < 10
