@@ -1187,8 +1187,10 @@ def full(shape, fill_value, *, placement: Placement | None = None, sbp: SbpLike 
         dtype = torch.bool
     elif dtype is None and isinstance(fill_value, int):
         dtype = torch.int64
+    dtype = dtype or torch.get_default_dtype()
+    # (made in its dtype: a float64 0.1 made in float32 first is 0.1 + 1.5e-9)
     return _create(shape, placement, sbp, dtype, requires_grad,
-                   lambda box: torch.full(tuple(n for _, n in box), fill_value))
+                   lambda box: torch.full(tuple(n for _, n in box), fill_value, dtype=dtype))
 
 
 def zeros(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,

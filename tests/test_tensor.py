@@ -258,3 +258,20 @@ def test_retain_grad_twice_keeps_the_gradient_as_torch():
     y.retain_grad()
     (y * y).sum().backward()
     torch.testing.assert_close(y.grad.full_tensor(), 2 * (2 * w0))
+
+
+def _filled_float64() -> list:
+    pl = sf.placement("cpu", [0, 1])
+    made = sf.full((3,), 0.1, placement=pl, sbp=sf.B, dtype=torch.float64)
+    filled = sf.zeros(3, placement=pl, sbp=sf.S(0), dtype=torch.float64)
+    filled.fill_(0.1)
+    constant = sf.zeros(3, placement=pl, sbp=sf.B, dtype=torch.float64)
+    sf.nn.init.constant_(constant, 0.1)
+    return [t.full_tensor() for t in (made, filled, constant)]
+
+
+def test_a_float64_fill_is_exact():
+    """``sf.full``, ``fill_`` and ``init.constant_`` make the value in the tensor's dtype, as
+    torch: 0.1 in float64 (it was made in float32 first: 0.1 + 1.5e-9)."""
+    for t in sf.launch(_filled_float64, 2)[0]:
+        assert torch.equal(t, torch.full((3,), 0.1, dtype=torch.float64))

@@ -210,7 +210,8 @@ def normal_(tensor: GlobalTensor, mean: float = 0.0, std: float = 1.0, *, seed: 
 
 
 def constant_(tensor: GlobalTensor, val: float) -> GlobalTensor:
-    return fill_regions_(tensor, lambda box: torch.full(tuple(n for _, n in box), float(val)))
+    return fill_regions_(tensor, lambda box: torch.full(tuple(n for _, n in box), float(val),
+                                                        dtype=tensor.dtype))
 
 
 def zeros_(tensor: GlobalTensor) -> GlobalTensor:
