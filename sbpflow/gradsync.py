@@ -30,7 +30,7 @@ __all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "reduc
            "mark_replaced", "replaced_by", "replaced_version",
            "set_update_layout", "update_layout",
            "set_pending", "settle", "set_backfill", "backfill", "has_backfills", "mark_stale",
-           "take_stale"]
+           "mark_filled", "take_stale"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
 
@@ -132,20 +132,43 @@ def has_backfills() -> bool:
 
 def mark_stale(p: GlobalTensor) -> None:
     """``p``'s shard was written (a load): its whole copy, if it has one, is gathered again
-    before its next use (`take_stale`)."""
+    before its next use (`take_stale`). Any write that bumps the shard's version is seen
+    without it (`mark_filled`)."""
     hit = _BACKFILL.get(p)
     if hit is not None and hit[0] is not None:
         _comm.current().state.setdefault("stale_wholes", IdentityMap())[p] = True
 
 
+# parameter -> the version of its whole copy when every member's part of it was last current
+# (after the all-gather that filled it). The shard is a view of the whole copy, and torch's
+# views share one version counter, so every in-place write to the shard since (an op on the
+# parameter, ``p.data``, an init function, a load) shows as another version: the one place
+# all of them pass, whichever layer wrote.
+_FILLED = IdentityMap()
+
+
+def mark_filled(p: GlobalTensor) -> None:
+    """``p``'s whole copy (`set_backfill`) was just filled: every member's part is current.
+    Called after each all-gather into it (`settle` does it for the optimizer's)."""
+    hit = _BACKFILL.get(p)
+    if hit is not None and hit[0] is not None:
+        _FILLED[p] = hit[0]._version
+
+
 def take_stale(params) -> list:
-    """Those of ``params`` marked stale, unmarked."""
+    """Those of ``params`` whose whole copy must be gathered again before its use, unmarked:
+    marked by `mark_stale`, or written since `mark_filled` (waits for their gathers in
+    flight first). Every member of a group writes its shard alike (an in-place op on a
+    parameter is a logical op), so they agree on which, as the gather needs."""
+    settle(params)
     stale = _comm.current().state.get("stale_wholes")
-    if not stale:
-        return []
-    out = [p for p in params if p in stale]
-    for p in out:
-        stale.pop(p, None)
+    out = []
+    for p in params:
+        marked = stale is not None and stale.pop(p, None) is not None
+        hit = _BACKFILL.get(p)
+        if hit is not None and hit[0] is not None and (
+                marked or _FILLED.get(p) != hit[0]._version):
+            out.append(p)
     return out
 
 
@@ -175,6 +198,7 @@ def settle(params=None) -> None:
             if base is not None:
                 p.__class__ = base
             fut.result()
+            mark_filled(p)
 
 
 # The twin of a class whose ``_local`` settles first. Every read of a shard goes through the
@@ -194,6 +218,7 @@ def _settle_one(p: GlobalTensor) -> None:
         p.__class__ = base
     if fut is not None:
         fut.result()
+        mark_filled(p)
 
 
 def _settling(cls: type) -> type:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import comm as _comm
+from ..gradsync import mark_filled
 from ..sbp import local_shape
 from .zero_layout import all_gather_into, geometry, reduce_scatter
 from .zero_comm import submit
@@ -93,8 +94,9 @@ def done(result):
 
 
 def refill(wholes: list) -> None:
-    """Gather stage 2's whole copies again after their shards were loaded: ``wholes`` are
-    (whole local, parameter, compute layout) triples; waits for the all-gather."""
+    """Gather stage 2's whole copies again after their shards were written (`take_stale`):
+    ``wholes`` are (whole local, parameter, compute layout) triples; waits for the
+    all-gather."""
     todo = []
     for whole, p, compute in wholes:
         geo = geometry(tuple(p.shape), p.placement, compute, tuple(p.sbp), _comm.rank())
@@ -102,6 +104,8 @@ def refill(wholes: list) -> None:
             todo.append((whole, geo))
     if todo:
         submit(all_gather_into, todo).result()
+    for _, p, _ in wholes:
+        mark_filled(p)
 
 
 # -- prefetch ------------------------------------------------------------------------------------

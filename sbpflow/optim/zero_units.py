@@ -17,7 +17,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import comm as _comm
-from ..gradsync import set_backfill, set_update_layout, settle, take_stale, update_layout
+from ..gradsync import (mark_filled, mark_stale, set_backfill, set_update_layout, settle,
+                        take_stale, update_layout)
 from ..tensor import GlobalTensor, recording
 from ..utils import IdentityMap
 from . import zero_graph as _graph
@@ -114,6 +115,7 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
                         whole.narrow(geo.axis, *geo.parts[geo.index]), st)
                 if geo is not None:
                     set_backfill(p, whole, nd)
+                    mark_filled(p)
             elif tuple(p.sbp) != st:
                 _rebind(p, p.to_global(p.placement, st).local.clone(), st)
         _PARAMS[p] = ZeroParam(nd, stage, whole)
@@ -169,14 +171,15 @@ def _pre_forward(module, args) -> None:
         module.__dict__["_zero_calls"].append(([], None, module))
         return
     wholes = [_PARAMS[p].whole for p, _ in items]
+    kept = all(w is not None for w in wholes)   # stage 2: the whole copies, kept
+    if kept:   # written since they were filled (an in-place op, an init, a load): gathered
+        stale = set(map(id, take_stale([p for p, _ in items])))
+        refill([(w, p, nd) for w, (p, nd) in zip(wholes, items) if id(p) in stale])
     if recording():   # the graph records the call (and replays it as below)
-        kept = wholes if all(w is not None for w in wholes) else None
-        gathered, call = _graph.record_begin(module.__dict__["_zero_unit_name"], items, kept,
-                                             on_gather)
+        gathered, call = _graph.record_begin(module.__dict__["_zero_unit_name"], items,
+                                             wholes if kept else None, on_gather)
     else:
-        if all(w is not None for w in wholes):   # stage 2: the whole copies, kept
-            stale = set(map(id, take_stale([p for p, _ in items])))
-            refill([(w, p, nd) for w, (p, nd) in zip(wholes, items) if id(p) in stale])
+        if kept:
             begin_call(module, [], None)
             call = UnitCall(items, done(([w.view_as(w) for w in wholes], [])))
         else:
@@ -219,16 +222,26 @@ def _adopt_replaced(entries: list) -> None:
                 set_update_layout(q, update_layout(p))
                 set_backfill(q, None, tuple(q.sbp))
         else:
-            whole = None
-            if rec.whole is not None:
-                with torch.no_grad():
-                    whole = rec.whole.to(q.dtype)
-                geo = geometry(tuple(q.shape), q.placement, rec.compute, tuple(q.sbp), _rank())
-                if geo is not None:
-                    _rebind(q, whole.narrow(geo.axis, *geo.parts[geo.index]), q.sbp)
-                set_backfill(q, whole, rec.compute)
-            _PARAMS[q] = rec._replace(whole=whole)
+            _PARAMS[q] = rec._replace(whole=_adopt_whole(q, rec))
         entries[i] = (q, owners)
+
+
+def _adopt_whole(q: GlobalTensor, rec: ZeroParam) -> torch.Tensor | None:
+    """Stage 2: ``q``'s whole copy, its shard a view of it holding ``q``'s own values (written
+    since the cast, by a load, as well), marked stale: the unit's call gathers the other
+    members' parts, once (every rank adopts in the same call)."""
+    if rec.whole is None:
+        return None
+    with torch.no_grad():
+        whole = torch.empty_like(rec.whole, dtype=q.dtype)
+        geo = geometry(tuple(q.shape), q.placement, rec.compute, tuple(q.sbp), _rank())
+        if geo is not None:
+            part = whole.narrow(geo.axis, *geo.parts[geo.index])
+            part.copy_(q.local)
+            _rebind(q, part, q.sbp)
+    set_backfill(q, whole, rec.compute)
+    mark_stale(q)
+    return whole
 
 
 def _gathered_items(module) -> list:
