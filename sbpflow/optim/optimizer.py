@@ -32,6 +32,7 @@ from ..tensor import GlobalTensor, tensor as _sf_tensor
 from ..utils import IdentityMap
 from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
+from .state_layout import cast_like, conform
 from .zero_sync import ShardSync, collect as _collect_shards
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
@@ -370,13 +371,18 @@ class Optimizer(torch.optim.Optimizer):
                 if p._local.grad is not None:
                     rest.append(p)
                     rest_sts.append(state[p])
+                    if rest_sts[-1]:
+                        conform(rest_sts[-1], p._placement, p._sbp, p.dtype)
                 continue
             g = next(grads)
             if g is None:
                 continue
             if cache is not None:
                 cache.pop(p, None)
-            sts.append(state[p])
+            st = state[p]
+            if st:   # state made before its layout was known (a load, then ZeRO): moved
+                conform(st, p._placement, g._sbp, p.dtype)
+            sts.append(st)
             fill = backfill(p) if fills else None
             if fill is not None:
                 whole, compute, split = fill
@@ -473,9 +479,12 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer's shape: from `state_dict` (logical torch tensors
         or global tensors) or from a torch optimizer of the same class on the torch twin.
-        Each rank keeps the shard of its parameters' layouts. A state dict that names
-        another optimizer class (``"class"``, as `state_dict` writes) raises `CheckpointError`;
-        torch's state dicts name none and are taken as of this class."""
+        Each rank keeps the shard of its parameters' update layouts; floating-point state
+        is cast to its parameter's dtype (``"step"`` aside), as torch does. A state dict
+        that names another optimizer class (``"class"``, as `state_dict` writes) raises
+        `CheckpointError`; torch's state dicts name none and are taken as of this class. A
+        layout that changes after the load (ZeRO applied later) moves the state at the next
+        step (`sbpflow.optim.state_layout.conform`)."""
         saved_class = state_dict.get("class")
         if saved_class is not None and saved_class != type(self).__name__:
             raise CheckpointError(
@@ -519,13 +528,15 @@ class Optimizer(torch.optim.Optimizer):
                                  f"parameter {tuple(p.shape)} (placement {p.placement}, sbp "
                                  f"{format_nd_sbp(p.sbp)})")
             g = v.detach().to_global(p.placement, p.sbp)
-            return GlobalTensor(g.local.clone(), tuple(p.shape), p.placement, p.sbp)
+            local = cast_like(g.local, p.dtype)
+            local = local.clone() if local is g.local else local
+            return GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
         if isinstance(v, torch.Tensor):
             if tuple(v.shape) != tuple(p.shape):
                 raise ShapeError(f"optimizer state {key!r} has shape {tuple(v.shape)}, its "
                                  f"parameter {tuple(p.shape)} (placement {p.placement}, sbp "
                                  f"{format_nd_sbp(p.sbp)})")
-            return _sf_tensor(v.detach(), p.placement, p.sbp)
+            return _sf_tensor(cast_like(v.detach(), p.dtype), p.placement, p.sbp)
         return v
 
 

@@ -38,7 +38,9 @@ def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None 
     """ZeRO ``stage`` (0-3) on ``model``, in place (the parameter objects stay the same); see
     `sbpflow.optim.zero_units.shard_` (``compute``, ``units``, ``only``). Returns the names
     of the parameters it shards. Every rank calls it, before building the optimizer (or
-    before its first step). ``min_size``: an int >= 0 (`check_min_size`)."""
+    before its first step: state already in it, a loaded one, is moved to the new update
+    layout at that step, `sbpflow.optim.state_layout.conform`). ``min_size``: an int >= 0
+    (`check_min_size`)."""
     min_size = check_min_size(min_size, "sf.parallel.zero.shard")
     return _units.shard_(model, stage, min_size, compute=compute, on_gather=_on_gather,
                          units=units, only=only)
