@@ -229,6 +229,12 @@ def _unary(name: str):
     return method
 
 
+def _bound_of(value, like: "GlobalTensor"):
+    """A clamp bound as an op input: a plain torch tensor lifted onto ``like``'s placement."""
+    return lift(value, like._placement) if isinstance(value, torch.Tensor) and \
+        not isinstance(value, GlobalTensor) else value
+
+
 def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) \
         else tuple(shape)
@@ -371,6 +377,12 @@ class GlobalTensor:
             _fresh(self)
         return self._local.requires_grad
 
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        """``p.requires_grad = False``, as torch: `requires_grad_` (which a subclass, such as
+        a parameter, may extend)."""
+        self.requires_grad_(value)
+
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
         self._local.requires_grad_(requires_grad)
         return self
@@ -467,13 +479,45 @@ class GlobalTensor:
     __mul__, __rmul__ = _binary("mul"), _binary("mul", True)
     __truediv__, __rtruediv__ = _binary("div"), _binary("div", True)
     __pow__, __rpow__ = _binary("pow"), _binary("pow", True)
+    __floordiv__, __rfloordiv__ = _binary("floor_divide"), _binary("floor_divide", True)
+    __mod__, __rmod__ = _binary("remainder"), _binary("remainder", True)
+    floor_divide, remainder = _binary("floor_divide"), _binary("remainder")
     __matmul__, __rmatmul__ = _binary("matmul"), _binary("matmul", True)
     __lt__, __le__, __gt__, __ge__ = _binary("lt"), _binary("le"), _binary("gt"), _binary("ge")
     # ``==`` / ``!=`` are elementwise, as torch's; a tensor still hashes by identity (dicts,
     # sets and weak dicts of tensors find a key by identity first, so they never compare)
     __eq__, __ne__ = _compare("eq"), _compare("ne")
     __hash__ = object.__hash__
-    add, sub, mul, div, pow = (_binary(n) for n in ("add", "sub", "mul", "div", "pow"))
+    mul, pow = _binary("mul"), _binary("pow")
+
+    def div(self, other, *, rounding_mode: str | None = None) -> "GlobalTensor":
+        """torch's: ``rounding_mode`` None (true division), ``"trunc"`` or ``"floor"``."""
+        if rounding_mode is None:
+            return apply_op("div", self, other)
+        if rounding_mode in ("floor", "trunc"):   # (a zero gradient for floats, as torch's)
+            if not self.dtype.is_floating_point:
+                return apply_op("floor_divide", self, other) if rounding_mode == "floor" \
+                    else apply_op("div", self, other).to(self.dtype)
+            return apply_op(rounding_mode, apply_op("div", self, other))
+        raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' "
+                         f"but found {rounding_mode!r} (as torch)")
+
+    def add(self, other, *, alpha=1) -> "GlobalTensor":
+        """``self + alpha * other``, as torch's (``x.add_(y, alpha=0.1)``: an EMA update)."""
+        return apply_op("add", self, other if alpha == 1 else other * alpha)
+
+    def sub(self, other, *, alpha=1) -> "GlobalTensor":
+        return apply_op("sub", self, other if alpha == 1 else other * alpha)
+
+    def __abs__(self) -> "GlobalTensor":
+        return apply_op("abs", self)
+
+    def __float__(self) -> float:
+        """``float(loss)``: `item` (collective: every rank calls it)."""
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
     matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
     eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
     # bool tensors (masks): torch's | & ^ ~ on bools are the logical ops
@@ -487,16 +531,35 @@ class GlobalTensor:
     round, floor, ceil, trunc, sign = (_unary(n) for n in ("round", "floor", "ceil", "trunc",
                                                            "sign"))
     log1p, expm1 = _unary("log1p"), _unary("expm1")
-    clamp = clip = _unary("clamp")  # min= / max=: numbers or tensors
+    def clamp(self, min=None, max=None) -> "GlobalTensor":
+        """torch's: ``min`` / ``max`` numbers (one op), or tensors (elementwise bounds: a
+        ``maximum`` then a ``minimum``, so each bound is an input with its own layout)."""
+        if isinstance(min, (GlobalTensor, torch.Tensor)) or \
+                isinstance(max, (GlobalTensor, torch.Tensor)):
+            out = self
+            if min is not None:
+                out = apply_op("maximum", out, _bound_of(min, self))
+            if max is not None:
+                out = apply_op("minimum", out, _bound_of(max, self))
+            return out
+        return apply_op("clamp", self, min=min, max=max)
+    clip = clamp
 
     def clamp_min(self, min) -> "GlobalTensor":
-        return apply_op("clamp", self, min=min)
+        return self.clamp(min=min)
 
     def clamp_max(self, max) -> "GlobalTensor":
-        return apply_op("clamp", self, max=max)
+        return self.clamp(max=max)
     clone = _unary("clone")
     isnan, logical_not = _unary("isnan"), _unary("logical_not")
-    sum, mean, amax, amin = (_unary(n) for n in ("sum", "mean", "amax", "amin"))
+    amax, amin = _unary("amax"), _unary("amin")
+
+    def sum(self, *args, dtype: torch.dtype | None = None, **kwargs) -> "GlobalTensor":
+        """torch's, ``dtype`` included (the tensor is cast first, as torch accumulates in it)."""
+        return apply_op("sum", self if dtype is None else self.to(dtype), *args, **kwargs)
+
+    def mean(self, *args, dtype: torch.dtype | None = None, **kwargs) -> "GlobalTensor":
+        return apply_op("mean", self if dtype is None else self.to(dtype), *args, **kwargs)
 
     def max(self, *args, **kwargs):
         """``x.max()``: the largest entry. With a dim, torch's (values, indices); with a tensor,

@@ -101,6 +101,7 @@ BINARY = {
     "gt": (lambda a, b: a > b, _nonlinear), "ge": (lambda a, b: a >= b, _nonlinear),
     "logical_and": (torch.logical_and, _nonlinear), "logical_or": (torch.logical_or, _nonlinear),
     "where": (torch.where, _nonlinear),
+    "floor_divide": (torch.floor_divide, _nonlinear), "remainder": (torch.remainder, _nonlinear),
 }
 
 for _name, (_kernel, _sigs) in {**UNARY, **BINARY}.items():

@@ -488,3 +488,55 @@ def test_functional_mlp_probe_as_torch():
     assert list(got[4]) == list(want[4])
     for k, v in want[4].items():
         torch.testing.assert_close(got[4][k], v, msg=k)
+
+
+# -- everyday calls of training scripts: each equals torch's, value and gradient ---------------------
+_LO, _HI = _rand(6, 8, seed=4) * 0.3 - 0.5, _rand(8, seed=5) * 0.3 + 0.5
+_EVERYDAY = {
+    "add alpha": lambda x: x.add(x * 2, alpha=0.1),
+    "torch.sub alpha": lambda x: torch.sub(x, x * 0.5, alpha=3),
+    "add_ alpha (EMA)": lambda x: (x * 1).mul_(0.9).add_(x, alpha=0.1),
+    "clamp tensors": lambda x: torch.clamp(x, min=_LO, max=_HI),
+    "clamp_min tensor": lambda x: x.clamp_min(_LO),
+    "sum dtype": lambda x: x.sum(dtype=torch.float32).double(),
+    "mean dim dtype": lambda x: x.mean(1, dtype=torch.float32).double(),
+    "floordiv": lambda x: (x.detach() * 4) // 1.5 + x,   # (no derivative, in torch too)
+    "mod": lambda x: (x * 4) % 1.5 + x,
+    "abs": lambda x: abs(x),
+    "div floor": lambda x: (x * 4).div(1.5, rounding_mode="floor") + x,
+    "div trunc": lambda x: (x * 4).div(1.5, rounding_mode="trunc") + x,
+}
+
+
+def _everyday(sbp) -> dict:
+    pl = sf.placement("cpu", [0, 1])
+    out = {}
+    for name, f in _EVERYDAY.items():
+        x = sf.tensor(X, pl, sbp).requires_grad_()
+        y = f(x)
+        y.sum().backward()
+        out[name] = (y.full_tensor(), x.grad.full_tensor())
+    loss = (sf.tensor(X, pl, sbp) * 2).sum()
+    out["float int"] = (float(loss), int(loss))
+    w = sf.tensor(W, pl, sf.B).requires_grad_()
+    w.requires_grad = False   # torch's way to freeze
+    out["frozen"] = (w.requires_grad, (w * 2).requires_grad)
+    return out
+
+
+@pytest.mark.parametrize("sbp", [sf.S(0), sf.B], ids=str)
+def test_everyday_calls_equal_torch(sbp):
+    """``add_(y, alpha=)`` (an EMA update), ``clamp`` with tensor bounds (recursed without end
+    before), ``sum(dtype=)``, ``//``, ``%``, ``abs()``, ``div(rounding_mode=)``, ``float(loss)``,
+    ``int(t)``, ``p.requires_grad = False``: each raised before."""
+    got = sf.launch(_everyday, 2, args=(sbp,))[0]
+    for name, f in _EVERYDAY.items():
+        x = X.clone().requires_grad_()
+        y = f(x)
+        y.sum().backward()
+        torch.testing.assert_close(got[name][0], y.detach(), rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name][1], x.grad, rtol=1e-6, atol=1e-6, msg=name)
+    want = float((X * 2).sum())
+    assert got["float int"][0] == pytest.approx(want, rel=1e-12)   # (summed per shard)
+    assert got["float int"][1] == int(want) and isinstance(got["float int"][1], int)
+    assert got["frozen"] == (False, False)
