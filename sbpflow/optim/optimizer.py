@@ -372,7 +372,7 @@ class Optimizer(torch.optim.Optimizer):
                     rest.append(p)
                     rest_sts.append(state[p])
                     if rest_sts[-1]:
-                        conform(rest_sts[-1], p._placement, p._sbp, p.dtype)
+                        conform(rest_sts[-1], p._placement, p._sbp, p._local.dtype)
                 continue
             g = next(grads)
             if g is None:
@@ -381,7 +381,7 @@ class Optimizer(torch.optim.Optimizer):
                 cache.pop(p, None)
             st = state[p]
             if st:   # state made before its layout was known (a load, then ZeRO): moved
-                conform(st, p._placement, g._sbp, p.dtype)
+                conform(st, p._placement, g._sbp, p._local.dtype)
             sts.append(st)
             fill = backfill(p) if fills else None
             if fill is not None:

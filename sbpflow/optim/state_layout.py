@@ -22,18 +22,19 @@ __all__ = ["conform", "cast_like"]
 def cast_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` cast to ``dtype`` when both are floating point (torch's rule for loaded state;
     an integer entry stays as it is), else ``t``."""
-    if t.dtype != dtype and t.is_floating_point() and dtype.is_floating_point:
+    if t.dtype is not dtype and t.dtype.is_floating_point and dtype.is_floating_point:
         return t.to(dtype)
     return t
 
 
 def _fits(v: GlobalTensor, placement: Placement, nd_sbp: tuple, dtype: torch.dtype) -> bool:
     """Whether state tensor ``v`` is in (``placement``, ``nd_sbp``) with ``dtype`` (or an
-    entry that is not floating point, which keeps its dtype)."""
-    if v._sbp != nd_sbp or (v._placement is not placement and v._placement != placement):
+    entry that is not floating point, which keeps its dtype). Run per parameter and step:
+    torch dtypes are singletons, so ``is`` decides the usual case."""
+    have = v._local.dtype
+    if have is not dtype and have.is_floating_point and dtype.is_floating_point:
         return False
-    local = v._local
-    return local.dtype == dtype or not (local.is_floating_point() and dtype.is_floating_point)
+    return v._sbp == nd_sbp and (v._placement is placement or v._placement == placement)
 
 
 def conform(state: dict, placement: Placement, nd_sbp: tuple, dtype: torch.dtype) -> None:
