@@ -167,13 +167,18 @@ def end_call(module) -> None:
 class UnitGather(torch.autograd.Function):
     """Forward: the call's gather (the unit's boxing ``stored -> compute``, coalesced);
     backward: the gradients reduce-scattered to the stored shards (its dual, coalesced),
-    started on the worker and added to ``.grad`` at the end of the backward pass."""
+    started on the worker and added to ``.grad`` at the end of the backward pass. A shard
+    that does not require grad (a parameter frozen after ZeRO was applied, as torch and
+    FSDP2 allow) gives a gathered copy that does not either, and no gradient."""
 
     @staticmethod
     def forward(ctx, call: UnitCall, *shards):
         ctx.call = call
         outs, call.flats = call.future.result()
         call.future = None
+        frozen = [o for o, needs in zip(outs, ctx.needs_input_grad[1:]) if not needs]
+        if frozen and len(frozen) < len(outs):   # (none requires grad: autograd records none)
+            ctx.mark_non_differentiable(*frozen)
         return tuple(outs)
 
     @staticmethod
@@ -182,9 +187,9 @@ class UnitGather(torch.autograd.Function):
         call.regathered = None       # stage 3's backward copies are no longer needed
         rank = _comm.rank()
         todo = []
-        for (p, nd), g in zip(call.items, grads):
+        for (p, nd), g, needs in zip(call.items, grads, ctx.needs_input_grad[1:]):
             geo = geometry(tuple(p.shape), p.placement, nd, p.sbp, rank)
-            if geo is not None:
+            if geo is not None and needs:
                 todo.append((p, g.contiguous(), geo))
         pending = _comm.current().state.setdefault("zero_pending", [])
         pending.append(([p for p, _, _ in todo], submit(_reduce, todo)))

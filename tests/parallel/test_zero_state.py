@@ -1,7 +1,8 @@
 """ZeRO and the parameters' state changed after `sf.parallel.apply`: in-place writes (ops,
 ``p.data``, init functions) and loads after a cast reach the next forward at every stage (stage
-2's whole copies are gathered again), eagerly and in a graph. Each compared with the torch twin
-on one device in float64 (4 ranks, uneven shards: one rank holds no row of the last weight)."""
+2's whole copies are gathered again), and freezing is honoured, eagerly and in graphs. Each
+compared with the torch twin on one device in float64 (4 ranks, uneven shards: one rank holds
+no row of the last weight)."""
 
 import pytest
 import torch
@@ -271,3 +272,73 @@ def test_a_load_after_a_cast_after_apply_is_what_training_uses(how, tmp_path):
     for rank, res in enumerate(sf.launch(body, 4)):
         for stage, got in res.items():
             _check(got, want, f"{how} stage {stage} rank {rank}")
+
+
+# -- freezing after apply ----------------------------------------------------------------------
+FREEZE = {1: [("net.0.weight", False), ("net.2.bias", False)], 3: [("net.0.weight", True)]}
+STEPS = 5
+
+
+def _train_freezing(model, opt, args_of) -> tuple:
+    """``STEPS`` steps; before step s, ``requires_grad_`` as `FREEZE` says: the losses, whether
+    each frozen parameter had a gradient after each backward, the weights."""
+    losses, had = [], []
+    params = dict(model.named_parameters())
+    for s in range(STEPS):
+        for name, flag in FREEZE.get(s, ()):
+            params[name].requires_grad_(flag)
+        loss = model(*args_of(s))
+        loss.backward()
+        had.append(tuple(params[n].grad is not None for n, _ in FREEZE[1]))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, had, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _torch_freezing() -> tuple:
+    m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
+    m.load_state_dict(SD)
+    return _train_freezing(m, torch.optim.Adam(m.parameters(), lr=0.05), _batch)
+
+
+def test_freezing_after_apply_is_honoured_at_every_stage():
+    """``requires_grad_(False)`` on a parameter after `sf.parallel.apply(..., zero=stage)`
+    stops its gradient and its updates, and ``requires_grad_(True)`` later resumes them, as
+    torch (and FSDP2). Stages 2 and 3 reduce-scattered a gradient for the frozen parameter
+    and the optimizer kept updating it."""
+    want = _torch_freezing()
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        out = {}
+        for stage in (0, 1, 2, 3):
+            m = _sf_model(stage, pl)
+            out[stage] = _train_freezing(m, sf.optim.Adam(m.parameters(), lr=0.05), _sf_args(pl))
+        return out
+    for rank, res in enumerate(sf.launch(body, 4)):
+        for stage, (losses, had, sd) in res.items():
+            assert had == want[1], (stage, rank, had)
+            _check((losses, sd), (want[0], want[2]), f"stage {stage} rank {rank}")
+
+
+def test_freezing_between_graph_calls_is_honoured():
+    """The same in a graph over a ZeRO model (``apply(zero=)`` or ``enable_zero``)."""
+    losses, _, sd = _torch_freezing()
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        out = {}
+        for applied, enabled in GRAPH_ZERO:
+            m = _sf_model(applied, pl)
+            step = _Step(m, sf.optim.Adam(m.parameters(), lr=0.05), enabled)
+            params, got = dict(m.named_parameters()), []
+            for s in range(STEPS):
+                for name, flag in FREEZE.get(s, ()):
+                    params[name].requires_grad_(flag)
+                got.append(step(*_sf_args(pl)(s)).item())
+            out[(applied, enabled)] = (got, m.state_dict())
+        return out
+    for rank, res in enumerate(sf.launch(body, 4)):
+        for key, got in res.items():
+            _check(got, (losses, sd), f"graph (apply zero, enable_zero) = {key} rank {rank}")
