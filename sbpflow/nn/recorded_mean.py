@@ -339,14 +339,22 @@ class _GuessedQuotient(torch.autograd.Function):
         call = ctx.call
         leaves = call.guessing.leaves(ctx.graph_root)
         if not retains_grads() and all(map(_correctable, leaves)):
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: _settle(call, leaves))
+            _last_callback(lambda: _settle(call, leaves))
             count = call.guess_t
         else:
             call.fix_if_missed()
             count = call.count()
         g = grad / count if grad.dtype == count.dtype else (grad.to(count.dtype) / count)
         return _as_dtype(g, ctx.total_dtype), None
+
+
+def _last_callback(fn) -> None:
+    """Run ``fn`` at the end of this backward pass, after the callbacks that nodes further
+    from the loss queue (ZeRO's `zero_gather._drain` adds the reduce-scattered shards to the
+    gradients then: a correction before it scaled nothing). A callback may queue another,
+    which runs after those queued before it."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(fn))
 
 
 def _settle(call: _Call, leaves: list) -> None:

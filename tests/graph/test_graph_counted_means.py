@@ -359,3 +359,44 @@ def test_a_pipeline_with_another_loss_refuses_ignored_targets_before_any_update(
         assert got[0] == "refused" and "other losses or means" in got[1], got[1]
         for w, ref in zip(got[2:], _pipe_weights()):
             assert torch.equal(w, ref)
+
+
+def _zero_graph_without_accumulation(stage: int, w0: torch.Tensor) -> torch.Tensor:
+    """A linear classifier under ZeRO ``stage`` trained by a graph of one micro-batch: 8 kept
+    targets, then 6 (the count's guess misses)."""
+    pl = sf.placement("cpu", [0, 1])
+    lin = sf.nn.Linear(6, 4, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(sf.tensor(w0, lin.weight.placement, lin.weight.sbp))
+    sf.parallel.apply(lin, pl, {"*": sf.B}, zero=stage)
+
+    class Step(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+            self.add_optimizer(sf.optim.SGD(lin.parameters(), lr=0.5))
+
+        def build(self, x, y):
+            loss = sf.nn.functional.cross_entropy(self.lin(x), y)
+            loss.backward()
+            return loss
+
+    step = Step()
+    for y in (Y_FULL, Y_FULL, Y_IGNORED):
+        step(sf.tensor(X, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0)))
+    return lin.weight.full_tensor()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_missed_guess_is_corrected_under_zero_without_accumulation(stage):
+    """ZeRO-2/3 add their reduce-scattered shards to the gradients in a callback at the end
+    of backward; the correction of a missed guess ran before it, scaled no gradient, and the
+    step used the guessed count's (0.07 off torch's weights before)."""
+    got = sf.launch(_zero_graph_without_accumulation, 2, args=(stage, W0))[0]
+    w = W0.clone().requires_grad_()
+    opt = torch.optim.SGD([w], lr=0.5)
+    for y in (Y_FULL, Y_FULL, Y_IGNORED):
+        torch.nn.functional.cross_entropy(X @ w.t(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(got, w.detach(), rtol=0, atol=1e-12)
