@@ -20,7 +20,7 @@ from ..errors import GraphError
 from ..placement import Placement
 from ..sbp import B, Broadcast, Partial
 from ..tensor import GlobalTensor, from_local, recording
-from .optimizer import _remember, boxed_grads
+from .boxed_grads import _remember, boxed_grads
 
 __all__ = ["clip_grad_norm_", "grad_norm", "clip_groups"]
 

@@ -16,7 +16,6 @@ and write ``param_groups``, work unchanged (``sf.optim.lr_scheduler`` is torch's
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterator
 
@@ -24,16 +23,18 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import (GradSync, backfill, collect, has_backfills, has_update_layouts,
+from ..gradsync import (GradSync, backfill, has_backfills, has_update_layouts,
                         replaced_by, replaced_version, set_pending, settle, update_layout,
                         zero_grads)
-from ..sbp import Partial, format_nd_sbp
+from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
-from ..utils import IdentityMap
 from . import zero_layout as _zero
 from . import zero_comm as _zero_comm
+from .boxed_grads import (_BUCKET_BYTES, _SHARD_BUCKET, _boxed_cache, _forget, _has_partial,
+                          boxed_grad, boxed_grads)
+from .clip import clip_groups
 from .state_layout import cast_like, conform
-from .zero_sync import ShardSync, collect as _collect_shards
+from .zero_sync import ShardSync
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -41,148 +42,6 @@ def _same(a: list, b: list) -> bool:
     """Whether two parameter lists hold the same objects in the same order (``==`` on lists
     compares differing parameters with `GlobalTensor.__eq__`, an elementwise op)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _boxed_cache() -> IdentityMap:
-    """This rank's parameter -> (gradient local, its version, boxed gradient) remembered."""
-    state = _comm.current().state
-    cache = state.get("optim_boxed_grads")
-    if cache is None:
-        cache = state["optim_boxed_grads"] = IdentityMap()
-    return cache
-
-
-def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | None:
-    """``p.grad`` in ``p``'s update layout (its own, or the split one of ZeRO stage 1:
-    `sbpflow.gradsync.update_layout`; a collective unless the layouts agree). A result kept by
-    ``remember=True`` (as `clip_grad_norm_` does) is reused while ``p``'s gradient is unchanged,
-    so clipping then stepping reduces each gradient once."""
-    g_local = p.local.grad
-    if g_local is None:
-        return None
-    cache = _boxed_cache()
-    hit = cache.get(p)
-    if hit is not None:
-        ref, version, boxed = hit
-        if ref is g_local and g_local._version == version:
-            return boxed
-        cache.pop(p, None)
-    cache.update(collect([p]))
-    hit = cache.get(p)
-    if hit is not None and hit[0] is g_local and g_local._version == hit[1]:
-        return hit[2]
-    with torch.no_grad():
-        boxed = p.grad.to_global(p.placement, update_layout(p))
-    if remember:
-        cache[p] = (g_local, g_local._version, boxed)
-    return boxed
-
-
-_BUCKET_BYTES = 32 << 20  # gradients all-reduced together, at most this many bytes at once
-# ZeRO-1 gradients reduce-scattered together during backward: small enough that the first
-# buckets start while backward goes on
-_SHARD_BUCKET = 4 << 20
-
-
-def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) -> list:
-    """`boxed_grad` of every parameter (None where there is no gradient), with the gradients
-    whose boxing is one all-reduce over the same ranks coalesced into few large all-reduces
-    (bucketed as DDP does: the same bytes, far fewer messages), and those of ZeRO stage 1
-    (reduce-scattered to their update layout) into few reduce-scatters. Every rank must call
-    it with the same parameters in the same order. The results of reductions started during
-    backward stay remembered (a second call sends nothing) unless ``consume`` (the optimizer's
-    step, which forgets them right after)."""
-    from ..boxing import plan_layouts
-    from ..sbp import dual_nd
-    comm = _comm.current()
-    out: list = [None] * len(params)
-    buckets: dict = {}
-    sharded: list = []   # (index, geometry) of ZeRO stage-1 gradients
-    cache = _boxed_cache()
-    # all-reduces (gradsync) and ZeRO-1 reduce-scatters started during backward (a dict by
-    # parameter), merged into the remembered results when those are kept
-    started = collect(params)
-    started.update(_collect_shards(params))
-    used = 0
-    if cache or remember or not consume:
-        cache.update(started)
-        started = cache
-    for i, p in enumerate(params):
-        g = p.local.grad
-        if g is None:
-            continue
-        hit = started.get(p)
-        if hit is not None and hit[0] is g and g._version == hit[1]:
-            out[i] = hit[2]
-            used += 1
-            continue
-        lay = update_layout(p)
-        if lay != p.sbp:
-            geo = _zero.geometry(tuple(p.shape), p.placement, p.sbp, lay, comm.rank)
-            if geo is not None:
-                sharded.append((i, geo))
-            continue
-        pl = p.placement
-        # outside its placement: the empty shard, nothing to reduce; on a placement of one
-        # device (a pipeline stage's): the local gradient is the value (a partial sum of one)
-        if pl.size == 1 or comm.rank not in pl:
-            out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)
-            continue
-        plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
-        group = plan.all_reduce_group(comm.rank)
-        if group is not None and len(group) == 1:
-            out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)  # a group of one: a relabel
-        elif group is not None:
-            key = (group, plan.steps[0].op, g.dtype, g.device)
-            buckets.setdefault(key, []).append(i)
-        else:
-            out[i] = boxed_grad(p, remember=remember)
-    if started is not cache and len(started) > used:
-        cache.update(started)   # results for parameters not asked for (or stale): kept
-    _all_reduced(params, buckets, out, remember, comm)
-    _reduce_scattered(params, sharded, out, remember)
-    return out
-
-
-def _all_reduced(params: list, buckets: dict, out: list, remember: bool, comm) -> None:
-    """Fill ``out`` with the gradients of ``buckets`` ((group, op, dtype, device) -> indices),
-    all-reduced in bounded coalesced buckets, in parameter order."""
-    cache = _boxed_cache()
-    for (group, op, _, _), idxs in buckets.items():
-        start = 0
-        while start < len(idxs):  # bounded buckets, in parameter order
-            chunk, size = [], 0
-            while start < len(idxs) and (not chunk or size < _BUCKET_BYTES):
-                g = params[idxs[start]].local.grad
-                chunk.append(idxs[start])
-                size += g.numel() * g.element_size()
-                start += 1
-            flat = torch.cat([params[i].local.grad.reshape(-1) for i in chunk])
-            reduced = comm.all_reduce_start(flat, group, op, inplace=True).wait()
-            offset = 0
-            for i in chunk:
-                p = params[i]
-                n = p.local.grad.numel()
-                local = reduced[offset:offset + n].view_as(p.local.grad)
-                offset += n
-                out[i] = GlobalTensor(local, tuple(p.shape), p.placement, p.sbp)
-                if remember:
-                    cache[p] = (p.local.grad, p.local.grad._version, out[i])
-
-
-def _reduce_scattered(params: list, sharded: list, out: list, remember: bool) -> None:
-    """Fill ``out`` with the ZeRO stage-1 gradients ``sharded`` ((index, geometry)),
-    reduce-scattered to their update layout in coalesced buckets."""
-    if not sharded:
-        return
-    cache = _boxed_cache()
-    with torch.no_grad():
-        shards = _zero.reduce_scatter([(params[i].local.grad, geo) for i, geo in sharded])
-    for (i, _), shard in zip(sharded, shards):
-        p = params[i]
-        out[i] = GlobalTensor(shard, tuple(p.shape), p.placement, update_layout(p))
-        if remember:
-            cache[p] = (p.local.grad, p.local.grad._version, out[i])
 
 
 def _idle(params: list, rank: int) -> set:
@@ -193,23 +52,6 @@ def _idle(params: list, rank: int) -> set:
         return {id(p) for p in params if rank not in p._placement}
     return {id(p) for p in params if rank not in p._placement and update_layout(p) == p._sbp
             and backfill(p) is None}
-
-
-@functools.lru_cache(maxsize=256)
-def _has_partial(nd_sbp: tuple) -> bool:
-    return any(isinstance(s, Partial) for s in nd_sbp)
-
-
-def _remember(p: GlobalTensor, boxed: GlobalTensor) -> None:
-    """Record ``boxed`` as ``p``'s boxed gradient at the gradient's current version."""
-    g_local = p.local.grad
-    _boxed_cache()[p] = (g_local, g_local._version, boxed)
-
-
-def _forget(p: GlobalTensor) -> None:
-    cache = _boxed_cache()
-    if cache:
-        cache.pop(p, None)
 
 
 def state_like(p: GlobalTensor, fill: float = 0.0) -> GlobalTensor:
@@ -333,7 +175,6 @@ class Optimizer(torch.optim.Optimizer):
             self._checked = (version, params)
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
         if any("clip_grad_max_norm" in g for g in self.param_groups):
-            from .clip import clip_groups   # (clip builds on this module's boxed gradients)
             clip_groups(self.param_groups)
         if not self.linear_update:
             self._refuse_partial(params)
