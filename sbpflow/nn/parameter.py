@@ -34,5 +34,22 @@ class Parameter(GlobalTensor):
         super().__init__(local.requires_grad_(requires_grad), tuple(data.shape), data.placement,
                          data.sbp)
 
+    def __deepcopy__(self, memo: dict) -> "Parameter":
+        """``copy.deepcopy`` (of a module: an EMA copy): a new leaf of the same class, values,
+        layout and placement, its own shard (and gradient, as torch's), requiring grad as
+        this one. Waits for a ZeRO all-gather in flight first (reading the shard does). A
+        meta parameter (`sf.nn.init.meta_init`) keeps its recorded initialisation."""
+        local = self.local
+        out = type(self).__new__(type(self))
+        GlobalTensor.__init__(out, local.detach().clone().requires_grad_(local.requires_grad),
+                              self._shape, self._placement, self._sbp)
+        if local.grad is not None:
+            out._local.grad = local.grad.detach().clone()
+        if local.is_meta:
+            from .init import copy_record   # (init builds parameters: imported when needed)
+            copy_record(self, out)
+        memo[id(self)] = out
+        return out
+
     def __repr__(self) -> str:
         return "Parameter containing:\n" + super().__repr__()

@@ -1,8 +1,8 @@
 """ZeRO and the parameters' state changed after `sf.parallel.apply`: in-place writes (ops,
 ``p.data``, init functions) and loads after a cast reach the next forward at every stage (stage
-2's whole copies are gathered again), and freezing is honoured, eagerly and in graphs. Each
-compared with the torch twin on one device in float64 (4 ranks, uneven shards: one rank holds
-no row of the last weight)."""
+2's whole copies are gathered again), freezing is honoured, eagerly and in graphs, and
+``copy.deepcopy`` of a module (an EMA copy) is independent. Each compared with the torch twin
+on one device in float64 (4 ranks, uneven shards: one rank holds no row of the last weight)."""
 
 import pytest
 import torch
@@ -342,3 +342,56 @@ def test_freezing_between_graph_calls_is_honoured():
     for rank, res in enumerate(sf.launch(body, 4)):
         for key, got in res.items():
             _check(got, (losses, sd), f"graph (apply zero, enable_zero) = {key} rank {rank}")
+
+
+# -- copy.deepcopy (an EMA copy) ---------------------------------------------------------------
+def _ema_run(model, opt, args_of, deepcopy) -> tuple:
+    """``ema = deepcopy(model)``, 2 training steps of the model, each followed by the EMA
+    update ``e = 0.75 e + 0.25 p``: the EMA's loss on another batch and both state dicts."""
+    ema = deepcopy(model)
+    for s in range(2):
+        loss = model(*args_of(s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.copy_(e * 0.75 + p.detach() * 0.25)
+    with torch.no_grad():
+        out = ema(*args_of(3)).item()
+    return out, ema.state_dict(), model.state_dict()
+
+
+def test_deepcopy_of_a_module_is_an_independent_copy_at_every_stage():
+    """``copy.deepcopy`` of a module (a Parameter's read-only ``_view`` made it raise), laid out
+    or not: the copy's parameters have the same values, layouts and placements, are new
+    leaves of their own (a write to one side leaves the other), and the EMA pattern gives
+    torch's values with the model at every ZeRO stage."""
+    import copy
+    m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
+    m.load_state_dict(SD)
+    want = _ema_run(m, torch.optim.SGD(m.parameters(), lr=LR), _batch, copy.deepcopy)
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        plain = sf.nn.Linear(3, 2, dtype=F64)
+        twin = copy.deepcopy(plain)
+        with torch.no_grad():
+            twin.weight.zero_()
+        alone = (plain.weight.full_tensor().abs().sum().item() > 0, type(twin.weight))
+        out = {}
+        for stage in (0, 1, 2, 3):
+            m = _sf_model(stage, pl)
+            c = copy.deepcopy(m)
+            same = [(p.sbp, p.placement, q.sbp, q.placement, p is q, p.local is q.local,
+                     q.requires_grad) for p, q in zip(m.parameters(), c.parameters())]
+            out[stage] = (same, _ema_run(m, sf.optim.SGD(m.parameters(), lr=LR), _sf_args(pl),
+                                         copy.deepcopy))
+        return alone, out
+    for rank, (alone, res) in enumerate(sf.launch(body, 4)):
+        assert alone == (True, sf.nn.Parameter)
+        for stage, (same, (loss, ema_sd, sd)) in res.items():
+            for sbp, pl, csbp, cpl, is_same, shares, grad in same:
+                assert (csbp, cpl, is_same, shares, grad) == (sbp, pl, False, False, True)
+            _check(([loss], ema_sd), ([want[0]], want[1]), f"EMA stage {stage} rank {rank}")
+            _check(([loss], sd), ([want[0]], want[2]), f"model stage {stage} rank {rank}")
