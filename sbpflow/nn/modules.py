@@ -8,7 +8,6 @@ random streams. State dicts hold *logical* values. See docs/internals.md, 'Modul
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from collections import OrderedDict
@@ -16,7 +15,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
-from ..errors import ShapeError, StateDictError
+from ..errors import ShapeError, StateDictError, UnsupportedTorchFunction
 from ..gradsync import mark_replaced, mark_stale, settle, zero_grads
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
@@ -42,10 +41,11 @@ class RemovableHandle:
     """What registering a forward hook returns (torch's ``RemovableHandle``): ``remove()``
     unregisters the hook (again: nothing); as a context manager it removes it on exit."""
 
-    _ids = itertools.count()
-
     def __init__(self, hooks: dict, *extra: dict) -> None:
-        self.id = next(RemovableHandle._ids)
+        # torch's own counter: a converted model keeps its torch hooks under torch's ids, and
+        # a hook registered afterwards must not take one of them (it replaced the first)
+        self.id = torch.utils.hooks.RemovableHandle.next_id
+        torch.utils.hooks.RemovableHandle.next_id += 1
         self._dicts = (hooks, *extra)
 
     def remove(self) -> None:
@@ -121,6 +121,14 @@ class Module:
         return _add_hook(self._forward_hooks, hook, prepend,
                          [(self._forward_hooks_with_kwargs, with_kwargs),
                           (self._forward_hooks_always_called, always_call)])
+
+    def _refuse_backward_hook(self, *args, **kwargs):
+        raise UnsupportedTorchFunction(
+            f"{type(self).__name__}: backward hooks on a module are not supported by sbpflow "
+            f"(its backward runs on the shards, and torch's hook would silently never be "
+            f"called); use a forward hook, or a hook on a global tensor's .local")
+    register_full_backward_hook = register_full_backward_pre_hook = _refuse_backward_hook
+    register_backward_hook = _refuse_backward_hook
 
     def _call_with_hooks(self, args: tuple, kwargs: dict):
         """``forward`` between the pre-hooks and the hooks; on an exception, the hooks

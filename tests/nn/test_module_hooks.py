@@ -97,3 +97,31 @@ def test_hook_moves_arguments_of_a_layer():
         return str(lin(sf.ones(4, 3, placement=pl, sbp=sf.B)).placement)
 
     assert sf.launch(fn, world_size=2) == ["cpu[1]", "cpu[1]"]
+
+
+def _hooks_after_conversion() -> tuple:
+    import torch.nn as tnn
+    pl = sf.placement("cpu", [0, 1])
+    net = tnn.Sequential(tnn.Linear(4, 3), tnn.Linear(3, 2)).double()
+    seen = []
+    net.register_forward_hook(lambda m, a, out: seen.append("torch's"))
+    m = sf.parallel.apply(net, pl, {"*": sf.B})
+    m.register_forward_hook(lambda mod, a, out: seen.append("after"))
+    m(sf.ones(2, 4, placement=pl, sbp=sf.B, dtype=torch.float64))
+    refused = []
+    for name in ("register_full_backward_hook", "register_full_backward_pre_hook",
+                 "register_backward_hook"):
+        try:
+            getattr(m[1], name)(lambda *a: None)
+        except sf.UnsupportedTorchFunction as exc:
+            refused.append("backward hooks on a module are not supported" in str(exc))
+    return seen, refused
+
+
+def test_hooks_registered_after_conversion():
+    """A forward hook added to a converted model runs beside the one kept from torch (it
+    took the kept one's id and replaced it); a backward hook is refused (it was accepted and
+    never called: the gradients silently differed from torch's)."""
+    seen, refused = sf.launch(_hooks_after_conversion, 2)[0]
+    assert seen == ["torch's", "after"]
+    assert refused == [True, True, True]
