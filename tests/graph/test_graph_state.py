@@ -74,6 +74,18 @@ class _Train(sf.nn.Graph):
         return loss
 
 
+class _Apply(sf.nn.Graph):
+    """A graph of ``module(x)`` (its sum with ``summed``), the module registered."""
+
+    def __init__(self, module, summed: bool = False):
+        super().__init__()
+        self.module, self.summed = module, summed
+
+    def build(self, x):
+        y = self.module(x)
+        return y.sum() if self.summed else y
+
+
 def _graph_writer(k: int) -> tuple:
     pl = sf.placement("cpu", [0, 1])
     sf.manual_seed(0)
@@ -145,15 +157,7 @@ def _graph_autocast() -> list:
     sd0 = lin.state_dict()
     sf.parallel.apply(lin, pl, {"*": sf.B})
 
-    class Apply(sf.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.lin = lin
-
-        def build(self, x):
-            return self.lin(x)
-
-    g, x = Apply(), sf.tensor(X.float(), pl, sf.B)
+    g, x = _Apply(lin), sf.tensor(X.float(), pl, sf.B)
     with sf.nn.autocast(torch.bfloat16):
         low = g(x).full_tensor()
     full = g(x).full_tensor()
@@ -178,15 +182,7 @@ def _graph_replaced(sd1: dict) -> torch.Tensor:
     lin = sf.nn.Linear(6, 4).double()
     sf.parallel.apply(lin, pl, {"*": sf.B})
 
-    class Apply(sf.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.lin = lin
-
-        def build(self, x):
-            return self.lin(x)
-
-    g, x = Apply(), sf.tensor(X, pl, sf.B)
+    g, x = _Apply(lin), sf.tensor(X, pl, sf.B)
     g(x)
     sf.parallel.apply(lin, pl, {"weight": sf.S(0), "bias": sf.S(0)})   # new parameter objects
     lin.load_state_dict(sd1)
@@ -297,15 +293,7 @@ def _graph_and_go() -> float:
     lin = sf.nn.Linear(6, 4).double()
     sf.parallel.apply(lin, pl, {"*": sf.B})
 
-    class Apply(sf.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.lin = lin
-
-        def build(self, x):
-            return self.lin(x).sum()
-
-    g = Apply()
+    g = _Apply(lin, summed=True)
     out = g(sf.tensor(X, pl, sf.B)).item()
     _GONE.extend([weakref.ref(g), weakref.ref(lin)])
     return out
