@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -24,6 +23,7 @@ from ..sbp import check_axes, holds_value, local_shape, parse_nd_sbp, shard_box
 from ..tensor import GlobalTensor, _next_seed, zeros as _zeros
 from ..utils import generate_region
 from .parameter import Parameter
+from .recipes import _RECIPES_LOCK, _recipe, copy_record, record
 
 __all__ = ["uniform_", "normal_", "constant_", "zeros_", "ones_", "xavier_uniform_",
            "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "calculate_gain",
@@ -37,14 +37,6 @@ class _MetaState(threading.local):
 
 
 _META = _MetaState()
-# id(tensor) -> (a weak reference to it, the in-place steps that give it its values: fills,
-# zeroed rows, in order). Keyed by id (global tensors may grow an elementwise __eq__) and checked
-# by identity, so a recipe never passes to a new object that reuses a dead tensor's id; dropped
-# when the tensor is collected. State, not a cache: sf.clear_caches() leaves it alone.
-_RECIPES: dict[int, tuple[weakref.ref, list]] = {}
-# rank threads build concurrently; reentrant, since a collected tensor's finalizer (_forget)
-# may run on a thread that already holds it (garbage collection inside record())
-_RECIPES_LOCK = threading.RLock()
 
 
 @contextmanager
@@ -90,39 +82,6 @@ def meta_tensor(shape, placement: Placement | None = None, sbp=None,
         if me in placement else (0,)
     local = torch.empty(local_sz, dtype=dtype or torch.get_default_dtype(), device="meta")
     return GlobalTensor(local, shape, placement, nd)
-
-
-def record(tensor: GlobalTensor, step: Callable[[GlobalTensor], object]) -> None:
-    """Append ``step`` (an in-place function of a materialised tensor of the same logical
-    shape) to the recipe of the meta ``tensor``; `materialize` replays the recipe in order."""
-    with _RECIPES_LOCK:
-        steps = _recipe(tensor)
-        if steps is None:
-            steps = []
-            _RECIPES[id(tensor)] = (weakref.ref(tensor), steps)
-            weakref.finalize(tensor, _forget, id(tensor))
-        steps.append(step)
-
-
-def _recipe(tensor: GlobalTensor) -> list | None:
-    """The recorded steps of ``tensor`` (the caller holds the lock)."""
-    entry = _RECIPES.get(id(tensor))
-    return entry[1] if entry is not None and entry[0]() is tensor else None
-
-
-def _forget(key: int) -> None:
-    with _RECIPES_LOCK:
-        entry = _RECIPES.get(key)
-        if entry is not None and entry[0]() is None:  # not a newer tensor's, with the same id
-            del _RECIPES[key]
-
-
-def copy_record(src: GlobalTensor, dst: GlobalTensor) -> None:
-    """Give ``dst`` (e.g. ``src`` cast to another dtype) the recipe of ``src``."""
-    with _RECIPES_LOCK:
-        steps = list(_recipe(src) or ())
-    for step in steps:
-        record(dst, step)
 
 
 def materialize(tensor: GlobalTensor, placement: Placement | None = None,

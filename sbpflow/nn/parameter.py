@@ -7,6 +7,7 @@ import torch
 
 from ..placement import Placement
 from ..tensor import GlobalTensor, tensor as _sf_tensor
+from .recipes import copy_record
 
 __all__ = ["Parameter"]
 
@@ -46,7 +47,6 @@ class Parameter(GlobalTensor):
         if local.grad is not None:
             out._local.grad = local.grad.detach().clone()
         if local.is_meta:
-            from .init import copy_record   # (init builds parameters: imported when needed)
             copy_record(self, out)
         memo[id(self)] = out
         return out
