@@ -229,12 +229,6 @@ def _unary(name: str):
     return method
 
 
-def _bound_of(value, like: "GlobalTensor"):
-    """A clamp bound as an op input: a plain torch tensor lifted onto ``like``'s placement."""
-    return lift(value, like._placement) if isinstance(value, torch.Tensor) and \
-        not isinstance(value, GlobalTensor) else value
-
-
 def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) \
         else tuple(shape)
@@ -533,14 +527,15 @@ class GlobalTensor:
     log1p, expm1 = _unary("log1p"), _unary("expm1")
     def clamp(self, min=None, max=None) -> "GlobalTensor":
         """torch's: ``min`` / ``max`` numbers (one op), or tensors (elementwise bounds: a
-        ``maximum`` then a ``minimum``, so each bound is an input with its own layout)."""
+        ``maximum`` then a ``minimum``, so each bound is an input with its own layout; a
+        plain torch tensor is lifted by `apply_op`)."""
         if isinstance(min, (GlobalTensor, torch.Tensor)) or \
                 isinstance(max, (GlobalTensor, torch.Tensor)):
             out = self
             if min is not None:
-                out = apply_op("maximum", out, _bound_of(min, self))
+                out = apply_op("maximum", out, min)
             if max is not None:
-                out = apply_op("minimum", out, _bound_of(max, self))
+                out = apply_op("minimum", out, max)
             return out
         return apply_op("clamp", self, min=min, max=max)
     clip = clamp
