@@ -57,6 +57,18 @@ WRITES = {
 }
 
 
+def _steps(model, opt, args_of, n: int = 2) -> list:
+    """``n`` training steps on ``args_of(step)``: the losses (torch or sbpflow alike)."""
+    losses = []
+    for s in range(n):
+        loss = model(*args_of(s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _write(model, write) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -229,14 +241,7 @@ def test_a_load_after_a_cast_after_apply_is_what_training_uses(how, tmp_path):
     m = mlp_class(torch.nn, torch.nn.functional)(SIZES).double()
     m.load_state_dict(SD2)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
-    want = []
-    for s in range(2):
-        loss = m(*_batch(s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    want = (want, m.state_dict())
+    want = (_steps(m, opt, _batch), m.state_dict())
     path = str(tmp_path / "ckpt")
 
     def body():
@@ -260,14 +265,7 @@ def test_a_load_after_a_cast_after_apply_is_what_training_uses(how, tmp_path):
                     for n, p in m.named_parameters():
                         p.copy_(sf.tensor(SD2[n], p.placement, (B,)))
             opt = sf.optim.SGD(m.parameters(), lr=LR)
-            losses = []
-            for s in range(2):
-                loss = m(*_sf_args(pl)(s))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            out[stage] = (losses, m.state_dict())
+            out[stage] = (_steps(m, opt, _sf_args(pl)), m.state_dict())
         return out
     for rank, res in enumerate(sf.launch(body, 4)):
         for stage, got in res.items():
