@@ -53,6 +53,11 @@ class CommAborted(CommError):
     """Another rank failed; this rank's pending communication was abandoned."""
 
 
+class WireError(CommError):
+    """A message channel frame or connection that does not parse or does not authenticate, or
+    a message that cannot be sent (not plain data and tensors)."""
+
+
 class CommTimeout(CommError):
     """A collective waited longer than the timeout for some ranks."""
 

@@ -6,15 +6,16 @@ message)`` pairs, in the order each sender posted. Unlike ``send`` / ``recv``, t
 needs to know neither the sender nor the shapes, and an idle channel is not a hang: the actor
 runtime's req / ack messages travel here. `ThreadChannels` keeps one deque a (rank, channel)
 in the world (tensors copied on post); `StoreChannels` uses the c10d store's queues
-(``queue_push`` / ``queue_pop``), pickled, a reader thread a channel: the torch backend's
-fallback, whose channels are direct sockets (`socket_channels.SocketChannels`). See
+(``queue_push`` / ``queue_pop``), typed frames (`wire`) with an HMAC tag of the world's secret
+(`auth.seal`), a reader thread a channel: the torch backend's fallback, whose channels are
+direct sockets (`socket_channels.SocketChannels`). Nothing read from the store is unpickled. See
 docs/runtime.md, 'Message channels'.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
+import logging
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -22,13 +23,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError
+from ..errors import CommError, WireError
 from ..utils import rebuild_sequence
+from .auth import seal, unseal
 from .progress import own_connection
+from .wire import encode, parse_frame
 
 __all__ = ["ThreadChannels", "StoreChannels", "copy_tensors", "tensor_bytes"]
 
-_CLOSE = b""  # a reader's own wake-up: pickled messages are never empty
+_LOG = logging.getLogger("sbpflow.comm")
+_CLOSE = b""  # a reader's own wake-up: sealed messages are never empty
 _READ_TIMEOUT = datetime.timedelta(hours=1)  # a blocked pop; re-entered on expiry
 
 
@@ -93,10 +97,12 @@ class ThreadChannels:
 class StoreChannels:
     """One process's channels over the c10d store: rank r's channel c is the store queue
     ``sbpflow/channel/c/r``. Posts go through one connection of their own; each channel read
-    gets a daemon thread blocked in ``queue_pop`` on another, which feeds a local deque."""
+    gets a daemon thread blocked in ``queue_pop`` on another, which feeds a local deque. A
+    message is a `wire` frame sealed with ``secret``; one whose tag or frame is wrong is dropped
+    with a warning."""
 
-    def __init__(self, rank: int, store: dist.Store) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, store: dist.Store, secret: bytes) -> None:
+        self.rank, self.secret = rank, secret
         self._store = store
         self._post_conn = self._connection()
         self._post_lock = threading.Lock()
@@ -118,9 +124,9 @@ class StoreChannels:
             with self._lock:
                 reader = self._readers.get(channel)
             if reader is not None:
-                reader.put((src, pickle.loads(pickle.dumps(message))))  # a copy, as a post
+                reader.put(parse_frame(b"".join(encode(src, channel, message)))[::2])  # a copy
                 return
-        data = pickle.dumps((src, message), protocol=pickle.HIGHEST_PROTOCOL)
+        data = seal(self.secret, b"".join(encode(src, channel, message)))
         try:
             with self._post_lock:
                 self._post_conn.queue_push(self.key(dst, channel), data)
@@ -135,7 +141,7 @@ class StoreChannels:
             reader = self._readers.get(channel)
             if reader is None:
                 reader = self._readers[channel] = _Reader(self._connection(),
-                                                          self.key(rank, channel))
+                                                          self.key(rank, channel), self.secret)
         return reader.take(timeout)
 
     def close(self) -> None:
@@ -147,10 +153,11 @@ class StoreChannels:
 
 
 class _Reader:
-    """A daemon thread that pops one store queue into a local deque."""
+    """A daemon thread that pops one store queue into a local deque: ``(src, message)`` of
+    each frame sealed with ``secret``."""
 
-    def __init__(self, conn: dist.Store, key: str) -> None:
-        self.conn, self.key = conn, key
+    def __init__(self, conn: dist.Store, key: str, secret: bytes) -> None:
+        self.conn, self.key, self.secret = conn, key, secret
         self.cond = threading.Condition()
         self.queue: deque = deque()
         self.error: BaseException | None = None
@@ -172,7 +179,12 @@ class _Reader:
                 return
             if data == _CLOSE:
                 return
-            self.put(pickle.loads(data))
+            try:
+                src, _, message = parse_frame(unseal(self.secret, data))
+            except WireError as exc:
+                _LOG.warning("sbpflow: dropped a message of store queue %r: %s", self.key, exc)
+                continue
+            self.put((src, message))
 
     def put(self, item: tuple) -> None:
         with self.cond:

@@ -1,43 +1,45 @@
 """Message channels over direct TCP sockets between the processes of a torch-backend world.
 
 Each process listens on one socket (on the interface that reaches the world's store host, port
-0) and publishes ``host:port`` in the store once; a post opens one persistent connection per
-destination on first use (``TCP_NODELAY``) and writes a length-prefixed pickled frame ``(src,
-channel, message)``. One receiver thread a process (``selectors``) reads every connection and
-puts the frames in per-channel deques, waking the waiting `SocketChannels.take`. A process
-whose socket cannot be set up publishes ``store`` and falls back, saying so in a warning, to
-the c10d store's queues (`StoreChannels`), which its peers then post to. See docs/runtime.md,
-'Message channels'.
+0: loopback in a one-host world) and publishes ``host:port`` in the store once; a post opens one
+persistent connection per destination on first use (``TCP_NODELAY``), proves to the listener
+that it holds the world's secret and checks the listener's proof (`auth`), then writes typed
+frames (`wire`: no pickle of arbitrary objects, tensors as raw bytes). One receiver thread a
+process (``selectors``) reads every connection and puts the frames in per-channel deques,
+waking the waiting `SocketChannels.take`; a connection that does not authenticate within
+`_HANDSHAKE_S` or sends a frame that does not parse is dropped with a warning naming its
+address, and the channels go on. A process whose socket cannot be set up publishes ``store``
+and falls back, saying so in a warning, to the c10d store's queues (`StoreChannels`: frames
+with an HMAC tag of the secret), which its peers then post to. See docs/runtime.md, 'Message
+channels' and 'What the transport trusts'.
 """
 
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import os
-import pickle
 import selectors
 import socket
-import struct
 import threading
+import time
 from collections import deque
 from typing import Any, Callable
 
-import numpy
-import torch
 import torch.distributed as dist
 
-from ..errors import CommError
+from ..errors import CommError, WireError
+from .auth import ServerHandshake, client_handshake, world_secret
 from .channels import StoreChannels
 from .progress import own_connection
+from .wire import FrameReader, encode, parse_frame
 
 __all__ = ["SocketChannels", "address_key", "local_address"]
 
 _LOG = logging.getLogger("sbpflow.comm")
-_HEADER = struct.Struct("!Q")  # a frame's payload length
 _STORE = b"store"  # the published address of a process that reads the store's queues
 _CHUNK = 1 << 18  # bytes a recv asks for
+_HANDSHAKE_S = 10.0  # s a new connection has to prove it belongs to the world
 
 
 def address_key(rank: int) -> str:
@@ -67,11 +69,12 @@ class SocketChannels:
     path this process receives on (``"socket"``, or ``"store"`` after a fallback)."""
 
     def __init__(self, rank: int, store: dist.Store, timeout: float = 300.0,
-                 force_store: bool = False) -> None:
+                 force_store: bool = False, secret: bytes | None = None) -> None:
         self.rank = rank
         self.timeout = timeout  # s a post waits for a peer's address
         self._store = own_connection(store, datetime.timedelta(seconds=timeout))
         self._raw_store = store
+        self.secret = secret if secret is not None else world_secret(self._store, rank, timeout)
         self._lock = threading.Lock()  # the peers table and the fallback StoreChannels
         self._peers: dict[int, _Peer | None] = {}  # None: the peer reads the store's queues
         self._via_store: StoreChannels | None = None
@@ -79,7 +82,7 @@ class SocketChannels:
         try:
             if force_store:
                 raise OSError("SBPFLOW_CHANNELS=store")
-            self._receiver = _Receiver(rank, local_address(store))
+            self._receiver = _Receiver(rank, local_address(store), self.secret)
             address = f"{self._receiver.host}:{self._receiver.port}".encode()
         except OSError as exc:
             _LOG.warning("sbpflow rank %d: message channels fall back to the c10d store's "
@@ -91,7 +94,7 @@ class SocketChannels:
     def _store_channels(self) -> StoreChannels:
         with self._lock:
             if self._via_store is None:
-                self._via_store = StoreChannels(self.rank, self._raw_store)
+                self._via_store = StoreChannels(self.rank, self._raw_store, self.secret)
             return self._via_store
 
     def _peer(self, src: int, dst: int, channel: str) -> "_Peer | None":
@@ -115,6 +118,12 @@ class SocketChannels:
                 sock = socket.create_connection((host, int(port)), timeout=self.timeout)
             except OSError as exc:
                 raise _error(src, dst, channel, f"connecting to {host}:{port}", exc) from exc
+            try:
+                client_handshake(sock, self.secret)
+            except (OSError, WireError) as exc:
+                sock.close()
+                raise _error(src, dst, channel, f"authenticating with {host}:{port} (is "
+                             f"SBPFLOW_SECRET the same on every rank?)", exc) from exc
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = self._peers[dst] = _Peer(sock, f"{host}:{port}")
@@ -122,18 +131,20 @@ class SocketChannels:
 
     def post(self, src: int, dst: int, channel: str, message: Any) -> None:
         """Send ``message`` to ``dst``'s ``channel``; a peer gone (connection refused, reset
-        or closed) raises `CommError` naming ``src``, ``dst`` and ``channel``. To itself: a
-        pickled copy straight into its own deque."""
+        or closed) raises `CommError` naming ``src``, ``dst`` and ``channel``; a message that is
+        not plain data and tensors, `WireError`. To itself: a decoded copy of its frame straight
+        into its own deque."""
         if dst == self.rank and self._receiver is not None:
-            self._receiver.put(channel, (src, pickle.loads(_dumps(message))))
+            _, _, copy = parse_frame(b"".join(encode(src, channel, message)))
+            self._receiver.put(channel, (src, copy))
             return
         peer = None if dst == self.rank else self._peer(src, dst, channel)
         if peer is None:
             self._store_channels().post(src, dst, channel, message)
             return
-        data = _dumps((src, channel, message))
+        parts = encode(src, channel, message)
         try:
-            peer.send(data)
+            peer.send(parts)
         except OSError as exc:
             raise _error(src, dst, channel, f"sending to {peer.address}", exc) from exc
 
@@ -158,37 +169,6 @@ class SocketChannels:
             via_store.close()
 
 
-def _tensor(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    """A tensor of ``shape`` / ``dtype`` from its raw bytes (a storage of its own)."""
-    out = torch.empty(shape, dtype=dtype)
-    if data:  # (numpy copies from a read-only buffer; torch.frombuffer would warn)
-        out.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(data, numpy.uint8)
-    return out
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a plain CPU tensor as its raw bytes, dtype and shape: torch's own pickling
-    goes through ``torch.save`` / ``torch.load`` of its storage, some 100 us a message each
-    way where this takes about 20 (messages carry activations between pipeline stages).
-    Other tensors (autograd, views with conjugate bits, subclasses, other devices) as torch
-    pickles them."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.requires_grad
-                or obj.layout != torch.strided or obj.is_conj() or obj.is_neg()
-                or obj.is_quantized):
-            return NotImplemented
-        flat = obj.detach().contiguous().reshape(-1)
-        return _tensor, (flat.view(torch.uint8).numpy().tobytes(), obj.dtype,
-                         tuple(obj.shape))
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
 def _error(src: int, dst: int, channel: str, what: str, exc: BaseException) -> CommError:
     return CommError(f"post from rank {src} to rank {dst} on message channel {channel!r}: "
                      f"{what} failed: {type(exc).__name__}: {exc} (rank {dst} has ended or "
@@ -202,14 +182,15 @@ class _Peer:
         self.sock, self.address = sock, address
         self.lock = threading.Lock()
 
-    def send(self, data: bytes) -> None:
-        header = _HEADER.pack(len(data))
+    def send(self, parts: list) -> None:
+        """Write a frame's parts (`wire.encode`) whole, after any frame already being sent."""
+        size = sum(memoryview(p).nbytes for p in parts)
         with self.lock:
-            if len(data) < _CHUNK:  # one segment for a small frame (TCP_NODELAY sends each)
-                self.sock.sendall(header + data)
-            else:  # no copy of a large payload
-                self.sock.sendall(header)
-                self.sock.sendall(data)
+            if size < _CHUNK:  # one segment for a small frame (TCP_NODELAY sends each)
+                self.sock.sendall(b"".join(parts))
+            else:  # no copy of a large tensor's bytes
+                for part in parts:
+                    self.sock.sendall(part)
 
     def close(self) -> None:
         with self.lock:
@@ -220,11 +201,24 @@ class _Peer:
             self.sock.close()
 
 
+class _Conn:
+    """An accepted connection: its address, its handshake until the peer proved it holds the
+    secret (then None), and the frames it sends."""
+
+    def __init__(self, sock: socket.socket, address: str, secret: bytes) -> None:
+        self.sock, self.address = sock, address
+        self.handshake: ServerHandshake | None = ServerHandshake(secret)
+        self.since = time.monotonic()
+        self.frames = FrameReader()
+
+
 class _Receiver:
     """The listening socket and the thread that reads every incoming connection into
-    per-channel deques (one lock; a condition a channel, so a frame wakes only its taker)."""
+    per-channel deques (one lock; a condition a channel, so a frame wakes only its taker).
+    Only connections that proved they hold ``secret`` are read for frames."""
 
-    def __init__(self, rank: int, host: str) -> None:
+    def __init__(self, rank: int, host: str, secret: bytes) -> None:
+        self.rank, self.secret = rank, secret
         self.listener = socket.create_server((host, 0), backlog=128)
         self.host, self.port = host, self.listener.getsockname()[1]
         self.listener.setblocking(False)
@@ -232,6 +226,8 @@ class _Receiver:
         self._lock = threading.Lock()
         self._boxes: dict[str, tuple[deque, threading.Condition]] = {}
         self.error: BaseException | None = None
+        self.dropped = 0  # connections dropped: unauthenticated, or a frame that did not parse
+        self._pending: set[_Conn] = set()  # accepted, not yet authenticated
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -266,13 +262,15 @@ class _Receiver:
     def _loop(self) -> None:
         try:
             while True:
-                for key, _ in self._sel.select():
+                # a connection still proving itself has _HANDSHAKE_S; look again within 1 s
+                for key, _ in self._sel.select(1.0 if self._pending else None):
                     if key.fileobj is self._wake_r:
                         return
                     if key.fileobj is self.listener:
                         self._accept()
                     else:
-                        self._read(key.fileobj, key.data)
+                        self._read(key.data)
+                self._expire()
         except BaseException as exc:  # noqa: BLE001 - reported to every take
             with self._lock:
                 self.error = exc
@@ -282,39 +280,68 @@ class _Receiver:
             self._shut()
 
     def _accept(self) -> None:
+        """Take a new connection and send it the challenge; nothing it sends is read as a
+        frame before it answers."""
         try:
-            conn, _ = self.listener.accept()
+            sock, addr = self.listener.accept()
         except BlockingIOError:
             return
-        conn.setblocking(False)
-        self._sel.register(conn, selectors.EVENT_READ, bytearray())
+        sock.setblocking(False)
+        conn = _Conn(sock, ":".join(map(str, addr[:2])), self.secret)
+        try:  # a fresh socket's send buffer is empty: the few bytes go at once
+            if sock.send(conn.handshake.hello) != len(conn.handshake.hello):
+                raise OSError("the challenge did not fit the send buffer")
+        except OSError:
+            sock.close()
+            return
+        self._pending.add(conn)
+        self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _read(self, conn: socket.socket, buf: bytearray) -> None:
-        """Append what ``conn`` has to ``buf`` and deliver its whole frames; a closed
-        connection (its sender closed, or ended) is dropped."""
+    def _read(self, conn: _Conn) -> None:
+        """Read what ``conn`` has: handshake bytes, then frames, delivered whole. A closed
+        connection (its sender closed, or ended) is dropped quietly; one that fails the
+        handshake or sends a frame that does not parse, with a warning."""
         try:
-            data = conn.recv(_CHUNK)
+            data = conn.sock.recv(_CHUNK)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # reset by a peer that ended
             data = b""
         if not data:
-            self._sel.unregister(conn)
-            conn.close()
+            self._close(conn)
             return
-        buf += data
-        start, end = 0, len(buf)
-        while end - start >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(buf, start)
-            if end - start - _HEADER.size < n:
-                break
-            lo = start + _HEADER.size
-            with memoryview(buf) as whole, whole[lo:lo + n] as frame:  # released: buf resizes
-                src, channel, message = pickle.loads(frame)
-            self.put(channel, (src, message))
-            start += _HEADER.size + n
-        if start:
-            del buf[:start]
+        try:
+            if conn.handshake is not None:
+                done = conn.handshake.feed(data)
+                if done is None:
+                    return
+                reply, data = done
+                conn.sock.setblocking(True)  # 32 bytes to a peer waiting for them
+                conn.sock.sendall(reply)
+                conn.sock.setblocking(False)
+                conn.handshake = None
+                self._pending.discard(conn)
+            for src, channel, message in conn.frames.feed(data):
+                self.put(channel, (src, message))
+        except (WireError, OSError) as exc:
+            self._drop(conn, str(exc))
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        self.dropped += 1
+        _LOG.warning("sbpflow rank %d: dropped the message connection from %s: %s", self.rank,
+                     conn.address, why)
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        self._pending.discard(conn)
+        self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _expire(self) -> None:
+        """Drop the connections that have not proved themselves within `_HANDSHAKE_S`."""
+        now = time.monotonic()
+        for conn in [c for c in self._pending if now - c.since > _HANDSHAKE_S]:
+            self._drop(conn, f"no proof of the world's secret within {_HANDSHAKE_S:g} s")
 
     def _shut(self) -> None:
         for key in list(self._sel.get_map().values()):

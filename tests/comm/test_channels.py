@@ -14,9 +14,11 @@ from channel_fns import take_all
 from sbpflow.comm.channels import StoreChannels, copy_tensors, tensor_bytes
 from sbpflow.errors import CommError
 
+SECRET = b"a test world's secret"
+
 
 def test_store_channels_deliver_in_order_with_tensors(store):
-    a, b = StoreChannels(0, store), StoreChannels(1, store)
+    a, b = StoreChannels(0, store, SECRET), StoreChannels(1, store, SECRET)
     t = torch.arange(6.0)
     for k in range(20):
         a.post(0, 1, "c", ("req", k, t * k))
@@ -29,7 +31,7 @@ def test_store_channels_deliver_in_order_with_tensors(store):
 
 
 def test_store_channel_take_waits_at_most_its_timeout_and_wakes_on_a_post(store):
-    a, b = StoreChannels(0, store), StoreChannels(1, store)
+    a, b = StoreChannels(0, store, SECRET), StoreChannels(1, store, SECRET)
     t0 = time.monotonic()
     assert b.take(1, "c", 0.2, lambda: None) == []
     assert 0.15 < time.monotonic() - t0 < 2.0
@@ -42,7 +44,7 @@ def test_store_channel_take_waits_at_most_its_timeout_and_wakes_on_a_post(store)
 
 def test_store_channels_close_stops_the_reader_threads(store):
     before = set(threading.enumerate())
-    b = StoreChannels(1, store)
+    b = StoreChannels(1, store, SECRET)
     b.take(1, "x", 0.0, lambda: None)
     b.take(1, "y", 0.0, lambda: None)
     assert len(set(threading.enumerate()) - before) == 2
@@ -53,7 +55,7 @@ def test_store_channels_close_stops_the_reader_threads(store):
 def test_a_reader_whose_store_died_raises_comm_error():
     s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", s.port, 1, is_master=False)
-    b = StoreChannels(1, client)
+    b = StoreChannels(1, client, SECRET)
     b.take(1, "c", 0.0, lambda: None)
     del s  # the server goes away under the blocked reader
     with pytest.raises(CommError, match="message channel 'sbpflow/channel/c/1': the c10d "
@@ -88,7 +90,7 @@ def test_a_store_failure_in_post_is_a_comm_error():
         def queue_push(self, key, data):
             raise dist.DistNetworkError("Broken pipe")
 
-    ch = StoreChannels(0, DeadStore())
+    ch = StoreChannels(0, DeadStore(), SECRET)
     with pytest.raises(CommError, match=r"post from rank 0 to rank 1 on message channel 'c': "
                                         r"the c10d store failed: DistNetworkError: Broken pipe"):
         ch.post(0, 1, "c", ("req", 1))

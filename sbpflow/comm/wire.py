@@ -1,0 +1,201 @@
+"""The wire format of message channels between rank processes: typed frames, no code from the wire.
+
+A frame is a fixed prefix, the channel name, a body and the raw bytes of the tensors it carries::
+
+    prefix  "!QIiHH": bytes after the prefix, body bytes, source rank, channel bytes, buffers
+    sizes   "!Q" per buffer
+    channel utf-8
+    body    the message's structure (pickle protocol 5, restricted: see below)
+    buffers each tensor's bytes, as they are in memory (out of band: no copy into the body)
+
+The body holds only what the runtime sends: ``None``, bools, numbers, strings, bytes, tuples,
+lists, dicts, sets, ``torch.dtype`` / ``torch.Size`` / ``torch.device``, and tensors (dtype,
+shape, ``requires_grad``, device; their bytes in a buffer). The decoder (`decode`) resolves no
+other global: a frame naming anything else — a class whose ``__reduce__`` would run code — is a
+`WireError`, and nothing in it is called. The encoder refuses such objects at the sender
+(`WireError` naming the type), so a legitimate message never makes the receiver drop its peer.
+See docs/runtime.md, 'Message channels' and 'What the transport trusts'.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import struct
+from typing import Any, Iterator
+
+import numpy
+import torch
+
+from ..errors import WireError
+
+__all__ = ["PREFIX", "encode", "decode", "FrameReader", "parse_frame"]
+
+PREFIX = struct.Struct("!QIiHH")  # after-prefix bytes, body bytes, src, channel bytes, buffers
+_SIZE = struct.Struct("!Q")
+
+# the globals a body may name; nothing else is resolved (torch.load(weights_only=True)'s idea)
+_TORCH_TYPES = {"Size": torch.Size, "device": torch.device}
+_BUILTINS = {"complex": complex, "slice": slice, "range": range, "bytearray": bytearray}
+_PLAIN = (torch.dtype, torch.Size, torch.device, complex, slice, range, bytearray)
+_ATOMS = {int, float, bool, str, bytes, pickle.PickleBuffer}  # types the pickler writes itself
+
+
+def _tensor(data: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
+            device: str) -> torch.Tensor:
+    """A tensor of ``shape`` / ``dtype`` on ``device`` from its raw bytes (a storage of its
+    own): the only function a frame can call, and it checks its arguments first."""
+    if not (isinstance(dtype, torch.dtype) and isinstance(shape, tuple)
+            and all(type(n) is int and n >= 0 for n in shape)
+            and type(requires_grad) is bool and isinstance(device, str)):
+        raise WireError("a tensor record of the wrong form")
+    data = memoryview(data).cast("B")
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise WireError(f"a tensor of shape {shape} and {dtype} with {len(data)} bytes")
+    out = torch.empty(shape, dtype=dtype)
+    if len(data):  # (numpy copies from a read-only buffer; torch.frombuffer would warn)
+        out.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(data, numpy.uint8)
+    if device != "cpu":
+        out = out.to(device)
+    return out.requires_grad_() if requires_grad else out
+
+
+class _Pickler(pickle.Pickler):
+    """A tensor as its raw bytes (out of band), dtype, shape, flag and device: torch's own
+    pickling goes through ``torch.save`` of its storage, some 100 us a message each way where
+    this takes about 20, and needs torch's rebuild functions on the other side. Any other
+    object that is not plain data is refused here, at the sender."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return _reduce_tensor(obj)
+        if obj is _tensor or isinstance(obj, _PLAIN) or type(obj) in _ATOMS:
+            return NotImplemented
+        raise WireError(f"a message channel carries plain data and tensors only, not "
+                        f"{type(obj).__module__}.{type(obj).__qualname__} ({obj!r:.80}); send "
+                        f"its fields (numbers, strings, tuples, dicts, tensors) instead")
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise WireError(f"a message channel carries strided tensors only, not a {t.layout} "
+                        f"one of shape {tuple(t.shape)}")
+    flat = t.detach().resolve_conj().resolve_neg()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1).view(torch.uint8)
+    return _tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape),
+                     t.requires_grad, str(t.device))
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves only `_tensor`, torch's dtypes, ``torch.Size``, ``torch.device`` and a few
+    builtins; every other global (the way a pickle runs code) is a `WireError`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_tensor":
+            return _tensor
+        if module == "torch":
+            found = _TORCH_TYPES.get(name) or getattr(torch, name, None)
+            if isinstance(found, torch.dtype) or found in _TORCH_TYPES.values():
+                return found
+        if module == "builtins" and name in _BUILTINS:
+            return _BUILTINS[name]
+        raise WireError(f"a frame names {module}.{name}, which a message never holds")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise WireError("a frame with a persistent id")
+
+
+def encode(src: int, channel: str, message: Any) -> list:
+    """The parts of ``message``'s frame, to be written in order (the tensors' bytes are views of
+    their memory when they are contiguous CPU tensors). `WireError` for an object that is not
+    plain data (named)."""
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(message)
+    body, name = out.getbuffer(), channel.encode()
+    views = [b.raw() for b in buffers]
+    if len(views) >= 1 << 16:
+        raise WireError(f"a message of {len(views)} tensors: send at most 65535 in one")
+    sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
+    after = len(sizes) + len(name) + body.nbytes + sum(v.nbytes for v in views)
+    head = PREFIX.pack(after, body.nbytes, src, len(name), len(views))
+    return [head + sizes + name, body, *views]
+
+
+def decode(body: Any, buffers: list) -> Any:
+    """The message of a frame's ``body`` and ``buffers`` (`WireError` if it does not parse)."""
+    try:
+        return _Unpickler(io.BytesIO(body), buffers=buffers).load()
+    except WireError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformed body
+        raise WireError(f"a body that does not parse ({type(exc).__name__}: {exc})") from None
+
+
+def _split(view: memoryview, after: int, body_n: int, chan_n: int, n_buf: int) -> tuple:
+    """``(channel, body, buffers)`` of the bytes after a prefix, their sizes checked."""
+    if after < n_buf * _SIZE.size + chan_n + body_n:
+        raise WireError("a frame whose sizes do not add up")
+    at = n_buf * _SIZE.size
+    sizes = [_SIZE.unpack_from(view, i * _SIZE.size)[0] for i in range(n_buf)]
+    if at + chan_n + body_n + sum(sizes) != after:
+        raise WireError("a frame whose sizes do not add up")
+    try:
+        channel = bytes(view[at:at + chan_n]).decode()
+    except UnicodeDecodeError:
+        raise WireError("a frame whose channel name is not utf-8") from None
+    at += chan_n
+    body = view[at:at + body_n]
+    at += body_n
+    buffers = []
+    for n in sizes:
+        buffers.append(view[at:at + n])
+        at += n
+    return channel, body, buffers
+
+
+def parse_frame(data: bytes) -> tuple[int, str, Any]:
+    """``(src, channel, message)`` of one whole frame (`WireError` if it is not one)."""
+    view = memoryview(data)
+    if len(view) < PREFIX.size:
+        raise WireError(f"a frame of {len(view)} bytes")
+    after, body_n, src, chan_n, n_buf = PREFIX.unpack_from(view)
+    if after != len(view) - PREFIX.size:
+        raise WireError("a frame whose sizes do not add up")
+    channel, body, buffers = _split(view[PREFIX.size:], after, body_n, chan_n, n_buf)
+    return src, channel, decode(body, buffers)
+
+
+class FrameReader:
+    """Cuts a connection's byte stream into frames: ``feed(data)`` yields ``(src, channel,
+    message)`` for each frame completed; a malformed one raises `WireError` (the connection
+    is then dropped by the caller: nothing after it can be trusted to be in step)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, str, Any]]:
+        buf = self.buf
+        buf += data
+        start = 0
+        try:
+            while len(buf) - start >= PREFIX.size:
+                after, body_n, src, chan_n, n_buf = PREFIX.unpack_from(buf, start)
+                if len(buf) - start - PREFIX.size < after:
+                    break
+                lo = start + PREFIX.size
+                with memoryview(buf) as whole, whole[lo:lo + after] as frame:
+                    channel, body, buffers = _split(frame, after, body_n, chan_n, n_buf)
+                    try:
+                        message = decode(body, buffers)
+                    finally:  # released before buf resizes
+                        body.release()
+                        [b.release() for b in buffers]
+                start = lo + after
+                yield src, channel, message
+        finally:
+            if start:
+                del buf[:start]
