@@ -8,12 +8,13 @@ single-rank world is created on first use, so sbpflow also works as plain single
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from .base import Communicator, CommStats
 from .threads import ThreadCommunicator, ThreadWorld
 
 __all__ = ["current", "rank_local", "rank", "world_size", "stats", "reset_stats",
-           "is_initialized", "set_current", "current_process"]
+           "is_initialized", "set_current", "current_process", "at_rank_exit"]
 
 
 class _RankLocal(threading.local):
@@ -61,6 +62,21 @@ def current() -> Communicator:
             if _process is None:
                 _process = ThreadCommunicator(ThreadWorld(1), 0)
     return _process
+
+
+def at_rank_exit(callback: Callable[[], object]) -> bool:
+    """Call ``callback()`` when the calling rank's launched function ends, normally or by an
+    exception: on a rank of ``sf.launch(..., backend="threads")`` or ``sbpflow run`` (from
+    any thread of the rank: its actors', its loaders'), before `launch` returns or raises.
+    Returns whether it was registered: ``False`` where no such end is known (plain code's
+    single-rank world, which lasts as long as the process; a rank process of the torch
+    backend, whose end is the process's). A bound method is held weakly (registering does not
+    keep its object alive); see `ExitHooks`."""
+    hooks = getattr(_local.comm, "exit_hooks", None)
+    if hooks is None:
+        return False
+    hooks.add(callback)
+    return True
 
 
 def rank() -> int:

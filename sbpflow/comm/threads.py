@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 import traceback
+import warnings
+import weakref
 from collections import defaultdict, deque
 from typing import Callable
 
@@ -25,7 +27,7 @@ from ..errors import CommAborted, CommError, CommTimeout
 from .base import Communicator, collective_stream, default_timeout, reduce_tensors
 from .channels import ThreadChannels, copy_tensors
 
-__all__ = ["ThreadWorld", "ThreadCommunicator", "default_timeout"]
+__all__ = ["ThreadWorld", "ThreadCommunicator", "ExitHooks", "default_timeout"]
 
 _POLL = 0.05
 What = Callable[[], str]  # describes a call, lazily: formatting costs more than the rendezvous
@@ -187,7 +189,9 @@ class ThreadWorld:
         self.slots: dict[tuple, _Slot] = {}
         # (src, dst, collective stream): a stream's messages pair only with its own receives
         self.mailboxes: dict[tuple[int, int, str | None], deque] = defaultdict(deque)
-        self.failure: tuple[int, BaseException] | None = None
+        # (rank, "Class: message") of the first failure: the text, not the exception, whose
+        # traceback holds the rank frames that hold this world (a cycle only gc would free)
+        self.failure: tuple[int, str] | None = None
         self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()
         self.blocked: dict[int, list[tuple[What, Callable[[], list[int]]]]] = {}
@@ -212,7 +216,7 @@ class ThreadWorld:
         """Record the first failure (``rank`` -1: the caller of launch) and wake every wait."""
         with self.cond:
             if self.failure is None:
-                self.failure = (rank, exc)
+                self.failure = (rank, f"{type(exc).__name__}: {exc}")
                 self.failed_at = time.monotonic()
             self.cond.notify_all()
 
@@ -225,10 +229,9 @@ class ThreadWorld:
         """Raise `CommAborted` if another rank failed: a call in an aborted world (say by a rank
         that was stuck in its own code when the run ended) must not wait."""
         if self.failure is not None and self.failure[0] != rank:
-            r, exc = self.failure
+            r, text = self.failure
             who = f"rank {r}" if r >= 0 else "the caller of launch"
-            raise CommAborted(f"{what()} on rank {rank} abandoned: {who} failed with "
-                              f"{type(exc).__name__}: {exc}")
+            raise CommAborted(f"{what()} on rank {rank} abandoned: {who} failed with {text}")
 
     def wait_ranks(self, grace: float) -> None:
         """Return when every rank has finished, or ``grace`` seconds after the first failure."""
@@ -353,16 +356,57 @@ class ThreadWorld:
                 f"groups, in the same order)")
 
 
+class ExitHooks:
+    """What to run when a rank's launched function ends, normally or by an exception
+    (`sbpflow.comm.at_rank_exit`). A bound method is held weakly (registering keeps its object
+    alive no longer than before: a loader dropped mid-rank still closes when it is garbage);
+    any other callable strongly. `run` calls each live one once, the last registered first."""
+
+    def __init__(self) -> None:
+        self._hooks: list[Callable[[], Callable[[], object] | None]] = []
+        self._lock = threading.Lock()
+
+    def add(self, callback: Callable[[], object]) -> None:
+        ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") and \
+            hasattr(callback, "__func__") else (lambda: callback)
+        with self._lock:  # dead ones dropped: a long rank that makes many loaders stays small
+            self._hooks = [h for h in self._hooks if h() is not None] + [ref]
+
+    def run(self, rank: int) -> None:
+        """Call the hooks (those still alive), emptying the registry. A hook that raises is
+        reported as a `RuntimeWarning` naming it and ``rank``; the others still run, and the
+        rank's own outcome (its result or exception) stands."""
+        with self._lock:
+            hooks, self._hooks = self._hooks, []
+        for ref in reversed(hooks):
+            callback = ref()
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - must not replace the rank's outcome
+                warnings.warn(f"sbpflow launch: rank {rank}'s exit hook {callback!r} raised "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(h() is not None for h in self._hooks)
+
+
 class ThreadCommunicator(Communicator):
     """One rank of a `ThreadWorld`. Create it on the rank's thread (it records the thread, to
-    say where the rank is when others wait for it)."""
+    say where the rank is when others wait for it). ``exit_hooks``: the rank's `ExitHooks`
+    when it runs a launched function (`sf.launch`), which runs them when the function ends;
+    ``None`` for the process-wide single-rank world, which never ends."""
 
     backend = "threads"
     interruptible = True
 
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
+    def __init__(self, world: ThreadWorld, rank: int,
+                 exit_hooks: ExitHooks | None = None) -> None:
         super().__init__(rank, world.world_size)
         self.world = world
+        self.exit_hooks = exit_hooks
         self._seq: dict[tuple, int] = defaultdict(int)
         self._epochs: dict[str, int] = {}  # named stream -> the interrupt count at first use
         world.idents[rank] = threading.get_ident()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..errors import CommAborted, CommError, CommTimeout, SbpError
 from .base import Communicator
 from .current import _local, current, current_process, set_current
-from .threads import ThreadCommunicator, ThreadWorld
+from .threads import ExitHooks, ThreadCommunicator, ThreadWorld
 from .torch_backend import init_from_env, launch_processes
 
 __all__ = ["launch", "init"]
@@ -146,14 +146,21 @@ def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
     """One thread a rank. On the first failure the others get `_GRACE` s to stop (a rank
     waiting in a collective stops within `_POLL`); then the root cause is raised, and ranks
     still running (stuck in their own code, which no one can interrupt) are left behind as
-    daemon threads of their own, aborted world, named in a note and a warning."""
+    daemon threads of their own, aborted world, named in a note and a warning. A rank's
+    `at_rank_exit` hooks run when its function ends, before the rank counts as finished.
+
+    No reference cycle runs through the raised exception (its traceback holds this frame and
+    the ranks' frames, which hold the rank functions' locals: models, loaders with worker
+    processes): the exceptions are taken out of ``errors`` and this frame's locals before the
+    raise, and the world keeps the failure's text only. Dropping the exception frees them at
+    once, without waiting for the garbage collector."""
     world = ThreadWorld(world_size, timeout)
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
     errors_lock = threading.Lock()
 
     def body(r: int) -> None:
-        _local.comm = ThreadCommunicator(world, r)
+        comm = _local.comm = ThreadCommunicator(world, r, exit_hooks=ExitHooks())
         try:
             results[r] = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller
@@ -161,8 +168,11 @@ def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
                 errors.append((r, exc))
             world.abort(r, exc)
         finally:
-            world.finish(r)
-            _local.comm = None
+            try:
+                comm.exit_hooks.run(r)
+            finally:  # a KeyboardInterrupt in a hook still finishes the rank
+                world.finish(r)
+                _local.comm = None
 
     threads = [threading.Thread(target=body, args=(r,), name=f"sbpflow-rank{r}", daemon=True)
                for r in range(world_size)]
@@ -175,13 +185,17 @@ def _launch_threads(fn, world_size, args, kwargs, timeout) -> list[Any]:
         raise
     with errors_lock:  # a rank left behind may still add to ``errors``
         raised = list(errors)
+        errors.clear()  # the ranks' frames (in each traceback) hold ``errors``: no cycle
     if not raised:
         return results
     # The root cause is the first error that is not another rank's abort.
     r, exc = next(((r, e) for r, e in raised if not isinstance(e, CommAborted)), raised[0])
     _add_note(exc, f"raised on rank {r} of {world_size} (sbpflow threads backend)")
     _report_stuck(world, exc)
-    raise exc
+    try:
+        raise exc
+    finally:  # this frame joins the traceback: it must not hold the exception
+        del exc, raised
 
 
 def _report_stuck(world: ThreadWorld, exc: BaseException) -> None:

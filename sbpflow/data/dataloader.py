@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..comm import current, rank_local
+from ..comm import at_rank_exit, current, rank_local
 from ..errors import DataLoaderConfigError, DataLoaderError
 from ..placement import Placement
 from ..sbp import Partial, S, SbpLike, format_nd_sbp, parse_nd_sbp
@@ -183,8 +183,8 @@ class DataLoader:
                 + (f", workers={self.workers})" if self.workers else ")"))
 
     def close(self) -> None:
-        """End the worker processes (``workers > 0``; also done when the loader is garbage);
-        a later epoch forks new ones. An epoch under way (an iterator, a called feed) loads
+        """End the worker processes (``workers > 0``; also done when the loader is garbage
+        and, on a launched rank, when the rank's function ends); a later epoch forks new ones. An epoch under way (an iterator, a called feed) loads
         its remaining batches in a loading thread (`LoaderIterator`)."""
         with self._pools_lock:
             pools, self._pools = list(self._pools.values()), {}
@@ -195,16 +195,20 @@ class DataLoader:
         """The rank's worker processes, forked at its first epoch and kept while the dataset
         has the ``length`` it had at the fork: the workers' forked copy keeps that length, so
         their epoch order would be the old length's (a grown dataset's new indices never
-        read, a shrunk one's gone indices read); another length forks new workers."""
+        read, a shrunk one's gone indices read); another length forks new workers, and so
+        does an epoch after the pool was closed. On a launched rank the pool is closed when
+        the rank's function ends (`at_rank_exit`), normally or by an exception: the workers
+        do not wait for the loader to be garbage (a traceback the caller keeps holds it)."""
         with self._pools_lock:
             pool = self._pools.get(rank)
-            if pool is not None and pool.tag != length:
+            if pool is not None and (pool.closed or pool.tag != length):
                 pool.close()  # its feeds under way are stale: they load their rest in a thread
                 pool = None
             if pool is None:
                 pool = self._pools[rank] = WorkerPool(
                     self.workers, partial(_BatchJob, self, rank), f"sbpflow-data-rank{rank}",
                     max(self.prefetch, 1), tag=length)
+                at_rank_exit(pool.close)  # held weakly: a dropped loader still closes at once
             return pool
 
 

@@ -94,6 +94,67 @@ def test_failure_inside_backward_stops_the_run():
     assert time.monotonic() - t < PROMPT
 
 
+class _Held:
+    """A rank function's local whose lifetime the test follows (by a weak reference)."""
+
+
+def test_a_failed_launch_frees_the_ranks_locals_without_the_garbage_collector():
+    """No reference cycle runs through the re-raised exception: once the caller drops it, the
+    locals of every rank's function (here a rank that raised and ranks aborted in a barrier)
+    are freed by reference counting alone, the garbage collector off. Before, the launcher's
+    frame, the ranks' frames (through the errors list) and the world (its failure) each held
+    the exception its own traceback holds, and the locals lived until a gc.collect()."""
+    import gc
+    import weakref
+
+    refs = []
+
+    def body():
+        held = _Held()
+        refs.append(weakref.ref(held))
+        if sf.rank() == 1:
+            raise ValueError("boom on one")
+        current().barrier()
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            sf.launch(body, world_size=3)
+        except ValueError as exc:
+            assert str(exc) == "boom on one"
+        alive = [r() is not None for r in refs]
+    finally:
+        if enabled:
+            gc.enable()
+    assert alive == [False] * 3
+
+
+def test_exit_hooks_run_when_the_rank_function_ends():
+    """`at_rank_exit`: each rank's hooks run once when its function returns or raises, before
+    launch returns; a bound method is held weakly (an object gone by then is not called);
+    outside a launched rank nothing is registered."""
+    calls = []
+
+    class Owner:
+        def close(self):
+            calls.append(("owner", sf.rank()))
+
+    def body():
+        keep = Owner()
+        assert sf.comm.at_rank_exit(keep.close)
+        assert sf.comm.at_rank_exit(Owner().close)  # dropped at once: never called
+        assert sf.comm.at_rank_exit(lambda r=sf.rank(): calls.append(("fn", r)))
+        if sf.rank() == 1:
+            raise ValueError("boom")  # the traceback keeps ``keep``
+        return keep  # the results keep it
+
+    with pytest.raises(ValueError, match="boom"):
+        sf.launch(body, world_size=2)
+    assert sorted(calls) == [("fn", 0), ("fn", 1), ("owner", 0), ("owner", 1)]
+    assert sf.comm.at_rank_exit(lambda: None) is False
+
+
 def test_timeout_names_collective_and_missing_ranks():
     release = threading.Event()
     def body():
