@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import signal
 import struct
 import tempfile
 import threading
@@ -229,6 +230,27 @@ def _close(grants: list, replies: list, fds: list, procs: list) -> None:
             p.terminate()
 
 
+_REAP = 2.0  # s to wait for a worker whose pipe has closed to be reaped (its exit code)
+
+
+def _ended(proc: multiprocessing.process.BaseProcess) -> str:
+    """How worker ``proc`` ended, for an error message: ``ended with exit code N`` or ``was
+    killed by signal N (SIGNAME)``. A worker's pipe closes as it dies, before the kernel has
+    made it a zombie that can be reaped: its exit code is read after a join of at most
+    `_REAP` s (a worker still not reaped by then is named as such, never ``exit code None``)."""
+    proc.join(_REAP)
+    code = proc.exitcode
+    if code is None:
+        return f"closed its pipe but was still running {_REAP:g} s later"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {-code} ({name})"
+    return f"ended with exit code {code}"
+
+
 class WorkerPool:
     """``k`` forked processes loading batches with ``make_job(epoch)`` (a function of the batch
     index), each with ``ceil(budget / k)`` shared-memory slots (enough for ``budget`` batches
@@ -282,11 +304,10 @@ class WorkerPool:
                 os.write(self.grants[i], _GRANT.pack(kind, gen, value))  # 20 bytes: atomic
         except OSError as exc:  # BrokenPipeError: the worker's end is closed, it died
             proc = self.procs[i]
-            proc.join(1.0)
             what = f"batch {value}" if kind == _SLOT else f"epoch {value}"
             raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
-                                  f"ended (exit code {proc.exitcode}) before it was given "
-                                  f"{what} ({type(exc).__name__})") from None
+                                  f"{_ended(proc)} before it was given {what} "
+                                  f"({type(exc).__name__})") from None
 
     def receive(self, i: int, wait: float, gen: int) -> list[tuple] | None:
         """The replies worker ``i`` has sent, ``(gen, b, ok, Shards or message)`` each:
@@ -436,7 +457,7 @@ class Feed:
             proc = self.pool.procs[i]
             if replies is None or not proc.is_alive():
                 raise DataLoaderError(f"DataLoader: worker process {proc.name} (pid {proc.pid}) "
-                                      f"ended (exit code {proc.exitcode}) without batch {b}")
+                                      f"{_ended(proc)} without batch {b}")
             deadline = deadline or time.monotonic() + self.timeout
             if time.monotonic() > deadline:
                 raise DataLoaderError(f"DataLoader: waited {self.timeout:g} s for batch {b} "

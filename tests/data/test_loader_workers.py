@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections import namedtuple
+import re
 import signal
+import threading
+import time
+from collections import namedtuple
 
 import pytest
 import torch
@@ -103,10 +106,45 @@ def test_a_worker_that_dies_raises_naming_it():
     # worker 1 may have finished batch 1 before the kill: the loader then learns of its end
     # at batch 1's read or at batch 3's grant (each names it)
     with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker1 "
-                                                 r"\(pid \d+\) ended \(exit code -9\) "
-                                                 r"(without batch 1|before it was given "
-                                                 r"batch \d+)"):
+                                                 r"\(pid \d+\) was killed by signal 9 "
+                                                 r"\(SIGKILL\) (without batch 1|before it "
+                                                 r"was given batch \d+)"):
         sf.launch(fn, 1)
+
+
+class _Slow(torch.utils.data.Dataset):
+    """Sample ``i``: ``[i]``, read in 0.3 s (a consumer waits for its worker meanwhile)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        time.sleep(0.3)
+        return torch.tensor([float(i)])
+
+
+def test_a_worker_killed_while_the_consumer_waits_names_the_signal():
+    """A worker killed while the consumer waits for its batch: the consumer sees the pipe
+    close before the kernel can reap the worker, and the error still names the signal (it
+    said ``exit code None`` when it read the exit code at once). Repeated to meet the race."""
+
+    def fn():
+        messages = []
+        for _ in range(4):
+            loader = sf.data.DataLoader(_Slow(), 2, sf.placement("cpu", [0]), shuffle=False,
+                                        prefetch=1, workers=1)
+            it = iter(loader)
+            proc = loader._pools[0].procs[0]
+            threading.Timer(0.1, os.kill, (proc.pid, signal.SIGKILL)).start()
+            with pytest.raises(sf.DataLoaderError) as info:
+                next(it)
+            loader.close()
+            messages.append(re.sub(r"pid \d+", "pid N", str(info.value)))
+        return messages
+
+    want = ("DataLoader: worker process sbpflow-data-rank0-worker0 (pid N) was killed by "
+            "signal 9 (SIGKILL) without batch 0")
+    assert sf.launch(fn, 1)[0] == [want] * 4
 
 
 def _inodes(pid: int) -> set:
