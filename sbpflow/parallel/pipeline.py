@@ -264,6 +264,47 @@ def _split_positions(listing: list, split: Sequence[str]) -> list[int]:
     return positions
 
 
+def _encloses(name: str, inner: str) -> bool:
+    """Whether module ``name`` contains module ``inner`` (the model, ``''``, contains all)."""
+    return name == "" or inner.startswith(name + ".")
+
+
+def _holds_tensors(module: Module) -> bool:
+    """Whether ``module`` itself (not its children) has a parameter or a buffer."""
+    return any(t is not None for key in ("_parameters", "_buffers")
+               for t in module.__dict__[key].values())
+
+
+def _later_module(listing: list, at: int) -> str | None:
+    """The first module after ``listing[at]`` that is not inside it (a split point there
+    keeps ``listing[at]`` and its children in the stage before), or None."""
+    name = listing[at][0]
+    return next((n for n, _ in listing[at + 1:] if not _encloses(name, n)), None)
+
+
+def _check_stages_have_work(listing: list, positions: list[int], split: Sequence[str]) -> None:
+    """Refuse a split that leaves a stage empty: its modules (``listing[start:end]``) are only
+    containers of the next stage's first module (the model itself and ``net`` for a split at
+    ``net.0``, the first module of ``net``), holding no parameter or buffer of their own. The
+    stage's ranks would do nothing but pass the inputs on. `ParallelizeError` naming the
+    split point, the stage and the fix."""
+    bounds = [0, *positions]
+    for i, nxt in enumerate(positions):
+        start, first = bounds[i], split[i]
+        own = listing[start:nxt]
+        if any(not _encloses(n, first) or _holds_tensors(m) for n, m in own):
+            continue
+        later = _later_module(listing, nxt)
+        fewer = f"use one stage fewer (drop split point {first!r} and a placement)"
+        fix = fewer if later is None else (f"split at a later module (such as {later!r}, the "
+                                           f"first after {first!r} and its children), or {fewer}")
+        raise ParallelizeError(
+            f"{_WHO}: split {list(split)} leaves stage {i} empty: its modules "
+            f"{[n or '(model)' for n, _ in own]} only contain {first!r}, where stage {i + 1} "
+            f"starts, and hold no parameter or buffer, so the ranks of stage {i} would sit "
+            f"idle; {fix}")
+
+
 def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list, list]:
     """(module name -> stage, the split modules, the ties). A tie is the list of
     ``(module name, attribute)`` of one parameter reached from modules of several stages (a
@@ -272,6 +313,7 @@ def _module_stages(model: Module, split: Sequence[str]) -> tuple[dict, list, lis
     listing = list(model.named_modules(remove_duplicate=False))
     modules = dict(listing)
     positions = _split_positions(listing, split)
+    _check_stages_have_work(listing, positions, split)
     stages = {name: bisect.bisect_right(positions, k) for k, (name, _) in enumerate(listing)}
     owners: dict = {}
     for name, m in listing:
@@ -419,7 +461,9 @@ def pipeline(model: Module, placements: Sequence[Placement], split: Sequence[str
     modules of several stages goes on the tie placement (each stage holds a copy, their
     gradients all-reduced by the optimizer's step; `sbpflow.parallel.tie`). `ParallelizeError`
     on a wrong split, placements that share ranks, a buffer used by two stages, or a tied
-    parameter whose stages' meshes or rules differ."""
+    parameter whose stages' meshes or rules differ, or a split that leaves a stage without a
+    module of its own (a split at ``net.0``, the first module: stage 0 would hold only the
+    containers of stage 1's modules, its ranks idle)."""
     if not isinstance(model, Module):
         raise ParallelizeError(f"{_WHO}: expected an sf.nn.Module, got {type(model).__name__}")
     placements = _check_placements(placements, split)

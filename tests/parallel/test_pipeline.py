@@ -334,6 +334,66 @@ def test_errors_name_what_is_wrong():
             assert part in msg, f"{name}: {part!r} not in {msg!r}"
 
 
+class _Net(sf.nn.Module):
+    """``net``: Linear, ReLU, Linear; the model itself holds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = sf.nn.Sequential(sf.nn.Linear(4, 4), sf.nn.ReLU(), sf.nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _empty_stage_errors():
+    pl = [sf.placement("cpu", [r]) for r in range(3)]
+    out = []
+    for split in (["net.0"], ["net"], ["net.0", "net.2"], ["net.1"], ["net.1", "net.2"]):
+        try:
+            sf.parallel.pipeline(_Net(), pl[:len(split) + 1], split=split)
+            out.append(None)
+        except sf.SbpError as exc:
+            out.append((type(exc).__name__, str(exc)))
+    gpt = gpt_class(sf.nn, sf.nn.functional)(**GPT)  # a stage of only a block, no layer of it
+    try:
+        sf.parallel.pipeline(gpt, pl, split=["blocks.2", "blocks.2.ln1"])
+    except sf.ParallelizeError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_a_split_that_leaves_a_stage_empty_is_refused():
+    """A split at the first module (``net.0``), or one that gives a stage only containers of
+    the next stage's modules, would leave that stage's ranks idle; it is refused naming the
+    split, the stage and a later module to split at (it was accepted, rank 0 silently
+    idle)."""
+    who = "sf.parallel.pipeline: split"
+    idle = "and hold no parameter or buffer, so the ranks of stage"
+    want = [
+        ("ParallelizeError",
+         f"{who} ['net.0'] leaves stage 0 empty: its modules ['(model)', 'net'] only contain "
+         f"'net.0', where stage 1 starts, {idle} 0 would sit idle; split at a later module "
+         f"(such as 'net.1', the first after 'net.0' and its children), or use one stage "
+         f"fewer (drop split point 'net.0' and a placement)"),
+        ("ParallelizeError",
+         f"{who} ['net'] leaves stage 0 empty: its modules ['(model)'] only contain 'net', "
+         f"where stage 1 starts, {idle} 0 would sit idle; use one stage fewer (drop split "
+         f"point 'net' and a placement)"),
+        ("ParallelizeError",
+         f"{who} ['net.0', 'net.2'] leaves stage 0 empty: its modules ['(model)', 'net'] only "
+         f"contain 'net.0', where stage 1 starts, {idle} 0 would sit idle; split at a later "
+         f"module (such as 'net.1', the first after 'net.0' and its children), or use one "
+         f"stage fewer (drop split point 'net.0' and a placement)"),
+        None,
+        None,
+        f"{who} ['blocks.2', 'blocks.2.ln1'] leaves stage 1 empty: its modules ['blocks.2'] "
+        f"only contain 'blocks.2.ln1', where stage 2 starts, {idle} 1 would sit idle; split "
+        f"at a later module (such as 'blocks.2.attn', the first after 'blocks.2.ln1' and its "
+        f"children), or use one stage fewer (drop split point 'blocks.2.ln1' and a placement)",
+    ]
+    assert sf.launch(_empty_stage_errors, world_size=3) == [want] * 3
+
+
 @pytest.mark.gloo
 def test_four_stages_on_gloo_processes():
     """The issue's 4-stage split on 4 processes: the boundary moves and their gradients go
