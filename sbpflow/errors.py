@@ -81,6 +81,12 @@ class CheckpointError(SbpError, RuntimeError):
     model or optimizer it is loaded into."""
 
 
+class CheckpointShapeError(CheckpointError, ShapeError):
+    """A tensor of a checkpoint has another logical shape than the model's (or its
+    parameter's, for optimizer state): a `CheckpointError` (a checkpoint that does not fit)
+    and a `ShapeError` (shapes disagree), so either ``except`` catches it."""
+
+
 class OptimizerStateError(SbpError, ValueError):
     """An optimizer state dict does not fit the optimizer (groups, parameters, shapes)."""
 

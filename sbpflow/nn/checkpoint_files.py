@@ -8,32 +8,51 @@ the generation it replaced (``previous``). A save writes a fresh generation, the
 generation stays until the next save (a load that read the old manifest can finish); that save
 removes every other generation (killed saves' leftovers, older checkpoints).
 
+Saves to one folder run one at a time: rank 0 of each holds the folder's `WriterLock` (an
+``fcntl.flock``) from before any file is written until after its clean-up, so no writer removes
+a generation another has committed or is writing. Under it a save first removes what killed
+saves left (`prune`), and a failed save removes its own generation (`discard`). A write that
+runs out of space raises ``OSError`` with the file system's errno (`write_file`), which
+`out_of_space` finds.
+
 Every check raises `CheckpointError` naming the file and what is wrong with it; nothing from a
 damaged file reaches the caller as a raw ``OSError``, ``JSONDecodeError`` or ``KeyError``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import socket
+import time
+import warnings
 import zlib
 from typing import Any, Callable
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointShapeError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves are not locked (a warning says so)
+    fcntl = None
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "generation_name", "write_file",
            "fsync_dir", "check_size", "verify_file", "read_verified", "parse_json",
            "canonical_crc", "encode_manifest", "write_manifest", "read_manifest_bytes",
            "parse_manifest", "read_manifest", "validate_manifest", "validate_tensor",
            "dtype_of", "validate_rank_index", "validate_common", "validate_shards", "clean",
-           "referenced_generation", "check", "is_int"]
+           "referenced_generation", "check", "is_int", "LOCK", "WriterLock", "prune",
+           "discard", "out_of_space", "free_bytes", "CheckpointShapeError"]
 
 FORMAT = 2  # 1: files at the top of the folder, no checksums (still loaded, unverified)
 MANIFEST = "manifest.json"
+LOCK = "writer.lock"  # flocked by the saving writer, names it (host, pid); never removed
+_QUEUE = "writer.wait"  # flocked by the writer that waits next (waiters are served in turn)
 _CHUNK = 4 << 20  # bytes read at a time when verifying a checksum
 _GEN = re.compile(r"gen-[0-9a-f]{16}")
 _LEGACY = re.compile(r"common\.pt|rank\d+\.(pt|json)")
@@ -57,18 +76,24 @@ def generation_name(save_id: int) -> str:
 # -- writing --------------------------------------------------------------------------------------
 class _CrcWriter:
     """A binary file that keeps the crc32 and byte count of everything written through it (so
-    the checksum is computed while writing, never by reading the file back)."""
+    the checksum is computed while writing, never by reading the file back), and the
+    ``OSError`` a write raised (torch's zip writer replaces it by a ``RuntimeError``)."""
 
     def __init__(self, f) -> None:
         self._f = f
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data)
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -76,12 +101,21 @@ class _CrcWriter:
 
 def write_file(path: str, dump: Callable[[Any], None]) -> dict:
     """Create ``path`` with ``dump(file)`` (a binary file object), flush and fsync it; returns
-    its record ``{"size": bytes, "crc32": checksum}``."""
-    with open(path, "wb") as f:
-        w = _CrcWriter(f)
-        dump(w)
-        f.flush()
-        os.fsync(f.fileno())
+    its record ``{"size": bytes, "crc32": checksum}``. A write the file system refuses raises
+    ``OSError`` naming ``path`` with the file system's errno (ENOSPC for a full disk), also
+    where ``dump`` (torch.save) turned it into another error."""
+    w = None
+    try:
+        with open(path, "wb") as f:
+            w = _CrcWriter(f)
+            dump(w)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as exc:
+        seen = w.error if w is not None and w.error is not None else exc
+        if not isinstance(seen, OSError) or (seen is exc and exc.filename is not None):
+            raise
+        raise OSError(seen.errno, seen.strerror or str(seen), path) from exc
     return {"size": w.size, "crc32": w.crc}
 
 
@@ -184,8 +218,12 @@ def write_manifest(path_dir: str, body: dict, tag: str) -> None:
     ``manifest.json`` (atomic) and fsync the folder."""
     data = encode_manifest(body)
     tmp = os.path.join(path_dir, f"{MANIFEST}.tmp-{tag}")
-    write_file(tmp, lambda f: f.write(data))
-    os.replace(tmp, os.path.join(path_dir, MANIFEST))
+    try:
+        write_file(tmp, lambda f: f.write(data))
+        os.replace(tmp, os.path.join(path_dir, MANIFEST))
+    except Exception:
+        _remove(tmp)
+        raise
     fsync_dir(path_dir)
 
 
@@ -305,10 +343,173 @@ def clean(path_dir: str, keep: set, legacy: bool) -> None:
         if _GEN.fullmatch(name) and name not in keep:
             shutil.rmtree(path, ignore_errors=True)
         elif _TEMP.fullmatch(name) or (legacy and _LEGACY.fullmatch(name)):
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass  # best effort: a later save's clean-up removes it
+
+
+def prune(path_dir: str) -> None:
+    """Before a save writes, under the writer lock: remove the generations the manifest does
+    not name (as the checkpoint or the one it replaced) and temporary manifests, the leftovers
+    of killed or failed saves (no live writer has one in progress: each writes only under the
+    lock). With no manifest, every generation is a leftover; with an unreadable one nothing is
+    removed (it may yet be repaired)."""
+    if os.path.exists(os.path.join(path_dir, MANIFEST)):
+        try:
+            m = read_manifest(path_dir)
+        except CheckpointError:
+            return
+        keep = {m.get("generation", ""), m.get("previous") or ""}
+    else:
+        keep = set()
+    clean(path_dir, keep, legacy=False)
+
+
+def discard(path_dir: str, gen: str) -> None:
+    """A failed save's own generation ``gen``: removed, unless the manifest names it (the
+    commit's rename happened before the failure)."""
+    if referenced_generation(path_dir) != gen:
+        shutil.rmtree(os.path.join(path_dir, gen), ignore_errors=True)
+
+
+def out_of_space(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` of a full disk or exceeded quota (ENOSPC, EDQUOT) that ``exc`` is or
+    was caused by, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still write on ``path``'s file system (``os.statvfs``;
+    -1 if it cannot tell)."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+# -- the writer lock ------------------------------------------------------------------------------
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class WriterLock:
+    """The writer lock of checkpoint folder ``path_dir``: an exclusive ``fcntl.flock`` on its
+    ``writer.lock``, which names the holder (host, pid, since when). Rank 0 of a save holds it
+    from before any file is written until after the clean-up; the other ranks of that save
+    never take it. A writer that waits holds ``writer.wait`` meanwhile, which the holder's next
+    save must pass: waiting writers are served in turn, none starves. Both files stay (a
+    removed lock file would let two writers lock two files). Not thread-safe: one per save."""
+
+    def __init__(self, path_dir: str) -> None:
+        self.dir = path_dir
+        self.path = os.path.join(path_dir, LOCK)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, timeout: float, what: str) -> bool:
+        """Wait up to ``timeout`` seconds for the lock, then write this writer's name in it;
+        True once held. False (and a warning) where the file system cannot lock: saves there
+        are not serialised. `CheckpointError` naming the holder when the time runs out."""
+        os.makedirs(self.dir, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        queue = self._open(os.path.join(self.dir, _QUEUE))
+        try:
+            if not self._lock(queue, deadline, timeout, what):
+                return False
+            fd = self._open(self.path)
             try:
-                os.remove(path)
-            except OSError:
+                if not self._lock(fd, deadline, timeout, what):
+                    os.close(fd)
+                    return False
+            except BaseException:
+                os.close(fd)
+                raise
+        finally:
+            os.close(queue)  # releases writer.wait: the next waiter may queue
+        self._fd = fd
+        self._sign()
+        return True
+
+    def release(self) -> None:
+        """Unlock (and blank the holder's name); nothing if not held."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass  # the name stays: the next holder overwrites it
+        os.close(fd)  # releases the flock
+
+    @staticmethod
+    def _open(path: str) -> int:
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def _lock(self, fd: int, deadline: float, timeout: float, what: str) -> bool:
+        """Poll ``flock(fd)`` until ``deadline``; False where flock is not supported."""
+        pause = 0.001
+        while True:
+            try:
+                if fcntl is None:
+                    raise OSError(errno.ENOSYS, "no fcntl module on this platform")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
                 pass
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                warnings.warn(f"{what}: the file system cannot lock {self.path} ({exc}); saves "
+                              f"from several jobs to this folder are not serialised and may "
+                              f"remove each other's checkpoints", RuntimeWarning, stacklevel=4)
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CheckpointError(self._timeout_message(timeout, what))
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.02)
+
+    def _sign(self) -> None:
+        """Write who holds the lock (best effort: a full disk may refuse even that)."""
+        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                         "since": time.time()}).encode()
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, me, 0)
+        except OSError:
+            pass
+
+    def holder(self) -> str:
+        """Who holds the lock, as its file says: ``"pid P on host 'H' (saving for S s)"``."""
+        try:
+            with open(self.path, "rb") as f:
+                h = json.loads(f.read().decode("utf-8"))
+            since = f" (saving for {max(time.time() - float(h['since']), 0.0):.1f} s)"
+            return f"pid {int(h['pid'])} on host {str(h['host'])!r}{since}"
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return "a writer whose name the lock file does not hold (it is just starting)"
+
+    def _timeout_message(self, timeout: float, what: str) -> str:
+        return (f"{what}: another writer is saving to this folder: {self.holder()} holds its "
+                f"lock {self.path} and did not finish within {timeout:g} s. Two jobs save to "
+                f"one folder (a restarted job overlapping the old one?): stop the other one "
+                f"or save to another folder, or wait longer (sf.save(..., lock_timeout="
+                f"seconds) or SBPFLOW_CHECKPOINT_LOCK_TIMEOUT). Nothing was written; the "
+                f"checkpoint there is unchanged")
 
 
 def _is_box(box: Any, shape: list) -> bool:

@@ -4,7 +4,8 @@
 A checkpoint directory holds ``manifest.json`` (the commit point) and generation directories
 of per-rank shards and indexes; a save is atomic as a whole, replicas are written once, and
 ``load`` verifies every file (``CheckpointError`` on every rank) and fills the model's CURRENT
-layouts, which may differ from the saved ones in sbp, placement and world size.
+layouts, which may differ from the saved ones in sbp, placement and world size. Saves to one
+folder run one at a time (its writer lock); a failed save removes what it wrote.
 See docs/internals.md, 'Checkpoints' (the files, the commit, what is written and read).
 """
 
@@ -21,15 +22,17 @@ import torch
 from .. import comm as _comm
 from ..boxing import identity_value
 from ..boxing.boxes import box_numel, box_shape, intersect, relative
-from ..errors import SbpError, ShapeError
+from ..errors import SbpError
 from ..gradsync import mark_stale, update_layout
 from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
-from .checkpoint_files import FORMAT, MANIFEST, CheckpointError
+from .checkpoint_files import FORMAT, MANIFEST, CheckpointError, CheckpointShapeError
 from .modules import Module
 
-__all__ = ["save", "load", "CheckpointError", "FORMAT"]
+__all__ = ["save", "load", "CheckpointError", "CheckpointShapeError", "FORMAT"]
+
+LOCK_TIMEOUT = 120.0  # seconds a save waits for another writer's (SBPFLOW_CHECKPOINT_LOCK_TIMEOUT)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -123,42 +126,127 @@ def _agree(error: BaseException | None, what: str, values: tuple = ()) -> list[l
 
 # -- save -----------------------------------------------------------------------------------------
 def save(path_dir: str, model: Module, optimizer=None, step: int | None = None,
-         extra: dict | None = None) -> None:
+         extra: dict | None = None, *, lock_timeout: float | None = None) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``) to directory ``path_dir``,
     atomically: a save that fails or is killed at any moment leaves the previous checkpoint
     there loadable and unchanged. Every rank must call it, with the same tensors (keys,
     shapes, dtypes, layouts); each writes its own shards. ``extra``: small JSON data (dict
     keys strings) kept in the manifest (returned by `load` through ``info=``). A failure on
-    any rank raises on every rank. The checkpoint this one replaces stays in the folder until
-    the next save (for loads that began before the commit)."""
+    any rank raises on every rank, and removes what this save wrote; running out of disk
+    space raises `CheckpointError` saying so, with the bytes the save needs and those free.
+    The checkpoint this one replaces stays in the folder until the next save (for loads that
+    began before the commit).
+
+    Saves to one folder run one at a time (rank 0 holds the folder's writer lock,
+    ``writer.lock``, for the whole save): a save that finds another writer's save in progress
+    (another job) waits for it, up to ``lock_timeout`` seconds (default
+    ``SBPFLOW_CHECKPOINT_LOCK_TIMEOUT``, else 120, shortened to half the world's collective
+    timeout, for which the other ranks wait), then raises `CheckpointError` on every rank
+    naming the other writer's host and pid. A larger ``lock_timeout`` than that half is
+    refused."""
+    lock = _files.WriterLock(path_dir)
+    try:
+        _save(path_dir, model, optimizer, step, extra, lock_timeout, lock)
+    finally:
+        lock.release()
+
+
+def _save(path_dir: str, model: Module, optimizer, step, extra, lock_timeout,
+          lock: _files.WriterLock) -> None:
+    """`save`, with rank 0 taking ``lock`` (the caller releases it)."""
     me = _comm.rank()
     unchanged = f"sf.save to {path_dir!r} (the checkpoint there is unchanged)"
-    items, error = [], None
+    items, error, need, free = [], None, 0, 0
     try:
         step = _check_arguments(step, extra)
+        timeout = _lock_timeout(lock_timeout)
         items = _tensors(model, optimizer)
+        need = _bytes_to_write(items)
+        if me == 0:
+            free = _lock_and_prune(path_dir, lock, timeout)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
         error = exc
-    # one exchange: argument errors, rank 0's fresh save id, each rank's list of tensors
+    # one exchange: argument and lock errors, rank 0's fresh save id, each rank's list of
+    # tensors, each rank's bytes to write, the bytes free (rank 0's measure)
     rows = _agree(error, unchanged, (secrets.randbits(62) if me == 0 else 0,
-                                     _files.canonical_crc([[k, _describe(t)] for k, t in items])))
+                                     _files.canonical_crc([[k, _describe(t)] for k, t in items]),
+                                     need, free))
     _check_same_tensors([row[1] for row in rows], path_dir)
     save_id = rows[0][0]
     gen = _files.generation_name(save_id)
-    records, rows = _write_phase(path_dir, gen, save_id, model, optimizer, items, unchanged)
-    error = previous = None
-    if me == 0:
-        try:
-            body = _manifest_body(save_id, gen, step, extra, items, records["common.pt"], rows)
-            previous = _commit(path_dir, gen, body)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = CheckpointError(f"sf.save: rank 0 could not commit the checkpoint in "
-                                    f"{path_dir!r} (the checkpoint there is unchanged): {exc!r}")
-            error.__cause__ = exc
-    _agree(error, f"sf.save to {path_dir!r}: the commit")
+    space = (sum(row[2] for row in rows), rows[0][3])
+    try:
+        records, rows = _write_phase(path_dir, gen, save_id, model, optimizer, items,
+                                     unchanged, space)
+        body = (save_id, gen, step, extra, items, records.get("common.pt"), rows)
+        previous = _commit_phase(path_dir, gen, body, space)
+    except Exception:
+        if me == 0:  # every rank is done with the generation (the agreements)
+            _files.discard(path_dir, gen)
+        raise
     if me == 0:  # after the agreement: no rank waits for the removal of old files
         _files.clean(path_dir, {gen} if previous is None else {gen, previous},
                      legacy=previous != "")
+
+
+def _lock_timeout(value) -> float:
+    """The seconds rank 0 waits for another writer's save: ``value``, else
+    ``SBPFLOW_CHECKPOINT_LOCK_TIMEOUT``, else `LOCK_TIMEOUT` shortened to the most allowed:
+    half the collective timeout where other ranks wait for the lock (the save's first
+    collective). A given value outside ``[0, that]`` raises `CheckpointError`."""
+    comm = _comm.current()
+    most = comm.wait_timeout() / 2 if comm.world_size > 1 else float("inf")
+    source = "lock_timeout"
+    if value is None:
+        value = os.environ.get("SBPFLOW_CHECKPOINT_LOCK_TIMEOUT")
+        if value is None:
+            return min(LOCK_TIMEOUT, most)
+        source = "SBPFLOW_CHECKPOINT_LOCK_TIMEOUT"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"sf.save: {source} must be a number of seconds, got "
+                              f"{value!r}") from None
+    if not 0 <= seconds <= most:
+        raise CheckpointError(
+            f"sf.save: {source}={seconds:g} s must lie in [0, {most:g}]: the other ranks wait "
+            f"for the folder's writer lock inside a collective, which gives up after "
+            f"{2 * most:g} s (SBPFLOW_TIMEOUT, or sf.launch(..., timeout=)); raise that "
+            f"timeout or wait less. Nothing was written")
+    return seconds
+
+
+def _lock_and_prune(path_dir: str, lock: _files.WriterLock, timeout: float) -> int:
+    """Rank 0, before any file is written: take the folder's writer lock, remove what killed
+    or failed saves left (only under the lock: never another writer's save in progress);
+    returns the bytes then free (-1: unknown)."""
+    what = f"sf.save to {path_dir!r}"
+    if lock.acquire(timeout, what):
+        _files.prune(path_dir)
+    return _files.free_bytes(path_dir)
+
+
+def _bytes_to_write(items: list) -> int:
+    """About how many bytes this rank's files of a save take: its shards, plus (measured)
+    about 2 kB of zip and index a rank, 300 bytes a tensor, 1.5 kB of ``common.pt`` (rank 0)."""
+    mine = [t for _, t in items if _writes(t)]
+    data = sum(t.local.numel() * t.local.element_size() for t in mine)
+    return data + 2048 + 300 * len(mine) + (1536 if _comm.rank() == 0 else 0)
+
+
+def _space_error(path_dir: str, who: str, full: OSError, space: tuple) -> CheckpointError:
+    """The `CheckpointError` of a save that ran out of disk space (``full``: the file
+    system's error, naming the file), with ``space``: (bytes the save needs, bytes free when it
+    began, -1 if unknown)."""
+    need, free = space
+    had = f"{free} bytes were free there when it began" if free >= 0 else \
+        "the free space there could not be read"
+    return CheckpointError(
+        f"sf.save to {path_dir!r}: {who} ran out of disk space ({full}): the save needs about "
+        f"{need} bytes in {path_dir!r}, {had} (os.statvfs). The checkpoint there is unchanged "
+        f"and this save's files are removed; free space (the folder needs room for the new "
+        f"checkpoint besides the committed one and the one it replaced) or save to another "
+        f"folder")
 
 
 def _check_arguments(step, extra) -> int | None:
@@ -188,10 +276,10 @@ def _check_same_tensors(crcs: list[int], path_dir: str) -> None:
 
 
 def _write_phase(path_dir: str, gen: str, save_id: int, model: Module, optimizer,
-                 items: list, unchanged: str) -> tuple[dict, list[list[int]]]:
+                 items: list, unchanged: str, space: tuple) -> tuple[dict, list[list[int]]]:
     """Collective: every rank writes its files of ``gen``; returns this rank's records and
     every rank's ``[pt size, pt crc32, json size, json crc32]``. A failure on any rank raises
-    on every rank."""
+    on every rank (out of disk space: `_space_error`, with ``space``)."""
     me = _comm.rank()
     records, error = {}, None
     try:
@@ -199,12 +287,32 @@ def _write_phase(path_dir: str, gen: str, save_id: int, model: Module, optimizer
     except SbpError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
-        error = CheckpointError(f"sf.save: rank {me} could not write its files in "
-                                f"{path_dir!r}: {exc!r}")
+        full = _files.out_of_space(exc)
+        error = _space_error(path_dir, f"rank {me}", full, space) if full is not None else \
+            CheckpointError(f"sf.save: rank {me} could not write its files in {path_dir!r}: "
+                            f"{exc!r}")
         error.__cause__ = exc
     mine = tuple(records.get(f"rank{me}.{e}", {}).get(k, 0) for e in ("pt", "json")
                  for k in ("size", "crc32"))
     return records, _agree(error, unchanged, mine)
+
+
+def _commit_phase(path_dir: str, gen: str, body: tuple, space: tuple) -> str | None:
+    """Collective: rank 0 commits generation ``gen`` (``body``: `_manifest_body`'s arguments)
+    once every rank's files are durable; returns the generation the manifest named before
+    (`_commit`; None on the other ranks). A failure raises on every rank."""
+    error = previous = None
+    if _comm.rank() == 0:
+        try:
+            previous = _commit(path_dir, gen, _manifest_body(*body))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            full = _files.out_of_space(exc)
+            error = _space_error(path_dir, "rank 0's commit", full, space) if full is not None \
+                else CheckpointError(f"sf.save: rank 0 could not commit the checkpoint in "
+                                     f"{path_dir!r} (the checkpoint there is unchanged): {exc!r}")
+            error.__cause__ = exc
+    _agree(error, f"sf.save to {path_dir!r}: the commit")
+    return previous
 
 
 def _manifest_body(save_id: int, gen: str, step, extra, items: list, common: dict,
@@ -483,12 +591,15 @@ def _restore(reader: _Reader, target: _Target, t: GlobalTensor) -> None:
 
 
 def _check_shape(reader: _Reader, key: str, t: GlobalTensor, what: str) -> None:
+    """`CheckpointShapeError` (a `CheckpointError` and a `ShapeError`) unless saved tensor
+    ``key`` has ``t``'s logical shape."""
     d = reader.described(key)
     if tuple(d["shape"]) != tuple(t.shape):
-        raise ShapeError(f"sf.load: {what} has shape {tuple(d['shape'])} in the checkpoint "
-                         f"(saved on {d['placement']['ranks']} with sbp {d['sbp']}) but "
-                         f"{tuple(t.shape)} in the model (placement {t.placement}, sbp "
-                         f"{format_nd_sbp(t.sbp)})")
+        raise CheckpointShapeError(
+            f"sf.load from {reader.dir!r}: {what} has shape {tuple(d['shape'])} in the "
+            f"checkpoint (saved on {d['placement']['ranks']} with sbp {d['sbp']}) but "
+            f"{tuple(t.shape)} in the model (placement {t.placement}, sbp "
+            f"{format_nd_sbp(t.sbp)}); build the model with the shapes it was saved with")
 
 
 def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
@@ -497,10 +608,11 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
     layouts; returns the saved ``step``. Every rank must call it. Everything is checked first
     (manifest, files' sizes and checksums, keys, shapes, optimizer class, that the saved
     pieces cover what each rank reads): any problem found by any rank raises on every rank —
-    `CheckpointError` for a damaged or unfit checkpoint — and leaves the model and optimizer
-    unchanged. ``strict``: model keys missing from the checkpoint (or extra ones) raise
-    `CheckpointError`. ``info``: a dict filled with the manifest's ``extra`` and
-    ``world_size``."""
+    `CheckpointError` for a damaged or unfit checkpoint (`CheckpointShapeError`, also a
+    ``ShapeError``, for a tensor saved with another shape than the model's) — and leaves the
+    model and optimizer unchanged. ``strict``: model keys missing from the checkpoint (or
+    extra ones) raise `CheckpointError`. ``info``: a dict filled with the manifest's
+    ``extra`` and ``world_size``."""
     manifest = _shared_manifest(path_dir)
     reader = targets = error = None
     try:

@@ -104,7 +104,8 @@ def _failed_load(path: str):
 
 
 def _listing(path: str) -> list:
-    return sorted(os.listdir(path))
+    """The folder's entries but its writer lock's files (they stay, see checkpoint_files)."""
+    return sorted(n for n in os.listdir(path) if n not in ("writer.lock", "writer.wait"))
 
 
 def _generation(path: str) -> str:
