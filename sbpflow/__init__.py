@@ -15,9 +15,9 @@ from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CommAbort
                      CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
                      DtypeMismatchError, IndexOutOfRange,
                      OptimizerStateError, ParallelizeError, PlacementError,
-                     PlacementMismatchError, SbpError, SbpParseError, SearchCliError, ShapeError,
-                     SignatureError, SplitAxisError, StateDictError, TraceError,
-                     UnmatchedParameterError)
+                     PlacementMismatchError, SbpError, SbpParseError, SearchCliError,
+                     SearchInputError, ShapeError, SignatureError, SplitAxisError,
+                     StateDictError, TraceError, UnmatchedParameterError)
 from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
@@ -47,5 +47,5 @@ __all__ = [
     "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
+    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
 ]

@@ -109,6 +109,13 @@ class SearchCliError(SbpError, ValueError):
     """Bad input to ``sbpflow search`` (unknown model, bad sizes, unusable cluster)."""
 
 
+class SearchInputError(SbpError, ValueError):
+    """Bad input to the strategy search (``sf.auto.search``, ``sbpflow search``) or to a preset
+    graph (``sf.auto.model_graphs``): a size below 1, heads that do not divide the width, an
+    unknown algorithm or schedule, a budget or micro-batch count out of range. The message
+    names the argument, its value and the fix."""
+
+
 class DataLoaderError(SbpError, RuntimeError):
     """``sf.data.DataLoader`` could not make a batch: reading a sample failed (the message names
     the sample index, batch, epoch and rank), samples that cannot be batched, or the loading

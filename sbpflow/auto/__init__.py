@@ -11,6 +11,7 @@ Metropolis-Hastings, random, exact dynamic programming).
 """
 
 from . import baselines, model_graphs
+from .checks import MemoryLimitWarning
 from .evaluate import Breakdown, Evaluator, redistribution, redistribution_steps
 from .graph import Graph, Layer
 from .interop import search
@@ -18,9 +19,10 @@ from .pipeline_cost import evaluate
 from .search import SearchResult
 from .space import LayerStrategy, Pipeline, Strategy, layer_space, meshes, space
 
-__all__ = ["baselines", "model_graphs", "Breakdown", "Evaluator", "evaluate", "redistribution",
-           "redistribution_steps", "Graph", "Layer", "SearchResult", "search", "LayerStrategy",
-           "Pipeline", "Strategy", "layer_space", "meshes", "space"]
+__all__ = ["baselines", "model_graphs", "MemoryLimitWarning", "Breakdown", "Evaluator",
+           "evaluate", "redistribution", "redistribution_steps", "Graph", "Layer",
+           "SearchResult", "search", "LayerStrategy", "Pipeline", "Strategy", "layer_space",
+           "meshes", "space"]
 
 from .parallelize import ParallelPlan, parallelize, single_mesh_search  # noqa: E402
 from .trace import trace  # noqa: E402

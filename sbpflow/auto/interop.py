@@ -16,22 +16,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 
 import numpy as np
 from typing import NamedTuple
 
 from ..caches import collector_paused
+from ..errors import SearchInputError
 from .baselines import _key_counts
 from .baselines import megatron_layers as _megatron_layers
 from .baselines import megatron_pipeline, megatron_stages
+from .checks import MemoryLimitWarning, check_schedule, check_search, check_stages
 from .evaluate import Evaluator
 from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
-from .search import PENALTY, SearchResult, check_memory_limit
+from .search import ALGORITHMS, PENALTY, SearchResult, check_memory_limit
 from .search import search as _search_one
 from .space import Pipeline, Strategy, layer_space, splits_sequences, whole_sequences
 
-__all__ = ["search", "stage_counts", "explored_counts", "one_stage_floor", "micro_batch_ladder",
-           "SCHEDULES"]
+__all__ = ["search", "find", "stage_counts", "explored_counts", "one_stage_floor",
+           "micro_batch_ladder", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
 # default options of the final stage searches (the caller's options override them): one
@@ -389,23 +392,74 @@ def one_stage_floor(graph, cluster, micro_batches: int = 1, max_dims: int = 3,
 
 def _check_stage_count(graph, cluster, stages) -> None:
     if isinstance(stages, int) and stages not in stage_counts(graph, cluster):
-        raise ValueError(f"{graph.name} on {cluster}: {stages} stages do not tile the "
-                         f"devices by whole nodes or equal parts of a node")
+        counts = stage_counts(graph, cluster)
+        raise SearchInputError(f"search: stages={stages}: {graph.name} on {cluster} cannot "
+                               f"be cut into {stages} stages of whole nodes or equal parts "
+                               f"of a node (at most one a layer); give one of {counts or [1]}")
 
 
-def _check_args(stages, schedule) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; one of {SCHEDULES}")
-    if not (stages in ("auto", "search") or
-            (isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1)):
-        raise ValueError(f"stages must be 'auto', 'search' or a positive int, got {stages!r}")
+def _check_args(graph, algorithm, budget_s, micro_batches, stages, schedule) -> None:
+    """`SearchInputError` for bad input to `search` (`checks`)."""
+    check_search(graph, algorithm, ALGORITHMS, budget_s, micro_batches)
+    check_stages(stages)
+    check_schedule(schedule, SCHEDULES)
 
 
-@collector_paused()
+def _warn_over_limit(result: SearchResult, graph, cluster, limit, micro_batches, max_dims,
+                     zero, recompute, stages) -> None:
+    """A `MemoryLimitWarning` when ``result`` is over ``limit`` (bytes, None: none): how far,
+    the least memory any one-stage strategy needs at its micro-batches (`one_stage_floor`,
+    exact), and what could make a strategy fit."""
+    need = result.breakdown.memory["total"]
+    if limit is None or need <= limit:
+        return
+    m = result.micro_batches or 1  # a pipeline's, or the one stage's (the last tried: auto)
+    floor = one_stage_floor(graph, cluster, m, max_dims, zero, recompute)
+    if floor > limit:
+        why = (f"no one-stage strategy at {m} micro-batch(es) fits: the least any needs is "
+               f"{_amount(floor)}")
+    else:
+        why = (f"a one-stage strategy needs at least {_amount(floor)}, so one may fit that "
+               f"the search did not find: algorithm='exhaustive' finds the optimum")
+    allow = [a for a, given in (("zero=True", zero), ("recompute=True", recompute),
+                                ("micro_batches='auto'", micro_batches == "auto"),
+                                ("stages='search'", stages == "search")) if not given]
+    warnings.warn(
+        f"sf.auto.search: the strategy found needs {_amount(need)} a device, over the memory "
+        f"limit of {_amount(limit)} ({why}); it is returned anyway (result.fits is False): "
+        + (f"allow {', '.join(allow)}, " if allow else "") + "use more devices or raise "
+        f"memory_limit", MemoryLimitWarning, stacklevel=3)
+
+
+def _amount(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit it reaches, 4 significant digits."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.4g} {unit}"
+    return f"{nbytes:.4g} B"
+
+
 def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
            memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
            zero: bool = False, stages="auto", schedule: str = "1f1b",
            **options) -> SearchResult:
+    """`find` (the arguments and the answer are its), and a `MemoryLimitWarning` when the
+    answer is over the memory limit (no strategy found fits): by how much, the least memory
+    any one-stage strategy needs (`one_stage_floor`), and what to allow. The answer is
+    returned all the same (``result.fits`` is False): it is the least excess found."""
+    result = find(graph, cluster, algorithm, seed, budget_s, memory_limit, micro_batches,
+                  max_dims, zero, stages, schedule, **options)
+    if not result.fits:
+        _warn_over_limit(result, graph, cluster, result.memory_limit, micro_batches, max_dims,
+                         zero, options.get("recompute", False), stages)
+    return result
+
+
+@collector_paused()
+def find(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
+         memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
+         zero: bool = False, stages="auto", schedule: str = "1f1b",
+         **options) -> SearchResult:
     """Search a strategy for ``graph`` on ``cluster.world_size`` devices: one stage, and for
     a chain pipelines of S stages and M micro-batches (module doc); the least objective
     (predicted step time, plus a penalty when over the memory limit) wins.
@@ -425,8 +479,14 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     cheapest combination of ZeRO, recomputation, micro-batches and pipelining.
 
     Python's cyclic garbage collector is paused while the search runs and restored after
-    (`sbpflow.caches.collector_paused`: its passes over the search's memos cost 11-13 %)."""
-    _check_args(stages, schedule)
+    (`sbpflow.caches.collector_paused`: its passes over the search's memos cost 11-13 %).
+
+    Bad input raises `SearchInputError` naming the argument, its value and the fix (a graph
+    with a size below 1 or heads that do not divide the width, an unknown algorithm or
+    schedule, a negative budget, micro-batches below 1, stages the devices or the layers
+    cannot be cut into; `checks`). `search` also warns when the result is over the memory
+    limit; this does not (for callers that say so themselves: `parallelize`)."""
+    _check_args(graph, algorithm, budget_s, micro_batches, stages, schedule)
     check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
@@ -437,7 +497,9 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     if stages == 1 or (stages in ("auto", "search") and not chain):
         return _search_one(*args, **options)
     if not chain:
-        raise ValueError(f"{graph.name}: pipeline stages need a chain of layers")
+        raise SearchInputError(f"search: stages={stages}: {graph.name} is not a chain of "
+                               f"layers, and pipeline stages cut a chain; give stages=1 or "
+                               f"'auto'")
     m1 = 1 if micro_batches == "auto" else micro_batches
     shared = None if micro_batches == "auto" else {}   # the floor's terms, kept for `single`
     single = None  # the one-stage result, once searched
@@ -556,8 +618,9 @@ def _explore_searched(ex: _Explorer, counts: list) -> tuple:
 def _result(graph, found, single, ex: _Explorer, algorithm: str, limit,
             t0) -> SearchResult:
     if found is None and single is None:
-        raise ValueError(f"{graph.name}: no pipeline of the stage counts asked for can be cut "
-                         "from its chain of layers; ask for fewer stages")
+        raise SearchInputError(f"search: no pipeline of the stage counts asked for can be "
+                               f"cut from the chain of layers of {graph.name}; ask for fewer "
+                               f"stages")
     if found is None or (single is not None and single.cost <= found.objective):
         if single is not None:
             single.seconds = time.perf_counter() - t0

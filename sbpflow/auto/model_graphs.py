@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import SearchInputError
+from .checks import check_heads, positive_size
 from .graph import Graph, Layer
 
 __all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp", "linear_layer"]
+
+
+def _sizes(model: str, **sizes) -> None:
+    """Each of ``sizes`` is an int >= 1 (`SearchInputError` naming the first that is not)."""
+    for name, value in sizes.items():
+        positive_size(f"sf.auto.model_graphs.{model}", name, value)
 
 
 def linear_layer(name, tokens, d_in, d_out, accepts_partial=False, **attrs) -> Layer:
@@ -29,8 +37,12 @@ def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, 
 
     Tokens are ``batch * seq`` (axis 0 of every activation); splitting axis 0 of the attention
     is allowed only along whole sequences (``batch`` bounds it), splitting its axis 1 only along
-    whole heads.
+    whole heads. Every size is an int >= 1 and ``heads`` divides ``d_model``, else
+    `SearchInputError` naming the argument.
     """
+    _sizes("gpt", layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch,
+           vocab=vocab, itemsize=itemsize)
+    check_heads("sf.auto.model_graphs.gpt", heads, d_model)
     t, d = batch * seq, d_model
     out = [Layer("embed", "embedding", (t,), (vocab, d), (t, d), 2.0 * t * d, False,
                  {"megatron": "vocab"})]
@@ -61,6 +73,8 @@ def _pool(name, n, c, hw_in, hw_out):
 
 
 def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+    """VGG-13 on 224 x 224 images (sizes are ints >= 1, else `SearchInputError`)."""
+    _sizes("vgg13", batch=batch, num_classes=num_classes, itemsize=itemsize)
     cfg = [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
     layers, c, hw, i = [], 3, 224, 0
     for v in cfg:
@@ -78,6 +92,8 @@ def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
 
 
 def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+    """AlexNet on 224 x 224 images (sizes are ints >= 1, else `SearchInputError`)."""
+    _sizes("alexnet", batch=batch, num_classes=num_classes, itemsize=itemsize)
     n = batch
     layers = [
         _conv("conv1", n, 3, 64, 224, 55, 11), _pool("pool1", n, 64, 55, 27),
@@ -96,7 +112,13 @@ def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000
          dim: int = 128, bottom=(512, 256, 128), top=(1024, 1024, 512, 256, 1),
          itemsize: int = 4) -> Graph:
     """DLRM-like: stacked embedding tables and a bottom MLP both feed the feature interaction
-    (an in-tree), then the top MLP. ``bottom[-1]`` must equal ``dim``."""
+    (an in-tree), then the top MLP. ``bottom[-1]`` must equal ``dim``; sizes are ints >= 1
+    (else `SearchInputError`)."""
+    _sizes("dlrm", batch=batch, dense=dense, tables=tables, rows=rows, dim=dim,
+           itemsize=itemsize)
+    for name, widths in (("bottom", bottom), ("top", top)):
+        for w in widths:
+            positive_size("sf.auto.model_graphs.dlrm", f"each width of {name}", w)
     if bottom[-1] != dim:
         raise ValueError("the bottom MLP must end at the embedding dim")
     n = batch
@@ -125,7 +147,14 @@ def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000
 def mlp(sizes=(1024, 4096, 1024), batch: int = 64, activation: bool = True,
         itemsize: int = 4) -> Graph:
     """A chain of linears. Without an activation the layers are a product of matrices, so a
-    partial-sum output may flow into the next layer unreduced."""
+    partial-sum output may flow into the next layer unreduced. ``sizes``: at least two
+    widths, each an int >= 1 (else `SearchInputError`)."""
+    _sizes("mlp", batch=batch, itemsize=itemsize)
+    if len(sizes) < 2:
+        raise SearchInputError(f"sf.auto.model_graphs.mlp: sizes must hold at least two "
+                               f"widths (input, output), got {sizes!r}")
+    for w in sizes:
+        positive_size("sf.auto.model_graphs.mlp", "each width of sizes", w)
     layers = [linear_layer(f"fc{i}", batch, a, b, accepts_partial=(not activation and i > 0),
                       megatron="col" if i % 2 == 0 else "row")
               for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]

@@ -35,6 +35,7 @@ from ..parallel.zero import shard as _zero_shard
 from ..placement import Placement
 from ..sbp import B, Broadcast, S, Split, format_nd_sbp, shard_box
 from ..tensor import recording
+from .checks import MemoryLimitWarning
 from .evaluate import Breakdown, Evaluator
 from .space import LayerStrategy, Strategy, layer_space, meshes, zero_twin
 from .trace import graph_weight_shape, trace
@@ -578,7 +579,7 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
 
 
 def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> None:
-    """Say (a note and a `RuntimeWarning`) when the strategy needs more memory a device than
+    """Say (a note and a `MemoryLimitWarning`, a `RuntimeWarning`) when the strategy needs more memory a device than
     ``limit`` bytes (None: the cluster's): the model is laid out anyway (the search found
     nothing within it). ``options``: the search options that could help, and whether each
     was given (the advice names the others)."""
@@ -593,7 +594,7 @@ def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> N
             f"{limit / 2**30:.3g} GiB (nothing searched fits it: "
             + (f"allow {', '.join(allow)}, or " if allow else "") + "use more devices)")
     notes.append(text)
-    warnings.warn(f"sf.auto.parallelize: {text}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"sf.auto.parallelize: {text}", MemoryLimitWarning, stacklevel=3)
 
 
 def _evaluator(graph, strategy, cluster):
@@ -604,7 +605,7 @@ def _evaluator(graph, strategy, cluster):
 
 
 def _package():
-    """``sbpflow.auto``, whose ``search`` and ``evaluate`` take pipeline stages (looked up
+    """``sbpflow.auto``, whose ``evaluate`` takes pipeline stages (looked up
     there, not in their modules: those belong to the search and may move)."""
     return sys.modules[__package__]
 
@@ -812,8 +813,9 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
                                              recompute=recompute, zero=zero)
         return strategy, bd
     if stages != 1:
-        res = _package().search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                                stages=stages, recompute=recompute, zero=zero)
+        from .interop import find  # `search` without its warning: `_note_memory` says it
+        res = find(graph, cluster, algorithm, seed, memory_limit=memory_limit, stages=stages,
+                   recompute=recompute, zero=zero)
         return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
     res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
                  recompute=recompute, zero=zero)

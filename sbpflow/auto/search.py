@@ -22,6 +22,7 @@ import numpy as np
 
 from ..caches import collector_paused
 from ..errors import CostError
+from .checks import check_search
 from .evaluate import Breakdown, Evaluator, edge_lower_bounds
 from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space,
                     tie_agreement, weight_layout, whole_sequences)
@@ -1124,9 +1125,10 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
     sharded / recomputing twins in the space. ``in_flight``, ``shared``: `Problem`. Options:
     ``restarts``, ``window`` (cd; 1 turns the joint moves off), ``iterations``, ``beta``
     (mh), ``samples`` (random), ``start`` (a list of candidate indices or a Strategy: where
-    cd and mh start; for exhaustive a bound that prunes, the result unchanged)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; one of {sorted(ALGORITHMS)}")
+    cd and mh start; for exhaustive a bound that prunes, the result unchanged). Bad input
+    (a graph with a size below 1, an unknown algorithm, a negative budget, micro-batches
+    below 1) raises `SearchInputError` naming it (`checks.check_search`)."""
+    check_search(graph, algorithm, ALGORITHMS, budget_s, micro_batches)
     check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)

@@ -27,7 +27,8 @@ def _cluster(devices: int = 6):
 def test_tied_stages_under_a_limit_nothing_meets(stages):
     g = model_graphs.gpt(layers=2, d_model=256, heads=4, seq=128, batch=12, vocab=1000,
                          tied=True)
-    r = sf.auto.search(g, _cluster(), memory_limit=2 ** 20, stages=stages)
+    with pytest.warns(sf.auto.MemoryLimitWarning, match="over the memory limit of 1 MiB"):
+        r = sf.auto.search(g, _cluster(), memory_limit=2 ** 20, stages=stages)
     assert not r.fits
     assert r.strategy.pipeline is not None
     # the answer is priced as evaluate prices it
@@ -91,7 +92,9 @@ def test_auto_stages_try_pipelines_when_the_one_stage_search_finds_nothing_that_
     c = sf.cost.Cluster.preset("dgx-a100", nodes=1)
     limit = 2 ** 30
     assert sf.auto.interop.one_stage_floor(g, c, 1) <= limit
-    assert not sf.auto.search(g, c, memory_limit=limit, stages=1).fits
+    with pytest.warns(sf.auto.MemoryLimitWarning, match="so one may fit that the search did "
+                                                        "not find"):
+        assert not sf.auto.search(g, c, memory_limit=limit, stages=1).fits
     r = sf.auto.search(g, c, memory_limit=limit)
     assert r.fits and r.breakdown.memory["total"] <= limit
 
@@ -122,3 +125,93 @@ def test_parallelize_names_arguments_of_the_wrong_kind():
                        ("strategy dict", "names unknown ones ['nope']")]:
         got = sf.launch(body, 1, args=(case,))[0]
         assert got is not None and text in got, (case, got)
+
+
+def _gpt_graph(**sizes):
+    kw = dict(layers=2, d_model=64, heads=4, seq=32, batch=8, vocab=100)
+    return model_graphs.gpt(**{**kw, **sizes})
+
+
+def _search_error(call) -> tuple | None:
+    """(class name, message, whether it is an SbpError and a ValueError) of what ``call``
+    raises; None if it returns."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test compares what was raised
+        return type(exc).__name__, str(exc), isinstance(exc, sf.SbpError) and \
+            isinstance(exc, ValueError)  # `except ValueError` keeps working
+    return None
+
+
+def test_bad_search_input_names_the_argument_its_value_and_the_fix():
+    """Each was a raw error (``min() arg is an empty sequence`` for batch=-4 or d_model=0, a
+    ZeroDivisionError for micro_batches=0, a plain ValueError for the algorithm) or accepted
+    (heads=5 with d_model=64, budget_s=-1)."""
+    c = _cluster()
+    g = _gpt_graph()
+    bad_layer = sf.auto.Graph([model_graphs.linear_layer("fc", 0, 8, 4)], name="handmade")
+    attn = sf.auto.Graph([sf.auto.Layer("a", "attention", (256, 192), None, (256, 64), 1.0,
+                                        False, {"batch": 8, "heads": 5})], name="handmade")
+    gpt = "sf.auto.model_graphs.gpt"
+    e = "SearchInputError"
+    cases = {
+        "batch": (lambda: _gpt_graph(batch=-4),
+                  f"{gpt}: batch must be a positive int, got -4; give batch=1 or more"),
+        "d_model": (lambda: _gpt_graph(d_model=0),
+                    f"{gpt}: d_model must be a positive int, got 0; give d_model=1 or more"),
+        "heads": (lambda: _gpt_graph(heads=5),
+                  f"{gpt}: heads=5 does not divide d_model=64 (each head takes d_model // heads "
+                  f"of the width); give heads=4 or 8, or a d_model that heads divides"),
+        "graph sizes": (lambda: sf.auto.search(bad_layer, c),
+                        "search: layer 'fc' of handmade has input_shape (0, 8): every size "
+                        "must be a positive int; build the graph from positive sizes (a "
+                        "preset's batch, widths and lengths are 1 or more)"),
+        "graph heads": (lambda: sf.auto.search(attn, c),
+                        "search: attention layer 'a' of handmade: heads=5 does not divide "
+                        "d_model=64 (each head takes d_model // heads of the width); give "
+                        "heads=4 or 8, or a d_model that heads divides"),
+        "micro_batches": (lambda: sf.auto.search(g, c, micro_batches=0),
+                          "search: micro_batches must be an int >= 1 or 'auto' (the fewest "
+                          "that fit memory), got 0; 1 means no gradient accumulation"),
+        "algorithm": (lambda: sf.auto.search(g, c, algorithm="annealing"),
+                      "search: unknown algorithm 'annealing'; give one of ['cd', 'enumerate', "
+                      "'exhaustive', 'mh', 'random'] (cd: coordinate descent, the default)"),
+        "budget_s": (lambda: sf.auto.search(g, c, budget_s=-1),
+                     "search: budget_s must be a number of seconds >= 0 (or None: no cap), "
+                     "got -1; e.g. budget_s=30"),
+        "stages": (lambda: sf.auto.search(g, c, stages=0),
+                   "search: stages must be 'auto', 'search' or an int >= 1 (1: no pipeline), "
+                   "got 0"),
+        "schedule": (lambda: sf.auto.search(g, c, stages=2, schedule="zb"),
+                     "search: unknown schedule 'zb'; give one of ['1f1b', 'gpipe']"),
+    }
+    got = {name: _search_error(call) for name, (call, _) in cases.items()}
+    assert got == {name: (e, text, True) for name, (_, text) in cases.items()}
+    # the one-stage search checks alike (the module function, as the CLI's search reaches it)
+    from sbpflow.auto.search import search as one_stage
+    assert _search_error(lambda: one_stage(g, c, budget_s=-1)) == got["budget_s"]
+
+
+def _kib(n: float) -> str:
+    return f"{n / 2 ** 10:.4g} KiB"
+
+
+def test_a_result_over_the_memory_limit_warns_with_the_least_memory_any_strategy_needs():
+    """No strategy fits 1000 bytes a device: the least-excess one is returned with a
+    MemoryLimitWarning saying how much it needs, the least any one-stage strategy needs and
+    what to allow (it came back without a word); a result that fits warns nothing."""
+    g, c = _gpt_graph(), _cluster()
+    with pytest.warns(sf.auto.MemoryLimitWarning) as record:
+        r = sf.auto.search(g, c, memory_limit=1000, stages=1)
+    floor = sf.auto.interop.one_stage_floor(g, c, 1)
+    assert not r.fits and floor > 1000
+    assert [str(w.message) for w in record] == [
+        f"sf.auto.search: the strategy found needs {_kib(r.breakdown.memory['total'])} a "
+        f"device, over the memory limit of 1000 B (no one-stage strategy at 1 micro-batch(es) "
+        f"fits: the least any needs is {_kib(floor)}); it is returned anyway (result.fits is "
+        f"False): allow zero=True, recompute=True, micro_batches='auto', stages='search', use "
+        f"more devices or raise memory_limit"]
+    assert issubclass(sf.auto.MemoryLimitWarning, RuntimeWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.auto.MemoryLimitWarning)
+        assert sf.auto.search(g, c, stages=1).fits
