@@ -11,13 +11,14 @@ from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
 from .errors import ActorAborted, ActorTimeout, GraphError, PlanError
-from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CommAborted, CommError,
+from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CheckpointShapeError,
+                     CommAborted, CommError,
                      CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
                      DtypeMismatchError, IndexOutOfRange,
                      OptimizerStateError, ParallelizeError, PlacementError,
                      PlacementMismatchError, SbpError, SbpParseError, SearchCliError,
                      SearchInputError, ShapeError, SignatureError, SplitAxisError,
-                     StateDictError, TraceError, UnmatchedParameterError)
+                     StateDictError, TraceError, UnmatchedParameterError, WireError)
 from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
@@ -47,5 +48,5 @@ __all__ = [
     "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
+    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "WireError", "CheckpointShapeError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
 ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import runpy
 import sys
@@ -58,16 +59,24 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
     their own messages), as torchrun does, instead of waiting in collectives until timeout.
     The report names the root cause: a rank that failed other than in a collective, else the
     first rank seen to fail (`sbpflow.comm.processes.run_ranks`)."""
-    from .comm.processes import CommandRank, rank_env, run_ranks
-    port = _free_port()
+    from .comm.auth import new_secret
+    from .comm.base import default_timeout
+    from .comm.local_world import loopback_store, rank_env
+    from .comm.processes import CommandRank, run_ranks
+    # the launcher hosts the store on loopback (rank 0's would listen on every interface)
+    store = loopback_store(n, datetime.timedelta(seconds=default_timeout()))
     code = "from sbpflow.cli import _rank_main; _rank_main()"
+    secret = new_secret()
 
     def start(r: int) -> CommandRank:
-        env = dict(os.environ, **rank_env(r, n, port))
+        env = dict(os.environ, **rank_env(r, n, store.port, secret))
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n ranks x all cores thrash
         return CommandRank([sys.executable, "-c", code, script] + argv, env)
 
-    outcome = run_ranks(start, n, grace=_FAIL_GRACE, settle=_FAIL_GRACE, tick=0.05)
+    try:
+        outcome = run_ranks(start, n, grace=_FAIL_GRACE, settle=_FAIL_GRACE, tick=0.05)
+    finally:
+        del store
     root = outcome.root
     if root is None:
         return 0
@@ -79,14 +88,6 @@ def _run_torch(script: str, argv: list[str], n: int) -> int:
         msg += f"; rank(s) {outcome.stopped} were stopped"
     print(msg, file=sys.stderr)
     return 1
-
-
-def _free_port() -> int:
-    """A TCP port free on localhost now (rank 0 hosts the store there, as torchrun's does)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_count(text: str) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["PRIORITY", "EXIT_COMM", "Report", "RankProcess", "Outcome", "run_ranks",
-           "CommandRank", "rank_env"]
+           "CommandRank"]
 
 # lower: more likely the root cause. A timeout names the ranks that did not arrive; a plain
 # comm_error (a connection closed) is mostly what a peer's exit left behind.
@@ -198,10 +198,3 @@ class CommandRank(RankProcess):
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-
-
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """torchrun's variables for ``rank`` of a one-host world whose store is on ``port``."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}

@@ -27,7 +27,9 @@ from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
 from .socket_channels import SocketChannels
 from .current import current_process, set_current
-from .processes import Outcome, RankProcess, Report, rank_env, run_ranks
+from .auth import SECRET_ENV, new_secret
+from .local_world import loopback_store, rank_env
+from .processes import Outcome, RankProcess, Report, run_ranks
 from .progress import P2P, Progress, group_key, period_for
 from .base import default_timeout
 
@@ -467,8 +469,7 @@ def _child(rank: int, world_size: int, port: int, env: dict, fn: Callable, args:
     """Body of a launched rank: init gloo, run ``fn``, send ``("ok", result, "")`` or
     ``("error" | "comm_error", exception, traceback text)`` on ``conn``, exit."""
     os.environ.clear()  # the parent's environment at launch (a forkserver child has the server's)
-    os.environ.update(env, **rank_env(rank, world_size, port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # the parent hosts the store
+    os.environ.update(env, **rank_env(rank, world_size, port, env[SECRET_ENV]))
     torch.set_num_threads(int(env["SBPFLOW_THREADS_PER_RANK"]))
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
@@ -549,12 +550,12 @@ def launch_processes(fn: Callable[..., Any], world_size: int, args: Sequence[Any
     """
     kwargs = dict(kwargs or {})
     _check_launchable(fn, args, kwargs)
-    env = dict(os.environ, SBPFLOW_THREADS_PER_RANK=str(_threads_per_rank(world_size)))
+    env = dict(os.environ, SBPFLOW_THREADS_PER_RANK=str(_threads_per_rank(world_size)),
+               **{SECRET_ENV: new_secret()})  # this world's own, whatever the caller's
     if timeout is not None:
         env["SBPFLOW_TIMEOUT"] = str(timeout)
     store_timeout = datetime.timedelta(seconds=timeout or default_timeout())
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=store_timeout,
-                          wait_for_workers=False)
+    store = loopback_store(world_size, store_timeout)
     ctx, bound = _mp_context(), _launch_timeout(timeout)
     job = (store.port, env, fn, tuple(args), kwargs)  # what each rank's `_child` is given
 

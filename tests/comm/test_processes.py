@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from sbpflow.comm.processes import (EXIT_COMM, CommandRank, RankProcess, Report, rank_env,
+from sbpflow.comm.local_world import rank_env
+from sbpflow.comm.processes import (EXIT_COMM, CommandRank, RankProcess, Report,
                                      run_ranks)
 
 # Upper time bounds are generous (a loaded CI machine delays the watcher by seconds): what a
