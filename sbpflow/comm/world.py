@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import threading
 import time
 import warnings
@@ -15,13 +14,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CommAborted, CommError, CommTimeout, SbpError
+from ..errors import CommAborted, CommError, CommTimeout, SbpError, WireError
 from .base import Communicator
 from .current import _local, current, current_process, set_current
 from .threads import ExitHooks, ThreadCommunicator, ThreadWorld
 from .torch_backend import init_from_env, launch_processes
+from .wire import encode, parse_frame
 
 __all__ = ["launch", "init"]
+
+_RESULT = "sbpflow.launch.result"  # the frames' channel name (they travel by all-gather)
 
 
 def launch(fn: Callable[..., Any], world_size: int | None, backend: str = "threads",
@@ -127,16 +129,17 @@ def _share_results(comm: ThreadCommunicator, result: Any) -> list[Any]:
 
 
 def _gather_results(comm: Communicator, result: Any) -> list[Any]:
-    """Every rank process's result, on every rank: pickled and all-gathered."""
+    """Every rank process's result, on every rank: a `wire` frame each (plain data and
+    tensors; nothing received is unpickled), all-gathered."""
     try:
-        data = pickle.dumps(result)
-    except Exception as exc:  # noqa: BLE001
-        raise CommError(f"sf.launch: the result of rank {comm.rank} cannot be pickled to the "
-                        f"other ranks ({exc!r}); return plain values (numbers, torch tensors, "
-                        f"dicts of them) or None") from None
+        data = b"".join(encode(comm.rank, _RESULT, result))
+    except WireError as exc:
+        raise CommError(f"sf.launch: the result of rank {comm.rank} cannot be sent to the "
+                        f"other ranks ({exc}); return plain values (numbers, strings, torch "
+                        f"tensors, tuples, lists and dicts of them) or None") from None
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     pieces = comm.all_gather(payload, list(range(comm.world_size)))
-    return [pickle.loads(p.numpy().tobytes()) for p in pieces]
+    return [parse_frame(p.numpy().tobytes())[2] for p in pieces]
 
 
 _GRACE = 1.0  # seconds the other ranks get to stop after the first failure
