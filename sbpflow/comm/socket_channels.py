@@ -323,6 +323,8 @@ class _Receiver:
                 self._pending.discard(conn)
             for src, channel, message in conn.frames.feed(data):
                 self.put(channel, (src, message))
+            if conn.frames.error is not None:
+                self._drop(conn, str(conn.frames.error))
         except (WireError, OSError) as exc:
             self._drop(conn, str(exc))
 

@@ -23,7 +23,8 @@ import io
 import math
 import pickle
 import struct
-from typing import Any, Iterator
+import threading
+from typing import Any
 
 import numpy
 import torch
@@ -61,6 +62,11 @@ def _tensor(data: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
     return out.requires_grad_() if requires_grad else out
 
 
+# what the plain types and tensors reduce to (ids: `in` on a tuple would compare with ==)
+_CALLABLES = {id(c) for c in (_tensor, torch.Size, torch.device, complex, slice, range,
+                              bytearray)}
+
+
 class _Pickler(pickle.Pickler):
     """A tensor as its raw bytes (out of band), dtype, shape, flag and device: torch's own
     pickling goes through ``torch.save`` of its storage, some 100 us a message each way where
@@ -70,7 +76,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return _reduce_tensor(obj)
-        if obj is _tensor or isinstance(obj, _PLAIN) or type(obj) in _ATOMS:
+        if isinstance(obj, _PLAIN) or type(obj) in _ATOMS or id(obj) in _CALLABLES:
             return NotImplemented
         raise WireError(f"a message channel carries plain data and tensors only, not "
                         f"{type(obj).__module__}.{type(obj).__qualname__} ({obj!r:.80}); send "
@@ -81,12 +87,16 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise WireError(f"a message channel carries strided tensors only, not a {t.layout} "
                         f"one of shape {tuple(t.shape)}")
-    flat = t.detach().resolve_conj().resolve_neg()
-    if flat.device.type != "cpu":
+    flat = t.detach() if t.requires_grad else t
+    if flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg()
+    device = "cpu" if flat.is_cpu else str(flat.device)
+    if device != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1).view(torch.uint8)
-    return _tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape),
-                     t.requires_grad, str(t.device))
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return _tensor, (pickle.PickleBuffer(flat.view(-1).view(torch.uint8).numpy()), t.dtype,
+                     tuple(t.shape), t.requires_grad, device)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -108,21 +118,43 @@ class _Unpickler(pickle.Unpickler):
         raise WireError("a frame with a persistent id")
 
 
+class _Encoder(threading.local):
+    """A thread's pickler, kept from message to message (making one costs more than a small
+    message's whole encoding)."""
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = _Pickler(self.out, protocol=5, buffer_callback=self.buffers.append)
+
+    def dump(self, message: Any) -> tuple[bytes, list]:
+        out, buffers = self.out, self.buffers
+        out.seek(0)
+        out.truncate()
+        buffers.clear()
+        self.pickler.clear_memo()
+        self.pickler.dump(message)
+        return out.getvalue(), [b.raw() for b in buffers]
+
+
+_ENCODER = _Encoder()
+
+
 def encode(src: int, channel: str, message: Any) -> list:
-    """The parts of ``message``'s frame, to be written in order (the tensors' bytes are views of
-    their memory when they are contiguous CPU tensors). `WireError` for an object that is not
-    plain data (named)."""
-    buffers: list[pickle.PickleBuffer] = []
-    out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(message)
-    body, name = out.getbuffer(), channel.encode()
-    views = [b.raw() for b in buffers]
+    """The parts of ``message``'s frame, to be written in order: one bytes object for a message
+    without tensors; else the tensors' bytes follow, as views of their memory. `WireError` for
+    an object that is not plain data (named)."""
+    body, views = _ENCODER.dump(message)
+    name = channel.encode()
+    if not views:
+        n = len(name) + len(body)
+        return [PREFIX.pack(n, len(body), src, len(name), 0) + name + body]
     if len(views) >= 1 << 16:
         raise WireError(f"a message of {len(views)} tensors: send at most 65535 in one")
     sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
-    after = len(sizes) + len(name) + body.nbytes + sum(v.nbytes for v in views)
-    head = PREFIX.pack(after, body.nbytes, src, len(name), len(views))
-    return [head + sizes + name, body, *views]
+    after = len(sizes) + len(name) + len(body) + sum(v.nbytes for v in views)
+    return [PREFIX.pack(after, len(body), src, len(name), len(views)) + sizes + name + body,
+            *views]
 
 
 def decode(body: Any, buffers: list) -> Any:
@@ -170,32 +202,50 @@ def parse_frame(data: bytes) -> tuple[int, str, Any]:
 
 
 class FrameReader:
-    """Cuts a connection's byte stream into frames: ``feed(data)`` yields ``(src, channel,
-    message)`` for each frame completed; a malformed one raises `WireError` (the connection
-    is then dropped by the caller: nothing after it can be trusted to be in step)."""
+    """Cuts a connection's byte stream into frames: ``feed(data)`` returns ``(src, channel,
+    message)`` of each frame completed. At a malformed frame it stops and keeps the
+    `WireError` in ``error``: the frames before it are returned, nothing after it is read (the
+    caller drops the connection: nothing after it can be trusted to be in step)."""
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self.error: WireError | None = None
 
-    def feed(self, data: bytes) -> Iterator[tuple[int, str, Any]]:
+    def feed(self, data: bytes) -> list[tuple[int, str, Any]]:
+        if self.error is not None:
+            return []
         buf = self.buf
         buf += data
-        start = 0
+        start, out, end = 0, [], len(buf)
         try:
-            while len(buf) - start >= PREFIX.size:
+            while end - start >= PREFIX.size:
                 after, body_n, src, chan_n, n_buf = PREFIX.unpack_from(buf, start)
-                if len(buf) - start - PREFIX.size < after:
-                    break
                 lo = start + PREFIX.size
-                with memoryview(buf) as whole, whole[lo:lo + after] as frame:
-                    channel, body, buffers = _split(frame, after, body_n, chan_n, n_buf)
+                if end - lo < after:
+                    break
+                if n_buf == 0 and chan_n + body_n == after:  # no tensors: the common case
                     try:
-                        message = decode(body, buffers)
-                    finally:  # released before buf resizes
-                        body.release()
-                        [b.release() for b in buffers]
+                        channel = buf[lo:lo + chan_n].decode()
+                    except UnicodeDecodeError:
+                        raise WireError("a frame whose channel name is not utf-8") from None
+                    message = decode(bytes(buf[lo + chan_n:lo + after]), [])
+                else:
+                    channel, message = self._with_buffers(lo, after, body_n, chan_n, n_buf)
+                out.append((src, channel, message))
                 start = lo + after
-                yield src, channel, message
+        except WireError as exc:
+            self.error = exc
         finally:
             if start:
                 del buf[:start]
+        return out
+
+    def _with_buffers(self, lo: int, after: int, body_n: int, chan_n: int,
+                      n_buf: int) -> tuple[str, Any]:
+        with memoryview(self.buf) as whole, whole[lo:lo + after] as frame:
+            channel, body, buffers = _split(frame, after, body_n, chan_n, n_buf)
+            try:
+                return channel, decode(body, buffers)
+            finally:  # released before buf resizes
+                body.release()
+                [b.release() for b in buffers]
