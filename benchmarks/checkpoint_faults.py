@@ -38,6 +38,7 @@ import time
 import torch
 
 import sbpflow as sf
+from sbpflow.nn.checkpoint_files import LOCK_FILES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "nn"))
 from checkpoint_damage import FILE_DAMAGE, overwrite  # noqa: E402  (the tests' catalogue)
@@ -135,7 +136,7 @@ def _leftovers(path: str) -> tuple[int, int]:
     for root, _, files in os.walk(path):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), path)
-            if rel not in keep:
+            if rel not in keep and rel not in LOCK_FILES:
                 n += 1
                 size += os.path.getsize(os.path.join(root, name))
     return n, size
@@ -217,8 +218,9 @@ MANIFEST_DAMAGE = {"bad-json": _one_file(overwrite(b'{"format": 2, "save_id": ')
 
 
 def _files(path: str) -> dict:
-    """{file name: path} of every file of a checkpoint folder."""
-    return {name: os.path.join(root, name) for root, _, files in os.walk(path) for name in files}
+    """{file name: path} of every file of a checkpoint folder (not its writer lock's)."""
+    return {name: os.path.join(root, name) for root, _, files in os.walk(path) for name in files
+            if name not in LOCK_FILES}
 
 
 def _small_checkpoint(path: str, ranks: int, step: int) -> None:

@@ -46,13 +46,14 @@ __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "generation_name", "write_fi
            "canonical_crc", "encode_manifest", "write_manifest", "read_manifest_bytes",
            "parse_manifest", "read_manifest", "validate_manifest", "validate_tensor",
            "dtype_of", "validate_rank_index", "validate_common", "validate_shards", "clean",
-           "referenced_generation", "check", "is_int", "LOCK", "WriterLock", "prune",
+           "referenced_generation", "check", "is_int", "LOCK", "LOCK_FILES", "WriterLock", "prune",
            "discard", "out_of_space", "free_bytes", "CheckpointShapeError"]
 
 FORMAT = 2  # 1: files at the top of the folder, no checksums (still loaded, unverified)
 MANIFEST = "manifest.json"
 LOCK = "writer.lock"  # flocked by the saving writer, names it (host, pid); never removed
 _QUEUE = "writer.wait"  # flocked by the writer that waits next (waiters are served in turn)
+LOCK_FILES = (LOCK, _QUEUE)  # the folder's files that are no part of any checkpoint
 _CHUNK = 4 << 20  # bytes read at a time when verifying a checksum
 _GEN = re.compile(r"gen-[0-9a-f]{16}")
 _LEGACY = re.compile(r"common\.pt|rank\d+\.(pt|json)")
