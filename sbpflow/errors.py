@@ -46,7 +46,12 @@ class BoxingError(SbpError, ValueError):
 
 
 class CommError(SbpError, RuntimeError):
-    """A collective or point-to-point operation failed."""
+    """A collective or point-to-point operation failed. ``culprits``: the ranks it names as
+    the cause (they did not arrive, or wait for no other rank while the others wait for
+    them), from what the ranks were doing; empty when it names none (say a connection a
+    peer's exit closed: a consequence). A launcher prefers an error that names culprits."""
+
+    culprits: tuple = ()
 
 
 class CommAborted(CommError):

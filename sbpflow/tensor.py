@@ -1407,7 +1407,9 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
         _check_dtypes(name, tensors, pl)
     boxed = [t if t._sbp == nd else _boxed_for_op(t, nd)
              for t, nd in zip(tensors, entry.choice.ins)] if entry.moves else tensors
-    me = (_rank_local.comm or _comm.current()).rank
+    comm = _rank_local.comm or _comm.current()
+    comm.activity.op = name  # what a timeout report says this rank did last (memory only)
+    me = comm.rank
     if me in pl._index:
         return _run_kernel(entry, args, boxed, tensors, pl, me, attrs)
     choice = entry.choice

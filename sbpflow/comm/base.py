@@ -25,6 +25,7 @@ from ..sbp import REDUCE_OPS
 from .channels import tensor_bytes
 from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_traffic,
                     scatter_traffic)
+from .progress import Activity, Finding
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
            "nbytes", "Pending", "default_timeout"]
@@ -167,12 +168,22 @@ class Communicator:
         self._stats = CommStats(rank)
         self._stats_lock = threading.Lock()
         self.state: dict = {}  # per-rank state of the layers above (e.g. RNG seed counters)
+        # what the rank does besides collectives (its actor runs, its last op), for timeouts
+        self.activity = Activity()
 
     def wait_timeout(self) -> float:
         """Seconds a wait on this communicator may take: what its world was made with
         (``sf.launch(..., timeout=)``), else ``SBPFLOW_TIMEOUT``. The layers above bound their
         own waits (an actor's, a loader's, a timeline's exchange) by it."""
         return default_timeout()
+
+    def whereabouts(self, ranks: Sequence[int], threshold: float) -> Finding:
+        """After a wait of this rank timed out (an actor's): what each of ``ranks`` (this one
+        included) is doing, and the culprits: those that wait for no other rank, for
+        ``threshold`` s at least (inside an actor's own code, or outside sbpflow). The torch
+        backend reads the ranks' progress records (a wait of 1.5 publication periods), the
+        threads backend the world's state; a backend that knows nothing says nothing."""
+        return Finding("")
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, sent: int, recv: int, itemsize: int = 1) -> None:

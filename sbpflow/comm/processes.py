@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import CommAborted
+
 __all__ = ["PRIORITY", "EXIT_COMM", "Report", "RankProcess", "Outcome", "run_ranks",
            "CommandRank"]
 
@@ -78,10 +80,26 @@ class Outcome:
 
     @property
     def root(self) -> int | None:
-        """The root-cause rank: the first failure seen of the lowest `PRIORITY` (None: none)."""
+        """The root-cause rank: the first failure seen of the lowest `likelihood` (None:
+        none)."""
         if not self.failed:
             return None
-        return min(self.failed, key=lambda r: PRIORITY[self.reports[r].kind])  # first of ties
+        return min(self.failed, key=lambda r: likelihood(self.reports[r]))  # first of ties
+
+
+def likelihood(report: Report) -> float:
+    """How unlikely ``report`` is the root cause (lower: likelier): its kind's `PRIORITY`,
+    except that a communication failure whose exception names culprits (``culprits`` of a
+    `CommError`: the ranks that did not arrive, or that wait for no other rank, from their
+    progress records) comes before the other communication failures, which are often a
+    consequence (a connection a peer's exit closed) or could not tell who held them up; and
+    among those naming culprits, the rank's own failure before an abort relayed from another
+    rank (`CommAborted`, which repeats that rank's failure)."""
+    level = PRIORITY[report.kind]
+    if level >= PRIORITY["comm_timeout"] and getattr(report.payload, "culprits", ()):
+        relayed = isinstance(report.payload, CommAborted)
+        return PRIORITY["comm_timeout"] - (0.25 if relayed else 0.5)
+    return level
 
 
 def run_ranks(start: Callable[[int], RankProcess], world_size: int, *, grace: float,

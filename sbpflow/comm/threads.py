@@ -26,6 +26,7 @@ import torch
 from ..errors import CommAborted, CommError, CommTimeout
 from .base import Communicator, collective_stream, default_timeout, reduce_tensors
 from .channels import ThreadChannels, copy_tensors
+from .progress import Activity, Finding, awaiting, blame
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "ExitHooks", "default_timeout"]
 
@@ -45,6 +46,12 @@ class _Slot:
 
 def _call_text(kind: str, group: tuple, seq: int) -> str:
     return f"{kind} over ranks {list(group)} (call #{seq} on this group)"
+
+
+def _at(ident: int | None) -> str:
+    """`` (it is at f (file:line) <- ...)``: where thread ``ident`` is (`_where`), or ``""``."""
+    where = _where(ident)
+    return f" (it is{where})" if where else ""
 
 
 def _where(ident: int | None, depth: int = 3) -> str:
@@ -200,6 +207,7 @@ class ThreadWorld:
         # rank -> (count, reason): waits that began before the count grew raise CommAborted
         self.interrupts: dict[int, tuple[int, str]] = {}
         self.idents: dict[int, int] = {}  # rank -> thread id, to say where a stuck rank is
+        self.activities: dict[int, Activity] = {}  # rank -> what its actor threads are inside
         self.channels = ThreadChannels()  # Communicator.post / inbox
 
     def interrupt_count(self, rank: int) -> int:
@@ -246,21 +254,78 @@ class ThreadWorld:
                 self.cond.wait(left)
 
     def describe(self, rank: int) -> str:
-        """What ``rank`` is doing, for error messages: each wait of its threads (its own and
-        those that wait alongside it, by thread name) with the ranks it still needs; where its
-        own thread is if none of them waits. Call with ``cond`` held."""
+        """What ``rank`` is doing, for error messages: each of its threads inside an actor's
+        function and waiting for no other rank (first: the likely culprit), with where it is;
+        each wait of its threads (its own and those that wait alongside it, by thread name,
+        with the actor they are inside) with the ranks it still needs; else its actor run
+        waiting for messages, or where its own thread is. Call with ``cond`` held."""
         if rank in self.finished:
             return f"rank {rank} has returned from the launched function"
+        inside, runs = self._inside(rank)
         waits = [f"rank {rank} waits in {what()} for rank(s) {missing()}"
                  for what, missing in self.blocked.get(rank, ())]
         # a rank whose own thread computes may still wait on its actor or worker threads
-        waits += [f"rank {rank}'s thread {name!r} waits in {what()} for rank(s) {missing()}"
-                  for name, what, missing in self.alongside.get(rank, ())]
-        if waits:
-            return "; ".join(waits)
-        where = _where(self.idents.get(rank))
-        return f"rank {rank} is not waiting for another rank" + \
-            (f" (it is{where})" if where else "")
+        for name, what, missing in self.alongside.get(rank, ()):
+            actor = inside.pop(name, None)
+            within = f" (inside {actor[0]})" if actor else ""
+            waits.append(f"rank {rank}'s thread {name!r}{within} waits in {what()} for "
+                         f"rank(s) {missing()}")
+        busy = [f"rank {rank}'s thread {name!r} is inside {text}, not waiting for another "
+                f"rank" + _at(ident) for name, (text, ident, _) in inside.items()]
+        if busy or waits:
+            return "; ".join(busy + waits)
+        if runs:
+            return f"rank {rank} is in {', '.join(runs)}, no actor inside its function"
+        activity = self.activities.get(rank)  # (not in a run here: an eager op)
+        op = activity.op if activity is not None else None
+        return f"rank {rank} is not waiting for another rank" + _at(self.idents.get(rank)) + \
+            (f"; the last sbpflow op it started: {op!r}" if op is not None else "")
+
+    def _inside(self, rank: int) -> tuple[dict[str, tuple[str, int | None, float]], list[str]]:
+        """``rank``'s threads inside an actor's function, by name: (what, thread id, seconds
+        inside), from its `Activity`; and its actor runs in progress, with whom they wait for."""
+        activity = self.activities.get(rank)
+        if activity is None:
+            return {}, []
+        snap, now, inside = activity.snapshot(threads=True), time.perf_counter(), {}
+        for label, _since, busy, _peers in snap["runs"]:
+            for t, what, mb, at in busy:
+                inside[t.name] = (f"{what}, micro-batch {mb}, of {label}, for {now - at:.1f} s",
+                                  t.ident, now - at)
+        return inside, [f"{label} ({awaiting(peers)})" for label, _, _, peers in snap["runs"]]
+
+    def stuck(self, rank: int, threshold: float) -> bool:
+        """Whether ``rank`` waits for no other rank (for ``threshold`` s at least, where its
+        `Activity` says since when): it returned, a thread of it is inside an actor's function
+        and not waiting, or none of its threads waits and it runs no actors (its own code).
+        Call with ``cond`` held."""
+        if rank in self.finished:
+            return True
+        inside, runs = self._inside(rank)
+        waiting = {name for name, _, _ in self.alongside.get(rank, ())}
+        if any(age >= threshold for name, (_, _, age) in inside.items() if name not in waiting):
+            return True
+        return not (runs or self.blocked.get(rank) or self.alongside.get(rank))
+
+    def _chain(self, ranks: list[int]) -> list[int]:
+        """``ranks`` and, transitively, the ranks their threads wait for (and their actor runs
+        for messages), in the order met: a wait for a rank that waits for another ends at the
+        one that holds them up."""
+        seen = list(ranks)
+        for r in seen:  # (grows while read)
+            needs = [m for _, missing in self.blocked.get(r, ()) for m in missing()]
+            needs += [m for _, _, missing in self.alongside.get(r, ()) for m in missing()]
+            activity = self.activities.get(r)
+            if activity is not None:  # the ranks its actor runs wait for messages from
+                needs += [m for run in activity.snapshot()["runs"] for m in run[3]]
+            seen += [m for m in dict.fromkeys(needs) if m not in seen]
+        return seen
+
+    def whereabouts(self, ranks: list[int], threshold: float) -> Finding:
+        """`Communicator.whereabouts` of this world (call with ``cond`` held)."""
+        text = "; ".join(self.describe(r) for r in ranks)
+        culprits = tuple(r for r in ranks if self.stuck(r, threshold))
+        return Finding(text + (f"; {blame(culprits)}" if culprits else ""), culprits)
 
     def wait(self, ready: Callable[[], bool], what: What, missing: Callable[[], list[int]],
              rank: int, epoch: int | None = None) -> None:
@@ -309,9 +374,13 @@ class ThreadWorld:
                 raise CommError(msg)
         if left <= 0:
             late = missing()
-            states = "; ".join(self.describe(m) for m in late)
-            raise CommTimeout(f"{what()} on rank {rank} timed out after {self.timeout:g} s "
+            chain = self._chain(late)  # and those they wait for: the culprit is at its end
+            states = "; ".join(self.describe(m) for m in chain)
+            err = CommTimeout(f"{what()} on rank {rank} timed out after {self.timeout:g} s "
                               f"waiting for rank(s) {late} (SBPFLOW_TIMEOUT): {states}")
+            err.culprits = tuple(m for m in chain if self.stuck(m, self.timeout / 2)) or \
+                tuple(late)
+            raise err
 
     def _needs(self, rank: int) -> list[int]:
         """The ranks ``rank`` waits for; none unless it waits on exactly one thread."""
@@ -410,9 +479,14 @@ class ThreadCommunicator(Communicator):
         self._seq: dict[tuple, int] = defaultdict(int)
         self._epochs: dict[str, int] = {}  # named stream -> the interrupt count at first use
         world.idents[rank] = threading.get_ident()
+        world.activities[rank] = self.activity
 
     def wait_timeout(self) -> float:
         return self.world.timeout   # (``sf.launch(..., timeout=)`` sets the world's)
+
+    def whereabouts(self, ranks, threshold):
+        with self.world.cond:
+            return self.world.whereabouts(sorted(ranks), threshold)
 
     def _epoch(self, stream: str | None, what: What) -> int | None:
         """The interrupt count a named stream belongs to (that of its first call), after

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import re
 import sys
 import threading
 import traceback
@@ -39,6 +40,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _GRACE = 2.0  # s to wait for a root cause after a rank reports a CommError (run_ranks)
 _CPU = torch.device("cpu")  # (made once: a transfer asks for it on every message)
+# a gloo connection gone: a peer exited, or either end's call timed out and closed the pair
+_CLOSED = re.compile(r"closed|reset by peer|broken pipe", re.IGNORECASE)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,7 @@ class TorchCommunicator(Communicator):
         self._loopback: deque[torch.Tensor] = deque()  # messages this rank sent to itself
         # which collective each rank reached, so that a timeout names the ranks it waited for
         self.progress = Progress(self.rank, c10d._get_default_store(),
-                                 period_for(self.timeout.total_seconds()))
+                                 period_for(self.timeout.total_seconds()), self.activity)
         self._keys: dict[tuple, str] = {}  # (group, cuda) -> its progress key
         # post / inbox: made now, so that a peer's first post finds this rank's address
         self._channels: SocketChannels | None = None
@@ -85,6 +88,9 @@ class TorchCommunicator(Communicator):
 
     def wait_timeout(self) -> float:
         return self.timeout.total_seconds()   # (the process groups' own)
+
+    def whereabouts(self, ranks, threshold):
+        return self.progress.inquire(sorted(ranks), threshold=threshold)
 
     def _key(self, group: tuple, cuda: bool) -> str:
         """``group_key(group, cuda)`` (and the collective stream), cached (this is on every
@@ -111,7 +117,7 @@ class TorchCommunicator(Communicator):
             store = dist.PrefixStore(name, c10d._get_default_store())
             me = ranks.index(self.rank)
             what = "creating the process group"  # collective #1 of the group: a rendezvous
-            seq = self.progress.enter(self._key(ranks, cuda), what)
+            seq = self.progress.enter(self._key(ranks, cuda), what, members=ranks)
             try:
                 if cuda:
                     opts = dist.ProcessGroupNCCL.Options()
@@ -154,7 +160,7 @@ class TorchCommunicator(Communicator):
         None: point-to-point on the default group) and wait for it. ``start()`` returns its
         Work or a list of them."""
         key = P2P if cuda is None else self._key(tuple(group), cuda)
-        seq = self.progress.enter(key, what)
+        seq = self.progress.enter(key, what, members=group)
         try:
             works = start()
             for w in works if isinstance(works, list) else [works]:
@@ -166,23 +172,35 @@ class TorchCommunicator(Communicator):
 
     def _error(self, what: str, group: Sequence[int], exc: Exception, cuda: bool | None,
                seq: int) -> CommError:
-        """A torch error as `CommError`, naming the call; a timeout as `CommTimeout`, naming
-        also the members that had not reached collective ``seq`` of the group (``cuda`` as in
-        `_run`) and what each was doing, from the members' `Progress` records."""
+        """A torch error as `CommError`, naming the call; a timeout as `CommTimeout`. A timeout
+        or a closed connection (gloo closes a pair when either end's call times out, or a
+        peer exits) says also what the members were doing, from their `Progress` records,
+        and names as its ``culprits`` the members that had not reached collective ``seq`` of
+        the group (``cuda`` as in `_run`), or, point-to-point, the ranks that wait for no
+        other (`Progress.inquire`): a peer's timeout closing the connection names the rank
+        that held the peer up too, not only the peer."""
         text = str(exc).split("\n")[0]
         secs = self.timeout.total_seconds()
         call = what if cuda is None else f"{what} over ranks {list(group)}"
-        if "timeout" not in text.lower() and "timed out" not in text.lower():
+        timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+        if not timed_out and not _CLOSED.search(text):
             return CommError(f"{call} failed on rank {self.rank}: {text} (timeout {secs:g} s, "
                              f"SBPFLOW_TIMEOUT)")
         if cuda is None:  # point-to-point: no common numbering, say what the peers were doing
-            detail = self.progress.report(P2P, None, sorted(group))
+            found = self.progress.inquire(sorted(group), threshold=secs / 2)
         else:
-            call += f" (collective #{seq} of that group)"
-            detail = self.progress.report(self._key(tuple(group), cuda), seq, sorted(group))
-        return CommTimeout(f"{call} timed out on rank {self.rank} after {secs:g} s: {detail}. "
-                           f"torch: {text}. If the ranks are only slow, raise the timeout "
-                           f"(SBPFLOW_TIMEOUT=<seconds>, or launch(..., timeout=<seconds>))")
+            found = self.progress.inquire(sorted(group), self._key(tuple(group), cuda), seq)
+        if timed_out:
+            seq_text = "" if cuda is None else f" (collective #{seq} of that group)"
+            err = CommTimeout(f"{call}{seq_text} timed out on rank {self.rank} after {secs:g} s: "
+                              f"{found.text}. torch: {text}. If the ranks are only slow, raise "
+                              f"the timeout (SBPFLOW_TIMEOUT=<seconds>, or launch(..., "
+                              f"timeout=<seconds>))")
+        else:
+            err = CommError(f"{call} failed on rank {self.rank}: {text} (timeout {secs:g} s, "
+                            f"SBPFLOW_TIMEOUT); the ranks: {found.text}")
+        err.culprits = found.culprits
+        return err
 
     def _chan(self) -> SocketChannels:
         with self._channels_lock:
@@ -287,7 +305,7 @@ class TorchCommunicator(Communicator):
         pg = self._pg(group, cuda)
         what = f"all_reduce({op})"
         key, progress = self._key(group, cuda), self.progress
-        seq = progress.enter(key, what, waiting=now)
+        seq = progress.enter(key, what, waiting=now, members=group)
         try:
             work = pg.allreduce([buf.view(-1)], _OPS[op])
         except RuntimeError as exc:

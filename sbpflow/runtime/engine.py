@@ -225,7 +225,7 @@ class _Step:
     def __init__(self, rt: Runtime, micro_batches: int) -> None:
         self.rt, self.comm, self.rank, self.run_id = rt, rt.comm, rt.rank, rt.runs
         self.lock = threading.Lock()
-        now = time.perf_counter()
+        now = self.began = time.perf_counter()
         specs = rt.plan.actors.get(self.rank, [])
         self.actors = {s.name: Actor(s, self.rank, rt.plan, micro_batches, now) for s in specs}
         self.queues: dict[str, list[Actor]] = {}
@@ -246,6 +246,33 @@ class _Step:
         self.posted_start = False  # this run's start went to the peers (see `_stale_failure`)
         self.woke: set = set()
         self.trackers = memory.active_trackers()  # the caller's `sf.memory.track()` blocks
+        self.threads: dict[str, threading.Thread] = {}  # queue -> the thread running it
+
+    def doing(self) -> tuple[str, float, list, list[int]]:
+        """What this run is doing, for the rank's `Activity` (read by another thread, without
+        the lock: attribute reads and copies, racy by a firing at most): its label, its start,
+        for each actor inside its function ``(thread, actor text, micro-batch, since)``, and
+        the other ranks whose messages its waiting actors wait for (a req for an input, an
+        ack of an output)."""
+        busy, peers = [], set()
+        for a in self.actors.values():
+            if a.busy:
+                t = self.threads.get(a.spec.queue)
+                if t is not None:
+                    busy.append((t, f"actor {a.name!r} ({a.spec.kind}, stage {a.spec.stage})",
+                                 a.fired, a.since))
+                continue
+            if a.fired < a.times:
+                peers.update(src[0] for q, src in zip(a.inputs, a.sources) if not q)
+            for reg in a.outputs:
+                for left in list(reg.waiting.values()):
+                    peers.update(c[0] for c in list(left))
+        peers.discard(self.rank)
+        return self.label(), self.began, busy, sorted(peers)
+
+    def label(self) -> str:
+        """``run 2 of plan 'p'``: this run, in a timeout's words (`Activity`)."""
+        return f"run {self.run_id} of plan {self.rt.plan.name!r}"
 
     def gated(self, a: Actor) -> bool:
         return self.careful and bool(self.unstarted) and a.spec.kind in _GATED
@@ -254,6 +281,8 @@ class _Step:
     def execute(self) -> dict[str, list]:
         self._refuse_if_stale()
         workers = self.rt.workers
+        activity = self.comm.activity
+        activity.started(self)  # (timeout reports read what its actors do: `doing`)
         threads = [workers.submit(f"sbpflow-rank{self.rank}-{q}", partial(self._queue_loop, q))
                    for q in self.queues]
         try:
@@ -264,6 +293,7 @@ class _Step:
             raise
         finally:
             self._stop(threads)
+            activity.ended(self)
         if self.failure is not None:
             workers.close()  # the next run starts on fresh threads
             raise self.failure
@@ -278,6 +308,9 @@ class _Step:
         local = rank_local()
         previous = local.comm
         exc = None
+        activity = self.comm.activity
+        self.threads = dict.fromkeys(self.queues, threading.current_thread())
+        activity.started(self)
         try:
             self._start()
             set_current(self.comm)
@@ -293,8 +326,9 @@ class _Step:
             with self.rt.shared.route:  # from now on the reader keeps or drops its messages
                 if self.rt.router.active is self:
                     self.rt.router.active = None
+            activity.ended(self)
         if exc is not None:
-            self._fail(exc, None)
+            self._fail(self._explained(exc), None)
         if self.failure is not None:
             raise self.failure
         return self.results
@@ -380,7 +414,7 @@ class _Step:
                     break
             self.over = True
         if exc is not None:
-            self._fail(exc, None)
+            self._fail(self._explained(exc), None)
 
     def _stop(self, threads: list[Job]) -> None:
         """Wake every thread, wait for them (a bounded time after a failure) and name on the
@@ -414,6 +448,7 @@ class _Step:
         """Fire this queue's actors, first ready first, until all fired their times."""
         set_current(self.comm)  # actors' collectives use this rank's communicator
         waits_alongside(True)  # a rank's queue threads may wait at once (a recv, a compute)
+        self.threads[queue] = threading.current_thread()
         actors, cond = self.queues[queue], self.conds[queue]
         try:
             # tensors the actors save for backward count in the caller's `sf.memory.track()`
@@ -563,19 +598,20 @@ class _Step:
                     self._on_req(msg)
                 elif msg[0] == "ack":
                     self._on_ack(msg)
-                elif msg[0] == "abort":
-                    aborts.append(msg[2])
+                elif msg[0] == "abort":  # (text, the culprits the failure names)
+                    aborts.append((msg[2], msg[3] if len(msg) > 3 else ()))
                 elif msg[0] == "start":
                     if msg[2] is not None:
-                        aborts.append(msg[2])
+                        aborts.append((msg[2], ()))
                     self._on_start(src)
             if self.left == 0:
                 self.main.notify()
         if stale:
             self._stale_failure(self.run_id)
-        for text in aborts:
-            self._fail(ActorAborted(f"{text}; the runtime of rank {self.rank} stopped"), None,
-                       broadcast=False)
+        for text, culprits in aborts:
+            err = ActorAborted(f"{text}; the runtime of rank {self.rank} stopped")
+            err.culprits = tuple(culprits)  # (a failure that named them names them here too)
+            self._fail(err, None, broadcast=False)
 
     def _on_req(self, msg: tuple) -> None:
         _, _, actor, i, slot, index, value = msg
@@ -640,8 +676,21 @@ class _Step:
             text = f"{where} failed with {type(exc).__name__}: {exc}"
             if isinstance(exc, ActorAborted):
                 text = str(exc)
+            culprits = tuple(getattr(exc, "culprits", ()))
             for r in self.peers:
-                self._post(r, ("abort", self.run_id, text))
+                self._post(r, ("abort", self.run_id, text, culprits))
+
+    def _explained(self, exc: ActorTimeout) -> ActorTimeout:
+        """``exc`` with what the plan's ranks are doing, and as its ``culprits`` those that
+        wait for no other rank for half the timeout at least (inside an actor's own code, or
+        not in the run): `Communicator.whereabouts` (call without the lock: the torch backend
+        waits for the ranks' progress records)."""
+        found = self.comm.whereabouts(self.rt.plan.ranks, self.rt.timeout / 2)
+        if not found.text:
+            return exc
+        err = ActorTimeout(f"{exc}; the plan's ranks: {found.text}")
+        err.culprits = found.culprits
+        return err
 
     def _timed_out(self) -> ActorTimeout | None:
         """An `ActorTimeout` for the first actor waiting longer than the timeout (lock held)."""

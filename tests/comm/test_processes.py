@@ -12,6 +12,7 @@ import pytest
 from sbpflow.comm.local_world import rank_env
 from sbpflow.comm.processes import (EXIT_COMM, CommandRank, RankProcess, Report,
                                      run_ranks)
+from sbpflow.errors import CommAborted, CommError, CommTimeout
 
 # Upper time bounds are generous (a loaded CI machine delays the watcher by seconds): what a
 # wrong policy would wait (a grace, a rank that never ends) lasts HANG s, or forever; the run
@@ -172,3 +173,27 @@ def test_rank_env_is_torchruns():
     assert rank_env(2, 4, 1234) == {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4",
                                     "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": "1234"}
+
+
+def _naming(exc: Exception, *culprits: int) -> Exception:
+    exc.culprits = culprits
+    return exc
+
+
+def test_a_failure_that_names_its_culprits_beats_the_consequences():
+    """Rank 0's closed connection and rank 1's timeout name no culprit; rank 3's abort relays
+    another rank's failure, naming rank 4; rank 2's own timeout names rank 4 (from the
+    progress records), later than all of them: rank 2 is the root cause, before the relay.
+    A rank's own error still beats them all."""
+    closed = Report("comm_error", CommError("Connection closed by peer"))
+    blind = Report("comm_timeout", CommTimeout("timed out"))
+    named = Report("comm_timeout", _naming(CommTimeout("rank(s) [4] did not arrive"), 4))
+    relay = Report("comm_error", _naming(CommAborted("rank 2 failed with ..."), 4))
+    ranks = [Scripted(closed, 0.0), Scripted(blind, 0.0), Scripted(named, 0.1),
+             Scripted(relay, 0.05), Scripted(at=None)]
+    out, _ = _run(ranks, grace=0.4)
+    assert out.failed == [0, 1, 3, 2] and out.root == 2
+    relayed_only = [Scripted(closed, 0.0), Scripted(relay, 0.05), Scripted(at=None)]
+    assert _run(relayed_only, grace=0.3)[0].root == 1
+    own_error = [Scripted(named, 0.0), Scripted(ERR, 0.05), Scripted(at=None)]
+    assert _run(own_error, grace=0.3)[0].root == 1

@@ -1,10 +1,12 @@
 """Progress records (`sbpflow.comm.progress`): three ranks' records in one real TCPStore, in this
-process, and the text a timed-out collective's rank builds from them."""
+process, and the text a timed-out collective's rank builds from them: what each rank does (its
+collectives, its actor runs' threads, its last op) and which ranks it blames."""
 
 from __future__ import annotations
 
 import datetime
 import re
+import threading
 import time
 
 import pytest
@@ -150,3 +152,66 @@ def test_a_dropped_collective_is_closed_at_the_next_publication(ranks):
     p.enter(P2P, "exchange with ranks [0]")
     assert re.search(r"^rank 2: inside exchange with ranks \[0\] \(#1\) for [\d.]+ s$",
                      _activity_of(ranks, 2))
+
+
+class _Run:
+    """An actor run as `Activity` reads it: ``label()``, and ``doing()``: its label, start,
+    threads inside an actor's function and the ranks whose messages it waits for."""
+
+    def __init__(self, label: str, busy: list = (), peers: list = ()) -> None:
+        self.text, self.busy, self.peers = label, list(busy), list(peers)
+        self.began = time.perf_counter()
+
+    def label(self) -> str:
+        return self.text
+
+    def doing(self) -> tuple:
+        return self.text, self.began, self.busy, self.peers
+
+
+def _inside_fwd(stage: int, seconds: float) -> tuple:
+    """(thread, actor, micro-batch, since) of a compute thread inside 'fwd' for ``seconds``."""
+    return (threading.current_thread(), f"actor 'fwd' (forward, stage {stage})", 1,
+            time.perf_counter() - seconds)
+
+
+def test_inquire_follows_the_waits_to_the_rank_stuck_in_an_actor(ranks):
+    """Rank 0 waits for a message from rank 1, which waits in a receive from rank 2, whose
+    compute thread has been inside an actor's function, out of communication, for 5 s: rank
+    0's inquiry follows the waits and names rank 2 (its thread, actor, micro-batch, run) as
+    the culprit; rank 1, waiting, is described but not blamed."""
+    p0, p1, p2 = ranks
+    p1.enter(P2P, "exchange with ranks [2]", members=[2])
+    p2.activity.started(_Run("run 2 of plan 'p'", [_inside_fwd(2, 5.0)]))
+    found = p0.inquire([1], threshold=1.0)
+    assert found.culprits == (2,), found
+    me = threading.current_thread().name
+    assert re.search(r"^rank 1: inside exchange with ranks \[2\] \(#1\) for [\d.]+ s; rank 2: .*"
+                     rf"in run 2 of plan 'p' for [\d.]+ s: its thread '{me}' is inside actor "
+                     r"'fwd' \(forward, stage 2\), micro-batch 1, for [\d.]+ s, outside "
+                     r"communication \(in its own code\); rank\(s\) \[2\] wait\(s\) for no other "
+                     r"rank: the others wait for it$", found.text), found.text
+    assert p0.inquire([1], threshold=60.0).culprits == ()  # not inside that long yet
+
+
+def test_an_actor_run_waiting_for_messages_leads_to_the_rank_it_waits_for(ranks):
+    """Rank 1 is in a run whose actors wait for rank 2's messages (no thread inside an actor,
+    no collective: not stuck); rank 2 is out of any run and collective (its own code): the
+    inquiry of rank 0, published by the ranks' threads without being asked, names rank 2.
+    When rank 2's run waits for rank 0 instead, rank 0 (this rank), in no collective and no
+    run, is the one named."""
+    p0, p1, p2 = ranks
+    p1.activity.started(_Run("run 3 of plan 'p'", peers=[2]))
+    p2.activity.op = "relu"
+    time.sleep(3 * PERIOD)  # the threads publish by themselves
+    found = p0.inquire([1], threshold=0.0)
+    assert re.search(r"^rank 1: no collective yet, .*; in run 3 of plan 'p' for [\d.]+ s: no "
+                     r"actor inside its function \(waiting for messages from rank\(s\) \[2\]\); "
+                     r"rank 2: no collective yet, .*; the last sbpflow op it started: 'relu'; "
+                     r"rank\(s\) \[2\] wait\(s\) for no other rank", found.text), found.text
+    assert found.culprits == (2,)
+    p2.activity.started(_Run("run 3 of plan 'p'", peers=[0]))
+    found = p0.inquire([1], threshold=0.0)
+    assert found.culprits == (0,), found
+    assert re.search(r"; rank 0 \(this rank\): no collective yet, [^;]*; rank\(s\) \[0\] wait",
+                     found.text), found.text

@@ -1,7 +1,10 @@
 """What a timed-out collective on the threads backend says of the ranks it waits for: a rank
 whose own thread does not wait but one of its `waits_alongside` threads does (an actor's recv
-thread, a ZeRO worker) is named with that thread's wait, not as "not waiting"."""
+thread, a ZeRO worker) is named with that thread's wait, not as "not waiting"; a rank whose
+actor thread is stuck in its own code is named with that thread, its actor and micro-batch,
+also when the wait that timed out is for a rank that waits for it."""
 
+import re
 import threading
 import time
 
@@ -11,6 +14,7 @@ import torch
 import sbpflow as sf
 from sbpflow.comm import current
 from sbpflow.comm.threads import waits_alongside
+from stuck_fns import stuck_step, wake
 
 TIMEOUT = 2.0
 HELPER = "sbpflow-test-alongside"
@@ -51,3 +55,22 @@ def test_a_timeout_names_the_alongside_wait_of_the_rank_it_waits_for():
     assert msg.startswith("recv from rank 1 on rank 0 timed out"), msg
     assert f"rank 1's thread '{HELPER}' waits in recv from rank 0 for rank(s) [0]" in msg, msg
     assert "not waiting" not in msg, msg
+
+
+def test_a_timeout_names_the_compute_thread_of_a_stuck_pipeline_stage():
+    """A 3-stage pipeline graph, a thread rank a stage; the last stage's compute thread sleeps
+    inside its forward actor. Ranks 0 and 1 wait for gradients (rank 0 for rank 1, which waits
+    for rank 2): the timeout follows the waits to rank 2 and names its compute thread, the
+    actor and the micro-batch, where it is, and rank 2 as the culprit (before: rank 2 as 'not
+    waiting', or through another of its threads' waits)."""
+    wake(False)
+    try:
+        with pytest.raises(sf.CommError) as info:
+            sf.launch(stuck_step, world_size=3, args=("pipeline", 2), timeout=TIMEOUT)
+    finally:
+        wake()
+    msg = str(info.value)
+    assert info.value.culprits == (2,), msg
+    assert re.search(r"rank 2's thread 'sbpflow-rank2-compute' is inside actor 'fwd' \(forward, "
+                     r"stage 2\), micro-batch 0, of run 2 of plan '[^']+', for [\d.]+ s, not "
+                     r"waiting for another rank \(it is at _nap \(", msg), msg

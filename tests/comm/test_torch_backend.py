@@ -16,6 +16,7 @@ from gloo_fns import (P, async_progress_fn, collectives_fn, crash_fn, fail_fn, m
                       unpicklable_exc_fn)
 from sbpflow.comm import launch
 from sbpflow.errors import CommError, CommTimeout, SbpError
+from stuck_fns import NAP_OP, stuck_step
 
 
 @pytest.mark.gloo
@@ -107,6 +108,20 @@ def test_timeout_names_the_rank_that_did_not_arrive():
     assert "arrived: [0, 1]" in msg and "SBPFLOW_TIMEOUT=<seconds>" in msg
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert re.search(r"raised on rank [01] of 3", notes), notes
+
+
+@pytest.mark.gloo
+def test_a_rank_stuck_in_an_eager_step_is_named_with_its_last_op():
+    """Eager data parallelism on 2 ranks: rank 1 sleeps inside an op of its second forward;
+    rank 0's gradient all-reduce times out. The error names rank 1 as its culprit and the
+    last sbpflow op it started (before: only its last collective)."""
+    with pytest.raises(CommTimeout) as info:
+        launch(stuck_step, 2, backend="torch", args=("eager", 1), timeout=2)
+    msg = str(info.value)
+    assert info.value.culprits == (1,), msg
+    assert re.search(r"timed out on rank 0 after 2 s: rank\(s\) \[1\] did not arrive \(rank 1: "
+                     r"entered #\d+ of that group last, in no collective for [\d.]+ s .*; the "
+                     rf"last sbpflow op it started: '{NAP_OP}'\); arrived: \[0\]", msg), msg
 
 
 @pytest.mark.gloo

@@ -2,7 +2,8 @@
 GPT pipeline with 2 micro-batches trains as its one-device torch twin; an op failing on the
 last stage's data stops the other process promptly with an abort naming rank and actor; a
 process that blocks instead of calling the graph makes the other time out naming the waiting
-actor, never hang."""
+actor, never hang; a process stuck inside a compute actor is named, with the actor and the
+micro-batch, by the error `sf.launch` raises."""
 
 import json
 import re
@@ -12,6 +13,7 @@ import torch
 
 import sbpflow as sf
 from graph_fns import blocked_rank, failing_call, gpt_pipeline, torch_gpt
+from stuck_fns import stuck_step
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 PROMPT = 10.0  # room for a loaded machine (the default timeout is 300 s)
@@ -48,10 +50,11 @@ def test_a_failing_op_on_gloo_processes():
 @pytest.mark.gloo
 def test_a_blocked_process_times_out_the_previous_stage(monkeypatch, tmp_path):
     """Rank 0's call times out in an actor waiting for rank 1: the runtime's `ActorTimeout`
-    naming it, or the receive's `CommTimeout` naming the peer (gloo then closes the pair, so
-    the launcher's closing barrier may fail, on rank 1 as a broken pair or on rank 0 as a
-    timeout naming rank 1, which the launcher prefers: rank 0's outcome is read from its
-    file)."""
+    naming it, or the receive's (or the send's, whose pair the receive's timeout closed)
+    `CommTimeout` naming the peer; either says, from rank 1's progress record, that rank 1 is
+    out of the runtime and waits for no one (gloo then closes the pair, so the launcher's
+    closing barrier may fail, on rank 1 as a broken pair or on rank 0 as a timeout naming
+    rank 1, which the launcher prefers: rank 0's outcome is read from its file)."""
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))  # the rank processes inherit it
     try:
         sf.launch(blocked_rank, world_size=2, backend="torch", args=(True, str(tmp_path)))
@@ -63,6 +66,9 @@ def test_a_blocked_process_times_out_the_previous_stage(monkeypatch, tmp_path):
         assert "barrier over ranks [0, 1] failed" in str(exc), exc
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert TIMEOUT <= r0["seconds"] < PROMPT
+    assert re.search(r"rank 1: .*out of the actor runtime for [\d.]+ s \(its last: run 1 of "
+                     r"plan '[^']+'\).*; rank\(s\) \[1\] wait\(s\) for no other rank",
+                     r0["message"]), r0
     if r0["type"] == "ActorTimeout":
         # (or, on a loaded machine, the gradient receiver inside its receive: the runtime's
         # watch may see it before the receive's own timeout)
@@ -74,4 +80,39 @@ def test_a_blocked_process_times_out_the_previous_stage(monkeypatch, tmp_path):
     else:
         assert r0["type"] == "CommTimeout", r0
         assert "rank 1" in r0["message"] and "SBPFLOW_TIMEOUT" in r0["message"], r0
-        assert r0["notes"][0].startswith("raised by actor 'gradrecv<1' (recv, stage 0, "), r0
+        assert r0["notes"][0].startswith(("raised by actor 'gradrecv<1' (recv, stage 0, ",
+                                          "raised by actor 'send>1' (send, stage 0, ")), r0
+
+
+def _stuck_error(mode: str, world: int, stuck: int) -> sf.CommError:
+    """The error `sf.launch` raises when rank ``stuck`` naps inside its compute actor in the
+    second step of `stuck_step` (``mode``) on ``world`` gloo processes."""
+    with pytest.raises(sf.CommError) as info:
+        sf.launch(stuck_step, world, backend="torch", args=(mode, stuck), timeout=TIMEOUT)
+    return info.value
+
+
+@pytest.mark.gloo
+def test_a_rank_stuck_in_a_data_parallel_graph_step_is_named():
+    """Rank 1 of 2 sleeps inside its forward actor (micro-batch 0 of the second call); rank 0
+    times out waiting (an actor, a collective or a process group's rendezvous of its stream):
+    whichever error the launcher raises names rank 1, the actor, its micro-batch, and that it
+    is in its own code (before, an `ActorTimeout` of rank 0 waiting for its own 'bwd')."""
+    exc = _stuck_error("graph", 2, 1)
+    assert exc.culprits == (1,), exc
+    assert re.search(r"rank 1( \(this rank\))?: .*in run 2 of plan '[^']+' for [\d.]+ s: its "
+                     r"thread 'sbpflow-rank1-compute' is inside actor 'fwd' \(forward, stage 0\), "
+                     r"micro-batch 0, for [\d.]+ s, outside communication", str(exc)), exc
+
+
+@pytest.mark.gloo
+def test_a_rank_stuck_in_a_pipeline_stage_is_named():
+    """3 stages, one a process; the last (rank 2) sleeps inside its forward actor. Rank 0
+    waits for rank 1's gradient, rank 1 for rank 2's: the waits are followed through the
+    progress records to rank 2, whatever rank's error the launcher raises (before: an
+    `ActorTimeout` of rank 0 or 3, a 'Connection closed by peer', never rank 2)."""
+    exc = _stuck_error("pipeline", 3, 2)
+    assert exc.culprits == (2,), exc
+    assert re.search(r"rank 2( \(this rank\))?: .*its thread 'sbpflow-rank2-compute' is inside "
+                     r"actor 'fwd' \(forward, stage 2\), micro-batch 0, for [\d.]+ s, outside "
+                     r"communication .*rank\(s\) \[2\] wait\(s\) for no other rank", str(exc)), exc
