@@ -9,8 +9,8 @@ s raises `ActorTimeout`; a run refuses to start while a failed run's thread is l
 actor (its collective would pair with the new run's). A rank of a plan that allows it
 (`Plan.runs_inline`: one queue, no other rank's actors) runs its actors on the calling thread
 when its collectives can be interrupted (threads backend).
-Every firing is a timeline event. The torch backend's messages are pickled over sockets
-between the ranks (the c10d store as a fallback). See docs/runtime.md, 'Actors and registers'.
+Every firing is a timeline event. The torch backend's messages travel as typed frames over
+authenticated sockets between the ranks (the c10d store as a fallback; `sbpflow.comm.wire`). See docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
