@@ -40,7 +40,7 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
            "fresh", "guard", "source", "module_called", "errors_as", "error_rule",
            "UnsupportedTorchFunction",
-           "set_torch_dispatch", "lift", "watch_resplit", "is_view"]
+           "set_torch_dispatch", "lift", "watch_resplit", "is_view", "copy_view"]
 
 
 # -- torch functions on global tensors ----------------------------------------------------------
@@ -778,7 +778,8 @@ class _Grad(GlobalTensor):
 class _View(NamedTuple):
     """How a view was made from ``parent``: ``kind`` "reshape" (``arg``: the shape; also
     flatten, squeeze, unsqueeze), "permute" (the dims; also transpose, t, T), "index" (an
-    encoded basic index; also narrow, split, chunk), "expand" (the shape) or "detach"; and
+    encoded basic index; also narrow, split, chunk), "expand" (the shape), "detach", or "copy"
+    (``arg``: how to remake it and why it cannot be written: `copy_view`); and
     ``parent``'s shard object and its version when the view last matched it. When either
     differs (an in-place op on ``parent`` replaced or wrote its shard) the view is remade
     from ``parent`` before its next use (`_fresh`), as a torch view reads its base's value.
@@ -798,6 +799,14 @@ _new_view = tuple.__new__
 def is_view(t: GlobalTensor) -> bool:
     """Whether ``t`` is a view of another tensor (an in-place op on it writes through)."""
     return t._view is not None
+
+
+def copy_view(out: GlobalTensor, parent: GlobalTensor, remake, why: str) -> GlobalTensor:
+    """Mark ``out``, a copy standing for what torch returns as a view of ``parent``: it is
+    remade by ``remake(parent)`` when ``parent`` changes (a view reads its base's value), and an
+    in-place op on it raises `UnsupportedTorchFunction` saying ``why`` (it would not reach
+    ``parent``)."""
+    return _viewed(out, parent, "copy", (remake, why))
 
 
 def _viewed(out: GlobalTensor, parent: GlobalTensor, kind: str, arg) -> GlobalTensor:
@@ -839,6 +848,8 @@ def _fresh(t: GlobalTensor) -> None:
     v = t._view
     if v.kind == "detach":
         new = v.parent.detach()
+    elif v.kind == "copy":
+        new = _viewed(v.arg[0](v.parent), v.parent, v.kind, v.arg)
     else:
         op, attr = _REMAKE[v.kind]
         new = _viewed(apply_op(op, v.parent, **{attr: v.arg}), v.parent, v.kind, v.arg)
@@ -858,6 +869,8 @@ def _write_back(t: GlobalTensor, result: GlobalTensor) -> None:
     views), then ``t`` takes ``result``. Through ``detach`` the values are written without
     autograd, as torch writes a detached view's storage."""
     v = t._view
+    if v.kind == "copy":
+        raise UnsupportedTorchFunction(v.arg[1])
     parent = v.parent
     if parent._view is not None:
         _fresh(parent)

@@ -12,6 +12,7 @@ included), the same rules the boxing planner charges and the cost model prices.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -28,9 +29,27 @@ from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_tr
 from .progress import Activity, Finding
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
-           "nbytes", "Pending", "default_timeout"]
+           "nbytes", "Pending", "default_timeout", "counted_as"]
 
 Assemble = Callable[[list], object]  # receives the pieces (valid only during the call)
+
+
+class _CountedAs(threading.local):
+    kind: str | None = None
+
+
+_COUNTED_AS = _CountedAs()
+
+
+@contextlib.contextmanager
+def counted_as(kind: str):
+    """Count the bytes of every collective this thread runs inside as ``kind`` (e.g. the
+    replicated fallback's gathers, "fallback"), whatever their own kind."""
+    before, _COUNTED_AS.kind = _COUNTED_AS.kind, kind
+    try:
+        yield
+    finally:
+        _COUNTED_AS.kind = before
 
 _REDUCERS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -187,7 +206,9 @@ class Communicator:
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, sent: int, recv: int, itemsize: int = 1) -> None:
-        """Count one call of ``kind`` moving ``sent`` / ``recv`` items of ``itemsize`` bytes."""
+        """Count one call of ``kind`` moving ``sent`` / ``recv`` items of ``itemsize`` bytes
+        (under `counted_as`'s kind instead, inside one)."""
+        kind = _COUNTED_AS.kind or kind
         sent, recv = sent * itemsize, recv * itemsize
         with self._stats_lock:
             k = self._stats.kinds.setdefault(kind, KindStats())

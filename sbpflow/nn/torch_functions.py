@@ -4,10 +4,13 @@
 with a global tensor are looked up, in order: a handler of the table (`torch_handlers`: the
 sbpflow version of the function); the `GlobalTensor` method of the same name (``torch.flatten(x,
 1)`` is ``x.flatten(1)``); for an in-place method ``name_``, ``name`` and then
-`GlobalTensor._assign_`. Anything else raises `UnsupportedTorchFunction` naming the function and
-what to use instead. Plain torch tensors among the arguments (positions, masks, constants) are
-first taken as replicated on the global tensors' placement (`sbpflow.tensor.lift`). The
-resolution is cached per function. See docs/torch_models.md, 'What runs'.
+`GlobalTensor._assign_`; anything else runs by what torch knows of it (`torch_fallback`: its
+pointwise tag, else replicated: always correct). A metadata query (a Tensor property) reads this
+rank's shard. Refused by name, with what to use instead: functions about a shard's storage
+(`_STORAGE`), private ones (``_name``), and ``numpy``. Plain torch tensors among the arguments
+(positions, masks, constants) are first taken as replicated on the global tensors' placement
+(`sbpflow.tensor.lift`). The resolution is cached per function. See docs/torch_models.md,
+'What runs'.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
+from .torch_fallback import fallback_for
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -28,13 +32,24 @@ _HANDLERS: dict = {}
 # torch meaning differs (none today: max / min have torch's meaning and their own handlers).
 _NO_FALLBACK: frozenset = frozenset()
 
+# Functions about a shard's memory rather than the logical value: no fallback gives them a
+# meaning (a replicated copy's storage is no tensor's), so they are refused by name.
+_STORAGE = frozenset({
+    "data_ptr", "untyped_storage", "storage", "storage_offset", "share_memory_",
+    "is_shared", "pin_memory", "is_pinned", "set_", "resize_", "resize_as_", "record_stream",
+    "apply_", "map_", "map2_", "register_hook", "register_post_accumulate_grad_hook",
+    "__reduce_ex__", "__setstate__", "as_strided", "as_strided_", "stride",
+})
+
 # What to say for functions with no sbpflow op, by name (the rest get the general advice).
 _ADVICE = {
     "numpy": "Use x.full_tensor().numpy() (the whole value, on every rank)",
+    "stride": "A global tensor has no strides of its own: each rank's shard (x.local) has its "
+              "own; x.is_contiguous() is what most code asks",
 }
-_GENERAL = ("sbpflow has no op for it: compute it on the whole value (x.full_tensor(), then "
-            "torch, on every rank) or on this rank's shard (x.local) when the axes it works on "
-            "are not split. The functions that run are listed in docs/torch_models.md")
+_GENERAL = ("it concerns a shard's memory, not the logical value: use x.local (this rank's "
+            "shard) or x.full_tensor() (the whole value, on every rank) for it. The functions "
+            "that run are listed in docs/torch_models.md")
 
 
 def register(func, handler: Callable) -> None:
@@ -51,6 +66,10 @@ def torch_name(func) -> str:
     if qual.startswith(("TensorBase.", "Tensor.")) or isinstance(
             func, type(torch.Tensor.is_cuda)) or not module:
         return f"Tensor.{name}"
+    for sub, public in (("special", "special"), ("linalg", "linalg"), ("fft", "fft"),
+                        ("nn", "nn.functional")):
+        if module == f"torch._C._{sub}":
+            return f"torch.{public}.{name.removeprefix(sub + '_')}"
     if module.startswith("torch._C") or module in ("torch.functional", "torch._tensor"):
         module = "torch"
     return f"{module}.{name}"
@@ -107,14 +126,26 @@ def handler_for(func) -> Callable:
             callable(getattr(GlobalTensor, name, None)) and \
             not getattr(getattr(GlobalTensor, name), "torch_stub", False):
         handler = _method(name)
-    elif name.endswith("_") and not name.startswith("_") and \
+    elif name.endswith("_") and not name.startswith("_") and name not in _STORAGE and \
             hasattr(torch.Tensor, name[:-1]):
         base = handler_for(getattr(torch.Tensor, name[:-1]))
         handler = _in_place(base) if not getattr(base, "refuses", False) else unsupported(func)
-    else:
+    elif type(func).__name__ == "method-wrapper":  # a Tensor property: the shard's says it
+        handler = _shard_query(func)
+    elif not name or name.startswith("_") or name in _STORAGE or name in _ADVICE:
         handler = unsupported(func)
+    else:
+        handler = fallback_for(func, torch_name(func))
     _HANDLERS[func] = handler
     return handler
+
+
+def _shard_query(func) -> Callable:
+    """A Tensor property read on this rank's shard (``layout``, ``is_sparse``, ...): the same for
+    the shard and the logical value."""
+    def query(self, *args, **kwargs):
+        return func(self.local, *args, **kwargs)
+    return query
 
 
 def dispatch(func, args: tuple, kwargs: dict):

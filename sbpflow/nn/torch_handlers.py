@@ -262,7 +262,20 @@ def _device_move(kind: str):
     return move
 
 
+def _on_device(kind: str):
+    """``x.cpu()`` / ``x.cuda()``: the tensor itself on a placement of that device type (torch
+    returns the tensor when it is already there); another type is a ``to_global``."""
+    def move(self, *args, **kwargs):
+        if self.placement.device_type == kind:
+            return self
+        raise UnsupportedTorchFunction(
+            f"Tensor.{kind}() on a global tensor of {self.placement}: move it to another "
+            f"device type with x.to_global(placement=sf.placement('{kind}', ranks))")
+    return move
+
+
 _METHODS = {
+    "cpu": _on_device("cpu"), "cuda": _on_device("cuda"),
     "masked_fill": lambda self, mask, value: apply_op("where", mask, value, self),
     "zero_": lambda self: self._assign_(_full_like(self, 0)),
     "fill_": lambda self, value: self._assign_(_full_like(self, value)),

@@ -1,0 +1,258 @@
+"""Torch functions with no sbpflow handler: run by what torch knows of them, always correctly.
+
+`fallback_for(func)` is the handler `torch_functions` gives a torch function it has no entry
+for. A call then runs, by the first route that applies:
+
+1. **pointwise** (torch tags the function's aten overloads ``torch.Tag.pointwise``): the
+   generic op ``torch_pointwise`` — shards stay split, nothing is gathered;
+2. **replicated**: the generic op ``torch_replicated`` — every global-tensor input is boxed to
+   ``B`` on its placement (the bytes counted as kind ``"fallback"`` in ``sf.comm.stats()``), the
+   function runs on every rank, the outputs are ``B``; autograd goes through (the gradients
+   come back in the dual layout) and graph mode records it like any op;
+3. **eager only**, for what an op cannot express — an output whose shape depends on the values
+   (``nonzero``, ``unique``), a result that is not tensors (``equal``, ``tolist``), a function
+   drawing random numbers (drawn from sbpflow's stream, so every rank draws the same), a
+   constant that cannot be a cache key: the inputs are boxed to ``B``, the function runs on
+   the whole values on every rank. A graph's build refuses these with the reason.
+
+The first call of each (function, input layouts) that gathers bytes warns once
+(`ReplicatedFallbackWarning`, a `CostlyLayoutWarning`) with the bytes and what would make it
+cheap. A function's result that torch returns as a view of an input (``diagonal``, ``unfold``)
+is a copy here: an in-place op on it raises rather than leave the input unchanged. ``out=``
+writes the result into the given global tensors. See docs/torch_models.md, 'What runs'.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .. import comm as _comm
+from ..boxing import plan_layouts
+from ..caches import BoundedDict
+from ..comm.base import counted_as
+from ..errors import UnsupportedTorchFunction
+from ..ops.torch_generic import build_spec, call_spec
+from ..placement import Placement
+from ..sbp import B, format_nd_sbp
+from ..tensor import GlobalTensor, _next_seed, apply_op, copy_view, lift, recording
+from .torch_layouts import CostlyLayoutWarning
+
+__all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of"]
+
+
+class ReplicatedFallbackWarning(CostlyLayoutWarning):
+    """A torch function with no sharding rule ran on gathered (replicated) inputs."""
+
+
+_RNG_LOCK = threading.Lock()  # rank threads share torch's generator: one seeded draw at a time
+_WARNED: set = set()
+_ROUTES = BoundedDict("nn.torch_fallback.routes")  # (func, specs, metas) -> route
+
+
+def _packets(func: Callable) -> list:
+    """The aten ops of a Python torch function's name (``torch.special.erf`` is
+    ``special_erf``, an alias of ``erf``: both)."""
+    name = getattr(func, "__name__", "") or ""
+    names = [name] + ([name[len("special_"):]] if name.startswith("special_") else [])
+    found = [getattr(torch.ops.aten, n, None) for n in names if n]
+    return [p for p in found if p is not None and hasattr(p, "overloads")]
+
+
+def _tags(func: Callable) -> set:
+    """Every tag of the aten overloads of ``func``'s name (empty when there is no aten op)."""
+    tags = set()
+    for packet in _packets(func):
+        for overload in packet.overloads():
+            tags.update(getattr(getattr(packet, overload), "tags", ()))
+    return tags
+
+
+def _is_random(func: Callable, kwargs: dict) -> bool:
+    return torch.Tag.nondeterministic_seeded in _tags(func) or "generator" in kwargs
+
+
+def _returns_view(func: Callable) -> bool:
+    """torch returns a view of an input (its schema's first return aliases, without a write)."""
+    for packet in _packets(func)[:1]:
+        for overload in packet.overloads():
+            returns = getattr(packet, overload)._schema.returns
+            info = returns[0].alias_info if returns else None
+            if info is not None and not info.is_write:
+                return True
+    return False
+
+
+def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
+    """``"pointwise"``, ``"replicated"`` or ``"eager"`` (module docstring) for this call, from
+    its function and the inputs' metadata, and the type torch gives a result of several tensors
+    (``torch.return_types.sort``: None for one tensor, a tuple or a list). Cached."""
+    try:
+        key = (func, pos, kw, tuple((t.shape, t.dtype) for t in tensors))
+        hash(key)
+    except TypeError:  # a constant that is no cache key (a slice, a list in a constant)
+        return "eager", None
+    route = _ROUTES.get(key)
+    if route is None:
+        route = _ROUTES.put(key, _find_route(func, tensors, pos, kw))
+    return route
+
+
+def _find_route(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
+    if _is_random(func, call_spec(kw, tuple(tensors))):
+        return "eager", None
+    metas = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors)
+    try:
+        with torch.no_grad():
+            out = func(*call_spec(pos, metas), **call_spec(kw, metas))
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent shape
+        return "eager", None
+    several = isinstance(out, (tuple, list))
+    outs = out if several else (out,)
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        return "eager", None
+    route = "pointwise" if torch.Tag.pointwise in _tags(func) else "replicated"
+    return route, (type(out) if several else None)
+
+
+def _collect(args: tuple, kwargs: dict) -> tuple[list, tuple, tuple, Placement]:
+    """The global tensors of a call (plain torch tensors lifted onto their placement), the
+    specs of its positional and keyword arguments, and the placement."""
+    tensors: list = []
+    spec = build_spec((args, kwargs), lambda v: isinstance(v, (GlobalTensor, torch.Tensor)),
+                      tensors)
+    pl = next(t.placement for t in tensors if isinstance(t, GlobalTensor))
+    tensors = [t if isinstance(t, GlobalTensor) else lift(t, pl) for t in tensors]
+    return tensors, spec[1][0], spec[1][1], pl
+
+
+def _warn(func: Callable, name: str, tensors: list, pl: Placement, route: str) -> None:
+    """Once per (function, input layouts): the bytes gathering them to ``B`` moves."""
+    replicated = (B,) * pl.ndim
+    layouts = tuple((t.shape, t.dtype, t.sbp) for t in tensors)
+    if _comm.rank() != pl.flat_ranks[0] or (func, pl, layouts) in _WARNED:
+        return
+    _WARNED.add((func, pl, layouts))
+    moved = sum(plan_layouts(t.shape, t.dtype, pl, t.sbp, pl, replicated).nbytes
+                for t in tensors if t.sbp != replicated)
+    if moved == 0:
+        return
+    shown = "; ".join(f"{tuple(t.shape)} {format_nd_sbp(t.sbp)}" for t in tensors)
+    warnings.warn(
+        f"{name} has no sharding rule in sbpflow: it ran {route} on every rank of {pl}, its "
+        f"inputs ({shown}) gathered whole ({moved} bytes a call, summed over the ranks; "
+        f"counted as 'fallback' in sf.comm.stats()). It is correct, but slow for large "
+        f"tensors: lay the "
+        f"inputs out B before it where that is cheaper, or register a rule for it (one "
+        f"sf.ops.register with a signature generator; docs/torch_models.md, 'What runs')",
+        ReplicatedFallbackWarning, stacklevel=4)
+
+
+def fallback_for(func: Callable, name: str) -> Callable:
+    """The handler running torch function ``func`` (shown as ``name``) on global tensors by the
+    first route that applies (module docstring)."""
+    view = _returns_view(func)
+
+    def run(*args, **kwargs):
+        out = kwargs.pop("out", None)
+        tensors, pos, kw, pl = _collect(args, kwargs)
+        route, kind = route_of(func, tensors, pos, kw)
+        if route != "pointwise":
+            _warn(func, name, tensors, pl, route)
+        if route == "eager":
+            with counted_as("fallback"):
+                result = _eager(func, name, tensors, pos, kw, pl)
+        else:
+            result = _as_op(route, kind, func, tensors, pos, kw)
+            if view and tensors:
+                result = _copy_views(result, route, kind, func, tensors, pos, kw, name)
+        return result if out is None else _write_out(out, result, name)
+    run.fallback = True
+    return run
+
+
+def _as_op(route: str, kind: type | None, func: Callable, tensors: list, pos: tuple,
+           kw: tuple) -> Any:
+    """The call as the generic op of ``route``, its result of several tensors as torch's
+    ``kind`` (a ``torch.return_types`` tuple, a list). A replicated call's gathers count as
+    "fallback"; a pointwise call's boxing (inputs aligned to one split) as what it is."""
+    if route == "replicated":
+        with counted_as("fallback"):
+            out = apply_op(f"torch_{route}", *tensors, func=func, pos=pos, kw=kw)
+    else:
+        out = apply_op(f"torch_{route}", *tensors, func=func, pos=pos, kw=kw)
+    if kind is None:
+        return out
+    outs = out if isinstance(out, tuple) else (out,)
+    return list(outs) if kind is list else kind(outs)
+
+
+def _copy_views(result: Any, route: str, kind: type | None, func: Callable, tensors: list,
+                pos: tuple, kw: tuple, name: str) -> Any:
+    """Mark the outputs of a function torch returns views from (of its first tensor input):
+    remade when that input changes, refused as targets of in-place ops (`copy_view`)."""
+    why = (f"{name} returns a view in torch, a copy on global tensors (it has no sharding rule "
+           f"and ran {route}): an in-place op on it would not reach its input; write into the "
+           f"input itself")
+
+    def remake(i: int | None) -> Callable:
+        def again(parent: GlobalTensor) -> GlobalTensor:
+            out = _as_op(route, kind, func, [parent, *tensors[1:]], pos, kw)
+            return out if i is None else out[i]
+        return again
+
+    if kind is None:
+        return copy_view(result, tensors[0], remake(None), why)
+    outs = [copy_view(o, tensors[0], remake(i), why) for i, o in enumerate(result)]
+    return outs if kind is list else kind(outs)
+
+
+def _eager(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple,
+           pl: Placement) -> Any:
+    """The call on the whole values, on every rank of ``pl`` (module docstring, route 3)."""
+    if recording():
+        raise UnsupportedTorchFunction(
+            f"{name} cannot be part of a graph on global tensors: its result's shape depends "
+            f"on the values, it is not tensors, or it draws random numbers. Call it outside "
+            f"the graph's build, or use an op with a static shape")
+    if _comm.rank() not in pl:
+        raise UnsupportedTorchFunction(
+            f"{name} on rank {_comm.rank()}, outside the placement {pl} of its inputs: its "
+            f"result (a data-dependent shape, or not tensors) is known only on that placement; "
+            f"call it on those ranks only")
+    replicated = (B,) * pl.ndim
+    full = tuple(t.to_global(sbp=replicated).local for t in tensors)
+    if _is_random(func, call_spec(kw, full)):
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_next_seed(None, None))
+            result = func(*call_spec(pos, full), **call_spec(kw, full))
+    else:
+        result = func(*call_spec(pos, full), **call_spec(kw, full))
+    return _wrapped(result, pl)
+
+
+def _wrapped(value: Any, pl: Placement) -> Any:
+    """``value`` with each torch tensor in it a replicated global tensor on ``pl``."""
+    if isinstance(value, torch.Tensor):
+        return GlobalTensor(value, tuple(value.shape), pl, (B,) * pl.ndim)
+    if isinstance(value, tuple):
+        items = [_wrapped(v, pl) for v in value]
+        return type(value)(items) if hasattr(value, "n_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_wrapped(v, pl) for v in value]
+    return value
+
+
+def _write_out(out: Any, result: Any, name: str) -> Any:
+    """``out=``: each global tensor of ``out`` takes its result's value (torch's semantics)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    if len(outs) != len(results) or not all(isinstance(o, GlobalTensor) for o in outs):
+        raise UnsupportedTorchFunction(f"{name}(..., out=): out must be global tensor(s), one "
+                                       f"for each of its {len(results)} result(s)")
+    for o, r in zip(outs, results):
+        o._assign_(r)
+    return out

@@ -1,0 +1,224 @@
+"""Torch functions with no sbpflow handler (sbpflow/nn/torch_fallback.py): pointwise by torch's
+tags (shards stay split), else replicated (gathered, warned once, counted as 'fallback'), else
+eager on the whole values; values and gradients equal plain torch's, in two layouts; in-place,
+out=, views, random draws, graphs and ranks outside the placement (docs/torch_models.md, 'What
+runs')."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sbpflow as sf
+from sbpflow.nn.torch_fallback import ReplicatedFallbackWarning
+
+F64 = torch.float64
+G = torch.Generator().manual_seed(7)
+X = torch.randn(8, 6, generator=G, dtype=F64)
+Y = torch.rand(8, 6, generator=G, dtype=F64) + 0.5
+W = torch.randn(8, 6, generator=G, dtype=F64)  # weights of the loss: every output matters
+
+# name -> (function of x, y; pointwise: whether the result stays split where x is)
+CALLS = {
+    "special.erf": (lambda x, y: torch.special.erf(x), True),
+    "atan2": (lambda x, y: torch.atan2(x, y), True),
+    "xlogy": (lambda x, y: torch.xlogy(x, y), True),
+    "lerp": (lambda x, y: torch.lerp(x, y, 0.3), True),
+    "hypot method": (lambda x, y: x.hypot(y), True),
+    "softplus": (lambda x, y: F.softplus(x, beta=2.0), True),
+    "cumsum": (lambda x, y: torch.cumsum(x, dim=0), False),
+    "cummax values": (lambda x, y: torch.cummax(x, 1).values, False),
+    "einsum": (lambda x, y: torch.einsum("ij,ij->ij", x, y), False),
+    "pad": (lambda x, y: F.pad(x, (1, 2)).narrow(1, 1, 6), False),
+    "flip": (lambda x, y: torch.flip(x, (0,)), False),
+    "roll": (lambda x, y: torch.roll(x, 2, 0), False),
+    "logcumsumexp": (lambda x, y: torch.logcumsumexp(x, 1), False),
+}
+
+
+def _calls(layout):
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    x = sf.tensor(X, pl, layout).requires_grad_()
+    y = sf.tensor(Y, pl, sf.S(1))
+    out = {}
+    for name, (fn, _) in CALLS.items():
+        x.grad = None
+        sf.comm.reset_stats()
+        r = fn(x, y)
+        (r * sf.tensor(W, pl, sf.B)).sum().backward()
+        out[name] = (r.sbp, r.full_tensor(), x.grad.full_tensor(), sf.comm.stats()["fallback"])
+    return out
+
+
+@pytest.mark.parametrize("layout", [sf.S(0), sf.B], ids=["S0", "B"])
+def test_functions_without_a_handler_equal_torch_in_values_and_gradients(layout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got = sf.launch(_calls, 4, args=(layout,))[0]
+    for name, (fn, pointwise) in CALLS.items():
+        x = X.clone().requires_grad_()
+        want = fn(x, Y)
+        (want * W).sum().backward()
+        sbp, value, grad, fallback = got[name]
+        torch.testing.assert_close(value, want.detach(), msg=name)
+        torch.testing.assert_close(grad, x.grad, msg=name)
+        if pointwise and layout == sf.S(0):
+            assert sbp == (sf.S(0),) and fallback.recv == 0, name  # nothing gathered (y: S(1) -> S(0))
+        elif layout == sf.S(0) and name != "einsum":  # einsum also gathers the S(1) input
+            assert sbp == (sf.B,), name
+            assert fallback.recv == 8 * 6 * 8 * 3 // 4, name  # 3 of the 4 pieces of x
+
+
+def _warned_once():
+    pl = sf.placement("cpu", [0, 1])
+    x = sf.tensor(X, pl, sf.S(0))
+    for _ in range(3):
+        torch.cumsum(x, 0)
+    torch.cumsum(x.to_global(sbp=sf.B), 0)  # nothing to gather: no warning
+    torch.cumsum(x.to_global(sbp=sf.S(1)), 0)  # another layout: one more
+    return sf.comm.stats()["fallback"].recv
+
+
+def test_a_gathering_call_warns_once_per_function_and_layout_with_its_bytes():
+    with pytest.warns(ReplicatedFallbackWarning) as record:
+        recv = sf.launch(_warned_once, 2)
+    texts = [str(w.message) for w in record if issubclass(w.category, ReplicatedFallbackWarning)
+             and "torch.cumsum" in str(w.message)]
+    assert len(texts) == 2
+    assert "(8, 6) (S(0),)" in texts[0] and "384 bytes a call, summed over the ranks" in texts[0]
+    assert "'fallback' in sf.comm.stats()" in texts[0] and "(8, 6) (S(1),)" in texts[1]
+    # each rank receives the other half of x (24 float64) once for the three calls (boxed once
+    # for every consumer while x is unchanged), then the other half of the S(1) copy
+    assert recv == [2 * 24 * 8, 2 * 24 * 8]
+
+
+def _eager_routes():
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    x = sf.tensor(X, pl, sf.S(0))
+    return {"nonzero": torch.nonzero(x > 0).full_tensor(),
+            "unique": torch.unique((x * 2).round()).full_tensor(),
+            "equal": torch.equal(x, x), "allclose": torch.allclose(x, x + 1),
+            "tolist": (x[:2, :2]).tolist(), "masked_select": torch.masked_select(x, x > 1)
+            .full_tensor()}
+
+
+def test_data_dependent_and_non_tensor_results_run_on_the_whole_value():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got = sf.launch(_eager_routes, 4)
+    assert all(g["equal"] is True and g["allclose"] is False for g in got)
+    assert torch.equal(got[2]["nonzero"], torch.nonzero(X > 0))
+    assert torch.equal(got[1]["unique"], torch.unique((X * 2).round()))
+    assert got[3]["tolist"] == X[:2, :2].tolist()
+    assert torch.equal(got[0]["masked_select"], torch.masked_select(X, X > 1))
+
+
+def _in_place_and_out():
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    x = sf.tensor(Y, pl, sf.S(0))
+    x.lgamma_()
+    out = sf.zeros(8, 6, placement=pl, sbp=sf.S(1), dtype=F64)
+    r = torch.cumsum(x, 1, out=out)
+    return x.sbp, x.full_tensor(), r is out, out.sbp, out.full_tensor()
+
+
+def test_in_place_and_out_write_into_the_tensors_own_layout():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        sbp, x, same, out_sbp, out = sf.launch(_in_place_and_out, 4)[0]
+    assert sbp == (sf.S(0),) and out_sbp == (sf.S(1),) and same
+    torch.testing.assert_close(x, torch.lgamma(Y))
+    torch.testing.assert_close(out, torch.cumsum(torch.lgamma(Y), 1))
+
+
+def _a_view():
+    pl = sf.placement("cpu", [0, 1])
+    x = sf.tensor(X, pl, sf.S(0))
+    d = torch.diagonal(x)
+    before = d.full_tensor()
+    x.mul_(2)  # a view reads its base's value
+    after = d.full_tensor()
+    try:
+        d.zero_()
+        refused = ""
+    except sf.UnsupportedTorchFunction as exc:
+        refused = str(exc)
+    return before, after, refused, x.full_tensor()
+
+
+def test_a_view_in_torch_reads_its_input_and_refuses_writes():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        before, after, refused, x = sf.launch(_a_view, 2)[0]
+    torch.testing.assert_close(before, torch.diagonal(X))
+    torch.testing.assert_close(after, torch.diagonal(2 * X))
+    assert "torch.diagonal returns a view in torch" in refused and "write into the input" in refused
+    torch.testing.assert_close(x, 2 * X)  # unchanged by the refused write
+
+
+def _random_draws(layout):
+    sf.manual_seed(3)
+    x = sf.tensor(Y / 2, sf.placement("cpu", [0, 1, 2, 3]), layout)
+    return torch.bernoulli(x).full_tensor()
+
+
+def test_a_random_function_draws_the_same_values_in_every_layout_and_rank():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        split = sf.launch(_random_draws, 4, args=(sf.S(0),))
+        whole = sf.launch(_random_draws, 4, args=(sf.B,))
+    assert all(torch.equal(s, split[0]) for s in split + whole)
+    assert set(split[0].unique().tolist()) == {0.0, 1.0}
+
+
+class _Step(sf.nn.Graph):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def build(self, x):
+        return self.fn(x)
+
+
+def _in_a_graph():
+    pl = sf.placement("cpu", [0, 1])
+    x = sf.tensor(X, pl, sf.S(0))
+    step = _Step(lambda t: torch.cumsum(torch.special.erf(t), 0) * 2)
+    first, second = step(x).full_tensor(), step(x * 3).full_tensor()
+    try:
+        _Step(lambda t: torch.nonzero(t))(x)
+        refused = ""
+    except sf.SbpError as exc:
+        refused = str(exc)
+    return first, second, refused
+
+
+def test_a_graph_records_and_replays_them_and_refuses_data_dependent_shapes():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        first, second, refused = sf.launch(_in_a_graph, 2)[0]
+    torch.testing.assert_close(first, torch.cumsum(torch.special.erf(X), 0) * 2)
+    torch.testing.assert_close(second, torch.cumsum(torch.special.erf(X * 3), 0) * 2)
+    assert "torch.nonzero cannot be part of a graph" in refused
+
+
+def _outside_the_placement():
+    pl = sf.placement("cpu", [0, 1])
+    x = sf.tensor(X, pl, sf.S(0)).requires_grad_()
+    r = torch.cumsum(torch.special.erf(x), 1)
+    r.sum().backward()
+    return r.local.shape, r.full_tensor() if sf.rank() in pl else None, \
+        x.grad.full_tensor() if sf.rank() in pl else None
+
+
+def test_ranks_outside_the_placement_follow_with_empty_shards():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got = sf.launch(_outside_the_placement, 4)
+    x = X.clone().requires_grad_()
+    want = torch.cumsum(torch.special.erf(x), 1)
+    want.sum().backward()
+    assert [g[0].numel() for g in got[2:]] == [0, 0]
+    torch.testing.assert_close(got[0][1], want.detach())
+    torch.testing.assert_close(got[1][2], x.grad)
