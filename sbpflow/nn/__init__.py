@@ -11,6 +11,8 @@ from .recompute import checkpoint
 from .serialization import CheckpointError, load, save
 from . import torch_functions, torch_handlers  # noqa: F401  (torch functions on global tensors)
 from .torch_modules import from_torch
+from .torch_fallback import ReplicatedFallbackWarning
+from .torch_layouts import CostlyLayoutWarning
 
 __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
@@ -18,4 +20,5 @@ __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "Stat
            "Flatten", "Sequential", "ModuleList", "ModuleDict", "checkpoint", "autocast",
            "save", "load", "CheckpointError", "meta_init", "materialize_", "CrossEntropyLoss",
            "from_torch"]
-__all__ += ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm"]
+__all__ += ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm", "CostlyLayoutWarning",
+            "ReplicatedFallbackWarning"]
