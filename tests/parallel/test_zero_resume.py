@@ -132,17 +132,25 @@ ROUTES = {"graph-load_state_dict": _graph_load_state_dict, "graph-sf.load": _gra
 
 
 def _baseline(path: str, sd0: dict) -> dict:
-    """Data parallel's checkpoint at the resume point; the uninterrupted eager ZeRO run of
-    each stage (its weights)."""
+    """The uninterrupted eager ZeRO run of each stage (its weights), which saves the
+    checkpoint its stage resumes from (``{path}-{stage}``) at the resume point.
+
+    Not one data-parallel run's checkpoint for all stages: torch's fused AdamW kernel, in a
+    CPU build with FMA (capability AVX2 or AVX512), rounds ``exp_avg_sq * beta2 + (1 - beta2)
+    * grad * grad`` one way in its vector loop and another in its scalar tail (a different
+    product fused into the multiply-add), so an element's last bit depends on where it lies
+    in the tensor the kernel is given: the whole parameter in data parallel, the rank's shard
+    in ZeRO. From the second step on the two runs differ by an ulp, and a resume from data
+    parallel's state with them. ``sf.load`` fills the loading model's layouts, whichever run
+    wrote the file, so the routes' state still lands whole and is moved at the step."""
     pl = sf.placement("cpu", [0, 1, 2, 3])
-    m = _model(pl, sd0)
-    opt = sf.optim.AdamW(m.parameters(), lr=LR)
-    _train(m, opt, pl, 0, RESUME)
-    sf.save(path, m, opt, step=RESUME)
     out = {}
     for stage in STAGES:
         m = _model(pl, sd0, zero=stage)
-        out[stage] = _train(m, sf.optim.AdamW(m.parameters(), lr=LR), pl, 0)
+        opt = sf.optim.AdamW(m.parameters(), lr=LR)
+        _train(m, opt, pl, 0, RESUME)
+        sf.save(f"{path}-{stage}", m, opt, step=RESUME)
+        out[stage] = _train(m, opt, pl, RESUME)
     return out
 
 
@@ -152,7 +160,7 @@ def _resumed(route: str, path: str, mid: dict, osd: dict) -> dict:
     pl = sf.placement("cpu", [0, 1, 2, 3])
     out = {}
     for stage in STAGES:
-        sd, opt, m = ROUTES[route](pl, path, stage, mid, osd)
+        sd, opt, m = ROUTES[route](pl, f"{path}-{stage}", stage, mid, osd)
         out[stage] = (sd, tuple(opt.state[m.net[0].weight]["exp_avg"].local.shape))
     return out
 
@@ -171,8 +179,8 @@ def test_state_loaded_before_zero_takes_effect_is_resharded(baseline, route):
     update; the state whole)."""
     path, base, (mid, osd), want = baseline
     res = sf.launch(_resumed, 4, args=(route, path, mid, osd))
-    # resumed from sbpflow's own checkpoint: bit for bit; from torch's state dict (its first
-    # steps rounded by torch's kernel): to float64 rounding
+    # resumed from the uninterrupted run's checkpoint: bit for bit; from torch's state dict
+    # (its first steps rounded by torch's kernel): to float64 rounding
     tol = 0.0 if route in FROM_CHECKPOINT else 1e-12
     for rank, r in enumerate(res):
         for stage in STAGES:
