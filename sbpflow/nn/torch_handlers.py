@@ -10,6 +10,8 @@ Functions whose name matches a GlobalTensor method need no entry (`torch_functio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as TF
 
@@ -19,7 +21,8 @@ from ..tensor import rand as _rand, randn as _randn, tensor as _tensor
 from . import functional as F
 from . import functional_conv as FC
 from . import init
-from .torch_functions import register, unsupported
+from .torch_fallback import _write_out, fallback_for
+from .torch_functions import register, torch_name, unsupported
 
 __all__ = ["install"]
 
@@ -89,10 +92,13 @@ def _dropout(input, p=0.5, training=True, inplace=False):
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
-    if enable_gqa:
-        raise _refuse_arg("torch.nn.functional.scaled_dot_product_attention", "enable_gqa",
-                          enable_gqa, "repeat the key / value heads first (repeat_interleave "
-                          "is not supported either: expand and reshape them)")
+    if enable_gqa and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
+        # torch's meaning: each key / value head serves query.shape[-3] // key.shape[-3] query
+        # heads. Repeated in place (repeat_interleave keeps a split of the heads where the key
+        # heads divide among the ranks), so the heads stay split as in plain attention
+        groups = query.shape[-3] // key.shape[-3]
+        key = _repeat_interleave(key, groups, dim=-3)
+        value = _repeat_interleave(value, groups, dim=-3)
     return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                           scale)
 
@@ -170,9 +176,20 @@ _FUNCTIONAL = {
 
 
 # -- torch.* --------------------------------------------------------------------------------------
+def _legacy_empty(t) -> bool:
+    return t.ndim == 1 and t.shape[0] == 0
+
+
 def _cat(tensors, dim=0, *, out=None):
+    """torch.cat, with torch's legacy rule: a 1-D tensor of 0 elements is skipped (its dtype
+    still takes part in the result's), whatever the others' shapes."""
     if out is not None:
         raise _refuse_arg("torch.cat", "out", "<tensor>", "use the returned tensor")
+    tensors = list(tensors)
+    kept = [t for t in tensors if not _legacy_empty(t)]
+    if kept and len(kept) < len(tensors):
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        tensors = [t if t.dtype == dtype else t.to(dtype) for t in kept]
     return cat(tensors, dim)
 
 
@@ -439,6 +456,178 @@ _SELECT_METHODS = {
 _SELECT_TORCH = {torch.var_mean: _with_mean(_variance), torch.std_mean: _with_mean(_std)}
 
 
+# -- hot ops of real models: their own rules, nothing gathered (sbpflow/ops/along.py) ---------
+def _fallback(func):
+    """The handler of ``func`` without a rule (torch_fallback): for the forms a rule here does
+    not cover."""
+    return fallback_for(func, torch_name(func))
+
+
+def _with_out(name: str, fn):
+    """``fn`` taking torch's ``out=`` too: the result is written into ``out`` (torch's
+    semantics, as the fallback does)."""
+    def run(*args, out=None, **kwargs):
+        result = fn(*args, **kwargs)
+        return result if out is None else _write_out(out, result, name)
+    return run
+
+
+def _scaled_sum(input, product, beta, alpha):
+    """``beta * input + alpha * product`` as torch's addmm family computes it (``beta == 0``
+    ignores ``input``, nan and inf included)."""
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:  # the output has the product's shape (input broadcasts to it)
+        return product
+    return (input if beta == 1 else input * beta) + product
+
+
+def _addmm_like(input, a, b, *, beta=1, alpha=1):
+    """addmm / baddbmm / addmv: the matmul op, then add (their signatures: a weight split by
+    columns keeps the output split, a split reduced dim gives a partial product, ...)."""
+    return _scaled_sum(input, a @ b, beta, alpha)
+
+
+def _pad(input, pad, mode="constant", value=None):
+    return apply_op("pad", input, pad=tuple(int(p) for p in pad), mode=mode,
+                    value=None if value is None else float(value))
+
+
+def _cumulative(op: str):
+    def run(input, dim, *, dtype=None):
+        return apply_op(op, input, dim=int(dim), dtype=dtype)
+    return run
+
+
+def _isin(elements, test_elements, *, assume_unique=False, invert=False):
+    if not isinstance(elements, GlobalTensor):
+        return _fallback(torch.isin)(elements, test_elements, assume_unique=assume_unique,
+                                     invert=invert)
+    if not isinstance(test_elements, GlobalTensor):  # a number
+        return elements != test_elements if invert else elements == test_elements
+    return apply_op("isin", elements, test_elements, assume_unique=bool(assume_unique),
+                    invert=bool(invert))
+
+
+def _gather(input, dim, index, *, sparse_grad=False):
+    return apply_op("gather", input, index, dim=int(dim))
+
+
+def _scatter(input, dim, index, src=None, value=None, *, reduce=None):
+    src = value if src is None else src
+    return apply_op("scatter", input, index, src, dim=int(dim), reduce=reduce)
+
+
+def _scatter_add(input, dim, index, src):
+    return apply_op("scatter_add", input, index, src, dim=int(dim))
+
+
+def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    if isinstance(repeats, (GlobalTensor, torch.Tensor)) or repeats is None:
+        return _fallback(torch.repeat_interleave)(input, repeats, dim, output_size=output_size)
+    if dim is None:
+        input, dim = input.reshape(-1), 0
+    return apply_op("repeat_interleave", input, int(repeats), dim=int(dim))
+
+
+def _parse_einsum(equation: str, operands: tuple):
+    """(letters of a, of b, of the output) for the einsum forms with a rule: two operands, no
+    ellipsis, no letter twice in one operand, matching sizes; else None."""
+    eq = equation.replace(" ", "")
+    if len(operands) != 2 or "." in eq or not all(isinstance(o, GlobalTensor) for o in operands):
+        return None
+    lhs, arrow, out = eq.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != 2:
+        return None
+    la, lb = ins
+    if not arrow:  # implicit output: the letters seen once, in alphabetical order
+        out = "".join(sorted(c for c in set(la + lb) if (la + lb).count(c) == 1))
+    a, b = operands
+    if len(la) != a.ndim or len(lb) != b.ndim or len(set(la)) < len(la) or \
+            len(set(lb)) < len(lb) or len(set(out)) < len(out) or \
+            not set(out) <= set(la) | set(lb):
+        return None
+    if any(a.shape[la.index(c)] != b.shape[lb.index(c)] for c in set(la) & set(lb)):
+        return None  # size-1 broadcasting: the fallback
+    return la, lb, out
+
+
+def _einsum(equation, *operands):
+    """einsum of two operands as existing ops: summed-out letters first, then a broadcast
+    product (no contraction) or a batched matmul (batch letters, a's free letters, the
+    contracted ones, b's free letters), reshaped and permuted to the output."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    parsed = _parse_einsum(equation, operands) if isinstance(equation, str) else None
+    if parsed is None:
+        return _fallback(torch.einsum)(equation, *operands)
+    la, lb, out = parsed
+    a, b = operands
+
+    def drop(t, letters, other):  # sum the letters neither the output nor the other has
+        gone = [i for i, c in enumerate(letters) if c not in out and c not in other]
+        if gone:
+            t = t.sum(dim=tuple(gone))
+            letters = "".join(c for i, c in enumerate(letters) if i not in gone)
+        return t, letters
+
+    a, la = drop(a, la, lb)
+    b, lb = drop(b, lb, la)
+    size = {c: a.shape[i] for i, c in enumerate(la)} | {c: b.shape[i] for i, c in enumerate(lb)}
+
+    def arrange(t, letters, order):
+        perm = [letters.index(c) for c in order]
+        return t.permute(*perm) if perm != list(range(len(perm))) else t
+
+    contracted = [c for c in la if c in lb and c not in out]
+    if not contracted:  # a broadcast product, each operand aligned to the output's letters
+        def align(t, letters):
+            t = arrange(t, letters, [c for c in out if c in letters])
+            shape = [size[c] if c in letters else 1 for c in out]
+            return t.reshape(*shape) if tuple(shape) != tuple(t.shape) else t
+        return align(a, la) * align(b, lb)
+    batch = [c for c in out if c in la and c in lb]
+    fa = [c for c in la if c not in lb]
+    fb = [c for c in lb if c not in la]
+
+    def prod(letters):
+        n = 1
+        for c in letters:
+            n *= size[c]
+        return n
+
+    bs = [size[c] for c in batch]
+    a = arrange(a, la, batch + fa + contracted)
+    b = arrange(b, lb, batch + contracted + fb)
+    sa, sb = (*bs, prod(fa), prod(contracted)), (*bs, prod(contracted), prod(fb))
+    a = a.reshape(*sa) if tuple(a.shape) != sa else a
+    b = b.reshape(*sb) if tuple(b.shape) != sb else b
+    r = a @ b
+    full = (*bs, *(size[c] for c in fa), *(size[c] for c in fb))
+    r = r.reshape(*full) if tuple(r.shape) != full else r
+    return arrange(r, "".join(batch + fa + fb), list(out))
+
+
+_HOT_TORCH = {
+    TF.pad: _pad,
+    torch.einsum: _einsum,
+    torch.isin: _with_out("torch.isin", _isin),
+    torch.addmm: _with_out("torch.addmm", _addmm_like),
+    torch.baddbmm: _with_out("torch.baddbmm", _addmm_like),
+    torch.addmv: _with_out("torch.addmv", _addmm_like),
+}
+_HOT_METHODS = {
+    "addmm": _addmm_like, "baddbmm": _addmm_like, "addmv": _addmm_like,
+    "cumsum": _with_out("torch.cumsum", _cumulative("cumsum")),
+    "cumprod": _with_out("torch.cumprod", _cumulative("cumprod")),
+    "gather": _with_out("torch.gather", _gather),
+    "scatter": _with_out("torch.scatter", _scatter),
+    "scatter_add": _with_out("torch.scatter_add", _scatter_add),
+    "repeat_interleave": _repeat_interleave,
+}
+
+
 # -- torch.nn.init (those that check for __torch_function__; the others call Tensor methods) ------
 def _filled(fill):
     """``fill(tensor, ...)`` of `sbpflow.nn.init`, which writes the tensor's own shard; a view
@@ -465,14 +654,14 @@ _INIT = {
 
 def install() -> None:
     """Register every entry of the tables (done on import of ``sbpflow.nn``)."""
-    for table in (_FUNCTIONAL, _norm_functions(), _TORCH, _INIT, _SELECT_TORCH):
+    for table in (_FUNCTIONAL, _norm_functions(), _TORCH, _INIT, _SELECT_TORCH, _HOT_TORCH):
         for func, handler in table.items():
             register(func, handler)
     for name, handler in _METHODS.items():
         register(getattr(torch.Tensor, name), handler)
     for name, handler in _PROPERTIES.items():
         register(getattr(torch.Tensor, name), handler)
-    for name, handler in _SELECT_METHODS.items():
+    for name, handler in {**_SELECT_METHODS, **_HOT_METHODS}.items():
         register(getattr(torch.Tensor, name), handler)
         if hasattr(torch, name):
             register(getattr(torch, name), handler)

@@ -167,7 +167,6 @@ REFUSED = {
     "data_ptr": lambda x: x.data_ptr(),
     "embedding_max_norm": lambda x: F.embedding(sf.tensor(torch.tensor([0, 1]), x.placement,
                                                           sf.B), x[0], max_norm=1.0),
-    "sdpa_gqa": lambda x: F.scaled_dot_product_attention(x, x, x, enable_gqa=True),
 }
 
 
