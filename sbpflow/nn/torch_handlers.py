@@ -522,6 +522,10 @@ def _scatter_add(input, dim, index, src):
     return apply_op("scatter_add", input, index, src, dim=int(dim))
 
 
+def _index_select(input, dim, index):
+    return apply_op("index_select_tensor", input, index, dim=int(dim))
+
+
 def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     if isinstance(repeats, (GlobalTensor, torch.Tensor)) or repeats is None:
         return _fallback(torch.repeat_interleave)(input, repeats, dim, output_size=output_size)
@@ -624,6 +628,7 @@ _HOT_METHODS = {
     "gather": _with_out("torch.gather", _gather),
     "scatter": _with_out("torch.scatter", _scatter),
     "scatter_add": _with_out("torch.scatter_add", _scatter_add),
+    "index_select": _with_out("torch.index_select", _index_select),
     "repeat_interleave": _repeat_interleave,
 }
 

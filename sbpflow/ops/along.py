@@ -1,6 +1,6 @@
 """Ops that work along some axes and leave the others alone: ``pad``, ``cumsum``, ``cumprod``,
-``gather``, ``scatter``, ``scatter_add``, ``repeat_interleave``; and ``isin``, elementwise in
-its first input.
+``gather``, ``scatter``, ``scatter_add``, ``index_select`` by a tensor, ``repeat_interleave``;
+and ``isin``, elementwise in its first input.
 
 Each runs torch's kernel on the local shards. An axis the op works along is whole on every rank
 (the dispatch gathers it first); every other axis keeps its split. See docs/torch_models.md,
@@ -8,14 +8,17 @@ Each runs torch's kernel on the local shards. An axis the op works along is whol
 
 Signatures (one mesh dim):
 
-| op | signatures |
-|---|---|
-| pad | ``S(a) -> S(a)`` for an axis not padded; ``P -> P`` (constant 0); ``B -> B`` |
-| cumsum, cumprod | ``S(a) -> S(a)``, ``a != dim``; ``P -> P`` (cumsum); ``B -> B`` |
-| gather(x, index) | ``(S(a), S(a)) -> S(a)``, ``a != dim``, index as long as x on ``a``; ``(B, S(a)) -> S(a)`` for any axis of index; ``(P, B) -> P``; all ``B`` |
-| scatter, scatter_add (x, index, src) | all ``S(a)``, ``a != dim``, index, src and x as long on ``a``; ``(P, B, P) -> P`` (scatter_add); all ``B`` |
-| repeat_interleave (int repeats) | ``S(a) -> S(a)`` for every axis (on ``dim`` only where the balanced parts line up: the registry's local-shape check); ``P -> P``; ``B -> B`` |
-| isin(elements, test_elements) | ``(S(a), B) -> S(a)``; all ``B`` |
+* pad: ``S(a) -> S(a)`` for an axis not padded; ``P -> P`` (constant 0); ``B -> B``;
+* cumsum, cumprod: ``S(a) -> S(a)``, ``a != dim``; ``P -> P`` (cumsum); ``B -> B``;
+* gather(x, index): ``(S(a), S(a)) -> S(a)``, ``a != dim``, index as long as x on ``a``;
+  ``(B, S(a)) -> S(a)`` for any axis of index; ``(P, B) -> P``; all ``B``;
+* scatter, scatter_add (x, index, src): all ``S(a)``, ``a != dim``, index, src and x as long
+  on ``a``; ``(P, B, P) -> P`` (scatter_add); all ``B``;
+* index_select(x, index) (a tensor): ``(S(a), B) -> S(a)``, ``a != dim``; ``(B, S(0)) ->
+  S(dim)``; ``(P, B) -> P``; all ``B``;
+* repeat_interleave (int repeats): ``S(a) -> S(a)`` for every axis (on ``dim`` only where the
+  balanced parts line up: the registry's local-shape check); ``P -> P``; ``B -> B``;
+* isin(elements, test_elements): ``(S(a), B) -> S(a)``; all ``B``.
 """
 
 from __future__ import annotations
@@ -123,6 +126,23 @@ register("scatter", _scatter, _scatter_signatures(False),
          doc="torch.scatter (src a tensor or a number) along dim (whole)")
 register("scatter_add", _scatter_add, _scatter_signatures(True),
          doc="torch.scatter_add along dim (whole); partial input and src stay partial")
+
+
+def _index_select(x, index, dim):
+    return torch.index_select(x, dim, index)
+
+
+def _index_select_signatures(x: TensorMeta, index: TensorMeta, dim) -> list[Signature]:
+    d = _norm(dim, x.ndim)
+    sigs = [Signature([f"S({a})", "B"], [f"S({a})"]) for a in range(x.ndim)
+            if a != d and x.shape[a] > 1]
+    if index.ndim and index.shape[0] > 1:  # the picks split: the output split on dim
+        sigs.append(Signature(["B", "S(0)"], [f"S({d})"]))
+    return sigs + [Signature(["P", "B"], ["P"]), Signature(["B", "B"], ["B"])]
+
+
+register("index_select_tensor", _index_select, _index_select_signatures,
+         doc="torch.index_select by a tensor of indices along dim (whole in x)")
 
 
 # -- repeat_interleave, isin ----------------------------------------------------------------------
