@@ -478,19 +478,12 @@ def find(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float |
     ``zero=True``, ``micro_batches="auto"`` and ``stages="search"`` memory is met by the
     cheapest combination of ZeRO, recomputation, micro-batches and pipelining.
 
-    Python's cyclic garbage collector is paused while the search runs and restored after
-    (`sbpflow.caches.collector_paused`: its passes over the search's memos cost 11-13 %).
-
-    Bad input raises `SearchInputError` naming the argument, its value and the fix (a graph
-    with a size below 1 or heads that do not divide the width, an unknown algorithm or
-    schedule, a negative budget, micro-batches below 1, stages the devices or the layers
-    cannot be cut into; `checks`). `search` also warns when the result is over the memory
-    limit; this does not (for callers that say so themselves: `parallelize`)."""
+    The cyclic garbage collector is paused meanwhile (`sbpflow.caches.collector_paused`). Bad
+    input raises `SearchInputError` naming the argument, its value and the fix (`checks`).
+    `search` also warns when the result is over the memory limit; this does not (for callers
+    that say so themselves: `parallelize`)."""
     _check_args(graph, algorithm, budget_s, micro_batches, stages, schedule)
-    check_memory_limit(memory_limit)
-    if memory_limit is None:
-        memory_limit = getattr(cluster, "memory_per_device", None)
-    limit = None if memory_limit is None or math.isinf(memory_limit) else memory_limit
+    memory_limit, limit = _limits(memory_limit, cluster)
     args = (graph, cluster, algorithm, seed, budget_s, memory_limit, micro_batches, max_dims,
             zero)
     chain = graph.is_chain and len(graph.layers) >= 2
@@ -523,6 +516,16 @@ def find(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float |
         single = _cheapest_one_stage(args, options) if stages == "search" and \
             micro_batches == "auto" else _search_one(*args, **options)
     return _result(graph, found, single, ex, algorithm, limit, t0)
+
+
+def _limits(memory_limit: float | None, cluster) -> tuple:
+    """The memory limit a search is given (checked; else the cluster's per device), and the
+    one it prunes with (None for none or an infinite one)."""
+    check_memory_limit(memory_limit)
+    if memory_limit is None:
+        memory_limit = getattr(cluster, "memory_per_device", None)
+    return memory_limit, (None if memory_limit is None or math.isinf(memory_limit)
+                          else memory_limit)
 
 
 def _cheapest_one_stage(args: tuple, options: dict) -> SearchResult:

@@ -1,20 +1,14 @@
 """The wire format of message channels between rank processes: typed frames, no code from the wire.
 
-A frame is a fixed prefix, the channel name, a body and the raw bytes of the tensors it carries::
-
-    prefix  "!QIiHH": bytes after the prefix, body bytes, source rank, channel bytes, buffers
-    sizes   "!Q" per buffer
-    channel utf-8
-    body    the message's structure (pickle protocol 5, restricted: see below)
-    buffers each tensor's bytes, as they are in memory (out of band: no copy into the body)
-
-The body holds only what the runtime sends: ``None``, bools, numbers, strings, bytes, tuples,
-lists, dicts, sets, ``torch.dtype`` / ``torch.Size`` / ``torch.device``, and tensors (dtype,
-shape, ``requires_grad``, device; their bytes in a buffer). The decoder (`decode`) resolves no
-other global: a frame naming anything else — a class whose ``__reduce__`` would run code — is a
-`WireError`, and nothing in it is called. The encoder refuses such objects at the sender
-(`WireError` naming the type), so a legitimate message never makes the receiver drop its peer.
-See docs/runtime.md, 'Message channels' and 'What the transport trusts'.
+A frame: a prefix ``"!QIiHH"`` (bytes after it, body bytes, source rank, channel bytes, buffer
+count), a ``"!Q"`` size per buffer, the channel (utf-8), the body, then each tensor's bytes as
+they are in memory (out of band). The body is the message's structure (pickle protocol 5,
+restricted): ``None``, bools, numbers, strings, bytes, tuples, lists, dicts, sets, torch dtypes,
+``torch.Size`` / ``torch.device`` and tensors. `decode` resolves no other global — a frame that
+names one (a class whose ``__reduce__`` would run code) is a `WireError` and nothing in it is
+called — and `encode` refuses any other object at the sender (`WireError` naming the type), so
+a legitimate message never makes the receiver drop its peer. See docs/runtime.md, 'What the
+transport trusts'.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """The files of a checkpoint folder: checksummed durable writes, the manifest (the commit point,
 which carries a checksum of its own body), verification on read, generations and their cleaning.
 
-A folder holds one committed checkpoint: ``manifest.json`` names the *generation* directory
-(``gen-<save id in hex>``) whose files make it up, with every file's byte size and crc32, and
-the generation it replaced (``previous``). A save writes a fresh generation, then replaces
-``manifest.json`` atomically (``os.replace`` of a fsynced temporary file). The previous
-generation stays until the next save (a load that read the old manifest can finish); that save
-removes every other generation (killed saves' leftovers, older checkpoints).
-
-Saves to one folder run one at a time: rank 0 of each holds the folder's `WriterLock` (an
-``fcntl.flock``) from before any file is written until after its clean-up, so no writer removes
-a generation another has committed or is writing. Under it a save first removes what killed
-saves left (`prune`), and a failed save removes its own generation (`discard`). A write that
-runs out of space raises ``OSError`` with the file system's errno (`write_file`), which
-`out_of_space` finds.
-
-Every check raises `CheckpointError` naming the file and what is wrong with it; nothing from a
-damaged file reaches the caller as a raw ``OSError``, ``JSONDecodeError`` or ``KeyError``.
+``manifest.json`` names the *generation* directory (``gen-<save id in hex>``) whose files make
+up the committed checkpoint, with each file's size and crc32, and the one it replaced
+(``previous``, kept until the next save). A save writes a fresh generation, then replaces the
+manifest atomically. Saves run one at a time: rank 0 of each holds the folder's `WriterLock`
+(``fcntl.flock``) from before any file is written until after its clean-up; under it a save
+removes what killed saves left (`prune`), a failed save its own generation (`discard`), and
+running out of space is an ``OSError`` with its errno (`write_file`, `out_of_space`). Every
+check raises `CheckpointError` naming the file and what is wrong with it. See
+docs/internals.md, 'Checkpoints (`nn/serialization.py`)'.
 """
 
 from __future__ import annotations

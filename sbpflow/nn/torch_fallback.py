@@ -1,25 +1,15 @@
 """Torch functions with no sbpflow handler: run by what torch knows of them, always correctly.
 
-`fallback_for(func)` is the handler `torch_functions` gives a torch function it has no entry
-for. A call then runs, by the first route that applies:
-
-1. **pointwise** (torch tags the function's aten overloads ``torch.Tag.pointwise``): the
-   generic op ``torch_pointwise`` — shards stay split, nothing is gathered;
-2. **replicated**: the generic op ``torch_replicated`` — every global-tensor input is boxed to
-   ``B`` on its placement (the bytes counted as kind ``"fallback"`` in ``sf.comm.stats()``), the
-   function runs on every rank, the outputs are ``B``; autograd goes through (the gradients
-   come back in the dual layout) and graph mode records it like any op;
-3. **eager only**, for what an op cannot express — an output whose shape depends on the values
-   (``nonzero``, ``unique``), a result that is not tensors (``equal``, ``tolist``), a function
-   drawing random numbers (drawn from sbpflow's stream, so every rank draws the same), a
-   constant that cannot be a cache key: the inputs are boxed to ``B``, the function runs on
-   the whole values on every rank. A graph's build refuses these with the reason.
-
-The first call of each (function, input layouts) that gathers bytes warns once
-(`ReplicatedFallbackWarning`, a `CostlyLayoutWarning`) with the bytes and what would make it
-cheap. A function's result that torch returns as a view of an input (``diagonal``, ``unfold``)
-is a copy here: an in-place op on it raises rather than leave the input unchanged. ``out=``
-writes the result into the given global tensors. See docs/torch_models.md, 'What runs'.
+`fallback_for(func, name)` is the handler `torch_functions` gives such a function. A call runs
+by the first route that applies: **pointwise** (torch tags its aten overloads
+``torch.Tag.pointwise``: the generic op ``torch_pointwise``, shards stay split); **replicated**
+(the generic op ``torch_replicated``: inputs boxed to ``B``, the bytes counted as "fallback",
+the function on every rank, outputs ``B``; autograd and graphs as any op); **eager** for what
+an op cannot express (a data-dependent shape, a non-tensor result, a random draw from
+sbpflow's stream, an unhashable constant: the whole values on every rank; refused in a
+graph's build). A gathering call warns once (`ReplicatedFallbackWarning`); a result torch
+returns as a view is a copy that re-reads its input and refuses writes (`copy_view`);
+``out=`` writes into the given tensors. See docs/torch_models.md, 'What runs'.
 """
 
 from __future__ import annotations

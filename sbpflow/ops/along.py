@@ -1,24 +1,16 @@
-"""Ops that work along some axes and leave the others alone: ``pad``, ``cumsum``, ``cumprod``,
-``gather``, ``scatter``, ``scatter_add``, ``index_select`` by a tensor, ``repeat_interleave``;
-and ``isin``, elementwise in its first input.
+"""Ops that work along some axes and leave the others alone (``pad``, ``cumsum``, ``cumprod``,
+``gather``, ``scatter``, ``scatter_add``, ``index_select`` by a tensor, ``repeat_interleave``),
+and ``isin``, elementwise in its first input. Each runs torch's kernel on the local shards; an
+axis the op works along is whole on every rank, every other axis keeps its split (one mesh dim;
+all ``B`` is valid everywhere):
 
-Each runs torch's kernel on the local shards. An axis the op works along is whole on every rank
-(the dispatch gathers it first); every other axis keeps its split. See docs/torch_models.md,
-'What runs'.
-
-Signatures (one mesh dim):
-
-* pad: ``S(a) -> S(a)`` for an axis not padded; ``P -> P`` (constant 0); ``B -> B``;
-* cumsum, cumprod: ``S(a) -> S(a)``, ``a != dim``; ``P -> P`` (cumsum); ``B -> B``;
-* gather(x, index): ``(S(a), S(a)) -> S(a)``, ``a != dim``, index as long as x on ``a``;
-  ``(B, S(a)) -> S(a)`` for any axis of index; ``(P, B) -> P``; all ``B``;
-* scatter, scatter_add (x, index, src): all ``S(a)``, ``a != dim``, index, src and x as long
-  on ``a``; ``(P, B, P) -> P`` (scatter_add); all ``B``;
-* index_select(x, index) (a tensor): ``(S(a), B) -> S(a)``, ``a != dim``; ``(B, S(0)) ->
-  S(dim)``; ``(P, B) -> P``; all ``B``;
-* repeat_interleave (int repeats): ``S(a) -> S(a)`` for every axis (on ``dim`` only where the
-  balanced parts line up: the registry's local-shape check); ``P -> P``; ``B -> B``;
-* isin(elements, test_elements): ``(S(a), B) -> S(a)``; all ``B``.
+* pad: ``S(a)`` for an axis not padded; ``P -> P`` (constant 0). cumsum, cumprod: ``S(a)``,
+  ``a != dim``; ``P -> P`` (cumsum). isin(elements, test): ``(S(a), B) -> S(a)``;
+* gather(x, index): ``(S(a), S(a))``, ``a != dim``, index as long as x on ``a``; ``(B, S(a))
+  -> S(a)``; ``(P, B) -> P``. scatter, scatter_add: all ``S(a)``, ``a != dim``, as long on
+  ``a``; ``(P, B, P) -> P`` (scatter_add). index_select: ``(S(a), B)``, ``a != dim``; ``(B,
+  S(0)) -> S(dim)``; ``(P, B) -> P``. repeat_interleave: ``S(a)`` on every axis (on ``dim``
+  where the balanced parts line up); ``P -> P``. See docs/torch_models.md, 'What runs'.
 """
 
 from __future__ import annotations
