@@ -116,10 +116,12 @@ def test_a_rank_stuck_in_an_eager_step_is_named_with_its_last_op():
     rank 0's gradient all-reduce times out. The error names rank 1 as its culprit and the
     last sbpflow op it started (before: only its last collective)."""
     with pytest.raises(CommTimeout) as info:
-        launch(stuck_step, 2, backend="torch", args=("eager", 1), timeout=2)
+        # (the nap lasts until the run is stopped: 5 s keeps the first step's collectives clear
+        # of process start-up on a loaded machine)
+        launch(stuck_step, 2, backend="torch", args=("eager", 1), timeout=5)
     msg = str(info.value)
     assert info.value.culprits == (1,), msg
-    assert re.search(r"timed out on rank 0 after 2 s: rank\(s\) \[1\] did not arrive \(rank 1: "
+    assert re.search(r"timed out on rank 0 after 5 s: rank\(s\) \[1\] did not arrive \(rank 1: "
                      r"entered #\d+ of that group last, in no collective for [\d.]+ s .*; the "
                      rf"last sbpflow op it started: '{NAP_OP}'\); arrived: \[0\]", msg), msg
 

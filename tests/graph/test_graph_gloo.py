@@ -18,6 +18,9 @@ from stuck_fns import stuck_step
 TOL = dict(rtol=1e-9, atol=1e-9)
 PROMPT = 10.0  # room for a loaded machine (the default timeout is 300 s)
 TIMEOUT = 2.0  # bounds every wait of the run: room for the processes' setup to drift apart
+# a stuck rank's tests: its nap lasts until the run is stopped, so a longer timeout costs
+# little and keeps the first steps' collectives (process start-up on a loaded machine) clear
+STUCK_TIMEOUT = 5.0
 
 
 @pytest.mark.gloo
@@ -88,7 +91,7 @@ def _stuck_error(mode: str, world: int, stuck: int) -> sf.CommError:
     """The error `sf.launch` raises when rank ``stuck`` naps inside its compute actor in the
     second step of `stuck_step` (``mode``) on ``world`` gloo processes."""
     with pytest.raises(sf.CommError) as info:
-        sf.launch(stuck_step, world, backend="torch", args=(mode, stuck), timeout=TIMEOUT)
+        sf.launch(stuck_step, world, backend="torch", args=(mode, stuck), timeout=STUCK_TIMEOUT)
     return info.value
 
 
