@@ -688,6 +688,16 @@ def run_dtensor(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
     errors: list = []   # (rank, exception) in the order they happened
     lock = threading.Lock()
 
+    def wake(e: BaseException) -> None:
+        """Wake the ranks waiting in a collective (they leave with SystemExit). Under the
+        group's lock: torch's handler walks the dict of open collectives unguarded (another
+        rank opening one meanwhile raised 'dictionary changed size during iteration')."""
+        try:
+            with ProcessLocalGroup._coll_lock:
+                ProcessLocalGroup.exception_handle(e)
+        except Exception:  # noqa: BLE001  (the deadline below still ends the run)
+            pass
+
     def worker(rank: int) -> None:
         try:
             dist.init_process_group(backend="threaded", rank=rank, world_size=WORLD,
@@ -695,7 +705,7 @@ def run_dtensor(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
         except BaseException as e:  # noqa: BLE001
             with lock:
                 errors.append((rank, e))
-            ProcessLocalGroup.exception_handle(e)
+            wake(e)
             return
         try:
             with warnings.catch_warnings():
@@ -705,7 +715,7 @@ def run_dtensor(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
         except BaseException as e:  # noqa: BLE001
             with lock:
                 errors.append((rank, e))
-            ProcessLocalGroup.exception_handle(e)  # wakes the ranks waiting in a collective
+            wake(e)
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -719,7 +729,7 @@ def run_dtensor(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
         t.join(max(deadline - time.monotonic(), 0.0))
     timed_out = any(t.is_alive() for t in threads)
     if timed_out:
-        ProcessLocalGroup.exception_handle(TimeoutError())
+        wake(TimeoutError())
         for t in threads:
             t.join(2.0)
     ProcessLocalGroup.reset()
