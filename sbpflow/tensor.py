@@ -656,10 +656,14 @@ class GlobalTensor:
         """``to(dtype)``, ``to(device)``, ``to(device, dtype)``, ``to(other)``, ``to(dtype=...)``
         as torch: the dtype is cast shard by shard; a device of the placement's device type is
         where the shards already are. Moving to another device type is ``to_global`` onto a
-        placement of that type (`UnsupportedTorchFunction` here)."""
+        placement of that type (`UnsupportedTorchFunction` here). ``non_blocking`` means nothing
+        here; ``copy=True`` returns a copy."""
         dtype = _to_dtype(self, args, kwargs)
-        return self if dtype is None or dtype == self.dtype else \
-            apply_op("to_dtype", self, dtype=dtype)
+        flags = [a for a in args if type(a) is bool]  # non_blocking, copy (positional)
+        copy = flags[1] if len(flags) > 1 else kwargs.get("copy", False)
+        if dtype is None or dtype == self.dtype:  # (a global tensor has no memory format)
+            return apply_op("clone", self) if copy else self
+        return apply_op("to_dtype", self, dtype=dtype)
 
     # -- in-place ops (torch's semantics: the tensor object takes the new value) ----------------
     def _assign_(self, result: "GlobalTensor", fresh: bool = True) -> "GlobalTensor":
@@ -719,10 +723,10 @@ class GlobalTensor:
     def __itruediv__(self, other):
         return self._assign_(apply_op("div", self, other))
 
-    def float(self) -> "GlobalTensor":
+    def float(self, memory_format=None) -> "GlobalTensor":
         return self.to(torch.float32)
 
-    def double(self) -> "GlobalTensor":
+    def double(self, memory_format=None) -> "GlobalTensor":
         return self.to(torch.float64)
 
     def item(self):
@@ -1036,6 +1040,8 @@ def _to_dtype(t: GlobalTensor, args: tuple, kwargs: dict) -> torch.dtype | None:
     for a in args:
         if isinstance(a, torch.dtype):
             dtype = a
+        elif type(a) is bool:  # non_blocking, copy (`GlobalTensor.to`)
+            continue
         elif isinstance(a, (GlobalTensor, torch.Tensor)):
             dtype = a.dtype
             device = a.device

@@ -31,7 +31,8 @@ from ..sbp import B, format_nd_sbp
 from ..tensor import GlobalTensor, _next_seed, apply_op, copy_view, lift, recording
 from .torch_layouts import CostlyLayoutWarning
 
-__all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of"]
+__all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of", "is_pure_aten",
+           "property_handler"]
 
 
 class ReplicatedFallbackWarning(CostlyLayoutWarning):
@@ -45,7 +46,11 @@ _ROUTES = BoundedDict("nn.torch_fallback.routes")  # (func, specs, metas) -> rou
 
 def _packets(func: Callable) -> list:
     """The aten ops of a Python torch function's name (``torch.special.erf`` is
-    ``special_erf``, an alias of ``erf``: both)."""
+    ``special_erf``, an alias of ``erf``: both); an aten op given as such, itself."""
+    if isinstance(func, torch._ops.OpOverload):
+        return [func.overloadpacket]
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return [func]
     name = getattr(func, "__name__", "") or ""
     names = [name] + ([name[len("special_"):]] if name.startswith("special_") else [])
     found = [getattr(torch.ops.aten, n, None) for n in names if n]
@@ -74,6 +79,17 @@ def _returns_view(func: Callable) -> bool:
             if info is not None and not info.is_write:
                 return True
     return False
+
+
+def is_pure_aten(func: Callable) -> bool:
+    """``func`` is an aten op (or torch's binding of one) none of whose overloads writes into
+    an argument: a function of its inputs' values, whatever its name (``torch._chunk_cat``)."""
+    schemas = [func._schema] if isinstance(func, torch._ops.OpOverload) else \
+        [getattr(p, o)._schema for p in _packets(func) for o in p.overloads()]
+    # (an ``out=`` overload writes only its keyword-only outputs: still a pure function)
+    return bool(schemas) and not any(
+        a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+        for schema in schemas for a in schema.arguments)
 
 
 def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
@@ -198,6 +214,20 @@ def _copy_views(result: Any, route: str, kind: type | None, func: Callable, tens
         return copy_view(result, tensors[0], remake(None), why)
     outs = [copy_view(o, tensors[0], remake(i), why) for i, o in enumerate(result)]
     return outs if kind is list else kind(outs)
+
+
+def property_handler(descriptor: Any, name: str) -> Callable:
+    """A Tensor property read on a global tensor: a value (``H``, ``mH``: a tensor on meta) runs
+    as a function of the tensor (`fallback_for`); metadata (``is_sparse``, ``layout``) is read
+    on this rank's shard, the same for the shard and the whole value."""
+    probe = descriptor.__get__(torch.empty(2, 2, device="meta"))
+    if not isinstance(probe, torch.Tensor):
+        return lambda self: descriptor.__get__(self.local)
+
+    def read(t: torch.Tensor) -> torch.Tensor:
+        return descriptor.__get__(t)
+    read.__name__ = read.__qualname__ = getattr(descriptor, "__name__", name)
+    return fallback_for(read, name)
 
 
 def _eager(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple,

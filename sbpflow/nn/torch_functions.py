@@ -21,7 +21,7 @@ import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
-from .torch_fallback import fallback_for
+from .torch_fallback import fallback_for, is_pure_aten, property_handler
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -41,13 +41,19 @@ _STORAGE = frozenset({
     "__reduce_ex__", "__setstate__", "as_strided", "as_strided_", "stride",
 })
 
+_PRIVATE = ("It is private to torch and changes its inputs (or has no aten op): call the "
+            "public function it implements")
+
 # What to say for functions with no sbpflow op, by name (the rest get the general advice).
 _ADVICE = {
     "numpy": "Use x.full_tensor().numpy() (the whole value, on every rank)",
+    "as_strided": "It reads a tensor's memory layout, which a global tensor does not have: "
+                  "use view ops (reshape, narrow, unfold, expand, permute) on it, or "
+                  "x.full_tensor().as_strided(...) for the whole value",
     "stride": "A global tensor has no strides of its own: each rank's shard (x.local) has its "
               "own; x.is_contiguous() is what most code asks",
 }
-_GENERAL = ("it concerns a shard's memory, not the logical value: use x.local (this rank's "
+_GENERAL = ("It concerns a shard's memory, not the logical value: use x.local (this rank's "
             "shard) or x.full_tensor() (the whole value, on every rank) for it. The functions "
             "that run are listed in docs/torch_models.md")
 
@@ -88,7 +94,7 @@ def unsupported(func, why: str = "") -> Callable:
     arguments' layouts, why (if given) and what to use instead."""
     name = torch_name(func)
     short = name.rsplit(".", 1)[-1]
-    advice = _ADVICE.get(short, _GENERAL)
+    advice = _ADVICE.get(short, _PRIVATE if why == "private to torch" else _GENERAL)
 
     def refuse(*args, **kwargs):
         reason = f" ({why})" if why else ""
@@ -130,22 +136,25 @@ def handler_for(func) -> Callable:
             hasattr(torch.Tensor, name[:-1]):
         base = handler_for(getattr(torch.Tensor, name[:-1]))
         handler = _in_place(base) if not getattr(base, "refuses", False) else unsupported(func)
-    elif type(func).__name__ == "method-wrapper":  # a Tensor property: the shard's says it
-        handler = _shard_query(func)
-    elif not name or name.startswith("_") or name in _STORAGE or name in _ADVICE:
-        handler = unsupported(func)
+    elif hasattr(func, "__get__") and not callable(func):  # a Tensor property
+        handler = property_handler(func, torch_name(func))
+    elif _refused(func, name):
+        handler = unsupported(func, "private to torch" if name.startswith("_") else "")
     else:
         handler = fallback_for(func, torch_name(func))
     _HANDLERS[func] = handler
     return handler
 
 
-def _shard_query(func) -> Callable:
-    """A Tensor property read on this rank's shard (``layout``, ``is_sparse``, ...): the same for
-    the shard and the logical value."""
-    def query(self, *args, **kwargs):
-        return func(self.local, *args, **kwargs)
-    return query
+def _refused(func, name: str) -> bool:
+    """Refused by name: a function about a shard's memory (`_STORAGE`, `_ADVICE`), or a private
+    one that is no pure aten op (``torch._chunk_cat`` is one; F.threshold is torch's private
+    ``_threshold``, a public function)."""
+    if name in _STORAGE or name in _ADVICE:
+        return True
+    if not name.startswith("_") and not isinstance(func, torch._ops.OpOverload):
+        return False
+    return getattr(func, "__module__", None) != "torch.nn.functional" and not is_pure_aten(func)
 
 
 def dispatch(func, args: tuple, kwargs: dict):

@@ -279,6 +279,16 @@ def _device_move(kind: str):
     return move
 
 
+def _fill_(self: GlobalTensor, value) -> GlobalTensor:
+    """``zero_`` / ``fill_``: a tensor in the autograd graph stays in it, as torch's (its
+    earlier value gets a zero gradient: a ``where`` that picks ``value`` everywhere, with no
+    NaN from ``0 * inf``); any other takes the constant."""
+    if self.requires_grad and not self.is_leaf and torch.is_grad_enabled():
+        return self._assign_(apply_op("where", _full_like(self, True, torch.bool),
+                                      _full_like(self, value), self))
+    return self._assign_(_full_like(self, value))
+
+
 def _on_device(kind: str):
     """``x.cpu()`` / ``x.cuda()``: the tensor itself on a placement of that device type (torch
     returns the tensor when it is already there); another type is a ``to_global``."""
@@ -294,8 +304,8 @@ def _on_device(kind: str):
 _METHODS = {
     "cpu": _on_device("cpu"), "cuda": _on_device("cuda"),
     "masked_fill": lambda self, mask, value: apply_op("where", mask, value, self),
-    "zero_": lambda self: self._assign_(_full_like(self, 0)),
-    "fill_": lambda self, value: self._assign_(_full_like(self, value)),
+    "zero_": lambda self: _fill_(self, 0),
+    "fill_": lambda self, value: _fill_(self, value),
     "copy_": _copy_,
     "normal_": lambda self, mean=0.0, std=1.0, *, generator=None:
         _filled(init.normal_)(self, mean, std, generator=generator),

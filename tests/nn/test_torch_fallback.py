@@ -222,3 +222,42 @@ def test_ranks_outside_the_placement_follow_with_empty_shards():
     assert [g[0].numel() for g in got[2:]] == [0, 0]
     torch.testing.assert_close(got[0][1], want.detach())
     torch.testing.assert_close(got[1][2], x.grad)
+
+
+def _small_fixes():
+    pl = sf.placement("cpu", [0, 1])
+    x = sf.tensor(X[:6, :6] + 1j * Y[:6, :6], pl, sf.S(0))
+    r = sf.tensor(X, pl, sf.S(0)).requires_grad_()
+    y = r * 2
+    y.zero_()  # in the graph: its earlier value gets a zero gradient, as torch's
+    (y + r).sum().backward()
+    out = {"H": x.H.full_tensor(), "mH": x.mH.full_tensor(), "is_sparse": x.is_sparse,
+           "zero_grad": (y.requires_grad, r.grad.full_tensor()),
+           "to_copy": r.to("cpu", F64, False, True) is not r, "to_same": r.to("cpu", F64) is r,
+           "double": r.double(memory_format=torch.preserve_format) is r,
+           "safe_softmax": torch.ops.aten._safe_softmax.default(r, 1).full_tensor()}
+    for name, fn in {"private writer": lambda: torch._native_batch_norm_legit(
+                         r, None, None, torch.zeros(6, dtype=F64), torch.ones(6, dtype=F64),
+                         True, 0.1, 1e-5),
+                     "as_strided": lambda: r.as_strided((2, 2), (1, 1))}.items():
+        try:
+            fn()
+            out[name] = ""
+        except sf.UnsupportedTorchFunction as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_properties_flags_and_aten_ops_run_as_torch_and_memory_functions_are_refused():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got = sf.launch(_small_fixes, 2)[0]
+    c = X[:6, :6] + 1j * Y[:6, :6]
+    torch.testing.assert_close(got["H"], c.H)
+    torch.testing.assert_close(got["mH"], c.mH)
+    assert got["is_sparse"] is False
+    assert got["zero_grad"][0] is True and torch.equal(got["zero_grad"][1], torch.ones(8, 6, dtype=F64))
+    assert got["to_copy"] and got["to_same"] and got["double"]
+    torch.testing.assert_close(got["safe_softmax"], torch.ops.aten._safe_softmax.default(X, 1))
+    assert "private to torch and changes its inputs" in got["private writer"]
+    assert "memory layout" in got["as_strided"]
