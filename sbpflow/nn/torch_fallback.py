@@ -2,7 +2,9 @@
 
 `fallback_for(func, name)` is the handler `torch_functions` gives such a function. A call runs
 by the first route that applies: **pointwise** (torch tags its aten overloads
-``torch.Tag.pointwise``: the generic op ``torch_pointwise``, shards stay split); **replicated**
+``torch.Tag.pointwise``: the generic op ``torch_pointwise``, shards stay split); **reduction**
+(tagged ``torch.Tag.reduction``, of one tensor along the ``dim`` its schema binds: the other
+axes keep their splits); **replicated**
 (the generic op ``torch_replicated``: inputs boxed to ``B``, the bytes counted as "fallback",
 the function on every rank, outputs ``B``; autograd and graphs as any op); **eager** for what
 an op cannot express (a data-dependent shape, a non-tensor result, a random draw from
@@ -120,8 +122,57 @@ def _find_route(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[s
     outs = out if several else (out,)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         return "eager", None
-    route = "pointwise" if torch.Tag.pointwise in _tags(func) else "replicated"
+    tags = _tags(func)
+    if torch.Tag.pointwise in tags:
+        route = "pointwise"
+    elif torch.Tag.reduction in tags:
+        route = _reduction_route(func, tensors, pos, kw, outs)
+    else:
+        route = "replicated"
     return route, (type(out) if several else None)
+
+
+def _reduction_route(func: Callable, tensors: list, pos: tuple, kw: tuple, outs) -> Any:
+    """``("reduction", dims, keepdim)`` for a reduction of its one tensor (its first
+    argument) over ``dims`` read from the aten schema the call binds to, when the outputs have
+    the shape that gives; else "replicated"."""
+    if len(tensors) != 1 or pos[0] != "T" or not pos[1] or pos[1][0] != ("X", 0):
+        return "replicated"
+    ndim = len(tensors[0].shape)
+    found = _bound_dims(func, [call_spec(v, ()) for v in pos[1][1:]],
+                        dict(zip(kw[1], (call_spec(v, ()) for v in kw[2]))), ndim)
+    if found is None:
+        return "replicated"
+    dims, keepdim = found
+    shape = tuple(1 if a in dims else n for a, n in enumerate(tensors[0].shape)
+                  if keepdim or a not in dims)
+    if not dims or any(tuple(o.shape) != shape for o in outs):
+        return "replicated"
+    return ("reduction", dims, keepdim)
+
+
+def _bound_dims(func: Callable, args: list, kwargs: dict, ndim: int) -> tuple | None:
+    """``(dims, keepdim)`` of the first aten overload of ``func`` (not an ``out=`` one) whose
+    schema the call's arguments after the tensor bind to, with a ``dim`` argument given."""
+    for packet in _packets(func):
+        for overload in packet.overloads():
+            params = getattr(packet, overload)._schema.arguments[1:]
+            if any(p.kwarg_only and p.alias_info is not None for p in params):
+                continue  # an out= overload
+            names = [p.name for p in params]
+            positional = [p.name for p in params if not p.kwarg_only]
+            if len(args) > len(positional) or not set(kwargs) <= set(names):
+                continue
+            bound = {**dict(zip(positional, args)), **kwargs}
+            dim = bound.get("dim")
+            if "dim" not in names or dim is None or isinstance(dim, bool):
+                continue
+            dims = (dim,) if isinstance(dim, int) else tuple(dim)
+            if not all(isinstance(d, int) and -ndim <= d < max(ndim, 1) for d in dims):
+                return None
+            return tuple(sorted({d % max(ndim, 1) for d in dims})), bool(bound.get("keepdim",
+                                                                              False))
+    return None
 
 
 def _collect(args: tuple, kwargs: dict) -> tuple[list, tuple, tuple, Placement]:
@@ -166,7 +217,7 @@ def fallback_for(func: Callable, name: str) -> Callable:
         out = kwargs.pop("out", None)
         tensors, pos, kw, pl = _collect(args, kwargs)
         route, kind = route_of(func, tensors, pos, kw)
-        if route != "pointwise":
+        if route in ("replicated", "eager"):
             _warn(func, name, tensors, pl, route)
         if route == "eager":
             with counted_as("fallback"):
@@ -187,9 +238,12 @@ def _as_op(route: str, kind: type | None, func: Callable, tensors: list, pos: tu
     "fallback"; a pointwise call's boxing (inputs aligned to one split) as what it is."""
     if route == "replicated":
         with counted_as("fallback"):
-            out = apply_op(f"torch_{route}", *tensors, func=func, pos=pos, kw=kw)
-    else:
-        out = apply_op(f"torch_{route}", *tensors, func=func, pos=pos, kw=kw)
+            out = apply_op("torch_replicated", *tensors, func=func, pos=pos, kw=kw)
+    elif route == "pointwise":
+        out = apply_op("torch_pointwise", *tensors, func=func, pos=pos, kw=kw)
+    else:  # ("reduction", dims, keepdim)
+        out = apply_op("torch_reduction", *tensors, func=func, pos=pos, kw=kw, dims=route[1],
+                       keepdim=route[2])
     if kind is None:
         return out
     outs = out if isinstance(out, tuple) else (out,)
@@ -200,8 +254,9 @@ def _copy_views(result: Any, route: str, kind: type | None, func: Callable, tens
                 pos: tuple, kw: tuple, name: str) -> Any:
     """Mark the outputs of a function torch returns views from (of its first tensor input):
     remade when that input changes, refused as targets of in-place ops (`copy_view`)."""
+    ran = route if isinstance(route, str) else route[0]
     why = (f"{name} returns a view in torch, a copy on global tensors (it has no sharding rule "
-           f"and ran {route}): an in-place op on it would not reach its input; write into the "
+           f"and ran {ran}): an in-place op on it would not reach its input; write into the "
            f"input itself")
 
     def remake(i: int | None) -> Callable:

@@ -1,17 +1,13 @@
 """Any torch function as an op: its own kernel on the shards, laid out by what torch knows of it.
 
-Two generic ops run a torch function ``func`` whose tensor arguments are the op's inputs, put
-back into the call's structure (``spec``, `call_spec`):
-
-* ``torch_pointwise``: a function torch tags pointwise (``torch.Tag.pointwise`` on its aten
-  overloads): every output axis may be split, each input that has the axis (not broadcast) split
-  on it, the others ``B``; or all ``B``. Outputs have the broadcast shape of the inputs.
-* ``torch_replicated``: any function: every input ``B``, every output ``B`` (each rank runs it on
-  the whole value: always correct, the cost is the gathers).
-
-A spec is a hashable tree: ``("T", items)`` a tuple, ``("L", items)`` a list, ``("D", keys,
-items)`` a dict, ``("X", i)`` the i-th tensor input, ``("C", value)`` a constant. See
-docs/torch_models.md, 'What runs'.
+Three generic ops run a torch function ``func`` whose tensor arguments are the op's inputs, put
+back into the call's structure (``spec``, `call_spec`), with all ``B`` always valid:
+``torch_pointwise`` (tagged ``torch.Tag.pointwise``: any output axis split, each input that has
+it split alike, the others ``B``); ``torch_reduction`` (tagged ``torch.Tag.reduction``, of one
+tensor over ``dims``, ``keepdim`` as torch's: any other axis keeps its split); and
+``torch_replicated`` (any function, on the whole value on every rank). A spec is a hashable
+tree: ``("T", items)`` a tuple, ``("L", items)`` a list, ``("D", keys, items)`` a dict, ``("X",
+i)`` the i-th tensor input, ``("C", value)`` a constant. See docs/torch_models.md, 'What runs'.
 """
 
 from __future__ import annotations
@@ -83,6 +79,18 @@ def _pointwise_signatures(*tensors, func, pos, kw) -> list[Signature]:
     return split + [replicated]
 
 
+def _reduction_signatures(*tensors, func, pos, kw, dims, keepdim) -> list[Signature]:
+    (meta,) = tensor_metas(tensors)
+    n = len(_outputs(tensors, func, pos, kw))
+    sigs = [Signature([f"S({a})"], [f"S({a if keepdim else a - sum(d < a for d in dims)})"] * n)
+            for a in range(meta.ndim) if a not in dims]
+    return sigs + [Signature(["B"], ["B"] * n)]
+
+
+def _reduction_kernel(*tensors, func, pos, kw, dims, keepdim) -> Any:
+    return torch_call(*tensors, func=func, pos=pos, kw=kw)
+
+
 def _replicated_signatures(*tensors, func, pos, kw) -> list[Signature]:
     outs = _outputs(tensors, func, pos, kw)
     return [Signature(["B"] * len(tensor_metas(tensors)), ["B"] * len(outs))]
@@ -90,5 +98,7 @@ def _replicated_signatures(*tensors, func, pos, kw) -> list[Signature]:
 
 register("torch_pointwise", torch_call, _pointwise_signatures,
          doc="a torch function tagged pointwise: split on any output axis, or all B")
+register("torch_reduction", _reduction_kernel, _reduction_signatures,
+         doc="a torch function tagged reduction, of one tensor: other axes keep their split")
 register("torch_replicated", torch_call, _replicated_signatures,
          doc="any torch function on the whole value: every input and output B")

@@ -19,7 +19,7 @@ X = torch.randn(8, 6, generator=G, dtype=F64)
 Y = torch.rand(8, 6, generator=G, dtype=F64) + 0.5
 W = torch.randn(8, 6, generator=G, dtype=F64)  # weights of the loss: every output matters
 
-# name -> (function of x, y; pointwise: whether the result stays split where x is)
+# name -> (function of x, y; kept: whether the result stays split where x is, nothing gathered)
 CALLS = {
     "special.erf": (lambda x, y: torch.special.erf(x), True),
     "atan2": (lambda x, y: torch.atan2(x, y), True),
@@ -33,8 +33,17 @@ CALLS = {
     "rot90": (lambda x, y: torch.rot90(x, 2, (0, 1)), False),
     "flip": (lambda x, y: torch.flip(x, (0,)), False),
     "roll": (lambda x, y: torch.roll(x, 2, 0), False),
+    # reductions along dim 1 (torch's reduction tag; the dim read from the aten schema)
+    "prod": (lambda x, y: torch.prod(y * x, 1), True),
+    "logsumexp keepdim": (lambda x, y: torch.logsumexp(x, dim=1, keepdim=True), True),
+    "norm": (lambda x, y: torch.linalg.vector_norm(x, dim=-1), True),
     "logcumsumexp": (lambda x, y: torch.logcumsumexp(x, 1), False),
 }
+
+
+def _weights(shape) -> torch.Tensor:
+    """Fixed weights of a result's loss, for any shape up to W's."""
+    return W.reshape(-1)[:torch.Size(shape).numel()].reshape(shape)
 
 
 def _calls(layout):
@@ -46,7 +55,7 @@ def _calls(layout):
         x.grad = None
         sf.comm.reset_stats()
         r = fn(x, y)
-        (r * sf.tensor(W, pl, sf.B)).sum().backward()
+        (r * sf.tensor(_weights(r.shape), pl, sf.B)).sum().backward()
         out[name] = (r.sbp, r.full_tensor(), x.grad.full_tensor(), sf.comm.stats()["fallback"])
     return out
 
@@ -56,15 +65,15 @@ def test_functions_without_a_handler_equal_torch_in_values_and_gradients(layout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         got = sf.launch(_calls, 4, args=(layout,))[0]
-    for name, (fn, pointwise) in CALLS.items():
+    for name, (fn, kept) in CALLS.items():
         x = X.clone().requires_grad_()
         want = fn(x, Y)
-        (want * W).sum().backward()
+        (want * _weights(want.shape)).sum().backward()
         sbp, value, grad, fallback = got[name]
         torch.testing.assert_close(value, want.detach(), msg=name)
         torch.testing.assert_close(grad, x.grad, msg=name)
-        if pointwise and layout == sf.S(0):
-            assert sbp == (sf.S(0),) and fallback.recv == 0, name  # nothing gathered (y: S(1) -> S(0))
+        if kept and layout == sf.S(0):  # nothing gathered (y: S(1) -> S(0) is a boxing)
+            assert sbp == (sf.S(0),) and fallback.recv == 0, name
         elif layout == sf.S(0) and name != "einsum":  # einsum also gathers the S(1) input
             assert sbp == (sf.B,), name
             assert fallback.recv == 8 * 6 * 8 * 3 // 4, name  # 3 of the 4 pieces of x
