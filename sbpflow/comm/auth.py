@@ -44,7 +44,7 @@ def world_secret(store: dist.Store, rank: int, timeout: float) -> bytes:
     env = os.environ.get(SECRET_ENV)
     if env:
         return env.encode()
-    if rank == 0:
+    if rank == 0 and not store.check([_KEY]):  # (a second communicator keeps the first's)
         store.set(_KEY, new_secret())
     try:
         store.wait([_KEY], datetime.timedelta(seconds=timeout))

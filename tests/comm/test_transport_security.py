@@ -101,7 +101,9 @@ def test_a_peer_with_another_secret_is_refused_both_ways(store):
 def test_the_worlds_secret_is_the_environments_else_rank_zeros(store, monkeypatch):
     a, b = SocketChannels(0, store, 10.0), SocketChannels(1, store, 10.0)
     assert a.secret == b.secret and len(a.secret) == 64  # rank 0's random one, through the store
-    a.close(), b.close()
+    again = SocketChannels(0, store, 10.0)  # a second communicator of rank 0 keeps it
+    assert again.secret == a.secret
+    a.close(), b.close(), again.close()
     monkeypatch.setenv("SBPFLOW_SECRET", "from the launcher")
     c = SocketChannels(0, store, 10.0)
     assert c.secret == b"from the launcher"
