@@ -8,8 +8,8 @@ axes keep their splits); **replicated**
 (the generic op ``torch_replicated``: inputs boxed to ``B``, the bytes counted as "fallback",
 the function on every rank, outputs ``B``; autograd and graphs as any op); **eager** for what
 an op cannot express (a data-dependent shape, a non-tensor result, a random draw from
-sbpflow's stream, an unhashable constant: the whole values on every rank; refused in a
-graph's build). A gathering call warns once (`ReplicatedFallbackWarning`); a result torch
+sbpflow's stream, an unhashable constant, writes into arguments: the whole values on every
+rank, written arguments taking their new values; refused in a graph's build). A gathering call warns once (`ReplicatedFallbackWarning`); a result torch
 returns as a view is a copy that re-reads its input and refuses writes (`copy_view`);
 ``out=`` writes into the given tensors. See docs/torch_models.md, 'What runs'.
 """
@@ -33,7 +33,7 @@ from ..sbp import B, format_nd_sbp
 from ..tensor import GlobalTensor, _next_seed, apply_op, copy_view, lift, recording
 from .torch_layouts import CostlyLayoutWarning
 
-__all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of", "is_pure_aten",
+__all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of", "is_aten",
            "property_handler"]
 
 
@@ -83,15 +83,19 @@ def _returns_view(func: Callable) -> bool:
     return False
 
 
-def is_pure_aten(func: Callable) -> bool:
-    """``func`` is an aten op (or torch's binding of one) none of whose overloads writes into
-    an argument: a function of its inputs' values, whatever its name (``torch._chunk_cat``)."""
+def is_aten(func: Callable) -> bool:
+    """``func`` is an aten op or torch's binding of one, whatever its name (``torch._chunk_cat``):
+    a function of its arguments' values (and of what it writes into them, `_written`)."""
+    return bool(_packets(func))
+
+
+def _written(func: Callable) -> frozenset:
+    """The positions of the arguments an aten overload of ``func`` writes into (its schema's
+    ``Tensor(a!)`` ones; an ``out=`` overload's keyword-only outputs are not counted)."""
     schemas = [func._schema] if isinstance(func, torch._ops.OpOverload) else \
         [getattr(p, o)._schema for p in _packets(func) for o in p.overloads()]
-    # (an ``out=`` overload writes only its keyword-only outputs: still a pure function)
-    return bool(schemas) and not any(
-        a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
-        for schema in schemas for a in schema.arguments)
+    return frozenset(i for schema in schemas for i, a in enumerate(schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
 
 
 def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
@@ -211,17 +215,17 @@ def _warn(func: Callable, name: str, tensors: list, pl: Placement, route: str) -
 def fallback_for(func: Callable, name: str) -> Callable:
     """The handler running torch function ``func`` (shown as ``name``) on global tensors by the
     first route that applies (module docstring)."""
-    view = _returns_view(func)
+    view, writes = _returns_view(func), _written(func)
 
     def run(*args, **kwargs):
         out = kwargs.pop("out", None)
         tensors, pos, kw, pl = _collect(args, kwargs)
-        route, kind = route_of(func, tensors, pos, kw)
+        route, kind = ("eager", None) if writes else route_of(func, tensors, pos, kw)
         if route in ("replicated", "eager"):
             _warn(func, name, tensors, pl, route)
         if route == "eager":
             with counted_as("fallback"):
-                result = _eager(func, name, tensors, pos, kw, pl)
+                result = _eager(func, name, tensors, pos, kw, pl, writes)
         else:
             result = _as_op(route, kind, func, tensors, pos, kw)
             if view and tensors:
@@ -286,13 +290,15 @@ def property_handler(descriptor: Any, name: str) -> Callable:
 
 
 def _eager(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple,
-           pl: Placement) -> Any:
-    """The call on the whole values, on every rank of ``pl`` (module docstring, route 3)."""
+           pl: Placement, writes: frozenset = frozenset()) -> Any:
+    """The call on the whole values, on every rank of ``pl`` (module docstring, route 3); the
+    arguments at positions ``writes`` (the function writes into them) take their new values, in
+    their own layouts."""
     if recording():
         raise UnsupportedTorchFunction(
             f"{name} cannot be part of a graph on global tensors: its result's shape depends "
-            f"on the values, it is not tensors, or it draws random numbers. Call it outside "
-            f"the graph's build, or use an op with a static shape")
+            f"on the values, it is not tensors, it draws random numbers or it writes into its "
+            f"arguments. Call it outside the graph's build, or use an op with a static shape")
     if _comm.rank() not in pl:
         raise UnsupportedTorchFunction(
             f"{name} on rank {_comm.rank()}, outside the placement {pl} of its inputs: its "
@@ -306,6 +312,11 @@ def _eager(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple,
             result = func(*call_spec(pos, full), **call_spec(kw, full))
     else:
         result = func(*call_spec(pos, full), **call_spec(kw, full))
+    for i in writes:  # positional arguments the function wrote into
+        slot = pos[1][i] if i < len(pos[1]) else None
+        if slot is not None and slot[0] == "X" and full[slot[1]] is not tensors[slot[1]].local:
+            t = tensors[slot[1]]  # (a B tensor's own shard was written already)
+            t._assign_(GlobalTensor(full[slot[1]], tuple(t.shape), pl, replicated))
     return _wrapped(result, pl)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
-from .torch_fallback import fallback_for, is_pure_aten, property_handler
+from .torch_fallback import fallback_for, is_aten, property_handler
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -41,8 +41,7 @@ _STORAGE = frozenset({
     "__reduce_ex__", "__setstate__", "as_strided", "as_strided_", "stride",
 })
 
-_PRIVATE = ("It is private to torch and changes its inputs (or has no aten op): call the "
-            "public function it implements")
+_PRIVATE = ("It is private to torch and no aten op: call the public function it implements")
 
 # What to say for functions with no sbpflow op, by name (the rest get the general advice).
 _ADVICE = {
@@ -148,13 +147,13 @@ def handler_for(func) -> Callable:
 
 def _refused(func, name: str) -> bool:
     """Refused by name: a function about a shard's memory (`_STORAGE`, `_ADVICE`), or a private
-    one that is no pure aten op (``torch._chunk_cat`` is one; F.threshold is torch's private
+    one that is no aten op (``torch._chunk_cat`` is one; F.threshold is torch's private
     ``_threshold``, a public function)."""
     if name in _STORAGE or name in _ADVICE:
         return True
-    if not name.startswith("_") and not isinstance(func, torch._ops.OpOverload):
+    if not name.startswith("_"):
         return False
-    return getattr(func, "__module__", None) != "torch.nn.functional" and not is_pure_aten(func)
+    return getattr(func, "__module__", None) != "torch.nn.functional" and not is_aten(func)
 
 
 def dispatch(func, args: tuple, kwargs: dict):

@@ -245,10 +245,12 @@ def _small_fixes():
            "to_copy": r.to("cpu", F64, False, True) is not r, "to_same": r.to("cpu", F64) is r,
            "double": r.double(memory_format=torch.preserve_format) is r,
            "safe_softmax": torch.ops.aten._safe_softmax.default(r, 1).full_tensor()}
-    for name, fn in {"private writer": lambda: torch._native_batch_norm_legit(
-                         r, None, None, torch.zeros(6, dtype=F64), torch.ones(6, dtype=F64),
-                         True, 0.1, 1e-5),
-                     "as_strided": lambda: r.as_strided((2, 2), (1, 1))}.items():
+    mean = sf.zeros(6, placement=pl, sbp=sf.S(0), dtype=F64)  # written by the function
+    var = sf.ones(6, placement=pl, sbp=sf.B, dtype=F64)
+    with torch.no_grad():
+        norm = torch._native_batch_norm_legit(r, None, None, mean, var, True, 0.1, 1e-5)
+    out["writer"] = (norm[0].full_tensor(), mean.sbp, mean.full_tensor(), var.full_tensor())
+    for name, fn in {"as_strided": lambda: r.as_strided((2, 2), (1, 1))}.items():
         try:
             fn()
             out[name] = ""
@@ -257,7 +259,7 @@ def _small_fixes():
     return out
 
 
-def test_properties_flags_and_aten_ops_run_as_torch_and_memory_functions_are_refused():
+def test_properties_flags_and_aten_ops_run_as_torch_writes_included_and_as_strided_is_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         got = sf.launch(_small_fixes, 2)[0]
@@ -268,5 +270,11 @@ def test_properties_flags_and_aten_ops_run_as_torch_and_memory_functions_are_ref
     assert got["zero_grad"][0] is True and torch.equal(got["zero_grad"][1], torch.ones(8, 6, dtype=F64))
     assert got["to_copy"] and got["to_same"] and got["double"]
     torch.testing.assert_close(got["safe_softmax"], torch.ops.aten._safe_softmax.default(X, 1))
-    assert "private to torch and changes its inputs" in got["private writer"]
+    mean, var = torch.zeros(6, dtype=F64), torch.ones(6, dtype=F64)
+    norm = torch._native_batch_norm_legit(X, None, None, mean, var, True, 0.1, 1e-5)
+    got_norm, mean_sbp, got_mean, got_var = got["writer"]  # the running stats written back
+    torch.testing.assert_close(got_norm, norm[0])
+    assert mean_sbp == (sf.S(0),)
+    torch.testing.assert_close(got_mean, mean)
+    torch.testing.assert_close(got_var, var)
     assert "memory layout" in got["as_strided"]
