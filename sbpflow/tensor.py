@@ -620,6 +620,10 @@ class GlobalTensor:
         return _viewed(out, self, "expand", out._shape)
 
     def narrow(self, dim: int, start: int, length: int) -> "GlobalTensor":
+        """torch's ``narrow``; ``start`` may be a 0-d tensor, as in torch (its value is read:
+        a collective for a global one)."""
+        if isinstance(start, (torch.Tensor, GlobalTensor)):
+            start = int(start.item())
         out = apply_op("narrow", self, dim, start, length)
         d = dim % max(self.ndim, 1)
         begin = start + self._shape[d] if start < 0 else start

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import SbpError
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
 from .torch_fallback import fallback_for, is_aten, property_handler
@@ -27,6 +28,7 @@ __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
 # torch function (or Tensor property descriptor) -> handler(*args, **kwargs)
 _HANDLERS: dict = {}
+_FALLBACKS: dict = {}  # torch function -> its fallback, for arguments its handler refuses
 
 # The GlobalTensor methods a torch function of the same name may NOT fall back to: their
 # torch meaning differs (none today: max / min have torch's meaning and their own handlers).
@@ -157,10 +159,26 @@ def _refused(func, name: str) -> bool:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    """Run torch function ``func`` on ``args`` / ``kwargs`` holding global tensors."""
+    """Run torch function ``func`` on ``args`` / ``kwargs`` holding global tensors. A handler
+    that says it does not implement these arguments (a plain ``NotImplementedError``, as
+    ``cross_entropy`` with class-probability targets) hands the call to the fallback, which
+    is always correct; an `sf.SbpError` it raises stands (a refusal with its reason)."""
     handler = _HANDLERS.get(func) or handler_for(func)
     args, kwargs = lift_arguments(args, kwargs)
-    return handler(*args, **kwargs)
+    try:
+        return handler(*args, **kwargs)
+    except NotImplementedError as exc:
+        if isinstance(exc, SbpError) or getattr(handler, "fallback", False):
+            raise
+        return _fallback(func)(*args, **kwargs)
+
+
+def _fallback(func) -> Callable:
+    """``func``'s fallback handler (for the arguments its own handler does not implement)."""
+    handler = _FALLBACKS.get(func)
+    if handler is None:
+        handler = _FALLBACKS[func] = fallback_for(func, torch_name(func))
+    return handler
 
 
 set_torch_dispatch(dispatch)

@@ -278,3 +278,25 @@ def test_properties_flags_and_aten_ops_run_as_torch_writes_included_and_as_strid
     torch.testing.assert_close(got_mean, mean)
     torch.testing.assert_close(got_var, var)
     assert "memory layout" in got["as_strided"]
+
+
+def _arguments_a_handler_does_not_implement():
+    pl = sf.placement("cpu", [0, 1])
+    logits = sf.tensor(X, pl, sf.S(0)).requires_grad_()
+    probs = sf.tensor(torch.softmax(Y, 1), pl, sf.S(0))
+    loss = F.cross_entropy(logits, probs)  # class probabilities: sbpflow's handler has none
+    loss.backward()
+    start = sf.tensor(torch.tensor(2), pl, sf.B)
+    return loss.full_tensor(), logits.grad.full_tensor(), logits.narrow(1, start, 3).full_tensor()
+
+
+def test_arguments_a_handler_does_not_implement_run_by_the_fallback():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        loss, grad, narrowed = sf.launch(_arguments_a_handler_does_not_implement, 2)[0]
+    x = X.clone().requires_grad_()
+    want = F.cross_entropy(x, torch.softmax(Y, 1))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(grad, x.grad)
+    torch.testing.assert_close(narrowed, X.narrow(1, torch.tensor(2), 3))
