@@ -128,7 +128,9 @@ def test_launch_without_a_main_guard_says_how_to_fix_it(tmp_path):
 
 EXAMPLES = [("gpt.py", "2d", "tok/s", []), ("gpt.py", "tp", "sample:", []),
             ("gpt.py", "dp", "graph mode: 2 micro-batch(es)", ["--graph", "--micro-batches", "2"]),
-            ("gpt.py", "pp", "stage 0: 2, stage 1: 2, stage 2: 2, stage 3: 1",
+            # 1F1B bounds stage s to min(4 - s, 2); stages 1 and 2 reach theirs only when a
+            # second forward comes before the first backward, which a loaded machine may reverse
+            ("gpt.py", "pp", re.compile(r"stage 0: 2, stage 1: [12], stage 2: [12], stage 3: 1"),
              ["--micro-batches", "2", "--layers", "4"]),
             ("mlp_digits.py", "tp", "test accuracy", []), ("vgg.py", "2d", "accuracy", []),
             ("wide_deep.py", "tp", "embedding.weight (S(0),)", []),
@@ -151,7 +153,8 @@ def test_examples_train_a_few_steps(script, layout, expect, extra, capsys, monke
     monkeypatch.setattr(sys, "path", list(sys.path))
     runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
     out = capsys.readouterr().out
-    assert f" {layout}: 3 steps in " in out and "communication:" in out and expect in out
+    found = expect.search(out) if isinstance(expect, re.Pattern) else expect in out
+    assert f" {layout}: 3 steps in " in out and "communication:" in out and found, out
 
 
 @pytest.mark.gloo
