@@ -98,8 +98,9 @@ def _written(func: Callable) -> frozenset:
                      if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
 
 
-def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
-    """``"pointwise"``, ``"replicated"`` or ``"eager"`` (module docstring) for this call, from
+def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[Any, type | None]:
+    """``"pointwise"``, ``("reduction", dims, keepdim)``, ``"replicated"`` or ``"eager"``
+    (module docstring) for this call, from
     its function and the inputs' metadata, and the type torch gives a result of several tensors
     (``torch.return_types.sort``: None for one tensor, a tuple or a list). Cached."""
     try:
@@ -113,7 +114,7 @@ def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str,
     return route
 
 
-def _find_route(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[str, type | None]:
+def _find_route(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[Any, type | None]:
     if _is_random(func, call_spec(kw, tuple(tensors))):
         return "eager", None
     metas = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors)
