@@ -100,9 +100,9 @@ def _written(func: Callable) -> frozenset:
 
 def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[Any, type | None]:
     """``"pointwise"``, ``("reduction", dims, keepdim)``, ``"replicated"`` or ``"eager"``
-    (module docstring) for this call, from
-    its function and the inputs' metadata, and the type torch gives a result of several tensors
-    (``torch.return_types.sort``: None for one tensor, a tuple or a list). Cached."""
+    (module docstring) for this call, from its function and the inputs' metadata, and the type
+    torch gives a result of several tensors (``torch.return_types.sort``: None for one tensor,
+    a tuple or a list). Cached."""
     try:
         key = (func, pos, kw, tuple((t.shape, t.dtype) for t in tensors))
         hash(key)
