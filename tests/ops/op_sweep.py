@@ -630,9 +630,19 @@ def run_sbpflow(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
             raise
         out = _error_outcome(case, layout, "sbpflow", e, sf.SbpError)
     else:
-        d = _check(case, results)
-        out = Outcome(case.key, layout.name, "sbpflow", "wrong" if d else "pass", d or "",
-                      sample=case.index)
+        out = _judged(case, layout, "sbpflow", results)
+    return _stamped(out, case, layout, t0)
+
+
+def _judged(case: Case, layout: Layout, framework: str, results) -> Outcome:
+    """A run's outcome from its results: "pass", or "wrong" with what differs."""
+    d = _check(case, results)
+    return Outcome(case.key, layout.name, framework, "wrong" if d else "pass", d or "",
+                   sample=case.index)
+
+
+def _stamped(out: Outcome, case: Case, layout: Layout, t0: float) -> Outcome:
+    """``out`` with whether an input was split, a gradient compared, and the seconds taken."""
     out.split = _splits(case, layout)
     out.grad = case.first is not None
     out.seconds = time.perf_counter() - t0
@@ -741,13 +751,8 @@ def run_dtensor(case: Case, layout: Layout, timeout: float = 20.0) -> Outcome:
     elif real or errors:
         out = _error_outcome(case, layout, "dtensor", (real or errors)[0][1], None)
     else:
-        d = _check(case, results)
-        out = Outcome(case.key, layout.name, "dtensor", "wrong" if d else "pass", d or "",
-                      sample=case.index)
-    out.split = _splits(case, layout)
-    out.grad = case.first is not None
-    out.seconds = time.perf_counter() - t0
-    return out
+        out = _judged(case, layout, "dtensor", results)
+    return _stamped(out, case, layout, t0)
 
 
 RUNNERS = {"sbpflow": run_sbpflow, "dtensor": run_dtensor}
