@@ -191,8 +191,10 @@ def _collect(args: tuple, kwargs: dict) -> tuple[list, tuple, tuple, Placement]:
     return tensors, spec[1][0], spec[1][1], pl
 
 
-def _warn(func: Callable, name: str, tensors: list, pl: Placement, route: str) -> None:
-    """Once per (function, input layouts): the bytes gathering them to ``B`` moves."""
+def _warn(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple, pl: Placement,
+          route: str) -> None:
+    """Once per (function, input layouts): the bytes gathering them to ``B`` moves, and the
+    rule that would make the call cheap (`_cheaper`)."""
     replicated = (B,) * pl.ndim
     layouts = tuple((t.shape, t.dtype, t.sbp) for t in tensors)
     if _comm.rank() != pl.flat_ranks[0] or (func, pl, layouts) in _WARNED:
@@ -207,10 +209,28 @@ def _warn(func: Callable, name: str, tensors: list, pl: Placement, route: str) -
         f"{name} has no sharding rule in sbpflow: it ran {route} on every rank of {pl}, its "
         f"inputs ({shown}) gathered whole ({moved} bytes a call, summed over the ranks; "
         f"counted as 'fallback' in sf.comm.stats()). It is correct, but slow for large "
-        f"tensors: lay the "
-        f"inputs out B before it where that is cheaper, or register a rule for it (one "
-        f"sf.ops.register with a signature generator; docs/torch_models.md, 'What runs')",
+        f"tensors: {_cheaper(func, tensors, pos, kw)} (docs/torch_models.md, 'What runs')",
         ReplicatedFallbackWarning, stacklevel=4)
+
+
+def _cheaper(func: Callable, tensors: list, pos: tuple, kw: tuple) -> str:
+    """What would make a replicated call cheap: for a function of one tensor along the ``dim``
+    its aten schema binds, a rule keeping the other axes' splits (as ``cumsum``'s); else a rule
+    of its own, or inputs laid out ``B`` before it."""
+    found = None
+    if len(tensors) == 1 and pos[0] == "T" and pos[1] and pos[1][0] == ("X", 0):
+        try:
+            found = _bound_dims(func, [call_spec(v, ()) for v in pos[1][1:]],
+                                dict(zip(kw[1], (call_spec(v, ()) for v in kw[2]))),
+                                len(tensors[0].shape))
+        except (IndexError, TypeError, ValueError):  # constants that are tensors: no dim
+            found = None
+    if found is not None:
+        return (f"it works along dim {list(found[0])}, so a rule that keeps a split of any other "
+                f"axis (one sf.ops.register, as cumsum's in sbpflow/ops/along.py) would gather "
+                f"nothing when the input is split there")
+    return ("lay the inputs out B before it where that is cheaper, or register a rule for it "
+            "(one sf.ops.register with a signature generator)")
 
 
 def fallback_for(func: Callable, name: str) -> Callable:
@@ -223,7 +243,7 @@ def fallback_for(func: Callable, name: str) -> Callable:
         tensors, pos, kw, pl = _collect(args, kwargs)
         route, kind = ("eager", None) if writes else route_of(func, tensors, pos, kw)
         if route in ("replicated", "eager"):
-            _warn(func, name, tensors, pl, route)
+            _warn(func, name, tensors, pos, kw, pl, route)
         if route == "eager":
             with counted_as("fallback"):
                 result = _eager(func, name, tensors, pos, kw, pl, writes)

@@ -300,3 +300,19 @@ def test_arguments_a_handler_does_not_implement_run_by_the_fallback():
     torch.testing.assert_close(loss, want.detach())
     torch.testing.assert_close(grad, x.grad)
     torch.testing.assert_close(narrowed, X.narrow(1, torch.tensor(2), 3))
+
+
+def _along_a_dim():
+    x = sf.tensor(X, sf.placement("cpu", [0, 1]), sf.S(0))
+    torch.cummax(x, dim=1)
+    torch.flip(x, (0,))
+
+
+def test_the_warning_names_the_rule_that_would_make_a_call_cheap():
+    with pytest.warns(ReplicatedFallbackWarning) as record:
+        sf.launch(_along_a_dim, 2)
+    texts = {w.message.args[0].split(" ")[0]: str(w.message) for w in record
+             if issubclass(w.category, ReplicatedFallbackWarning)}
+    assert "it works along dim [1], so a rule that keeps a split of any other axis" in \
+        texts["torch.cummax"]
+    assert "register a rule for it" in texts["torch.flip"]
