@@ -32,7 +32,7 @@ from ..errors import CommError, WireError
 from .auth import ServerHandshake, client_handshake, world_secret
 from .channels import StoreChannels
 from .progress import own_connection
-from .wire import FrameReader, encode, parse_frame
+from .wire import FrameReader, copied, encode
 
 __all__ = ["SocketChannels", "address_key", "local_address"]
 
@@ -135,8 +135,7 @@ class SocketChannels:
         not plain data and tensors, `WireError`. To itself: a decoded copy of its frame straight
         into its own deque."""
         if dst == self.rank and self._receiver is not None:
-            _, _, copy = parse_frame(b"".join(encode(src, channel, message)))
-            self._receiver.put(channel, (src, copy))
+            self._receiver.put(channel, (src, copied(src, channel, message)))
             return
         peer = None if dst == self.rank else self._peer(src, dst, channel)
         if peer is None:

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import WireError
 
-__all__ = ["PREFIX", "encode", "decode", "FrameReader", "parse_frame"]
+__all__ = ["PREFIX", "encode", "decode", "FrameReader", "parse_frame", "copied"]
 
 PREFIX = struct.Struct("!QIiHH")  # after-prefix bytes, body bytes, src, channel bytes, buffers
 _SIZE = struct.Struct("!Q")
@@ -169,10 +169,7 @@ def _split(view: memoryview, after: int, body_n: int, chan_n: int, n_buf: int) -
     sizes = [_SIZE.unpack_from(view, i * _SIZE.size)[0] for i in range(n_buf)]
     if at + chan_n + body_n + sum(sizes) != after:
         raise WireError("a frame whose sizes do not add up")
-    try:
-        channel = bytes(view[at:at + chan_n]).decode()
-    except UnicodeDecodeError:
-        raise WireError("a frame whose channel name is not utf-8") from None
+    channel = _channel(view[at:at + chan_n])
     at += chan_n
     body = view[at:at + body_n]
     at += body_n
@@ -185,14 +182,25 @@ def _split(view: memoryview, after: int, body_n: int, chan_n: int, n_buf: int) -
 
 def parse_frame(data: bytes) -> tuple[int, str, Any]:
     """``(src, channel, message)`` of one whole frame (`WireError` if it is not one)."""
-    view = memoryview(data)
-    if len(view) < PREFIX.size:
-        raise WireError(f"a frame of {len(view)} bytes")
-    after, body_n, src, chan_n, n_buf = PREFIX.unpack_from(view)
-    if after != len(view) - PREFIX.size:
-        raise WireError("a frame whose sizes do not add up")
-    channel, body, buffers = _split(view[PREFIX.size:], after, body_n, chan_n, n_buf)
-    return src, channel, decode(body, buffers)
+    reader = FrameReader()
+    frames = reader.feed(data)
+    if reader.error is not None:
+        raise reader.error
+    if len(frames) != 1 or reader.buf:
+        raise WireError(f"{len(data)} bytes that are not one whole frame")
+    return frames[0]
+
+
+def copied(src: int, channel: str, message: Any) -> Any:
+    """``message`` as its receiver gets it: encoded and decoded (a post to oneself)."""
+    return parse_frame(b"".join(encode(src, channel, message)))[2]
+
+
+def _channel(raw) -> str:
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        raise WireError("a frame whose channel name is not utf-8") from None
 
 
 class FrameReader:
@@ -218,10 +226,7 @@ class FrameReader:
                 if end - lo < after:
                     break
                 if n_buf == 0 and chan_n + body_n == after:  # no tensors: the common case
-                    try:
-                        channel = buf[lo:lo + chan_n].decode()
-                    except UnicodeDecodeError:
-                        raise WireError("a frame whose channel name is not utf-8") from None
+                    channel = _channel(buf[lo:lo + chan_n])
                     message = decode(bytes(buf[lo + chan_n:lo + after]), [])
                 else:
                     channel, message = self._with_buffers(lo, after, body_n, chan_n, n_buf)
