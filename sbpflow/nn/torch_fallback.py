@@ -141,11 +141,7 @@ def _reduction_route(func: Callable, tensors: list, pos: tuple, kw: tuple, outs)
     """``("reduction", dims, keepdim)`` for a reduction of its one tensor (its first
     argument) over ``dims`` read from the aten schema the call binds to, when the outputs have
     the shape that gives; else "replicated"."""
-    if len(tensors) != 1 or pos[0] != "T" or not pos[1] or pos[1][0] != ("X", 0):
-        return "replicated"
-    ndim = len(tensors[0].shape)
-    found = _bound_dims(func, [call_spec(v, ()) for v in pos[1][1:]],
-                        dict(zip(kw[1], (call_spec(v, ()) for v in kw[2]))), ndim)
+    found = _dims_of(func, tensors, pos, kw)
     if found is None:
         return "replicated"
     dims, keepdim = found
@@ -154,6 +150,16 @@ def _reduction_route(func: Callable, tensors: list, pos: tuple, kw: tuple, outs)
     if not dims or any(tuple(o.shape) != shape for o in outs):
         return "replicated"
     return ("reduction", dims, keepdim)
+
+
+def _dims_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple | None:
+    """``(dims, keepdim)`` of a call of one tensor, given first, along the ``dim`` its aten
+    schema binds (`_bound_dims`); None for any other call."""
+    if len(tensors) != 1 or pos[0] != "T" or not pos[1] or pos[1][0] != ("X", 0):
+        return None
+    return _bound_dims(func, [call_spec(v, ()) for v in pos[1][1:]],
+                       dict(zip(kw[1], (call_spec(v, ()) for v in kw[2]))),
+                       len(tensors[0].shape))
 
 
 def _bound_dims(func: Callable, args: list, kwargs: dict, ndim: int) -> tuple | None:
@@ -170,8 +176,9 @@ def _bound_dims(func: Callable, args: list, kwargs: dict, ndim: int) -> tuple | 
                 continue
             bound = {**dict(zip(positional, args)), **kwargs}
             dim = bound.get("dim")
-            if "dim" not in names or dim is None or isinstance(dim, bool):
-                continue
+            if "dim" not in names or isinstance(dim, bool) or \
+                    not isinstance(dim, (int, list, tuple)):
+                continue  # (None, or a dim name)
             dims = (dim,) if isinstance(dim, int) else tuple(dim)
             if not all(isinstance(d, int) and -ndim <= d < max(ndim, 1) for d in dims):
                 return None
@@ -217,14 +224,7 @@ def _cheaper(func: Callable, tensors: list, pos: tuple, kw: tuple) -> str:
     """What would make a replicated call cheap: for a function of one tensor along the ``dim``
     its aten schema binds, a rule keeping the other axes' splits (as ``cumsum``'s); else a rule
     of its own, or inputs laid out ``B`` before it."""
-    found = None
-    if len(tensors) == 1 and pos[0] == "T" and pos[1] and pos[1][0] == ("X", 0):
-        try:
-            found = _bound_dims(func, [call_spec(v, ()) for v in pos[1][1:]],
-                                dict(zip(kw[1], (call_spec(v, ()) for v in kw[2]))),
-                                len(tensors[0].shape))
-        except (IndexError, TypeError, ValueError):  # constants that are tensors: no dim
-            found = None
+    found = _dims_of(func, tensors, pos, kw)
     if found is not None:
         return (f"it works along dim {list(found[0])}, so a rule that keeps a split of any other "
                 f"axis (one sf.ops.register, as cumsum's in sbpflow/ops/along.py) would gather "
