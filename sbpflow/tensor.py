@@ -514,10 +514,13 @@ class GlobalTensor:
         return int(self.item())
     matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
     eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
-    # bool tensors (masks): torch's | & ^ ~ on bools are the logical ops
-    __or__, __and__ = _binary("logical_or"), _binary("logical_and")
-    __ror__, __rand__ = _binary("logical_or", True), _binary("logical_and", True)
-    __invert__ = _unary("logical_not")
+    # torch's bitwise operators: bitwise on integers, logical on bools, torch's type promotion
+    __and__, __rand__ = _binary("bitwise_and"), _binary("bitwise_and", True)
+    __or__, __ror__ = _binary("bitwise_or"), _binary("bitwise_or", True)
+    __xor__, __rxor__ = _binary("bitwise_xor"), _binary("bitwise_xor", True)
+    __lshift__, __rlshift__ = _binary("bitwise_left_shift"), _binary("bitwise_left_shift", True)
+    __rshift__, __rrshift__ = _binary("bitwise_right_shift"), _binary("bitwise_right_shift", True)
+    __invert__ = bitwise_not = _unary("bitwise_not")
     __neg__ = _unary("neg")
     exp, log, sqrt, rsqrt, abs = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "abs"))
     sin, cos, tanh, sigmoid, relu = (_unary(n) for n in ("sin", "cos", "tanh", "sigmoid", "relu"))
@@ -726,6 +729,30 @@ class GlobalTensor:
 
     def __itruediv__(self, other):
         return self._assign_(apply_op("div", self, other))
+
+    def _assign_bitwise_(self, name: str, other) -> "GlobalTensor":
+        """``&=`` ``|=`` ``^=`` ``<<=`` ``>>=``: as torch, refused where the result's dtype
+        cannot be cast to this tensor's (``bool_mask &= long_tensor``)."""
+        result = apply_op(name, self, other)
+        if not torch.can_cast(result.dtype, self.dtype):
+            raise DtypeMismatchError(f"result type {result.dtype} can't be cast to the desired "
+                                     f"output type {self.dtype} (as torch; {_describe(self)})")
+        return self._assign_(result)
+
+    def __iand__(self, other):
+        return self._assign_bitwise_("bitwise_and", other)
+
+    def __ior__(self, other):
+        return self._assign_bitwise_("bitwise_or", other)
+
+    def __ixor__(self, other):
+        return self._assign_bitwise_("bitwise_xor", other)
+
+    def __ilshift__(self, other):
+        return self._assign_bitwise_("bitwise_left_shift", other)
+
+    def __irshift__(self, other):
+        return self._assign_bitwise_("bitwise_right_shift", other)
 
     def float(self, memory_format=None) -> "GlobalTensor":
         return self.to(torch.float32)

@@ -82,6 +82,7 @@ UNARY = {
     "relu": (torch.relu, _nonlinear), "silu": (F.silu, _nonlinear),
     "gelu": (F.gelu, _nonlinear), "square": (torch.square, _nonlinear),
     "reciprocal": (torch.reciprocal, _nonlinear), "logical_not": (torch.logical_not, _nonlinear),
+    "bitwise_not": (torch.bitwise_not, _nonlinear),
     "isnan": (torch.isnan, _nonlinear), "erfinv": (torch.erfinv, _nonlinear),
     "clamp": (torch.clamp, _nonlinear),  # attributes min / max: constants
     "round": (torch.round, _nonlinear),  # attribute decimals
@@ -100,6 +101,12 @@ BINARY = {
     "lt": (lambda a, b: a < b, _nonlinear), "le": (lambda a, b: a <= b, _nonlinear),
     "gt": (lambda a, b: a > b, _nonlinear), "ge": (lambda a, b: a >= b, _nonlinear),
     "logical_and": (torch.logical_and, _nonlinear), "logical_or": (torch.logical_or, _nonlinear),
+    # ``&`` ``|`` ``^`` ``<<`` ``>>``: torch's operators (bitwise on integers, logical on bools,
+    # torch's type promotion: long & bool -> long); a number may come first (``1 << x``)
+    "bitwise_and": (lambda a, b: a & b, _nonlinear),
+    "bitwise_or": (lambda a, b: a | b, _nonlinear), "bitwise_xor": (lambda a, b: a ^ b, _nonlinear),
+    "bitwise_left_shift": (lambda a, b: a << b, _nonlinear),
+    "bitwise_right_shift": (lambda a, b: a >> b, _nonlinear),
     "where": (torch.where, _nonlinear),
     "floor_divide": (torch.floor_divide, _nonlinear), "remainder": (torch.remainder, _nonlinear),
 }

@@ -100,6 +100,73 @@ def test_comparisons_are_elementwise_and_tensors_still_dict_keys():
     assert same == ("a", "b", True, True, True) and left == 1
 
 
+def _ints(x):
+    """Integers and a mask derived from X (any layout): the operands of the bitwise cases."""
+    return (x * 4).round().long(), x > 0
+
+
+BITWISE = {   # torch's operators: bitwise on integers, logical on bools, torch's type promotion
+    "and_long_bool": lambda x: _ints(x)[0] & _ints(x)[1],
+    "bool_and_long": lambda x: _ints(x)[1] & _ints(x)[0],
+    "or_xor": lambda x: (_ints(x)[0] | (_ints(x)[0] + 1), _ints(x)[0] ^ 3, _ints(x)[1] ^ True),
+    "reflected": lambda x: (3 ^ _ints(x)[0], 5 | _ints(x)[0], 6 & _ints(x)[0], True & _ints(x)[1],
+                            1 << _ints(x)[0].abs().clamp(max=5),
+                            64 >> _ints(x)[0].abs().clamp(max=5)),
+    "invert": lambda x: (~_ints(x)[0], ~_ints(x)[1], _ints(x)[0].bitwise_not()),
+    "shifts": lambda x: (_ints(x)[0].abs() << 2, _ints(x)[0] >> 1,
+                         _ints(x)[0] << _ints(x)[1].long()),
+    "generate_unfinished": lambda x: _ints(x)[0].clamp(0, 1) & ~_ints(x)[1],
+    "masks": lambda x: ((x > 0) & (x < 1)) | ~(x > -1),
+    "in_place": lambda x: _in_place_bitwise(*_ints(x)),
+    "in_place_refused": lambda x: _in_place_refused(*_ints(x)),
+}
+
+
+def _in_place_bitwise(i, m):
+    j = i.clone()
+    j &= m
+    j |= 4
+    j ^= i
+    j <<= 1
+    j >>= 1
+    k = m.clone()
+    k |= m.logical_not()
+    k ^= True
+    return j, k
+
+
+def _in_place_refused(i, m):
+    try:
+        m &= i
+    except RuntimeError as exc:   # torch: a Long result cannot be written into a Bool tensor
+        return "can't be cast" in str(exc)
+    return "written"
+
+
+def _same_exactly(got, want) -> bool:
+    if isinstance(want, tuple):
+        return len(got[1]) == len(want) and all(_same_exactly(g, w) for g, w in zip(got[1], want))
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    return got == want
+
+
+def test_bitwise_operators_as_torch():
+    def body():
+        pl = sf.placement("cpu", [0, 1])
+        bad = []
+        for sbp in (sf.S(0), sf.S(2), sf.P):
+            for name, fn in BITWISE.items():
+                try:
+                    got = _value(fn(sf.tensor(X, pl, sbp)))
+                except Exception as exc:  # noqa: BLE001 - reported with the case
+                    got = repr(exc)
+                if not _same_exactly(got, fn(X.clone())):
+                    bad.append((name, sbp, got))
+        return bad
+    assert sf.launch(body, world_size=2)[0] == []
+
+
 # -- 2. values and indices -----------------------------------------------------------------------
 SELECTIONS = {
     "max_dim": lambda x: x.max(1),
