@@ -11,7 +11,8 @@ from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
 from .errors import ActorAborted, ActorTimeout, GraphError, PlanError
-from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CheckpointShapeError,
+from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CheckpointKeyError,
+                     CheckpointShapeError,
                      CommAborted, CommError,
                      CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
                      DtypeMismatchError, IndexOutOfRange,
@@ -36,6 +37,8 @@ from . import data  # noqa: E402  (above nn, optim, tensor)
 from . import auto  # noqa: E402
 from .nn.amp import autocast  # noqa: E402
 from .nn.serialization import load, save  # noqa: E402
+from .nn.safetensors_io import export  # noqa: E402
+from .parallel.pretrained import load_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -48,5 +51,5 @@ __all__ = [
     "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
     "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
     "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "WireError", "CheckpointShapeError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "autocast", "auto", "memory", "memory_stats",
+    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "WireError", "CheckpointShapeError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "export", "load_pretrained", "CheckpointKeyError", "autocast", "auto", "memory", "memory_stats",
 ]

@@ -92,6 +92,12 @@ class CheckpointShapeError(CheckpointError, ShapeError):
     and a `ShapeError` (shapes disagree), so either ``except`` catches it."""
 
 
+class CheckpointKeyError(CheckpointError, StateDictError):
+    """A checkpoint's tensor names do not fit the model's (a tensor the model has that the
+    checkpoint lacks, or one the checkpoint has that the model lacks): a `CheckpointError`
+    and a `StateDictError`, so either ``except`` catches it."""
+
+
 class OptimizerStateError(SbpError, ValueError):
     """An optimizer state dict does not fit the optimizer (groups, parameters, shapes)."""
 
