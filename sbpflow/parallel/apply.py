@@ -1,10 +1,11 @@
 """``sf.parallel.apply``: lay out a model's parameters by name.
 
-``rules`` maps fnmatch patterns over ``named_parameters()`` names to nd-sbps; the first pattern
-that matches a name wins (dict order), ``"*"`` is the usual fallback::
+``rules`` maps fnmatch patterns over ``named_parameters()`` names to nd-sbps or to styles
+resolved against each parameter's module (`sf.parallel.colwise`, parallel/styles.py); the first
+pattern that matches a name wins (dict order), ``"*"`` is the usual fallback::
 
-    sf.parallel.apply(model, mesh, {"*.fc1.*": (sf.B, sf.S(0)),   # column parallel
-                                    "*.fc2.weight": (sf.B, sf.S(1)), "*": (sf.B, sf.B)})
+    sf.parallel.apply(model, mesh, {"*.fc1.*": sf.parallel.colwise,   # (B, S(0)) on a 2-D mesh
+                                    "*.fc2.*": sf.parallel.rowwise, "*": (sf.B, sf.B)})
 
 Each parameter is boxed to ``placement`` with its nd-sbp (materialised there if built under
 `sf.nn.init.meta_init`) and re-registered as a fresh leaf `Parameter` under every name it has:
@@ -20,36 +21,57 @@ from typing import Mapping
 
 from ..errors import SbpError, UnmatchedParameterError
 from ..nn.modules import Module
-from ..nn.torch_layouts import watch_fused_splits
+from ..nn.torch_layouts import warn_narrow_splits, watch_fused_splits
 from ..nn.torch_modules import from_torch, is_torch_module
 from ..placement import Placement
 from ..sbp import parse_nd_sbp
 from . import zero as _zero
 from .relayout import relayout
+from .styles import Style
 
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
 
 
-def match_rules(names, rules: Mapping, placement: Placement) -> dict:
-    """``{name: nd_sbp}`` by first matching pattern; raises `UnmatchedParameterError`."""
-    parsed = []
-    for pattern, sbp in rules.items():
-        try:
-            parsed.append((pattern, parse_nd_sbp(sbp, placement.ndim)))
-        except SbpError as exc:
-            raise type(exc)(f"rule {pattern!r} on {placement}: {exc}") from None
+def match_rules(names, rules: Mapping, placement: Placement, model=None) -> dict:
+    """``{name: nd_sbp}`` by first matching pattern; raises `UnmatchedParameterError`. A rule
+    whose value is a `Style` is resolved against the parameter's module in ``model`` (needed
+    then)."""
+    parsed = [(pattern, _parsed_rule(pattern, value, placement, model))
+              for pattern, value in rules.items()]
+    params = dict(model.named_parameters()) if model is not None else {}
     out, unmatched = {}, []
     for name in names:
         nd = next((nd for pattern, nd in parsed if fnmatch.fnmatchcase(name, pattern)), None)
         if nd is None:
             unmatched.append(name)
         else:
-            out[name] = nd
+            out[name] = nd.resolve(*_owner(model, name), tuple(params[name].shape),
+                                   placement) if isinstance(nd, Style) else nd
     if unmatched:
         raise UnmatchedParameterError(
             f"sf.parallel.apply: no rule matches parameter(s) {unmatched} (patterns "
             f"{list(rules)}, on {placement}); add a rule or a '*' fallback")
     return out
+
+
+def _parsed_rule(pattern: str, value, placement: Placement, model):
+    """A rule's nd-sbp, or its `Style` (checked against the placement's dims)."""
+    try:
+        if isinstance(value, Style):
+            if model is None:
+                raise SbpError(f"the style {value!r} needs the model to resolve against; "
+                               f"pass model= to match_rules")
+            value.tp_dim(placement)
+            return value
+        return parse_nd_sbp(value, placement.ndim)
+    except SbpError as exc:
+        raise type(exc)(f"rule {pattern!r} on {placement}: {exc}") from None
+
+
+def _owner(model, name: str) -> tuple:
+    """(module, attribute name) of parameter ``name`` of ``model``."""
+    mod_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(mod_name) if mod_name else model), attr
 
 
 def apply(model, placement: Placement, rules: Mapping, zero: int = 0,
@@ -70,7 +92,8 @@ def apply(model, placement: Placement, rules: Mapping, zero: int = 0,
     if is_torch_module(model):
         model = from_torch(model, placement)
     names = [n for n, _ in model.named_parameters()]
-    layouts = match_rules(names, rules, placement)
+    layouts = match_rules(names, rules, placement, model)
+    warn_narrow_splits(model, placement, layouts)
     stored = {}   # stages 2 and 3: straight to the split layout (no whole copy on each rank)
     if stage >= 2:
         for name, p in model.named_parameters():
