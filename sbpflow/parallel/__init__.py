@@ -12,4 +12,5 @@ from .relayout import relayout
 from .styles import Style, colwise, replicate, rowwise
 
 __all__ = ["apply", "match_rules", "relayout", "pipeline", "pipeline_of", "Pipeline",
-           "UnmatchedParameterError", "CyclicDataParallel", "zero", "load_pretrained"]
+           "UnmatchedParameterError", "CyclicDataParallel", "zero", "load_pretrained",
+           "Style", "colwise", "rowwise", "replicate", "hf_tp_plan", "HF_STYLES", "BUILTIN_PLANS"]
