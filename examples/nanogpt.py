@@ -33,14 +33,13 @@ from torch_gpt_model import GPT, GPTConfig  # noqa: E402
 # into q | k | v: splitting its rows would gather it every step, and apply warns about it)
 # tp-naive: Megatron's rules written for c_attn as for any column-parallel layer; its output is
 # then cut into q | k | v across ranks (see the warning, and the bytes, against tp)
-MLP_TP = {"*.mlp.c_fc.*": sf.S(0), "*.mlp.c_proj.weight": sf.S(1)}
+MLP_TP = {"*.mlp.c_fc.*": sf.parallel.colwise, "*.mlp.c_proj.*": sf.parallel.rowwise}
 LAYOUTS = {
     "dp": ((4,), {"*": sf.B}, (sf.S(0),)),
-    "2d": ((2, 2), {"*.mlp.c_fc.*": (sf.B, sf.S(0)), "*.mlp.c_proj.weight": (sf.B, sf.S(1)),
-                    "*": (sf.B, sf.B)}, (sf.S(0), sf.B)),
+    "2d": ((2, 2), {**MLP_TP, "*": (sf.B, sf.B)}, (sf.S(0), sf.B)),   # styles: on the last dim
     "tp": ((4,), {**MLP_TP, "*": sf.B}, (sf.B,)),
-    "tp-naive": ((4,), {"*.attn.c_attn.*": sf.S(0), "*.attn.c_proj.weight": sf.S(1), **MLP_TP,
-                        "*": sf.B}, (sf.B,)),
+    "tp-naive": ((4,), {"*.attn.c_attn.*": sf.parallel.colwise, "*.attn.c_proj.*":
+                        sf.parallel.rowwise, **MLP_TP, "*": sf.B}, (sf.B,)),
 }
 
 
