@@ -24,7 +24,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import GraphError, ParallelizeError
+from ..errors import GraphError, ParallelizeError, TraceError
 from ..nn.modules import Module, ModuleDict, ModuleList, Sequential
 from ..nn.recompute import checkpoint as _checkpoint
 from ..nn.torch_modules import from_torch, is_torch_module
@@ -129,10 +129,16 @@ def _swap01(nd):
     return tuple(S(1 - s.axis) if isinstance(s, Split) else s for s in nd)
 
 
-def _bias_of(weight_nd):
-    """The bias follows a (out, ...) weight's output axis 0; replicated where split elsewhere."""
-    return tuple(s if not isinstance(s, Split) else (s if s.axis == 0 else Broadcast())
+def _bias_of(weight_nd, out_axis: int = 0):
+    """The bias follows the weight's output axis (0 of an ``(out, ...)`` weight, 1 of a
+    `stores_in_out` module's ``(in, out)``); replicated where the weight is split elsewhere."""
+    return tuple(s if not isinstance(s, Split) else (S(0) if s.axis == out_axis else Broadcast())
                  for s in weight_nd)
+
+
+def _out_axis(layer) -> int:
+    """The output axis of ``layer``'s module weight (`_bias_of`)."""
+    return 1 if layer.attrs.get("weight_in_out") else 0
 
 
 def _act(nd, ndim):
@@ -322,9 +328,12 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
 
 
 # -- tied weights ----------------------------------------------------------------------------------
-def _module_nd(kind: str, nd) -> tuple:
-    """A layer's weight layout in its module's axes (a Linear's weight is ``(out, in)``)."""
-    return _swap01(nd) if kind == "linear" else tuple(nd)
+def _module_nd(layer, nd) -> tuple:
+    """A layer's weight layout in its module's axes (a Linear's weight is ``(out, in)``, a
+    `stores_in_out` module's ``(in, out)`` as the graph's)."""
+    if layer.kind == "linear" and not layer.attrs.get("weight_in_out"):
+        return _swap01(nd)
+    return tuple(nd)
 
 
 def _near_cost(ev, graph, layers: list, j: int, c) -> float:
@@ -348,7 +357,7 @@ def _weight_options(ev, graph, layers: list, j: int, weighted, stage: int) -> di
         s = dataclasses.replace(c, stage=stage)
         if layer.weight_shape is None:
             s = dataclasses.replace(s, weight=None, stored=None)
-        key = (c.mesh, _module_nd(layer.kind, c.weight))
+        key = (c.mesh, _module_nd(layer, c.weight))
         t = _near_cost(ev, graph, layers, j, s)
         if key not in out or t < out[key][0]:
             out[key] = (t, s)
@@ -361,9 +370,9 @@ def _accepts(weighted, s, held: tuple) -> bool:
     if s.mesh != held[0]:
         return False
     if s.weight is not None:
-        return _module_nd(weighted.kind, s.weight) == held[1]
+        return _module_nd(weighted, s.weight) == held[1]
     return any((c.input, c.output) == (s.input, s.output) and
-               _module_nd(weighted.kind, c.weight) == held[1]
+               _module_nd(weighted, c.weight) == held[1]
                for c in layer_space(weighted, s.devices) if c.mesh == s.mesh)
 
 
@@ -379,7 +388,7 @@ def _tie_weights(graph, strategy: Strategy, modules: dict, ev, notes: list) -> S
         su, sh = layers[i], layers[h]
         weighted = dataclasses.replace(graph.layers[i], tied=None, weight_shape=graph_weight_shape(
             graph.layers[i].kind, modules[user]))
-        held = (sh.mesh, _module_nd(graph.layers[h].kind, sh.weight))
+        held = (sh.mesh, _module_nd(graph.layers[h], sh.weight))
         if _accepts(weighted, su, held):
             continue
         mine = _weight_options(ev, graph, layers, i, weighted, getattr(su, "stage", 0))
@@ -486,13 +495,13 @@ def _layouts(graph, strategy, modules, placements) -> dict:
         pl = placements[layer.name]
         if layer.tied is not None:
             hl = graph[layer.tied]
-            w = _module_nd(hl.kind, strategy[layer.tied].weight)
+            w, out_axis = _module_nd(hl, strategy[layer.tied].weight), _out_axis(hl)
             want = []
         else:
-            w = _module_nd(layer.kind, s.weight)
+            w, out_axis = _module_nd(layer, s.weight), _out_axis(layer)
             want = [(m.weight, w)]
         if getattr(m, "bias", None) is not None:
-            want.append((m.bias, _bias_of(w)))
+            want.append((m.bias, _bias_of(w, out_axis)))
         for p, nd in want:
             prev = out.get(id(p))
             if prev is not None and (prev[0] != pl or prev[1] != nd):
@@ -524,8 +533,10 @@ def _tie_views(graph, strategy, modules, placements) -> None:
 def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *,
                 algorithm: str = "exhaustive", seed: int = 0, memory_limit=None,
                 one_mesh: bool = False, stages=1, recompute: bool = False,
-                zero: bool | int | tuple = False) -> ParallelPlan:
-    """Trace ``model`` on ``example_inputs`` (shapes only), search a strategy for
+                zero: bool | int | tuple = False, meta: bool | str = "auto") -> ParallelPlan:
+    """Trace ``model`` on ``example_inputs`` (`trace`: ``meta="auto"``, the default, on
+    shapes, and with the real forward where that needs a value the weights compute, noted;
+    ``True`` shapes only; ``False`` the real forward), search a strategy for
     ``placement.size`` devices on ``cluster`` (default: a single node of ``dgx-a100`` links
     with that many devices) or take ``strategy``, and lay the model out for it, in place: each
     layer on its strategy's mesh, activations on the stream placement between layers
@@ -546,8 +557,9 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     cluster = _checked_arguments(model, placement, cluster)
     if is_torch_module(model):
         model = from_torch(model, placement)
-    graph, modules = trace(model, example_inputs)
-    notes, t0 = [], time.perf_counter()
+    notes = []
+    graph, modules = _traced(model, example_inputs, meta, notes)
+    t0 = time.perf_counter()
     if strategy is None:
         strategy, bd = _search(graph, cluster, algorithm, seed, memory_limit, one_mesh, stages,
                                notes, recompute, zero)
@@ -576,6 +588,25 @@ def parallelize(model, example_inputs, placement, cluster=None, strategy=None, *
     plan.schedule = pp.schedule if pp is not None else "1f1b"
     object.__setattr__(model, "auto_plan", plan)
     return plan
+
+
+def _traced(model, example_inputs, meta, notes: list) -> tuple:
+    """`trace` of ``model`` as ``meta`` asks (`parallelize`); ``"auto"`` falls back to the
+    real forward (a collective: every rank calls `parallelize`, and every rank's trace on
+    shapes fails alike) when the forward on shapes raises `TraceError`, and notes why."""
+    if meta not in (True, False, "auto"):
+        raise ParallelizeError(f"parallelize: meta must be True (trace on shapes), False (the "
+                               f"real forward) or 'auto' (shapes, else the real forward), "
+                               f"got {meta!r}")
+    if meta != "auto":
+        return trace(model, example_inputs, meta=meta)
+    try:
+        return trace(model, example_inputs)
+    except TraceError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        notes.append(f"traced with the real forward (meta=False): on shapes it raised "
+                     f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
+        return trace(model, example_inputs, meta=False)
 
 
 def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> None:
@@ -635,6 +666,8 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
     replicated = (streams[0].placement, (B,) * streams[0].placement.ndim)
     relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
              ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
+    if pipe is None:
+        _move_buffers(model, streams[0].placement)
     _tie_views(graph, strategy, modules, placements)
     _zero_stages(model, graph, strategy, modules)
     for m in model.modules():   # recomputation regions of an earlier parallelize
@@ -654,6 +687,22 @@ def _lay_out(model, graph, strategy, modules, placement, notes: list) -> Paralle
     if pipe is not None:
         plan.stages, plan.pipeline = [st.placement for st in streams], pipe
     return plan
+
+
+def _move_buffers(model, placement) -> None:
+    """Every buffer onto the stream ``placement`` of a one-stage plan, where the activations
+    it meets live (a rotary embedding's frequencies): its nd-sbp kept on a mesh of as many
+    dims, else replicated (a boxing; one moved tensor for a buffer registered twice). A
+    pipeline moves its buffers itself (`sf.parallel.pipeline`)."""
+    moved: dict = {}
+    for m in model.modules():
+        for key, b in list(m._buffers.items()):
+            if b is None or b.placement is placement or b.placement == placement:
+                continue
+            if id(b) not in moved:
+                nd = b.sbp if b.placement.ndim == placement.ndim else (B,) * placement.ndim
+                moved[id(b)] = b.to_global(placement=placement, sbp=nd)
+            m._buffers[key] = moved[id(b)]
 
 
 def _zero_stages(model, graph, strategy, modules) -> None:

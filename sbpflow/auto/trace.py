@@ -10,18 +10,20 @@ nothing computed or communicated. See docs/auto.md, 'Tracing a model'.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Sequence
 
 import torch
 
-from ..errors import SbpError, TraceError
-from ..sbp import B
+from ..errors import (CommError, PlacementError, PlacementMismatchError, SbpError,
+                      TraceError)
+from ..sbp import B, Broadcast
 from .graph import Graph, Layer
 from .model_graphs import linear_layer
 
-__all__ = ["trace", "TraceError", "graph_weight_shape"]
+__all__ = ["trace", "TraceError", "graph_weight_shape", "stores_in_out"]
 
 
 def _torch_itemsize(dtype) -> int:
@@ -93,7 +95,7 @@ def _wrap_layers(model, records: list) -> list:
     wrapped = []
     for m in model.modules():
         kind = "linear" if isinstance(m, Linear) else "embedding" if isinstance(m, Embedding) \
-            else "conv" if isinstance(m, Conv2d) else None
+            else "conv" if isinstance(m, Conv2d) else "linear" if stores_in_out(m) else None
         if kind is None:
             continue
         wrapped.append((m, m.__dict__.get("forward")))   # an instance forward (parallelize)
@@ -121,9 +123,22 @@ def _run_forward(model, example_inputs: Sequence[Any], pl, meta: bool) -> None:
         model(*args)
 
 
+def stores_in_out(module) -> bool:
+    """Whether ``module`` is a linear layer that stores its weight ``(in, out)``, the transpose
+    of ``nn.Linear``'s: Hugging Face's ``Conv1D`` (GPT-2's attention and MLP; ``x @ W + b``),
+    converted or not (its class, or one it derives from, is transformers' ``Conv1D``)."""
+    w = getattr(module, "weight", None)
+    return w is not None and len(w.shape) == 2 and any(
+        c.__name__ == "Conv1D" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__)
+
+
 def graph_weight_shape(kind: str, module) -> tuple:
     """The weight of a traced ``module`` in the graph's axis conventions: a linear's
-    ``(in, out)`` (the transpose of the module's), an embedding's or conv's as the module's."""
+    ``(in, out)`` (the transpose of an ``nn.Linear``'s; a `stores_in_out` module's own), an
+    embedding's or conv's as the module's."""
+    if kind == "linear" and stores_in_out(module):
+        return tuple(module.weight.shape)
     if kind == "linear":
         return (module.in_features, module.out_features)
     return tuple(module.weight.shape)
@@ -139,8 +154,10 @@ def _layers(records: list) -> list:
     linear_i = 0
     for lname, kind, xs, ys, m in records:
         if kind == "linear":
-            layer = linear_layer(lname, math.prod(xs[:-1]), m.in_features, m.out_features,
-                                 megatron="col" if linear_i % 2 == 0 else "row")
+            d_in, d_out = graph_weight_shape(kind, m)
+            extra = {"weight_in_out": True} if stores_in_out(m) else {}
+            layer = linear_layer(lname, math.prod(xs[:-1]), d_in, d_out,
+                                 megatron="col" if linear_i % 2 == 0 else "row", **extra)
             linear_i += 1
         elif kind == "embedding":
             tokens = math.prod(xs)
@@ -177,23 +194,61 @@ def _conv_layer(lname: str, xs: tuple, ys: tuple, m) -> Layer:
 
 
 # -- the forward on shapes only ----------------------------------------------------------------
-def _run_on_shapes(model, example_inputs: Sequence[Any], device_type: str) -> None:
-    """Run ``model(*example_inputs)`` with every parameter, buffer and tensor input replaced by
-    a storage-less stand-in of its logical shape on a one-rank placement of this rank; the
-    module's parameters and buffers are put back afterwards (also on error)."""
-    from .. import comm as _comm
-    from ..nn.modules import Parameter
+# raised on shapes by a tensor of the model's placement (not swapped): the world is of one
+_OUTSIDE = (PlacementError, PlacementMismatchError, CommError)
+SUGGESTION = ("trace with meta=False (the real forward on the example inputs, a collective: "
+              "sf.auto.trace(..., meta=False), sf.auto.parallelize(..., meta=False))")
+
+
+@contextlib.contextmanager
+def _world_of_one():
+    """The calling thread in a world of one rank (rank 0) meanwhile: every placement of the
+    trace is that rank's own, so reading a value (``.item()``, ``bool``) and boxing stay
+    local and nothing reaches the other ranks. Its communicator is put back afterwards."""
+    from ..comm import rank_local
+    from ..comm.threads import ThreadCommunicator, ThreadWorld
+    local = rank_local()
+    previous = local.comm
+    local.comm = ThreadCommunicator(ThreadWorld(1), 0)
+    try:
+        yield
+    finally:
+        local.comm = previous
+
+
+def _stand_ins(device_type: str):
+    """``(shadow, known)``: ``shadow(t)`` a global tensor of ``t``'s logical shape and dtype
+    on the one-rank placement whose shard is a fake tensor (torch's ``FakeTensorMode``: a
+    tensor of ``device_type`` without storage, so ``x.device`` and ``.to(x.device)`` read as
+    on the real model); ``known(a)`` an input with its values where this rank holds them all
+    (a torch tensor, a global tensor replicated on every mesh dim), else its shadow."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from ..placement import Placement
     from ..tensor import GlobalTensor
 
-    one = Placement(device_type, [_comm.rank()])
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    one = Placement(device_type, [0])
 
     def shadow(t):
         shape = tuple(t.shape)
-        local = torch.empty(shape, dtype=t.dtype, device="meta")
+        with fake_mode:
+            local = torch.empty(shape, dtype=t.dtype, device=device_type)
         return GlobalTensor(local, shape, one, (B,))
 
-    saved = []      # (module, dict name, key, original)
+    def known(a):
+        if not isinstance(a, GlobalTensor):
+            return GlobalTensor(a.detach(), tuple(a.shape), one, (B,))
+        if all(isinstance(s, Broadcast) for s in a.sbp) and not a.local.is_meta:
+            return GlobalTensor(a.local.detach(), tuple(a.shape), one, (B,))
+        return shadow(a)
+    return shadow, known
+
+
+def _swap_state(model, shadow) -> list:
+    """Replace every parameter and buffer of ``model`` by its shadow (tied tensors by one
+    shadow); returns ``[(dict, key, original)]`` for putting them back."""
+    from ..nn.modules import Parameter
+    saved = []
     stand_in: dict = {}    # id(original) -> shadow: tied tensors stay tied
     for m in model.modules():
         for dict_name in ("_parameters", "_buffers"):
@@ -207,21 +262,41 @@ def _run_on_shapes(model, example_inputs: Sequence[Any], device_type: str) -> No
                                        if isinstance(t, Parameter) else s)
                 saved.append((d, key, t))
                 d[key] = stand_in[id(t)]
-    args = [shadow(a) if isinstance(a, (torch.Tensor, GlobalTensor)) else a
-            for a in example_inputs]
-    try:
-        with torch.no_grad():
-            model(*args)
-    except SbpError:
-        raise
-    except Exception as exc:   # a data-dependent op (e.g. .item()) cannot run on shapes
-        raise TraceError(
-            f"sf.auto.trace: the forward of {type(model).__name__} failed on meta tensors "
-            f"(shapes only) with {type(exc).__name__}: {exc}; if it needs values, trace with "
-            f"meta=False (the real forward, a collective)") from exc
-    finally:
-        for d, key, t in saved:
-            d[key] = t
+    return saved
+
+
+def _run_on_shapes(model, example_inputs: Sequence[Any], device_type: str) -> None:
+    """Run ``model(*example_inputs)`` in a world of one rank (`_world_of_one`) with every
+    parameter and buffer replaced by a storage-less stand-in of its logical shape, inputs
+    with their values where this rank holds them (`_stand_ins`); the module's parameters
+    and buffers are put back afterwards (also on error). What only the inputs determine
+    (positions, masks, sizes read with ``.item()``) is computed; what the weights do is
+    shapes only, and reading such a value raises `TraceError`."""
+    from ..tensor import GlobalTensor
+
+    with _world_of_one():
+        shadow, known = _stand_ins(device_type)
+        saved = _swap_state(model, shadow)
+        try:
+            args = [known(a) if isinstance(a, (torch.Tensor, GlobalTensor)) else a
+                    for a in example_inputs]
+            with torch.no_grad():
+                model(*args)
+        except SbpError as exc:
+            if not isinstance(exc, _OUTSIDE):
+                raise
+            raise TraceError(
+                f"sf.auto.trace: the forward of {type(model).__name__} reached a tensor that "
+                f"is neither a parameter, a buffer nor an input (a placement of other ranks) "
+                f"with {type(exc).__name__}: {exc}; {SUGGESTION}") from exc
+        except Exception as exc:   # a value of the weights (e.g. .item()) is not known
+            raise TraceError(
+                f"sf.auto.trace: the forward of {type(model).__name__} failed on shapes "
+                f"(weights without values) with {type(exc).__name__}: {exc}; if it reads a "
+                f"value the weights compute, {SUGGESTION}") from exc
+        finally:
+            for d, key, t in saved:
+                d[key] = t
 
 
 def _replicate(t, pl):
