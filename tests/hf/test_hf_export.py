@@ -8,11 +8,13 @@ models (tests/hf/hf_zoo.py), 4 rank threads (3 for uneven parts), nothing downlo
 import json
 import os
 import threading
+import weakref
 
 import pytest
 import torch
 
 import sbpflow as sf
+from sbpflow.nn import safetensors_io
 from sbpflow.sbp import shard_box
 
 import hf_zoo
@@ -79,13 +81,29 @@ def test_export_after_a_step_loads_in_transformers(tmp_path, name, layout):
                                    **tol)
 
 
+def _one_at_a_time(monkeypatch):
+    """Make the export's gathers assert that rank 0 holds no earlier gathered tensor still."""
+    real, alive = safetensors_io._gather, []
+
+    def gather(t):
+        if sf.rank() == 0:
+            assert all(r() is None for r in alive), "an earlier whole tensor is still held"
+        value = real(t)
+        if value is not None:
+            alive.append(weakref.ref(value))
+        return value
+    monkeypatch.setattr(safetensors_io, "_gather", gather)
+    return alive
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, name):
+def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch, name):
     """Above max_shard_size: the same shard files (tensors, values), byte-equal index and
     equal config as ``save_pretrained`` of the same model; tied weights once (GPT-2's
     lm_head, BERT's decoder weight and bias); only rank 0 receives data (the others send
-    their shards), and ``from_pretrained`` reads it back."""
+    their shards) and holds one whole tensor at a time; ``from_pretrained`` reads it back."""
     model = hf_zoo.build(name)
+    gathered = _one_at_a_time(monkeypatch)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     os.makedirs(ours)
     (ours / "model.safetensors").write_bytes(b"stale")   # an earlier unsharded export
@@ -112,8 +130,31 @@ def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, name):
             assert h.metadata() == {"format": "pt"}
     total = sum(p.numel() * 8 for p in model.parameters())
     assert [r[1] for r in out] == [total - out[0][2], 0, 0, 0]
+    assert len(gathered) == len(json.loads((ours / index).read_text())["weight_map"])
     back = _auto_class(name).from_pretrained(str(ours))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
+
+
+def test_pipeline_stages_export_and_load(tmp_path):
+    """A 2-stage pipeline whose first stage is on ranks 2, 3 (rank 0, the writer, holds none of
+    it) and whose tied embedding / lm_head lies on the stages' stacked placement: the export
+    equals the model, and ``save_pretrained``'s files load back into the stages."""
+    model, other = hf_zoo.build("gpt2"), hf_zoo.build("gpt2", seed=7)
+    other.save_pretrained(str(tmp_path / "other"))
+
+    def body():
+        pls = [sf.placement("cpu", [2, 3]), sf.placement("cpu", [0, 1])]
+        m = sf.parallel.pipeline(sf.nn.from_torch(model), pls, split=["transformer.h.1"],
+                                 rules=[{"*": sf.S(0)}, {"*": sf.S(0)}])
+        assert m.transformer.wte.weight.placement.ndim == 2   # the tie placement
+        sf.export(m, str(tmp_path / "ours"))
+        sf.load_pretrained(m, str(tmp_path / "other"))
+        return {k: t.full_tensor() for k, t in m.state_dict(keep_vars=True).items()}
+
+    values = sf.launch(body, world_size=4)[0]
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "ours"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
+    assert all(torch.equal(values[k], v) for k, v in other.state_dict().items())
 
 
 # -- reading Hugging Face checkpoints into layouts ------------------------------------------------
