@@ -90,6 +90,9 @@ def export(model: Module, path_dir: str, *, max_shard_size: int | str = DEFAULT_
     try:
         entries = [Entry(k, tuple(t.shape), t.dtype) for k, t in written]
         files = plan_shards(entries, parse_size(max_shard_size))
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (metadata or {}).items()):
+            raise CheckpointError(f"sf.export: metadata must map strings to strings (the "
+                                  f"safetensors header's), got {metadata!r}")
         if me == WRITER:
             os.makedirs(path_dir, exist_ok=True)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)

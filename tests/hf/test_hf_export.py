@@ -96,24 +96,25 @@ def _one_at_a_time(monkeypatch):
     return alive
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("name,dtype", [("gpt2", torch.float64), ("gpt2", torch.bfloat16),
+                                        ("bert", torch.float64)])
+def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch, name, dtype):
     """Above max_shard_size: the same shard files (tensors, values), byte-equal index and
     equal config as ``save_pretrained`` of the same model; tied weights once (GPT-2's
     lm_head, BERT's decoder weight and bias); only rank 0 receives data (the others send
     their shards) and holds one whole tensor at a time; ``from_pretrained`` reads it back."""
-    model = hf_zoo.build(name)
+    model = hf_zoo.build(name, dtype=dtype)
     gathered = _one_at_a_time(monkeypatch)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     os.makedirs(ours)
     (ours / "model.safetensors").write_bytes(b"stale")   # an earlier unsharded export
-    model.save_pretrained(str(theirs), max_shard_size="20KB")
+    model.save_pretrained(str(theirs), max_shard_size="8KB")
 
     def body():
         m = sf.parallel.apply(model, sf.placement("cpu", MESH), {"*": (sf.S(0), sf.B)},
                               zero=3)
         sf.comm.reset_stats()
-        files = sf.export(m, str(ours), max_shard_size="20KB")
+        files = sf.export(m, str(ours), max_shard_size="8KB")
         return files, sf.comm.stats()["p2p"].recv, sum(p.local.nbytes for p in m.parameters())
 
     out = sf.launch(body, world_size=4)
@@ -128,10 +129,11 @@ def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         with safetensors.safe_open(str(ours / f), "pt") as h:
             assert h.metadata() == {"format": "pt"}
-    total = sum(p.numel() * 8 for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert [r[1] for r in out] == [total - out[0][2], 0, 0, 0]
     assert len(gathered) == len(json.loads((ours / index).read_text())["weight_map"])
     back = _auto_class(name).from_pretrained(str(ours))
+    assert back.dtype == dtype
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
 
 
@@ -329,6 +331,25 @@ def test_load_errors_name_the_tensors(tmp_path):
         _load_error(tmp_path, fresh)
 
 
+def test_export_of_an_sbpflow_model(tmp_path):
+    """A model of sf.nn layers (no transformers config) exports its weights alone, under its
+    state-dict names, with the metadata given; safetensors reads them back."""
+    def body():
+        sf.manual_seed(0)
+        pl = sf.placement("cpu", [0, 1, 2])
+        m = sf.parallel.apply(sf.nn.Sequential(sf.nn.Linear(5, 7), sf.nn.Linear(7, 2)), pl,
+                              {"0.*": sf.S(0), "*": sf.B})
+        sf.export(m, str(tmp_path), metadata={"step": "3"})
+        return m.state_dict()
+
+    want = sf.launch(body, world_size=3)[0]
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    got = load_file(str(tmp_path / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with safetensors.safe_open(str(tmp_path / "model.safetensors"), "pt") as h:
+        assert h.metadata() == {"format": "pt", "step": "3"}
+
+
 def test_export_errors(tmp_path):
     """A torch model (not laid out), a bad max_shard_size, and a model without a layout given
     to load_pretrained are refused, saying what to do."""
@@ -338,6 +359,9 @@ def test_export_errors(tmp_path):
     with pytest.raises(sf.CheckpointError, match="max_shard_size='5 parsecs'"):
         sf.launch(lambda: sf.export(sf.nn.from_torch(model), str(tmp_path),
                                     max_shard_size="5 parsecs"), world_size=2)
+    with pytest.raises(sf.CheckpointError, match="metadata must map strings to strings"):
+        sf.launch(lambda: sf.export(sf.nn.from_torch(model), str(tmp_path),
+                                    metadata={"step": 3}), world_size=2)
     with pytest.raises(sf.SbpError, match="give placement="):
         sf.launch(lambda: sf.load_pretrained(model, str(tmp_path)), world_size=1)
     assert os.listdir(tmp_path) == []
