@@ -278,8 +278,8 @@ def test_each_rank_reads_only_its_shards(tmp_path, monkeypatch, layout):
 def test_base_model_checkpoint_into_a_model_with_a_head(tmp_path):
     """A base model's checkpoint (GPT2Model: no ``transformer.`` prefix) fills GPT2LMHeadModel
     as transformers does: names found without the ``base_model_prefix``; the tied lm_head
-    takes the embedding."""
-    base = hf_zoo.build("gpt2").transformer
+    takes the embedding; float32 values are cast to the float64 model's dtype."""
+    base = hf_zoo.build("gpt2", dtype=torch.float32).transformer
     base.save_pretrained(str(tmp_path))
     fresh = hf_zoo.build("gpt2", seed=7)
 
@@ -289,7 +289,8 @@ def test_base_model_checkpoint_into_a_model_with_a_head(tmp_path):
         return {k: t.full_tensor() for k, t in m.state_dict(keep_vars=True).items()}
 
     values = sf.launch(body, world_size=2)[0]
-    want = base.state_dict()
+    want = {k: v.double() for k, v in base.state_dict().items()}
+    assert values["lm_head.weight"].dtype == torch.float64
     assert all(torch.equal(values[f"transformer.{k}"], v) for k, v in want.items())
     assert torch.equal(values["lm_head.weight"], want["wte.weight"])
 
