@@ -518,10 +518,18 @@ def scaled_dot_product_attention(query: GlobalTensor, key: GlobalTensor, value: 
             scores = apply_op("where", attn_mask, scores, float("-inf"))
         else:
             scores = scores + attn_mask
-    attn = softmax(scores, -1)
+    attn = softmax(scores, -1) if attn_mask is None else _masked_softmax(scores)
     if dropout_p > 0.0:
         attn = dropout(attn, dropout_p, seed=seed)
     return attn @ value
+
+
+def _masked_softmax(scores: GlobalTensor) -> GlobalTensor:
+    """Softmax over the last axis, with zeros (and a zero gradient) in a row whose scores are
+    all -inf, a query that may attend to no key (a padded position), as torch's attention
+    (its ``_safe_softmax``); a plain softmax gives NaN there, in values and gradients."""
+    live = ~(scores == float("-inf")).all(dim=-1, keepdim=True)
+    return apply_op("where", live, softmax(apply_op("where", live, scores, 0.0), -1), 0.0)
 
 
 def __getattr__(name: str):

@@ -378,6 +378,35 @@ def test_causal_attention(ranks):
     assert not _launch(ranks, body)
 
 
+@pytest.mark.parametrize("ranks", MESHES)
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "float"])
+def test_attention_rows_with_every_key_masked_are_zero_as_torch(ranks, additive):
+    """A query that may attend to no key (a left-padded position under a causal and padding
+    mask, as Hugging Face's masks give) gets zeros and a zero gradient, as torch's SDPA; its
+    softmax over only -inf scores gave NaN, in the values and in every gradient."""
+    q, k, v = _t(4, 5, 6, 3), _t(4, 5, 6, 3, seed=1), _t(4, 5, 6, 3, seed=2)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[:2] = False                       # rows 0 and 1 attend to nothing
+    mask = torch.zeros(6, 6, dtype=torch.float64).masked_fill(~allowed, float("-inf")) \
+        if additive else allowed
+
+    def ref(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, attn_mask=mask)
+
+    def body(pl):
+        m = sf.tensor(mask, pl, (B,) * pl.ndim)
+
+        def sdpa(a, b, c):
+            return SF.scaled_dot_product_attention(a, b, c, attn_mask=m)
+        every = lambda nd: (nd, nd, nd)  # noqa: E731
+        layouts = _lay(pl, [every((S(0),)), every((B,)), ((B,), (S(2),), (S(2),))],
+                       [every((S(0), S(1))), ((S(1), B), (S(1), S(2)), (S(1), S(2)))])
+        return check_op(sdpa, ref, (q, k, v), pl, layouts)
+
+    assert not torch.isnan(ref(q, k, v)).any()
+    assert not _launch(ranks, body)
+
+
 def test_more_ranks_than_classes_or_rows():
     """Empty shards: 2 classes / 2 vocab rows / 2 batch rows over 3 ranks."""
     logits, target = _t(4, 2), torch.tensor([0, 1, 1, 0])
