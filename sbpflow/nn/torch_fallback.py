@@ -1,17 +1,17 @@
 """Torch functions with no sbpflow handler: run by what torch knows of them, always correctly.
 
-`fallback_for(func, name)` is the handler `torch_functions` gives such a function. A call runs
-by the first route that applies: **pointwise** (torch tags its aten overloads
-``torch.Tag.pointwise``: the generic op ``torch_pointwise``, shards stay split); **reduction**
-(tagged ``torch.Tag.reduction``, of one tensor along the ``dim`` its schema binds: the other
-axes keep their splits); **replicated**
-(the generic op ``torch_replicated``: inputs boxed to ``B``, the bytes counted as "fallback",
-the function on every rank, outputs ``B``; autograd and graphs as any op); **eager** for what
-an op cannot express (a data-dependent shape, a non-tensor result, a random draw from
-sbpflow's stream, an unhashable constant, writes into arguments: the whole values on every
-rank, written arguments taking their new values; refused in a graph's build). A gathering call warns once (`ReplicatedFallbackWarning`); a result torch
-returns as a view is a copy that re-reads its input and refuses writes (`copy_view`);
-``out=`` writes into the given tensors. See docs/torch_models.md, 'What runs'.
+`fallback_for(func, name)` runs a call by the first route: **pointwise** (torch tags its aten
+overloads ``torch.Tag.pointwise``: the generic op ``torch_pointwise``, shards stay split);
+**reduction** (tagged ``torch.Tag.reduction``, of one tensor along the ``dim`` its schema
+binds: the other axes keep their splits); **decomposed** (the aten ops it is made of, each with
+a rule: `torch_decomposed`); **replicated** (the generic op ``torch_replicated``: inputs boxed
+to ``B``, the bytes counted as "fallback", the function on every rank, outputs ``B``; autograd
+and graphs as any op); **eager** for what an op cannot express (a data-dependent shape, a
+non-tensor result, a random draw from sbpflow's stream, an unhashable constant, writes into
+arguments: the whole values on every rank, written arguments taking their new values; refused
+in a graph's build). A gathering call warns once (`ReplicatedFallbackWarning`); a result torch
+returns as a view is a copy that re-reads its input and refuses writes (`copy_view`); ``out=``
+writes into the given tensors (docs/torch_models.md).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..ops.torch_generic import build_spec, call_spec
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp
 from ..tensor import GlobalTensor, _next_seed, apply_op, copy_view, lift, recording
+from .torch_decomposed import decomposed, replay
 from .torch_layouts import CostlyLayoutWarning
 
 __all__ = ["fallback_for", "ReplicatedFallbackWarning", "route_of", "is_aten",
@@ -99,12 +100,14 @@ def _written(func: Callable) -> frozenset:
 
 
 def route_of(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[Any, type | None]:
-    """``"pointwise"``, ``("reduction", dims, keepdim)``, ``"replicated"`` or ``"eager"``
-    (module docstring) for this call, from its function and the inputs' metadata, and the type
-    torch gives a result of several tensors (``torch.return_types.sort``: None for one tensor,
-    a tuple or a list). Cached."""
+    """``"pointwise"``, ``("reduction", dims, keepdim)``, ``("decomposed", graph)``,
+    ``"replicated"`` or ``"eager"`` (module docstring) for this call, from its function, the
+    inputs' metadata and whether autograd records it, and the type torch gives a result of
+    several tensors (``torch.return_types.sort``: None for one tensor, a tuple or a list).
+    Cached."""
     try:
-        key = (func, pos, kw, tuple((t.shape, t.dtype) for t in tensors))
+        key = (func, pos, kw, tuple((t.shape, t.dtype) for t in tensors),
+               torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors))
         hash(key)
     except TypeError:  # a constant that is no cache key (a slice, a list in a constant)
         return "eager", None
@@ -134,6 +137,9 @@ def _find_route(func: Callable, tensors: list, pos: tuple, kw: tuple) -> tuple[A
         route = _reduction_route(func, tensors, pos, kw, outs)
     else:
         route = "replicated"
+    if route == "replicated" and not _returns_view(func):  # (a view's copy re-runs the op)
+        graph = decomposed(func, tensors, pos, kw)
+        route = route if graph is None else ("decomposed", graph)
     return route, (type(out) if several else None)
 
 
@@ -266,6 +272,10 @@ def _as_op(route: str, kind: type | None, func: Callable, tensors: list, pos: tu
             out = apply_op("torch_replicated", *tensors, func=func, pos=pos, kw=kw)
     elif route == "pointwise":
         out = apply_op("torch_pointwise", *tensors, func=func, pos=pos, kw=kw)
+    elif route[0] == "decomposed":
+        device = _comm.current().device(tensors[0].placement.device_type)
+        out = replay(route[1], tensors, device)
+        out = tuple(out) if isinstance(out, list) else out
     else:  # ("reduction", dims, keepdim)
         out = apply_op("torch_reduction", *tensors, func=func, pos=pos, kw=kw, dims=route[1],
                        keepdim=route[2])

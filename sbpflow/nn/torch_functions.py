@@ -22,6 +22,7 @@ import torch
 from ..errors import SbpError
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
+from .torch_decomposed import use_handlers
 from .torch_fallback import fallback_for, is_aten, property_handler
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
@@ -182,3 +183,4 @@ def _fallback(func) -> Callable:
 
 
 set_torch_dispatch(dispatch)
+use_handlers(handler_for)  # a decomposition runs when each of its ops has a rule

@@ -252,6 +252,10 @@ def _new_value(value):
 def _copy_(self, src, non_blocking=False):
     if tuple(src.shape) != tuple(self.shape):
         src = src.expand(*self.shape)
+    if torch.is_grad_enabled() and self.requires_grad and not self.is_leaf and \
+            not getattr(src, "requires_grad", False):
+        # as torch: the written tensor stays in the graph, its old value's gradient zero
+        src = torch.where(torch.ones((), dtype=torch.bool), src, self)
     return self._assign_(src, fresh=False)  # src stays src's: copied if self takes a shard
 
 

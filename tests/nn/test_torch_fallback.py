@@ -1,5 +1,6 @@
 """Torch functions with no sbpflow handler (sbpflow/nn/torch_fallback.py): pointwise by torch's
-tags (shards stay split), else replicated (gathered, warned once, counted as 'fallback'), else
+tags (shards stay split), else as their decompositions into ops with rules (nothing gathered;
+tests/nn/test_torch_decomposed.py has more), else replicated (gathered, warned once, counted as 'fallback'), else
 eager on the whole values; values and gradients equal plain torch's, in two layouts; in-place,
 out=, views, random draws, graphs and ranks outside the placement (docs/torch_models.md, 'What
 runs')."""
@@ -19,25 +20,27 @@ X = torch.randn(8, 6, generator=G, dtype=F64)
 Y = torch.rand(8, 6, generator=G, dtype=F64) + 0.5
 W = torch.randn(8, 6, generator=G, dtype=F64)  # weights of the loss: every output matters
 
-# name -> (function of x, y; kept: whether the result stays split where x is, nothing gathered)
+# name -> (function of x, y; how it runs: "kept": the result stays split where x is, nothing
+# gathered; "composite": as its decomposition, nothing gathered; "gathered": replicated)
 CALLS = {
-    "special.erf": (lambda x, y: torch.special.erf(x), True),
-    "atan2": (lambda x, y: torch.atan2(x, y), True),
-    "xlogy": (lambda x, y: torch.xlogy(x, y), True),
-    "lerp": (lambda x, y: torch.lerp(x, y, 0.3), True),
-    "hypot method": (lambda x, y: x.hypot(y), True),
-    "softplus": (lambda x, y: F.softplus(x, beta=2.0), True),
-    "diff": (lambda x, y: torch.diff(x, dim=0, prepend=torch.zeros(1, 6, dtype=F64)), False),
-    "cummax values": (lambda x, y: torch.cummax(x, 1).values, False),
-    "einsum": (lambda x, y: torch.einsum("ij,ij->ij", x, y), False),
-    "rot90": (lambda x, y: torch.rot90(x, 2, (0, 1)), False),
-    "flip": (lambda x, y: torch.flip(x, (0,)), False),
-    "roll": (lambda x, y: torch.roll(x, 2, 0), False),
+    "special.erf": (lambda x, y: torch.special.erf(x), "kept"),
+    "atan2": (lambda x, y: torch.atan2(x, y), "kept"),
+    "xlogy": (lambda x, y: torch.xlogy(x, y), "kept"),
+    "lerp": (lambda x, y: torch.lerp(x, y, 0.3), "kept"),
+    "hypot method": (lambda x, y: x.hypot(y), "kept"),
+    "softplus": (lambda x, y: F.softplus(x, beta=2.0), "kept"),
+    "diff": (lambda x, y: torch.diff(x, dim=0, prepend=torch.zeros(1, 6, dtype=F64)),
+             "composite"),
+    "cummax values": (lambda x, y: torch.cummax(x, 1).values, "gathered"),
+    "einsum": (lambda x, y: torch.einsum("ij,ij->ij", x, y), "gathered"),
+    "rot90": (lambda x, y: torch.rot90(x, 2, (0, 1)), "gathered"),
+    "flip": (lambda x, y: torch.flip(x, (0,)), "gathered"),
+    "roll": (lambda x, y: torch.roll(x, 2, 0), "gathered"),
     # reductions along dim 1 (torch's reduction tag; the dim read from the aten schema)
-    "prod": (lambda x, y: torch.prod(y * x, 1), True),
-    "logsumexp keepdim": (lambda x, y: torch.logsumexp(x, dim=1, keepdim=True), True),
-    "norm": (lambda x, y: torch.linalg.vector_norm(x, dim=-1), True),
-    "logcumsumexp": (lambda x, y: torch.logcumsumexp(x, 1), False),
+    "prod": (lambda x, y: torch.prod(y * x, 1), "kept"),
+    "logsumexp keepdim": (lambda x, y: torch.logsumexp(x, dim=1, keepdim=True), "kept"),
+    "norm": (lambda x, y: torch.linalg.vector_norm(x, dim=-1), "kept"),
+    "logcumsumexp": (lambda x, y: torch.logcumsumexp(x, 1), "gathered"),
 }
 
 
@@ -65,15 +68,17 @@ def test_functions_without_a_handler_equal_torch_in_values_and_gradients(layout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         got = sf.launch(_calls, 4, args=(layout,))[0]
-    for name, (fn, kept) in CALLS.items():
+    for name, (fn, how) in CALLS.items():
         x = X.clone().requires_grad_()
         want = fn(x, Y)
         (want * _weights(want.shape)).sum().backward()
         sbp, value, grad, fallback = got[name]
         torch.testing.assert_close(value, want.detach(), msg=name)
         torch.testing.assert_close(grad, x.grad, msg=name)
-        if kept and layout == sf.S(0):  # nothing gathered (y: S(1) -> S(0) is a boxing)
+        if how == "kept" and layout == sf.S(0):  # nothing gathered (y: S(1) -> S(0) boxes)
             assert sbp == (sf.S(0),) and fallback.recv == 0, name
+        elif how == "composite":
+            assert fallback.recv == 0, name
         elif layout == sf.S(0) and name != "einsum":  # einsum also gathers the S(1) input
             assert sbp == (sf.B,), name
             assert fallback.recv == 8 * 6 * 8 * 3 // 4, name  # 3 of the 4 pieces of x
@@ -83,9 +88,9 @@ def _warned_once():
     pl = sf.placement("cpu", [0, 1])
     x = sf.tensor(X, pl, sf.S(0))
     for _ in range(3):
-        torch.diff(x, dim=0)
-    torch.diff(x.to_global(sbp=sf.B), dim=0)  # nothing to gather: no warning
-    torch.diff(x.to_global(sbp=sf.S(1)), dim=0)  # another layout: one more
+        torch.cummax(x, 0)
+    torch.cummax(x.to_global(sbp=sf.B), 0)  # nothing to gather: no warning
+    torch.cummax(x.to_global(sbp=sf.S(1)), 0)  # another layout: one more
     return sf.comm.stats()["fallback"].recv
 
 
@@ -93,7 +98,7 @@ def test_a_gathering_call_warns_once_per_function_and_layout_with_its_bytes():
     with pytest.warns(ReplicatedFallbackWarning) as record:
         recv = sf.launch(_warned_once, 2)
     texts = [str(w.message) for w in record if issubclass(w.category, ReplicatedFallbackWarning)
-             and "torch.diff" in str(w.message)]
+             and "torch.cummax" in str(w.message)]
     assert len(texts) == 2
     assert "(8, 6) (S(0),)" in texts[0] and "384 bytes a call, summed over the ranks" in texts[0]
     assert "'fallback' in sf.comm.stats()" in texts[0] and "(8, 6) (S(1),)" in texts[1]
@@ -303,8 +308,9 @@ def test_arguments_a_handler_does_not_implement_run_by_the_fallback():
 
 
 def _along_a_dim():
-    x = sf.tensor(X, sf.placement("cpu", [0, 1]), sf.S(0))
-    torch.cummax(x, dim=1)
+    x = sf.tensor(X, sf.placement("cpu", [0, 1]), sf.S(0)).requires_grad_()  # (flip: its table
+    # decomposition is for values only, so under autograd it runs replicated)
+    torch.cummin(x, dim=1)  # (cummax: warned in another test, in this layout)
     torch.flip(x, (0,))
 
 
@@ -314,5 +320,5 @@ def test_the_warning_names_the_rule_that_would_make_a_call_cheap():
     texts = {w.message.args[0].split(" ")[0]: str(w.message) for w in record
              if issubclass(w.category, ReplicatedFallbackWarning)}
     assert "it works along dim [1], so a rule that keeps a split of any other axis" in \
-        texts["torch.cummax"]
-    assert "register a rule for it" in texts["torch.flip"]
+        texts["torch.cummin"]
+    assert "register a rule for it" in texts["torch.flip"], texts
