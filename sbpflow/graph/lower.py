@@ -67,7 +67,7 @@ def stages_of(tape: Tape) -> list[frozenset]:
     appearance). Raises `GraphError` when two placements share some ranks but not all, or when
     transfers go both ways between stages."""
     sets: list[frozenset] = []
-    for pl in tape.placements():
+    for pl in _live_placements(tape):
         r = _ranks(pl)
         if r in sets:
             continue
@@ -105,6 +105,23 @@ def stages_of(tape: Tape) -> list[frozenset]:
     for r in sets:
         visit(r)
     return order[::-1]
+
+
+def _live_placements(tape: Tape) -> list[Placement]:
+    """The placements of the values the kept tasks (`live_nodes`) read and write, in order of
+    first appearance. A value only Python read during the trace is no stage: ``item()`` or
+    ``bool(x)`` moves it to every rank of the world (HF's check for padding without an
+    attention mask, ``pad_token_id in input_ids[:, [-1, 0]]``), and the replay, which has
+    the answer as a constant, drops that move."""
+    slots: set = set()
+    for node in live_nodes(tape):
+        slots.update(reads(node))
+        slots.update(writes(node))
+    seen: list[Placement] = []
+    for slot, m in tape.metas.items():
+        if slot in slots and m.placement not in seen:
+            seen.append(m.placement)
+    return seen
 
 
 def lower(tape: Tape, stages: list[frozenset]) -> Lowered:

@@ -20,12 +20,14 @@ import bisect
 import difflib
 from typing import Mapping, Sequence
 
+import torch
+
 from .. import comm as _comm
 from ..errors import ParallelizeError, SbpError
 from ..nn.modules import Module, Parameter, RemovableHandle
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp, parse_nd_sbp
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, set_recorder
 from .apply import match_rules
 from .relayout import relayout
 from .tie import install_views as _install_views, tie_placement as _tie_placement
@@ -45,8 +47,12 @@ class Pipeline:
     def __init__(self, placements: tuple, split: tuple, module_stage: dict, sbp: tuple) -> None:
         self.placements, self.split, self.module_stage = placements, split, module_stage
         self.sbp = sbp
+        self.rules: list = [None] * len(placements)   # per stage, for modules moved (`rehome`)
         self.handles: list[RemovableHandle] = []
         self._frames: list[list] = []   # per model call in progress: its routed inputs
+        self._stages: list[int] = []    # per model call in progress: the stage running now
+        self._placing: list[RemovableHandle] = []   # the `run_here` hooks, until settled
+        self._ran: dict = {}            # module name -> the stage it ran in (first call)
         self._unwrap = None             # undoes `_wrap_forward`
 
     @property
@@ -65,9 +71,10 @@ class Pipeline:
 
     def remove(self) -> None:
         """Take the stage hooks and the model's forward wrapper off."""
-        for h in self.handles:
+        for h in self.handles + self._placing:
             h.remove()
         self.handles.clear()
+        self._placing.clear()
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
@@ -127,10 +134,14 @@ class Pipeline:
         with ``always_call`` would not see (it runs on Exception only, as torch's)."""
         frame: list = []
         self._frames.append(frame)
+        self._stages.append(0)
         try:
             self.enter_model(frame, args, kwargs)
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            self.settle()
+            return out
         finally:
+            self._stages.pop()
             self.leave_model(frame)
 
     def enter_stage(self, stage: int, args: tuple, kwargs: dict) -> tuple:
@@ -138,16 +149,76 @@ class Pipeline:
         place, so the model's own references see them there) and the module's global-tensor
         arguments are moved; returns the new ``(args, kwargs)``."""
         if self._frames:
+            self._stages[-1] = stage
             for t, _, home in self._frames[-1]:
                 _set_fields(t, _fields(self.move(home, stage, "a model input")))
         new_args = tuple(self._arg(a, stage, f"argument {i}") for i, a in enumerate(args))
         new_kwargs = {k: self._arg(v, stage, f"argument {k!r}") for k, v in kwargs.items()}
         return new_args, new_kwargs
 
+    def settle(self) -> None:
+        """After the first model call every module is where it runs: the `run_here` hooks go."""
+        for h in self._placing:
+            h.remove()
+        self._placing.clear()
+
+    def run_here(self, name: str, module: Module) -> None:
+        """Pre-hook of every module holding parameters or buffers of its own: a module that
+        runs in another stage than the one its place in ``named_modules()`` gave it (Llama's
+        ``rotary_emb``, registered after the layers and called before them; OPT's
+        ``final_layer_norm``, registered before the layers and called after them) moves to
+        the stage running it, during the first model call (`rehome`); the hooks go after it
+        (`settle`)."""
+        if not self._stages:
+            return                       # called outside the model's forward
+        stage = self._stages[-1]
+        ran = self._ran.setdefault(name, stage)
+        if ran != stage:
+            raise ParallelizeError(f"{_WHO}: module {name!r} ran in stages {ran} and {stage}; "
+                                   f"a module lives on one stage (move the split points so "
+                                   f"that its calls share a stage)")
+        if self.module_stage[name] != stage:
+            self.rehome(name, module, stage)
+
+    def rehome(self, name: str, module: Module, stage: int) -> None:
+        """Move ``module``'s own parameters (in place: the same objects, laid out by
+        ``rules[stage]``) and buffers onto ``placements[stage]``; a collective of the ranks
+        of both stages, outside any graph's trace and autograd (before the first step: an
+        optimizer built after `pipeline` holds the same objects). `ParallelizeError` for a
+        weight tied across stages."""
+        old = self.module_stage[name]
+        own = [(k, p) for k, p in module._parameters.items() if p is not None]
+        if any(p.placement != self.placements[old] for _, p in own):   # on the tie placement
+            raise ParallelizeError(f"{_WHO}: module {name!r} holds a weight tied across "
+                                   f"stages and ran in stage {stage}: split elsewhere")
+        full = {f"{name}.{k}" if name else k: p for k, p in own}
+        pl = self.placements[stage]
+        rule = self.rules[stage] or {"*": (B,) * pl.ndim}
+        layouts = match_rules(list(full), rule, pl) if full else {}
+        previous = set_recorder(None)
+        try:
+            with torch.no_grad():
+                for key, p in full.items():
+                    moved = p.to_global(pl, layouts[key])
+                    local = moved.local.detach().clone().requires_grad_(p.requires_grad)
+                    _set_fields(p, (local, pl, moved.sbp, moved._key))
+                for key, b in list(module._buffers.items()):
+                    if b is not None:
+                        module._buffers[key] = self.move(b, stage, f"buffer {name}.{key}")
+        finally:
+            set_recorder(previous)
+        self.module_stage[name] = stage
+
     def _arg(self, a, stage: int, what: str):
-        if not isinstance(a, GlobalTensor):
-            return a
-        return self.move(a, stage, f"{what} of {self._first(stage)!r}")
+        """``a`` with its global tensors moved, inside tuples, lists and dicts too (Llama's
+        layers take ``position_embeddings=(cos, sin)``)."""
+        if isinstance(a, GlobalTensor):
+            return self.move(a, stage, f"{what} of {self._first(stage)!r}")
+        if type(a) in (tuple, list):
+            return type(a)(self._arg(v, stage, f"{what}[{i}]") for i, v in enumerate(a))
+        if type(a) is dict:
+            return {k: self._arg(v, stage, f"{what}[{k!r}]") for k, v in a.items()}
+        return a
 
     def _first(self, stage: int) -> str:
         return self.split[stage - 1] if stage else "(model)"
@@ -439,6 +510,10 @@ def _wrap_forward(model: Module, pipe: Pipeline) -> None:
 
 def _install_hooks(model: Module, pipe: Pipeline, firsts: list) -> None:
     _wrap_forward(model, pipe)
+    for name, m in model.named_modules():
+        if _holds_tensors(m):   # installed first: the stage moves below are prepended to it
+            pipe._placing.append(m.register_forward_pre_hook(
+                lambda mod, _args, n=name: pipe.run_here(n, mod), prepend=True))
     for stage, m in enumerate(firsts, start=1):
         # prepend: the move happens before any hook the user registered on the module
         pipe.handles.append(m.register_forward_pre_hook(
@@ -475,6 +550,7 @@ def pipeline(model: Module, placements: Sequence[Placement], split: Sequence[str
     if old is not None:
         old.remove()
     pipe = Pipeline(placements, tuple(split), module_stage, specs)
+    pipe.rules = rules_
     layouts = _param_layouts(model, module_stage, placements, rules_, ties)
     relayout(model, lambda name, _: layouts[name], _WHO)
     _move_buffers(model, pipe)

@@ -178,6 +178,115 @@ def test_routed_input_gradient_buffer_and_restore():
     assert out["after_error"] == ([0, 1], [0, 1], 0)
 
 
+# -- modules that run out of their registration order (as Hugging Face models' do) -----------------
+def _out_of_order_net():
+    """A torch model whose ``post`` is registered before the blocks and runs after them (OPT's final_layer_norm),
+    ``pre`` and ``rot`` (a buffer only: Llama's rotary_emb) after them and run before; the
+    blocks take a tuple made before them (Llama's ``position_embeddings=(cos, sin)``); the
+    forward reads a value in Python (HF's padding warning: ``pad_token_id in input_ids``)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Rot(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freq", torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=F64))
+
+        def forward(self, h):
+            return torch.cos(h * self.freq), torch.sin(h * self.freq)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, h, rotary=None):
+            cos, sin = rotary
+            return F.tanh(self.lin(h)) * cos + sin
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post = nn.Linear(4, 2)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.pre = nn.Linear(3, 4)
+            self.rot = Rot()
+
+        def forward(self, x, t):
+            if 7.0 in t:
+                raise ValueError("not in the data")
+            h = self.pre(x)
+            rotary = self.rot(h)
+            for block in self.blocks:
+                h = block(h, rotary=rotary)
+            return ((self.post(h) - t) ** 2).mean()
+    return Net()
+
+
+@pytest.mark.parametrize("micro_batches", [0, 2], ids=["eager", "graph-1f1b-M2"])
+def test_modules_run_in_the_stage_that_calls_them(micro_batches):
+    """Each module holding tensors goes, on the first call, to the stage that runs it (``pre``,
+    ``rot`` to stage 0, ``post`` to stage 1), a tuple argument of the stage's first module
+    moves with it, and a value read in Python during a graph's trace is no stage: 2 SGD steps
+    equal torch's, eager and in graph mode (1F1B)."""
+    g = torch.Generator().manual_seed(3)
+    x_full, t_full = torch.randn(4, 3, generator=g, dtype=F64), torch.randn(4, 2, generator=g,
+                                                                            dtype=F64)
+
+    torch.manual_seed(0)
+    tm = _out_of_order_net().double()   # a torch model, converted
+
+    def fn():
+        stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
+        m = sf.nn.from_torch(tm, stages[0])
+        sf.parallel.pipeline(m, stages, split=["blocks.1"])
+        opt = sf.optim.SGD(m.parameters(), lr=0.1)
+        step = _train_step(m, opt, micro_batches) if micro_batches else None
+        losses = []
+        for _ in range(2):
+            x, t = sf.tensor(x_full, stages[0], sf.S(0)), sf.tensor(t_full, stages[0], sf.S(0))
+            if step is None:
+                loss = m(x, t)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                loss = step(x, t)
+            losses.append(loss.item())
+        where = {n: t.placement.ranks for n, t in [*m.named_parameters(), *m.named_buffers()]}
+        return losses, m.state_dict(), where
+
+    losses, sd, where = sf.launch(fn, world_size=4)[0]
+    assert where == {"post.weight": [2, 3], "post.bias": [2, 3], "blocks.0.lin.weight": [0, 1],
+                     "blocks.0.lin.bias": [0, 1], "blocks.1.lin.weight": [2, 3],
+                     "blocks.1.lin.bias": [2, 3], "pre.weight": [0, 1], "pre.bias": [0, 1],
+                     "rot.freq": [0, 1]}
+    opt = torch.optim.SGD(tm.parameters(), lr=0.1)
+    for i in range(2):
+        loss = tm(x_full, t_full)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _close(losses[i], loss.item(), f"loss {i}")
+    for k, v in tm.state_dict().items():
+        _close(sd[k], v, k)
+
+
+def _train_step(model, opt, micro_batches: int):
+    class Step(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(micro_batches)
+            self.config.set_pipeline_schedule("1f1b")
+
+        def build(self, x, t):
+            loss = self.model(x, t)
+            loss.backward()
+            return loss
+    return Step()
+
+
 class _Interrupt(BaseException):
     """Not an Exception (as KeyboardInterrupt): forward hooks with ``always_call`` miss it."""
 
@@ -228,10 +337,10 @@ def test_pipeline_again_replaces_hooks():
         sf.parallel.pipeline(m, pls, split=SPLIT4)
         sf.parallel.pipeline(m, pls[:2], split=["blocks.3"])
         pipe = sf.parallel.pipeline_of(m)
-        hooks = {name: len(mod._forward_pre_hooks) for name, mod in m.named_modules()
-                 if mod._forward_pre_hooks}
         tok, pos, tgt = batch(0, 2)
         loss = m(*(sf.tensor(v, pls[0], sf.B) for v in (tok, pos, tgt)))
+        hooks = {name: len(mod._forward_pre_hooks) for name, mod in m.named_modules()
+                 if mod._forward_pre_hooks}   # (the first call's placing hooks are gone)
         pipe.remove()                  # the first pipeline's forward wrapper went with it too
         removed = ("forward" in m.__dict__, m.blocks[3]._forward_pre_hooks)
         return hooks, pipe.stage_of("blocks.2.ln1.weight"), pipe.stage_of("blocks.3"), \
