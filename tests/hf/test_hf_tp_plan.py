@@ -1,6 +1,6 @@
 """Tensor parallelism by a transformers model's own plan (issue 36, part 3):
 `sf.parallel.hf_tp_plan` turns ``model.tp_plan`` (GPT2: sbpflow's built-in plan) into rules of
-module-aware styles; the models of `hf_zoo` train 2 steps on a 1-D mesh of 4 (tensor parallel)
+module-aware styles; six families of `hf_zoo` train 2 steps on a 1-D mesh of 4 (tensor parallel)
 and a 2 x 2 mesh (data x tensor) equal to torch on one device. Float64 models, but HF's
 causal-LM loss upcasts the logits to float32 and, split by vocabulary, its log-sum-exp is
 summed in another order, so losses and weights are compared at float32 tolerance. The bytes a
@@ -19,7 +19,7 @@ import sbpflow as sf
 from hf_zoo import build, token_ids
 from sbpflow.nn.torch_layouts import CostlyLayoutWarning
 
-FAMILIES = ["llama", "qwen2", "gpt_neox", "phi", "gpt2"]
+FAMILIES = ["llama", "qwen2", "gpt_neox", "phi", "gpt2", "opt"]   # opt, gpt2: built-in plans
 MESHES = {"tp4": [0, 1, 2, 3], "dp2xtp2": [[0, 1], [2, 3]]}
 TOL = dict(rtol=1e-6, atol=1e-7)
 LR = 0.1
@@ -139,7 +139,7 @@ def _one_step_bytes(model, ids, t):
     return sent, replicated, sf.comm.stats()
 
 
-@pytest.mark.parametrize("name,t", [("gpt2", 2), ("llama", 2), ("llama", 4)])
+@pytest.mark.parametrize("name,t", [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)])
 def test_bytes_per_step_equal_megatrons_formula(name, t):
     # float32 throughout (Llama's RMSNorm computes in float32: in float64 its partial sums
     # would be reduced in float32, fewer bytes than Megatron's float64 all-reduce)
