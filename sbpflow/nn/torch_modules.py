@@ -24,6 +24,7 @@ from ..tensor import GlobalTensor, UnsupportedTorchFunction, _to_dtype, lift
 from ..tensor import tensor as _sf_tensor
 from ..utils import text_digest
 from . import modules as M
+from .init import meta_tensor
 from .modules import Module
 from .parameter import Parameter
 
@@ -189,7 +190,7 @@ _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hook
           "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def from_torch(module, placement: Placement | None = None) -> Module:
+def from_torch(module, placement: Placement | None = None, *, meta: bool = False) -> Module:
     """An sbpflow model equal to the ``torch.nn.Module`` ``module`` (a new object: ``module``
     is left as it was); an `sf.nn.Module` is returned as it is.
 
@@ -200,14 +201,16 @@ def from_torch(module, placement: Placement | None = None) -> Module:
     rank, 1-D); `sf.parallel.apply` then lays the parameters out by rule. Names, ``state_dict``
     keys, tied parameters and modules, attributes and ``requires_grad`` are the torch model's;
     forward hooks are kept. Backward hooks are refused (`UnsupportedTorchFunction`): sbpflow's
-    autograd runs on the shards. Ranks whose models differ in shapes or dtypes: `ShapeError`."""
+    autograd runs on the shards. Ranks whose models differ in shapes or dtypes: `ShapeError`.
+    ``meta``: tensors on torch's meta device become storage-less global tensors (for
+    `sf.load_pretrained`); without it they raise `ShapeError`."""
     if isinstance(module, Module):
         return module
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sf.nn.from_torch takes a torch.nn.Module, got {type(module).__name__}")
     if placement is None:
         placement = Placement("cpu", list(range(_comm.world_size())))
-    memo = {"twins": _twins(), "values": _synced_values(module, placement)}
+    memo = {"twins": _twins(), "values": _synced_values(module, placement), "meta": meta}
     return _convert(module, placement, memo, "")
 
 
@@ -250,16 +253,27 @@ def _convert(m: torch.nn.Module, pl: Placement, memo: dict, name: str) -> Module
 def _tensor(t: torch.Tensor, pl: Placement, memo: dict, parameter: bool) -> GlobalTensor:
     """A torch parameter as a replicated `Parameter`, a buffer as a replicated global tensor,
     of the value ``memo["values"]`` holds for it (the first rank's) or its own (memo: a tensor
-    shared by several modules stays one object)."""
+    shared by several modules stays one object). A tensor on torch's ``meta`` device (a model
+    built under ``torch.device("meta")``) stays storage-less: a meta global tensor, given
+    storage in its layout by `sf.parallel.apply` and values by `sf.load_pretrained`."""
     hit = memo.get(id(t))
     if hit is not None:
         return hit
     value = memo["values"].get(id(t))
     if value is None:
         value = t.detach()
+    if value.is_meta:
+        if not memo["meta"]:
+            raise ShapeError(f"sf.nn.from_torch: a {'parameter' if parameter else 'buffer'} of "
+                             f"shape {tuple(t.shape)} is on the meta device (no values); read "
+                             f"a checkpoint into such a model with sf.load_pretrained(model, "
+                             f"path, placement, rules), which lays it out first")
+        value = meta_tensor(tuple(value.shape), pl, (B,) * pl.ndim, value.dtype)
     if parameter:
         out = Parameter(value, requires_grad=t.requires_grad, placement=pl,
                         sbp=(B,) * pl.ndim)
+    elif isinstance(value, GlobalTensor):
+        out = value
     else:
         out = _sf_tensor(value, pl, (B,) * pl.ndim)
     memo[id(t)] = out
