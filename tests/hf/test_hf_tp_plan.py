@@ -38,10 +38,11 @@ def _torch_steps(model, ids, steps=2):
     return losses, model.state_dict()
 
 
-def _sf_steps(model, ids, ranks, steps=2):
+def _sf_steps(model, ids, ranks, steps=2, zero=0):
     pl = sf.placement("cpu", ranks)
     dp = pl.ndim == 2
-    m = sf.parallel.apply(model, pl, sf.parallel.hf_tp_plan(model, dp_dim=0 if dp else None))
+    m = sf.parallel.apply(model, pl, sf.parallel.hf_tp_plan(model, dp_dim=0 if dp else None),
+                          zero=zero)
     opt = sf.optim.SGD(m.parameters(), lr=LR)
     x = sf.tensor(ids, pl, (sf.S(0), sf.B) if dp else sf.B)
     losses = []
@@ -55,15 +56,19 @@ def _sf_steps(model, ids, ranks, steps=2):
     return losses, m.state_dict(), layouts, sf.comm.stats()
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("name", FAMILIES)
+# every family on both meshes; and ZeRO-3 along the plan's B dims (dp and tp) once
+CASES = [(n, m) for n in FAMILIES for m in MESHES] + [("llama", "dp2xtp2-zero3")]
+
+
+@pytest.mark.parametrize("name,mesh", CASES)
 def test_tp_by_the_models_plan_trains_as_torch(name, mesh):
     model, ids = build(name), token_ids()
     want_losses, want = _torch_steps(model, ids)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CostlyLayoutWarning)  # GPT2's fused c_attn (see below)
-        losses, got, layouts, stats = sf.launch(_sf_steps, world_size=4,
-                                                args=(model, ids, MESHES[mesh]))[0]
+        losses, got, layouts, stats = sf.launch(
+            _sf_steps, world_size=4, args=(model, ids, MESHES[mesh.removesuffix("-zero3")]),
+            kwargs=dict(zero=3 if mesh.endswith("zero3") else 0))[0]
     assert losses == pytest.approx(want_losses, rel=1e-6)
     assert list(got) == list(want)
     for k in want:
@@ -176,3 +181,27 @@ def test_a_conv1d_weight_split_as_a_linear_warns_naming_the_cheaper_rule():
     assert "sf.parallel.colwise (here weight (S(1),)" in msgs[0]
     assert _costly(model, {"*.c_fc.*": sf.parallel.colwise, "*": sf.B}) == []
     assert _costly(model, {"*.c_fc.weight": sf.S(1), "*.c_fc.bias": sf.S(0), "*": sf.B}) == []
+
+
+def _first_forward(model, ids):
+    pl = sf.placement("cpu", [0, 1])
+    m = sf.parallel.apply(model, pl, sf.parallel.hf_tp_plan(model))
+    x = sf.tensor(ids, pl, sf.B)
+    m(input_ids=x, labels=x)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox"])
+def test_the_fused_split_warning_fires_for_q_k_v_blocks_not_for_per_head_rows(name):
+    # GPT2's c_attn is [q | k | v]: column-split, split(n_embd) cuts across ranks; GPT-NeoX's
+    # query_key_value is per head [q_h | k_h | v_h], cut after a reshape by heads: free
+    model = build(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")   # as a user sees them: a message once
+        sf.launch(_first_forward, world_size=2, args=(model, token_ids()))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, CostlyLayoutWarning)]
+    if name == "gpt2":
+        assert len(msgs) == 1 and msgs[0].startswith(
+            "sf.parallel.apply: transformer.h.*.attn.c_attn.weight is laid out (S(1),)"), msgs
+        assert "a rule 'transformer.h.*.attn.c_attn.*': (B,)" in msgs[0]
+    else:
+        assert msgs == []
