@@ -21,6 +21,7 @@ from ..placement import Placement
 from ..sbp import B, format_nd_sbp
 from ..tensor import GlobalTensor
 from .checkpoint_files import CheckpointError, CheckpointShapeError, canonical_crc
+from .init import materialize
 from .modules import Module
 from .safetensors_files import (DEFAULT_MAX_SHARD_SIZE, INDEX, Entry, Source, StreamWriter,
                                 index_text, parse_size, plan_shards, remove_stale)
@@ -206,11 +207,13 @@ def load_safetensors(model: Module, path: str, *, strict: bool = True,
         error = exc
     try:
         _agree(error, f"sf.load_pretrained from {path!r}")
+        computed = _materialize_buffers(model)
         for key, t in targets:
             _fill(source, key, t)
     finally:
         if source is not None:
             source.close()
+    _compute_buffers(model, computed)
     if info is not None:
         info.update(missing=missing, unexpected=unexpected)
     _comm.current().barrier()
@@ -282,3 +285,35 @@ def _fill(source: Source, name: str, t: GlobalTensor) -> None:
             local.zero_()
         elif local.numel():
             local.copy_(source.read(name, box).to(local.dtype).reshape(local.shape))
+
+
+def _materialize_buffers(model: Module) -> list:
+    """Give every storage-less buffer (a model built on torch's ``meta`` device) storage in its
+    layout, zeros (the file fills the persistent ones); returns the modules holding such a
+    non-persistent buffer, which `_compute_buffers` fills."""
+    computed = []
+    for m in model.modules():
+        for k, b in list(m._buffers.items()):
+            if isinstance(b, GlobalTensor) and b.local.is_meta:
+                m._buffers[k] = materialize(b)
+                if k in m._non_persistent and m not in computed:
+                    computed.append(m)
+    return computed
+
+
+def _compute_buffers(model: Module, modules: list) -> None:
+    """The non-persistent buffers a checkpoint does not hold (rotary frequencies, position
+    ids) of a model built on the ``meta`` device, computed as transformers computes them on
+    load: the model's ``_init_weights`` of each module holding one. `CheckpointError` naming
+    them where the model has no such method."""
+    if not modules:
+        return
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        names = [f"{type(m).__name__}.{k}" for m in modules for k in m._buffers
+                 if k in m._non_persistent]
+        raise CheckpointError(f"sf.load_pretrained: the non-persistent buffers {names} were "
+                              f"built on the meta device and no checkpoint holds them; build "
+                              f"them with values (not under torch.device('meta'))")
+    for m in modules:
+        init(m)

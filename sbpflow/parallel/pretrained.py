@@ -11,7 +11,7 @@ from typing import Mapping
 from ..errors import SbpError
 from ..nn.modules import Module
 from ..nn.safetensors_io import load_safetensors
-from ..nn.torch_modules import is_torch_module
+from ..nn.torch_modules import from_torch, is_torch_module
 from ..placement import Placement
 from ..sbp import B
 from .apply import apply
@@ -26,11 +26,16 @@ def load_pretrained(model, path: str, placement: Placement | None = None,
 
     With ``placement``: ``model`` (a torch model, e.g. ``AutoModelForCausalLM.from_config``,
     or an sbpflow one) is first laid out by ``rules`` (default: every parameter replicated)
-    and ``zero`` as `sf.parallel.apply` does, then filled. Without: ``model`` must be an
+    and ``zero`` as `sf.parallel.apply` does, then filled. A torch model built under
+    ``torch.device("meta")`` is never whole anywhere: each rank allocates its shards only; its
+    non-persistent buffers (rotary frequencies) are computed by the model's
+    ``_init_weights``, as transformers does. Without: ``model`` must be an
     sbpflow model, filled in its current layouts. Each rank reads only the regions its
     shards hold; checks and errors (`CheckpointShapeError`, `CheckpointKeyError` with
     ``strict``) as `load_safetensors`. A collective: every rank calls it alike."""
     if placement is not None:
+        if is_torch_module(model):   # may be built on the meta device: shards materialised
+            model = from_torch(model, placement, meta=True)
         model = apply(model, placement, rules if rules is not None else
                       {"*": (B,) * placement.ndim}, zero=zero)
     elif is_torch_module(model) or not isinstance(model, Module):

@@ -199,6 +199,36 @@ def test_load_pretrained_into_layouts(tmp_path, layout):
         torch.testing.assert_close(logits, saved(input_ids=ids).logits, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_load_pretrained_into_a_model_built_on_the_meta_device(tmp_path, name):
+    """A model built under ``torch.device("meta")`` (no values anywhere) is laid out by its
+    shards alone and filled from the checkpoint; its non-persistent buffers (Llama's rotary
+    frequencies, BERT's position ids) are computed as transformers computes them: the logits
+    equal the saved model's (Llama's RMSNorm computes in float32: float32 tolerance).
+    `sf.parallel.apply` alone refuses such a model, naming load_pretrained."""
+    saved, ids = _saved(tmp_path, name), hf_zoo.token_ids()
+    with torch.device("meta"):
+        empty = hf_zoo.build(name)
+    rules = {"*": (sf.B, sf.B)}
+
+    def body():
+        pl = sf.placement("cpu", MESH)
+        m = sf.load_pretrained(empty, str(tmp_path), pl, rules, zero=3)
+        logits = m(input_ids=sf.tensor(ids, placement=pl, sbp=(sf.S(0), sf.B))).logits
+        return {k: t.full_tensor() for k, t in m.state_dict(keep_vars=True).items()}, \
+            logits.full_tensor()
+
+    values, logits = sf.launch(body, world_size=4)[0]
+    assert all(p.is_meta for p in empty.parameters())
+    assert all(torch.equal(values[k], v) for k, v in saved.state_dict().items())
+    with torch.no_grad():
+        torch.testing.assert_close(logits, saved(input_ids=ids).logits, rtol=0,
+                                   atol=1e-6 if name == "llama" else 1e-12)
+    with pytest.raises(sf.ShapeError, match="meta device.*sf.load_pretrained"):
+        sf.launch(lambda: sf.parallel.apply(empty, sf.placement("cpu", [0, 1]), rules),
+                  world_size=2)
+
+
 class _Recorder:
     """``safetensors.safe_open`` that records, per rank, each region read and its bytes."""
 
