@@ -598,6 +598,8 @@ def _traced(model, example_inputs, meta, notes: list) -> tuple:
         raise ParallelizeError(f"parallelize: meta must be True (trace on shapes), False (the "
                                f"real forward) or 'auto' (shapes, else the real forward), "
                                f"got {meta!r}")
+    if meta is not False:
+        example_inputs = _replicated(example_inputs)
     if meta != "auto":
         return trace(model, example_inputs, meta=meta)
     try:
@@ -607,6 +609,24 @@ def _traced(model, example_inputs, meta, notes: list) -> tuple:
         notes.append(f"traced with the real forward (meta=False): on shapes it raised "
                      f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
         return trace(model, example_inputs, meta=False)
+
+
+def _replicated(example_inputs):
+    """``example_inputs`` (a tuple, a list, a dict or one value) with each global tensor that
+    is not replicated boxed to replicated on its placement (a collective, on inputs: token
+    ids, masks), so that the trace on shapes knows their values (a Hugging Face forward reads
+    its ids and masks: ``pad_token_id in input_ids``, the causal mask's shortcuts)."""
+    from ..tensor import GlobalTensor
+
+    def one(a):
+        if not isinstance(a, GlobalTensor) or all(isinstance(s, Broadcast) for s in a.sbp):
+            return a
+        return a.to_global(sbp=(B,) * a.placement.ndim)
+    if isinstance(example_inputs, dict):
+        return {k: one(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(one(a) for a in example_inputs)
+    return one(example_inputs)
 
 
 def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> None:

@@ -32,34 +32,44 @@ def _torch_itemsize(dtype) -> int:
 
 def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
           ) -> tuple[Graph, dict]:
-    """``(graph, modules)``: the `Graph` of ``model``'s Linear / Embedding / Conv2d calls on
-    ``example_inputs`` (a tuple of forward arguments: global tensors, torch tensors, or other
+    """``(graph, modules)``: the `Graph` of ``model``'s Linear / Embedding / Conv2d (and
+    Hugging Face ``Conv1D``) calls on ``example_inputs`` (a tuple of positional forward
+    arguments, a dict of keyword ones, or one tensor: global tensors, torch tensors, or other
     values passed through) and ``{layer name: module}``.
 
-    With ``meta=True`` (default) nothing is allocated, computed or communicated (docs/auto.md,
-    'Tracing a model') and the model is left exactly as it was; with ``meta=False`` the real
-    forward runs under ``torch.no_grad`` (torch inputs replicated onto the placement of the
-    model's parameters; a collective)."""
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    With ``meta=True`` (default) no weight is allocated, nothing the weights compute is
+    computed and nothing is communicated (docs/auto.md, 'Tracing a model'); the model is left
+    exactly as it was. With ``meta=False`` the real forward runs under ``torch.no_grad``
+    (torch inputs replicated onto the placement of the model's parameters; a collective)."""
+    args, kwargs = _arguments(example_inputs)
     params = list(model.parameters())
     if not params:
         raise TraceError(f"sf.auto.trace: the model {type(model).__name__} has no parameters")
     records: list = []
     wrapped = _wrap_layers(model, records)
     try:
-        _run_forward(model, example_inputs, params[0].placement, meta)
+        _run_forward(model, args, kwargs, params[0].placement, meta)
     finally:
         _unwrap(wrapped)
     layers = _layers(records)
     if not layers:
         raise TraceError(f"sf.auto.trace: the forward of {type(model).__name__} called no "
-                         f"Linear, Embedding or Conv2d module")
+                         f"Linear, Embedding, Conv2d or Conv1D module")
     floats = [p.dtype for p in params if p.dtype.is_floating_point]
     itemsize = _torch_itemsize(floats[0] if floats else params[0].dtype)
     graph = Graph(layers, name=name or type(model).__name__, itemsize=itemsize,
-                  optimizer_itemsize=itemsize, batch=_batch(example_inputs))
+                  optimizer_itemsize=itemsize, batch=_batch(list(args) + list(kwargs.values())))
     return graph, {r[0]: r[4] for r in records}
+
+
+def _arguments(example_inputs) -> tuple:
+    """``(positional arguments, keyword arguments)`` of the forward: a dict is keywords, a
+    tuple or list positional, anything else the one positional argument."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
 
 
 def _batch(example_inputs) -> int | None:
@@ -112,15 +122,17 @@ def _unwrap(wrapped: list) -> None:
             object.__setattr__(m, "forward", prev)
 
 
-def _run_forward(model, example_inputs: Sequence[Any], pl, meta: bool) -> None:
+def _run_forward(model, args: tuple, kwargs: dict, pl, meta: bool) -> None:
     """One forward of ``model``: on shapes only (``meta``), else the real one under
     ``torch.no_grad`` with torch inputs replicated onto ``pl`` (a collective)."""
     if meta:
-        _run_on_shapes(model, example_inputs, pl.device_type)
+        _run_on_shapes(model, args, kwargs, pl.device_type)
         return
-    args = [_replicate(a, pl) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+
+    def placed(a):
+        return _replicate(a, pl) if isinstance(a, torch.Tensor) else a
     with torch.no_grad():
-        model(*args)
+        model(*[placed(a) for a in args], **{k: placed(v) for k, v in kwargs.items()})
 
 
 def stores_in_out(module) -> bool:
@@ -221,8 +233,10 @@ def _stand_ins(device_type: str):
     on the one-rank placement whose shard is a fake tensor (torch's ``FakeTensorMode``: a
     tensor of ``device_type`` without storage, so ``x.device`` and ``.to(x.device)`` read as
     on the real model); ``known(a)`` an input with its values where this rank holds them all
-    (a torch tensor, a global tensor replicated on every mesh dim), else its shadow."""
+    (a torch tensor, a global tensor replicated on every mesh dim), else its shadow; other
+    values as they are."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from .. import comm as _comm
     from ..placement import Placement
     from ..tensor import GlobalTensor
 
@@ -236,9 +250,12 @@ def _stand_ins(device_type: str):
         return GlobalTensor(local, shape, one, (B,))
 
     def known(a):
-        if not isinstance(a, GlobalTensor):
+        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor):
             return GlobalTensor(a.detach(), tuple(a.shape), one, (B,))
-        if all(isinstance(s, Broadcast) for s in a.sbp) and not a.local.is_meta:
+        if not isinstance(a, GlobalTensor):
+            return a
+        if all(isinstance(s, Broadcast) for s in a.sbp) and not a.local.is_meta and \
+                _comm.rank() in a.placement.flat_ranks:
             return GlobalTensor(a.local.detach(), tuple(a.shape), one, (B,))
         return shadow(a)
     return shadow, known
@@ -265,23 +282,21 @@ def _swap_state(model, shadow) -> list:
     return saved
 
 
-def _run_on_shapes(model, example_inputs: Sequence[Any], device_type: str) -> None:
-    """Run ``model(*example_inputs)`` in a world of one rank (`_world_of_one`) with every
+def _run_on_shapes(model, args: tuple, kwargs: dict, device_type: str) -> None:
+    """Run ``model(*args, **kwargs)`` in a world of one rank (`_world_of_one`) with every
     parameter and buffer replaced by a storage-less stand-in of its logical shape, inputs
     with their values where this rank holds them (`_stand_ins`); the module's parameters
     and buffers are put back afterwards (also on error). What only the inputs determine
     (positions, masks, sizes read with ``.item()``) is computed; what the weights do is
     shapes only, and reading such a value raises `TraceError`."""
-    from ..tensor import GlobalTensor
-
+    shadow, known = _stand_ins(device_type)
+    args = [known(a) for a in args]                  # (this rank's view of the inputs)
+    kwargs = {k: known(v) for k, v in kwargs.items()}
     with _world_of_one():
-        shadow, known = _stand_ins(device_type)
         saved = _swap_state(model, shadow)
         try:
-            args = [known(a) if isinstance(a, (torch.Tensor, GlobalTensor)) else a
-                    for a in example_inputs]
             with torch.no_grad():
-                model(*args)
+                model(*args, **kwargs)
         except SbpError as exc:
             if not isinstance(exc, _OUTSIDE):
                 raise
