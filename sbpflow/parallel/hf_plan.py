@@ -7,7 +7,8 @@ parameters with a module-aware `Style` (parallel/styles.py) on one mesh dim, and
 replicated. HF's styles also fix activation layouts (a gathered output, a split input); here
 activations take the layouts the ops choose by cost (the loss reads vocabulary-split logits
 without gathering them). Families transformers gives no plan have one in `BUILTIN_PLANS`
-(GPT-2, OPT: Megatron's roles), relative to the base model as ``base_model_tp_plan`` is.
+(GPT-2, OPT, BERT: Megatron's roles), relative to the base model as ``base_model_tp_plan`` is,
+and `BUILTIN_HEADS` for their heads (default: ``lm_head`` column-parallel).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Mapping
 from ..errors import SbpError
 from .styles import Style, colwise, replicate, rowwise
 
-__all__ = ["hf_tp_plan", "HF_STYLES", "BUILTIN_PLANS"]
+__all__ = ["hf_tp_plan", "HF_STYLES", "BUILTIN_PLANS", "BUILTIN_HEADS"]
 
 # transformers' style names (transformers/distributed/tensor_parallel.py, 5.x) -> sbpflow style
 HF_STYLES: dict[str, Style] = {
@@ -41,6 +42,17 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
             "decoder.layers.*.self_attn.v_proj": "colwise",
             "decoder.layers.*.self_attn.out_proj": "rowwise",
             "decoder.layers.*.fc1": "colwise", "decoder.layers.*.fc2": "rowwise"},
+    "bert": {"embeddings.word_embeddings": "embedding_rowwise",
+             "encoder.layer.*.attention.self.query": "colwise",
+             "encoder.layer.*.attention.self.key": "colwise",
+             "encoder.layer.*.attention.self.value": "colwise",
+             "encoder.layer.*.attention.output.dense": "rowwise",
+             "encoder.layer.*.intermediate.dense": "colwise",
+             "encoder.layer.*.output.dense": "rowwise"},
+}
+# the heads' entries (names from the model's root; keys that name nothing are dropped)
+BUILTIN_HEADS: dict[str, dict[str, str]] = {
+    "bert": {"cls.predictions.decoder": "colwise", "cls.predictions.bias": "colwise"},
 }
 
 
@@ -59,7 +71,7 @@ def hf_tp_plan(model, mesh_dim: int | None = None, dp_dim: int | None = None,
         kind = getattr(getattr(model, "config", None), "model_type", None)
         raise SbpError(
             f"sf.parallel.hf_tp_plan: {type(model).__name__} (model_type {kind!r}) declares no "
-            f"tensor-parallel plan and sbpflow has none built in (for {sorted(BUILTIN_PLANS)}); "
+            f"tensor-parallel plan and sbpflow has none built in (it has {sorted(BUILTIN_PLANS)}); "
             f"pass plan={{'<module pattern>': 'colwise' | 'rowwise' | ...}}")
     params = [n for n, _ in model.named_parameters()]
     rules: dict = {}
@@ -88,8 +100,10 @@ def _declared_plan(model) -> dict:
     prefix = getattr(model, "base_model_prefix", "")
     root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     out = {f"{root}{k}": v for k, v in base.items()}
-    if out and getattr(model, "lm_head", None) is not None:
-        out.setdefault("lm_head", "colwise_gather_output")
+    if out and root:
+        head = BUILTIN_HEADS.get(getattr(config, "model_type", None),
+                                 {"lm_head": "colwise_gather_output"})
+        out.update({k: v for k, v in head.items() if k not in out})
     return out
 
 
