@@ -5,7 +5,7 @@ stages; pipeline stages over several placements; Cyclic Data Parallelism)."""
 from . import zero
 from .apply import UnmatchedParameterError, apply, match_rules
 from .cdp import CyclicDataParallel
-from .hf_plan import BUILTIN_PLANS, HF_STYLES, hf_tp_plan
+from .hf_plan import BUILTIN_HEADS, BUILTIN_PLANS, HF_STYLES, hf_tp_plan
 from .pipeline import Pipeline, pipeline, pipeline_of
 from .pretrained import load_pretrained
 from .relayout import relayout
@@ -13,4 +13,5 @@ from .styles import Style, colwise, replicate, rowwise
 
 __all__ = ["apply", "match_rules", "relayout", "pipeline", "pipeline_of", "Pipeline",
            "UnmatchedParameterError", "CyclicDataParallel", "zero", "load_pretrained",
-           "Style", "colwise", "rowwise", "replicate", "hf_tp_plan", "HF_STYLES", "BUILTIN_PLANS"]
+           "Style", "colwise", "rowwise", "replicate", "hf_tp_plan", "HF_STYLES", "BUILTIN_PLANS",
+           "BUILTIN_HEADS"]
