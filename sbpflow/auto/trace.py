@@ -1,17 +1,20 @@
 """``sf.auto.trace``: the graph of layers of an ``sf.nn`` model, from one forward run on shapes.
 
-Every `Linear`, `Embedding` and `Conv2d` module is recorded the first time it is called, in call
-order, as a chain of layers with the axis conventions of `graph` and a Megatron role
-(``attrs["megatron"]``); weightless ops between them are not layers. A layer whose weight is an
-earlier layer's (tied) is marked ``tied`` and has no weight of its own. By default (``meta=True``)
-the forward runs on storage-less stand-ins on a one-rank placement: no weights allocated,
-nothing computed or communicated. See docs/auto.md, 'Tracing a model'.
+Every `Linear`, `Embedding` and `Conv2d` module (and Hugging Face's ``Conv1D``, a linear stored
+``(in, out)``) is recorded the first time it is called, in call order, as a chain of layers with
+the axis conventions of `graph` and a Megatron role (``attrs["megatron"]``); weightless ops
+between them are not layers. A layer whose weight is an earlier layer's (tied) is marked
+``tied`` and has no weight of its own. By default (``meta=True``) the forward runs in a world of
+one rank on storage-less (fake) stand-ins of the weights and with the inputs' values: no weight
+allocated, nothing communicated, only what the inputs alone determine computed (masks,
+positions, sizes). See docs/auto.md, 'Tracing a model'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import math
 from typing import Any, Sequence
 
@@ -51,7 +54,7 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
         _run_forward(model, args, kwargs, params[0].placement, meta)
     finally:
         _unwrap(wrapped)
-    layers = _layers(records)
+    layers = _layers(records, _declared_roles(model))
     if not layers:
         raise TraceError(f"sf.auto.trace: the forward of {type(model).__name__} called no "
                          f"Linear, Embedding, Conv2d or Conv1D module")
@@ -156,7 +159,31 @@ def graph_weight_shape(kind: str, module) -> tuple:
     return tuple(module.weight.shape)
 
 
-def _layers(records: list) -> list:
+def _declared_roles(model) -> dict:
+    """``{parameter pattern: "col" | "row"}`` from the tensor-parallel plan a Hugging Face
+    model declares (`sf.parallel.hf_tp_plan`: colwise / rowwise, in the plan's order), or
+    ``{}`` for a model without one."""
+    from ..parallel.hf_plan import hf_tp_plan
+    if getattr(model, "config", None) is None:
+        return {}
+    try:
+        rules = hf_tp_plan(model)
+    except SbpError:
+        return {}
+    kinds = {"colwise": "col", "rowwise": "row"}
+    return {k: kinds[v.kind] for k, v in rules.items() if getattr(v, "kind", None) in kinds}
+
+
+def _role(lname: str, roles: dict, linear_i: int) -> str:
+    """A linear's Megatron role: the declared plan's for its weight (the first pattern that
+    matches), else column / row alternating in call order."""
+    for pattern, role in roles.items():
+        if fnmatch.fnmatchcase(f"{lname}.weight", pattern):
+            return role
+    return "col" if linear_i % 2 == 0 else "row"
+
+
+def _layers(records: list, roles: dict | None = None) -> list:
     """The `Layer` of each record, in call order (linears alternate Megatron col / row). A
     module whose weight an earlier layer holds (a tied LM head) becomes a layer ``tied`` to it,
     without a weight of its own; tied to an embedding, its Megatron role is the vocabulary
@@ -169,7 +196,7 @@ def _layers(records: list) -> list:
             d_in, d_out = graph_weight_shape(kind, m)
             extra = {"weight_in_out": True} if stores_in_out(m) else {}
             layer = linear_layer(lname, math.prod(xs[:-1]), d_in, d_out,
-                                 megatron="col" if linear_i % 2 == 0 else "row", **extra)
+                                 megatron=_role(lname, roles or {}, linear_i), **extra)
             linear_i += 1
         elif kind == "embedding":
             tokens = math.prod(xs)

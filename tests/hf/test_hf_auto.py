@@ -223,3 +223,45 @@ def test_every_suggested_sf_argument_in_the_sources_exists():
     assert ("sf.auto.parallelize", "meta") in found
     wrong = sorted(f"{f}(..., {a}=)" for f, a in found if not _accepts(f, a))
     assert wrong == []
+
+
+# -- Megatron's roles from the model's own plan ----------------------------------------------------
+def _megatron_run(model, batch: dict) -> dict:
+    """The traced graph's Megatron baseline (`sf.auto.baselines.megatron`, tp 2 x dp 2) given
+    to `parallelize`, trained as `_sf_train` does."""
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    example = {k: sf.tensor(v, pl) for k, v in batch.items()}
+    graph, _ = sf.auto.trace(sf.nn.from_torch(model, pl), example)
+    cluster = sf.cost.Cluster.preset("dgx-a100", nodes=1, devices_per_node=4)
+    plan = sf.auto.parallelize(model, example, pl,
+                               strategy=sf.auto.baselines.megatron(graph, cluster, tp=2))
+    m = plan.model
+    opt = sf.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+    x = {k: plan.input(v) for k, v in batch.items()}
+    logits = m(**x).logits.full_tensor()
+    losses = []
+    for _ in range(STEPS):
+        loss = m(**x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    roles = {l.name: l.attrs["megatron"] for l in graph.layers if l.kind == "linear"}
+    return dict(logits=logits, losses=losses, notes=plan.notes, sd=m.state_dict(),
+                layers=[l.name for l in plan.graph.layers], roles=roles,
+                weights={n: p.sbp for n, p in m.named_parameters()})
+
+
+def test_megatron_roles_come_from_the_models_plan_and_train_as_torch():
+    """Llama declares q / k / v / gate / up colwise and o / down rowwise: the traced roles
+    follow (call-order alternation would make k_proj a row layer), so the Megatron baseline
+    is Megatron's (a column layer's weight split on its output features)."""
+    model, batch = build("llama"), _inputs()
+    want = _torch_train(model, batch)
+    got = sf.launch(_megatron_run, world_size=4, args=(model, batch))[0]
+    col = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+    for layer, role in got["roles"].items():
+        assert role == ("col" if layer.endswith(col) else "row"), layer
+    assert got["weights"]["model.layers.0.self_attn.k_proj.weight"] == (sf.B, sf.S(0))
+    assert got["weights"]["model.layers.0.self_attn.o_proj.weight"] == (sf.B, sf.S(1))
+    _check("llama", got, want, model)
