@@ -138,12 +138,40 @@ def decomposed(func: Callable, tensors: list, pos: tuple, kw: tuple):
         if any(n.op == "get_attr" for n in gm.graph.nodes):
             return None  # a tensor constant made on meta: nothing to run it with
         if not missing:
-            return None if _only(gm, func) else gm
+            return None if _only(gm, func) or not _replays(gm, metas) else gm
         if not all(op in decomposition_table and op not in table for op in missing) or grad:
             return None  # (a table's decomposition computes torch's value, not always its
             # derivative: at a norm's zero or a softmax's -inf row it differs from the op's own)
         table.update({op: decomposition_table[op] for op in missing})
     return None
+
+
+def _replays(gm, metas: tuple) -> bool:
+    """Each node of the trace, run as `replay` runs it but on the meta tensors, gives the
+    shape and dtype the trace recorded (a torch function of an aten op's name takes the op's
+    arguments)."""
+    def same(a, b) -> bool:
+        if isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+        if isinstance(b, (tuple, list)):
+            return isinstance(a, (tuple, list)) and len(a) == len(b) and \
+                all(same(x, y) for x, y in zip(a, b))
+        return True
+    env, placeholders = {}, iter(metas)
+    try:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+                with torch.no_grad():
+                    env[node] = _run(node.target, args, kwargs, torch.device("meta"), meta=True)
+                if not same(env[node], node.meta.get("val")):
+                    return False
+    except Exception:  # noqa: BLE001 - the torch function does not take the op's arguments
+        return False
+    return True
 
 
 def _only(gm, func: Callable) -> bool:
@@ -170,12 +198,17 @@ def replay(gm, tensors: list, device: torch.device) -> Any:
     raise AssertionError("an fx graph ends with its output node")
 
 
-def _run(target: Callable, args: tuple, kwargs: dict, device: torch.device) -> Any:
+def _run(target: Callable, args: tuple, kwargs: dict, device: torch.device,
+         meta: bool = False) -> Any:
+    """One node: on global tensors as its torch function; ``meta``: the inputs are the meta
+    tensors of a check (`_replays`), each an input or what the trace made of one."""
     if target is operator.getitem:
         return target(*args)
     if "device" in kwargs:  # the trace's meta device: the rank's
         kwargs = {**kwargs, "device": device}
-    if not any(isinstance(a, GlobalTensor) for a in _leaves(args, kwargs)):
+    leaves = _leaves(args, kwargs)
+    if not any(isinstance(a, GlobalTensor) for a in leaves) and not (
+            meta and any(isinstance(a, torch.Tensor) for a in leaves)):
         return target(*args, **kwargs)  # a factory, or ops on what factories made
     kwargs = {k: v for k, v in kwargs.items() if (k, v) not in _DEFAULTS}
     # (a pointwise aten op of no public name runs as itself: by its tag, shards kept)

@@ -513,6 +513,43 @@ def _cumulative(op: str):
     return run
 
 
+def _dims(dims: tuple) -> tuple:
+    """``x.flip(0, 1)`` or ``torch.flip(x, (0, 1))``: the dims as one tuple of ints."""
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
+        dims = tuple(dims[0])
+    return tuple(int(d) for d in dims)
+
+
+def _flip(input, *dims, **kw):
+    return apply_op("flip", input, dims=_dims(tuple(dims) or (kw.pop("dims"),)))
+
+
+def _roll(input, shifts, dims=None):
+    if dims is None:  # rolled as if flattened
+        return _fallback(torch.roll)(input, shifts)
+    shifts, dims = _dims((shifts,)), _dims((dims,))
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, "
+                           f"dims:{len(dims)}")   # torch's message
+    return apply_op("roll", input, shifts=shifts, dims=dims)
+
+
+def _triangle(op: str):
+    def run(input, diagonal=0):
+        return apply_op(op, input, diagonal=int(diagonal))
+    return run
+
+
+def _logcumsumexp(input, dim):
+    return apply_op("logcumsumexp", input, dim=int(dim))
+
+
+def _cumulative_pick(kind: str):
+    def run(input, dim):
+        return _structured(kind, *apply_op(kind, input, dim=int(dim)))
+    return run
+
+
 def _isin(elements, test_elements, *, assume_unique=False, invert=False):
     if not isinstance(elements, GlobalTensor):
         return _fallback(torch.isin)(elements, test_elements, assume_unique=assume_unique,
@@ -644,6 +681,12 @@ _HOT_METHODS = {
     "scatter_add": _with_out("torch.scatter_add", _scatter_add),
     "index_select": _with_out("torch.index_select", _index_select),
     "repeat_interleave": _repeat_interleave,
+    "flip": _with_out("torch.flip", _flip), "roll": _roll,
+    "triu": _with_out("torch.triu", _triangle("triu")),
+    "tril": _with_out("torch.tril", _triangle("tril")),
+    "logcumsumexp": _with_out("torch.logcumsumexp", _logcumsumexp),
+    "cummax": _with_out("torch.cummax", _cumulative_pick("cummax")),
+    "cummin": _with_out("torch.cummin", _cumulative_pick("cummin")),
 }
 
 

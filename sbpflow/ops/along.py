@@ -1,13 +1,14 @@
 """Ops that work along some axes and leave the others alone (``pad``, ``cumsum``, ``cumprod``,
-``gather``, ``scatter``, ``scatter_add``, ``index_select`` by a tensor, ``repeat_interleave``),
+``logcumsumexp``, ``flip``, ``roll``, ``triu`` / ``tril`` (the last two axes), ``gather``,
+``scatter``, ``scatter_add``, ``index_select`` by a tensor, ``repeat_interleave``),
 and ``isin``, elementwise in its first input. Each runs torch's kernel on the local shards; an
 axis the op works along is whole on every rank, every other axis keeps its split (one mesh dim;
 all ``B`` is valid everywhere):
 
 * pad: ``S(a)`` for an axis not padded; ``P -> P`` (constant 0). cumsum, cumprod: ``S(a)``,
   ``a != dim``; ``P -> P`` (cumsum). isin(elements, test): ``(S(a), B) -> S(a)``;
-* gather(x, index): ``(S(a), S(a))``, ``a != dim``, index as long as x on ``a``; ``(B, S(a))
-  -> S(a)``; ``(P, B) -> P``. scatter, scatter_add: all ``S(a)``, ``a != dim``, as long on
+* gather(x, index): ``(S(a), S(a))``, ``a != dim``, index as long as x on ``a``; ``(B, S(dim))
+  -> S(dim)``; ``(P, B) -> P``. scatter, scatter_add: all ``S(a)``, ``a != dim``, as long on
   ``a``; ``(P, B, P) -> P`` (scatter_add). index_select: ``(S(a), B)``, ``a != dim``; ``(B,
   S(0)) -> S(dim)``; ``(P, B) -> P``. repeat_interleave: ``S(a)`` on every axis (on ``dim``
   where the balanced parts line up); ``P -> P``. See docs/torch_models.md, 'What runs'.
@@ -76,6 +77,49 @@ for _name, _fn, _linear in (("cumsum", torch.cumsum, True), ("cumprod", torch.cu
              doc=f"{_name} along dim (whole); the other axes keep their split")
 
 
+# -- flips, rolls, triangles, log-cumsum-exp ---------------------------------------------------------
+def _flip(x, dims):
+    return torch.flip(x, dims)
+
+
+def _flip_signatures(x: TensorMeta, dims) -> list[Signature]:
+    return _kept(x, {_norm(d, x.ndim) for d in dims}, True)
+
+
+def _roll(x, shifts, dims):
+    return torch.roll(x, shifts, dims)
+
+
+def _roll_signatures(x: TensorMeta, shifts, dims) -> list[Signature]:
+    return _kept(x, {_norm(d, x.ndim) for d in dims}, True)
+
+
+def _triangle(fn):
+    def kernel(x, diagonal=0):
+        return fn(x, diagonal)
+
+    def signatures(x: TensorMeta, diagonal=0) -> list[Signature]:  # the last two axes whole
+        return _kept(x, {x.ndim - 2, x.ndim - 1}, True)
+    return kernel, signatures
+
+
+def _logcumsumexp(x, dim):
+    return torch.logcumsumexp(x, dim)
+
+
+def _logcumsumexp_signatures(x: TensorMeta, dim) -> list[Signature]:
+    return _kept(x, {_norm(dim, x.ndim)} if x.ndim else set(), False)
+
+
+register("flip", _flip, _flip_signatures, doc="flip: the flipped axes whole, the others kept")
+register("roll", _roll, _roll_signatures,
+         doc="roll along dims: the rolled axes whole, the others keep their split")
+register("triu", *_triangle(torch.triu), doc="triu: the last two axes whole, batch axes kept")
+register("tril", *_triangle(torch.tril), doc="tril: the last two axes whole, batch axes kept")
+register("logcumsumexp", _logcumsumexp, _logcumsumexp_signatures,
+         doc="logcumsumexp along dim (whole); the other axes keep their split")
+
+
 # -- gather / scatter -----------------------------------------------------------------------------
 def _gather(x, index, dim):
     return torch.gather(x, dim, index)
@@ -85,8 +129,8 @@ def _gather_signatures(x: TensorMeta, index: TensorMeta, dim) -> list[Signature]
     d = _norm(dim, x.ndim)
     sigs = [Signature([f"S({a})", f"S({a})"], [f"S({a})"]) for a in range(x.ndim)
             if a != d and x.shape[a] == index.shape[a] > 1]
-    sigs += [Signature(["B", f"S({a})"], [f"S({a})"]) for a in range(index.ndim)
-             if index.shape[a] > 1]
+    if index.shape[d] > 1:  # (an index split elsewhere would read x's first rows)
+        sigs.append(Signature(["B", f"S({d})"], [f"S({d})"]))
     return sigs + [Signature(["P", "B"], ["P"]), Signature(["B", "B"], ["B"])]
 
 

@@ -1,5 +1,6 @@
 """Ops that pick entries along one axis: ``max_dim`` / ``min_dim`` (values and indices),
-``sort``, ``topk``, ``kthvalue``, ``median_dim``, ``mode``, ``argmax``, ``argmin``.
+``sort``, ``topk``, ``kthvalue``, ``median_dim``, ``mode``, ``cummax``, ``cummin``, ``argmax``,
+``argmin``.
 
 Each runs torch's kernel on the local shard with the axis it works along whole on the rank:
 that axis is never split (the dispatch gathers it first), the other axes keep their split, and
@@ -63,6 +64,8 @@ SELECTIONS = {
                    torch.sort(x, dim=dim, descending=descending, stable=stable)), 2, True),
     "topk": (_pair(lambda x, k, dim, largest=True, sorted=True:
                    torch.topk(x, k, dim, largest, sorted)), 2, True),
+    "cummax": (_pair(lambda x, dim: torch.cummax(x, dim)), 2, True),
+    "cummin": (_pair(lambda x, dim: torch.cummin(x, dim)), 2, True),
     "argmax": (lambda x, dim=None, keepdim=False: torch.argmax(x, dim, keepdim), 1, False),
     "argmin": (lambda x, dim=None, keepdim=False: torch.argmin(x, dim, keepdim), 1, False),
 }

@@ -1,5 +1,5 @@
 """Hot torch functions of real models run by their own rules, nothing gathered
-(sbpflow/ops/along.py, the decompositions of sbpflow/nn/torch_handlers.py): values and gradients
+(sbpflow/ops/along.py and select.py, the decompositions of sbpflow/nn/torch_handlers.py): values and gradients
 equal plain torch's (float64) on 4 rank threads, in several layouts, the output laid out as
 expected and no 'fallback' bytes (docs/torch_models.md, 'What runs')."""
 
@@ -74,6 +74,16 @@ CASES = {
                           [((S0,), S0), ((B,), B)]),
     "repeat_interleave split dim": (lambda x: torch.repeat_interleave(x, 3, 0), (_r(8, 6),),
                                     [((S0,), S0), ((S1,), S1)]),
+    "flip": (lambda x: torch.flip(x, (1,)), (_r(8, 6, 4),), [((S0,), S0), ((S2,), S2)]),
+    "flip method": (lambda x: x.flip(0, 2), (_r(8, 6, 4),), [((S1,), S1), ((B,), B)]),
+    "roll": (lambda x: torch.roll(x, (2, -1), (1, 2)), (_r(8, 6, 4),), [((S0,), S0)]),
+    "roll method": (lambda x: x.roll(3, 0), (_r(8, 6, 4),), [((S1,), S1), ((S2,), S2)]),
+    "triu": (lambda x: torch.triu(x, 1), (_r(8, 6, 4),), [((S0,), S0), ((B,), B)]),
+    "tril method": (lambda x: x.tril(-1), (_r(8, 6, 4),), [((S0,), S0)]),
+    "logcumsumexp": (lambda x: torch.logcumsumexp(x, 2), (_r(8, 6, 4),),
+                     [((S0,), S0), ((S1,), S1)]),
+    "cummax": (lambda x: torch.cummax(x, 1).values, (_r(8, 6, 4),), [((S0,), S0), ((S2,), S2)]),
+    "cummin indices": (lambda x: x.cummin(dim=0)[1], (_r(8, 6, 4),), [((S1,), S1)]),
     "sdpa gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                 enable_gqa=True),
                  (_r(2, 8, 5, 4), _r(2, 4, 5, 4), _r(2, 4, 5, 4)),

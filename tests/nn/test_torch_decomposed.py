@@ -32,7 +32,7 @@ COMPOSITE = {
 }
 # ops torch ships a decomposition for (torch._decomp): gather-free without autograd
 TABLE = {
-    "triu": lambda x, y: torch.triu(x, 1),
+    "rot90": lambda x, y: torch.rot90(x, 1, (0, 1)),
     "addr": lambda x, y: torch.addr(x, y[:, 0], y[0]),
     "huber_loss": lambda x, y: F.huber_loss(x, y, delta=0.5),
     "hardswish": lambda x, y: F.hardswish(x),
