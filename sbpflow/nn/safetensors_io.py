@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 
 import torch
 
@@ -65,7 +66,39 @@ def _written(model: Module) -> list[tuple[str, GlobalTensor]]:
         if len(names) > 1:
             tied = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
             drop.update(tied[:-1] if len(tied) == len(names) else tied)
-    return [(k, t) for k, t in items if k not in drop]
+    out = [(k, t) for k, t in items if k not in drop]
+    conversion = _renaming(model, saving=True)
+    if conversion is None:
+        return out
+    rename, order = conversion   # save_pretrained writes a converted model in this order
+    return [(rename(k), t) for k, t in sorted(out, key=lambda kt: order(kt[0]))]
+
+
+def _renaming(model: Module, saving: bool) -> tuple | None:
+    """transformers 5's renaming of checkpoint names for ``model``'s architecture (GPT-NeoX's
+    ``embed_out`` <-> ``lm_head``; legacy ``LayerNorm.gamma``): ``(rename, order)``, the
+    function from a file's name to the model's (``saving``: the reverse, as ``save_pretrained``
+    writes the original names) and the sort key of names ``save_pretrained`` then writes in;
+    None where there is none. Its converters that merge or split tensors (MoE experts) are
+    not applied: such tensors are not found (`CheckpointKeyError` names them)."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(model, tf.PreTrainedModel):
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping as mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings, dot_natural_key
+    # the model's own mapping, by its transformers class, else its model type (as
+    # get_model_conversion_mapping, which takes a converted class for custom code), legacy
+    # names too on load; prefixes are `_file_name`'s
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    steps = mapping(cls.__name__) or mapping(getattr(model.config, "model_type", None)) or []
+    steps = [c for c in steps + ([] if saving else mapping("legacy") or [])
+             if type(c).__name__ != "PrefixChange"]
+    if saving:
+        steps = [c.reverse_transform() for c in steps[::-1]]
+    if not steps:
+        return None
+    renamings = [c for c in steps if isinstance(c, WeightRenaming)]
+    return (lambda name: apply_renamings(name, renamings)), dot_natural_key
 
 
 def export(model: Module, path_dir: str, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -207,13 +240,13 @@ def load_safetensors(model: Module, path: str, *, strict: bool = True,
         error = exc
     try:
         _agree(error, f"sf.load_pretrained from {path!r}")
-        computed = _materialize_buffers(model)
+        # buffers first: an _init_weights that also draws a module's parameters is overwritten
+        _compute_buffers(model, _materialize_buffers(model))
         for key, t in targets:
             _fill(source, key, t)
     finally:
         if source is not None:
             source.close()
-    _compute_buffers(model, computed)
     if info is not None:
         info.update(missing=missing, unexpected=unexpected)
     _comm.current().barrier()
@@ -225,17 +258,16 @@ def _ignored(model: Module, attr: str, name: str) -> bool:
     return any(re.search(p, name) for p in getattr(model, attr, None) or ())
 
 
-def _file_name(model: Module, key: str, entries: dict) -> str | None:
-    """The checkpoint's name of the model's tensor ``key``: itself, else without or with the
-    model's ``base_model_prefix`` (a base model's checkpoint in a model with a head, or the
+def _file_name(model: Module, key: str, names: dict) -> str | None:
+    """The checkpoint's name of the model's tensor ``key`` (``names``: the model's name of
+    each file name, `_renaming`, to the file name): ``key``, else without or with the model's
+    ``base_model_prefix`` (a base model's checkpoint in a model with a head, or the
     reverse), else None."""
-    if key in entries:
-        return key
     prefix = getattr(model, "base_model_prefix", "") or ""
-    if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in entries:
-        return key[len(prefix) + 1:]
-    if prefix and f"{prefix}.{key}" in entries:
-        return f"{prefix}.{key}"
+    for k in (key, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None,
+              f"{prefix}.{key}" if prefix else None):
+        if k is not None and k in names:
+            return names[k]
     return None
 
 
@@ -244,10 +276,13 @@ def _plan_load(model: Module, entries: dict, path: str) -> tuple[list, list, lis
     once (a tied one under the first of its names the checkpoint has); `CheckpointShapeError`
     for every tensor whose shape differs, all named together."""
     items = model._state_items()
+    conversion = _renaming(model, saving=False)
+    names = {n: n for n in entries} if conversion is None else \
+        {conversion[0](n): n for n in entries}
     found: dict[int, tuple] = {}
     used, bad = set(), []
     for k, t in items:
-        name = _file_name(model, k, entries)
+        name = _file_name(model, k, names)
         if name is None or id(t) in found:
             continue
         used.add(name)

@@ -97,12 +97,14 @@ def _one_at_a_time(monkeypatch):
 
 
 @pytest.mark.parametrize("name,dtype", [("gpt2", torch.float64), ("gpt2", torch.bfloat16),
-                                        ("bert", torch.float64)])
+                                        ("bert", torch.float64), ("gpt_neox", torch.float64)])
 def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch, name, dtype):
     """Above max_shard_size: the same shard files (tensors, values), byte-equal index and
     equal config as ``save_pretrained`` of the same model; tied weights once (GPT-2's
-    lm_head, BERT's decoder weight and bias); only rank 0 receives data (the others send
-    their shards) and holds one whole tensor at a time; ``from_pretrained`` reads it back."""
+    lm_head, BERT's decoder weight and bias); GPT-NeoX's lm_head under its original name
+    ``embed_out`` (transformers 5 renames it on load and back on save, and then writes in
+    natural order); only rank 0 receives data (the others send their shards) and holds one
+    whole tensor at a time; ``from_pretrained`` reads it back."""
     model = hf_zoo.build(name, dtype=dtype)
     gathered = _one_at_a_time(monkeypatch)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
@@ -199,12 +201,13 @@ def test_load_pretrained_into_layouts(tmp_path, layout):
         torch.testing.assert_close(logits, saved(input_ids=ids).logits, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "gpt_neox"])
 def test_load_pretrained_into_a_model_built_on_the_meta_device(tmp_path, name):
     """A model built under ``torch.device("meta")`` (no values anywhere) is laid out by its
-    shards alone and filled from the checkpoint; its non-persistent buffers (Llama's rotary
-    frequencies, BERT's position ids) are computed as transformers computes them: the logits
-    equal the saved model's (Llama's RMSNorm computes in float32: float32 tolerance).
+    shards alone and filled from the checkpoint (GPT-NeoX's ``embed_out`` read as its
+    ``lm_head``, as transformers renames it); its non-persistent buffers (rotary frequencies,
+    BERT's position ids) are computed as transformers computes them: the logits equal the
+    saved model's (Llama's RMSNorm computes in float32: float32 tolerance).
     `sf.parallel.apply` alone refuses such a model, naming load_pretrained."""
     saved, ids = _saved(tmp_path, name), hf_zoo.token_ids()
     with torch.device("meta"):
