@@ -96,8 +96,8 @@ def _one_at_a_time(monkeypatch):
     return alive
 
 
-@pytest.mark.parametrize("name,dtype", [("gpt2", torch.float64), ("gpt2", torch.bfloat16),
-                                        ("bert", torch.float64), ("gpt_neox", torch.float64)])
+@pytest.mark.parametrize("name,dtype", [(n, torch.float64) for n in hf_zoo.ZOO]
+                         + [("gpt2", torch.bfloat16)], ids=list(hf_zoo.ZOO) + ["gpt2-bf16"])
 def test_sharded_export_writes_what_save_pretrained_writes(tmp_path, monkeypatch, name, dtype):
     """Above max_shard_size: the same shard files (tensors, values), byte-equal index and
     equal config as ``save_pretrained`` of the same model; tied weights once (GPT-2's
