@@ -450,7 +450,7 @@ def _param_layouts(model: Module, module_stage: dict, placements: tuple, rules: 
             raise ParallelizeError(f"{_WHO}: rules of stage {i} must be a dict of name "
                                    f"patterns to nd-sbps (as sf.parallel.apply), got {rule!r}")
         try:
-            layouts = match_rules(names, rule, pl)
+            layouts = match_rules(names, rule, pl, model)   # styles resolve against it
         except SbpError as exc:
             raise type(exc)(f"{_WHO}: stage {i}: {exc}") from None
         out.update({n: (pl, nd) for n, nd in layouts.items()})

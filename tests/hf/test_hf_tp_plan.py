@@ -208,3 +208,30 @@ def test_the_fused_split_warning_fires_for_q_k_v_blocks_not_for_per_head_rows(na
         assert "a rule 'transformer.h.*.attn.c_attn.*': (B,)" in msgs[0]
     else:
         assert msgs == []
+
+
+def _pipeline_tp_steps(model, ids, steps=2):
+    stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
+    rules = sf.parallel.hf_tp_plan(model)     # the styles resolve on each stage's mesh
+    m = sf.parallel.pipeline(sf.nn.from_torch(model, stages[0]), stages,
+                             split=["model.layers.1"], rules=[rules, rules])
+    opt = sf.optim.SGD(m.parameters(), lr=LR)
+    x = sf.tensor(ids, stages[0], sf.B)
+    losses = []
+    for _ in range(steps):
+        loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, m.state_dict(), m.model.layers[1].mlp.up_proj.weight.sbp
+
+
+def test_the_plan_lays_out_each_pipeline_stage():
+    model, ids = build("llama"), token_ids()
+    want_losses, want = _torch_steps(model, ids)
+    losses, got, layout = sf.launch(_pipeline_tp_steps, world_size=4, args=(model, ids))[0]
+    assert layout == (sf.S(0),)     # stage 1's up_proj: column-parallel on ranks 2, 3
+    assert losses == pytest.approx(want_losses, rel=TOL["rtol"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL)
