@@ -217,8 +217,10 @@ def load_safetensors(model: Module, path: str, *, strict: bool = True,
     region of each tensor its shard holds (``safe_open(...).get_slice``: the local shard of
     DESIGN.md, balanced parts, uneven sizes, N-D meshes, ZeRO-3's split storage), cast to the
     model's dtype; nothing is communicated but one agreement. Names as the model's state
-    dict; a name found only without (or with) the model's ``base_model_prefix`` is read from
-    there, as transformers does; tied weights are filled once, from any of their names.
+    dict, after transformers' renamings of the architecture (`_renaming`); a name found only
+    without (or with) the model's ``base_model_prefix`` is read from there, as transformers
+    does; tied weights are filled once, from any of their names. Storage-less (``meta``)
+    buffers are given storage first, the non-persistent ones values by `_compute_buffers`.
 
     A collective: every rank calls it. Everything is checked before anything is read, and a
     problem raises on every rank with the model unchanged: `CheckpointShapeError` (names,
