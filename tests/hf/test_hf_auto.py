@@ -1,15 +1,15 @@
 """`sf.auto.parallelize` on Hugging Face models (issue 36, part 4): each family of `hf_zoo`
 (GPT2, Llama and Qwen2 with grouped-query attention, GPT-NeoX, Phi, OPT, BERT), with its
-defaults (SDPA attention, ``use_cache``, transformers' masking utilities), is traced on shapes
-(no fallback to the real forward: ``.to(x.device)``, ``.item()`` on sizes, the cache and the
-masks run), searched with the default search on 4 rank threads (a 1-D placement; GPT2 and
-Llama also on a 2x2 mesh), and trains 2 AdamW steps with HF's own ``labels=`` loss equal to the
-torch model on one device. Float64 models; the causal LMs' loss is float32 (HF's
-``ForCausalLMLoss`` upcasts the logits), and Llama / Qwen2 (RMSNorm), GPT-NeoX and Phi (rotary)
-compute parts in float32, so those are compared at float32 tolerance (a float32 rounding of a
-vanishing gradient moves AdamW's step: weights too); GPT2 / OPT logits and BERT entirely at
-float64's. A forward that reads a value of the weights is traced with the real forward
-(``meta="auto"``), and the errors' suggested arguments exist."""
+defaults (SDPA, ``use_cache``, transformers' masking utilities), is traced on shapes (no
+fallback to the real forward: ``.to(x.device)``, ``.item()`` on sizes, the cache and the masks
+run), searched with the default search on 4 rank threads (1-D; Llama also given a 2x2 mesh;
+GPT2 and Llama also in 2 pipeline stages) and trains 2 AdamW steps with HF's own ``labels=``
+loss and a padding mask equal to torch on one device. Float64 models; the causal LMs' loss is
+float32 (HF's ``ForCausalLMLoss`` upcasts the logits) and Llama / Qwen2 (RMSNorm), GPT-NeoX and
+Phi (rotary) compute parts in float32: those compare at float32 tolerance (a float32 rounding
+of a vanishing gradient moves AdamW's step, so weights too); GPT2 / OPT logits and all of BERT
+at float64's. A forward reading a value of the weights is traced by the real forward
+(``meta="auto"``); the arguments errors suggest exist."""
 
 from __future__ import annotations
 
@@ -52,13 +52,14 @@ def _torch_train(model, batch: dict) -> dict:
     return dict(logits=logits, losses=losses, sd=model.state_dict())
 
 
-def _sf_train(model, batch: dict, ranks) -> dict:
+def _sf_train(model, batch: dict, ranks, options: dict | None = None) -> dict:
     """`sf.auto.parallelize` of the torch model on its example batch (global tensors split on
-    the batch axis), then the same steps on the plan's placement."""
+    the batch axis; ``options``: its keyword arguments), then the same steps on the plan's
+    placement (stage 0's for a pipeline), eagerly."""
     pl = sf.placement("cpu", ranks)
     example = {k: sf.tensor(v, pl, (sf.S(0),) + (sf.B,) * (pl.ndim - 1))
                for k, v in batch.items()}
-    plan = sf.auto.parallelize(model, example, pl)
+    plan = sf.auto.parallelize(model, example, pl, **(options or {}))
     m = plan.model
     opt = sf.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
     x = {k: plan.input(v) for k, v in batch.items()}
@@ -72,6 +73,7 @@ def _sf_train(model, batch: dict, ranks) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return dict(logits=logits, losses=losses, notes=plan.notes, seconds=plan.search_seconds,
+                stages=len(plan.stages),
                 sd=m.state_dict(),
                 layers=[l.name for l in plan.graph.layers], table=plan.strategy.table(),
                 fallback=sf.comm.stats()["fallback"].recv)
@@ -109,11 +111,25 @@ def test_parallelize_traces_on_shapes_and_trains_as_torch(name):
     _check(name, got, want, model)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_parallelize_on_a_2x2_mesh_trains_as_torch(name):
+def test_parallelize_on_a_2x2_mesh_trains_as_torch():
+    """A 2-D placement: the search's meshes are its ranks reshaped (the strategy is the 1-D
+    placement's), the stream on the 2x2 mesh given. Llama (GQA, rotary buffers moved)."""
+    name = "llama"
     model, batch = build(name), _inputs()
     want = _torch_train(model, batch)
     got = sf.launch(_sf_train, world_size=4, args=(model, batch, [[0, 1], [2, 3]]))[0]
+    _check(name, got, want, model)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_parallelize_with_pipeline_stages_trains_as_torch(name):
+    """``stages=2``: the search cuts the chain at a decoder block (GPT2's tied head on the last
+    stage gets a copy of the embedding), the steps run eagerly through both stages."""
+    model, batch = build(name), _inputs()
+    want = _torch_train(model, batch)
+    got = sf.launch(_sf_train, world_size=4,
+                    args=(model, batch, [0, 1, 2, 3], {"stages": 2}))[0]
+    assert got["stages"] == 2
     _check(name, got, want, model)
 
 
@@ -131,9 +147,8 @@ def _trace_on_shapes(model, batch: dict) -> tuple:
     return [l.name for l in graph.layers], sent, same
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_trace_on_shapes_communicates_nothing_and_leaves_the_model(name):
-    model = build(name)
+def test_trace_on_shapes_communicates_nothing_and_leaves_the_model():
+    model = build("llama")
     for layers, sent, same in sf.launch(_trace_on_shapes, world_size=4,
                                         args=(model, _inputs())):
         assert sorted(layers) == sorted(_layer_modules(model))
