@@ -512,6 +512,14 @@ class GlobalTensor:
 
     def __int__(self) -> int:
         return int(self.item())
+
+    def __index__(self) -> int:
+        """An integer tensor of one element as an index (``x[:, :n]``, ``range(n)``), as torch:
+        `item` (collective)."""
+        if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
+            raise TypeError(f"only integer tensors of a single element can be converted to an "
+                            f"index (as torch); this one has {_describe(self)}")
+        return int(self.item())
     matmul, maximum, minimum = _binary("matmul"), _binary("maximum"), _binary("minimum")
     eq, ne, lt, le, gt, ge = (_binary(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
     # torch's bitwise operators: bitwise on integers, logical on bools, torch's type promotion
@@ -641,6 +649,8 @@ class GlobalTensor:
             if listed is not None:  # one list of ints: basic indexing, then index_select
                 basic, dim, picks = listed
                 return apply_op("index_select", self[basic], dim=dim, index=picks)
+            if _advanced(index):  # torch's advanced indexing (sbpflow/nn/torch_indexing.py)
+                return _torch_dispatch(torch.Tensor.__getitem__, (self, index), {})
             encoded = encode_index(index, f"indexing a tensor of {_describe(self)}")
         return _viewed(apply_op("getitem", self, index=encoded), self, "index", encoded)
 
@@ -1019,6 +1029,12 @@ def _pieces(t: GlobalTensor, outs: tuple, dim: int) -> tuple:
         _viewed(o, t, "index", _axis_slice(d, start, start + n))
         start += n
     return outs
+
+
+def _advanced(index) -> bool:
+    """``index`` holds tensors, lists or bools: torch's advanced indexing."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(it, (GlobalTensor, torch.Tensor, list, bool)) for it in items)
 
 
 def _set_items(x: GlobalTensor, index, value) -> GlobalTensor:

@@ -24,6 +24,7 @@ from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
 from .torch_decomposed import use_handlers
 from .torch_fallback import fallback_for, is_aten, property_handler
+from .torch_indexing import write_plain, writes_plain
 
 __all__ = ["dispatch", "register", "handler_for", "torch_name", "unsupported"]
 
@@ -58,6 +59,12 @@ _ADVICE = {
 _GENERAL = ("It concerns a shard's memory, not the logical value: use x.local (this rank's "
             "shard) or x.full_tensor() (the whole value, on every rank) for it. The functions "
             "that run are listed in docs/torch_models.md")
+
+
+# torch's argument parser takes numpy's names for these in its C-bound functions
+# (``torch.all(x, axis=-1, keepdims=True)``, as transformers' beam search calls it)
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim"}
+_C_BOUND = (type(torch.all), type(torch.Tensor.all))
 
 
 def register(func, handler: Callable) -> None:
@@ -163,7 +170,12 @@ def dispatch(func, args: tuple, kwargs: dict):
     """Run torch function ``func`` on ``args`` / ``kwargs`` holding global tensors. A handler
     that says it does not implement these arguments (a plain ``NotImplementedError``, as
     ``cross_entropy`` with class-probability targets) hands the call to the fallback, which
-    is always correct; an `sf.SbpError` it raises stands (a refusal with its reason)."""
+    is always correct; an `sf.SbpError` it raises stands (a refusal with its reason). A plain
+    torch tensor written with global tensors takes their whole values (`write_plain`)."""
+    if writes_plain(func, args):
+        return write_plain(func, args, kwargs)
+    if ("axis" in kwargs or "keepdims" in kwargs) and isinstance(func, _C_BOUND):
+        kwargs = {_NUMPY_NAMES.get(k, k): v for k, v in kwargs.items()}
     handler = _HANDLERS.get(func) or handler_for(func)
     args, kwargs = lift_arguments(args, kwargs)
     try:

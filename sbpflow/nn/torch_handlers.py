@@ -23,6 +23,7 @@ from . import functional_conv as FC
 from . import init
 from .torch_fallback import _write_out, fallback_for
 from .torch_functions import register, torch_name, unsupported
+from .torch_indexing import getitem
 
 __all__ = ["install"]
 
@@ -729,6 +730,7 @@ def install() -> None:
             register(getattr(torch, name), handler)
     for name in ("numpy",):
         register(getattr(torch.Tensor, name), unsupported(getattr(torch.Tensor, name)))
+    register(torch.Tensor.__getitem__, getitem)
 
 
 install()

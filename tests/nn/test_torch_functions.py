@@ -158,7 +158,6 @@ def test_torch_init_on_global_parameters_is_layout_independent():
 
 
 REFUSED = {
-    "global_bool_index": lambda x: x[x > 0],
     "setitem_list": lambda x: x.__setitem__(([0, 1], [1, 2]), 1.0),
     "setitem_rows": lambda x: x.__setitem__(x[:, :, 0] > 0, x[:2, 0]),
     "numpy": lambda x: x.numpy(),
