@@ -2,12 +2,12 @@
 `hf_zoo` (GPT2, Llama and Qwen2 with grouped-query attention, GPT-NeoX, Phi, OPT, BERT), built
 from its config with its defaults (SDPA attention, ``use_cache``), converted by
 `sf.parallel.apply` and called as its users call it (``model(input_ids=..., labels=...)``, HF's
-own loss), takes 2 optimizer steps on 4 rank threads -- data parallel, ZeRO 1-3, a 2-stage
-pipeline (eager, and a graph's 1F1B) -- equal to the same steps of the torch model on one
+own loss), takes 2 optimizer steps on 4 rank threads -- data parallel, ZeRO 1-3 (eager, and
+in a graph), a 2-stage pipeline (eager, and a graph's 1F1B) -- equal to the same steps of the torch model on one
 device. Float64 models; the causal LMs' loss is float32 (HF's ``ForCausalLMLoss`` upcasts the
 logits), so their losses are compared at float32 tolerance (their gradients are the same
 float32 per-token terms in any batch split, so the weights agree to float64 rounding, except
-over micro-batches: see the pipeline test); BERT's masked-LM loss is float64. No replicated
+over micro-batches: see the graph tests); BERT's masked-LM loss is float64. No replicated
 fallback runs (no "fallback" bytes in `sf.comm.stats()`)."""
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _train_step(model, opt, micro_batches: int):
             self.model = model
             self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(micro_batches)
-            self.config.set_pipeline_schedule("1f1b")
+            if sf.parallel.pipeline_of(model) is not None:
+                self.config.set_pipeline_schedule("1f1b")
 
         def build(self, x):
             loss = self.model(input_ids=x, labels=x).loss
@@ -171,3 +172,26 @@ def test_hf_model_pipelined_trains_as_torch(name, micro_batches):
     assert got["loss_at"] == [2, 3] and got["fallback"] == 0
     for k, ranks in PLACED.get(name, {}).items():
         assert got["where"][k] == ranks, (k, got["where"][k])
+
+
+@pytest.mark.parametrize("name,zero", [("gpt2", 0), ("llama", 3)])
+def test_hf_model_trains_as_torch_in_a_graph(name, zero):
+    """Data parallel (and ZeRO-3) in graph mode, 2 micro-batches of a batch of 8: 2 SGD steps.
+    The micro-batches' float32 means differ from one batch's at float32 rounding: weights at
+    float32 tolerance."""
+    model, ids = build(name), token_ids(batch=8)
+
+    def run():
+        pl = sf.placement("cpu", list(range(WORLD)))
+        m = sf.parallel.apply(model, pl, {"*": sf.B}, zero=zero)
+        step = _train_step(m, _optimizer(sf.optim, m.parameters(), "sgd"), 2)
+        sf.comm.reset_stats()
+        losses = [step(sf.tensor(ids, pl, sf.S(0))).item() for _ in range(STEPS)]
+        return losses, m.state_dict(), sf.comm.stats()["fallback"].recv
+
+    losses, sd, fallback = sf.launch(run, world_size=WORLD)[0]
+    want_losses, want_sd, _ = _torch_train(model, ids, "sgd")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **_loss_tol(name))
+    for k, v in want_sd.items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    assert fallback == 0
