@@ -2,12 +2,12 @@
 `hf_zoo` (GPT2, Llama and Qwen2 with grouped-query attention, GPT-NeoX, Phi, OPT, BERT), built
 from its config with its defaults (SDPA attention, ``use_cache``), converted by
 `sf.parallel.apply` and called as its users call it (``model(input_ids=..., labels=...)``, HF's
-own loss), takes 2 optimizer steps on 4 rank threads -- data parallel, ZeRO 1-3 (eager, and
-in a graph), a 2-stage pipeline (eager, and a graph's 1F1B) -- equal to the same steps of the torch model on one
-device. Float64 models; the causal LMs' loss is float32 (HF's ``ForCausalLMLoss`` upcasts the
-logits), so their losses are compared at float32 tolerance (their gradients are the same
-float32 per-token terms in any batch split, so the weights agree to float64 rounding, except
-over micro-batches: see the graph tests); BERT's masked-LM loss is float64. No replicated
+own loss), takes 2 optimizer steps on 4 rank threads -- data parallel, ZeRO 1-3 (eager, and in a
+graph), a 2-stage pipeline (eager, and a graph's 1F1B) -- equal to the same steps of the torch
+model on one device. Float64 models; the causal LMs' loss is float32 (HF's ``ForCausalLMLoss``
+upcasts the logits), so their losses are compared at float32 tolerance (their gradients are the
+same float32 per-token terms in any batch split, so the weights agree to float64 rounding,
+except over micro-batches: see the graph tests); BERT's masked-LM loss is float64. No replicated
 fallback runs (no "fallback" bytes in `sf.comm.stats()`)."""
 
 from __future__ import annotations
