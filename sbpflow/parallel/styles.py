@@ -59,9 +59,10 @@ class Style:
             return n - 1
         rest = [d for d in range(n) if d != self.dp_dim % n]
         if len(rest) != 1:
-            raise SbpError(
-                f"{self!r} on {placement}: with dp_dim={self.dp_dim} the tensor-parallel dim is "
-                f"ambiguous ({len(rest)} dims left); give mesh_dim= (a 2-D mesh dp x tp has one)")
+            why = "no other dim is left to split" if not rest else \
+                f"{len(rest)} dims are left: give mesh_dim="
+            raise SbpError(f"{self!r} on {placement}: the tensor-parallel dim is the one that is "
+                           f"not dp_dim={self.dp_dim}, but {why} (a 2-D mesh dp x tp has one)")
         return rest[0]
 
     def resolve(self, module, param: str, shape: tuple, placement: Placement) -> tuple:

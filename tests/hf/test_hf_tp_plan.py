@@ -103,6 +103,9 @@ def test_plan_layouts_follow_each_modules_weight_orientation():
     assert {k: got[k] for k in want} == want
     with pytest.raises(sf.SbpError, match="declares no tensor-parallel plan"):
         sf.parallel.hf_tp_plan(torch.nn.Linear(2, 2))
+    with pytest.raises(sf.SbpError, match="no other dim is left to split"):
+        sf.parallel.match_rules(names, sf.parallel.hf_tp_plan(llama, dp_dim=0),
+                                sf.placement("cpu", [0, 1]), llama)   # 1-D: all of it is dp
     with pytest.raises(sf.SbpError, match="moe_tp_experts"):
         sf.parallel.hf_tp_plan(llama, plan={"model.layers.*.mlp": "moe_tp_experts"})
 
