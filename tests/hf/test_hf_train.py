@@ -8,7 +8,8 @@ model on one device. Float64 models; the causal LMs' loss is float32 (HF's ``For
 upcasts the logits), so their losses are compared at float32 tolerance (their gradients are the
 same float32 per-token terms in any batch split, so the weights agree to float64 rounding,
 except over micro-batches: see the graph tests); BERT's masked-LM loss is float64. No replicated
-fallback runs (no "fallback" bytes in `sf.comm.stats()`)."""
+fallback runs (no "fallback" bytes in `sf.comm.stats()`) but, on a padded batch, the one that turns
+the padding mask into the attention mask."""
 
 from __future__ import annotations
 
@@ -195,3 +196,72 @@ def test_hf_model_trains_as_torch_in_a_graph(name, zero):
     for k, v in want_sd.items():
         torch.testing.assert_close(sd[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
     assert fallback == 0
+
+
+# -- padded batches --------------------------------------------------------------------------------
+def _padded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids with left padding (rows 0 and 2), their attention mask, and labels ignoring the
+    padded positions (-100), as a tokenizer's batch and a data collator give them."""
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 2)            # the pad token
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _torch_padded(model, batch: tuple) -> tuple[list, dict]:
+    ids, mask, labels = batch
+    model = copy.deepcopy(model)
+    opt = _optimizer(torch.optim, model.parameters(), "sgd")
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _sf_padded(model, batch: tuple, name: str, layout: str) -> dict:
+    if layout == "pipeline":
+        stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
+        m = sf.nn.from_torch(model, stages[0])
+        sf.parallel.pipeline(m, stages, split=[SPLIT[name]], rules=[{"*": sf.B}] * 2)
+        pl = stages[0]
+    else:
+        pl = sf.placement("cpu", list(range(WORLD)))
+        m = sf.parallel.apply(model, pl, {"*": sf.B}, zero=3)
+    opt = _optimizer(sf.optim, m.parameters(), "sgd")
+    sf.comm.reset_stats()
+    losses = []
+    for _ in range(STEPS):
+        ids, mask, labels = (sf.tensor(t, pl, sf.S(0)) for t in batch)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, sd=m.state_dict(), fallback=sf.comm.stats()["fallback"].recv)
+
+
+PAD_CASES = [(name, "zero3") for name in ZOO] + \
+    [(name, "pipeline") for name in ("gpt2", "llama", "bert")]
+
+
+@pytest.mark.filterwarnings("ignore::sbpflow.nn.ReplicatedFallbackWarning")   # (its bytes checked)
+@pytest.mark.parametrize("name,layout", PAD_CASES, ids=[f"{n}-{l}" for n, l in PAD_CASES])
+def test_hf_model_trains_on_a_padded_batch_as_torch(name, layout):
+    """A batch with an attention mask and ignored labels, ZeRO-3 or a 2-stage pipeline: 2 SGD
+    steps equal torch's. The model turns the mask into its attention mask by advanced indexing
+    (``padding_mask[batch_idx, kv_idx]``), which runs replicated: the fallback gathers the
+    padding mask (at most its bytes as bools per forward), never an activation."""
+    model, batch = build(name), _padded()
+    got = sf.launch(_sf_padded, world_size=WORLD, args=(model, batch, name, layout))[0]
+    losses, sd = _torch_padded(model, batch)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses),
+                               **_loss_tol(name))
+    for k, v in sd.items():
+        torch.testing.assert_close(got["sd"][k], v, **W_TOL, msg=lambda m: f"{k}: {m}")
+    assert got["fallback"] <= STEPS * batch[0].numel(), got["fallback"]
