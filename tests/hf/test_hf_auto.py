@@ -280,3 +280,28 @@ def test_megatron_roles_come_from_the_models_plan_and_train_as_torch():
     assert got["weights"]["model.layers.0.self_attn.k_proj.weight"] == (sf.B, sf.S(0))
     assert got["weights"]["model.layers.0.self_attn.o_proj.weight"] == (sf.B, sf.S(1))
     _check("llama", got, want, model)
+
+
+# -- the plan's step as a graph --------------------------------------------------------------------
+def _graph_train(model, batch: dict) -> dict:
+    """``plan.graph_step`` of a 2-stage plan: the step as an ``sf.nn.Graph``, its 4
+    micro-batches 1F1B on the actor runtime."""
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    plan = sf.auto.parallelize(model, {k: sf.tensor(v, pl) for k, v in batch.items()}, pl,
+                               stages=2)
+    opt = sf.optim.AdamW(plan.model.parameters(), lr=1e-2, weight_decay=0.01)
+    step = plan.graph_step(opt, lambda m, ids, mask: m(input_ids=ids, attention_mask=mask,
+                                                      labels=ids).loss)
+    x = [plan.input(batch[k]) for k in ("input_ids", "attention_mask")]
+    losses = [step(*x).item() for _ in range(STEPS)]
+    return dict(losses=losses, sd=plan.model.state_dict(), micro_batches=plan.micro_batches)
+
+
+def test_a_pipelined_plans_graph_step_trains_as_torch():
+    model, batch = build("llama"), _inputs()
+    want = _torch_train(model, batch)
+    got = sf.launch(_graph_train, world_size=4, args=(model, batch))[0]
+    assert got["micro_batches"] == 4
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **F32)
+    for k, v in want["sd"].items():
+        torch.testing.assert_close(got["sd"][k], v, **F32, msg=lambda m: f"{k}: {m}")
