@@ -1,9 +1,10 @@
 """Checkpoints in the Hugging Face format (issue 36, part 5): `sf.export` after a training step
 in a layout loads with ``from_pretrained`` equal to the torch twin's step (state dict, logits)
 and writes what ``save_pretrained`` writes (files, index, config); ``save_pretrained``'s files
-read by `sf.load_pretrained` into split, 2-D and ZeRO-3 layouts (uneven parts) equal the saved
-values, each rank reading only its shards' regions; errors name what does not fit. Tiny float64
-models (tests/hf/hf_zoo.py), 4 rank threads (3 for uneven parts), nothing downloaded."""
+read by `sf.load_pretrained` into split, 2-D and ZeRO-3 layouts (uneven parts) and into models
+built on the meta device equal the saved values, each rank reading only its shards' regions;
+errors name what does not fit. Tiny float64 models (tests/hf/hf_zoo.py), 4 rank threads (3 for
+uneven parts), nothing downloaded."""
 
 import json
 import os
