@@ -271,6 +271,33 @@ def test_modules_run_in_the_stage_that_calls_them(micro_batches):
         _close(sd[k], v, k)
 
 
+def test_a_module_called_in_two_stages_is_refused():
+    """A module (holding weights) that the first call runs in stage 0 and again in stage 1 lives
+    on one stage only: `ParallelizeError` naming it and both stages, before any value is wrong."""
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)])
+            self.shared = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.shared(self.blocks[1](self.blocks[0](self.shared(x)))).sum()
+
+    torch.manual_seed(0)
+    tm = Twice().double()
+
+    def fn():
+        stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
+        m = sf.nn.from_torch(tm, stages[0])
+        sf.parallel.pipeline(m, stages, split=["blocks.1"])
+        with pytest.raises(sf.ParallelizeError) as info:
+            m(sf.tensor(torch.ones(2, 3, dtype=F64), stages[0], sf.B))
+        return str(info.value)
+
+    msg = sf.launch(fn, world_size=4)[0]
+    assert "'shared' ran in stages 0 and 1" in msg, msg
+
+
 def _train_step(model, opt, micro_batches: int):
     class Step(sf.nn.Graph):
         def __init__(self):
