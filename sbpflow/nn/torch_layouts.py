@@ -25,7 +25,7 @@ from .. import comm as _comm
 from ..placement import Placement
 from ..sbp import B, Split, format_nd_sbp
 from ..tensor import GlobalTensor, watch_resplit
-from .modules import Embedding, Linear, Module
+from .modules import Conv2d, Embedding, Linear, Module
 
 __all__ = ["watch_fused_splits", "warn_narrow_splits", "feature_axes", "CostlyLayoutWarning"]
 
@@ -51,9 +51,12 @@ def _is_hf_conv1d(m) -> bool:
 def feature_axes(m) -> FeatureAxes | None:
     """The feature axes of module ``m``'s ``weight``: ``nn.Linear`` / ``sf.nn.Linear``
     ``(out, in)``, HF ``Conv1D`` ``(in, out)``, ``nn.Embedding`` ``(num, dim)`` (its rows are
-    the inputs it looks up); None for any other module."""
-    if isinstance(m, (Linear, torch.nn.Linear)):
+    the inputs it looks up), a convolution ``(out, in / groups, *kernel)`` (transposed:
+    ``(in, out / groups, ...)``); None for any other module."""
+    if isinstance(m, (Linear, torch.nn.Linear, Conv2d)):
         return FeatureAxes(0, 1)
+    if isinstance(m, torch.nn.modules.conv._ConvNd):
+        return FeatureAxes(1, 0) if m.transposed else FeatureAxes(0, 1)
     if _is_hf_conv1d(m):
         return FeatureAxes(1, 0)
     if isinstance(m, (Embedding, torch.nn.Embedding)):
@@ -76,9 +79,9 @@ def watch_fused_splits(model: Module, placement: Placement,
     watched = 0
     for mod_name, m in model.named_modules():
         axes = feature_axes(m)
-        if axes is None or isinstance(m, (Embedding, torch.nn.Embedding)) or \
-                m._parameters.get("weight") is None:
-            continue
+        w = m._parameters.get("weight") if axes is not None else None
+        if w is None or w.ndim != 2 or isinstance(m, (Embedding, torch.nn.Embedding)):
+            continue   # projections only: Linear, HF Conv1D
         name = f"{mod_name}.weight" if mod_name else "weight"
         nd = layouts.get(name)
         if nd is None or not _split_dims(tuple(nd), placement, axes.out):

@@ -8,9 +8,10 @@ rule serves ``nn.Linear`` (weight ``(out, in)``), HF ``Conv1D`` (``(in, out)``, 
     {"*.c_attn.*": sf.parallel.colwise, "*.c_proj.*": sf.parallel.rowwise, "*": sf.B}
 
 colwise splits the output features (Linear weight S(0), Conv1D weight S(1), bias S(0),
-Embedding S(1)); rowwise the input features (Linear S(1), Conv1D S(0), bias B, Embedding S(0):
-vocabulary-parallel). The split is on one mesh dim (``mesh_dim``; default the last, or the one
-that is not ``dp_dim``); every other dim is B. `replicate` is B on every dim.
+Embedding S(1), a convolution's out channels); rowwise the input features (Linear S(1), Conv1D
+S(0), bias B, Embedding S(0): vocabulary-parallel). The split is on one mesh dim
+(``mesh_dim``; default the last, or the one that is not ``dp_dim``); every other dim is B.
+`replicate` is B on every dim.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Style:
         if len(shape) == 0:
             return None
         axes = feature_axes(module) if param == "weight" else None
-        if axes is not None and len(shape) == 2:
+        if axes is not None:       # a projection, an embedding, a convolution
             return axes.out if col else axes.inp
         # any other weight: HF's convention for linear-like ones, (..., out, in)
         return len(shape) - 2 if col else len(shape) - 1
