@@ -110,7 +110,7 @@ def test_plan_layouts_follow_each_modules_weight_orientation():
         sf.parallel.hf_tp_plan(llama, plan={"model.layers.*.mlp": "moe_tp_experts"})
 
 
-def _megatron_bytes(cfg: dict, t: int, itemsize: int) -> int:
+def megatron_bytes(cfg: dict, t: int, itemsize: int) -> int:
     """Bytes rank 0 sends in one training step of Megatron-LM's tensor parallelism on ``t``
     ranks, in sbpflow's accounting (a ring all-reduce of n items sends 2 (t-1)/t n; an
     all-gather or reduce-scatter (t-1)/t n; an all-to-all (t-1)/t^2 n of the whole tensor).
@@ -163,7 +163,7 @@ def test_bytes_per_step_equal_megatrons_formula(name, t):
     c = model.config
     cfg = dict(b=ids.shape[0], s=ids.shape[1], h=c.hidden_size, layers=c.num_hidden_layers,
                replicated=replicated, fused_qkv=name == "gpt2")
-    assert sent == _megatron_bytes(cfg, t, 4), stats
+    assert sent == megatron_bytes(cfg, t, 4), stats
 
 
 def _apply_rules(model, rules):
