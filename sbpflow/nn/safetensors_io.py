@@ -16,7 +16,7 @@ import sys
 import torch
 
 from .. import comm as _comm
-from ..errors import CheckpointKeyError
+from ..errors import CheckpointKeyError, SbpError
 from ..gradsync import mark_stale
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp
@@ -133,7 +133,7 @@ def export(model: Module, path_dir: str, *, max_shard_size: int | str = DEFAULT_
         error = exc
     what = f"sf.export to {path_dir!r}"
     crc = canonical_crc([[k, list(t.shape), str(t.dtype)] for k, t in written])
-    rows = _agree(error, what, (crc,))
+    rows = _agree(_wrapped(error, what), what, (crc,))
     if any(r[0] != rows[0][0] for r in rows):
         raise CheckpointError(f"{what}: the ranks export different tensors (names, shapes or "
                               f"dtypes); every rank must pass the same model")
@@ -143,8 +143,18 @@ def export(model: Module, path_dir: str, *, max_shard_size: int | str = DEFAULT_
             _write_rest(model, path_dir, files, written)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree)
             error = exc
-    _agree(error, what)
+    _agree(_wrapped(error, what), what)
     return list(files)
+
+
+def _wrapped(error: Exception | None, what: str) -> Exception | None:
+    """``error`` as a `CheckpointError` (an `SbpError` on every rank) saying which rank could
+    not write, caused by the file system's error; an `SbpError` as it is."""
+    if error is None or isinstance(error, SbpError):
+        return error
+    out = CheckpointError(f"{what}: rank {_comm.rank()} could not write the files: {error!r}")
+    out.__cause__ = error
+    return out
 
 
 def _gather(t) -> torch.Tensor | None:

@@ -385,6 +385,36 @@ def test_export_of_an_sbpflow_model(tmp_path):
         assert h.metadata() == {"format": "pt", "step": "3"}
 
 
+def test_a_failed_write_raises_on_every_rank_and_leaves_no_file(tmp_path, monkeypatch):
+    """Rank 0's write failing midway (a full disk, say) raises on every rank, after the other
+    ranks' gathers ran to the end (none waits for rank 0), and leaves no file, not even a
+    partial one; a folder path that is a file fails before anything is gathered."""
+    real, calls = safetensors_io.StreamWriter.write, []
+
+    def write(self, value):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(self, value)
+    monkeypatch.setattr(safetensors_io.StreamWriter, "write", write)
+    model = hf_zoo.build("gpt2")
+
+    def body(path):
+        m = sf.parallel.apply(model, sf.placement("cpu", [0, 1]), {"*": sf.S(0)})
+        try:
+            sf.export(m, path)
+        except sf.CheckpointError as exc:
+            return str(exc)
+
+    for text in sf.launch(body, world_size=2, args=(str(tmp_path / "out"),)):
+        assert "rank 0 could not write" in text and "No space left" in text
+    assert os.listdir(tmp_path / "out") == []
+    (tmp_path / "file").write_text("")
+    assert all("rank 0" in text and "File exists" in text
+               for text in sf.launch(body, world_size=2, args=(str(tmp_path / "file"),)))
+    assert len(calls) == 3   # no write after the failed one, none for the second export
+
+
 def test_export_errors(tmp_path):
     """A torch model (not laid out), a bad max_shard_size, and a model without a layout given
     to load_pretrained are refused, saying what to do."""
