@@ -239,16 +239,30 @@ SUGGESTION = ("trace with meta=False (the real forward on the example inputs, a 
               "sf.auto.trace(..., meta=False), sf.auto.parallelize(..., meta=False))")
 
 
+def _one_rank_world():
+    """A communicator of a world of one rank (rank 0) whose devices are the calling rank's
+    (a rank of a cuda placement keeps its own GPU for what the forward creates)."""
+    from .. import comm as _comm
+    from ..comm.threads import ThreadCommunicator, ThreadWorld
+
+    outer = _comm.current()
+
+    class OneRank(ThreadCommunicator):
+        def device(self, device_type: str) -> torch.device:
+            return outer.device(device_type)
+    return OneRank(ThreadWorld(1), 0)
+
+
 @contextlib.contextmanager
 def _world_of_one():
-    """The calling thread in a world of one rank (rank 0) meanwhile: every placement of the
-    trace is that rank's own, so reading a value (``.item()``, ``bool``) and boxing stay
-    local and nothing reaches the other ranks. Its communicator is put back afterwards."""
+    """The calling thread in a world of one rank (`_one_rank_world`) meanwhile: every
+    placement of the trace is that rank's own, so reading a value (``.item()``, ``bool``) and
+    boxing stay local and nothing reaches the other ranks. Its communicator is put back
+    afterwards."""
     from ..comm import rank_local
-    from ..comm.threads import ThreadCommunicator, ThreadWorld
     local = rank_local()
     previous = local.comm
-    local.comm = ThreadCommunicator(ThreadWorld(1), 0)
+    local.comm = _one_rank_world()
     try:
         yield
     finally:
@@ -258,10 +272,10 @@ def _world_of_one():
 def _stand_ins(device_type: str):
     """``(shadow, known)``: ``shadow(t)`` a global tensor of ``t``'s logical shape and dtype
     on the one-rank placement whose shard is a fake tensor (torch's ``FakeTensorMode``: a
-    tensor of ``device_type`` without storage, so ``x.device`` and ``.to(x.device)`` read as
-    on the real model); ``known(a)`` an input with its values where this rank holds them all
-    (a torch tensor, a global tensor replicated on every mesh dim), else its shadow; other
-    values as they are."""
+    tensor on this rank's device without storage, so ``x.device`` and ``.to(x.device)`` read
+    as on the real model); ``known(a)`` an input with its values where this rank holds them
+    all (a torch tensor, moved to this rank's device; a global tensor replicated on every
+    mesh dim), else its shadow; other values as they are."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from .. import comm as _comm
     from ..placement import Placement
@@ -269,16 +283,17 @@ def _stand_ins(device_type: str):
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     one = Placement(device_type, [0])
+    device = _comm.current().device(device_type)
 
     def shadow(t):
         shape = tuple(t.shape)
         with fake_mode:
-            local = torch.empty(shape, dtype=t.dtype, device=device_type)
+            local = torch.empty(shape, dtype=t.dtype, device=device)
         return GlobalTensor(local, shape, one, (B,))
 
     def known(a):
         if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor):
-            return GlobalTensor(a.detach(), tuple(a.shape), one, (B,))
+            return GlobalTensor(a.detach().to(device), tuple(a.shape), one, (B,))
         if not isinstance(a, GlobalTensor):
             return a
         if all(isinstance(s, Broadcast) for s in a.sbp) and not a.local.is_meta and \
