@@ -497,10 +497,20 @@ def _scaled_sum(input, product, beta, alpha):
     return (input if beta == 1 else input * beta) + product
 
 
-def _addmm_like(input, a, b, *, beta=1, alpha=1):
-    """addmm / baddbmm / addmv: the matmul op, then add (their signatures: a weight split by
-    columns keeps the output split, a split reduced dim gives a partial product, ...)."""
-    return _scaled_sum(input, a @ b, beta, alpha)
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    """addmm / baddbmm / addmv (torch's argument names: BLOOM's attention calls
+    ``torch.baddbmm(alibi, batch1=q, batch2=k, beta=, alpha=)``): the matmul op, then add (its
+    signatures: a weight split by columns keeps the output split, a split reduced dim gives a
+    partial product, ...)."""
+    return _scaled_sum(input, mat1 @ mat2, beta, alpha)
+
+
+def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
+    return _scaled_sum(input, batch1 @ batch2, beta, alpha)
+
+
+def _addmv(input, mat, vec, *, beta=1, alpha=1):
+    return _scaled_sum(input, mat @ vec, beta, alpha)
 
 
 def _pad(input, pad, mode="constant", value=None):
@@ -669,12 +679,12 @@ _HOT_TORCH = {
     TF.pad: _pad,
     torch.einsum: _einsum,
     torch.isin: _with_out("torch.isin", _isin),
-    torch.addmm: _with_out("torch.addmm", _addmm_like),
-    torch.baddbmm: _with_out("torch.baddbmm", _addmm_like),
-    torch.addmv: _with_out("torch.addmv", _addmm_like),
+    torch.addmm: _with_out("torch.addmm", _addmm),
+    torch.baddbmm: _with_out("torch.baddbmm", _baddbmm),
+    torch.addmv: _with_out("torch.addmv", _addmv),
 }
 _HOT_METHODS = {
-    "addmm": _addmm_like, "baddbmm": _addmm_like, "addmv": _addmm_like,
+    "addmm": _addmm, "baddbmm": _baddbmm, "addmv": _addmv,
     "cumsum": _with_out("torch.cumsum", _cumulative("cumsum")),
     "cumprod": _with_out("torch.cumprod", _cumulative("cumprod")),
     "gather": _with_out("torch.gather", _gather),
