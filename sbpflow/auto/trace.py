@@ -332,8 +332,11 @@ def _run_on_shapes(model, args: tuple, kwargs: dict, device_type: str) -> None:
     (positions, masks, sizes read with ``.item()``) is computed; what the weights do is
     shapes only, and reading such a value raises `TraceError`."""
     shadow, known = _stand_ins(device_type)
+    given = list(enumerate(args)) + list(kwargs.items())
     args = [known(a) for a in args]                  # (this rank's view of the inputs)
     kwargs = {k: known(v) for k, v in kwargs.items()}
+    unknown = [k for (k, a), b in zip(given, args + list(kwargs.values()))
+               if b is not a and _is_fake(b)]
     with _world_of_one():
         saved = _swap_state(model, shadow)
         try:
@@ -349,11 +352,26 @@ def _run_on_shapes(model, args: tuple, kwargs: dict, device_type: str) -> None:
         except Exception as exc:   # a value of the weights (e.g. .item()) is not known
             raise TraceError(
                 f"sf.auto.trace: the forward of {type(model).__name__} failed on shapes "
-                f"(weights without values) with {type(exc).__name__}: {exc}; if it reads a "
-                f"value the weights compute, {SUGGESTION}") from exc
+                f"(weights without values) with {type(exc).__name__}: {exc}; "
+                f"{_unknown_inputs(unknown)}if it reads a value the weights compute, "
+                f"{SUGGESTION}") from exc
         finally:
             for d, key, t in saved:
                 d[key] = t
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(getattr(t, "local", None), FakeTensor)
+
+
+def _unknown_inputs(unknown: list) -> str:
+    """The advice for inputs traced without their values (split or partial global tensors:
+    this rank holds part of them), or ''."""
+    if not unknown:
+        return ""
+    return (f"the inputs {unknown} are split or partial, so the trace has no values of them "
+            f"(give them replicated, x.to_global(sbp=sf.B): sf.auto.parallelize does); ")
 
 
 def _replicate(t, pl):

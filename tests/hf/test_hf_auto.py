@@ -155,6 +155,21 @@ def test_trace_on_shapes_communicates_nothing_and_leaves_the_model():
         assert sent == 0 and same
 
 
+def _split_ids_refused(model, ids):
+    pl = sf.placement("cpu", [0, 1, 2, 3])
+    with pytest.raises(sf.TraceError) as info:
+        sf.auto.trace(sf.nn.from_torch(model, pl), {"input_ids": sf.tensor(ids, pl, sf.S(0))})
+    return str(info.value)
+
+
+def test_trace_of_split_ids_names_them_and_the_fix():
+    """GPT2 reads its ids (``pad_token_id in input_ids``): ids split over the ranks have no
+    values in a trace that communicates nothing; the error names them and what to give
+    (`parallelize` replicates them itself, as the tests above show)."""
+    text = sf.launch(_split_ids_refused, world_size=4, args=(build("gpt2"), token_ids()))[0]
+    assert "['input_ids'] are split or partial" in text and "replicated" in text
+
+
 class _ReadsItsWeights(torch.nn.Module):
     """A forward that branches on a value its weights compute: no trace on shapes runs it."""
 
