@@ -238,3 +238,20 @@ def test_the_plan_lays_out_each_pipeline_stage():
     assert losses == pytest.approx(want_losses, rel=TOL["rtol"])
     for k in want:
         torch.testing.assert_close(got[k], want[k], **TOL)
+
+
+def _generate(model, ids, ranks):
+    pl = sf.placement("cpu", ranks)
+    m = sf.parallel.apply(model, pl, sf.parallel.hf_tp_plan(model, dp_dim=0))
+    out = m.generate(input_ids=sf.tensor(ids, pl, (sf.S(0), sf.B)), max_new_tokens=4,
+                     do_sample=False)       # greedy, with the KV cache (its default)
+    return out.full_tensor()
+
+
+def test_greedy_generate_by_the_plan_gives_torchs_tokens():
+    model, ids = build("llama"), token_ids()[:, :4]       # GQA, KV cache split by heads
+    want = copy.deepcopy(model).generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CostlyLayoutWarning)
+        got = sf.launch(_generate, world_size=4, args=(model, ids, MESHES["dp2xtp2"]))[0]
+    assert torch.equal(got, want)
