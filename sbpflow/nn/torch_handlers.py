@@ -17,6 +17,7 @@ import torch.nn.functional as TF
 
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, apply_op, cat, full, is_view
+from ..tensor import _next_seed, fresh
 from ..tensor import rand as _rand, randn as _randn, tensor as _tensor
 from . import functional as F
 from . import functional_conv as FC
@@ -588,6 +589,20 @@ def _index_select(input, dim, index):
     return apply_op("index_select_tensor", input, index, dim=int(dim))
 
 
+def _multinomial(input, num_samples, replacement=False, *, generator=None):
+    """Row by row from sbpflow's stream (`sbpflow.ops.sampling`: the same in every layout, no
+    row gathered); with a torch ``generator``, its draw on the whole value (the fallback)."""
+    if generator is not None or not isinstance(input, GlobalTensor):
+        return _fallback(torch.multinomial)(input, num_samples, replacement, generator=generator)
+    pl = input.placement
+
+    def seed():  # a graph draws a new seed on every replay
+        return full((), _next_seed(None, None), placement=pl, sbp=(B,) * pl.ndim,
+                    dtype=torch.int64)
+    return apply_op("multinomial", input, fresh(seed), num_samples=int(num_samples),
+                    replacement=bool(replacement))
+
+
 def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     if isinstance(repeats, (GlobalTensor, torch.Tensor)) or repeats is None:
         return _fallback(torch.repeat_interleave)(input, repeats, dim, output_size=output_size)
@@ -692,6 +707,7 @@ _HOT_METHODS = {
     "scatter_add": _with_out("torch.scatter_add", _scatter_add),
     "index_select": _with_out("torch.index_select", _index_select),
     "repeat_interleave": _repeat_interleave,
+    "multinomial": _with_out("torch.multinomial", _multinomial),
     "flip": _with_out("torch.flip", _flip), "roll": _roll,
     "triu": _with_out("torch.triu", _triangle("triu")),
     "tril": _with_out("torch.tril", _triangle("tril")),

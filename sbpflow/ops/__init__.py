@@ -10,6 +10,7 @@ from . import norm_ops  # noqa: F401  (registrations: batch / group / rms norm)
 from . import reduce, shape  # noqa: F401  (registrations: reductions, shape ops)
 from . import select  # noqa: F401  (registrations: values and indices along an axis)
 from . import along  # noqa: F401  (registrations: pad, cumsum, gather, scatter, isin, ...)
+from . import sampling  # noqa: F401  (registrations: multinomial, the same in any layout)
 from . import torch_generic  # noqa: F401  (registrations: any torch function, by its tags)
 from .registry import (OPS, Choice, KernelContext, Op, Signature, TensorMeta, choose, detaches,
                        get_op, hashable, out_metas, register, tensor_metas)

@@ -7,11 +7,13 @@ on Llama's attention and MLP (tensor parallel on 2 ranks); a left-padded batch w
 ``attention_mask``; incremental decoding (``past_key_values``) gives torch's logits. The result is
 a global tensor: with the weights replicated, in the ids' layout.
 
-Sampling (``do_sample=True``) gives the same tokens on every layout: each ``torch.multinomial``
-draw runs on the whole probabilities under a seed from sbpflow's stream (``sf.manual_seed(s)``
-on every rank: the k-th draw of the run under ``torch.manual_seed(mix_seed(s, k))``), so it equals
-torch's ``generate`` reseeded that way before each draw -- not torch's run after one
-``torch.manual_seed(s)``, whose draws continue one generator (torch's own seed is not used)."""
+Sampling (``do_sample=True``) gives the same tokens on every layout, and gathers nothing: each
+``torch.multinomial`` draw takes its seed from sbpflow's stream (``sf.manual_seed(s)`` on every
+rank: draw k is seeded ``s_k = mix_seed(s, k)``) and draws each row of the probabilities on the
+rank that holds it, row r with ``torch.multinomial(probs[r], n, generator=torch.Generator()
+.manual_seed(mix_seed(s_k, r)))``. So it equals torch's ``generate`` with its draws made that way
+(the reference below) -- not torch's run after one ``torch.manual_seed(s)``, whose draws continue
+one generator over the whole batch (torch's own seed is not used)."""
 
 from __future__ import annotations
 
@@ -115,18 +117,21 @@ def test_greedy_gathers_nothing_and_warns_nothing():
 
 
 def _reseeded_torch_sampling(model, seed: int, **kw) -> torch.Tensor:
-    """torch's generate with each torch.multinomial draw k under torch.manual_seed(
-    mix_seed(seed, k)): the stream sbpflow draws from after sf.manual_seed(seed)."""
+    """torch's generate with draw k of torch.multinomial made row by row, row r under a
+    torch.Generator seeded mix_seed(mix_seed(seed, k), r): what sbpflow draws after
+    sf.manual_seed(seed)."""
     draw, calls = torch.multinomial, []
 
-    def reseeded(*args, **kwargs):
-        torch.manual_seed(mix_seed(seed, len(calls)))
+    def by_rows(probs, num_samples, replacement=False):
+        step = mix_seed(seed, len(calls))
         calls.append(1)
-        return draw(*args, **kwargs)
-    torch.multinomial = reseeded
+        rows = [draw(row, num_samples, replacement,
+                     generator=torch.Generator().manual_seed(mix_seed(step, r)))
+                for r, row in enumerate(probs.reshape(-1, probs.shape[-1]))]
+        return torch.stack(rows).reshape(*probs.shape[:-1], num_samples)
+    torch.multinomial = by_rows
     try:
-        with torch.random.fork_rng(devices=[]):
-            return _generate(model, PROMPT, do_sample=True, **kw)
+        return _generate(model, PROMPT, do_sample=True, **kw)
     finally:
         torch.multinomial = draw
 
@@ -143,9 +148,11 @@ def _sampled(model, layouts: dict, seeds, world: int, **kw) -> dict:
                 out[lname, seed] = _generate(m, sf.tensor(PROMPT, pl, ids_sbp), do_sample=True,
                                              **kw).full_tensor()
         return out
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReplicatedFallbackWarning)   # multinomial: gathered
-        return sf.launch(body, world_size=world)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sf.launch(body, world_size=world)[0]
+    assert not [w for w in caught if issubclass(w.category, ReplicatedFallbackWarning)]
+    return got
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
