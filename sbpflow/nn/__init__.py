@@ -10,9 +10,12 @@ from .norm import BatchNorm1d, BatchNorm2d, GroupNorm, RMSNorm
 from .recompute import checkpoint
 from .serialization import CheckpointError, load, save
 from . import torch_functions, torch_handlers  # noqa: F401  (torch functions on global tensors)
+from .torch_autograd import install as _install_autograd
 from .torch_modules import from_torch
 from .torch_fallback import ReplicatedFallbackWarning
 from .torch_layouts import CostlyLayoutWarning
+
+_install_autograd()   # custom torch.autograd.Functions called with global tensors
 
 __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh", "Sigmoid",
