@@ -714,10 +714,11 @@ def _move_buffers(model, placement) -> None:
     it meets live (a rotary embedding's frequencies): its nd-sbp kept on a mesh of as many
     dims, else replicated (a boxing; one moved tensor for a buffer registered twice). A
     pipeline moves its buffers itself (`sf.parallel.pipeline`)."""
+    from ..tensor import GlobalTensor
     moved: dict = {}
     for m in model.modules():
         for key, b in list(m._buffers.items()):
-            if b is None or b.placement is placement or b.placement == placement:
+            if not isinstance(b, GlobalTensor) or b.placement == placement:
                 continue
             if id(b) not in moved:
                 nd = b.sbp if b.placement.ndim == placement.ndim else (B,) * placement.ndim
