@@ -32,21 +32,24 @@ from .styles import Style
 __all__ = ["apply", "match_rules", "UnmatchedParameterError"]
 
 
-def match_rules(names, rules: Mapping, placement: Placement, model=None) -> dict:
+def match_rules(names, rules: Mapping, placement: Placement, model=None,
+                prefix: str = "") -> dict:
     """``{name: nd_sbp}`` by first matching pattern; raises `UnmatchedParameterError`. A rule
     whose value is a `Style` is resolved against the parameter's module in ``model`` (needed
-    then)."""
+    then; ``prefix``: the name of ``model`` within the names, when it is a submodule)."""
     parsed = [(pattern, _parsed_rule(pattern, value, placement, model))
               for pattern, value in rules.items()]
-    params = dict(model.named_parameters()) if model is not None else {}
     out, unmatched = {}, []
     for name in names:
         nd = next((nd for pattern, nd in parsed if fnmatch.fnmatchcase(name, pattern)), None)
         if nd is None:
             unmatched.append(name)
+        elif isinstance(nd, Style):
+            module, attr = _owner(model, name.removeprefix(f"{prefix}.") if prefix else name)
+            out[name] = nd.resolve(module, attr, tuple(module._parameters[attr].shape),
+                                   placement)
         else:
-            out[name] = nd.resolve(*_owner(model, name), tuple(params[name].shape),
-                                   placement) if isinstance(nd, Style) else nd
+            out[name] = nd
     if unmatched:
         raise UnmatchedParameterError(
             f"sf.parallel.apply: no rule matches parameter(s) {unmatched} (patterns "

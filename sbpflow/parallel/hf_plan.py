@@ -73,7 +73,7 @@ def hf_tp_plan(model, mesh_dim: int | None = None, dp_dim: int | None = None,
             f"sf.parallel.hf_tp_plan: {type(model).__name__} (model_type {kind!r}) declares no "
             f"tensor-parallel plan and sbpflow has none built in (it has {sorted(BUILTIN_PLANS)}); "
             f"pass plan={{'<module pattern>': 'colwise' | 'rowwise' | ...}}")
-    params = [n for n, _ in model.named_parameters()]
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False)]  # tied: each name
     rules: dict = {}
     for key, style_name in raw.items():
         style = HF_STYLES.get(style_name)

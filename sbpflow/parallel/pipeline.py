@@ -194,7 +194,7 @@ class Pipeline:
         full = {f"{name}.{k}" if name else k: p for k, p in own}
         pl = self.placements[stage]
         rule = self.rules[stage] or {"*": (B,) * pl.ndim}
-        layouts = match_rules(list(full), rule, pl) if full else {}
+        layouts = match_rules(list(full), rule, pl, module, name) if full else {}
         previous = set_recorder(None)
         try:
             with torch.no_grad():
