@@ -66,7 +66,10 @@ def _on_layouts(model, searches: dict, layouts: dict, world: int = WORLD) -> dic
                 got = _generate(m, sf.tensor(PROMPT, pl, ids_sbp), **searches[sname])
                 out[sname, lname] = (got.full_tensor(), type(got), got.sbp)
         return out
-    return sf.launch(body, world_size=world)[0]
+    with warnings.catch_warnings():   # beam search writes the prompt into a torch.full buffer
+        warnings.filterwarnings("ignore", "Tensor.__setitem__ writes global tensors",
+                                ReplicatedFallbackWarning)
+        return sf.launch(body, world_size=world)[0]
 
 
 def _flat(world: int = WORLD):
