@@ -183,6 +183,12 @@ def dropout_signatures(x: TensorMeta, seed: TensorMeta, p: float = 0.5) -> list[
     return sigs
 
 
+def _is_fake(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a torch fake tensor (``FakeTensorMode``: a shape without storage)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(x)
+
+
 def dropout_mask(shape, box, seed: int, p: float, dtype: torch.dtype,
                  device=None) -> torch.Tensor:
     """The scaled keep-mask (``0`` or ``1 / (1 - p)``) of region ``box`` of a tensor of logical
@@ -193,7 +199,7 @@ def dropout_mask(shape, box, seed: int, p: float, dtype: torch.dtype,
 
 
 def _dropout(x, seed, p=0.5, *, ctx=None):
-    if x.device.type == "meta":
+    if x.device.type == "meta" or _is_fake(x):   # shapes only (sf.auto.trace): no draws
         return torch.empty_like(x)
     if ctx is None:  # one device: the whole tensor
         shape, box = tuple(x.shape), tuple((0, n) for n in x.shape)
