@@ -40,7 +40,7 @@ __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "ra
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
            "fresh", "guard", "source", "module_called", "errors_as", "error_rule",
            "UnsupportedTorchFunction",
-           "set_torch_dispatch", "lift", "watch_resplit", "is_view", "copy_view"]
+           "set_torch_dispatch", "lift", "watch_resplit", "is_view", "copy_view", "numpy_names"]
 
 
 # -- torch functions on global tensors ----------------------------------------------------------
@@ -222,9 +222,21 @@ def _compare(name: str):
     return method
 
 
+# torch's argument parser takes numpy's names for these (``x.sum(axis=1, keepdims=True)``)
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim"}
+
+
+def numpy_names(kwargs: dict) -> dict:
+    """``kwargs`` with numpy's ``axis`` / ``keepdims`` renamed ``dim`` / ``keepdim``, as torch's
+    C functions and Tensor methods take them."""
+    if "axis" not in kwargs and "keepdims" not in kwargs:
+        return kwargs
+    return {_NUMPY_NAMES.get(k, k): v for k, v in kwargs.items()}
+
+
 def _unary(name: str):
     def method(self, *args, **kwargs):
-        return apply_op(name, self, *args, **kwargs)
+        return apply_op(name, self, *args, **numpy_names(kwargs))
     method.__name__ = method.__qualname__ = name
     return method
 
@@ -562,10 +574,12 @@ class GlobalTensor:
 
     def sum(self, *args, dtype: torch.dtype | None = None, **kwargs) -> "GlobalTensor":
         """torch's, ``dtype`` included (the tensor is cast first, as torch accumulates in it)."""
-        return apply_op("sum", self if dtype is None else self.to(dtype), *args, **kwargs)
+        return apply_op("sum", self if dtype is None else self.to(dtype), *args,
+                        **numpy_names(kwargs))
 
     def mean(self, *args, dtype: torch.dtype | None = None, **kwargs) -> "GlobalTensor":
-        return apply_op("mean", self if dtype is None else self.to(dtype), *args, **kwargs)
+        return apply_op("mean", self if dtype is None else self.to(dtype), *args,
+                        **numpy_names(kwargs))
 
     def max(self, *args, **kwargs):
         """``x.max()``: the largest entry. With a dim, torch's (values, indices); with a tensor,

@@ -21,7 +21,8 @@ import torch
 
 from ..errors import SbpError
 from ..sbp import format_nd_sbp
-from ..tensor import GlobalTensor, UnsupportedTorchFunction, lift_arguments, set_torch_dispatch
+from ..tensor import (GlobalTensor, UnsupportedTorchFunction, lift_arguments, numpy_names,
+                      set_torch_dispatch)
 from .torch_decomposed import use_handlers
 from .torch_fallback import fallback_for, is_aten, property_handler
 from .torch_indexing import write_plain, writes_plain
@@ -61,9 +62,8 @@ _GENERAL = ("It concerns a shard's memory, not the logical value: use x.local (t
             "that run are listed in docs/torch_models.md")
 
 
-# torch's argument parser takes numpy's names for these in its C-bound functions
-# (``torch.all(x, axis=-1, keepdims=True)``, as transformers' beam search calls it)
-_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim"}
+# torch's C-bound functions take numpy's argument names (`numpy_names`: ``torch.all(x,
+# axis=-1, keepdims=True)``, as transformers' beam search calls it); Python ones do not
 _C_BOUND = (type(torch.all), type(torch.Tensor.all))
 
 
@@ -174,8 +174,8 @@ def dispatch(func, args: tuple, kwargs: dict):
     torch tensor written with global tensors takes their whole values (`write_plain`)."""
     if writes_plain(func, args):
         return write_plain(func, args, kwargs)
-    if ("axis" in kwargs or "keepdims" in kwargs) and isinstance(func, _C_BOUND):
-        kwargs = {_NUMPY_NAMES.get(k, k): v for k, v in kwargs.items()}
+    if isinstance(func, _C_BOUND):
+        kwargs = numpy_names(kwargs)
     handler = _HANDLERS.get(func) or handler_for(func)
     args, kwargs = lift_arguments(args, kwargs)
     try:

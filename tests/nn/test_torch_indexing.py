@@ -101,7 +101,8 @@ def test_plain_tensors_take_global_values_as_torch():
 def _numpy_names(x):
     mask = x > 0
     return (torch.all(mask, axis=-1, keepdims=True), torch.any(mask, axis=0),
-            torch.sum(x, axis=1), torch.amax(x, axis=0, keepdims=True))
+            torch.sum(x, axis=1), torch.amax(x, axis=0, keepdims=True), x.sum(axis=1),
+            x.mean(axis=0, keepdims=True), x.softmax(axis=1), mask.any(axis=1))
 
 
 def test_numpy_argument_names_and_tensor_index_as_torch():
