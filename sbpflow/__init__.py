@@ -10,21 +10,13 @@ mesh of devices (split / broadcast / partial per mesh dim); sbpflow inserts the 
 from . import boxing, comm, cost, ops, sbp
 from .caches import cache_info, clear_caches
 from .comm import init, launch, rank, world_size
-from .errors import ActorAborted, ActorTimeout, GraphError, PlanError
-from .errors import (AdvancedIndexError, BoxingError, CheckpointError, CheckpointKeyError,
-                     CheckpointShapeError,
-                     CommAborted, CommError,
-                     CommTimeout, CostError, DataLoaderConfigError, DataLoaderError,
-                     DtypeMismatchError, IndexOutOfRange,
-                     OptimizerStateError, ParallelizeError, PlacementError,
-                     PlacementMismatchError, SbpError, SbpParseError, SearchCliError,
-                     SearchInputError, ShapeError, SignatureError, SplitAxisError,
-                     StateDictError, TraceError, UnmatchedParameterError, WireError)
+from . import errors
+from .errors import CheckpointError, CommError, GraphError, PlacementError, SbpError, ShapeError
 from .placement import Placement, placement
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
                      randn, tensor, zeros)
-from .tensor import UnsupportedTorchFunction, cat
+from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
 from . import memory  # noqa: E402  (above nn and optim)
@@ -43,13 +35,28 @@ from .parallel.pretrained import load_pretrained  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "boxing", "comm", "cost", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank", "world_size", "Placement", "placement",
-    "S", "B", "P", "Split", "Broadcast", "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp",
-    "GlobalTensor", "cat", "tensor", "from_local", "randn", "rand", "zeros", "ones", "full", "arange",
-    "manual_seed", "clear_caches", "cache_info", "SbpError", "SbpParseError", "SplitAxisError", "PlacementError",
-    "PlacementMismatchError", "ShapeError", "SignatureError", "BoxingError", "CommError",
-    "ActorAborted", "ActorTimeout", "GraphError", "PlanError",
-    "CommAborted", "CommTimeout", "DtypeMismatchError", "IndexOutOfRange", "AdvancedIndexError",
-    "CostError", "StateDictError", "CheckpointError", "OptimizerStateError",
-    "UnmatchedParameterError", "UnsupportedTorchFunction", "TraceError", "ParallelizeError", "SearchCliError", "SearchInputError", "WireError", "CheckpointShapeError", "DataLoaderError", "DataLoaderConfigError", "data", "optim", "parallel", "save", "load", "export", "load_pretrained", "CheckpointKeyError", "autocast", "auto", "memory", "memory_stats",
+    "boxing", "comm", "cost", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank",
+    "world_size", "Placement", "placement", "S", "B", "P", "Split", "Broadcast", "Partial", "dual",
+    "dual_nd", "parse_sbp", "parse_nd_sbp", "GlobalTensor", "cat", "tensor", "from_local", "randn",
+    "rand", "zeros", "ones", "full", "arange", "manual_seed", "clear_caches", "cache_info",
+    "errors", "SbpError", "PlacementError", "ShapeError", "CommError", "CheckpointError",
+    "GraphError", "data", "optim", "parallel", "save", "load", "export", "load_pretrained",
+    "autocast", "auto", "memory", "memory_stats",
 ]
+
+_MOVED_ERRORS = frozenset(  # sf.X -> sf.errors.X; the old spelling warns once, for one release
+    name for name in dir(errors) if isinstance(getattr(errors, name), type)
+    and issubclass(getattr(errors, name), SbpError) and name not in __all__)
+_WARNED: set = set()
+
+
+def __getattr__(name: str):
+    """``sf.SignatureError`` and the other long-tail errors moved to ``sf.errors``: the old name
+    still works for one release, with a DeprecationWarning the first time."""
+    if name in _MOVED_ERRORS:
+        if name not in _WARNED:
+            _WARNED.add(name)
+            import warnings
+            warnings.warn(f"sf.{name} moved to sf.errors.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(errors, name)
+    raise AttributeError(f"module 'sbpflow' has no attribute {name!r}")

@@ -35,4 +35,25 @@ def test_every_error_is_an_sbp_error_and_a_builtin():
         builtins_ = [b for b in c.__mro__ if b.__module__ == "builtins" and b not in
                      (Exception, BaseException, object)]
         assert builtins_, f"{c.__name__} is no built-in exception (ValueError, RuntimeError, ...)"
-        assert getattr(sf, c.__name__) is c, f"sf.{c.__name__} is not exported"
+        assert getattr(sf.errors, c.__name__) is c, f"sf.errors.{c.__name__} is not exported"
+
+
+TOP = {"SbpError", "PlacementError", "ShapeError", "CommError", "CheckpointError", "GraphError"}
+
+
+def test_the_common_errors_at_the_top_the_rest_under_sf_errors():
+    top = {n for n in sf.__all__ if isinstance(getattr(sf, n), type)
+           and issubclass(getattr(sf, n), BaseException)}
+    assert top == TOP
+    assert "SearchCliError" not in sf.__all__ and "SearchCliError" not in vars(sf)
+
+
+def test_a_moved_error_keeps_its_old_name_for_one_release():
+    import warnings
+    sf._WARNED.discard("SignatureError")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert sf.SignatureError is sf.errors.SignatureError
+        assert sf.SignatureError is sf.errors.SignatureError
+    moved = [w for w in seen if issubclass(w.category, DeprecationWarning)]
+    assert len(moved) == 1 and "sf.errors.SignatureError" in str(moved[0].message)

@@ -39,7 +39,7 @@ def test_parse_errors(bad):
 
 
 def test_nd_length_must_match_mesh():
-    with pytest.raises(sf.SbpParseError, match="2 dimension"):
+    with pytest.raises(sf.errors.SbpParseError, match="2 dimension"):
         sf.parse_nd_sbp((sf.S(0),), 2)
 
 

@@ -141,17 +141,17 @@ def test_rank_outside_placement_holds_empty_shard():
 
 
 @pytest.mark.parametrize("case,err,match", [
-    ("axis", sf.SplitAxisError, r"split axis 2 is out of range.*\(4, 4\)"),
-    ("string", sf.SbpParseError, "unknown sbp"),
-    ("length", sf.SbpParseError, "1 entries but the mesh has 2"),
+    ("axis", sf.errors.SplitAxisError, r"split axis 2 is out of range.*\(4, 4\)"),
+    ("string", sf.errors.SbpParseError, "unknown sbp"),
+    ("length", sf.errors.SbpParseError, "1 entries but the mesh has 2"),
     ("world", sf.PlacementError, "only 2 rank"),
-    ("to_global_axis", sf.SplitAxisError, "split axis 5"),
+    ("to_global_axis", sf.errors.SplitAxisError, "split axis 5"),
     ("to_global_ndim", sf.SbpError, "give sbp="),
     ("backward_nonscalar", sf.ShapeError, "scalar"),
     # the messages name the tensor's shape, placement and sbp (issue 12's probe,
     # benchmarks/bad_inputs.py)
-    ("length_1d", sf.SbpParseError, r"\(S\(0\), B\).*tensor of shape \(4,\) on cpu\[0,1\]"),
-    ("to_global_length", sf.SbpParseError, r"tensor of shape \(4,\) on cpu\[0,1\]"),
+    ("length_1d", sf.errors.SbpParseError, r"\(S\(0\), B\).*tensor of shape \(4,\) on cpu\[0,1\]"),
+    ("to_global_length", sf.errors.SbpParseError, r"tensor of shape \(4,\) on cpu\[0,1\]"),
     ("to_global_ndim_shape", sf.SbpError, r"shape \(4,\) has 1; give sbp="),
     ("backward_no_grad", sf.SbpError, r"shape \(\) on cpu\[0,1\] with sbp \(B,\)"),
     ("backward_gradient", sf.ShapeError, r"gradient: shape \(5,\) on cpu\[0,1\] with sbp \(B,\); "
@@ -237,7 +237,7 @@ def test_random_values_need_a_floating_dtype(make):
 
     def body():
         make(4, 6, placement=sf.placement("cpu", [0, 1]), sbp=sf.S(0), dtype=torch.int64)
-    with pytest.raises(sf.DtypeMismatchError, match=r"\(4, 6\).*int64"):
+    with pytest.raises(sf.errors.DtypeMismatchError, match=r"\(4, 6\).*int64"):
         sf.launch(body, world_size=2)
 
 

@@ -160,7 +160,7 @@ def test_split_by_params_and_flops():
                                                       ["6"]]
     wide = sf.nn.Sequential(*[sf.nn.Linear(8, 8) for _ in range(6)], sf.nn.Linear(8, 48))
     assert [len(s) for s in split_sequential(wide, 2)] == [6, 1]
-    with pytest.raises(sf.PlanError, match="cannot cut"):
+    with pytest.raises(sf.errors.PlanError, match="cannot cut"):
         split_sequential(wide, 8)
 
 
@@ -193,7 +193,7 @@ def test_split_by_flops_counts_output_positions():
     lm = sf.nn.Sequential(sf.nn.Embedding(1000, 32), sf.nn.Linear(32, 256), sf.nn.ReLU())
     assert flop_weights(lm, torch.zeros(4, 5, dtype=torch.long)) == [0, 2 * 5 * 256 * 32,
                                                                      5 * 256]
-    with pytest.raises(sf.PlanError, match="needs example_input="):
+    with pytest.raises(sf.errors.PlanError, match="needs example_input="):
         split_sequential(net, 2, "flops")
 
     def trainer_stages():
@@ -223,20 +223,20 @@ def test_tied_weights_across_stages_are_refused():
         a, b = sf.nn.Linear(4, 4), sf.nn.Linear(4, 4)
         b.weight = a.weight
         return sf.nn.Sequential(a, sf.nn.Tanh(), sf.nn.Linear(4, 4), b)
-    with pytest.raises(sf.PlanError, match=r"stages 0 and 1 share .*'0.weight'.*not supported"):
+    with pytest.raises(sf.errors.PlanError, match=r"stages 0 and 1 share .*'0.weight'.*not supported"):
         build(same_module)
-    with pytest.raises(sf.PlanError, match=r"stages 0 and 2 share .*'0.weight' is stage 2's "
+    with pytest.raises(sf.errors.PlanError, match=r"stages 0 and 2 share .*'0.weight' is stage 2's "
                                            r"'3.weight', shape \(4, 4\)"):
         build(same_parameter, split=3)
-    with pytest.raises(sf.PlanError, match="stages 0 and 1 share"):
+    with pytest.raises(sf.errors.PlanError, match="stages 0 and 1 share"):
         sf.launch(lambda: sf.parallel.cdp.closed_form(same_module(), None, None, "dp", []),
                   world_size=1)
 
 
 def test_bad_arguments_name_the_fix():
-    with pytest.raises(sf.PlanError, match="one of"):
+    with pytest.raises(sf.errors.PlanError, match="one of"):
         rules.version("v3", 0, 0, 0, 4)
-    with pytest.raises(sf.PlanError, match="needs 10 distinct ranks"):
+    with pytest.raises(sf.errors.PlanError, match="needs 10 distinct ranks"):
         roles.make_roles("mp", 4, "cdp", range(4))
-    with pytest.raises(sf.PlanError, match="N >= 2"):
+    with pytest.raises(sf.errors.PlanError, match="N >= 2"):
         cycles.ops("cdp", 1, 1)

@@ -157,7 +157,7 @@ def test_global_batches_with_ranks_outside_the_trainer():
         t = CyclicDataParallel(make_stages(2), loss_fn, sgd)
         x, y = batches(2)[0]
         t.step(x, y.tolist())
-    with pytest.raises(sf.PlanError, match="y must be a torch tensor or a global tensor, got "
+    with pytest.raises(sf.errors.PlanError, match="y must be a torch tensor or a global tensor, got "
                                            "list"):
         sf.launch(bad_y, world_size=1)
 
@@ -234,7 +234,7 @@ def test_save_timeline_and_errors(tmp_path):
                                                 r"\(x \(7, 5\), y \(6,\)\)"):
             t.step(x, y[:-1])
         t.step(x, y)   # checked before the run: the trainer goes on
-        with pytest.raises(sf.PlanError, match="axis 0 holds at least N = 3"):
+        with pytest.raises(sf.errors.PlanError, match="axis 0 holds at least N = 3"):
             t.step(torch.zeros(2, 5), torch.zeros(2))
         return drawn, [r for r in t.records if r.step < 2 * 3 * 3]  # the 3 runs drawn
     res = sf.launch(fn, world_size=3)
@@ -250,10 +250,10 @@ def test_save_timeline_and_errors(tmp_path):
     assert drawn.hatched == len(stale) == sum(1 for r in fb if r.cycle > 0)
     assert drawn.updates == sum(1 for r in ops if r.kind == "U") > 0
     assert drawn.rows == ["rank 0", "rank 1", "rank 2"] and res[1][0] is None
-    with pytest.raises(sf.PlanError, match="needs 6 ranks; the world has 2"):
+    with pytest.raises(sf.errors.PlanError, match="needs 6 ranks; the world has 2"):
         sf.launch(lambda: CyclicDataParallel(make_stages(3), None, None, rule="v2",
                                              mode="mp"), world_size=2)
-    with pytest.raises(sf.PlanError, match="unknown CDP mode"):
+    with pytest.raises(sf.errors.PlanError, match="unknown CDP mode"):
         sf.launch(lambda: CyclicDataParallel(make_stages(3), None, None, mode="tp"),
                   world_size=1)
 
@@ -281,10 +281,10 @@ def test_a_failure_names_its_absolute_cycle_and_step():
         t.step(*data[0])
         y = data[1][1].clone()
         y[-1] = 7
-        with pytest.raises(sf.IndexOutOfRange) as err:
+        with pytest.raises(sf.errors.IndexOutOfRange) as err:
             t.step(data[1][0], y)
         assert any(where in note for note in err.value.__notes__), err.value.__notes__
-        with pytest.raises(sf.PlanError, match="build a new trainer") as again:
+        with pytest.raises(sf.errors.PlanError, match="build a new trainer") as again:
             t.step(*data[2])
         assert where in str(again.value)
     sf.launch(fn, world_size=1)
@@ -342,7 +342,7 @@ def test_arguments_of_the_wrong_kind_are_plan_errors():
                                                     split="two")}[case]
         try:
             make()
-        except sf.PlanError as exc:
+        except sf.errors.PlanError as exc:
             return str(exc)
     for case, text in [("instance", "optimizer is a function of a stage's parameters"),
                        ("returns None", "must return an sf.optim optimizer, got NoneType"),

@@ -162,7 +162,7 @@ def test_timeout_names_collective_and_missing_ranks():
             release.wait(10)
         current().all_reduce(torch.ones(2), (0, 1))
     try:
-        with pytest.raises(sf.CommTimeout, match=r"all_reduce over ranks \[0, 1\].*rank\(s\) \[1\]"
+        with pytest.raises(sf.errors.CommTimeout, match=r"all_reduce over ranks \[0, 1\].*rank\(s\) \[1\]"
                            r".*rank 1 is not waiting for another rank \(it is at "
                            r".*test_threads.py:\d+") as info, \
                 pytest.warns(RuntimeWarning, match="still running"):
@@ -180,7 +180,7 @@ def test_timeout_from_environment(monkeypatch):
         else:
             time.sleep(0.8)
             current().barrier()
-    with pytest.raises(sf.CommTimeout, match="barrier"):
+    with pytest.raises(sf.errors.CommTimeout, match="barrier"):
         sf.launch(body, world_size=2)
 
 
@@ -247,7 +247,7 @@ def test_rank_stuck_in_its_own_code_does_not_hold_launch():
         c.all_reduce(torch.ones(2), (0, 1))
     t = time.monotonic()
     try:
-        with pytest.raises(sf.CommTimeout, match=r"rank\(s\) \[1\]") as info, \
+        with pytest.raises(sf.errors.CommTimeout, match=r"rank\(s\) \[1\]") as info, \
                 pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] of 2 still running"):
             sf.launch(body, world_size=2, timeout=1.0)
         elapsed = time.monotonic() - t
@@ -277,7 +277,7 @@ def test_rank_busy_in_python_does_not_hold_launch():
         current().barrier()
     t = time.monotonic()
     try:
-        with pytest.raises(sf.CommTimeout) as info, pytest.warns(RuntimeWarning):
+        with pytest.raises(sf.errors.CommTimeout) as info, pytest.warns(RuntimeWarning):
             sf.launch(body, world_size=2, timeout=0.5)
         assert time.monotonic() - t < PROMPT  # waiting for the loop takes HANG
     finally:
@@ -322,7 +322,7 @@ def test_rank_stuck_behind_a_stuck_rank_stops_and_only_the_stuck_ones_are_report
         release.set()
     notes = "\n".join(info.value.__notes__)
     assert "rank 0 of 4" in notes and "rank(s) [2, 3] of 4 still running" in notes
-    assert done.wait(HANG) and woke and woke[0][0] is sf.CommAborted, woke
+    assert done.wait(HANG) and woke and woke[0][0] is sf.errors.CommAborted, woke
     assert woke[0][1] < PROMPT, woke
 
 

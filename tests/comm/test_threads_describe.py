@@ -49,7 +49,7 @@ def test_a_timeout_names_the_alongside_wait_of_the_rank_it_waits_for():
     """Rank 1's only waiting thread is alongside (it waits for rank 0 while rank 0 waits for
     rank 1: no deadlock is reported, the cycle check ignores such waits); rank 0's
     `CommTimeout` says what that thread waits in and for whom."""
-    with pytest.raises(sf.CommTimeout) as info:
+    with pytest.raises(sf.errors.CommTimeout) as info:
         sf.launch(_rank_1_waits_alongside_only, world_size=2, timeout=TIMEOUT)
     msg = str(info.value)
     assert msg.startswith("recv from rank 1 on rank 0 timed out"), msg

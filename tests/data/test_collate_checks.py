@@ -15,10 +15,10 @@ Pair = namedtuple("Pair", "x y")
 
 def test_structure_errors_name_the_sample():
     a, b = torch.zeros(2), torch.ones(2)
-    with pytest.raises(sf.DataLoaderError, match="sample 12 .* is a tuple of 3 but sample 10 "
+    with pytest.raises(sf.errors.DataLoaderError, match="sample 12 .* is a tuple of 3 but sample 10 "
                                                  "is a tuple of 2"):
         stack_samples([(a, 0), (b, 1), (a, 2, 3)], [10, 11, 12], "here")
-    with pytest.raises(sf.DataLoaderError, match="sample 11 .* is a list of 1 but sample 10 "
+    with pytest.raises(sf.errors.DataLoaderError, match="sample 11 .* is a list of 1 but sample 10 "
                                                  "is one value"):
         stack_samples([a, [b]], [10, 11], "here")
 
@@ -44,7 +44,7 @@ def test_reading_index_follows_the_reads():
     progress: dict = {"index": None}
     assert read_samples(Probe(), [5, 7, 8], "here", progress) == [5, 7, 8]
     assert seen == [5, 7, 8]
-    with pytest.raises(sf.DataLoaderError, match="reading sample 9 .here. failed: KeyError"):
+    with pytest.raises(sf.errors.DataLoaderError, match="reading sample 9 .here. failed: KeyError"):
         read_samples(Probe(), [4, 9, 6], "here", progress)
     assert reading_index(progress) == 9
 
@@ -72,7 +72,7 @@ def test_mixed_tuple_and_list_samples_still_checked():
     """A list sample after tuple ones of another length is named (the one-type fast path
     does not hide it)."""
     a = torch.zeros(2)
-    with pytest.raises(sf.DataLoaderError, match="sample 2 .* is a list of 3 but sample 0 "
+    with pytest.raises(sf.errors.DataLoaderError, match="sample 2 .* is a list of 3 but sample 0 "
                                                  "is a tuple of 2"):
         stack_samples([(a, 0), (a, 1), [a, 2, 3]], [0, 1, 2], "here")
 
@@ -90,7 +90,7 @@ def test_int_and_float_subclasses_stack_as_default_collate():
         _, (got,) = stack_samples(values, [0, 1], "here")
         ref = torch.utils.data.default_collate(values)
         assert got.dtype == ref.dtype == torch.int64 and torch.equal(got, ref)
-    with pytest.raises(sf.DtypeMismatchError, match="sample 1 is torch.bool but sample 0 is "
+    with pytest.raises(sf.errors.DtypeMismatchError, match="sample 1 is torch.bool but sample 0 is "
                                                     "torch.int64"):
         stack_samples([3, True], [0, 1], "here")
 
@@ -103,6 +103,6 @@ def test_dicts_with_keys_in_another_order_stack_by_the_first():
     ref = torch.utils.data.default_collate(samples)
     assert form.keys == ("x", "y") and list(ref) == ["x", "y"]
     assert torch.equal(x, ref["x"]) and torch.equal(y, ref["y"])
-    with pytest.raises(sf.DataLoaderError, match=r"sample 1 .* is a dict with keys \['x', "
+    with pytest.raises(sf.errors.DataLoaderError, match=r"sample 1 .* is a dict with keys \['x', "
                                                  r"'z'\] but sample 0 is a dict"):
         stack_samples([samples[0], {"x": torch.ones(2), "z": 2}], [0, 1], "here")

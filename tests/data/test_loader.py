@@ -111,7 +111,7 @@ def test_batches_equal_torch_and_ranks_read_their_shard(name, drop_last, feed, t
 def test_split_of_a_scalar_element_names_its_shape():
     pl = sf.placement("cpu", [0])
     loader = sf.data.DataLoader(Encoded(6), 3, pl, sbp=sf.S(1))   # labels are (3,)
-    with pytest.raises(sf.SplitAxisError, match=r"\(3,\)"):
+    with pytest.raises(sf.errors.SplitAxisError, match=r"\(3,\)"):
         next(iter(loader))
 
 
@@ -284,7 +284,7 @@ def test_a_failing_sample_raises_on_the_consumer_naming_it():
             finally:
                 loader.close()
 
-        with pytest.raises(sf.DataLoaderError, match=rf"sample 13 \(batch {bad_batch} of "
+        with pytest.raises(sf.errors.DataLoaderError, match=rf"sample 13 \(batch {bad_batch} of "
                                                      rf"epoch 0 on rank 0\)") as info:
             sf.launch(fn, 1)
         assert isinstance(info.value.__cause__, ValueError)
@@ -352,7 +352,7 @@ def test_a_hung_sample_times_out_naming_it():
                                 timeout=0.3, workers=0)
     start = time.monotonic()
     try:
-        with pytest.raises(sf.DataLoaderError, match=r"waited 0.3 s for batch 0 .*reading "
+        with pytest.raises(sf.errors.DataLoaderError, match=r"waited 0.3 s for batch 0 .*reading "
                                                      r"sample\(s\) 3 of batch 0"):
             next(iter(loader))
         elapsed = time.monotonic() - start
@@ -365,14 +365,14 @@ def test_bad_arguments_and_samples():
     pl = sf.placement("cpu", [0])
     for kwargs in ({"batch_size": 0}, {"prefetch": -1}, {"sbp": sf.P}, {"timeout": 0}):
         args = {"batch_size": 2, **kwargs}
-        with pytest.raises(sf.DataLoaderConfigError):
+        with pytest.raises(sf.errors.DataLoaderConfigError):
             sf.data.DataLoader(Encoded(4), placement=pl, **args)
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(sf.DataLoaderConfigError, match="map-style"):
+    with pytest.raises(sf.errors.DataLoaderConfigError, match="map-style"):
         sf.data.DataLoader(Stream(), 2, pl)
     ragged = [torch.zeros(3), torch.zeros(4)]
     with pytest.raises(sf.ShapeError, match=r"sample 1 has shape \(4,\) but sample 0 has \(3,\)"):
@@ -381,12 +381,12 @@ def test_bad_arguments_and_samples():
     with pytest.raises(sf.ShapeError, match=r"sample 2 element 1 has shape \(2, 3\)"):
         next(iter(sf.data.DataLoader(pairs, 3, pl, shuffle=False)))
     mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.int64)]   # torch.stack would promote
-    with pytest.raises(sf.DtypeMismatchError, match="sample 1 is torch.int64 but sample 0"):
+    with pytest.raises(sf.errors.DtypeMismatchError, match="sample 1 is torch.int64 but sample 0"):
         next(iter(sf.data.DataLoader(mixed, 2, pl, shuffle=False)))
-    with pytest.raises(sf.DataLoaderError, match="sample 1 .* is one value but sample 0 is a "
+    with pytest.raises(sf.errors.DataLoaderError, match="sample 1 .* is one value but sample 0 is a "
                                                  "tuple of 2"):
         next(iter(sf.data.DataLoader([(1, 2), 3], 2, pl, shuffle=False)))
-    with pytest.raises(sf.DataLoaderError, match="sample 1 .* is a str"):
+    with pytest.raises(sf.errors.DataLoaderError, match="sample 1 .* is a str"):
         next(iter(sf.data.DataLoader([1, "a"], 2, pl, shuffle=False, prefetch=0)))
 
 
@@ -522,7 +522,7 @@ def test_a_failing_sample_in_a_worker_process_raises_naming_it():
         finally:
             loader.close()
 
-    with pytest.raises(sf.DataLoaderError, match=rf"worker process sbpflow-data-rank0-worker0"
+    with pytest.raises(sf.errors.DataLoaderError, match=rf"worker process sbpflow-data-rank0-worker0"
                                                  rf".*sample 13 \(batch {bad_batch} of epoch 0 "
                                                  rf"on rank 0\)"):
         sf.launch(fn, 1)

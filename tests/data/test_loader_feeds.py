@@ -197,7 +197,7 @@ def test_a_called_loader_without_batches_raises_and_keeps_its_epoch():
         loader.set_epoch(5)
         epochs = []
         for _ in range(2):
-            with pytest.raises(sf.DataLoaderConfigError, match="has no batch in an epoch"):
+            with pytest.raises(sf.errors.DataLoaderConfigError, match="has no batch in an epoch"):
                 loader()
             epochs.append(loader.epoch)
         ds.n = 8

@@ -105,7 +105,7 @@ def test_a_worker_that_dies_raises_naming_it():
 
     # worker 1 may have finished batch 1 before the kill: the loader then learns of its end
     # at batch 1's read or at batch 3's grant (each names it)
-    with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker1 "
+    with pytest.raises(sf.errors.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker1 "
                                                  r"\(pid \d+\) was killed by signal 9 "
                                                  r"\(SIGKILL\) (without batch 1|before it "
                                                  r"was given batch \d+)"):
@@ -136,7 +136,7 @@ def test_a_worker_killed_while_the_consumer_waits_names_the_signal():
             it = iter(loader)
             proc = loader._pools[0].procs[0]
             threading.Timer(0.1, os.kill, (proc.pid, signal.SIGKILL)).start()
-            with pytest.raises(sf.DataLoaderError) as info:
+            with pytest.raises(sf.errors.DataLoaderError) as info:
                 next(it)
             loader.close()
             messages.append(re.sub(r"pid \d+", "pid N", str(info.value)))
@@ -296,7 +296,7 @@ def test_a_worker_error_keeps_its_cause_when_it_can(exc, cause):
         finally:
             loader.close()
 
-    with pytest.raises(sf.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker0:"
+    with pytest.raises(sf.errors.DataLoaderError, match=r"worker process sbpflow-data-rank0-worker0:"
                                                  r".*reading sample 0 .*" + type(exc).__name__
                        ) as info:
         sf.launch(fn, 1)
@@ -406,7 +406,7 @@ def test_failed_launches_leave_no_worker_processes():
     gc.disable()
     try:
         for _ in range(4):
-            with pytest.raises(sf.DataLoaderError, match="sample 2 is broken") as info:
+            with pytest.raises(sf.errors.DataLoaderError, match="sample 2 is broken") as info:
                 sf.launch(fn, 4)
             kept.append(info)
             counts.append(_new_children(before))

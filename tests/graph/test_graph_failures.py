@@ -1,6 +1,6 @@
 """Failures in graph mode on thread ranks: an op failing on the data of one rank at replay (a
 target out of range in its rows) stops every rank's call promptly, the failing rank raising the
-op's own exception noted with its rank and actor, the others `sf.ActorAborted` naming them; a
+op's own exception noted with its rank and actor, the others `sf.errors.ActorAborted` naming them; a
 rank that blocks instead of calling the graph makes the others time out (`SBPFLOW_TIMEOUT`)
 naming what waits, never hang; no runtime thread is left behind; a call after a failed one
 runs as a clean step (docs/runtime.md, 'Actors and registers')."""

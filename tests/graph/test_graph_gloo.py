@@ -61,7 +61,7 @@ def test_a_blocked_process_times_out_the_previous_stage(monkeypatch, tmp_path):
     monkeypatch.setenv("SBPFLOW_TIMEOUT", str(TIMEOUT))  # the rank processes inherit it
     try:
         sf.launch(blocked_rank, world_size=2, backend="torch", args=(True, str(tmp_path)))
-    except sf.CommTimeout as exc:   # (rank 1 arrived at a barrier whose pair gloo closed)
+    except sf.errors.CommTimeout as exc:   # (rank 1 arrived at a barrier whose pair gloo closed)
         assert re.search(r"barrier over ranks \[0, 1\] .* timed out on rank 0 after .*"
                          r"(rank\(s\) \[1\] did not arrive|every member had entered)",
                          str(exc)), exc

@@ -349,16 +349,16 @@ def test_load_errors_name_the_tensors(tmp_path):
     save_file({**sd, "transformer.extra": torch.zeros(3)}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
     fresh = hf_zoo.build("gpt2", seed=7)
-    with pytest.raises(sf.CheckpointKeyError, match=r"transformer\.wpe\.weight.*"
+    with pytest.raises(sf.errors.CheckpointKeyError, match=r"transformer\.wpe\.weight.*"
                        r"transformer\.extra") as err:
         _load_error(tmp_path, fresh)
-    assert isinstance(err.value, sf.StateDictError)
+    assert isinstance(err.value, sf.errors.StateDictError)
     (info, w), _ = _load_error(tmp_path, fresh, strict=False)
     assert info == {"missing": ["transformer.wpe.weight"], "unexpected": ["transformer.extra"]}
     assert torch.equal(w, fresh.transformer.wpe.weight)   # left as it was
     save_file({**sd, "transformer.wpe.weight": wpe[:8]}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
-    with pytest.raises(sf.CheckpointShapeError, match=r"'transformer\.wpe\.weight': \(8, 16\) "
+    with pytest.raises(sf.errors.CheckpointShapeError, match=r"'transformer\.wpe\.weight': \(8, 16\) "
                        r"in the checkpoint .*\(32, 16\) in the model"):
         _load_error(tmp_path, fresh)
     os.remove(tmp_path / "model.safetensors")

@@ -113,7 +113,7 @@ def _hooks_after_conversion() -> tuple:
                  "register_backward_hook"):
         try:
             getattr(m[1], name)(lambda *a: None)
-        except sf.UnsupportedTorchFunction as exc:
+        except sf.errors.UnsupportedTorchFunction as exc:
             refused.append("backward hooks on a module are not supported" in str(exc))
     return seen, refused
 

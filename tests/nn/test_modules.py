@@ -304,11 +304,11 @@ def test_parallel_apply_rules_and_errors():
         m = sf_mlp()
         with pytest.raises(sf.SbpError) as unmatched:
             sf.parallel.apply(m, pl, {"0.*": sf.S(0), "2.weight": sf.B})
-        with pytest.raises(sf.SplitAxisError) as bad_axis:
+        with pytest.raises(sf.errors.SplitAxisError) as bad_axis:
             sf.parallel.apply(m, pl, {"*.bias": sf.S(1), "*": sf.B})
         with pytest.raises(sf.SbpError):
             sf.parallel.apply(m, pl, {"*": "Q(0)"})
-        with pytest.raises(sf.SbpParseError) as length:  # one sbp per mesh dim of ``pl``
+        with pytest.raises(sf.errors.SbpParseError) as length:  # one sbp per mesh dim of ``pl``
             sf.parallel.apply(m, pl, {"*": (sf.S(0), sf.B)})
         # first matching pattern wins
         sf.parallel.apply(m, pl, {"0.weight": sf.S(1), "0.*": sf.S(0), "*": sf.B})

@@ -250,7 +250,7 @@ def test_normalisation_errors_name_the_problem():
         in errors["dims"][1]
     assert errors["one value"][0] is ValueError and "more than 1 value per channel" in \
         errors["one value"][1]
-    assert issubclass(errors["placement"][0], sf.PlacementMismatchError) and \
+    assert issubclass(errors["placement"][0], sf.errors.PlacementMismatchError) and \
         "to_global" in errors["placement"][1]
     assert issubclass(errors["channels"][0], sf.ShapeError) and "(3,)" in errors["channels"][1]
     assert issubclass(errors["groups"][0], sf.ShapeError) and "num_groups 2" in \

@@ -155,7 +155,7 @@ def _a_view():
     try:
         d.zero_()
         refused = ""
-    except sf.UnsupportedTorchFunction as exc:
+    except sf.errors.UnsupportedTorchFunction as exc:
         refused = str(exc)
     return before, after, refused, x.full_tensor()
 
@@ -258,7 +258,7 @@ def _small_fixes():
         try:
             fn()
             out[name] = ""
-        except sf.UnsupportedTorchFunction as exc:
+        except sf.errors.UnsupportedTorchFunction as exc:
             out[name] = str(exc)
     return out
 

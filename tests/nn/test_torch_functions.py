@@ -186,7 +186,7 @@ def test_unsupported_functions_raise_an_sbp_error_naming_them():
         assert got is not None, f"{name} ran"
         kind, text = got
         assert issubclass(kind, sf.SbpError), (name, kind, text)
-    assert issubclass(sf.UnsupportedTorchFunction, sf.SbpError)
+    assert issubclass(sf.errors.UnsupportedTorchFunction, sf.SbpError)
     assert "Tensor.data_ptr" in out["data_ptr"][1] and "shape (4, 6, 8)" in out["data_ptr"][1]
     assert "x.local" in out["data_ptr"][1]
     assert "to_global" in out["cuda"][1]

@@ -348,9 +348,9 @@ def test_in_place_on_views_of_parameters_and_refusals():
     assert same
     torch.testing.assert_close(value, want)
     assert errors[0] is RuntimeError        # torch's own error
-    assert issubclass(errors[1], sf.UnsupportedTorchFunction)
-    assert issubclass(errors[2], sf.UnsupportedTorchFunction)
-    assert issubclass(errors[3], sf.UnsupportedTorchFunction)
+    assert issubclass(errors[1], sf.errors.UnsupportedTorchFunction)
+    assert issubclass(errors[2], sf.errors.UnsupportedTorchFunction)
+    assert issubclass(errors[3], sf.errors.UnsupportedTorchFunction)
 
 
 # -- 4. user programs: a torchvision-style ResNet-18, a functional MLP ---------------------------

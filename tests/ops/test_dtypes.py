@@ -1,5 +1,5 @@
 """Mixed input dtypes: ops whose torch kernel needs one dtype (matmul, linear, conv2d, ...) raise
-`sf.DtypeMismatchError` on every rank, naming the inputs' dtypes, shapes, placements and sbps;
+`sf.errors.DtypeMismatchError` on every rank, naming the inputs' dtypes, shapes, placements and sbps;
 torch's autocast casts are honoured; ops that promote in torch promote here too."""
 
 import pytest
@@ -49,7 +49,7 @@ def test_mixed_dtypes_raise_on_every_rank_naming_the_inputs(name, ref, tensors, 
         ref(*tensors)
     results = _every_rank_raises(FNS[name], tensors, sbps)
     for kind, msg in results:
-        assert kind is sf.DtypeMismatchError, msg
+        assert kind is sf.errors.DtypeMismatchError, msg
         assert issubclass(kind, sf.SbpError) and issubclass(kind, RuntimeError)
         for t, s in zip(tensors, sbps):
             assert str(t.dtype) in msg and str(tuple(t.shape)) in msg
@@ -73,7 +73,7 @@ def test_autocast_casts_before_the_check():
             got = (x @ w).full_tensor()
             try:
                 x @ w.to(torch.float64)
-            except sf.DtypeMismatchError:
+            except sf.errors.DtypeMismatchError:
                 return got
         raise AssertionError("float32 @ float64 under autocast did not raise")
 
@@ -91,7 +91,7 @@ def test_mixed_dtypes_after_a_clean_call_with_the_same_layouts_still_raise():
         x = sf.tensor(a, mesh, (sf.S(0), sf.B))
         w = sf.tensor(a.t().contiguous(), mesh, (sf.B, sf.B))
         x @ w
-        with pytest.raises(sf.DtypeMismatchError):
+        with pytest.raises(sf.errors.DtypeMismatchError):
             x @ w.to(torch.float64)
         return True
 

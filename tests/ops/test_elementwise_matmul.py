@@ -80,12 +80,12 @@ def test_mismatched_placements_and_forced_signatures():
         b = sf.randn(4, 4, placement=sf.placement("cpu", [2, 3]), sbp=sf.B, seed=0)
         try:
             apply_op("add", a, b)
-        except sf.PlacementMismatchError as e:
+        except sf.errors.PlacementMismatchError as e:
             msg1 = str(e)
         c = sf.randn(4, 4, placement=sf.placement("cpu", [0, 1]), sbp=sf.B, seed=0)
         try:
             apply_op("exp", c, sbp=[(sf.P,)])
-        except sf.SignatureError as e:
+        except sf.errors.SignatureError as e:
             msg2 = str(e)
         y = apply_op("mul", c, c, sbp=[(sf.S(1),), None])
         try:

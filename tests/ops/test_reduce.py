@@ -110,7 +110,7 @@ def test_invalid_inputs_raise_sbp_errors():
         errors = []
         try:  # amax of a partial sum is not a valid signature
             apply_op("amax", x, 0, sbp=[(sf.P,)])
-        except sf.SignatureError as e:
+        except sf.errors.SignatureError as e:
             errors.append(str(e))
         try:
             x.sum(2)

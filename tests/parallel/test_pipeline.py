@@ -290,7 +290,7 @@ def test_a_module_called_in_two_stages_is_refused():
         stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
         m = sf.nn.from_torch(tm, stages[0])
         sf.parallel.pipeline(m, stages, split=["blocks.1"])
-        with pytest.raises(sf.ParallelizeError) as info:
+        with pytest.raises(sf.errors.ParallelizeError) as info:
             m(sf.tensor(torch.ones(2, 3, dtype=F64), stages[0], sf.B))
         return str(info.value)
 
@@ -493,7 +493,7 @@ def _empty_stage_errors():
     gpt = gpt_class(sf.nn, sf.nn.functional)(**GPT)  # a stage of only a block, no layer of it
     try:
         sf.parallel.pipeline(gpt, pl, split=["blocks.2", "blocks.2.ln1"])
-    except sf.ParallelizeError as exc:
+    except sf.errors.ParallelizeError as exc:
         out.append(str(exc))
     return out
 

@@ -79,7 +79,7 @@ def test_relayout_by_function_and_its_errors():
         sf.parallel.relayout(m, lambda n, p: (pl, sf.S(0) if n.endswith("weight") else sf.B))
         got = {n: (p.sbp, p.local.is_meta, p.is_leaf, p.requires_grad)
                for n, p in m.named_parameters()}
-        with pytest.raises(sf.SplitAxisError) as bad:
+        with pytest.raises(sf.errors.SplitAxisError) as bad:
             sf.parallel.relayout(m, lambda n, p: (pl, sf.S(1)), "mine")
         return got, str(bad.value)
 

@@ -147,28 +147,28 @@ def _fn(mb, *x):
                                                  inputs=[Input("p", repeat=0)])]}, "repeat"),
 ])
 def test_inconsistent_plans_are_refused(actors, needle):
-    with pytest.raises(sf.PlanError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(sf.errors.PlanError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         Plan(actors)
 
 
 def test_rates_that_do_not_match_are_refused_at_run():
     plan = Plan({0: [ActorSpec("p", "load", _fn, times=2),
                      ActorSpec("c", "compute", _fn, inputs=["p"])]})
-    with pytest.raises(sf.PlanError, match="'c' on rank 0 fires 3 times.*publishes 2 values"):
+    with pytest.raises(sf.errors.PlanError, match="'c' on rank 0 fires 3 times.*publishes 2 values"):
         Runtime(plan).run(3)
-    with pytest.raises(sf.PlanError, match="micro_batches must be an int >= 1"):
+    with pytest.raises(sf.errors.PlanError, match="micro_batches must be an int >= 1"):
         Runtime(plan).run(0)
 
 
 def test_a_plan_on_ranks_outside_the_world_is_refused():
     plan = Plan({0: [ActorSpec("p", "load", _fn)], 3: [ActorSpec("q", "load", _fn)]})
-    with pytest.raises(sf.PlanError, match=r"ranks \[3\], outside the world of 1"):
+    with pytest.raises(sf.errors.PlanError, match=r"ranks \[3\], outside the world of 1"):
         Runtime(plan)
 
 
 def test_wrong_number_of_outputs_fails_as_the_actor():
     plan = Plan({0: [ActorSpec("two", "compute", lambda mb: 1, outputs={"a": 1, "b": 1})]})
-    with pytest.raises(sf.PlanError, match="2 output registers") as info:
+    with pytest.raises(sf.errors.PlanError, match="2 output registers") as info:
         Runtime(plan).run(1)
     assert any("actor 'two' (compute, stage 0, micro-batch 0) on rank 0" in n
                for n in info.value.__notes__)

@@ -64,7 +64,7 @@ def test_a_failing_actor_stops_every_rank_and_the_caller_gets_it():
         other, at = log[r]
         # ActorAborted from rank 2's abort message; rarely CommAborted, when the world's abort
         # (a rank raised in launch) is seen first: both name the actor and its exception
-        assert isinstance(other, sf.CommAborted), (r, other)
+        assert isinstance(other, sf.errors.CommAborted), (r, other)
         assert "actor 'bwd2' (backward, stage 2, micro-batch 3) on rank 2 failed with Boom: " \
                "boom at micro-batch 3" in str(other)
         assert at - failed["at"] < PROMPT
@@ -91,7 +91,7 @@ def test_a_rank_inside_a_long_actor_stops_when_it_returns():
     with pytest.raises(Boom, match="load failed"):
         sf.launch(_recording(plan, 3, log), world_size=2)
     exc, at = log[1]
-    assert isinstance(exc, sf.ActorAborted) and "actor 'load' (load, stage 0, micro-batch 0)" \
+    assert isinstance(exc, sf.errors.ActorAborted) and "actor 'load' (load, stage 0, micro-batch 0)" \
         " on rank 0 failed with Boom: load failed" in str(exc)
     assert 0.3 < at - failed["at"] < PROMPT
 
@@ -115,7 +115,7 @@ def test_an_actor_stuck_in_its_function_is_left_behind_after_the_grace():
     finally:
         release.set()
     exc, _ = log[1]
-    assert isinstance(exc, sf.ActorAborted)
+    assert isinstance(exc, sf.errors.ActorAborted)
     assert any("threads ['sbpflow-rank1-compute'] still inside actor(s) ['stuck'] 0.75 s after "
                "the failure, left behind" in n for n in exc.__notes__)
 
@@ -131,7 +131,7 @@ def test_a_missing_input_times_out_naming_the_actor_and_register(monkeypatch):
         return Runtime(plan).run(2) if sf.comm.rank() == 0 else None
 
     t = time.monotonic()
-    with pytest.raises(sf.ActorTimeout) as info:
+    with pytest.raises(sf.errors.ActorTimeout) as info:
         sf.launch(body, world_size=2)
     assert 0.3 <= time.monotonic() - t < PROMPT
     msg = str(info.value)
@@ -145,7 +145,7 @@ def test_no_free_slot_times_out_naming_the_output_register():
     for it to be acked."""
     plan = Plan({0: [ActorSpec("p", "load", _sleeper(0), outputs=1),
                      ActorSpec("c", "compute", _sleeper(1.0), inputs=["p"])]})
-    with pytest.raises(sf.ActorTimeout) as info:
+    with pytest.raises(sf.errors.ActorTimeout) as info:
         Runtime(plan, timeout=0.3).run(3)
     assert "actor 'p' (load, stage 0) on rank 0 waited" in str(info.value)
     assert "for a free slot of its output register 'out' (1 slots: slot 0 (value 0) not " \
@@ -159,13 +159,13 @@ def test_missing_acks_time_out_and_abort_the_other_rank():
     plan = Plan({0: [ActorSpec("p", "load", _sleeper(0))],
                  1: [ActorSpec("c", "compute", _sleeper(1.0), inputs=[Input("p", rank=0)])]})
     bodies = [_recording(plan, 1, log, timeout=0.3), _recording(plan, 1, log, timeout=HANG)]
-    with pytest.raises(sf.ActorTimeout) as info:
+    with pytest.raises(sf.errors.ActorTimeout) as info:
         sf.launch(lambda: bodies[sf.comm.rank()](), world_size=2)
     assert "actor 'p' (load, stage 0) on rank 0 waited" in str(info.value)
     assert "for the acks of its output register 'out' (slot 0 (value 0) not acked by 'c' on " \
            "rank 1); it fired 1 of 1 times" in str(info.value)
     other = log[1][0]
-    assert isinstance(other, sf.ActorAborted) and str(other).startswith(
+    assert isinstance(other, sf.errors.ActorAborted) and str(other).startswith(
         "rank 0 failed with ActorTimeout: actor 'p' (load, stage 0) on rank 0 waited")
 
 
@@ -185,7 +185,7 @@ def test_a_rank_failing_outside_the_runtime_stops_the_others():
     with pytest.raises(Boom, match="before the run"):
         sf.launch(body, world_size=2)
     exc, at = log[0]
-    assert isinstance(exc, sf.CommAborted) and "Boom: before the run" in str(exc)
+    assert isinstance(exc, sf.errors.CommAborted) and "Boom: before the run" in str(exc)
     assert at - log["at"] < PROMPT
 
 

@@ -112,7 +112,7 @@ def test_an_inline_failure_is_the_actors_exception_and_aborts_the_other_rank():
     assert "raised by actor 'square' (compute, stage 0, micro-batch 2) on rank 1 (sbpflow " \
            "runtime)" in exc.__notes__
     other, seconds = got[0]
-    assert isinstance(other, (sf.ActorAborted, sf.CommAborted)), other
+    assert isinstance(other, (sf.errors.ActorAborted, sf.errors.CommAborted)), other
     assert "actor 'square' (compute, stage 0, micro-batch 2) on rank 1 failed with " \
            "ValueError: square failed at 2" in str(other)
     assert seconds < PROMPT

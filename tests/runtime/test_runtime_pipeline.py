@@ -94,11 +94,11 @@ def test_activation_slots_and_bad_schedules():
     assert [activation_slots("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [activation_slots("1f1b", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
     assert [activation_slots("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
-    with pytest.raises(sf.PlanError, match="unknown pipeline schedule 'zb'"):
+    with pytest.raises(sf.errors.PlanError, match="unknown pipeline schedule 'zb'"):
         activation_slots("zb", 0, 4, 8)
-    with pytest.raises(sf.PlanError, match="one forward and one backward"):
+    with pytest.raises(sf.errors.PlanError, match="one forward and one backward"):
         pipeline_plan([_sleeper(0)] * 2, [_sleeper(0)], 4)
-    with pytest.raises(sf.PlanError, match="2 distinct ranks"):
+    with pytest.raises(sf.errors.PlanError, match="2 distinct ranks"):
         pipeline_plan([_sleeper(0)] * 2, [_sleeper(0)] * 2, 4, ranks=[1, 1])
 
 

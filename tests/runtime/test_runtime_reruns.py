@@ -125,7 +125,7 @@ def test_an_actor_busy_longer_than_the_timeout_times_out():
     plan = Plan({0: [ActorSpec("p", "load", lambda mb: release.wait(HANG) and mb)]})
     t = time.monotonic()
     try:
-        with pytest.raises(sf.ActorTimeout) as info:
+        with pytest.raises(sf.errors.ActorTimeout) as info:
             Runtime(plan, timeout=0.5).run(1)
         assert time.monotonic() - t < PROMPT  # the broken runtime waits HANG s
     finally:
