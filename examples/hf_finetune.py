@@ -40,14 +40,16 @@ PIPELINE_SPLIT = {"gpt2": "transformer.h.{}", "llama": "model.layers.{}"}  # sta
 def tiny_model(kind: str, data: CharData, args) -> torch.nn.Module:
     """A float32 transformers model from its config (``--d`` wide, ``--layers`` deep) for the
     corpus' characters, the newline its end of sequence, one more id its padding (never in
-    the text); seeded."""
+    the text); seeded. No dropout (GPT-2's default 0.1 would draw other masks in each
+    layout: without it every layout gives the same losses)."""
     import transformers
     nl = data.index["\n"]
     common_ids = dict(vocab_size=data.vocab + 1, bos_token_id=nl, eos_token_id=nl,
                       pad_token_id=data.vocab)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=args.layers, n_head=args.heads, n_embd=args.d,
-                                         n_positions=args.seq + args.sample, **common_ids)
+                                         n_positions=args.seq + args.sample, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **common_ids)
     else:  # Llama: rotary positions, RMSNorm, SwiGLU, grouped-query attention (2 heads a KV head)
         config = transformers.LlamaConfig(
             num_hidden_layers=args.layers, num_attention_heads=args.heads,

@@ -2,7 +2,8 @@
 pipeline layouts (``--layout pp`` / ``pp-dp``): each graph run's losses equal the eager run's
 of the same script and seed (threads backend, 4 ranks, tiny sizes, 2-3 steps), and a pipeline
 keeps its schedule's register budget (micro-batches in flight per stage, read from the last
-step's timeline)."""
+step's timeline). examples/hf_finetune.py: every layout of both models gives plain torch's
+losses, and its export loads in transformers with the same greedy sample."""
 
 import contextlib
 import io
@@ -11,12 +12,15 @@ import runpy
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"gpt": ["--d", "16", "--heads", "2", "--seq", "8", "--batch", "8", "--sample", "0"],
         "mlp_digits": ["--hidden", "16"],
         "vgg": ["--image", "8", "--channels", "4", "4", "--batch", "12"],
-        "wide_deep": ["--vocab", "64", "--batch", "16"]}
+        "wide_deep": ["--vocab", "64", "--batch", "16"],
+        "hf_finetune": ["--d", "16", "--heads", "2", "--seq", "8", "--batch", "8", "--sample", "4",
+                        "--lr", "1e-2"]}
 
 
 @pytest.fixture
@@ -28,6 +32,8 @@ def example(monkeypatch):
     def run(script: str, argv: list):
         if script == "mlp_digits":
             pytest.importorskip("sklearn")
+        if script == "hf_finetune":
+            pytest.importorskip("transformers")
         g = runpy.run_path(str(ROOT / "examples" / f"{script}.py"))
         parse = g.get("parse") or (lambda a: g["arguments"]().parse_args(a))
         args = parse(["--steps", "2", "--no-bar"] + TINY[script] + argv)
@@ -110,3 +116,56 @@ def test_gpt_split_points(monkeypatch):
 def test_a_layout_the_rank_count_cannot_take_ends_with_its_message(example):
     with pytest.raises(SystemExit, match="layout '2d' needs an even number of ranks >= 4, not 3"):
         example("gpt", ["--layout", "2d", "-n", "3"])
+
+
+# -- examples/hf_finetune.py: a transformers model in every layout ----------------------------------
+HF_LAYOUTS = ["dp", "tp", "2d", "zero3", "pp", "auto"]
+
+
+def _torch_losses(script_globals: dict, args, steps: int) -> list:
+    """Plain torch on one device: the same model, AdamW, the corpus' windows in the order of
+    `sf.data.DataLoader`'s first epoch (``torch.randperm`` seeded with ``seed``), HF's
+    ``labels=`` loss."""
+    import copy
+    model = copy.deepcopy(args.torch_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    windows = script_globals["Windows"](args.data, args.seq)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed))
+    losses = []
+    for step in range(steps):
+        ids = torch.stack([windows[i] for i in order[step * args.batch:][:args.batch].tolist()])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_hf_finetune_every_layout_trains_as_torch(example, monkeypatch, model):
+    """3 AdamW steps in each layout (pp: 2 stages x 2 data-parallel ranks, 1F1B over 2
+    micro-batches) equal plain torch's losses at float32 tolerance (a float32 model; HF's loss
+    is float32), the loss goes down, and every layout prints a greedy sample of the prompt."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    g = runpy.run_path(str(ROOT / "examples" / "hf_finetune.py"))
+    args = g["parse"](["--steps", "3", "--model", model] + TINY["hf_finetune"])
+    want = _torch_losses(g, args, 3)
+    assert want[-1] < want[0]
+    for layout in HF_LAYOUTS:
+        extra = ["--micro-batches", "2"] if layout == "pp" else []
+        res, out = example("hf_finetune", ["--steps", "3", "--model", model, "--layout", layout]
+                           + extra)
+        assert _losses(res) == pytest.approx(want, rel=1e-5, abs=1e-5), layout
+        assert "sample: 'the " in out, (layout, out)
+
+
+def test_hf_finetune_export_loads_in_transformers(example, tmp_path):
+    """``--export DIR`` (a 2x2 layout): transformers' ``from_pretrained(DIR)`` loads the files,
+    and its greedy sample in plain torch is the one sbpflow's generate() printed."""
+    pytest.importorskip("safetensors")
+    _, out = example("hf_finetune", ["--model", "llama", "--layout", "2d", "--sample", "12",
+                                     "--export", str(tmp_path)])
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    sampled = out.split("sample: ")[1].splitlines()[0]
+    assert f"from_pretrained({str(tmp_path)!r}) loads it; its sample: {sampled}" in out
