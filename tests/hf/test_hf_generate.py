@@ -229,3 +229,34 @@ def test_incremental_decoding_with_past_key_values_gives_torch_logits(family):
         torch.testing.assert_close(g, w.detach(), rtol=1e-12, atol=1e-12)
     assert key_type is sf.GlobalTensor and key_sbp == (sf.S(0),) and key_shape[0] == 4
     assert key_shape[2] == 6   # 4 prefilled + 2 decoded positions
+
+
+def test_dict_output_with_scores_and_logits_as_torch():
+    """``return_dict_in_generate=True`` with ``output_scores`` / ``output_logits``: transformers'
+    output class, its sequences, per-step scores and logits (and beam search's sequence scores)
+    global tensors equal to torch's."""
+    model = build("gpt2")
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True,
+              output_logits=True)
+    want = {"greedy": _generate(model, PROMPT, **kw),
+            "beam": _generate(model, PROMPT, num_beams=2, **kw)}
+
+    def body():
+        pl = _flat()
+        m = sf.parallel.apply(model, pl, {"*": sf.B})
+        ids = sf.tensor(PROMPT, pl, sf.S(0))
+        outs = {"greedy": _generate(m, ids, **kw), "beam": _generate(m, ids, num_beams=2, **kw)}
+        return {n: (type(o), {k: v.full_tensor() if isinstance(v, sf.GlobalTensor) else
+                              tuple(t.full_tensor() for t in v) for k, v in o.items()
+                              if v is not None and k != "past_key_values" and k != "cache"})
+                for n, o in outs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)   # the beam buffer
+        got = sf.launch(body, world_size=WORLD)[0]
+    for name, (kind, fields) in got.items():
+        assert kind is type(want[name]) and set(fields) >= {"sequences", "scores", "logits"}
+        for key, value in fields.items():
+            ref = want[name][key]
+            for g, w in zip(value if isinstance(value, tuple) else (value,),
+                            ref if isinstance(ref, tuple) else (ref,)):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=(name, key))
