@@ -100,14 +100,16 @@ def test_megatron_tensor_parallel_llama_gives_torch_tokens():
         assert kind is sf.GlobalTensor, kind   # (its layout sbpflow's choice: S(0) today)
 
 
-def test_greedy_gathers_nothing_and_warns_nothing():
+@pytest.mark.parametrize("zero", [0, 3])
+def test_greedy_gathers_nothing_and_warns_nothing(zero):
     """Greedy decoding without a padding mask runs no replicated fallback: no "fallback" bytes
-    and no `ReplicatedFallbackWarning` (what does gather is named in the other tests)."""
+    and no `ReplicatedFallbackWarning` (what does gather is named in the other tests); also with
+    the weights sharded by ZeRO-3 (gathered layer by layer, as in training)."""
     model = build("llama")
 
     def body():
         pl = _flat()
-        m = sf.parallel.apply(model, pl, {"*": sf.B})
+        m = sf.parallel.apply(model, pl, {"*": sf.B}, zero=zero)
         sf.comm.reset_stats()
         tokens = _generate(m, sf.tensor(PROMPT, pl, sf.S(0)), do_sample=False).full_tensor()
         return tokens, sf.comm.stats()
