@@ -1,78 +1,19 @@
-"""Small helpers with no sbpflow dependencies.
-
-`generate_region` makes one region of a random logical tensor without making the rest: the
-logical tensor, flattened row-major, is cut into blocks of ``BLOCK`` elements and block ``k`` is
-drawn from its own generator seeded by ``(seed, k)``. Any region is therefore the same values
-whatever layout asks for it, and a rank holds at most its region plus one block.
-`IdentityMap` is a weak map keyed by identity (per-parameter registries).
+"""Small helpers with no sbpflow dependencies: `IdentityMap`, a weak map keyed by identity
+(per-parameter registries); `text_digest`; rebuilding a sequence of the same kind; `renamed`, a
+module ``__getattr__`` that keeps a renamed name working for one release.
+(Layout-independent random numbers are `sbpflow.random_regions`.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
+import sys
+import warnings
 import weakref
-from typing import Any, Iterator, Sequence
-
-import torch
-
-__all__ = ["BLOCK", "mix_seed", "generate_region", "row_major_strides", "IdentityMap",
-           "text_digest", "sequence_of", "rebuild_sequence"]
-
-BLOCK = 1 << 16
-_MASK = (1 << 63) - 1
+from typing import Any, Callable, Iterator
 
 
-def mix_seed(seed: int, k: int) -> int:
-    """A well-spread 63-bit seed for block ``k`` of a tensor seeded ``seed`` (splitmix64 step)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (z ^ (z >> 31)) & _MASK
-
-
-def row_major_strides(shape: Sequence[int]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= int(n)
-    return list(reversed(strides))
-
-
-def _draw(kind: str, n: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    # Low-precision floats are drawn in float32 then rounded, so all layouts agree bit for bit.
-    draw_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    if kind == "randn":
-        return torch.randn(n, generator=gen, dtype=draw_dtype).to(dtype)
-    if kind == "rand":
-        return torch.rand(n, generator=gen, dtype=draw_dtype).to(dtype)
-    raise ValueError(f"unknown random kind {kind!r}")
-
-
-def generate_region(kind: str, shape: Sequence[int], box: Sequence[tuple[int, int]], seed: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Region ``box`` (``(start, size)`` per axis) of the random tensor ``kind(shape, seed)``."""
-    region = tuple(size for _, size in box)
-    numel = math.prod(region)
-    if numel == 0:
-        return torch.empty(region, dtype=dtype)
-    total = math.prod(shape)
-    flat = torch.zeros((), dtype=torch.int64)
-    for (start, size), stride in zip(box, row_major_strides(shape)):
-        flat = flat.unsqueeze(-1) + torch.arange(start, start + size, dtype=torch.int64) * stride
-    flat = flat.reshape(-1)  # ascending: a box enumerated row-major
-    out = torch.empty(numel, dtype=dtype)
-    gen = torch.Generator()
-    first, last = int(flat[0]) // BLOCK, int(flat[-1]) // BLOCK
-    bounds = torch.searchsorted(flat, torch.arange(first, last + 2, dtype=torch.int64) * BLOCK)
-    for i, k in enumerate(range(first, last + 1)):
-        lo, hi = int(bounds[i]), int(bounds[i + 1])
-        if lo == hi:
-            continue
-        gen.manual_seed(mix_seed(seed, k))
-        values = _draw(kind, min(BLOCK, total - k * BLOCK), gen, dtype)
-        out[lo:hi] = values[flat[lo:hi] - k * BLOCK]
-    return out.reshape(region)
+__all__ = ["IdentityMap", "text_digest", "sequence_of", "rebuild_sequence", "renamed"]
 
 
 class IdentityMap:
@@ -166,3 +107,27 @@ def sequence_of(kind: type, items: Any) -> Any:
 def rebuild_sequence(value: Any, items: Any) -> Any:
     """A tuple / list of ``value``'s type holding ``items`` (`sequence_of`)."""
     return sequence_of(type(value), items)
+
+
+def renamed(module: str, old_to_new: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for names that moved: ``old_to_new`` maps an old name to
+    ``"new"`` (in ``module``) or ``"package.module:new"``. The old name gives the new one's value
+    for one release, with a DeprecationWarning the first time it is read."""
+    warned: set = set()
+
+    def __getattr__(name: str) -> Any:
+        if name not in old_to_new:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        where, _, new = old_to_new[name].rpartition(":")
+        if name not in warned:
+            warned.add(name)
+            warnings.warn(f"{module}.{name} was renamed {where or module}.{new}",
+                          DeprecationWarning, stacklevel=2)
+        if where:
+            __import__(where)
+        return getattr(sys.modules[where or module], new)
+    return __getattr__
+
+
+__getattr__ = renamed(__name__, {name: f"sbpflow.random_regions:{name}" for name in
+                                 ("BLOCK", "mix_seed", "generate_region", "row_major_strides")})

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbpflow"
 # lowest first. A module may import its own package or any lower layer; packages that share a
 # layer are peers and do not import each other (nn and optim meet through gradsync, below both).
 LAYERS = [
-    {"errors", "utils", "caches"},
+    {"errors", "utils", "random_regions", "caches"},
     {"sbp", "placement"},
     {"comm"},
     {"boxing"},

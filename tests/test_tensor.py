@@ -28,10 +28,10 @@ def test_same_seed_same_tensor_in_every_layout(maker):
 
 
 def test_creation_materialises_only_the_shard_plus_a_block(monkeypatch):
-    from sbpflow import utils
+    from sbpflow import random_regions
     drawn = []
-    real = utils._draw
-    monkeypatch.setattr(utils, "_draw", lambda kind, n, g, dt: drawn.append(n) or real(kind, n, g, dt))
+    real = random_regions._draw
+    monkeypatch.setattr(random_regions, "_draw", lambda kind, n, g, dt: drawn.append(n) or real(kind, n, g, dt))
 
     def body():
         pl = sf.placement("cpu", [0, 1, 2, 3])

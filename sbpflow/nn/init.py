@@ -21,7 +21,7 @@ from ..errors import ShapeError
 from ..placement import Placement
 from ..sbp import check_axes, holds_value, local_shape, parse_nd_sbp, shard_box
 from ..tensor import GlobalTensor, _next_seed, zeros as _zeros
-from ..utils import generate_region
+from ..random_regions import generate_region
 from .parameter import Parameter
 from .recipes import _RECIPES_LOCK, _recipe, copy_record, record
 

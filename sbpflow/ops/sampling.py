@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..utils import mix_seed
+from ..random_regions import mix_seed
 from .registry import Signature, TensorMeta, register
 
 __all__ = ["draw_rows"]

@@ -25,7 +25,7 @@ import torch
 import sbpflow as sf
 from hf_zoo import CAUSAL, build, token_ids
 from sbpflow.nn.torch_fallback import ReplicatedFallbackWarning
-from sbpflow.utils import mix_seed
+from sbpflow.random_regions import mix_seed
 
 PROMPT = token_ids(4, 5)
 NEW = 3

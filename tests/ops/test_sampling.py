@@ -7,7 +7,7 @@ with a torch generator, torch's draw on the whole value."""
 import torch
 
 import sbpflow as sf
-from sbpflow.utils import mix_seed
+from sbpflow.random_regions import mix_seed
 
 PROBS = torch.softmax(torch.randn(6, 10, dtype=torch.float64,
                                   generator=torch.Generator().manual_seed(0)), -1)

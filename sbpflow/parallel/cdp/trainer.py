@@ -20,9 +20,9 @@ from ...errors import CommAborted, PlanError, ShapeError
 from ...placement import Placement, placement as make_placement
 from ...runtime import Runtime
 from ...tensor import GlobalTensor
-from .cdp_figure import Drawn, draw_timeline
-from .cdp_plan import window_plan
-from .cdp_stats import Record, gather_records, summary
+from .schedule_figure import Drawn, draw_timeline
+from .window_plan import window_plan
+from .schedule_stats import Record, gather_records, summary
 from .cycles import check_n
 from .program import Transfer, Work, cycle_tasks, shift, version_uses, window
 from .rank_state import RankState

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .cdp_stats import Record
+from .schedule_stats import Record
 
 __all__ = ["draw_timeline", "Drawn"]
 
