@@ -19,7 +19,7 @@ from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
 from ..gradsync import replaced_by, replaced_version
-from ..nn.recorded_mean import CountedMean, scale_grads, settle_means, upstream_scale
+from ..nn.graph_count_mean import CountedMean, scale_grads, settle_means, upstream_scale
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest
@@ -272,7 +272,7 @@ class Compiled:
         """The correction the stage of a pipelined mean over micro-batches made, handed to
         this rank's stage (``got``: each of its ranks' ``(scale, held)``, from the plan's
         ``scale<``; None on that stage or without one): the gradients scaled by it, as that
-        stage scaled its own (`recorded_mean.scale_grads`)."""
+        stage scaled its own (`graph_count_mean.scale_grads`)."""
         if not got:
             return
         holders = sum(1 for _, held in got if held)

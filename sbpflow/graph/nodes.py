@@ -26,7 +26,7 @@ __all__ = ["Env", "Mode", "OpNode", "BoxNode", "DetachNode", "ThunkNode", "Guard
 class Env(NamedTuple):
     """What a replay needs besides the slots: the rank's communicator, the device type, the
     position in the default seed stream of the micro-batch's first random draw, and for means
-    over micro-batches weighted by rows (`sbpflow.nn.recorded_mean`) the micro-batch's weight,
+    over micro-batches weighted by rows (`sbpflow.nn.graph_count_mean`) the micro-batch's weight,
     the call's shared record of them and the ids of the activations the stage received."""
 
     comm: Any

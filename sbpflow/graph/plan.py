@@ -22,7 +22,7 @@ import torch
 from ..boxing import dual_step, empty_local, run_step, whole_message
 from ..comm import set_collective_stream
 from ..errors import GraphError
-from ..nn.recorded_mean import settle_means
+from ..nn.graph_count_mean import settle_means
 from ..optim.zero_graph import abandon as abandon_units
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
@@ -39,7 +39,7 @@ class Call(NamedTuple):
     ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last); ``update``
     runs the optimizers, given the ``(scale, held)`` the stage of a pipelined mean handed this
     rank (`scale_actors`; None on that stage or without one); ``upstream()`` is that stage's
-    own pair (`recorded_mean.upstream_scale`)."""
+    own pair (`graph_count_mean.upstream_scale`)."""
 
     inputs: list
     lowered: list
@@ -49,7 +49,7 @@ class Call(NamedTuple):
     update: Callable[[list | None], None] | None
     preloaded: list          # batches the data sources gave while compiling (first call)
     draw_base: int           # where the call's random draws start in the default seed stream
-    means: dict              # the call's means over micro-batches (`recorded_mean._Shares`)
+    means: dict              # the call's means over micro-batches (`graph_count_mean._Shares`)
     upstream: Callable[[], tuple] = lambda: (1.0, False)
 
 
@@ -315,7 +315,7 @@ def _end_actors(st: _Stage, micro_batches: int, update: bool, scale_from: tuple 
 
 
 def scale_actors(st: _Stage, scale_from: tuple | None) -> list[ActorSpec]:
-    """How a pipelined mean's correction (`recorded_mean.upstream_scale`) reaches the other
+    """How a pipelined mean's correction (`graph_count_mean.upstream_scale`) reaches the other
     stages before their update (``scale_from``: the mean's stage and its ranks, the holders;
     None: no correction to hand on): on each holder, ``scale`` publishes its ``(scale,
     held)`` once the last backward is done; on every other rank ``scale<`` reads them all (a

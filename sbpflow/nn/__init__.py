@@ -25,3 +25,12 @@ __all__ = ["functional", "functional_conv", "init", "Module", "Parameter", "Stat
            "from_torch"]
 __all__ += ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm", "CostlyLayoutWarning",
             "ReplicatedFallbackWarning"]
+
+
+def __getattr__(name: str):
+    """``sf.nn.pending_mean`` was renamed ``sf.nn.eager_count_mean`` (the old name for one
+    release, with a DeprecationWarning)."""
+    if name == "pending_mean":
+        import importlib
+        return importlib.import_module(f"{__name__}.pending_mean")
+    raise AttributeError(f"module 'sbpflow.nn' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
 from ..tensor import (GlobalTensor, _next_seed, apply_op, current_recorder, errors_as, fresh,
                       full, guard, lifting_plain_tensors)
-from .pending_mean import mean_over_count
+from .eager_count_mean import mean_over_count
 from .functional_norm import batch_norm, group_norm, rms_norm
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -270,7 +270,7 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     ``reduction``: "mean" (divided by the summed weights of the targets not equal to
     ``ignore_index``: their count without ``weight``), "sum" or "none" (shape of ``target``).
     A mean whose count is summed over ranks may come back as a `PendingMean`
-    (``sbpflow/nn/pending_mean.py``): a global tensor whose count's all-reduce is still in
+    (``sbpflow/nn/eager_count_mean.py``): a global tensor whose count's all-reduce is still in
     flight, so the forward does not wait for it; reading it waits, backward need not."""
     input, n_classes = _cross_entropy_inputs(input, target, weight, reduction, label_smoothing)
     c = input.ndim - 1
@@ -349,7 +349,7 @@ def _cross_entropy_inputs(input: GlobalTensor, target: GlobalTensor, weight, red
 def _check_counted_mean(weight, what: str) -> None:
     """In a graph that weights each micro-batch's mean loss by its share of the batch's rows
     (gradient accumulation), a mean over the targets kept is corrected to the whole batch's
-    count at the end (`sbpflow.nn.recorded_mean`), by scaling: class weights that learn make
+    count at the end (`sbpflow.nn.graph_count_mean`), by scaling: class weights that learn make
     the count differentiable, which scaling cannot undo, so they are refused."""
     rec = current_recorder()
     if rec is None or not rec.weighs_means or weight is None or not weight.requires_grad:

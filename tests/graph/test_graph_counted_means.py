@@ -1,6 +1,6 @@
 """A mean over the targets kept (cross_entropy / nll_loss with ignore_index or class weights)
 under gradient accumulation: each micro-batch divides by its weight times the batch's guessed
-count, and the end of the last backward corrects a wrong guess (`sbpflow.nn.recorded_mean`), so
+count, and the end of the last backward corrects a wrong guess (`sbpflow.nn.graph_count_mean`), so
 losses and weights equal one-device torch in float64, on 1 and 2 ranks, even and uneven
 micro-batches, layouts dp / tp / ZeRO-3 and pipelines (the last stage hands its correction to the
 others). Where the correction cannot be exact (the value read by other tasks, backward on a

@@ -1,4 +1,4 @@
-"""The graph's mean cross-entropy (`sbpflow.nn.recorded_mean`) keeps the leaves its backward
+"""The graph's mean cross-entropy (`sbpflow.nn.graph_count_mean`) keeps the leaves its backward
 reached from call to call while the parameters it reads stay the same tensors with the same
 ``requires_grad``: a weight unfrozen between calls, then a wrong guess (targets ignored) whose
 correction scales the gradients of the leaves, give one-device torch's losses and weights."""

@@ -1,4 +1,4 @@
-"""A graph's mean cross-entropy over a split batch (`sbpflow.nn.recorded_mean`): the replay
+"""A graph's mean cross-entropy over a split batch (`sbpflow.nn.graph_count_mean`): the replay
 guesses the count (no target ignored) instead of waiting for its all-reduce, and corrects a
 wrong guess. Against one-device torch in float64: losses and weights over calls whose targets
 are all valid (the guess holds), then partly ``ignore_index`` (corrected, guessing stops), on 4

@@ -1,5 +1,5 @@
 """A mean cross-entropy whose valid-target count is all-reduced without blocking the forward
-(sf.nn.pending_mean): losses, gradients and weights equal torch's on one device whether the
+(sf.nn.eager_count_mean): losses, gradients and weights equal torch's on one device whether the
 guessed count is right or wrong, whatever reads the loss first, with gradient accumulation,
 retained gradients and the overlapped gradient all-reduces; and the guess is used (no wait
 before backward) once the count is stable."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sbpflow as sf
-from sbpflow.nn.pending_mean import PendingMean
+from sbpflow.nn.eager_count_mean import PendingMean
 
 F64 = torch.float64
 IN, OUT, ROWS = 5, 7, 10
@@ -265,7 +265,7 @@ def test_bf16_mean_keeps_torchs_dtype_and_copies_as_a_plain_tensor():
 
 
 def test_guessing_can_be_switched_off(monkeypatch):
-    from sbpflow.nn import pending_mean
-    monkeypatch.setattr(pending_mean, "guess_counts", False)   # every rank thread sees it
+    from sbpflow.nn import eager_count_mean
+    monkeypatch.setattr(eager_count_mean, "guess_counts", False)   # every rank thread sees it
     out = _check(sf.launch(_train, world_size=2, kwargs=dict(ignored=[0] * 5)))
     assert not any(_pending_steps(out))

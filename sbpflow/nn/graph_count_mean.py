@@ -1,5 +1,5 @@
 """A graph's mean over a count summed over the ranks, with that all-reduce kept out of the
-forward's way (the graph form of `sbpflow.nn.pending_mean`).
+forward's way (the graph form of `sbpflow.nn.eager_count_mean`).
 
 The recorded task starts the count's all-reduce and divides by a guess: the count with nothing
 ignored (a target's element count) or else the traced count. Backward runs at once with the
