@@ -8,8 +8,9 @@ global tensor among its arguments runs the Function as an op: its ``forward`` on
 tensors (their shards' kernels recorded by nothing), its ``backward`` on global gradients when
 torch's backward reaches it, through a bridge Function over the local shards. Each output's
 gradient arrives in the dual of its layout; each input's gradient is boxed to the dual of the
-input's. Calls without global tensors run torch's own ``apply``. Refused in a graph's build
-(the replay would not call ``backward``). See docs/torch_models.md, 'What runs'.
+input's. Calls without global tensors run torch's own ``apply``; torch's reentrant checkpoint
+runs as its non-reentrant one (the same gradients). Refused in a graph's build (the replay
+would not call ``backward``). See docs/torch_models.md, 'What runs'.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 from torch.autograd.function import _is_setup_context_defined
 
 from ..sbp import dual_nd
@@ -128,6 +130,10 @@ def apply_on_global(cls, args: tuple, kwargs: dict):
     """``cls.apply(*args, **kwargs)`` for a custom Function with global tensors among ``args``:
     its forward and backward on the global tensors (module docstring); the results as its
     forward returned them, the global tensors tied to its backward."""
+    if cls is _checkpoint.CheckpointFunction:   # checkpoint(use_reentrant=True): its backward
+        run, preserve, *rest = args              # keeps plain tensors only; same gradients
+        return _checkpoint.checkpoint(run, *rest, use_reentrant=False,
+                                      preserve_rng_state=preserve)
     if recording():
         raise UnsupportedTorchFunction(
             f"the custom torch.autograd.Function {cls.__name__} cannot be part of a graph on "

@@ -280,3 +280,19 @@ def test_bloom_with_its_custom_autograd_gelu_trains_as_torch():
     ids = token_ids()
     got = sf.launch(_sf_train, world_size=WORLD, args=(model, ids, 3, "sgd"))[0]
     _check("bloom", got, _torch_train(model, ids, "sgd"), 3)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
+def test_llama_with_gradient_checkpointing_trains_as_torch(reentrant):
+    """``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable`` before
+    transformers 5; its default: torch's non-reentrant checkpoint; and ``use_reentrant=True``),
+    data parallel: 2 SGD steps equal torch's."""
+    model, ids = build("llama"), token_ids()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    model.train()                                   # (checkpointing runs in training mode only)
+    got = sf.launch(_sf_train, world_size=WORLD, args=(model, ids, 0, "sgd"))[0]
+    losses, sd, _ = _torch_train(model, ids, "sgd")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses),
+                               **_loss_tol("llama"))
+    for k, v in sd.items():
+        torch.testing.assert_close(got["sd"][k], v, **W_TOL, msg=lambda m: f"{k}: {m}")

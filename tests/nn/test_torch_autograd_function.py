@@ -128,3 +128,32 @@ def test_a_custom_function_in_a_graph_build_is_refused():
         with pytest.raises(sf.SbpError, match="StraightThrough cannot be part of a graph"):
             Step()(sf.tensor(X, pl, S0))
     sf.launch(body, world_size=2)
+
+
+def test_reentrant_checkpoint_of_global_tensors_as_torch():
+    """``torch.utils.checkpoint(..., use_reentrant=True)`` (a custom Function whose backward
+    keeps plain tensors only) runs as the non-reentrant one: torch's values and gradients, the
+    weight used inside included."""
+    w0 = torch.randn(6, 6, generator=G, dtype=F64)
+
+    def block(x, w):
+        return torch.tanh(x @ w) * x
+
+    def run(x, w):
+        return torch.utils.checkpoint.checkpoint(block, x, w, use_reentrant=True).sum()
+
+    x, w = X.clone().requires_grad_(), w0.clone().requires_grad_()
+    run(x, w).backward()
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        gx = sf.tensor(X, pl, S0).requires_grad_()
+        gw = sf.tensor(w0, pl, B).requires_grad_()
+        out = run(gx, gw)
+        out.backward()
+        return out.item(), gx.grad.full_tensor(), gw.grad.full_tensor()
+
+    out, gx, gw = sf.launch(body, world_size=4)[0]
+    torch.testing.assert_close(torch.tensor(out, dtype=F64), block(X, w0).sum())
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
