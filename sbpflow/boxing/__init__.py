@@ -13,11 +13,13 @@ from typing import Iterator
 import torch
 
 from ..comm import Communicator, current
+from ..utils import renamed
 from .executor import apply_step, empty_local, identity_value, run_step, whole_message
 from .planner import BoxingPlan, plan, plan_layouts
-from .steps import Step, dual_step
+from .steps import BoxingStep, dual_step
 
-__all__ = ["BoxingPlan", "Step", "plan", "plan_layouts", "run_plan", "run_step", "apply_step",
+__all__ = ["BoxingPlan", "BoxingStep", "plan", "plan_layouts", "run_plan", "run_step",
+           "apply_step",
            "dual_step", "empty_local", "identity_value", "record_steps", "whole_message"]
 
 
@@ -49,3 +51,6 @@ def record_steps() -> Iterator[list]:
         yield steps
     finally:
         state["boxing_trace"] = previous
+
+
+__getattr__ = renamed(__name__, {"Step": "BoxingStep"})  # sf.boxing.Step, one release

@@ -11,7 +11,7 @@ from ..caches import BoundedDict
 from ..comm import Communicator
 from ..sbp import Partial, Split, holds_value, shard_box
 from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
-from .steps import Step, dual_step, member_boxes
+from .steps import BoxingStep, dual_step, member_boxes
 
 __all__ = ["run_step", "apply_step", "identity_value", "empty_local", "whole_message"]
 
@@ -48,7 +48,8 @@ def _holder_and_op(dst: tuple, src: tuple, coord: tuple, dims) -> tuple[bool, st
 
 
 # -- one function per kind; each returns this rank's new local shard ------------------------
-def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+def _local(step: BoxingStep, x: torch.Tensor, comm: Communicator,
+           coord: tuple) -> torch.Tensor:
     pl = step.src_placement
     sbox = shard_box(step.shape, pl.shape, step.src_sbp, coord)
     dbox = shard_box(step.shape, pl.shape, step.dst_sbp, coord)
@@ -64,7 +65,7 @@ def _local(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> tor
     return out
 
 
-def _group_boxes(step: Step, coord: tuple):
+def _group_boxes(step: BoxingStep, coord: tuple):
     pl = step.src_placement
     group = pl.group(step.dims, coord)
     src = member_boxes(step.shape, pl, step.src_sbp)
@@ -72,7 +73,8 @@ def _group_boxes(step: Step, coord: tuple):
     return group, src, dst
 
 
-def _all_gather(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+def _all_gather(step: BoxingStep, x: torch.Tensor, comm: Communicator,
+                coord: tuple) -> torch.Tensor:
     group, src, dst = _group_boxes(step, coord)
     mine = dst[comm.rank]
 
@@ -85,7 +87,8 @@ def _all_gather(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -
     return comm.all_gather(x.contiguous(), group, [box_shape(src[r]) for r in group], assemble)
 
 
-def _all_to_all(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+def _all_to_all(step: BoxingStep, x: torch.Tensor, comm: Communicator,
+                coord: tuple) -> torch.Tensor:
     group, src, dst = _group_boxes(step, coord)
     me_src, me_dst = src[comm.rank], dst[comm.rank]
     pieces = [x[relative(intersect(me_src, dst[r]), me_src)].contiguous() for r in group]
@@ -100,14 +103,16 @@ def _all_to_all(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -
     return comm.all_to_all(pieces, group, [box_shape(b) for b in incoming], assemble)
 
 
-def _reduce_scatter(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+def _reduce_scatter(step: BoxingStep, x: torch.Tensor, comm: Communicator,
+                    coord: tuple) -> torch.Tensor:
     group, src, dst = _group_boxes(step, coord)
     me_src = src[comm.rank]
     pieces = [x[relative(dst[r], me_src)].contiguous() for r in group]
     return comm.reduce_scatter(pieces, group, step.op)
 
 
-def _all_reduce(step: Step, x: torch.Tensor, comm: Communicator, coord: tuple) -> torch.Tensor:
+def _all_reduce(step: BoxingStep, x: torch.Tensor, comm: Communicator,
+                coord: tuple) -> torch.Tensor:
     group = step.src_placement.group(step.dims, coord)
     return comm.all_reduce(x.contiguous(), group, step.op)
 
@@ -134,7 +139,7 @@ class _Routes(NamedTuple):
     whole: bool
 
 
-def _routes_of(step: Step, me: int) -> _Routes:
+def _routes_of(step: BoxingStep, me: int) -> _Routes:
     sbox = member_boxes(step.shape, step.src_placement, step.src_sbp).get(me)
     dbox = (member_boxes(step.shape, step.dst_placement, step.dst_sbp)[me]
             if me in step.dst_placement else None)
@@ -161,7 +166,7 @@ def _routes_of(step: Step, me: int) -> _Routes:
 _ROUTES = BoundedDict("boxing.transfer_routes", 1 << 14)
 
 
-def _routes(step: Step, me: int) -> _Routes:
+def _routes(step: BoxingStep, me: int) -> _Routes:
     entry = _ROUTES.get((id(step), me))
     if entry is not None and entry[0] is step:
         return entry[1]
@@ -170,7 +175,7 @@ def _routes(step: Step, me: int) -> _Routes:
     return routes
 
 
-def whole_message(step: Step, rank: int) -> tuple | None:
+def whole_message(step: BoxingStep, rank: int) -> tuple | None:
     """``rank``'s part of ``step`` when it is one message of a whole shard and nothing else:
     ``("send", dst)``, or ``("recv", src, shape)`` (``shape`` the received shard's, which is
     the rank's result); None for any other part or kind of step. A stage-to-stage activation
@@ -188,7 +193,7 @@ def whole_message(step: Step, rank: int) -> tuple | None:
     return None
 
 
-def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def _transfer(step: BoxingStep, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's part of a transfer between placements: its pieces sent, the others'
     received, in one batched exchange (a stage-to-stage activation: one message, sent and
     received whole)."""
@@ -217,7 +222,7 @@ def _transfer(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return out
 
 
-def run_step(step: Step, x: torch.Tensor, comm: Communicator,
+def run_step(step: BoxingStep, x: torch.Tensor, comm: Communicator,
              phase: str = "forward") -> torch.Tensor:
     """This rank's local shard after ``step`` (ranks outside the step pass ``x`` through)."""
     trace = comm.state.get("boxing_trace")
@@ -235,7 +240,7 @@ def run_step(step: Step, x: torch.Tensor, comm: Communicator,
 
 class _StepFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, step: Step, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, step: BoxingStep, comm: Communicator) -> torch.Tensor:
         ctx.step, ctx.comm = step, comm
         out = run_step(step, x, comm)
         return out.view_as(out) if out is x else out
@@ -245,7 +250,7 @@ class _StepFunction(torch.autograd.Function):
         return run_step(dual_step(ctx.step), grad.contiguous(), ctx.comm, "backward"), None, None
 
 
-def apply_step(step: Step, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def apply_step(step: BoxingStep, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """``run_step`` recorded by autograd when ``x`` requires grad and the step has a gradient
     (steps into or out of ``P(max)``/``P(min)`` are forward-only: their output is detached)."""
     if x.requires_grad and step.differentiable and torch.is_grad_enabled():

@@ -30,7 +30,7 @@ from ..placement import Placement
 from ..sbp import (B, Broadcast, Partial, Split, check_axes, format_nd_sbp, holds_value,
                    parse_nd_sbp)
 from .boxes import box_numel, intersect
-from .steps import Step, _with_bytes, is_valid_move, make_step, member_boxes
+from .steps import BoxingStep, _with_bytes, is_valid_move, make_step, member_boxes
 
 __all__ = ["BoxingPlan", "plan", "plan_layouts"]
 
@@ -38,7 +38,7 @@ __all__ = ["BoxingPlan", "plan", "plan_layouts"]
 @dataclass(frozen=True)
 class BoxingPlan:
     """The steps that turn layout ``src`` into ``dst`` and the bytes they move (summed over
-    ranks). A layout is a ``(placement, nd-sbp)`` pair, as `plan` takes it (a `Step` names its
+    ranks). A layout is a ``(placement, nd-sbp)`` pair, as `plan` takes it (a `BoxingStep` names its
     halves: ``src_placement``, ``src_sbp``)."""
 
     shape: tuple
@@ -132,7 +132,7 @@ def _plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
     return BoxingPlan(shape, dtype, (spl, ssbp), (dpl, dsbp), tuple(best))
 
 
-def _path_cost(steps: Sequence[Step]) -> tuple[int, int, int]:
+def _path_cost(steps: Sequence[BoxingStep]) -> tuple[int, int, int]:
     return (sum(s.nbytes for s in steps), int(any(s.kind == "transfer" for s in steps)), len(steps))
 
 
@@ -181,7 +181,7 @@ def _neighbours(state: tuple, axes: list[int], ops: list[str]):
 def _edges(shape: tuple, itemsize: int, pl: Placement, state: tuple, axes: tuple,
            ops: tuple) -> tuple:
     """The valid single steps out of ``state``: ``((new_state, step), ...)``."""
-    out: dict[tuple, Step] = {}
+    out: dict[tuple, BoxingStep] = {}
     for new, dims in _neighbours(state, axes, ops):
         if new == state or not is_valid_move(state, new, dims):
             continue
@@ -193,7 +193,7 @@ def _edges(shape: tuple, itemsize: int, pl: Placement, state: tuple, axes: tuple
 
 
 def _shortest_path(shape: tuple, itemsize: int, pl: Placement, ssbp: tuple,
-                   dsbp: tuple) -> list[Step] | None:
+                   dsbp: tuple) -> list[BoxingStep] | None:
     if ssbp == dsbp:
         return []
     axes, ops = _sbp_choices(len(shape), ssbp, dsbp)
@@ -230,7 +230,7 @@ def _reduced_sources(ndim: int, ssbp: tuple, dsbp: tuple) -> list[tuple]:
 
 
 def _via_transfer(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl: Placement,
-                  dsbp: tuple) -> list[list[Step]]:
+                  dsbp: tuple) -> list[list[BoxingStep]]:
     out = []
     for mid in _reduced_sources(len(shape), ssbp, dsbp):
         pre = _shortest_path(shape, itemsize, spl, ssbp, mid) if mid != ssbp else []
@@ -244,7 +244,7 @@ def _via_transfer(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl:
 
 
 def _transfer_step(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl: Placement,
-                   dsbp: tuple) -> Step:
+                   dsbp: tuple) -> BoxingStep:
     """Routes from a partial-free source: each destination region from one holder, preferring
     the destination rank itself, else the least-loaded holder."""
     holders: dict[tuple, list[int]] = {}
@@ -268,5 +268,5 @@ def _transfer_step(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl
             if src != r:
                 load[src] += box_numel(inter)
             routes.append((src, r, inter))
-    step = Step("transfer", shape, spl, ssbp, dpl, dsbp, (), "sum", tuple(routes), itemsize)
+    step = BoxingStep("transfer", shape, spl, ssbp, dpl, dsbp, (), "sum", tuple(routes), itemsize)
     return _with_bytes(step)

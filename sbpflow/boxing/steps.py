@@ -16,14 +16,14 @@ from ..placement import Placement
 from ..sbp import Broadcast, Partial, Sbp, Split, dual_nd, format_nd_sbp, shard_box
 from .boxes import Box, box_numel, intersect
 
-__all__ = ["Step", "classify", "is_valid_move", "step_bytes", "dual_step", "member_boxes",
+__all__ = ["BoxingStep", "classify", "is_valid_move", "step_bytes", "dual_step", "member_boxes",
            "member_traffic", "placement_groups", "is_local_change", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = BOXING_KINDS  # the kinds a same-placement step may be (`sbpflow.comm.kinds`)
 
 
 @dataclass(frozen=True)
-class Step:
+class BoxingStep:
     """One boxing step: ``kind`` turns a tensor of ``shape`` from ``src_sbp`` (an nd-sbp) on
     ``src_placement`` to ``dst_sbp`` on ``dst_placement`` (the same placement unless a
     transfer). ``nbytes`` is the total moved, summed over ranks."""
@@ -129,7 +129,7 @@ def placement_groups(placement: Placement, dims: tuple) -> tuple[tuple[int, ...]
     return tuple(out)
 
 
-def member_traffic(step: Step, group: Sequence[int]) -> list[Traffic]:
+def member_traffic(step: BoxingStep, group: Sequence[int]) -> list[Traffic]:
     """Elements each member of ``group`` sends and receives in the same-placement collective
     ``step``: the kind's rule of `sbpflow.comm.kinds` applied to the members' boxes, exactly
     what the Communicator counts when the step runs (uneven shards included)."""
@@ -152,7 +152,7 @@ def member_traffic(step: Step, group: Sequence[int]) -> list[Traffic]:
                       f"one of {COLLECTIVE_KINDS}")
 
 
-def step_bytes(step: Step) -> int:
+def step_bytes(step: BoxingStep) -> int:
     """Bytes the step moves, summed over ranks (exact, uneven shards included)."""
     if step.kind == "transfer":
         return step.itemsize * sum(box_numel(b) for s, d, b in step.routes if s != d)
@@ -165,23 +165,23 @@ def step_bytes(step: Step) -> int:
 
 @memoize(1 << 16)
 def make_step(shape: tuple, placement: Placement, src: tuple, dst: tuple, dims: tuple,
-              itemsize: int) -> Step:
+              itemsize: int) -> BoxingStep:
     kind, op = classify(src, dst, dims)
-    step = Step(kind, shape, placement, src, placement, dst, dims, op, (), itemsize)
+    step = BoxingStep(kind, shape, placement, src, placement, dst, dims, op, (), itemsize)
     return _with_bytes(step)
 
 
-def _with_bytes(step: Step) -> Step:
+def _with_bytes(step: BoxingStep) -> BoxingStep:
     object.__setattr__(step, "nbytes", step_bytes(step))
     return step
 
 
 @memoize(4096)
-def dual_step(step: Step) -> Step:
+def dual_step(step: BoxingStep) -> BoxingStep:
     """The step backward runs: ``dual(dst) -> dual(src)`` (transfers: routes transposed)."""
     src, dst = dual_nd(step.dst_sbp), dual_nd(step.src_sbp)
     if step.kind == "transfer":
         routes = tuple((d, s, b) for s, d, b in step.routes)
-        return _with_bytes(Step("transfer", step.shape, step.dst_placement, src,
+        return _with_bytes(BoxingStep("transfer", step.shape, step.dst_placement, src,
                                 step.src_placement, dst, (), "sum", routes, step.itemsize))
     return make_step(step.shape, step.src_placement, src, dst, step.dims, step.itemsize)

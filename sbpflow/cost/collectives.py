@@ -19,7 +19,7 @@ from typing import Iterable
 
 from ..boxing.boxes import box_numel, box_shape
 from ..boxing.planner import BoxingPlan
-from ..boxing.steps import Step, member_boxes, member_traffic, placement_groups
+from ..boxing.steps import BoxingStep, member_boxes, member_traffic, placement_groups
 from ..caches import memoize
 from ..comm.kinds import BOXING_KINDS
 from ..sbp import Split
@@ -32,20 +32,20 @@ __all__ = ["KINDS", "ALGORITHMS", "collective_time", "latency_messages", "volume
 
 
 # -- boxing steps and plans -----------------------------------------------------------------------
-def step_groups(step: Step) -> list[tuple[int, ...]]:
+def step_groups(step: BoxingStep) -> list[tuple[int, ...]]:
     """The disjoint groups of ranks a same-placement step runs its collective in (along
     ``step.dims``), in mesh order."""
     return list(placement_groups(step.src_placement, step.dims))
 
 
-def _member_bytes(step: Step, g: tuple[int, ...]) -> int:
+def _member_bytes(step: BoxingStep, g: tuple[int, ...]) -> int:
     """Elements the busiest member of ``g`` sends or receives (the Communicator's accounting)."""
     if step.kind not in BOXING_KINDS:
         raise CostError(f"no time model for boxing step kind {step.kind!r}")
     return max(max(t) for t in member_traffic(step, g))
 
 
-def _transfer_time(step: Step, cluster: Cluster) -> float:
+def _transfer_time(step: BoxingStep, cluster: Cluster) -> float:
     busy: dict[tuple[str, int], float] = {}
     received: dict[int, int] = {}
     overhead = 0.0
@@ -72,7 +72,7 @@ def strided(local_shape: Iterable[int], axis: int) -> bool:
     return math.prod(tuple(local_shape)[:axis]) > 1
 
 
-def _copy_bytes(step: Step, r: int) -> int:
+def _copy_bytes(step: BoxingStep, r: int) -> int:
     """Bytes rank ``r`` copies through strided views: the input of a reduce-scatter or
     all-to-all cut along a non-leading axis of the local shard, the output of an all-gather or
     all-to-all assembled along one (0 when every piece is a contiguous block)."""
@@ -91,11 +91,11 @@ def _copy_bytes(step: Step, r: int) -> int:
 
 
 @memoize(1 << 16)
-def _step_time(step: Step, cluster: Cluster) -> float:
+def _step_time(step: BoxingStep, cluster: Cluster) -> float:
     return cluster.step_overhead + _comm_time(step, cluster)
 
 
-def _comm_time(step: Step, cluster: Cluster) -> float:
+def _comm_time(step: BoxingStep, cluster: Cluster) -> float:
     if step.kind == "local":
         return 0.0
     if step.kind == "transfer":
@@ -120,8 +120,8 @@ def _comm_time(step: Step, cluster: Cluster) -> float:
     return worst
 
 
-def step_time(step: Step, cluster: Cluster) -> float:
-    """Seconds one boxing `Step` takes on ``cluster``: ``cluster.step_overhead`` (0 unless
+def step_time(step: BoxingStep, cluster: Cluster) -> float:
+    """Seconds one `BoxingStep` takes on ``cluster``: ``cluster.step_overhead`` (0 unless
     calibrated) plus
 
     * ``local``: 0.
@@ -140,14 +140,14 @@ def step_time(step: Step, cluster: Cluster) -> float:
 
     Raises `CostError` if a rank of the step is outside the cluster.
     """
-    if not isinstance(step, Step):
-        raise CostError(f"step_time needs a boxing Step, got {type(step).__name__}")
+    if not isinstance(step, BoxingStep):
+        raise CostError(f"step_time needs a BoxingStep, got {type(step).__name__}")
     if not isinstance(cluster, Cluster):
         raise CostError(f"step_time needs a Cluster, got {type(cluster).__name__}")
     return _step_time(step, cluster)
 
 
-def plan_time(plan: BoxingPlan | Iterable[Step], cluster: Cluster) -> float:
+def plan_time(plan: BoxingPlan | Iterable[BoxingStep], cluster: Cluster) -> float:
     """Seconds a boxing plan takes: the sum of its steps' `step_time` (steps run one after
     another). Accepts a `BoxingPlan` or any iterable of steps."""
     steps = plan.steps if isinstance(plan, BoxingPlan) else plan

@@ -12,21 +12,21 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..boxing import Step
+from ..boxing import BoxingStep
 from ..errors import GraphError
 from ..optim.zero_graph import link as link_units
 from ..placement import Placement
 from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
 from .recorder import Meta, Tape
 
-__all__ = ["Transfer", "Lowered", "stages_of", "lower"]
+__all__ = ["StageTransfer", "Lowered", "stages_of", "lower"]
 
 
-class Transfer(NamedTuple):
+class StageTransfer(NamedTuple):
     """A value moving from stage ``src_stage`` (slot ``src``) to ``dst_stage`` (slot ``out``);
     ``grad``: its gradient goes back (the dual step) in backward."""
 
-    step: Step
+    step: BoxingStep
     src: int
     out: int
     src_stage: int
@@ -49,11 +49,11 @@ class Lowered(NamedTuple):
     backwards: dict
     nslots: int
 
-    def into(self, stage: int, src: int | None = None) -> list[Transfer]:
+    def into(self, stage: int, src: int | None = None) -> list[StageTransfer]:
         return [t for t in self.transfers
                 if t.dst_stage == stage and (src is None or t.src_stage == src)]
 
-    def out_of(self, stage: int, dst: int | None = None) -> list[Transfer]:
+    def out_of(self, stage: int, dst: int | None = None) -> list[StageTransfer]:
         return [t for t in self.transfers
                 if t.src_stage == stage and (dst is None or t.dst_stage == dst)]
 
@@ -139,7 +139,7 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
 
     forward: dict[int, list] = {i: [] for i in range(len(stages))}
     sources: dict[int, list] = {i: [] for i in range(len(stages))}
-    transfers: list[Transfer] = []
+    transfers: list[StageTransfer] = []
     nslots = tape.nslots
     for node in live_nodes(tape):
         if isinstance(node, SourceNode):
@@ -243,5 +243,5 @@ def _cut(node: BoxNode, tape: Tape, stage, forward: dict, transfers: list, nslot
     if i + 1 < len(node.steps):
         out, nslots = nslots, nslots + 1
         forward[b].append(node._replace(steps=node.steps[i + 1:], src=out))
-    transfers.append(Transfer(node.steps[i], src, out, a, b, meta, meta.grad))
+    transfers.append(StageTransfer(node.steps[i], src, out, a, b, meta, meta.grad))
     return nslots

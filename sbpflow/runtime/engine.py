@@ -93,7 +93,7 @@ _STATES_LOCK = threading.Lock()
 
 
 # threads backend: each world's (rank, channel) -> (router, comm state, communicator), so that
-# a req or ack is handed to the receiving run by the sender's thread (`_Step._post`); read and
+# a req or ack is handed to the receiving run by the sender's thread (`_PlanRun._post`); read and
 # written under _STATES_LOCK
 _DIRECT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -154,7 +154,7 @@ class Runtime:
             _register(self)
         self.runs = 0  # the id of the last run started: messages carry it, so a late one is
         # never misread (counted per communicator and channel, not per Runtime)
-        self._step: _Step | None = None
+        self._run: _PlanRun | None = None
         self.workers = Workers()  # the queues' threads, kept from run to run
         # whether this rank runs its actors on the calling thread (`Plan.runs_inline`), and
         # the plan that answer is for
@@ -187,9 +187,9 @@ class Runtime:
             self._inline_of = self.plan
             self.inline = self.comm.interruptible and self.plan.runs_inline(self.rank)
         self.runs = self.shared.next_run(self.channel)
-        self._step = _Step(self, micro_batches)
+        self._run = _PlanRun(self, micro_batches)
         try:
-            return self._step.execute_inline() if self.inline else self._step.execute()
+            return self._run.execute_inline() if self.inline else self._run.execute()
         except BaseException:
             with self.shared.lock:
                 self.shared.failures += 1
@@ -212,14 +212,14 @@ class Runtime:
     def timeline(self) -> list[dict]:
         """This rank's firings of the last run: ``{"rank", "actor", "kind", "stage",
         "micro_batch", "start", "end"}`` (``time.perf_counter`` seconds)."""
-        return list(self._step.events) if self._step else []
+        return list(self._run.events) if self._run else []
 
     def counters(self) -> dict[str, int]:
         """How many times each actor of this rank has fired in the current (or last) run."""
-        return {a.name: a.fired for a in self._step.actors.values()} if self._step else {}
+        return {a.name: a.fired for a in self._run.actors.values()} if self._run else {}
 
 
-class _Step:
+class _PlanRun:
     """One run on one rank: the actors' state, the threads, the failure."""
 
     def __init__(self, rt: Runtime, micro_batches: int) -> None:

@@ -15,15 +15,16 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple
 
 from ...errors import PlanError
+from ...utils import renamed
 
-__all__ = ["TIMELINES", "Op", "offset", "step_of", "op_at", "ops", "table", "update_step",
+__all__ = ["TIMELINES", "StageOp", "offset", "step_of", "op_at", "ops", "table", "update_step",
            "live_profile", "live_activations", "chunks_per_step", "stage_concurrency",
            "check_n"]
 
 TIMELINES = ("dp", "cdp")
 
 
-class Op(NamedTuple):
+class StageOp(NamedTuple):
     """One stage op of one worker: ``kind`` "F" or "B", at time step ``step``."""
 
     kind: str
@@ -59,21 +60,21 @@ def step_of(timeline: str, n: int, kind: str, worker: int, stage: int, cycle: in
     return offset(timeline, worker) + 2 * n * cycle + phase
 
 
-def op_at(timeline: str, n: int, worker: int, step: int) -> Op | None:
+def op_at(timeline: str, n: int, worker: int, step: int) -> StageOp | None:
     """The op ``worker`` runs at ``step`` (None before its first cycle starts)."""
     p = step - offset(timeline, worker)
     if p < 0:
         return None
     cycle, phase = divmod(p, 2 * n)
     if phase < n:
-        return Op("F", worker, phase, cycle, step)
-    return Op("B", worker, 2 * n - 1 - phase, cycle, step)
+        return StageOp("F", worker, phase, cycle, step)
+    return StageOp("B", worker, 2 * n - 1 - phase, cycle, step)
 
 
-def ops(timeline: str, n: int, cycles: int) -> list[Op]:
+def ops(timeline: str, n: int, cycles: int) -> list[StageOp]:
     """Every op of cycles ``0 .. cycles-1``, by step then worker."""
     check_n(n)
-    out = [Op(kind, i, j, c, step_of(timeline, n, kind, i, j, c))
+    out = [StageOp(kind, i, j, c, step_of(timeline, n, kind, i, j, c))
            for c in range(cycles) for i in range(n) for j in range(n) for kind in "FB"]
     return sorted(out, key=lambda o: (o.step, o.worker))
 
@@ -130,3 +131,6 @@ def stage_concurrency(timeline: str, n: int) -> list[int]:
     devices for the stage."""
     check_n(n)
     return [n if timeline == "dp" else n - j for j in range(n)]
+
+
+__getattr__ = renamed(__name__, {"Op": "StageOp"})  # one release

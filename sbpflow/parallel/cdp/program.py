@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+from ...utils import renamed
+
 from .cycles import step_of, update_step
 from .roles import Roles
 from .rules import timeline_of, version
 
-__all__ = ["Work", "Transfer", "cycle_tasks", "window", "shift", "version_uses",
+__all__ = ["Work", "PeerTransfer", "cycle_tasks", "window", "shift", "version_uses",
            "refetched", "relay_reads"]
 
 
@@ -51,7 +53,7 @@ class Work(NamedTuple):
         return f"{self.kind}{self.stage}{who}c{self.cycle}"
 
 
-class Transfer(NamedTuple):
+class PeerTransfer(NamedTuple):
     """Value ``payload`` sent from ``src`` to ``dst`` (a send actor on ``src``, a receive
     actor on ``dst``, run in ``key`` order per pair)."""
 
@@ -103,7 +105,7 @@ def _ops(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Work]:
     return out
 
 
-def _moves(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Transfer]:
+def _moves(c: int, base: int, n: int, rule: str, roles: Roles) -> list[PeerTransfer]:
     """The activations, their gradients and the gradient sums that cross ranks."""
     tl, out = timeline_of(rule), []
     for i in range(n):
@@ -112,18 +114,18 @@ def _moves(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Transfer]
             kf = base + step_of(tl, n, "F", i, j, 0)
             kb = base + step_of(tl, n, "B", i, j, 0)
             if j < n - 1 and roles.rank_of(i, j + 1, c) != r:
-                out.append(Transfer(("act", i, c, j), r, roles.rank_of(i, j + 1, c), c, kf,
+                out.append(PeerTransfer(("act", i, c, j), r, roles.rank_of(i, j + 1, c), c, kf,
                                     (kf, 2, i, j, 0)))
             if j and roles.rank_of(i, j - 1, c) != r:
-                out.append(Transfer(("gact", i, c, j), r, roles.rank_of(i, j - 1, c), c, kb,
+                out.append(PeerTransfer(("gact", i, c, j), r, roles.rank_of(i, j - 1, c), c, kb,
                                     (kb, 2, i, j, 1)))
             nxt = roles.rank_of(i + 1, j, c) if i < n - 1 else roles.owner(j)
             if nxt != r:
-                out.append(Transfer(("gsum", i, c, j), r, nxt, c, kb, (kb, 4, j, i, 1)))
+                out.append(PeerTransfer(("gsum", i, c, j), r, nxt, c, kb, (kb, 4, j, i, 1)))
     return out
 
 
-def _distribution(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Transfer]:
+def _distribution(c: int, base: int, n: int, rule: str, roles: Roles) -> list[PeerTransfer]:
     """Each new version relayed from the owner to the stage's other holders, the one that
     needs it first first (v2's fresh consumers; the spec's N -> N-j+1 -> ... order)."""
     tl, out = timeline_of(rule), []
@@ -140,13 +142,13 @@ def _distribution(c: int, base: int, n: int, rule: str, roles: Roles) -> list[Tr
         order = sorted((k, r) for r, k in first.items() if r != owner)
         src = owner
         for h, (_, r) in enumerate(order):
-            out.append(Transfer(("param", j, v), src, r, c, ku, (ku, 4, j, n, 1 + h)))
+            out.append(PeerTransfer(("param", j, v), src, r, c, ku, (ku, 4, j, n, 1 + h)))
             src = r
     return out
 
 
 def _relays(c: int, base: int, n: int, rule: str, roles: Roles, kind: str
-            ) -> list[Transfer]:
+            ) -> list[PeerTransfer]:
     """ZeRO: each worker gets the stage's version it uses for its ``kind`` op (F, or B when
     it `refetched` it) from the previous worker that used the same version (after that
     worker's op), the first of each version from the owner (before its op)."""
@@ -163,13 +165,13 @@ def _relays(c: int, base: int, n: int, rule: str, roles: Roles, kind: str
             else:
                 key = (kp, 2, i - 1, j, tag) if src != owner else (k, -1, i, j)
             if r != src and r != owner:  # the owner reads its own copy
-                out.append(Transfer((label, j, v), src, r, c, key[0], key))
+                out.append(PeerTransfer((label, j, v), src, r, c, key[0], key))
             src, prev_v = r, v
     return out
 
 
 def cycle_tasks(c: int, base: int, n: int, rule: str, roles: Roles
-                ) -> tuple[list[Work], list[Transfer]]:
+                ) -> tuple[list[Work], list[PeerTransfer]]:
     """Every task of cycle ``c``, whose worker 0 starts at step ``base``."""
     moves = _moves(c, base, n, rule, roles)
     if roles.mode == "zero":
@@ -180,7 +182,7 @@ def cycle_tasks(c: int, base: int, n: int, rule: str, roles: Roles
 
 
 def window(cycles: list[tuple[int, int]], lo: int, hi: int, n: int, rule: str, roles: Roles
-           ) -> tuple[list[Work], list[Transfer]]:
+           ) -> tuple[list[Work], list[PeerTransfer]]:
     """The tasks of cycles ``[(c, base), ...]`` whose step is in ``[lo, hi)``, in key order."""
     works, moves = [], []
     for c, base in cycles:
@@ -196,7 +198,7 @@ def _shift_value(key: tuple, dc: int) -> tuple:
     return key[:2] + (key[2] + dc,) + key[3:]
 
 
-def shift(task: Work | Transfer, dc: int, dk: int) -> Work | Transfer:
+def shift(task: Work | PeerTransfer, dc: int, dk: int) -> Work | PeerTransfer:
     """``task`` moved by ``dc`` cycles (versions too) and ``dk`` steps."""
     key = (task.key[0] + dk,) + task.key[1:]
     if isinstance(task, Work):
@@ -239,3 +241,6 @@ def relay_reads(n: int, rule: str, roles: Roles, rank: int, label: str, stage: i
     (``label`` "param": for its F, "paramb": for its B): the op, and its send to the next
     worker if it relays it on. The copy goes after the last."""
     return _relay_reads(n, rule, roles, rank, label, stage, min(cycle, 2))
+
+
+__getattr__ = renamed(__name__, {"Transfer": "PeerTransfer"})  # one release

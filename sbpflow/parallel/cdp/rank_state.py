@@ -20,7 +20,7 @@ import torch
 
 from ...comm import current, set_collective_stream
 from ...placement import Placement
-from .program import PARAMS, Transfer, Work, refetched, relay_reads, shift
+from .program import PARAMS, PeerTransfer, Work, refetched, relay_reads, shift
 from .roles import Roles
 from .rules import accumulate, version
 from .stage_runner import StageRunner
@@ -70,9 +70,9 @@ class RankState:
         self.messages = self.nbytes = 0
         self.count_lock = threading.Lock()  # each peer's send runs on a thread of its own
         self.log: dict[str, tuple] = {}  # actor name -> (absolute task, version) of this run
-        self.failed: Work | Transfer | None = None  # the run's first task that raised here
+        self.failed: Work | PeerTransfer | None = None  # the run's first task that raised here
 
-    def task(self, rel: Work | Transfer) -> Work | Transfer:
+    def task(self, rel: Work | PeerTransfer) -> Work | PeerTransfer:
         return shift(rel, *self.ctx)
 
     def _relayed(self, stage: int) -> bool:
@@ -171,7 +171,7 @@ class RankState:
         self.log[name] = (t, c + 1)
 
     # -- transfers ------------------------------------------------------------------------------
-    def _tensors(self, t: Transfer) -> list[torch.Tensor]:
+    def _tensors(self, t: PeerTransfer) -> list[torch.Tensor]:
         kind = t.payload[0]
         if kind in PARAMS and self._relayed(t.payload[1]):
             return [p.detach() for p in self.store.relay((t.payload, t.cycle))]
@@ -180,7 +180,7 @@ class RankState:
         value = self.values.pop(t.payload)
         return list(value) if kind == "gsum" else [value]
 
-    def _meta(self, t: Transfer) -> list[tuple]:
+    def _meta(self, t: PeerTransfer) -> list[tuple]:
         kind, a, b, *rest = t.payload
         if kind in PARAMS + ("gsum",):
             r = self.runners[a if kind in PARAMS else rest[0]]
@@ -188,7 +188,7 @@ class RankState:
         i, c, j = a, b, rest[0]
         return [self.shapes(c, i, j if kind == "act" else j - 1)]
 
-    def send(self, rel: Transfer, name: str) -> None:
+    def send(self, rel: PeerTransfer, name: str) -> None:
         t = self.task(rel)
         tensors = self._tensors(t)
         previous = set_collective_stream(self.stream())
@@ -208,7 +208,7 @@ class RankState:
             self.messages += 1
             self.nbytes += sum(x.numel() * x.element_size() for x in tensors)
 
-    def recv(self, rel: Transfer, name: str) -> None:
+    def recv(self, rel: PeerTransfer, name: str) -> None:
         t = self.task(rel)
         comm = current()
         device = comm.device(self.pl.device_type)
@@ -233,13 +233,13 @@ class RankState:
             self.sample()
         self.log[name] = (t, -1)
 
-    def deliver(self, rel: Transfer, name: str, value: torch.Tensor) -> None:
+    def deliver(self, rel: PeerTransfer, name: str, value: torch.Tensor) -> None:
         """A direct transfer's receive: ``value`` came in the send's message."""
         t = self.task(rel)
         self.values[t.payload] = value
         self.log[name] = (t, -1)
 
-    def fused_op(self, fn: Callable, t_in: Transfer | None, t_out: Transfer | None,
+    def fused_op(self, fn: Callable, t_in: PeerTransfer | None, t_out: PeerTransfer | None,
                  rel: Work, name: str, *values) -> torch.Tensor | None:
         """Op ``fn`` of task ``rel`` with its fused direct transfers: the value of ``t_in``
         (its first input value) goes into ``values``, the op runs, the value of ``t_out`` is
@@ -256,7 +256,7 @@ class RankState:
         self._count([value])
         return value
 
-    def actor_fn(self, fn: Callable, rel: Work | Transfer, name: str, tokens: bool = False
+    def actor_fn(self, fn: Callable, rel: Work | PeerTransfer, name: str, tokens: bool = False
                  ) -> Callable:
         """The runtime's function for the actor ``name`` of task ``rel``: ``fn(rel, name)``,
         with ``tokens`` ``fn(rel, name, *input values)`` (the firing index is not needed)."""

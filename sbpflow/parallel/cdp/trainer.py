@@ -24,7 +24,7 @@ from .schedule_figure import Drawn, draw_timeline
 from .window_plan import window_plan
 from .schedule_stats import Record, gather_records, summary
 from .cycles import check_n
-from .program import Transfer, Work, cycle_tasks, shift, version_uses, window
+from .program import PeerTransfer, Work, cycle_tasks, shift, version_uses, window
 from .rank_state import RankState
 from .roles import make_roles, ranks_needed
 from .rules import check_rule, timeline_of
@@ -51,7 +51,7 @@ def _split_batch(t: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
     return [p.clone() for p in torch.tensor_split(t.detach(), n)]
 
 
-def _where(task: Work | Transfer | None, aborted: bool, active: list, lo: int, span: int,
+def _where(task: Work | PeerTransfer | None, aborted: bool, active: list, lo: int, span: int,
            c_ref: int) -> str:
     """Where a run failed (``aborted``: stopped by another rank's failure), in absolute
     cycles (training steps fed, from 0) and time steps: the runtime's messages name actors,

@@ -21,7 +21,7 @@ import functools
 from typing import Sequence
 
 from ...runtime import ActorSpec, Input, Plan
-from .program import PARAMS, Transfer, Work
+from .program import PARAMS, PeerTransfer, Work
 from .rank_state import RankState
 
 __all__ = ["window_plan", "DIRECT"]
@@ -37,7 +37,7 @@ def _idle(_mb: int) -> None:
     return None
 
 
-def _direct(t: Transfer) -> bool:
+def _direct(t: PeerTransfer) -> bool:
     return t.payload[0] in DIRECT
 
 
@@ -53,7 +53,7 @@ def _inputs(own: str, key: tuple, needs: Sequence[tuple], made: dict, chain: str
     return [Input(n) for n in names]
 
 
-def _gate(t: Transfer, chain: Sequence[Work], keys: list, zero: bool) -> list[Input]:
+def _gate(t: PeerTransfer, chain: Sequence[Work], keys: list, zero: bool) -> list[Input]:
     """ZeRO's relays: the rank's chained op just before the transfer in key order (none in
     this run: it is done), so a copy moves when the workers reach it."""
     if not zero or t.payload[0] not in PARAMS:
@@ -62,7 +62,7 @@ def _gate(t: Transfer, chain: Sequence[Work], keys: list, zero: bool) -> list[In
     return [Input(chain[k - 1].name)] if k else []
 
 
-def _names(moves: Sequence[Transfer]) -> list[tuple[str, str]]:
+def _names(moves: Sequence[PeerTransfer]) -> list[tuple[str, str]]:
     """Each transfer's send and receive actor names: ``send>{dst}#{k}`` on its sender and
     ``recv<{src}#{k}`` on its receiver, ``k`` counting the pair's transfers in key order
     (every rank names every transfer alike)."""
@@ -74,7 +74,7 @@ def _names(moves: Sequence[Transfer]) -> list[tuple[str, str]]:
     return out
 
 
-def _send_specs(state: RankState, sends: Sequence[tuple[Transfer, str]], made: dict,
+def _send_specs(state: RankState, sends: Sequence[tuple[PeerTransfer, str]], made: dict,
                 chained: Sequence[Work]) -> tuple[list[ActorSpec], dict[str, list[Input]]]:
     """The send actors, and the inputs they add to chained ops: under ZeRO the rank's next op
     waits for each relay it sends on, so a copy is gone before that op."""
@@ -94,7 +94,7 @@ def _send_specs(state: RankState, sends: Sequence[tuple[Transfer, str]], made: d
     return specs, waits
 
 
-def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
+def _recv_specs(state: RankState, recvs: Sequence[tuple[PeerTransfer, str, str]],
                 chained: Sequence[Work]) -> list[ActorSpec]:
     """The receive actors (``recvs``: each transfer with its send's and its own name)."""
     keys = [w.key for w in chained]
@@ -114,7 +114,7 @@ def _recv_specs(state: RankState, recvs: Sequence[tuple[Transfer, str, str]],
     return specs
 
 
-def _fused(works: Sequence[Work], moves: Sequence[Transfer]) -> dict:
+def _fused(works: Sequence[Work], moves: Sequence[PeerTransfer]) -> dict:
     """The direct transfers, each leaving from its producer's actor (no send actor), to its
     consumer's when that runs in this run too, else to a receive actor. ``{transfer:
     (producer, consumer or None)}``; every rank works out the same."""
@@ -127,7 +127,7 @@ def _fused(works: Sequence[Work], moves: Sequence[Transfer]) -> dict:
     return out
 
 
-def _stubs(rank: int, ranks: Sequence[int], moves: Sequence[Transfer],
+def _stubs(rank: int, ranks: Sequence[int], moves: Sequence[PeerTransfer],
            names: Sequence[tuple[str, str]], fused: dict) -> dict[int, list[ActorSpec]]:
     """The other ranks' actors that this rank's direct transfers join (their functions never
     run here): the producers (or sends) it receives from, the consumers (whose first input
@@ -166,7 +166,7 @@ def _op_spec(state: RankState, w: Work, inputs: list[Input], fused: dict) -> Act
 
 
 def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work],
-                moves: Sequence[Transfer], state: RankState) -> Plan:
+                moves: Sequence[PeerTransfer], state: RankState) -> Plan:
     """``rank``'s actors for a run of ``works`` / ``moves`` (relative tasks of every rank,
     in key order); ``state`` runs them. A queue's actors are listed in key order: its
     thread fires the first that can, so a send goes before the next op."""
