@@ -15,9 +15,11 @@ import warnings
 
 import torch
 
+from .. import comm as _comm
 from ..comm.base import counted_as
 from ..ops.shape import Slice, encode_index
 from ..errors import SbpError
+from ..sbp import B, Split, shard_box
 from ..tensor import GlobalTensor, UnsupportedTorchFunction, recording
 from .torch_fallback import ReplicatedFallbackWarning, fallback_for
 
@@ -41,16 +43,53 @@ _ADVANCED = fallback_for(_index_with, "Tensor.__getitem__")
 
 
 def getitem(x: GlobalTensor, index) -> GlobalTensor:
-    """``x[index]`` as torch's: a basic index is `GlobalTensor.__getitem__` (a view); one with
-    tensors, lists or bools runs on the whole values (inputs gathered to ``B``, the result
-    ``B``; counted as "fallback" and warned once by `torch_fallback`)."""
+    """``x[index]`` as torch's: a basic index is `GlobalTensor.__getitem__` (a view); rows of a
+    split ``x`` picked in order (`_own_rows`) stay split; another index with tensors, lists or
+    bools runs on the whole values (inputs gathered to ``B``, the result ``B``; counted as
+    "fallback" and warned once by `torch_fallback`)."""
     items = index if isinstance(index, tuple) else (index,)
     try:
         encode_index(items)
     except SbpError:
+        own = _own_rows(x, items)
+        if own is not None:
+            return own
         return _ADVANCED(x, tuple(Slice(it.start, it.stop, it.step) if type(it) is slice
                                   else it for it in items))
     return x[index]
+
+
+def _own_rows(x: GlobalTensor, items: tuple) -> GlobalTensor | None:
+    """``x[i0, i1, ...]`` with replicated integer index tensors where ``x`` is split on axis
+    ``a`` of a 1-D placement and ``i_a`` is ``arange(n)`` along one axis ``k`` of the indices'
+    broadcast shape (transformers' ``padding_mask[batch_idx, kv_idx]``): each rank indexes its
+    own rows, the result split on ``k``, nothing gathered (the indices' values are on every
+    rank). None for any other call (and for a tensor in the autograd graph or a graph build)."""
+    pl = x.placement
+    if pl.ndim != 1 or pl.size != _comm.world_size() or not isinstance(x.sbp[0], Split) or \
+            x.requires_grad or recording():
+        return None
+    a = x.sbp[0].axis
+    if a >= len(items) or not all(
+            isinstance(t, GlobalTensor) and t.sbp == (B,) and not t.dtype.is_floating_point
+            and t.dtype != torch.bool for t in items):
+        return None
+    idx = [t.local for t in items]
+    shape = torch.broadcast_shapes(*(i.shape for i in idx))
+    rows, n = idx[a], x.shape[a]
+    if [d for d in rows.shape if d != 1] != [n] or not torch.equal(
+            rows.reshape(-1), torch.arange(n, device=rows.device)):
+        return None
+    k = len(shape) - rows.ndim + next(i for i, d in enumerate(rows.shape) if d != 1)
+    start, size = shard_box(x.shape, pl.shape, x.sbp, pl.coord_of(_comm.rank()))[a]
+
+    def local(t: torch.Tensor) -> torch.Tensor:   # axis k of the broadcast: this rank's rows
+        at = k - (len(shape) - t.ndim)
+        return t if at < 0 or t.shape[at] == 1 else t.narrow(at, start, size)
+    picks = [local(t) for t in idx]
+    picks[a] = picks[a] - start
+    return GlobalTensor(x.local[tuple(picks)], tuple(shape) + tuple(x.shape[len(items):]), pl,
+                        (Split(k),))
 
 
 def writes_plain(func, args: tuple) -> bool:

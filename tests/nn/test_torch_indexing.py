@@ -145,3 +145,30 @@ def test_gather_of_replicated_input_by_split_index_as_torch():
     want = _gather_beams(seqs, picks)
     assert all(torch.equal(g, want) for g in got[:3])
     assert torch.equal(got[3], torch.gather(seqs, 1, picks[:, :3, None].expand(4, 3, 9)))
+
+
+def test_own_rows_picked_in_order_stay_split_and_gather_nothing():
+    """``mask[batch_idx, kv_idx]`` on a mask split by rows (transformers' padding mask), and
+    ``x[arange(n), cols]``: each rank indexes its own rows, the result split, no fallback bytes;
+    rows picked out of order are gathered (and right)."""
+    mask = X > 0
+
+    def body():
+        pl = sf.placement("cpu", [0, 1, 2, 3])
+        out = {}
+        for name, fn in {"mask": lambda m: m[BATCH, torch.arange(6)[None, None, None, :]],
+                         "cols": lambda m: m[torch.arange(4), torch.tensor([5, 0, 2, 2])],
+                         "reversed": lambda m: m[torch.arange(3, -1, -1), torch.arange(4)]
+                         }.items():
+            sf.comm.reset_stats()
+            got = fn(sf.tensor(mask, pl, sf.S(0)))
+            out[name] = (got.full_tensor(), got.sbp, "fallback" in str(sf.comm.stats()))
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got = sf.launch(body, world_size=4)[0]
+    assert torch.equal(got["mask"][0], mask[BATCH, torch.arange(6)[None, None, None, :]])
+    assert torch.equal(got["cols"][0], mask[torch.arange(4), torch.tensor([5, 0, 2, 2])])
+    assert torch.equal(got["reversed"][0], mask[torch.arange(3, -1, -1), torch.arange(4)])
+    assert got["mask"][1:] == ((sf.S(0),), False) and got["cols"][1:] == ((sf.S(0),), False)
+    assert got["reversed"][1:] == ((sf.B,), True)
