@@ -1,9 +1,10 @@
 """Advanced indexing of global tensors, and torch tensors written with global values.
 
-``x[index]`` with tensors, lists or bools in the index (``mask[batch_idx, kv_idx]``, as
-transformers builds its attention masks) runs torch's indexing on the whole values by the
-fallback (`torch_fallback`: replicated, or eager for a bool mask, whose result's size depends
-on its values); a basic index stays a view (`GlobalTensor.__getitem__`). A plain torch tensor
+``x[index]`` with tensors, lists or bools in the index runs torch's indexing on the whole
+values by the fallback (`torch_fallback`: replicated, or eager for a bool mask, whose result's
+size depends on its values), except where a split ``x`` has its rows picked in order
+(``mask[batch_idx, kv_idx]``, as transformers builds its attention masks): each rank indexes
+its own rows. A basic index stays a view (`GlobalTensor.__getitem__`). A plain torch tensor
 written with global tensors (``buf[:, :n] = ids``, ``buf.copy_(x)``: buffers transformers makes
 with ``torch.full(..., device=ids.device)``) is the same on every rank, so it takes their whole
 values and stays a torch tensor. See docs/torch_models.md, 'What runs'.
