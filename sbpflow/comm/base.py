@@ -59,11 +59,11 @@ def default_timeout() -> float:
     return float(os.environ.get("SBPFLOW_TIMEOUT", "300"))
 
 
-class _Stream(threading.local):
+class _CollectiveStream(threading.local):
     name: str | None = None
 
 
-_stream = _Stream()
+_stream = _CollectiveStream()
 
 
 def collective_stream() -> str | None:

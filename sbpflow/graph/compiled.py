@@ -26,7 +26,7 @@ from ..utils import rebuild_sequence, text_digest
 from .lower import lower, reads, stages_of, writes
 from .microbatch import signature, split_inputs, unflatten_inputs
 from .nodes import Env, source_values
-from .plan import Call, graph_plan
+from .plan import GraphCall, graph_plan
 from .show import describe
 from .recorder import OutConst, OutSlot, Recorder, Tape
 
@@ -123,7 +123,7 @@ class Compiled:
         state = self.comm.state
         state["graph_plans"] = state.get("graph_plans", 0) + 1  # the same count on every rank
         first = self.lowered[self.keys[0]]
-        self.call: Call | None = None
+        self.call: GraphCall | None = None
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
                                name=f"graph{state['graph_plans']}",
@@ -222,9 +222,9 @@ class Compiled:
         state = self.comm.state
         base = state.get("seed_counter", 0)
         means: dict = {}
-        self.call = Call([[a._local if isinstance(a, GlobalTensor) else None for a in args]
-                          for args in mbs.args], lowered, self.weights, {}, self._sync,
-                         self._update, preloaded, base, means, lambda: upstream_scale(means))
+        self.call = GraphCall([[a._local if isinstance(a, GlobalTensor) else None for a in args]
+                               for args in mbs.args], lowered, self.weights, {}, self._sync,
+                              self._update, preloaded, base, means, lambda: upstream_scale(means))
         try:
             results = self.runtime.run(self.k) if self.runtime is not None else {}
             settle_means(self.call.means)   # (a graph without backward: the values only)
@@ -290,7 +290,7 @@ class Compiled:
             if sch is not None:
                 sch.step()
 
-    def _assemble(self, template: Any, call: Call, index) -> Any:
+    def _assemble(self, template: Any, call: GraphCall, index) -> Any:
         """The outputs, ``index`` counting the tensors in template order (each micro-batch's
         tape has its own slots: the i-th tensor output of each is combined)."""
         if isinstance(template, OutSlot):
@@ -301,7 +301,7 @@ class Compiled:
             return {k: self._assemble(v, call, index) for k, v in template.items()}
         return rebuild_sequence(template, [self._assemble(v, call, index) for v in template])
 
-    def _output(self, slot: int, i: int, call: Call) -> GlobalTensor:
+    def _output(self, slot: int, i: int, call: GraphCall) -> GlobalTensor:
         meta = self.tapes[self.keys[0]].metas[slot]
         parts = [call.outputs[m][i] if m in call.outputs else None for m in range(self.k)]
         if any(p is None for p in parts):  # computed on another stage

@@ -30,10 +30,10 @@ from .lower import Lowered
 from .microbatch import split_inputs
 from .nodes import Env, run_nodes, source_values
 
-__all__ = ["Call", "graph_plan"]
+__all__ = ["GraphCall", "graph_plan"]
 
 
-class Call(NamedTuple):
+class GraphCall(NamedTuple):
     """What one call of the graph hands the actors: per micro-batch its input shards, its tape's
     lowering and its loss weight; ``outputs`` is filled by the forward that holds them;
     ``sync(mb)`` is the context a backward runs in (``no_sync`` but for the last); ``update``
@@ -53,10 +53,10 @@ class Call(NamedTuple):
     upstream: Callable[[], tuple] = lambda: (1.0, False)
 
 
-class _Stage:
-    """The functions of the actors of stage ``s`` on this rank, reading the current `Call`."""
+class _StageActors:
+    """The functions of the actors of stage ``s`` on this rank, reading the current `GraphCall`."""
 
-    def __init__(self, s: int, env: Env, call: Callable[[], Call], first: Lowered) -> None:
+    def __init__(self, s: int, env: Env, call: Callable[[], GraphCall], first: Lowered) -> None:
         self.s, self.env, self.call = s, env, call
         self.sources = sorted({t.src_stage for t in first.into(s)})
         self.targets = sorted({t.dst_stage for t in first.out_of(s)})
@@ -241,7 +241,7 @@ def _in_stream(stream: str, fn: Callable, failures: Callable[[], int]) -> Callab
     return run
 
 
-def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
+def _stage_actors(st: _StageActors, stages: int, micro_batches: int, schedule: str,
                   trains: bool, update: bool, name: str, failures: Callable[[], int],
                   scale_from: tuple | None = None) -> list[ActorSpec]:
     """Stage ``st.s``'s actors; ``trains``: the graph runs a backward; ``scale_from``: as
@@ -292,7 +292,7 @@ def _stage_actors(st: _Stage, stages: int, micro_batches: int, schedule: str,
     return specs + _end_actors(st, micro_batches, update, scale_from, name, failures)
 
 
-def _end_actors(st: _Stage, micro_batches: int, update: bool, scale_from: tuple | None,
+def _end_actors(st: _StageActors, micro_batches: int, update: bool, scale_from: tuple | None,
                 name: str, failures: Callable[[], int]) -> list[ActorSpec]:
     """The actors after stage ``st.s``'s last backward: ``grads`` (the last backward done),
     the correction's (`scale_actors`) and ``update``. ``scale_from``: (the stage of a
@@ -314,7 +314,7 @@ def _end_actors(st: _Stage, micro_batches: int, update: bool, scale_from: tuple 
     return specs
 
 
-def scale_actors(st: _Stage, scale_from: tuple | None) -> list[ActorSpec]:
+def scale_actors(st: _StageActors, scale_from: tuple | None) -> list[ActorSpec]:
     """How a pipelined mean's correction (`graph_count_mean.upstream_scale`) reaches the other
     stages before their update (``scale_from``: the mean's stage and its ranks, the holders;
     None: no correction to hand on): on each holder, ``scale`` publishes its ``(scale,
@@ -333,7 +333,7 @@ def scale_actors(st: _Stage, scale_from: tuple | None) -> list[ActorSpec]:
 
 
 def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
-               call: Callable[[], Call], micro_batches: int, schedule: str, update: bool,
+               call: Callable[[], GraphCall], micro_batches: int, schedule: str, update: bool,
                name: str, failures: Callable[[], int], scale_stage: int | None = None) -> Plan:
     """The plan of every rank (each runs its own; the others' tell it who its peers are).
     ``failures()``: the runtime's count of failed runs (the actors' collective streams);
@@ -344,7 +344,7 @@ def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
         (scale_stage, tuple(sorted(stages[scale_stage])))
     actors = {}
     for s, ranks in enumerate(stages):
-        st = _Stage(s, env, call, first)
+        st = _StageActors(s, env, call, first)
         for r in ranks:
             actors[r] = _stage_actors(st, len(stages), micro_batches, schedule, trains,
                                       update and trains, name, failures, scale_from)

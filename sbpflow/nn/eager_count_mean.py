@@ -28,7 +28,7 @@ __all__ = ["PendingMean", "mean_over_count", "guess_counts"]
 guess_counts = True
 
 
-class _Stream:
+class _CountStream:
     """The counts of one stream of means on this rank: the last two, and the all-reduces still
     pending, in the order they were started."""
 
@@ -54,13 +54,13 @@ class _Stream:
         return c[0] if guess_counts and len(c) == 2 and c[0] == c[1] else None
 
 
-def _stream(key: tuple) -> _Stream:
+def _stream(key: tuple) -> _CountStream:
     streams = _comm.current().state.setdefault("pending_mean_streams", {})
     if len(streams) > 1024:
         streams.clear()
     s = streams.get(key)
     if s is None:
-        s = streams[key] = _Stream()
+        s = streams[key] = _CountStream()
     return s
 
 

@@ -163,7 +163,7 @@ class CountedMean(NamedTuple):
         if not (g.on and g.backward_seen and total.requires_grad and torch.is_grad_enabled()):
             vals[self.slots_written[0]] = _as_dtype(total / pending.wait(), total.dtype)
             return
-        call = _Call(pending, self.guess, torch.full((), self.guess, dtype=self.count_dtype,
+        call = _ReplayCount(pending, self.guess, torch.full((), self.guess, dtype=self.count_dtype,
                                                      device=total.device), g)
         out = _GuessedQuotient.apply(total, call)
         # detached aliases: the value's storage, without a cycle through the autograd graph
@@ -298,7 +298,7 @@ def scale_grads(params: list, scale: float) -> None:
     _rescale(leaves, scale)
 
 
-class _Call:
+class _ReplayCount:
     """One replay's count: the all-reduce in flight, the guess, the output to correct."""
 
     __slots__ = ("pending", "guess", "guess_t", "guessing", "out", "total", "_count")
@@ -329,7 +329,7 @@ class _GuessedQuotient(torch.autograd.Function):
     when that can be undone exactly by scaling, else waits for the count."""
 
     @staticmethod
-    def forward(ctx, total: torch.Tensor, call: _Call) -> torch.Tensor:
+    def forward(ctx, total: torch.Tensor, call: _ReplayCount) -> torch.Tensor:
         ctx.call, ctx.total_dtype = call, total.dtype
         ctx.graph_root = total   # the leaves are found from it in backward
         return _as_dtype(total.detach() / call.guess_t, total.dtype)
@@ -357,7 +357,7 @@ def _last_callback(fn) -> None:
     queue(lambda: queue(fn))
 
 
-def _settle(call: _Call, leaves: list) -> None:
+def _settle(call: _ReplayCount, leaves: list) -> None:
     """The end of a backward that used the guess: undo a wrong one (docs/internals.md, 'The
     pending mean')."""
     scale = call.fix_if_missed()
