@@ -43,7 +43,7 @@ def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
     """Keep ``p``'s optimizer state in ``nd_sbp`` and update ``p`` there: its gradient is boxed
     to ``nd_sbp`` (a reduce-scatter), the shard of ``p`` inside it updated, and the result
     gathered back into ``p``'s own layout. Each shard of ``nd_sbp`` must lie inside ``p``'s
-    shard on the same rank (`sbpflow.optim.zero_layout.stored_layout` gives such a layout).
+    shard on the same rank (`sbpflow.zero.layout.stored_layout` gives such a layout).
     None, or ``p``'s own layout: the default again."""
     if nd_sbp is None or tuple(nd_sbp) == tuple(p.sbp):
         _UPDATE_LAYOUTS.pop(p, None)
@@ -252,7 +252,7 @@ class Bucket:
 
 class BucketSync:
     """The rule both overlapped gradient syncs follow (`GradSync`'s all-reduces, ZeRO-1's
-    reduce-scatters in `sbpflow.optim.zero_sync`): parameters in buckets, a hook on each
+    reduce-scatters in `sbpflow.zero.shard_sync`): parameters in buckets, a hook on each
     local's gradient accumulation; once every gradient of the next bucket in order has been
     accumulated, that bucket starts (`_start`, the subclass's collective), strictly in bucket
     order, so every rank starts the same collectives in the same order. ``no_sync()`` starts

@@ -21,8 +21,9 @@ LAYERS = [
     {"ops"},
     {"tensor"},
     {"gradsync"},
+    {"memory"},   # what each rank holds: reads tensors and boxing only
+    {"zero"},     # ZeRO's layouts, units, gathers: the optimizer's step and graph mode use it
     {"nn", "optim"},
-    {"memory"},
     {"runtime"},  # generic actors and registers (data loading and cyclic DP use them too)
     {"graph"},    # lowers a traced step to runtime plans
     {"data"},

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from ..boxing import BoxingStep
 from ..errors import GraphError
-from ..optim.zero_graph import link as link_units
+from ..zero.unit_tasks import link as link_units
 from ..placement import Placement
 from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
 from .recorder import Meta, Tape

@@ -19,8 +19,8 @@ from .. import comm as _comm
 from ..errors import GraphError
 from ..gradsync import settle
 from ..nn.modules import Module
-from ..optim.zero_layout import check_min_size, check_stage
-from ..optim.zero_units import shard_ as _zero_shard
+from ..zero.layout import check_min_size, check_stage
+from ..zero.units import shard_ as _zero_shard
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace
 from ..runtime.schedules import SCHEDULES

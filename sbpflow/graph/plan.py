@@ -23,7 +23,7 @@ from ..boxing import dual_step, empty_local, run_step, whole_message
 from ..comm import set_collective_stream
 from ..errors import GraphError
 from ..nn.graph_count_mean import settle_means
-from ..optim.zero_graph import abandon as abandon_units
+from ..zero.unit_tasks import abandon as abandon_units
 from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered

@@ -228,7 +228,7 @@ class Recorder:
         return source_like(batch, piece)
 
     def task(self, make, reads: list, outs: list, placement: Placement) -> None:
-        """A task another layer records (ZeRO's unit calls, `sbpflow.optim.zero_graph`):
+        """A task another layer records (ZeRO's unit calls, `sbpflow.zero.unit_tasks`):
         ``make(read slots, written slots, mode)`` gives its node, which runs as the others
         (``run(vals, env)``) and names its slots (``slots_read``, ``slots_written``)."""
         r = tuple(self.read(t, "a ZeRO unit's gather") for t in reads)

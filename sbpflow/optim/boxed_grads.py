@@ -16,8 +16,8 @@ from ..gradsync import collect, update_layout
 from ..sbp import Partial
 from ..tensor import GlobalTensor
 from ..utils import IdentityMap
-from . import zero_layout as _zero
-from .zero_sync import collect as _collect_shards
+from ..zero import layout as _zero
+from ..zero.shard_sync import collect as _collect_shards
 
 __all__ = ["boxed_grad", "boxed_grads"]
 

@@ -28,13 +28,14 @@ from ..gradsync import (GradSync, backfill, has_backfills, has_update_layouts,
                         zero_grads)
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
-from . import zero_layout as _zero
-from . import zero_comm as _zero_comm
+from ..zero import layout as _zero
+from ..zero import worker as _zero_worker
+from ..zero.shard_sync import ShardSync
+from ..zero.units import mark_stepped
 from .boxed_grads import (_BUCKET_BYTES, _SHARD_BUCKET, _boxed_cache, _forget, _has_partial,
                           boxed_grad, boxed_grads)
 from .clip import clip_groups
 from .state_layout import cast_like, conform
-from .zero_sync import ShardSync
 
 __all__ = ["Optimizer", "OptimizerStateError", "boxed_grad", "boxed_grads", "state_like"]
 
@@ -98,6 +99,7 @@ class Optimizer(torch.optim.Optimizer):
         self._shard_sync: ShardSync | None = None
         self._sync_params: list = []
         self._checked: tuple = (0, [])   # (replaced_version(), params) last found current
+        self._stepped = False   # params marked stepped (`sf.parallel.zero.shard` refuses them)
         groups = list(params)
         if not groups:
             raise ValueError("optimizer got an empty parameter list")
@@ -129,6 +131,7 @@ class Optimizer(torch.optim.Optimizer):
                                  f"optimization parameter {k}")
             group.setdefault(k, v)
         self.param_groups.append(group)
+        self._stepped = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -174,6 +177,9 @@ class Optimizer(torch.optim.Optimizer):
             self._refuse_replaced(params)
             self._checked = (version, params)
         settle(params)   # ZeRO-1 gathers of the last step not waited for by a forward
+        if not self._stepped:
+            mark_stepped(params)
+            self._stepped = True
         if any("clip_grad_max_norm" in g for g in self.param_groups):
             clip_groups(self.param_groups)
         if not self.linear_update:
@@ -191,7 +197,7 @@ class Optimizer(torch.optim.Optimizer):
             self._step_group(group, grads, idle, gather)
         if gather:   # in the background: the next forward's units wait for their own
             for chunk in _zero.chunks(gather, _SHARD_BUCKET):
-                fut = _zero_comm.submit(_zero.all_gather_into, [it[1:] for it in chunk])
+                fut = _zero_worker.submit(_zero.all_gather_into, [it[1:] for it in chunk])
                 for it in chunk:
                     set_pending(it[0], fut)
         for hook in list(self._optimizer_step_post_hooks.values()):

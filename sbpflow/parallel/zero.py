@@ -1,170 +1,50 @@
-"""ZeRO stages 1-3 on a laid-out model (docs/zero.md): `shard` (and ``sf.parallel.apply(...,
-zero=)``) store, along each parameter's data-parallel dims, its optimizer state (1), gradient
-(2) and the parameter itself (3) split; `sbpflow.optim.zero_units` has the units and hooks.
-
-This module adds what needs `sf.memory`: a unit's gathered buffers count as ``"gathered"`` in
-the `sf.memory.track` blocks around the call while they are alive, and stage 3's *release*:
-during the unit's ``forward``, saved-tensor hooks replace every saved view of a gathered buffer
-by a token, so the buffer is freed when the call ends; backward gathers the unit again when an
-op first unpacks one (freed after the unit's reduce-scatter). Other saved tensors go to the
-hooks active before (activation checkpointing, `sf.memory.track`). Not in a graph's trace.
-"""
+"""``sf.parallel.zero``: ZeRO stages 1-3 on a laid-out model, the user face (docs/zero.md).
+`shard` (and ``sf.parallel.apply(..., zero=)``) store, along each parameter's data-parallel
+dims, its optimizer state (1), gradient (2) and the parameter itself (3) split; the stages'
+layouts, units, gathers and reduce-scatters live in `sbpflow.zero`, whose docstring says how
+they work. `settle`, `stored_layout`, `check_stage`, `check_min_size` and `STAGES` are its."""
 
 from __future__ import annotations
 
-import weakref
-from typing import NamedTuple
-
-import torch
-
-from .. import memory as _memory
-from ..gradsync import settle as _settle
+from ..errors import OptimizerStateError
+from ..gradsync import settle
 from ..nn.modules import Module
-from ..optim import zero_layout as _core
-from ..optim import zero_gather as _gather
-from ..optim import zero_units as _units
+from ..sbp import format_nd_sbp
+from ..zero import release as _release
+from ..zero import units as _units
+from ..zero.layout import STAGES, check_min_size, check_stage, stored_layout
 
 __all__ = ["shard", "stored_layout", "check_stage", "check_min_size", "settle", "STAGES"]
-
-settle = _settle       # wait for ZeRO-1/2's background all-gathers (reads of a shard also wait)
-stored_layout = _core.stored_layout
-check_stage = _core.check_stage
-check_min_size = _core.check_min_size
-STAGES = _core.STAGES
 
 
 def shard(model: Module, stage: int, min_size: int = 0, *, compute: dict | None = None,
           units: list | None = None, only: set | None = None) -> list:
     """ZeRO ``stage`` (0-3) on ``model``, in place (the parameter objects stay the same); see
-    `sbpflow.optim.zero_units.shard_` (``compute``, ``units``, ``only``). Returns the names
-    of the parameters it shards. Every rank calls it, before building the optimizer (or
-    before its first step: state already in it, a loaded one, is moved to the new update
-    layout at that step, `sbpflow.optim.state_layout.conform`). ``min_size``: an int >= 0
-    (`check_min_size`)."""
+    `sbpflow.zero.units.shard_` (``compute``, ``units``, ``only``). Returns the names of the
+    parameters it shards. Every rank calls it, before building the optimizer (or before its
+    first step: state already in it, a loaded one, is moved to the new update layout at that
+    step, `sbpflow.optim.state_layout.conform`); after an optimizer's step over one of the
+    parameters it raises `OptimizerStateError` (it would change nothing the optimizer does).
+    ``min_size``: an int >= 0 (`check_min_size`). Communicates: stages 2 and 3 box each
+    sharded parameter to its stored layout (a local slice of a ``B`` one)."""
     min_size = check_min_size(min_size, "sf.parallel.zero.shard")
-    return _units.shard_(model, stage, min_size, compute=compute, on_gather=_on_gather,
+    if check_stage(stage, "sf.parallel.zero.shard"):
+        _refuse_stepped(model, stage, only)
+    return _units.shard_(model, stage, min_size, compute=compute, on_gather=_release.on_gather,
                          units=units, only=only)
 
 
-def _on_gather(call) -> "_FreeAfterUse | None":
-    """Count the call's buffers as gathered while alive; stage 3: its release context; stage
-    2 with whole copies kept: hooks that keep their saved views out of `sf.memory.track`
-    (they are parameters, which `sf.memory_stats` counts)."""
-    trackers = _memory.active_trackers()
-    if trackers:
-        for flat in call.flats:
-            _hold_while_alive(trackers, flat)
-    rec = _units.zero_param(call.items[0][0])
-    if rec.stage == 3:
-        return _FreeAfterUse(call, trackers)
-    if rec.whole is not None and trackers:
-        return _FreeAfterUse(call, trackers, keep=[_units.zero_param(p).whole
-                                                   for p, _ in call.items])
-    return None
-
-
-_units.set_default_on_gather(_on_gather)   # a graph's enable_zero shards with it too
-
-
-def _top_hooks():
-    """The saved-tensor hooks active now (pack, unpack), or None."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
-
-
-def _storage(t: torch.Tensor):
-    """(key as `sf.memory` counts storages, bytes) of ``t``'s storage, or None."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return None
-    try:
-        s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return (t.device, s.data_ptr()), s.nbytes()
-
-
-def _hold_while_alive(trackers, flat: torch.Tensor) -> None:
-    """Count ``flat`` in ``trackers`` as gathered until it is freed (Tracker's counters,
-    `sbpflow.memory`: a gathered buffer is held for use, not saved by an op)."""
-    found = _storage(flat)
-    if found is None:
+def _refuse_stepped(model: Module, stage: int, only: set | None) -> None:
+    """Raise if an optimizer has stepped one of ``model``'s parameters (the ones of ``only``):
+    its gradient sync and update are set up at the first step, so the stage would be ignored."""
+    named = [(n, p) for n, p in model.named_parameters() if only is None or id(p) in only]
+    p = _units.first_stepped([p for _, p in named])
+    if p is None:
         return
-    for tr in trackers:
-        tr.hold(found[0], found[1], "gathered")
-    weakref.finalize(flat, _let_go, trackers, found[0])
-
-
-def _let_go(trackers, key) -> None:
-    for tr in trackers:
-        tr.release(key)
-
-
-class _Outer(NamedTuple):
-    value: object      # what the enclosing hooks' pack returned
-
-
-class _Token(NamedTuple):
-    """A saved view of a gathered buffer: which buffer of the call, and the view's geometry."""
-
-    call: object
-    index: int
-    size: tuple
-    stride: tuple
-    offset: int
-
-
-class _FreeAfterUse:
-    """Saved-tensor hooks over one unit call (`UnitCall`): views of its gathered buffers become
-    tokens (stage 3), views of ``keep`` (stage 2's whole copies) are saved as they are."""
-
-    def __init__(self, call, trackers, keep: list = ()) -> None:
-        self.call, self.trackers = call, trackers
-        self.flats = {_storage(f)[0]: i for i, f in enumerate(call.flats) if _storage(f)}
-        self.keep = {_storage(w)[0] for w in keep if _storage(w) is not None}
-        self.outer = None
-        self.hooks = None
-
-    def __enter__(self) -> "_FreeAfterUse":
-        self.outer = _top_hooks()
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor):
-        found = _storage(t) if self.flats or self.keep else None
-        if found is not None and found[0] in self.keep:
-            return t.detach()
-        i = self.flats.get(found[0]) if found is not None else None
-        if i is not None and self.call.flats[i].dtype == t.dtype:
-            self.call.tokens += 1
-            return _Token(self.call, i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-        if self.outer is not None:
-            return _Outer(self.outer[0](t))
-        return t.detach()
-
-    def _unpack(self, packed):
-        if isinstance(packed, _Token):
-            flat = _regathered(packed.call, self.trackers)[packed.index]
-            return flat.as_strided(packed.size, packed.stride, packed.offset)
-        if isinstance(packed, _Outer):
-            return self.outer[1](packed.value)
-        return packed
-
-
-def _regathered(call, trackers) -> list:
-    """The call's buffers gathered again for backward (once; kept until its reduce-scatter
-    starts), and the gather of the call before it (backward's next) started."""
-    if call.regathered is None:
-        call.regathered = _gather.start(call.items)
-    prev = call.prev() if call.prev is not None else None
-    if prev is not None and prev.tokens and prev.regathered is None:
-        prev.regathered = _gather.start(prev.items)
-    if not isinstance(call.regathered, list):
-        call.regathered = call.regathered.result()[1]
-        if trackers:
-            for flat in call.regathered:
-                _hold_while_alive(trackers, flat)
-    return call.regathered
+    name = next(n for n, q in named if q is p)
+    raise OptimizerStateError(
+        f"sf.parallel.zero.shard(stage={stage}): parameter {name!r} (shape {tuple(p.shape)}, "
+        f"placement {p.placement}, sbp {format_nd_sbp(p.sbp)}) was already updated by an "
+        f"optimizer's step, which set up its gradient sync and update layout: the stage would "
+        f"have no effect. Call sf.parallel.zero.shard before the optimizer's first step "
+        f"(best, before building the optimizer)")

@@ -338,6 +338,48 @@ def test_zero_min_size_keeps_small_parameters_as_their_rule_says(mesh):
         assert got["sent"] == want, (stage, got["sent"], base)
 
 
+def _shard_after_a_step(stage: int, w0: torch.Tensor, x: torch.Tensor) -> dict:
+    pl = sf.placement("cpu", [0, 1])
+    m = sf.parallel.apply(sf.nn.Linear(4, 3, bias=False), pl, {"*": B})
+    with torch.no_grad():
+        m.weight.local.copy_(w0)
+    opt = sf.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    xs = sf.tensor(x, pl, S(0))
+    for step in range(2):
+        m(xs).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            try:
+                sf.parallel.zero.shard(m, stage)
+            except sf.errors.OptimizerStateError as e:
+                refused = str(e)
+            else:
+                refused = None
+    return {"refused": refused, "sbp": m.weight.sbp, "w": m.weight.full_tensor()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_after_the_first_step_is_refused(stage):
+    """The contract (docs/zero.md): shard before the optimizer's first step; after it, the
+    stage would be ignored (the step set up its gradient sync and update), so it raises naming
+    the parameter, changes nothing, and training goes on as torch's."""
+    g = torch.Generator().manual_seed(3)
+    w0, x = torch.randn(3, 4, generator=g), torch.randn(6, 4, generator=g)
+    got = sf.launch(_shard_after_a_step, 2, args=(stage, w0, x))
+    tw = torch.nn.Parameter(w0.clone())
+    topt = torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        (x @ tw.T).square().sum().backward()
+        topt.step()
+        topt.zero_grad()
+    for r in got:
+        assert r["refused"] is not None and "'weight'" in r["refused"] and \
+            "before the optimizer's first step" in r["refused"], r["refused"]
+        assert r["sbp"] == (B,)
+        torch.testing.assert_close(r["w"], tw.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_bad_zero_min_size_names_the_argument():
     m = sf.nn.Linear(2, 2)
     for bad in (-5, "10", 2.5, True):
@@ -666,7 +708,7 @@ def _buckets_started() -> dict:
     reduced along dp, a replicated one over all 4 ranks), so their buckets interleave; small
     buckets make many. After a backward: was every bucket started during it?"""
     from sbpflow.gradsync import GradSync
-    from sbpflow.optim.zero_sync import ShardSync
+    from sbpflow.zero.shard_sync import ShardSync
     ranks, rules, data_sbp = MESHES["2d"]
     pl = sf.placement("cpu", ranks)
     out = {}
@@ -695,7 +737,7 @@ def _read_after_step() -> dict:
     """The ZeRO worker is held busy 0.3 s, so the all-gather after the update is still queued
     when the parameters are read: ``p.local`` (and an op on ``p``) must wait for it."""
     import threading
-    from sbpflow.optim.zero_comm import submit
+    from sbpflow.zero.worker import submit
     pl = sf.placement("cpu", [0, 1, 2, 3])
     out = {}
     for stage in (1, 2):
@@ -746,7 +788,7 @@ def _worker_waits_while_owner_computes() -> list:
     wait is stuck: each partner arrives later (a graph step's background gathers and the
     caller's ``loss.item()`` interleave so)."""
     import time
-    from sbpflow.optim.zero_comm import submit
+    from sbpflow.zero.worker import submit
     comm = sf.comm.current()
     x = torch.full((2,), float(comm.rank + 1))
 

@@ -6,8 +6,8 @@ A unit is a module whose parameters are gathered together: the model itself and 
 a numbered container (``ModuleList`` / ``Sequential``: a transformer's blocks), as FSDP2 is
 usually applied; a parameter belongs to the innermost unit around the module that owns it.
 Eagerly a unit's call is one coalesced all-gather whose backward is one reduce-scatter (the
-dual of the boxing ``S -> B``, coalesced: `sbpflow.optim.zero_gather`); a graph's trace records
-the unit's call as tasks that run the same way at each replay (`sbpflow.optim.zero_graph`).
+dual of the boxing ``S -> B``, coalesced: `sbpflow.zero.gather`); a graph's trace records
+the unit's call as tasks that run the same way at each replay (`sbpflow.zero.unit_tasks`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from ..gradsync import (mark_filled, mark_stale, set_backfill, set_update_layout
                         take_stale, update_layout)
 from ..tensor import GlobalTensor, recording
 from ..utils import IdentityMap
-from . import zero_graph as _graph
-from .zero_layout import check_stage, geometry, stored_layout
-from .zero_gather import UnitCall, UnitGather, begin_call, done, end_call, refill
+from . import unit_tasks as _graph
+from .layout import check_stage, geometry, stored_layout
+from .gather import UnitCall, UnitGather, begin_call, done, end_call, refill
 
-__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "set_default_on_gather"]
+__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "set_default_on_gather",
+           "mark_stepped", "first_stepped"]
 
 
 class ZeroParam(NamedTuple):
@@ -40,11 +41,25 @@ class ZeroParam(NamedTuple):
 
 _PARAMS = IdentityMap()
 _DEFAULT_ON_GATHER: list = [None]
+_STEPPED = IdentityMap()   # parameters an optimizer's step has updated
+
+
+def mark_stepped(params) -> None:
+    """``params`` were updated by an optimizer's step (its first: `first_stepped`)."""
+    for p in params:
+        _STEPPED[p] = True
+
+
+def first_stepped(params) -> GlobalTensor | None:
+    """The first of ``params`` an optimizer has stepped (`mark_stepped`), or None."""
+    if not _STEPPED:
+        return None
+    return next((p for p in params if p in _STEPPED), None)
 
 
 def set_default_on_gather(fn: Callable | None) -> None:
-    """The ``on_gather`` of `shard_` when it is given none (`sbpflow.parallel.zero` sets
-    stage 3's release and the memory accounting, which this layer cannot import)."""
+    """The ``on_gather`` of `shard_` when it is given none (`sbpflow.zero.release` sets
+    stage 3's release and the memory accounting)."""
     _DEFAULT_ON_GATHER[0] = fn
 
 
@@ -83,7 +98,7 @@ def shard_(model, stage: int, min_size: int = 0, *, compute: dict | None = None,
     laid out stored already) and hook the units (``units``: module names, default
     `units_of`). ``on_gather(call)``, given an eager unit call (`UnitCall`) as it gathers,
     may return a context manager held over the call (stage 3's release of the gathered
-    copies: `sbpflow.parallel.zero`). ``only``: ids of the parameters to consider (default
+    copies: `sbpflow.zero.release`). ``only``: ids of the parameters to consider (default
     all). ``keep_whole`` (stage 2): keep each parameter's whole compute-layout copy between
     steps, its shard a view of it, refilled by an all-gather after each update (DeepSpeed's
     stage 2; a graph passes False: its replay gathers in forward). Every rank calls it."""

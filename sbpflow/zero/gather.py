@@ -1,7 +1,7 @@
 """The eager gather of a ZeRO unit (docs/zero.md, 'Overlap'): `UnitGather` boxes a unit's
 stored shards to their compute layout with one coalesced all-gather per group and dtype, and
 its backward reduce-scatters the gradients (the dual boxing, coalesced). Both run on the rank's
-ZeRO worker (`sbpflow.optim.zero_comm`), so they overlap compute:
+ZeRO worker (`sbpflow.zero.worker`), so they overlap compute:
 
 * forward: while a unit runs, the gather of the unit that followed it in the previous forward is
   already started (prefetch; never a unit still running: the next step's first unit waits for
@@ -22,8 +22,8 @@ import torch
 from .. import comm as _comm
 from ..gradsync import mark_filled
 from ..sbp import local_shape
-from .zero_layout import all_gather_into, geometry, reduce_scatter
-from .zero_comm import submit
+from .layout import all_gather_into, geometry, reduce_scatter
+from .worker import submit
 
 __all__ = ["UnitCall", "UnitGather", "gather", "start", "done", "refill", "begin_call",
            "end_call"]

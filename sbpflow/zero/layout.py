@@ -6,7 +6,7 @@ data-parallel dims), its optimizer state (stage 1), gradient (stage 2) and the p
   compute-layout shard (a sub-box, so updates are in place and gathers are plain all-gathers).
 * `reduce_scatter` / `all_gather_into`: the collectives, coalesced over parameters (one per
   bucket of parameters that share a group): stage 1's in the optimizer step, stages 2 and 3's
-  around a module's forward (`sbpflow.optim.zero_units`).
+  around a module's forward (`sbpflow.zero.units`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def geometry(shape: tuple, placement: Placement, compute: tuple, stored: tuple,
         if any(box[a] != base[a] for a in range(len(shape)) if a != axis):
             raise SbpError(f"ZeRO: the shard of {format_nd_sbp(stored)} on rank {r} does not lie "
                            f"inside the {format_nd_sbp(compute)} shard (tensor of shape {shape} "
-                           f"on {placement}); use sbpflow.optim.zero_layout.stored_layout")
+                           f"on {placement}); use sf.parallel.zero.stored_layout")
         parts.append((box[axis][0] - base[axis][0], box[axis][1]))
     return Geometry(group, group.index(rank), axis, tuple(parts))
 

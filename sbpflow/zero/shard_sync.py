@@ -3,7 +3,7 @@ the rule `sbpflow.gradsync.GradSync` starts data parallelism's all-reduces by (t
 base, `sbpflow.gradsync.BucketSync`): the parameters with a split update layout go into buckets
 (reverse registration order, per group and dtype); once every gradient of a bucket is
 accumulated, its coalesced reduce-scatter starts on the rank's ZeRO worker
-(`sbpflow.optim.zero_comm`), strictly in bucket order. `ShardSync.take` hands the step
+(`sbpflow.zero.worker`), strictly in bucket order. `ShardSync.take` hands the step
 the shards whose gradients did not change since (the step reduces the others itself).
 ``no_sync()`` starts nothing.
 """
@@ -14,8 +14,8 @@ import torch
 
 from ..gradsync import Bucket, BucketSync, update_layout
 from ..tensor import GlobalTensor
-from .zero_layout import geometry, reduce_scatter
-from .zero_comm import submit
+from .layout import geometry, reduce_scatter
+from .worker import submit
 
 __all__ = ["ShardSync", "collect"]
 

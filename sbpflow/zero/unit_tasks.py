@@ -1,5 +1,5 @@
 """ZeRO units in a graph (docs/zero.md, 'Graph mode'): a graph's trace records each unit call
-as a `UnitBegin` task (the unit's coalesced gather, `sbpflow.optim.zero_gather.UnitGather`, and
+as a `UnitBegin` task (the unit's coalesced gather, `sbpflow.zero.gather.UnitGather`, and
 its release hooks entered) and a `UnitEnd` task (the hooks left, the gathered buffers let go),
 one pair per stage the unit's parameters are on. A replay runs them as eager runs a unit call:
 stage 3 frees the gathered weights after the unit's forward and gathers them again for its
@@ -18,7 +18,7 @@ import torch
 
 from ..gradsync import take_stale
 from ..tensor import GlobalTensor, current_recorder
-from .zero_gather import UnitCall, UnitGather, done, gather, refill, start
+from .gather import UnitCall, UnitGather, done, gather, refill, start
 
 __all__ = ["UnitBegin", "UnitEnd", "Recorded", "record_begin", "record_end", "link", "abandon"]
 
