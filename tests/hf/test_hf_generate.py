@@ -188,16 +188,19 @@ def test_left_padded_batch_with_attention_mask(family):
         pl = _flat()
         m = sf.parallel.apply(model, pl, {"*": sf.B})
         ids = sf.tensor(PROMPT, pl, sf.S(0))
+        sf.comm.reset_stats()
         greedy = _generate(m, ids, attention_mask=sf.tensor(mask, pl, sf.S(0)), do_sample=False)
+        gathered = "fallback" in str(sf.comm.stats())   # the mask's rows: picked in order
         # beam search expands the mask only when it is a torch.Tensor (a global tensor is
         # not): a plain one, the same on every rank, is expanded by transformers and lifted
         beam = _generate(m, ids, attention_mask=mask, num_beams=2, do_sample=False)
-        return {"greedy": greedy.full_tensor(), "beam": beam.full_tensor()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReplicatedFallbackWarning)   # mask[batch_idx, kv_idx]
-        got = sf.launch(body, world_size=WORLD)[0]
+        return {"greedy": greedy.full_tensor(), "beam": beam.full_tensor()}, gathered
+    with warnings.catch_warnings():   # beam search writes the prompt into a torch.full buffer
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got, gathered = sf.launch(body, world_size=WORLD)[0]
     for n in want:
         assert torch.equal(got[n], want[n]), (family, n, got[n], want[n])
+    assert not gathered
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
