@@ -256,8 +256,9 @@ PAD_CASES = [(name, "zero3") for name in ZOO] + \
 def test_hf_model_trains_on_a_padded_batch_as_torch(name, layout):
     """A batch with an attention mask and ignored labels, ZeRO-3 or a 2-stage pipeline: 2 SGD
     steps equal torch's. The model turns the mask into its attention mask by advanced indexing
-    (``padding_mask[batch_idx, kv_idx]``), which runs replicated: the fallback gathers the
-    padding mask (at most its bytes as bools per forward), never an activation."""
+    (``padding_mask[batch_idx, kv_idx]``), which picks the mask's rows in order: on the whole
+    world each rank indexes its own rows (no fallback); a stage's placement gathers the padding
+    mask for it (at most its bytes as bools per forward), never an activation."""
     model, batch = build(name), _padded()
     got = sf.launch(_sf_padded, world_size=WORLD, args=(model, batch, name, layout))[0]
     losses, sd = _torch_padded(model, batch)
@@ -265,7 +266,8 @@ def test_hf_model_trains_on_a_padded_batch_as_torch(name, layout):
                                **_loss_tol(name))
     for k, v in sd.items():
         torch.testing.assert_close(got["sd"][k], v, **W_TOL, msg=lambda m: f"{k}: {m}")
-    assert got["fallback"] <= STEPS * batch[0].numel(), got["fallback"]
+    bound = 0 if layout == "zero3" else STEPS * batch[0].numel()
+    assert got["fallback"] <= bound, got["fallback"]
 
 
 def test_bloom_with_its_custom_autograd_gelu_trains_as_torch():
