@@ -8,8 +8,8 @@ model on one device. Float64 models; the causal LMs' loss is float32 (HF's ``For
 upcasts the logits), so their losses are compared at float32 tolerance (their gradients are the
 same float32 per-token terms in any batch split, so the weights agree to float64 rounding,
 except over micro-batches: see the graph tests); BERT's masked-LM loss is float64. No replicated
-fallback runs (no "fallback" bytes in `sf.comm.stats()`) but, on a padded batch, the one that turns
-the padding mask into the attention mask."""
+fallback runs (no "fallback" bytes in `sf.comm.stats()`), but in a pipeline stage on a padded
+batch the one that turns the padding mask into the attention mask."""
 
 from __future__ import annotations
 
