@@ -74,7 +74,7 @@ import torch
 
 import sbpflow as sf
 from sbpflow.auto.space import _clip_axis
-from sbpflow.auto.graph import Graph
+from sbpflow.auto.layer_graph import LayerGraph
 from sbpflow.auto.parallelize import single_mesh_search
 from sbpflow.cost.calibrate import MEASURED_KINDS
 from sbpflow.auto.space import Strategy, layer_space, make_layer_strategy, meshes
@@ -84,10 +84,10 @@ CAL_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
 # -- the model and the strategies -------------------------------------------------------------------
-def block_graph(d_model: int, heads: int, seq: int, batch: int, layers: int = 1) -> Graph:
+def block_graph(d_model: int, heads: int, seq: int, batch: int, layers: int = 1) -> LayerGraph:
     g = sf.auto.model_graphs.gpt(layers=layers, d_model=d_model, heads=heads, seq=seq,
                                  batch=batch, vocab=1024, itemsize=4)
-    return Graph(g.layers[1:-1], name=f"gpt-block{layers}x{d_model}", itemsize=4)
+    return LayerGraph(g.layers[1:-1], name=f"gpt-block{layers}x{d_model}", itemsize=4)
 
 
 def _uniform(graph, mesh, roles):

@@ -111,8 +111,9 @@ def rebuild_sequence(value: Any, items: Any) -> Any:
 
 def renamed(module: str, old_to_new: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for names that moved: ``old_to_new`` maps an old name to
-    ``"new"`` (in ``module``) or ``"package.module:new"``. The old name gives the new one's value
-    for one release, with a DeprecationWarning the first time it is read."""
+    ``"new"`` (in ``module``), ``"package.module:new"`` or ``"package.module:"`` (the module
+    itself). The old name gives the new one's value for one release, with a DeprecationWarning
+    the first time it is read."""
     warned: set = set()
 
     def __getattr__(name: str) -> Any:
@@ -121,11 +122,12 @@ def renamed(module: str, old_to_new: dict[str, str]) -> Callable[[str], Any]:
         where, _, new = old_to_new[name].rpartition(":")
         if name not in warned:
             warned.add(name)
-            warnings.warn(f"{module}.{name} was renamed {where or module}.{new}",
+            warnings.warn(f"{module}.{name} was renamed {where or module}{'.' * bool(new)}{new}",
                           DeprecationWarning, stacklevel=2)
         if where:
             __import__(where)
-        return getattr(sys.modules[where or module], new)
+        home = sys.modules[where or module]
+        return getattr(home, new) if new else home
     return __getattr__
 
 

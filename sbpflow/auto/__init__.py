@@ -13,18 +13,24 @@ Metropolis-Hastings, random, exact dynamic programming).
 from . import baselines, model_graphs
 from .checks import MemoryLimitWarning
 from .evaluate import Breakdown, Evaluator, redistribution, redistribution_steps
-from .graph import Graph, Layer
-from .interop import search
+from .layer_graph import LayerGraph, Layer
+from .pipeline_search import search
 from .pipeline_cost import evaluate
-from .search import SearchResult
-from .space import LayerStrategy, Pipeline, Strategy, layer_space, meshes, space
+from .strategy_search import SearchResult
+from .space import LayerStrategy, PipelineShape, Strategy, layer_space, meshes, space
 
 __all__ = ["baselines", "model_graphs", "MemoryLimitWarning", "Breakdown", "Evaluator",
-           "evaluate", "redistribution", "redistribution_steps", "Graph", "Layer",
-           "SearchResult", "search", "LayerStrategy", "Pipeline", "Strategy", "layer_space",
+           "evaluate", "redistribution", "redistribution_steps", "LayerGraph", "Layer",
+           "SearchResult", "search", "LayerStrategy", "PipelineShape", "Strategy", "layer_space",
            "meshes", "space"]
 
 from .parallelize import ParallelPlan, parallelize, single_mesh_search  # noqa: E402
 from .trace import trace  # noqa: E402
 
 __all__ += ["ParallelPlan", "parallelize", "single_mesh_search", "trace"]
+
+from ..utils import renamed  # noqa: E402
+
+__getattr__ = renamed(__name__, {  # the old names, for one release
+    "Graph": "LayerGraph", "Pipeline": "PipelineShape",
+    "graph": "sbpflow.auto.layer_graph:", "interop": "sbpflow.auto.pipeline_search:"})

@@ -16,7 +16,7 @@ from . import model_graphs
 from .evaluate import evaluate
 from .pipeline_cost import balanced_cuts, sub_cluster
 from .pipeline_cost import evaluate as evaluate_any
-from .space import Pipeline, Strategy, check_whole_sequences, make_layer_strategy
+from .space import PipelineShape, Strategy, check_whole_sequences, make_layer_strategy
 
 __all__ = ["data_parallel", "megatron", "megatron_pipeline", "megatron_layers",
            "best_megatron", "megatron_stages", "megatron_flops", "block_layers",
@@ -127,7 +127,7 @@ def megatron(graph, cluster, tp: int, pp: int = 1, dp: int | None = None,
     """Megatron-LM's configuration tensor ``tp`` x pipeline ``pp`` x data ``dp`` (default: the
     rest of the devices) as a Strategy. ``pp > 1``: the chain cut into ``pp`` stages
     (`megatron_stages`) of ``tp * dp`` consecutive ranks each, ``micro_batches`` a step run
-    1F1B (the strategy's `Pipeline`). ``pp == 1``: one stage; ``micro_batches`` is then
+    1F1B (the strategy's `PipelineShape`). ``pp == 1``: one stage; ``micro_batches`` is then
     gradient accumulation, which a Strategy does not carry: evaluate with
     ``evaluate(graph, s, cluster, micro_batches)``. ``recompute``: Megatron's full activation
     recomputation of every transformer block (`full_recompute`), as the paper's runs used.
@@ -163,7 +163,7 @@ def megatron_pipeline(graph, tp: int, dp: int, starts: list, micro_batches: int,
     for k, (a, b) in enumerate(zip(starts, ends)):
         part = _tensor_data(graph, tp, dp, graph.layers[a:b])
         layers += [dataclasses.replace(s, stage=k) for s in part]
-    return Strategy(graph, layers, Pipeline(len(starts), tp * dp, micro_batches, schedule))
+    return Strategy(graph, layers, PipelineShape(len(starts), tp * dp, micro_batches, schedule))
 
 
 def best_megatron(graph, cluster, memory_limit: float | None = None):

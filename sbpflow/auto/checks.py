@@ -1,10 +1,10 @@
 """The checks of the strategy search's inputs, in one place. `sf.auto.search`
-(`interop.search`) and the one-stage `sbpflow.auto.search.search` call `check_search` (and
-``sbpflow search`` reaches them through `search_cli.run_search`); the preset graphs
-(`model_graphs`) check their sizes with `positive_size` and `check_heads`. Each refusal is a
-`SearchInputError` (an `SbpError` and a ``ValueError``) naming the argument, its value and
-the fix. `MemoryLimitWarning` is what the search warns with when its answer is over the
-memory limit (docs/auto.md, 'Input checks').
+(`pipeline_search.search`) and the one-stage `strategy_search.one_stage_search` call
+`check_search` (and ``sbpflow search`` reaches them through `search_cli.run_search`); the
+preset graphs (`model_graphs`) check their sizes with `positive_size` and `check_heads`. Each
+refusal is a `SearchInputError` (an `SbpError` and a ``ValueError``) naming the argument, its
+value and the fix. `MemoryLimitWarning` is what the search warns with when its answer is over
+the memory limit (docs/auto.md, 'Input checks').
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def check_graph(graph) -> None:
     divide its width and its batch (sequences) divides its tokens."""
     if not getattr(graph, "layers", None):
         raise SearchInputError(f"search: graph {graph!r} has no layers; give an "
-                               f"sf.auto.Graph of at least one layer")
+                               f"sf.auto.LayerGraph of at least one layer")
     for layer in graph.layers:
         for what in ("input_shape", "weight_shape", "output_shape"):
             _check_shape(graph, layer, what, getattr(layer, what))

@@ -21,7 +21,7 @@ from ..cost.formulas import linear_time, volume
 from ..sbp import Broadcast, Partial, S, Split, dual_nd
 from .space import _clip_axis
 from .transfer_loads import find_fractions, transfer_fraction
-from .walk import (TRANSFER_MAX_RANKS, Transfer, Walk, WalkMove, divisor, fine_walk,
+from .walk import (TRANSFER_MAX_RANKS, TransferWalk, Walk, WalkMove, divisor, fine_walk,
                    layout_code)
 
 __all__ = ["Breakdown", "Evaluator", "evaluate", "redistribution", "redistribution_steps",
@@ -159,7 +159,7 @@ def _sized_walk(walk: Walk, shape: tuple) -> tuple:
 
 @memoize(1 << 20)
 def _skeleton(ndim: int, src_mesh: tuple, src: tuple, dst_mesh: tuple, dst: tuple) -> Walk:
-    """The `Walk`: ``("moves", WalkMove s)`` or ``("transfer", `Transfer`)``, for any shape of
+    """The `Walk`: ``("moves", WalkMove s)`` or ``("transfer", `TransferWalk`)``, for any shape of
     ``ndim`` axes (`_plan`). It depends on the meshes and layouts only through their common
     refinement (`_fine_skeleton`): an (8, 8) mesh meeting a (64,) one walks the same (8, 8)
     layouts as two (8, 8) meshes do."""
@@ -195,7 +195,7 @@ def _sized(m: WalkMove, shape: tuple) -> Move:
     return Move(m.kind, m.mesh, m.dims, piece, copy, (), m.fallback)
 
 
-def _via_transfer(shape: tuple, t: Transfer) -> tuple:
+def _via_transfer(shape: tuple, t: TransferWalk) -> tuple:
     """The planner's reduce-then-transfer for ``shape``: of the options of ``t``, the reduced
     layout that moves fewest bytes per device (the first of them on a tie). The transfer only
     adds bytes, so options are tried in increasing order of their reduction's bytes and the
@@ -337,7 +337,7 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     return _transfer_floor(walk.body, shape, itemsize, cluster, micro_batches)
 
 
-def _transfer_floor(sk: Transfer, shape: tuple, itemsize: int, cluster,
+def _transfer_floor(sk: TransferWalk, shape: tuple, itemsize: int, cluster,
                     micro_batches: int) -> float:
     """`redistribution_floor` of a tensor of ``shape`` whose walk is the transfer ``sk``."""
     fine = sk.fine
@@ -345,7 +345,7 @@ def _transfer_floor(sk: Transfer, shape: tuple, itemsize: int, cluster,
     fit, step = _p2p_fit(cluster, fine), m * cluster.step_overhead
     # `_via_transfer`'s options, each priced as it would be: the options of one reduction
     # kind reduce the same piece, and a transfer's time grows with its load, so of each kind
-    # the option with the least load is the least (`Transfer.least`)
+    # the option with the least load is the least (`TransferWalk.least`)
     least = math.inf
     for kind, pdims, div, g, lack in sk.least:
         t = 0.0

@@ -1,4 +1,4 @@
-"""``sf.auto.model_graphs``: paper-scale models built directly as `Graph`s (shapes and flops
+"""``sf.auto.model_graphs``: paper-scale models built directly as `LayerGraph`s (shapes and flops
 only, no weights), for the search; the runnable models are ``sbpflow.models``.
 
 Residual adds and layer norms are folded away (they are elementwise and follow the layout of the
@@ -12,7 +12,7 @@ import dataclasses
 
 from ..errors import SearchInputError
 from .checks import check_heads, positive_size
-from .graph import Graph, Layer
+from .layer_graph import LayerGraph, Layer
 
 __all__ = ["gpt", "vgg13", "alexnet", "dlrm", "mlp", "linear_layer"]
 
@@ -31,7 +31,7 @@ def linear_layer(name, tokens, d_in, d_out, accepts_partial=False, **attrs) -> L
 
 
 def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, batch: int = 8,
-        vocab: int = 50257, itemsize: int = 2, tied: bool = False) -> Graph:
+        vocab: int = 50257, itemsize: int = 2, tied: bool = False) -> LayerGraph:
     """A GPT decoder: token embedding, per block qkv / attention / proj / fc1 / fc2, LM head
     (``tied``: the head uses the embedding's weight, as GPT-2's; it then has none of its own).
 
@@ -58,7 +58,7 @@ def gpt(layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 1024, 
         ]
     head = linear_layer("head", t, d, vocab, megatron="col")
     out.append(dataclasses.replace(head, weight_shape=None, tied="embed") if tied else head)
-    return Graph(out, name=f"gpt-{layers}x{d_model}", itemsize=itemsize)
+    return LayerGraph(out, name=f"gpt-{layers}x{d_model}", itemsize=itemsize)
 
 
 def _conv(name, n, cin, cout, hw_in, hw_out, k):
@@ -72,7 +72,7 @@ def _pool(name, n, c, hw_in, hw_out):
                  1.0 * n * c * hw_in * hw_in, False, {"megatron": "ch"})
 
 
-def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> LayerGraph:
     """VGG-13 on 224 x 224 images (sizes are ints >= 1, else `SearchInputError`)."""
     _sizes("vgg13", batch=batch, num_classes=num_classes, itemsize=itemsize)
     cfg = [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
@@ -88,10 +88,10 @@ def vgg13(batch: int = 64, num_classes: int = 1000, itemsize: int = 2) -> Graph:
     layers += [linear_layer("fc1", batch, c * hw * hw, 4096, megatron="col"),
                linear_layer("fc2", batch, 4096, 4096, megatron="row"),
                linear_layer("fc3", batch, 4096, num_classes, megatron="col")]
-    return Graph(layers, name="vgg13", itemsize=itemsize)
+    return LayerGraph(layers, name="vgg13", itemsize=itemsize)
 
 
-def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> Graph:
+def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> LayerGraph:
     """AlexNet on 224 x 224 images (sizes are ints >= 1, else `SearchInputError`)."""
     _sizes("alexnet", batch=batch, num_classes=num_classes, itemsize=itemsize)
     n = batch
@@ -105,12 +105,12 @@ def alexnet(batch: int = 128, num_classes: int = 1000, itemsize: int = 2) -> Gra
         linear_layer("fc2", n, 4096, 4096, megatron="row"),
         linear_layer("fc3", n, 4096, num_classes, megatron="col"),
     ]
-    return Graph(layers, name="alexnet", itemsize=itemsize)
+    return LayerGraph(layers, name="alexnet", itemsize=itemsize)
 
 
 def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000_000,
          dim: int = 128, bottom=(512, 256, 128), top=(1024, 1024, 512, 256, 1),
-         itemsize: int = 4) -> Graph:
+         itemsize: int = 4) -> LayerGraph:
     """DLRM-like: stacked embedding tables and a bottom MLP both feed the feature interaction
     (an in-tree), then the top MLP. ``bottom[-1]`` must equal ``dim``; sizes are ints >= 1
     (else `SearchInputError`)."""
@@ -141,11 +141,11 @@ def dlrm(batch: int = 2048, dense: int = 13, tables: int = 26, rows: int = 1_000
     edges = [("emb", "interact")]
     edges += [(names[1 + i], names[2 + i]) for i in range(nb)]        # bottom chain -> interact
     edges += [(names[1 + nb + i], names[2 + nb + i]) for i in range(len(top))]
-    return Graph(layers, edges, name="dlrm", itemsize=itemsize)
+    return LayerGraph(layers, edges, name="dlrm", itemsize=itemsize)
 
 
 def mlp(sizes=(1024, 4096, 1024), batch: int = 64, activation: bool = True,
-        itemsize: int = 4) -> Graph:
+        itemsize: int = 4) -> LayerGraph:
     """A chain of linears. Without an activation the layers are a product of matrices, so a
     partial-sum output may flow into the next layer unreduced. ``sizes``: at least two
     widths, each an int >= 1 (else `SearchInputError`)."""
@@ -158,4 +158,4 @@ def mlp(sizes=(1024, 4096, 1024), batch: int = 64, activation: bool = True,
     layers = [linear_layer(f"fc{i}", batch, a, b, accepts_partial=(not activation and i > 0),
                       megatron="col" if i % 2 == 0 else "row")
               for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
-    return Graph(layers, name="mlp", itemsize=itemsize)
+    return LayerGraph(layers, name="mlp", itemsize=itemsize)

@@ -203,7 +203,7 @@ def _owner(coarse: tuple, fine: tuple) -> tuple | None:
                  for j in range(len(fine)))
 
 
-class _Stream:
+class _ActivationPlacement:
     """The placement activations live on between layers, and moves to and from layer
     placements (relabels where the layouts hold the same elements on every rank)."""
 
@@ -266,7 +266,7 @@ def single_mesh_search(graph, cluster, algorithm: str = "exhaustive", seed: int 
     """The best strategy whose layers all share one mesh: the search restricted to each mesh
     of ``cluster.world_size`` devices in turn (recomputing twins too with ``recompute``,
     ZeRO twins with ``zero``, as `layer_space`). Returns ``(strategy, breakdown, cost)``."""
-    from .search import ALGORITHMS, Problem, check_memory_limit
+    from .strategy_search import ALGORITHMS, Problem, check_memory_limit
     check_memory_limit(memory_limit)
     if memory_limit is None:
         memory_limit = getattr(cluster, "memory_per_device", None)
@@ -417,7 +417,7 @@ def _restrategy(graph, layers: list, like) -> Strategy:
 
 
 # -- apply --------------------------------------------------------------------------------------------
-def _wrap(module, kind, s: LayerStrategy, pl, stream: _Stream, name: str,
+def _wrap(module, kind, s: LayerStrategy, pl, stream: _ActivationPlacement, name: str,
           alone: bool = False) -> None:
     """Replace ``module``'s forward: input boxed from the stream to the layer's layout, the
     module's own forward, output boxed to the layer's layout and back onto the stream.
@@ -634,7 +634,7 @@ def _note_memory(bd: Breakdown, limit, cluster, notes: list, options: dict) -> N
     ``limit`` bytes (None: the cluster's): the model is laid out anyway (the search found
     nothing within it). ``options``: the search options that could help, and whether each
     was given (the advice names the others)."""
-    from .search import check_memory_limit
+    from .strategy_search import check_memory_limit
     check_memory_limit(limit)
     limit = getattr(cluster, "memory_per_device", None) if limit is None else limit
     need = bd.memory.get("total", 0)
@@ -874,7 +874,7 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
     """``(strategy, breakdown)`` of the search (restricted to one mesh with ``one_mesh``;
     with pipeline stages unless ``stages`` is 1; recomputing twins in the space with
     ``recompute``, ZeRO twins with ``zero``)."""
-    from .search import search
+    from .strategy_search import one_stage_search
     if one_mesh:
         if stages != 1:
             raise ParallelizeError("parallelize: one_mesh=True searches one stage; give "
@@ -883,12 +883,12 @@ def _search(graph, cluster, algorithm: str, seed: int, memory_limit, one_mesh: b
                                              recompute=recompute, zero=zero)
         return strategy, bd
     if stages != 1:
-        from .interop import find  # `search` without its warning: `_note_memory` says it
+        from .pipeline_search import find  # `search` without its warning: `_note_memory` says it
         res = find(graph, cluster, algorithm, seed, memory_limit=memory_limit, stages=stages,
                    recompute=recompute, zero=zero)
         return _cap_micro_batches(graph, res.strategy, cluster, notes, res.breakdown)
-    res = search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
-                 recompute=recompute, zero=zero)
+    res = one_stage_search(graph, cluster, algorithm, seed, memory_limit=memory_limit,
+                           recompute=recompute, zero=zero)
     return res.strategy, res.breakdown
 
 
@@ -989,7 +989,7 @@ def _placements_by_mesh(placement):
     return on
 
 
-def _stream(layers: list, on, notes: list) -> _Stream:
+def _stream(layers: list, on, notes: list) -> _ActivationPlacement:
     """The stream the activations of ``layers`` (their strategies) live on: the common
     refinement of their meshes or, if there is none, the layer mesh that refines the meshes
     of the most layers (noted)."""
@@ -1002,4 +1002,4 @@ def _stream(layers: list, on, notes: list) -> _Stream:
         notes.append(f"meshes {sorted(mesh_counts)} have no common refinement: activations "
                      f"live on {fine}; layers on {others} take their input by a "
                      f"cross-placement boxing and return their output replicated")
-    return _Stream(on(fine), {m: _owner(m, fine) for m in mesh_counts})
+    return _ActivationPlacement(on(fine), {m: _owner(m, fine) for m in mesh_counts})

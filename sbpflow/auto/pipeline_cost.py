@@ -7,8 +7,8 @@ one micro-batch, forward and backward (the fill and drain of the pipeline; in st
 overlap compute) + the slowest stage's gradient sync + one gradient exchange per tie whose
 holder is in another stage (that stage holds its own copy of the weight, in its memory and its
 gradient sync). Memory per device per stage: its weights, gradients and optimizer state, plus
-the activations of the micro-batches it keeps in flight (`sbpflow.auto.space.Pipeline.in_flight`).
-See docs/auto.md, 'Pipeline stages'.
+the activations of the micro-batches it keeps in flight
+(`sbpflow.auto.space.PipelineShape.in_flight`). See docs/auto.md, 'Pipeline stages'.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..errors import GraphError
 from ..sbp import B, Partial, S, Split
 from .evaluate import Breakdown, Evaluator
 from .evaluate import evaluate as _evaluate_one
-from .graph import Graph
+from .layer_graph import LayerGraph
 from .space import _tied_weight, check_whole_sequences, weight_layout
 
 __all__ = ["evaluate", "balanced_cuts", "sub_cluster", "stage_graph", "stage_ranges", "StageCost",
@@ -42,14 +42,14 @@ def sub_cluster(cluster, devices: int):
     return dataclasses.replace(cluster, nodes=1, devices_per_node=devices)
 
 
-def stage_graph(graph, start: int, end: int) -> Graph:
+def stage_graph(graph, start: int, end: int) -> LayerGraph:
     """Layers ``start:end`` of a chain ``graph`` as a graph of their own (its last layer is a
     sink: a partial output is reduced before it leaves the stage). A tied layer whose holder
     is in another stage gets its own copy of the weight (`_own_copy`): stages run on disjoint
     devices, so each holds the weight it uses."""
     layers = [_own_copy(graph, l) if _tie_elsewhere(graph, l, start, end) else l
               for l in graph.layers[start:end]]
-    return Graph(layers, name=f"{graph.name}[{start}:{end}]",
+    return LayerGraph(layers, name=f"{graph.name}[{start}:{end}]",
                  itemsize=graph.itemsize, optimizer_states=graph.optimizer_states,
                  optimizer_itemsize=graph.optimizer_itemsize)
 

@@ -165,10 +165,10 @@ def run_search(graph, cluster, algorithm="cd", seed=0, budget_s=30.0, memory_lim
 
     ``fill_budget``: cd / mh / random run until the budget is spent (equal-time comparisons)
     instead of stopping on their default restart / iteration / sample counts. ``stages``,
-    ``schedule``: `sbpflow.auto.interop.search`, whose checks refuse bad input
-    (`SearchInputError`); a result over the memory limit is no warning here (`interop.find`):
-    the command prints it as not fitting."""
-    from .interop import find as search
+    ``schedule``: `sbpflow.auto.pipeline_search.search`, whose checks refuse bad input
+    (`SearchInputError`); a result over the memory limit is no warning here
+    (`pipeline_search.find`): the command prints it as not fitting."""
+    from .pipeline_search import find as search
     opts = dict(FILL_BUDGET.get(algorithm, {})) if fill_budget else {}
     budget = None if algorithm in ("exhaustive", "enumerate") else budget_s
     box: dict = {}

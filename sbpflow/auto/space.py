@@ -19,10 +19,12 @@ import numpy as np
 from ..caches import BoundedDict, memoize
 from ..errors import GraphError, ParallelizeError
 from ..sbp import B, P, S, Split, format_nd_sbp
+from ..utils import renamed
 
-__all__ = ["LayerStrategy", "Strategy", "Pipeline", "SIGNATURES", "meshes", "layer_space", "space",
-           "make_layer_strategy", "whole_sequences", "check_whole_sequences", "splits_sequences",
-           "weight_layout", "tie_agrees", "tie_agreement", "zero_stage", "zero_twin"]
+__all__ = ["LayerStrategy", "Strategy", "PipelineShape", "SIGNATURES", "meshes", "layer_space",
+           "space", "make_layer_strategy", "whole_sequences", "check_whole_sequences",
+           "splits_sequences", "weight_layout", "tie_agrees", "tie_agreement", "zero_stage",
+           "zero_twin"]
 
 _N = None  # no weight
 
@@ -113,7 +115,7 @@ class LayerStrategy:
                 f"output={format_nd_sbp(self.output)}{z}{st}{rc})")
 
 
-class Pipeline(NamedTuple):
+class PipelineShape(NamedTuple):
     """A strategy's pipeline: ``stages`` contiguous stages of the layer chain, each on
     ``devices`` consecutive ranks (stage k on ranks ``k * devices ..``), ``micro_batches``
     per step run by ``schedule`` (``"1f1b"`` or ``"gpipe"``)."""
@@ -133,9 +135,9 @@ class Pipeline(NamedTuple):
 
 class Strategy:
     """Layer name -> LayerStrategy; indexable by name, prints as a table. ``pipeline`` (None:
-    one stage on every device) says how the layers' ``stage`` s run (`Pipeline`)."""
+    one stage on every device) says how the layers' ``stage`` s run (`PipelineShape`)."""
 
-    def __init__(self, graph, layers: dict | list, pipeline: Pipeline | None = None):
+    def __init__(self, graph, layers: dict | list, pipeline: PipelineShape | None = None):
         self.graph = graph
         if isinstance(layers, dict):
             layers = [layers[l.name] for l in graph.layers]
@@ -474,3 +476,6 @@ def tie_agreement(holder, holder_cands: list, tied, tied_cands: list) -> np.ndar
     tw = np.array([-2 if w is None else ids.get(w, -2)
                    for w in (weight_layout(tied, s) for s in tied_cands)])
     return hw[:, None] == tw[None, :]
+
+
+__getattr__ = renamed(__name__, {"Pipeline": "PipelineShape"})  # the old name, for one release

@@ -23,7 +23,7 @@ import torch
 from ..errors import (CommError, PlacementError, PlacementMismatchError, SbpError,
                       TraceError)
 from ..sbp import B, Broadcast
-from .graph import Graph, Layer
+from .layer_graph import LayerGraph, Layer
 from .model_graphs import linear_layer
 
 __all__ = ["trace", "TraceError", "graph_weight_shape", "stores_in_out"]
@@ -34,8 +34,8 @@ def _torch_itemsize(dtype) -> int:
 
 
 def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
-          ) -> tuple[Graph, dict]:
-    """``(graph, modules)``: the `Graph` of ``model``'s Linear / Embedding / Conv2d (and
+          ) -> tuple[LayerGraph, dict]:
+    """``(graph, modules)``: the `LayerGraph` of ``model``'s Linear / Embedding / Conv2d (and
     Hugging Face ``Conv1D``) calls on ``example_inputs`` (a tuple of positional forward
     arguments, a dict of keyword ones, or one tensor: global tensors, torch tensors, or other
     values passed through) and ``{layer name: module}``.
@@ -60,7 +60,7 @@ def trace(model, example_inputs, name: str | None = None, *, meta: bool = True
                          f"Linear, Embedding, Conv2d or Conv1D module")
     floats = [p.dtype for p in params if p.dtype.is_floating_point]
     itemsize = _torch_itemsize(floats[0] if floats else params[0].dtype)
-    graph = Graph(layers, name=name or type(model).__name__, itemsize=itemsize,
+    graph = LayerGraph(layers, name=name or type(model).__name__, itemsize=itemsize,
                   optimizer_itemsize=itemsize, batch=_batch(list(args) + list(kwargs.values())))
     return graph, {r[0]: r[4] for r in records}
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from ..sbp import B, Broadcast, Partial, S, Split
 
 __all__ = ["TRANSFER_MAX_RANKS", "PARTIAL_SUM", "Walk", "WalkMove", "TransferOption",
-           "Transfer", "fine_walk", "layout_code", "divisor"]
+           "TransferWalk", "fine_walk", "layout_code", "divisor"]
 
 # meshes of more ranks than this are not enumerated (too many boxes for a search): a move the
 # fixed order cannot make is priced as its collective instead of the planner's transfer
@@ -53,7 +53,7 @@ class TransferOption(NamedTuple):
     lack: float         # rank 0's load of the transfer (`lack_of`)
 
 
-class Transfer(NamedTuple):
+class TransferWalk(NamedTuple):
     """The reduce-then-transfer walk from ``src`` to ``dst`` on ``fine`` (tensors of ``ndim``
     axes): its ``options``; per reduction kind (None: no reduction) the least rank-0 load of
     its options, ``(kind, dims, div, group size, lack)`` in ``least`` (a floor's terms: the
@@ -71,7 +71,7 @@ class Transfer(NamedTuple):
 
 class Walk:
     """A redistribution's shape-free walk: ``how`` is ``"moves"`` (``body``: its `WalkMove` s)
-    or ``"transfer"`` (``body``: a `Transfer`); unpacks as ``how, body``. Compared and hashed
+    or ``"transfer"`` (``body``: a `TransferWalk`); unpacks as ``how, body``. Compared and hashed
     by identity: the evaluator keeps prices by walk and shape (layout pairs that refine to one
     walk share them), and an equal walk held by another object is only a memo miss."""
 
@@ -314,7 +314,7 @@ def _own_box(fine: tuple, codes, ndim: int) -> list:
 
 
 def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
-                      dc: list) -> Transfer:
+                      dc: list) -> TransferWalk:
     """The planner's reduce-then-transfer from ``s`` to ``d`` on the refined mesh ``fine`` (of
     at most ``TRANSFER_MAX_RANKS`` ranks), shape-free: a `TransferOption` per reduced layout
     it may start from (broadcast, or a split of some axis, where that reduce-scatter is a
@@ -325,7 +325,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
     pdims = tuple(j for j, x in enumerate(sc) if x <= -2)
     if not pdims:
         lack = lack_of(own_s, own_d)
-        return Transfer(fine, s, d, ndim, (TransferOption(None, s, lack),),
+        return TransferWalk(fine, s, d, ndim, (TransferOption(None, s, lack),),
                         ((None, (), 1, 1, lack),), ((fine, s, d, ndim),))
     div = divisor(fine, sc, pdims)   # the same reduced piece for every option
     # rank 0's boxes: the partial dims split nothing, so the broadcast option's box is the
@@ -347,7 +347,7 @@ def _transfer_options(ndim: int, fine: tuple, s: tuple, d: tuple, sc: list,
                                       lack))
             if len(least) == 1 or lack < least[1][4]:
                 least[1:] = [("reduce_scatter", pdims, div, g, lack)]
-    return Transfer(fine, s, d, ndim, tuple(out), tuple(least),
+    return TransferWalk(fine, s, d, ndim, tuple(out), tuple(least),
                     tuple((fine, o.mid, d, ndim) for o in out))
 
 

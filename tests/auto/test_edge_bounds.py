@@ -12,7 +12,7 @@ import pytest
 import sbpflow as sf
 from sbpflow.auto import model_graphs
 from sbpflow.auto.evaluate import Evaluator, edge_lower_bounds
-from sbpflow.auto.search import Problem
+from sbpflow.auto.strategy_search import Problem
 
 
 def _check_tables(pb, seen: set) -> int:

@@ -9,7 +9,7 @@ from sbpflow.auto import model_graphs
 from sbpflow.auto.baselines import (TABLE1, block_layers, full_recompute, megatron,
                                     megatron_flops, megatron_layers,
                                     megatron_pipeline, megatron_stages, table1_case)
-from sbpflow.auto.interop import explored_counts, micro_batch_ladder, one_stage_floor
+from sbpflow.auto.pipeline_search import explored_counts, micro_batch_ladder, one_stage_floor
 from sbpflow.auto.space import splits_sequences
 
 B, P, S = sf.B, sf.P, sf.S
@@ -30,7 +30,7 @@ LAYOUTS = {   # Megatron's tensor-parallel (input, weight, output) on the tp dim
 def test_tensor_pipeline_data_layouts_and_devices():
     g, c = small()
     s = megatron(g, c, tp=4, pp=2, dp=2, micro_batches=4)
-    assert s.pipeline == sf.auto.Pipeline(2, 8, 4, "1f1b")
+    assert s.pipeline == sf.auto.PipelineShape(2, 8, 4, "1f1b")
     # two blocks a stage: the embedding with h0, h1; h2, h3 with the head
     assert [st.stage for st in s.layers] == [0] * 11 + [1] * 11
     for layer, st in zip(g.layers, s.layers):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from sbpflow.auto import Graph, Layer, LayerStrategy, evaluate
+from sbpflow.auto import LayerGraph, Layer, LayerStrategy, evaluate
 from sbpflow.models import gpt_class, mlp_class, vgg_class
 
 B, P, S = sf.B, sf.P, sf.S
@@ -62,7 +62,7 @@ def test_3d_matmul_values_and_bytes_equal_evaluate(tokens, d_in, d_out):
     # measured bytes, summed over the 8 ranks, against the analytic model (per device x 8)
     layer = Layer("fc", "linear", (tokens, d_in), (d_in, d_out), (tokens, d_out))
     cluster = sf.cost.Cluster(2, 4, intra=(1e-6, 1e-10), inter=(1e-5, 1e-9))
-    bd = evaluate(Graph([layer], itemsize=8), [THREE_D], cluster)
+    bd = evaluate(LayerGraph([layer], itemsize=8), [THREE_D], cluster)
     fwd = sum(q["fwd"].sent for q in res)
     bwd = sum(q["bwd"].sent for q in res)
     sync = sum(q["sync"].sent for q in res)

@@ -11,7 +11,7 @@ import torch
 
 import sbpflow as sf
 from gpt_twin import torch_gpt_train
-from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy
+from sbpflow.auto.space import PipelineShape, Strategy, make_layer_strategy
 from sbpflow.models import gpt_class
 
 B, P, S = sf.B, sf.P, sf.S
@@ -36,7 +36,7 @@ def _stages(graph, schedule: str, mid_block: bool = False) -> Strategy:
         names = ("dp",) if first else (l.attrs["megatron"],)
         s = make_layer_strategy(l, (2,), names)
         layers.append(dataclasses.replace(s, stage=0 if first else 1))
-    return Strategy(graph, layers, Pipeline(2, 2, 2, schedule))
+    return Strategy(graph, layers, PipelineShape(2, 2, 2, schedule))
 
 
 def _train(how: str) -> dict:
@@ -126,7 +126,7 @@ def _tied_across_one_device_stages():
               for i, l in enumerate(graph.layers)]
     pl = sf.placement("cpu", [0, 1])
     plan = sf.auto.parallelize(model, batch(0), pl,
-                               strategy=Strategy(graph, layers, Pipeline(2, 1, 2)))
+                               strategy=Strategy(graph, layers, PipelineShape(2, 1, 2)))
     opt = sf.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     step = plan.graph_step(opt)
     losses = [step(*[plan.input(t) for t in batch(k)]).to_global(pl, (B,)).local.item()

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sbpflow as sf
-from sbpflow.auto import Graph, Layer
+from sbpflow.auto import LayerGraph, Layer
 from sbpflow.auto.space import make_layer_strategy
 
 F64 = torch.float64
@@ -99,7 +99,7 @@ def test_trace_marks_the_tied_head_and_every_count_takes_the_weight_once():
     bd = sf.auto.evaluate(g, dp, cluster)
     # memory: the weight once (replicated); gradient sync: one all-reduce of each weight
     assert bd.memory["params"] == WEIGHTS * g.itemsize
-    untied = Graph([l if l.tied is None else Layer(l.name, l.kind, l.input_shape, (D, VOCAB),
+    untied = LayerGraph([l if l.tied is None else Layer(l.name, l.kind, l.input_shape, (D, VOCAB),
                                                    l.output_shape, l.flops)
                     for l in g.layers], itemsize=g.itemsize)
     ubd = sf.auto.evaluate(untied, sf.auto.baselines.data_parallel(untied, cluster), cluster)
@@ -112,11 +112,11 @@ def test_trace_marks_the_tied_head_and_every_count_takes_the_weight_once():
 def test_a_graph_refuses_a_tie_to_a_later_or_weightless_layer():
     a = Layer("a", "linear", (4, 8), (8, 8), (4, 8))
     b = Layer("b", "linear", (4, 8), None, (4, 8), tied="a")
-    assert Graph([a, b]).params == 64
+    assert LayerGraph([a, b]).params == 64
     with pytest.raises(ValueError, match="not an earlier layer"):
-        Graph([Layer("b", "linear", (4, 8), None, (4, 8), tied="a"), a])
+        LayerGraph([Layer("b", "linear", (4, 8), None, (4, 8), tied="a"), a])
     with pytest.raises(ValueError, match="must be None"):
-        Graph([a, Layer("b", "linear", (4, 8), (8, 8), (4, 8), tied="a")])
+        LayerGraph([a, Layer("b", "linear", (4, 8), (8, 8), (4, 8), tied="a")])
 
 
 def _mismatched(graph):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy
+from sbpflow.auto.space import PipelineShape, Strategy, make_layer_strategy
 from sbpflow.models import gpt_class
 
 GPT = dict(vocab=16, d=8, heads=2, layers=2, seq=6)
@@ -47,7 +47,7 @@ def _two_stages(graph, schedule: str) -> Strategy:
         first = l.name in ("tok", "pos") or l.name.startswith("blocks.0.")
         s = make_layer_strategy(l, (2,), ("rep",))
         layers.append(dataclasses.replace(s, stage=0 if first else 1))
-    return Strategy(graph, layers, Pipeline(2, 2, 2, schedule))
+    return Strategy(graph, layers, PipelineShape(2, 2, 2, schedule))
 
 
 def _train(how: str, opt_name: str) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import sbpflow as sf
 from sbpflow.auto import model_graphs
 from sbpflow.auto.search_cli import pipeline_line
-from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy
+from sbpflow.auto.space import PipelineShape, Strategy, make_layer_strategy
 from sbpflow.cli import main
 
 GiB = 2 ** 30
@@ -27,7 +27,7 @@ def _dp_pipeline(g, cut: int, m: int, schedule: str) -> Strategy:
     """Every layer data parallel on its stage's 2 devices; stage 1 from layer ``cut``."""
     layers = [dataclasses.replace(make_layer_strategy(l, (2,), ("dp",)), stage=int(i >= cut))
               for i, l in enumerate(g.layers)]
-    return Strategy(g, layers, Pipeline(2, 2, m, schedule))
+    return Strategy(g, layers, PipelineShape(2, 2, m, schedule))
 
 
 def _chain():
@@ -92,8 +92,8 @@ def test_1f1b_keeps_s_minus_s_micro_batches_gpipe_all():
     gp = sf.auto.evaluate(g, _dp_pipeline(g, 2, m, "gpipe"), c).stage_memory
     assert one == pytest.approx([static[0] + 2 * per_micro[0], static[1] + 1 * per_micro[1]])
     assert gp == pytest.approx([static[0] + m * per_micro[0], static[1] + m * per_micro[1]])
-    assert Pipeline(4, 2, 8).in_flight(0) == 4 and Pipeline(4, 2, 2).in_flight(0) == 2
-    assert Pipeline(4, 2, 8, "gpipe").in_flight(3) == 8
+    assert PipelineShape(4, 2, 8).in_flight(0) == 4 and PipelineShape(4, 2, 2).in_flight(0) == 2
+    assert PipelineShape(4, 2, 8, "gpipe").in_flight(3) == 8
 
 
 def test_search_picks_stages_when_one_stage_cannot_fit():
@@ -101,7 +101,7 @@ def test_search_picks_stages_when_one_stage_cannot_fit():
     # strategy fits 80 GB at one micro-batch, a pipeline does
     g = model_graphs.gpt(16, 12288, 96, 2048, 16, 51200)
     c = sf.cost.Cluster.preset("dgx-a100", nodes=1)
-    assert sf.auto.interop.one_stage_floor(g, c) > c.memory_per_device
+    assert sf.auto.pipeline_search.one_stage_floor(g, c) > c.memory_per_device
     r = sf.auto.search(g, c, "cd", restarts=0)
     pp = r.strategy.pipeline
     assert r.fits and pp is not None and pp.stages > 1 and pp.micro_batches >= pp.stages
@@ -142,7 +142,7 @@ def test_search_command_prints_stages(capsys):
 
 def test_exhaustive_start_only_prunes():
     # the pipeline pass gives the exact search its quick strategies as a bound: same optimum
-    from sbpflow.auto.search import search as one_stage
+    from sbpflow.auto.strategy_search import one_stage_search as one_stage
     g = model_graphs.gpt(2, 256, 8, 128, 8, 512)
     c = _cluster(2, 4)
     quick = one_stage(g, c, "cd", restarts=0, window=1)

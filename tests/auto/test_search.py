@@ -10,7 +10,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs
-from sbpflow.auto.search import PENALTY, Problem, _coordinate_descent, _dp_once
+from sbpflow.auto.strategy_search import PENALTY, Problem, _coordinate_descent, _dp_once
 
 
 def cluster(nodes=1, dpn=4, **kw):

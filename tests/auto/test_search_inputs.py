@@ -91,7 +91,7 @@ def test_auto_stages_try_pipelines_when_the_one_stage_search_finds_nothing_that_
     g = sf.auto.model_graphs.gpt(tied=True)
     c = sf.cost.Cluster.preset("dgx-a100", nodes=1)
     limit = 2 ** 30
-    assert sf.auto.interop.one_stage_floor(g, c, 1) <= limit
+    assert sf.auto.pipeline_search.one_stage_floor(g, c, 1) <= limit
     with pytest.warns(sf.auto.MemoryLimitWarning, match="so one may fit that the search did "
                                                         "not find"):
         assert not sf.auto.search(g, c, memory_limit=limit, stages=1).fits
@@ -149,8 +149,8 @@ def test_bad_search_input_names_the_argument_its_value_and_the_fix():
     (heads=5 with d_model=64, budget_s=-1)."""
     c = _cluster()
     g = _gpt_graph()
-    bad_layer = sf.auto.Graph([model_graphs.linear_layer("fc", 0, 8, 4)], name="handmade")
-    attn = sf.auto.Graph([sf.auto.Layer("a", "attention", (256, 192), None, (256, 64), 1.0,
+    bad_layer = sf.auto.LayerGraph([model_graphs.linear_layer("fc", 0, 8, 4)], name="handmade")
+    attn = sf.auto.LayerGraph([sf.auto.Layer("a", "attention", (256, 192), None, (256, 64), 1.0,
                                         False, {"batch": 8, "heads": 5})], name="handmade")
     gpt = "sf.auto.model_graphs.gpt"
     e = "SearchInputError"
@@ -188,7 +188,7 @@ def test_bad_search_input_names_the_argument_its_value_and_the_fix():
     got = {name: _search_error(call) for name, (call, _) in cases.items()}
     assert got == {name: (e, text, True) for name, (_, text) in cases.items()}
     # the one-stage search checks alike (the module function, as the CLI's search reaches it)
-    from sbpflow.auto.search import search as one_stage
+    from sbpflow.auto.strategy_search import one_stage_search as one_stage
     assert _search_error(lambda: one_stage(g, c, budget_s=-1)) == got["budget_s"]
 
 
@@ -203,7 +203,7 @@ def test_a_result_over_the_memory_limit_warns_with_the_least_memory_any_strategy
     g, c = _gpt_graph(), _cluster()
     with pytest.warns(sf.auto.MemoryLimitWarning) as record:
         r = sf.auto.search(g, c, memory_limit=1000, stages=1)
-    floor = sf.auto.interop.one_stage_floor(g, c, 1)
+    floor = sf.auto.pipeline_search.one_stage_floor(g, c, 1)
     assert not r.fits and floor > 1000
     assert [str(w.message) for w in record] == [
         f"sf.auto.search: the strategy found needs {_kib(r.breakdown.memory['total'])} a "

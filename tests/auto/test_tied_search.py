@@ -9,9 +9,9 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs as mg
-from sbpflow.auto.graph import Graph, Layer
-from sbpflow.auto.search import PENALTY, Problem
-from sbpflow.auto.space import Pipeline, Strategy, make_layer_strategy, tie_agrees, weight_layout
+from sbpflow.auto.layer_graph import LayerGraph, Layer
+from sbpflow.auto.strategy_search import PENALTY, Problem
+from sbpflow.auto.space import PipelineShape, Strategy, make_layer_strategy, tie_agrees, weight_layout
 from sbpflow.sbp import B, S
 
 GiB = 2 ** 30
@@ -26,7 +26,7 @@ def _tiny():
     """embed (vocab 64, d 32) -> qkv -> head (96 -> 64) tied to embed: small enough to
     enumerate."""
     g = mg.gpt(1, 32, 4, 8, 2, 64, tied=True)
-    return Graph([g["embed"], g["h0.qkv"], dataclasses.replace(
+    return LayerGraph([g["embed"], g["h0.qkv"], dataclasses.replace(
         g["head"], input_shape=(16, 96), flops=2.0 * 16 * 96 * 64)], name="tied-tiny")
 
 
@@ -67,7 +67,7 @@ def test_untied_optimum_disagrees_so_the_tie_constrains():
     # differently, so the tie changes the answer (the test above is not vacuous)
     g, c = _tiny(), _cluster()
     head = dataclasses.replace(g["head"], tied=None, weight_shape=(96, 64))
-    free = Graph([g["embed"], g["h0.qkv"], head], name="untied")
+    free = LayerGraph([g["embed"], g["h0.qkv"], head], name="untied")
     r = sf.auto.search(free, c, "exhaustive", memory_limit=float("inf"), stages=1)
     tied = sf.auto.search(g, c, "exhaustive", memory_limit=float("inf"), stages=1)
     assert not tie_agrees(free["embed"], r.strategy["embed"], g["head"], r.strategy["head"])
@@ -102,7 +102,7 @@ def _tied_chain(tied=True):
     head = mg.linear_layer("head", T, D, V, megatron="col")
     if tied:
         head = dataclasses.replace(head, weight_shape=None, tied="embed")
-    return Graph([emb, mg.linear_layer("fc", T, D, D), head], name="tied-chain")
+    return LayerGraph([emb, mg.linear_layer("fc", T, D, D), head], name="tied-chain")
 
 
 def _two_stages(g, embed, head):
@@ -110,7 +110,7 @@ def _two_stages(g, embed, head):
     def st(name, sig, k):
         return dataclasses.replace(make_layer_strategy(g[name], (2,), (sig,)), stage=k)
     return Strategy(g, [st("embed", embed, 0), st("fc", "dp", 0), st("head", head, 1)],
-                    Pipeline(2, 2, 2, "1f1b"))
+                    PipelineShape(2, 2, 2, "1f1b"))
 
 
 def test_a_tie_across_stages_gives_the_last_stage_a_copy_and_one_all_reduce():

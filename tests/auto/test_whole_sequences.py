@@ -7,8 +7,8 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs
-from sbpflow.auto.interop import _Explorer, _Found
-from sbpflow.auto.space import (Pipeline, Strategy, layer_space, make_layer_strategy,
+from sbpflow.auto.pipeline_search import _Explorer, _Found
+from sbpflow.auto.space import (PipelineShape, Strategy, layer_space, make_layer_strategy,
                                 splits_sequences, whole_sequences)
 from sbpflow.sbp import Split
 
@@ -66,7 +66,7 @@ def test_repricing_at_more_micro_batches_refuses_a_split_sequence():
     ex = _Explorer(g, c, "cd", 0, None, 3, False, "1f1b", {}, None)
     layers = [dataclasses.replace(make_layer_strategy(l, (4,), ("dp",)), stage=int(i >= 6))
               for i, l in enumerate(g.layers)]
-    found = ex.priced(Strategy(g, layers, Pipeline(2, 4, 1)), [], [0, 6])
+    found = ex.priced(Strategy(g, layers, PipelineShape(2, 4, 1)), [], [0, 6])
     assert isinstance(found, _Found)
     assert ex.with_micro_batches(found, 1) is not None
     assert ex.with_micro_batches(found, 2) is None     # 2 sequences a micro-batch, 4-way split
@@ -84,7 +84,7 @@ def test_pipeline_search_returns_whole_sequences(limit):
 
 
 def test_micro_batch_ladder_has_the_batch_divisors_and_keeps_whole_sequences():
-    from sbpflow.auto.interop import micro_batch_ladder
+    from sbpflow.auto.pipeline_search import micro_batch_ladder
     g = model_graphs.gpt(2, 64, 4, 16, 48, 128)
     # s x 2^k: 4, 8, 16, 32 (32 splits a sequence: 48 / 32); divisors of 48 from 4 up
     assert micro_batch_ladder(g, 4) == [4, 6, 8, 12, 16, 24, 48]

@@ -14,7 +14,7 @@ import torch
 import sbpflow as sf
 from gpt_twin import torch_gpt_train
 from sbpflow.auto import model_graphs
-from sbpflow.auto.search import search
+from sbpflow.auto.strategy_search import one_stage_search as search
 from sbpflow.auto.space import (LayerStrategy, Strategy, layer_space, make_layer_strategy,
                                 zero_twin)
 from sbpflow.auto.trace import trace

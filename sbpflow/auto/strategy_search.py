@@ -27,7 +27,7 @@ from .evaluate import Breakdown, Evaluator, edge_lower_bounds
 from .space import (Strategy, _clip_axis, check_whole_sequences, layer_space,
                     tie_agreement, weight_layout, whole_sequences)
 
-__all__ = ["SearchResult", "search", "Problem", "PENALTY"]
+__all__ = ["SearchResult", "one_stage_search", "Problem", "PENALTY"]
 
 PENALTY = 1e4
 
@@ -1113,12 +1113,13 @@ def _start_index(cands: list, s) -> int:
 
 
 @collector_paused()
-def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float | None = None,
-           memory_limit: float | None = None, micro_batches=1, max_dims: int = 3,
-           zero: bool = False, in_flight: int = 1, shared: dict | None = None,
-           recompute: bool = False, **options) -> SearchResult:
+def one_stage_search(graph, cluster, algorithm: str = "cd", seed: int = 0,
+                     budget_s: float | None = None, memory_limit: float | None = None,
+                     micro_batches=1, max_dims: int = 3,
+                     zero: bool = False, in_flight: int = 1, shared: dict | None = None,
+                     recompute: bool = False, **options) -> SearchResult:
     """Search a one-stage strategy for ``graph`` on ``cluster.world_size`` devices
-    (``sf.auto.search``, `sbpflow.auto.interop.search`, also tries pipeline stages).
+    (``sf.auto.search``, `sbpflow.auto.pipeline_search.search`, also tries pipeline stages).
 
     ``memory_limit`` in bytes per device (default: ``cluster.memory_per_device`` if it has
     one; pass ``float('inf')`` for none). ``zero`` / ``recompute``: each layer's ZeRO-
@@ -1138,8 +1139,8 @@ def search(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float
         m, last = 1, None
         limit_m = min(l.input_shape[0] for l in graph.layers)
         while m <= limit_m and whole_sequences(graph, m):
-            last = search(graph, cluster, algorithm, seed, budget_s, memory_limit, m, max_dims,
-                          zero, in_flight, None, recompute, **options)
+            last = one_stage_search(graph, cluster, algorithm, seed, budget_s, memory_limit, m,
+                                    max_dims, zero, in_flight, None, recompute, **options)
             if last.fits:
                 return last
             m *= 2

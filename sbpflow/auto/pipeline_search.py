@@ -1,5 +1,5 @@
-"""``sf.auto.search``: the one-stage search (`sbpflow.auto.search.search`) and pipeline stages
-in the space (Alpa's inter-operator pass over a chain of layers).
+"""``sf.auto.search``: the one-stage search (`strategy_search.one_stage_search`) and pipeline
+stages in the space (Alpa's inter-operator pass over a chain of layers).
 
 Tried when one stage cannot fit memory (``stages="auto"``) or always (``"search"``). Stage
 counts S (whole nodes or equal parts of a node a stage) go from the most stages down; per S
@@ -29,9 +29,9 @@ from .baselines import megatron_pipeline, megatron_stages
 from .checks import MemoryLimitWarning, check_schedule, check_search, check_stages
 from .evaluate import Evaluator
 from .pipeline_cost import balanced_cuts, evaluate, stage_cost, stage_graph, sub_cluster
-from .search import ALGORITHMS, PENALTY, SearchResult, check_memory_limit
-from .search import search as _search_one
-from .space import Pipeline, Strategy, layer_space, splits_sequences, whole_sequences
+from .strategy_search import ALGORITHMS, PENALTY, SearchResult, check_memory_limit
+from .strategy_search import one_stage_search as _search_one
+from .space import PipelineShape, Strategy, layer_space, splits_sequences, whole_sequences
 
 __all__ = ["search", "find", "stage_counts", "explored_counts", "one_stage_floor",
            "micro_batch_ladder", "SCHEDULES"]
@@ -72,7 +72,7 @@ def _cut_points(graph, stages: int) -> list:
     return list(range(1, len(graph.layers)))
 
 
-class _Stage(NamedTuple):
+class _SearchedStage(NamedTuple):
     result: SearchResult
     cost: object        # pipeline.StageCost
 
@@ -106,8 +106,8 @@ class _Explorer:
         self.evaluations = 0
         self.compute = sum(3.0 * l.flops for l in graph.layers) / cluster.device_flops
 
-    def stage(self, start: int, end: int, inflight: int, pp: Pipeline, start_from=None,
-              quick: bool = True) -> _Stage:
+    def stage(self, start: int, end: int, inflight: int, pp: PipelineShape, start_from=None,
+              quick: bool = True) -> _SearchedStage:
         """The searched strategy of layers ``start:end`` as stage ``k`` of ``pp`` (cached).
         ``inflight``: micro-batches of activations kept. ``quick``: one coordinate descent
         of single-layer moves from data parallelism (what the pass compares pipelines by);
@@ -130,7 +130,7 @@ class _Explorer:
                         pp.micro_batches, self.max_dims, self.zero, inflight, shared,
                         self.recompute, **opts)
         self.evaluations += r.evaluations
-        out = _Stage(r, stage_cost(r.breakdown, pp.micro_batches, inflight))
+        out = _SearchedStage(r, stage_cost(r.breakdown, pp.micro_batches, inflight))
         self.cache[key] = out
         return out
 
@@ -168,7 +168,7 @@ class _Explorer:
             self._floors[devices, micro_batches] = [memo[l.key] for l in self.graph.layers]
         return self._floors[devices, micro_batches]
 
-    def can_fit(self, starts: list, pp: Pipeline) -> bool:
+    def can_fit(self, starts: list, pp: PipelineShape) -> bool:
         """Whether every stage's least memory per device (each layer at its least-memory
         candidate, ``in_flight`` micro-batches of activations) is within the limit."""
         if self.limit is None:
@@ -181,7 +181,7 @@ class _Explorer:
                 return False
         return True
 
-    def objective(self, starts: list, pp: Pipeline, start_from=None,
+    def objective(self, starts: list, pp: PipelineShape, start_from=None,
                   quick: bool = True) -> _Found:
         """The pipeline whose stages start at ``starts``, each searched (`stage`)."""
         ends = starts[1:] + [len(self.graph.layers)]
@@ -218,7 +218,7 @@ class _Explorer:
         return self.priced(Strategy(self.graph, found.strategy.layers, pp), found.stages,
                            found.starts)
 
-    def rebalance(self, best: _Found, pp: Pipeline, points: list, rounds: int) -> _Found:
+    def rebalance(self, best: _Found, pp: PipelineShape, points: list, rounds: int) -> _Found:
         """Move one cut point at a time off the slowest stage (to the neighbouring allowed
         point) while the objective goes down."""
         for _ in range(rounds):
@@ -266,7 +266,7 @@ class _Explorer:
 
     def cuts(self, s: int, m: int):
         """(pipeline, cut points, balanced stage starts or None) for ``s`` stages."""
-        pp = Pipeline(s, self.cluster.world_size // s, m, self.schedule)
+        pp = PipelineShape(s, self.cluster.world_size // s, m, self.schedule)
         points = _cut_points(self.graph, s)
         return pp, points, balanced_cuts(self.weights(pp.devices), s, points)
 
@@ -464,7 +464,7 @@ def find(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float |
     a chain pipelines of S stages and M micro-batches (module doc); the least objective
     (predicted step time, plus a penalty when over the memory limit) wins.
 
-    Arguments as `sbpflow.auto.search.search` (``micro_batches``: the one-stage search's
+    Arguments as `strategy_search.one_stage_search` (``micro_batches``: the one-stage search's
     gradient accumulation; a pipeline chooses its own). ``stages``:
 
     * ``"auto"`` (default): pipelines are tried only when no one-stage strategy fits the
@@ -474,7 +474,7 @@ def find(graph, cluster, algorithm: str = "cd", seed: int = 0, budget_s: float |
     * ``1``: one stage only; ``S > 1``: S stages only.
 
     ``schedule``: ``"1f1b"`` (default) or ``"gpipe"``. ``recompute=True`` (an option of
-    `sbpflow.auto.search.search`) puts per-layer activation recomputation in the space; with
+    `strategy_search.one_stage_search`) puts per-layer activation recomputation in the space; with
     ``zero=True``, ``micro_batches="auto"`` and ``stages="search"`` memory is met by the
     cheapest combination of ZeRO, recomputation, micro-batches and pipelining.
 
@@ -576,7 +576,7 @@ def _explore_all(ex: _Explorer, counts: list) -> _Found | None:
 
 
 def _explore_searched(ex: _Explorer, counts: list) -> tuple:
-    """The best pipeline of quick stage searches and the `Pipeline` it was searched at, or
+    """The best pipeline of quick stage searches and the `PipelineShape` it was searched at, or
     (None, None). Stage counts go from the most stages down (the cheapest searches first:
     the fewest devices a stage) and stop after the first count whose best is worse than the
     previous count's (a heuristic: step time against stage count is taken to have one

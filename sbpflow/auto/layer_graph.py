@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Layer", "Graph"]
+__all__ = ["Layer", "LayerGraph"]
 
 
 @dataclass(eq=False)
@@ -60,7 +60,7 @@ class Layer:
         return f"Layer({self.name}: {self.kind} {tuple(self.input_shape)}{w} -> {tuple(self.output_shape)})"
 
 
-class Graph:
+class LayerGraph:
     """Layers in a topological order plus (producer, consumer) edges (default: a chain)."""
 
     def __init__(self, layers, edges=None, name: str = "model", itemsize: int = 2,
@@ -135,8 +135,8 @@ class Graph:
         return sum(l.params for l in self.layers)
 
     def __repr__(self) -> str:
-        return (f"Graph({self.name}: {len(self.layers)} layers, {self.params / 1e6:.1f} M params, "
-                f"{len(self.edges)} edges)")
+        return (f"LayerGraph({self.name}: {len(self.layers)} layers, "
+                f"{self.params / 1e6:.1f} M params, {len(self.edges)} edges)")
 
     def summary(self) -> str:
         rows = [f"{'layer':<14}{'kind':<12}{'input':<22}{'weight':<20}{'output':<22}{'GFLOP':>10}"]
