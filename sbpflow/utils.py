@@ -113,17 +113,14 @@ def renamed(module: str, old_to_new: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for names that moved: ``old_to_new`` maps an old name to
     ``"new"`` (in ``module``), ``"package.module:new"`` or ``"package.module:"`` (the module
     itself). The old name gives the new one's value for one release, with a DeprecationWarning
-    the first time it is read."""
-    warned: set = set()
+    (which Python shows once per place that reads it)."""
 
     def __getattr__(name: str) -> Any:
         if name not in old_to_new:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         where, _, new = old_to_new[name].rpartition(":")
-        if name not in warned:
-            warned.add(name)
-            warnings.warn(f"{module}.{name} was renamed {where or module}{'.' * bool(new)}{new}",
-                          DeprecationWarning, stacklevel=2)
+        warnings.warn(f"{module}.{name} was renamed {where or module}{'.' * bool(new)}{new}",
+                      DeprecationWarning, stacklevel=2)
         if where:
             __import__(where)
         home = sys.modules[where or module]

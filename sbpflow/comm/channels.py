@@ -106,7 +106,7 @@ class StoreChannels:
         self._store = store
         self._post_conn = self._connection()
         self._post_lock = threading.Lock()
-        self._readers: dict[str, _Reader] = {}
+        self._readers: dict[str, _QueueReader] = {}
         self._lock = threading.Lock()
 
     def _connection(self) -> dist.Store:
@@ -140,7 +140,7 @@ class StoreChannels:
         with self._lock:
             reader = self._readers.get(channel)
             if reader is None:
-                reader = self._readers[channel] = _Reader(self._connection(),
+                reader = self._readers[channel] = _QueueReader(self._connection(),
                                                           self.key(rank, channel), self.secret)
         return reader.take(timeout)
 
@@ -152,7 +152,7 @@ class StoreChannels:
             reader.stop(self._post_conn, self._post_lock)
 
 
-class _Reader:
+class _QueueReader:
     """A daemon thread that pops one store queue into a local deque: ``(src, message)`` of
     each frame sealed with ``secret``."""
 

@@ -57,7 +57,7 @@ def _close(queues: list) -> None:
     queues.clear()
 
 
-class _Worker:
+class _QueueWorker:
     def __init__(self, name: str, owner: threading.Thread, alive: Callable[[], bool]) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.last: Job | None = None
@@ -70,7 +70,7 @@ class Workers:
 
     def __init__(self) -> None:
         self._owner = threading.current_thread()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, _QueueWorker] = {}
         self._queues: list[queue.SimpleQueue] = []  # every worker's, for `close`
         ref = weakref.ref(self)
         self._alive = lambda: ref() is not None
@@ -85,7 +85,7 @@ class Workers:
         """Run ``fn`` on the worker of ``name`` (a new one if it is still busy)."""
         w = self._workers.get(name)
         if w is None or (w.last is not None and w.last.is_alive()):
-            w = self._workers[name] = _Worker(name, self._owner, self._alive)
+            w = self._workers[name] = _QueueWorker(name, self._owner, self._alive)
             self._queues.append(w.jobs)
         job = w.last = Job(fn, name)
         w.jobs.put(job)

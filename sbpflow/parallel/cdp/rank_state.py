@@ -28,10 +28,10 @@ from .version_store import StageOwner, VersionStore, owns_storage
 
 __all__ = ["RankState"]
 
-_ANCHOR = torch.zeros((), requires_grad=True)  # makes a stage's input a non-leaf (see _Entry)
+_ANCHOR = torch.zeros((), requires_grad=True)  # makes a stage's input a non-leaf (see _StageEntry)
 
 
-class _Entry(torch.autograd.Function):
+class _StageEntry(torch.autograd.Function):
     """A stage's input as a view of the received tensor that requires grad: autograd gives
     its gradient, and it is not a leaf, so ``sf.memory.track`` counts what autograd saves of
     it (no copy is made, and the received tensor is not kept a second time)."""
@@ -117,7 +117,7 @@ class RankState:
         if j == 0:
             x_in = xs[i]
         else:
-            x_in = _Entry.apply(self.values.pop(("act", i, c, j - 1)), _ANCHOR)
+            x_in = _StageEntry.apply(self.values.pop(("act", i, c, j - 1)), _ANCHOR)
         last = j == self.n - 1
         out, changes = self.runners[j].forward(params, x_in, self.pl,
                                                self.loss_fn if last else None,
