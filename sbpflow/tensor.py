@@ -32,9 +32,10 @@ from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op
 from .ops.shape import (Slice, decode_index, encode_index, list_index, resolve_shape,
                          squeeze_dims)
 from .placement import Placement
+from .random_regions import generate_region, mix_seed
 from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
                   parse_nd_sbp, shard_box)
-from .utils import IdentityMap, generate_region, mix_seed, rebuild_sequence
+from .utils import IdentityMap, rebuild_sequence
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",

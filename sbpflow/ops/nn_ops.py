@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import IndexOutOfRange
+from ..random_regions import generate_region
 from ..sbp import Split, format_nd_sbp
-from ..utils import generate_region
 from .registry import Signature, TensorMeta, register
 
 __all__ = ["softmax_signatures", "layer_norm_signatures", "embedding_signatures",
