@@ -163,8 +163,7 @@ def _replays(gm, metas: tuple) -> bool:
             if node.op == "placeholder":
                 env[node] = next(placeholders)
             elif node.op == "call_function":
-                args = torch.fx.node.map_arg(node.args, lambda n: env[n])
-                kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+                args, kwargs = _arguments(node, env)
                 with torch.no_grad():
                     env[node] = _run(node.target, args, kwargs, torch.device("meta"), meta=True)
                 if not same(env[node], node.meta.get("val")):
@@ -190,12 +189,26 @@ def replay(gm, tensors: list, device: torch.device) -> Any:
         if node.op == "placeholder":
             env[node] = next(placeholders)
         elif node.op == "output":
-            return torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+            return _plain(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
         else:
-            args = torch.fx.node.map_arg(node.args, lambda n: env[n])
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+            args, kwargs = _arguments(node, env)
             env[node] = _run(node.target, args, kwargs, device)
     raise AssertionError("an fx graph ends with its output node")
+
+
+def _arguments(node: torch.fx.Node, env: dict) -> tuple[tuple, dict]:
+    """The node's arguments with the values computed so far, in plain lists and tuples (fx
+    gives its own immutable kinds, which a handler's ``type(x) is list`` would not take)."""
+    return _plain(torch.fx.node.map_arg(node.args, lambda n: env[n])), \
+        {k: _plain(v) for k, v in torch.fx.node.map_arg(node.kwargs, lambda n: env[n]).items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def _run(target: Callable, args: tuple, kwargs: dict, device: torch.device,
