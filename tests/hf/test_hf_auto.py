@@ -176,7 +176,7 @@ def test_trace_on_shapes_draws_no_dropout_mask(monkeypatch):
 
 def _split_ids_refused(model, ids):
     pl = sf.placement("cpu", [0, 1, 2, 3])
-    with pytest.raises(sf.TraceError) as info:
+    with pytest.raises(sf.errors.TraceError) as info:
         sf.auto.trace(sf.nn.from_torch(model, pl), {"input_ids": sf.tensor(ids, pl, sf.S(0))})
     return str(info.value)
 
@@ -237,9 +237,9 @@ def test_a_forward_reading_weight_values_is_traced_by_the_real_forward(meta):
 
 def _refused_on_shapes(model, x):
     pl = sf.placement("cpu", [0, 1, 2, 3])
-    with pytest.raises(sf.TraceError) as info:
+    with pytest.raises(sf.errors.TraceError) as info:
         sf.auto.parallelize(model, (sf.tensor(x, pl),), pl, meta=True)
-    with pytest.raises(sf.ParallelizeError, match="meta must be"):
+    with pytest.raises(sf.errors.ParallelizeError, match="meta must be"):
         sf.auto.parallelize(model, (sf.tensor(x, pl),), pl, meta="shapes")
     return str(info.value)
 
