@@ -25,6 +25,7 @@ from ..tensor import tensor as _sf_tensor
 from ..utils import text_digest
 from . import modules as M
 from .init import meta_tensor
+from .torch_generation import expanding
 from .modules import Module
 from .parameter import Parameter
 
@@ -158,6 +159,9 @@ def _converted_class(cls: type, twin: type | None) -> type:
         bases = (TorchConverted, twin, cls) if twin is not None else (TorchConverted, cls)
         ns = {"__call__": _twin_call(cls)} if twin is not None else _user_namespace(cls)
         ns["__doc__"] = cls.__doc__
+        if callable(getattr(cls, "_expand_inputs_for_generation", None)):
+            # transformers' generate(): beams repeat global tensors too
+            ns["_expand_inputs_for_generation"] = expanding(cls)
         hit = _CLASSES.setdefault(key, type(cls.__name__, bases, ns))
     return hit
 

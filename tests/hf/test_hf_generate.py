@@ -191,13 +191,17 @@ def test_left_padded_batch_with_attention_mask(family):
         sf.comm.reset_stats()
         greedy = _generate(m, ids, attention_mask=sf.tensor(mask, pl, sf.S(0)), do_sample=False)
         gathered = "fallback" in str(sf.comm.stats())   # the mask's rows: picked in order
-        # beam search expands the mask only when it is a torch.Tensor (a global tensor is
-        # not): a plain one, the same on every rank, is expanded by transformers and lifted
-        beam = _generate(m, ids, attention_mask=mask, num_beams=2, do_sample=False)
-        return {"greedy": greedy.full_tensor(), "beam": beam.full_tensor()}, gathered
+        # beam search repeats the mask per beam: a global one (sbpflow's expansion, as
+        # transformers' of a torch tensor) and a plain one (transformers', then lifted)
+        beam = _generate(m, ids, attention_mask=sf.tensor(mask, pl, sf.S(0)), num_beams=2,
+                         do_sample=False)
+        plain = _generate(m, ids, attention_mask=mask, num_beams=2, do_sample=False)
+        return {"greedy": greedy.full_tensor(), "beam": beam.full_tensor(),
+                "beam plain mask": plain.full_tensor()}, gathered
     with warnings.catch_warnings():   # beam search writes the prompt into a torch.full buffer
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         got, gathered = sf.launch(body, world_size=WORLD)[0]
+    want["beam plain mask"] = want["beam"]
     for n in want:
         assert torch.equal(got[n], want[n]), (family, n, got[n], want[n])
     assert not gathered
