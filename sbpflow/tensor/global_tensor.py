@@ -22,20 +22,20 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import comm as _comm
-from .boxing import empty_local, plan_layouts, run_plan
-from .caches import BoundedDict, memoize
-from .errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
-                     PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
-                     UnsupportedTorchFunction)
-from .ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
-from .ops.shape import (Slice, decode_index, encode_index, list_index, resolve_shape,
-                         squeeze_dims)
-from .placement import Placement
-from .random_regions import generate_region, mix_seed
-from .sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
-                  parse_nd_sbp, shard_box)
-from .utils import IdentityMap, rebuild_sequence
+from .. import comm as _comm
+from ..boxing import empty_local, plan_layouts, run_plan
+from ..caches import BoundedDict, memoize
+from ..errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
+                      PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
+                      UnsupportedTorchFunction)
+from ..ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
+from ..ops.shape import (Slice, decode_index, encode_index, list_index, resolve_shape,
+                          squeeze_dims)
+from ..placement import Placement
+from ..random_regions import generate_region, mix_seed
+from ..sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, local_shape,
+                   parse_nd_sbp, shard_box)
+from ..utils import IdentityMap, rebuild_sequence
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",

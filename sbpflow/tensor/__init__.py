@@ -1,0 +1,21 @@
+"""Global tensors (docs/design.md, 'Where each concept lives'): the class and its views and
+in-place bookkeeping, creation ops, the dispatch `apply_op`, plain torch tensors mixed in, and
+the hooks through which the graph recorder and the nn layer's torch functions are reached.
+
+This face re-exports what the other modules of the package import, so none of them names a
+module inside.
+"""
+
+from .global_tensor import (GlobalTensor, UnsupportedTorchFunction, _next_seed, _to_dtype,
+                            apply_op, arange, cat, copy_view, current_recorder, error_rule,
+                            errors_as, fresh, from_local, full, guard, is_view, lift,
+                            lift_arguments, lifting_plain_tensors, manual_seed, module_called,
+                            numpy_names, ones, rand, randn, recording, retains_grads,
+                            set_recorder, set_torch_dispatch, source, tensor, watch_resplit,
+                            zeros)
+
+__all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
+           "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
+           "fresh", "guard", "source", "module_called", "errors_as", "error_rule",
+           "UnsupportedTorchFunction",
+           "set_torch_dispatch", "lift", "watch_resplit", "is_view", "copy_view", "numpy_names"]
