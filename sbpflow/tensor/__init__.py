@@ -7,12 +7,11 @@ module inside.
 """
 
 from .global_tensor import (GlobalTensor, UnsupportedTorchFunction, _next_seed, _to_dtype,
-                            apply_op, arange, cat, copy_view, current_recorder, error_rule,
-                            errors_as, fresh, from_local, full, guard, is_view, lift,
-                            lift_arguments, lifting_plain_tensors, manual_seed, module_called,
-                            numpy_names, ones, rand, randn, recording, retains_grads,
-                            set_recorder, set_torch_dispatch, source, tensor, watch_resplit,
-                            zeros)
+                            apply_op, arange, cat, copy_view, from_local, full, is_view, lift,
+                            lift_arguments, lifting_plain_tensors, manual_seed, numpy_names, ones,
+                            rand, randn, retains_grads, tensor, zeros)
+from .hooks import (current_recorder, error_rule, errors_as, fresh, guard, module_called,
+                    recording, set_recorder, set_torch_dispatch, source, watch_resplit)
 
 __all__ = ["GlobalTensor", "retains_grads", "tensor", "from_local", "randn", "rand", "zeros",
            "ones", "full", "arange", "manual_seed", "apply_op", "cat", "recording", "set_recorder",
