@@ -8,8 +8,9 @@ hands the reduced gradient to the optimizer (None if the gradient changed after 
 started). ``no_sync()`` starts nothing. See docs/internals.md, 'Gradient synchronisation'
 (bucket sizes and why, buffer reuse, stale results).
 
-A parameter given an *update layout* (`set_update_layout`: ZeRO stage 1, docs/zero.md) has its
-gradient reduce-scattered to that layout by the optimizer instead, and is left out here.
+A parameter given an *update layout* (ZeRO stage 1, docs/zero.md) has its gradient
+reduce-scattered to that layout by the optimizer instead, and is left out here, as is one
+reduced at the step only (`sbpflow.param_state`: a parameter's framework state).
 """
 
 from __future__ import annotations
@@ -22,220 +23,17 @@ import torch
 
 from . import comm as _comm
 from .boxing import plan_layouts
+from .param_state import reduced_at_step
 from .sbp import dual_nd
 from .tensor import GlobalTensor
 from .utils import IdentityMap
 
-__all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "reduce_at_step",
-           "mark_replaced", "replaced_by", "replaced_version",
-           "set_update_layout", "update_layout",
-           "set_pending", "settle", "set_backfill", "backfill", "has_backfills", "mark_stale",
-           "mark_filled", "take_stale"]
+__all__ = ["Bucket", "BucketSync", "GradSync", "collect", "drop_started", "zero_grads"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's size on CUDA (docs/internals.md)
-
-# parameter -> the nd-sbp its optimizer state, reduced gradient and update live in, when not its
-# own (ZeRO stage 1); read by optim (the update) and nn.serialization (loading that state)
-_UPDATE_LAYOUTS = IdentityMap()
-
-
-def set_update_layout(p: GlobalTensor, nd_sbp: tuple | None) -> None:
-    """Keep ``p``'s optimizer state in ``nd_sbp`` and update ``p`` there: its gradient is boxed
-    to ``nd_sbp`` (a reduce-scatter), the shard of ``p`` inside it updated, and the result
-    gathered back into ``p``'s own layout. Each shard of ``nd_sbp`` must lie inside ``p``'s
-    shard on the same rank (`sbpflow.zero.layout.stored_layout` gives such a layout).
-    None, or ``p``'s own layout: the default again."""
-    if nd_sbp is None or tuple(nd_sbp) == tuple(p.sbp):
-        _UPDATE_LAYOUTS.pop(p, None)
-    else:
-        _UPDATE_LAYOUTS[p] = tuple(nd_sbp)
-
-
-# parameters that were replaced by new objects (`sf.parallel.apply`'s relayout, `Module.to`):
-# parameter -> (its name, who replaced it). An optimizer built before holds the old ones, which
-# no forward uses any more: its step would silently change nothing, so it raises (optim). The
-# version counts the marks: a step looks its parameters up only after a new mark.
-_REPLACED = IdentityMap()
-_REPLACED_VERSION = [0]
-
-
-def mark_replaced(p: GlobalTensor, name: str, who: str) -> None:
-    """Record that parameter ``p`` (``name`` in its model) was replaced by a new object by
-    ``who`` (e.g. ``"sf.parallel.apply"``): an optimizer's step over ``p`` then raises
-    instead of updating a tensor nothing uses."""
-    _REPLACED[p] = (name, who)
-    _REPLACED_VERSION[0] += 1
-
-
-def replaced_by(p: GlobalTensor) -> tuple | None:
-    """(name, who) if ``p`` was replaced (`mark_replaced`), else None."""
-    return _REPLACED.get(p) if _REPLACED else None
-
-
-def replaced_version() -> int:
-    """How many parameters were ever marked replaced (0: none, no lookup needed)."""
-    return _REPLACED_VERSION[0]
-
-
-# parameters whose gradient is reduced in the optimizer's step only (`reduce_at_step`)
-_AT_STEP = IdentityMap()
-
-
-def reduce_at_step(p: GlobalTensor) -> None:
-    """Never start ``p``'s gradient all-reduce during backward (`GradSync`): the optimizer's
-    step boxes it. For a parameter whose users' backward passes run at different times on
-    different ranks (a weight tied across pipeline stages): a collective started by one
-    stage's backward would wait for a gradient another stage has not made yet."""
-    _AT_STEP[p] = True
-
-
-def update_layout(p: GlobalTensor) -> tuple:
-    """The nd-sbp ``p``'s optimizer state and update live in (`set_update_layout`; by default
-    ``p``'s own)."""
-    return _UPDATE_LAYOUTS.get(p, p.sbp) if _UPDATE_LAYOUTS else p.sbp
-
-
-# parameter -> (the whole compute-layout local its shard lies in, or None for the parameter's
-# own local; compute layout): after the parameter's update the optimizer all-gathers the other
-# members' shards into it (ZeRO stages 1 and 2, docs/zero.md)
-_BACKFILL = IdentityMap()
-
-
-def set_backfill(p: GlobalTensor, whole: torch.Tensor | None, compute: tuple) -> None:
-    """After an update of ``p`` (laid out split), all-gather into ``whole`` (``p``'s shard is a
-    view of it; None: ``p``'s own local, whose update layout is split), laid out ``compute``."""
-    _BACKFILL[p] = (whole, tuple(compute))
-
-
-def backfill(p: GlobalTensor) -> tuple | None:
-    """(whole local, compute layout, split layout) to all-gather into after ``p``'s update."""
-    hit = _BACKFILL.get(p) if _BACKFILL else None
-    if hit is None:
-        return None
-    whole, compute = hit
-    if whole is None:
-        return p.local.detach(), tuple(p.sbp), update_layout(p)
-    return whole, compute, tuple(p.sbp)
-
-
-def has_update_layouts() -> bool:
-    """Whether any parameter is updated in a layout of its own (else `update_layout` is the
-    parameter's layout for every one)."""
-    return bool(_UPDATE_LAYOUTS)
-
-
-def has_backfills() -> bool:
-    """Whether any parameter has an all-gather after its update (else `backfill` is None for
-    every one)."""
-    return bool(_BACKFILL)
-
-
-def mark_stale(p: GlobalTensor) -> None:
-    """``p``'s shard was written (a load): its whole copy, if it has one, is gathered again
-    before its next use (`take_stale`). Any write that bumps the shard's version is seen
-    without it (`mark_filled`)."""
-    hit = _BACKFILL.get(p)
-    if hit is not None and hit[0] is not None:
-        _comm.current().state.setdefault("stale_wholes", IdentityMap())[p] = True
-
-
-# parameter -> the version of its whole copy when every member's part of it was last current
-# (after the all-gather that filled it). The shard is a view of the whole copy, and torch's
-# views share one version counter, so every in-place write to the shard since (an op on the
-# parameter, ``p.data``, an init function, a load) shows as another version: the one place
-# all of them pass, whichever layer wrote.
-_FILLED = IdentityMap()
-
-
-def mark_filled(p: GlobalTensor) -> None:
-    """``p``'s whole copy (`set_backfill`) was just filled: every member's part is current.
-    Called after each all-gather into it (`settle` does it for the optimizer's)."""
-    hit = _BACKFILL.get(p)
-    if hit is not None and hit[0] is not None:
-        _FILLED[p] = hit[0]._version
-
-
-def take_stale(params) -> list:
-    """Those of ``params`` whose whole copy must be gathered again before its use, unmarked:
-    marked by `mark_stale`, or written since `mark_filled` (waits for their gathers in
-    flight first). Every member of a group writes its shard alike (an in-place op on a
-    parameter is a logical op), so they agree on which, as the gather needs."""
-    settle(params)
-    stale = _comm.current().state.get("stale_wholes")
-    out = []
-    for p in params:
-        marked = stale is not None and stale.pop(p, None) is not None
-        hit = _BACKFILL.get(p)
-        if hit is not None and hit[0] is not None and (
-                marked or _FILLED.get(p) != hit[0]._version):
-            out.append(p)
-    return out
-
-
-def set_pending(p: GlobalTensor, future) -> None:
-    """``p``'s shard is being completed in the background by ``future`` (ZeRO stage 1's
-    all-gather after the update, docs/zero.md, 'Overlap'): `settle` waits for it, and so does
-    the next read or write of ``p``'s shard (``p.local``, an op on ``p``): until then ``p`` is
-    of a twin of its class whose shard attribute settles first (`_settling`)."""
-    pending = _comm.current().state.get("pending_gathers")
-    if pending is None:
-        pending = _comm.current().state["pending_gathers"] = IdentityMap()
-    pending[p] = future
-    if type(p) not in _BASES:
-        p.__class__ = _settling(type(p))
-
-
-def settle(params=None) -> None:
-    """Wait for the background completions of ``params`` (default: all of this rank's)
-    before their values are read or written."""
-    pending = _comm.current().state.get("pending_gathers")
-    if not pending:
-        return
-    for p in list(pending) if params is None else params:
-        fut = pending.pop(p, None)
-        if fut is not None:
-            base = _BASES.get(type(p))
-            if base is not None:
-                p.__class__ = base
-            fut.result()
-            mark_filled(p)
-
-
-# The twin of a class whose ``_local`` settles first. Every read of a shard goes through the
-# slot ``GlobalTensor._local`` (ops, ``.local``, checkpoints), so a class attribute of the same
-# name in a subclass, with the same slots, sees them all; the parameter object (its identity,
-# hash and registrations) stays the same, and it is of its own class again once settled.
+# the shard slot itself: `zero_grads` reads it without waiting for a ZeRO gather in flight
+# (`sbpflow.zero.pending` settles on reads of ``GlobalTensor._local``)
 _SLOT = GlobalTensor.__dict__["_local"]
-_TWINS: dict = {}    # class -> its settling twin
-_BASES: dict = {}    # twin -> class
-
-
-def _settle_one(p: GlobalTensor) -> None:
-    pending = _comm.current().state.get("pending_gathers")
-    fut = pending.pop(p, None) if pending else None
-    base = _BASES.get(type(p))
-    if base is not None:
-        p.__class__ = base
-    if fut is not None:
-        fut.result()
-        mark_filled(p)
-
-
-def _settling(cls: type) -> type:
-    twin = _TWINS.get(cls)
-    if twin is None:
-        def read(self):
-            _settle_one(self)
-            return _SLOT.__get__(self, type(self))
-
-        def write(self, value):
-            _settle_one(self)
-            _SLOT.__set__(self, value)
-
-        twin = type(cls.__name__, (cls,), {"__slots__": (), "_local": property(read, write),
-                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
-        _TWINS[cls], _BASES[twin] = twin, cls
-    return twin
 
 
 class Bucket:
@@ -384,7 +182,7 @@ class GradSync(BucketSync):
     def _single_all_reduce(p: GlobalTensor, rank: int):
         """(the one all-reduce step of ``p``'s gradient boxing, this rank's group of it) when
         that group is more than this rank, else None."""
-        if not p.local.requires_grad or p in _UPDATE_LAYOUTS or _AT_STEP.get(p, False):
+        if not p.local.requires_grad or reduced_at_step(p):
             return None
         pl = p.placement
         plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)

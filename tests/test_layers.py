@@ -20,6 +20,7 @@ LAYERS = [
     {"cost"},
     {"ops"},
     {"tensor"},
+    {"param_state"},   # a parameter's framework state, one record (gradsync, zero, nn, optim)
     {"gradsync"},
     {"memory"},   # what each rank holds: reads tensors and boxing only
     {"zero"},     # ZeRO's layouts, units, gathers: the optimizer's step and graph mode use it

@@ -18,8 +18,8 @@ import torch
 from .. import comm as _comm
 from ..boxing import empty_local
 from ..errors import GraphError
-from ..gradsync import replaced_by, replaced_version
 from ..nn.graph_count_mean import CountedMean, scale_grads, settle_means, upstream_scale
+from ..param_state import replaced_by, replaced_version
 from ..runtime import Runtime
 from ..tensor import GlobalTensor, set_recorder
 from ..utils import rebuild_sequence, text_digest

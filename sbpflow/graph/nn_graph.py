@@ -17,9 +17,9 @@ import torch
 
 from .. import comm as _comm
 from ..errors import GraphError
-from ..gradsync import settle
 from ..nn.modules import Module
 from ..zero.layout import check_min_size, check_stage
+from ..zero.pending import settle
 from ..zero.units import shard_ as _zero_shard
 from ..runtime import save_timeline as _save_timeline
 from ..runtime import save_trace as _save_trace

@@ -16,11 +16,13 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from ..errors import ShapeError, StateDictError, UnsupportedTorchFunction
-from ..gradsync import mark_replaced, mark_stale, settle, zero_grads
+from ..gradsync import zero_grads
+from ..param_state import mark_replaced, mark_stale
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, format_nd_sbp, shard_box
 from ..tensor import GlobalTensor, module_called
 from ..tensor import zeros as _sf_zeros
+from ..zero.pending import settle
 from . import functional as F
 from . import functional_conv as FC
 from . import init

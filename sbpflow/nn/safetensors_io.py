@@ -17,7 +17,7 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointKeyError, SbpError
-from ..gradsync import mark_stale
+from ..param_state import mark_stale
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp
 from ..tensor import GlobalTensor

@@ -23,7 +23,7 @@ from .. import comm as _comm
 from ..boxing import identity_value
 from ..boxing.boxes import box_numel, box_shape, intersect, relative
 from ..errors import SbpError
-from ..gradsync import mark_stale, update_layout
+from ..param_state import mark_stale, update_layout
 from ..sbp import Broadcast, Partial, format_nd_sbp, holds_value, shard_box
 from ..tensor import GlobalTensor, zeros as _sf_zeros
 from . import checkpoint_files as _files
@@ -667,7 +667,7 @@ def _plan(reader: _Reader, model: Module, optimizer, strict: bool) -> list[_Targ
 
 
 def _in_update_layout(p: GlobalTensor) -> GlobalTensor:
-    """``p``'s metadata with its update layout (`sbpflow.gradsync.update_layout`)."""
+    """``p``'s metadata with its update layout (`sbpflow.param_state.update_layout`)."""
     lay = update_layout(p)
     return p if lay == p.sbp else GlobalTensor(p.local, tuple(p.shape), p.placement, lay)
 

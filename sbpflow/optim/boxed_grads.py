@@ -12,7 +12,8 @@ import functools
 import torch
 
 from .. import comm as _comm
-from ..gradsync import collect, update_layout
+from ..gradsync import collect
+from ..param_state import update_layout
 from ..sbp import Partial
 from ..tensor import GlobalTensor
 from ..utils import IdentityMap
@@ -33,7 +34,7 @@ def _boxed_cache() -> IdentityMap:
 
 def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | None:
     """``p.grad`` in ``p``'s update layout (its own, or the split one of ZeRO stage 1:
-    `sbpflow.gradsync.update_layout`; a collective unless the layouts agree). A result kept by
+    `sbpflow.param_state.update_layout`; a collective unless the layouts agree). A result kept by
     ``remember=True`` (as `clip_grad_norm_` does) is reused while ``p``'s gradient is unchanged,
     so clipping then stepping reduces each gradient once."""
     g_local = p.local.grad

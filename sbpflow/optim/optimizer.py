@@ -23,15 +23,15 @@ import torch
 
 from .. import comm as _comm
 from ..errors import CheckpointError, OptimizerStateError, SbpError, ShapeError
-from ..gradsync import (GradSync, backfill, has_backfills, has_update_layouts,
-                        replaced_by, replaced_version, set_pending, settle, update_layout,
-                        zero_grads)
+from ..gradsync import GradSync, zero_grads
+from ..param_state import (backfill, has_backfills, has_update_layouts, mark_stepped,
+                           replaced_by, replaced_version, update_layout)
 from ..sbp import format_nd_sbp
 from ..tensor import GlobalTensor, tensor as _sf_tensor
 from ..zero import layout as _zero
 from ..zero import worker as _zero_worker
+from ..zero.pending import set_pending, settle
 from ..zero.shard_sync import ShardSync
-from ..zero.units import mark_stepped
 from .boxed_grads import (_BUCKET_BYTES, _SHARD_BUCKET, _boxed_cache, _forget, _has_partial,
                           boxed_grad, boxed_grads)
 from .clip import clip_groups

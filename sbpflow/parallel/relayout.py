@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import SbpError
-from ..gradsync import mark_replaced
+from ..param_state import mark_replaced
 from ..nn.init import materialize
 from ..nn.modules import Module, Parameter
 from ..placement import Placement

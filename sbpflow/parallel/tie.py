@@ -20,7 +20,7 @@ import torch
 from ..boxing import empty_local
 from ..comm import rank as _rank
 from ..errors import ParallelizeError
-from ..gradsync import reduce_at_step
+from ..param_state import reduce_at_step
 from ..nn.modules import Module, Parameter, RemovableHandle
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp

@@ -7,12 +7,13 @@ they work. `settle`, `stored_layout`, `check_stage`, `check_min_size` and `STAGE
 from __future__ import annotations
 
 from ..errors import OptimizerStateError
-from ..gradsync import settle
 from ..nn.modules import Module
+from ..param_state import first_stepped
 from ..sbp import format_nd_sbp
 from ..zero import release as _release
 from ..zero import units as _units
 from ..zero.layout import STAGES, check_min_size, check_stage, stored_layout
+from ..zero.pending import settle
 
 __all__ = ["shard", "stored_layout", "check_stage", "check_min_size", "settle", "STAGES"]
 
@@ -38,7 +39,7 @@ def _refuse_stepped(model: Module, stage: int, only: set | None) -> None:
     """Raise if an optimizer has stepped one of ``model``'s parameters (the ones of ``only``):
     its gradient sync and update are set up at the first step, so the stage would be ignored."""
     named = [(n, p) for n, p in model.named_parameters() if only is None or id(p) in only]
-    p = _units.first_stepped([p for _, p in named])
+    p = first_stepped([p for _, p in named])
     if p is None:
         return
     name = next(n for n, q in named if q is p)

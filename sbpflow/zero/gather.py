@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import comm as _comm
-from ..gradsync import mark_filled
+from ..param_state import mark_filled
 from ..sbp import local_shape
 from .layout import all_gather_into, geometry, reduce_scatter
 from .worker import submit

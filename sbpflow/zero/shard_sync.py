@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..gradsync import Bucket, BucketSync, update_layout
+from ..gradsync import Bucket, BucketSync
+from ..param_state import update_layout
 from ..tensor import GlobalTensor
 from .layout import geometry, reduce_scatter
 from .worker import submit

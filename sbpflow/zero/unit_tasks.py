@@ -16,9 +16,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..gradsync import take_stale
 from ..tensor import GlobalTensor, current_recorder
 from .gather import UnitCall, UnitGather, done, gather, refill, start
+from .pending import take_stale
 
 __all__ = ["UnitBegin", "UnitEnd", "Recorded", "record_begin", "record_end", "link", "abandon"]
 

@@ -17,16 +17,15 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import comm as _comm
-from ..gradsync import (mark_filled, mark_stale, set_backfill, set_update_layout, settle,
-                        take_stale, update_layout)
+from ..param_state import mark_filled, mark_stale, set_backfill, set_update_layout, update_layout
 from ..tensor import GlobalTensor, recording
 from ..utils import IdentityMap
 from . import unit_tasks as _graph
 from .layout import check_stage, geometry, stored_layout
 from .gather import UnitCall, UnitGather, begin_call, done, end_call, refill
+from .pending import settle, take_stale
 
-__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "set_default_on_gather",
-           "mark_stepped", "first_stepped"]
+__all__ = ["ZeroParam", "zero_param", "shard_", "units_of", "set_default_on_gather"]
 
 
 class ZeroParam(NamedTuple):
@@ -41,20 +40,6 @@ class ZeroParam(NamedTuple):
 
 _PARAMS = IdentityMap()
 _DEFAULT_ON_GATHER: list = [None]
-_STEPPED = IdentityMap()   # parameters an optimizer's step has updated
-
-
-def mark_stepped(params) -> None:
-    """``params`` were updated by an optimizer's step (its first: `first_stepped`)."""
-    for p in params:
-        _STEPPED[p] = True
-
-
-def first_stepped(params) -> GlobalTensor | None:
-    """The first of ``params`` an optimizer has stepped (`mark_stepped`), or None."""
-    if not _STEPPED:
-        return None
-    return next((p for p in params if p in _STEPPED), None)
 
 
 def set_default_on_gather(fn: Callable | None) -> None:
