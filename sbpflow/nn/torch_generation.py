@@ -1,21 +1,24 @@
-"""Hugging Face ``generate()`` on converted models: the one step of transformers' generation
-that reads tensors by their Python type.
+"""Hugging Face ``generate()`` on converted models: the steps of transformers' generation that
+read tensors by their Python type or assume one device.
 
-transformers repeats each tensor argument once per beam (or returned sequence) in
-``_expand_inputs_for_generation`` only when it ``isinstance(v, torch.Tensor)``; a global tensor
-is not one, so an ``attention_mask`` given as a global tensor kept its batch while the ids grew
-(a `ShapeError` in beam search). `expanding` wraps that method of a converted class: global
-tensors among the keyword arguments (and inside ``encoder_outputs``) are repeated along the
-batch as transformers repeats torch tensors, then transformers' own method runs.
+* `expanding`: transformers repeats a tensor argument per beam (``_expand_inputs_for_generation``)
+  only when it ``isinstance(v, torch.Tensor)``; global tensors are repeated too.
+* `generating`: a model whose stages sit on several placements (``sf.parallel.pipeline``) gives
+  its logits on the last stage while the ids grow on the first: during ``generate`` each
+  forward's outputs (not its cache, whose layers stay on their stages) move to the ids'
+  placement, the last position's logits a step. Greedy search only there (else refused).
 """
 
 from __future__ import annotations
 
 import inspect
 
+from ..sbp import B
+from ..errors import UnsupportedTorchFunction
 from ..tensor import GlobalTensor
 
-__all__ = ["expanding"]
+__all__ = ["expanding", "generating"]
+_CACHES = ("past_key_values", "cache")  # outputs that stay where they were made
 
 
 def _repeated(value, times: int):
@@ -59,3 +62,54 @@ def _bound(head: tuple, kwargs: dict) -> tuple:
         if i >= len(head):
             values[i] = kwargs.pop(key, default)
     return tuple(values)
+
+
+def generating(cls: type):
+    """``cls.generate`` with each forward's outputs moved to the placement of ``input_ids``
+    (a global tensor) where they are on another one."""
+    original = cls.generate
+
+    def generate(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, GlobalTensor):
+            return original(self, *args, **kwargs)
+        home = ids.placement
+        _check_search(self, kwargs)
+        handle = self.register_forward_hook(lambda module, inputs, out: _homed(out, home))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            handle.remove()
+    generate.__name__ = generate.__qualname__ = "generate"
+    generate.__doc__ = original.__doc__
+    return generate
+
+
+def _check_search(model, kwargs: dict) -> None:
+    """Greedy search only on a model whose parameters sit on several placements: beam search
+    and sampling there are not supported yet (the stages' ranks fall out of step)."""
+    placements = {p.placement for p in model.parameters() if isinstance(p, GlobalTensor)}
+    if len(placements) < 2:
+        return
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+    sample = kwargs.get("do_sample", getattr(config, "do_sample", False))
+    if beams > 1 or sample:
+        raise UnsupportedTorchFunction(
+            f"generate() with num_beams={beams}, do_sample={bool(sample)} on a model whose "
+            f"stages sit on {len(placements)} placements (sf.parallel.pipeline): only greedy "
+            f"search (num_beams=1, do_sample=False) is supported there yet; or generate with "
+            f"the model laid out on one placement")
+
+
+def _homed(output, home):
+    """``output`` (a transformers ModelOutput, dict-like) with its global tensors but the cache
+    on ``home``; None (keep it) for any other output."""
+    if not hasattr(output, "keys"):
+        return None
+    for key in list(output.keys()):
+        value = output[key]
+        if key not in _CACHES and isinstance(value, GlobalTensor) and value.placement != home:
+            output[key] = value.to_global(placement=home, sbp=(B,) * home.ndim)
+    return output
+

@@ -25,7 +25,7 @@ from ..tensor import tensor as _sf_tensor
 from ..utils import text_digest
 from . import modules as M
 from .init import meta_tensor
-from .torch_generation import expanding
+from .torch_generation import expanding, generating
 from .modules import Module
 from .parameter import Parameter
 
@@ -160,10 +160,17 @@ def _converted_class(cls: type, twin: type | None) -> type:
         ns = {"__call__": _twin_call(cls)} if twin is not None else _user_namespace(cls)
         ns["__doc__"] = cls.__doc__
         if callable(getattr(cls, "_expand_inputs_for_generation", None)):
-            # transformers' generate(): beams repeat global tensors too
-            ns["_expand_inputs_for_generation"] = expanding(cls)
+            _generation(cls, ns)
         hit = _CLASSES.setdefault(key, type(cls.__name__, bases, ns))
     return hit
+
+
+def _generation(cls: type, ns: dict) -> None:
+    """transformers' generate() on global tensors (`torch_generation`): beams repeat global
+    tensors, a pipeline's outputs move to the ids' placement."""
+    ns["_expand_inputs_for_generation"] = expanding(cls)
+    if callable(getattr(cls, "generate", None)):
+        ns["generate"] = generating(cls)
 
 
 def _twin_call(cls: type):
