@@ -306,7 +306,7 @@ def _handoffs(events: list[dict], rank: int) -> dict:
 class _RuntimeMarks:
     """Times of this rank's last graph run: ``run`` / ``ran`` around `Runtime.run`, ``started``
     when the last peer's start message arrived (gated actors, send / recv, wait for it).
-    Wraps the runtime's private ``_PlanRun._on_start`` while in a ``with`` block."""
+    Wraps the runtime's private ``RunMessages._on_start`` while in a ``with`` block."""
 
     def __init__(self, runtime) -> None:
         self.marks: dict[str, float] = {}
@@ -322,8 +322,8 @@ class _RuntimeMarks:
         runtime.run = timed_run
 
     def __enter__(self) -> "_RuntimeMarks":
-        from sbpflow.runtime import engine
-        self._step = engine._PlanRun
+        from sbpflow.runtime import messaging
+        self._step = messaging.RunMessages
         self._on_start = on_start = self._step._on_start
         marks = self.marks
 
