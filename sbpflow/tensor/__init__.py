@@ -6,10 +6,11 @@ This face re-exports what the other modules of the package import, so none of th
 module inside.
 """
 
-from .global_tensor import (GlobalTensor, UnsupportedTorchFunction, _next_seed, _to_dtype,
-                            apply_op, arange, cat, copy_view, from_local, full, is_view, lift,
-                            lift_arguments, lifting_plain_tensors, manual_seed, numpy_names, ones,
-                            rand, randn, retains_grads, tensor, zeros)
+from .creation import (_next_seed, arange, from_local, full, manual_seed, ones, rand, randn,
+                       tensor, zeros)
+from .global_tensor import (GlobalTensor, UnsupportedTorchFunction, _to_dtype, apply_op, cat,
+                            copy_view, is_view, lift, lift_arguments, lifting_plain_tensors,
+                            numpy_names, retains_grads)
 from .hooks import (current_recorder, error_rule, errors_as, fresh, guard, module_called,
                     recording, set_recorder, set_torch_dispatch, source, watch_resplit)
 
