@@ -6,7 +6,8 @@ read tensors by their Python type or assume one device.
 * `generating`: a model whose stages sit on several placements (``sf.parallel.pipeline``) gives
   its logits on the last stage while the ids grow on the first: during ``generate`` each
   forward's outputs (not its cache, whose layers stay on their stages) move to the ids'
-  placement, the last position's logits a step. Greedy search only there (else refused).
+  placement, the last position's logits a step. Greedy search and sampling there; beam
+  search is refused.
 """
 
 from __future__ import annotations
@@ -86,20 +87,19 @@ def generating(cls: type):
 
 
 def _check_search(model, kwargs: dict) -> None:
-    """Greedy search only on a model whose parameters sit on several placements: beam search
-    and sampling there are not supported yet (the stages' ranks fall out of step)."""
+    """No beam search on a model whose parameters sit on several placements: its cache
+    reordering by the beams' indices would cross the stages (not supported yet)."""
     placements = {p.placement for p in model.parameters() if isinstance(p, GlobalTensor)}
     if len(placements) < 2:
         return
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-    sample = kwargs.get("do_sample", getattr(config, "do_sample", False))
-    if beams > 1 or sample:
+    if beams > 1:
         raise UnsupportedTorchFunction(
-            f"generate() with num_beams={beams}, do_sample={bool(sample)} on a model whose "
-            f"stages sit on {len(placements)} placements (sf.parallel.pipeline): only greedy "
-            f"search (num_beams=1, do_sample=False) is supported there yet; or generate with "
-            f"the model laid out on one placement")
+            f"generate() with num_beams={beams} on a model whose parameters sit on "
+            f"{len(placements)} placements (sf.parallel.pipeline's stages): beam search "
+            f"reorders each stage's cache by the beams' indices, which is not supported there "
+            f"yet; greedy search and sampling are, or lay the model out on one placement")
 
 
 def _homed(output, home):

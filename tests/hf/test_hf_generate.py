@@ -275,28 +275,34 @@ SPLIT = {"gpt2": "transformer.h.1", "llama": "model.layers.1"}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_greedy_search_on_a_pipeline_gives_torch_tokens_and_other_searches_are_refused(family):
+def test_a_pipeline_generates_torchs_greedy_tokens_and_samples_as_any_layout(family):
     """A 2-stage pipeline (stages of 2 data-parallel ranks, the ids given on stage 0): each
-    forward's logits come back to the ids' stage, the cache stays on the layers' stages; greedy
-    search (an end-of-sequence id stopping row 0) gives torch's tokens on stage 0. Beam search and
-    sampling are refused there, naming what runs."""
+    forward's logits come back to the ids' stage, the cache stays on the layers' stages. Greedy
+    search (an end-of-sequence id stopping row 0) gives torch's tokens on stage 0; sampling the
+    tokens of the same seed with the weights replicated on all 4 ranks. Beam search is refused
+    there, naming what runs."""
     model = build(family)
     searches = {k: v for k, v in _searches(model).items() if k.startswith("greedy")}
     want = {k: _generate(model, PROMPT, **kw) for k, kw in searches.items()}
 
+    def sampled(m, ids):
+        sf.manual_seed(5)
+        return _generate(m, ids, do_sample=True).full_tensor()
+
     def body():
+        pl = _flat()
+        flat = sampled(sf.parallel.apply(model, pl, {"*": sf.B}), sf.tensor(PROMPT, pl, sf.S(0)))
         stages = [sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])]
         m = sf.nn.from_torch(model, stages[0])
         sf.parallel.pipeline(m, stages, split=[SPLIT[family]], rules=[{"*": sf.B}] * 2)
         ids = sf.tensor(PROMPT, stages[0], sf.S(0))
         got = {k: _generate(m, ids, **kw) for k, kw in searches.items()}
-        refused = []
-        for kw in (dict(num_beams=2, do_sample=False), dict(do_sample=True)):
-            with pytest.raises(sf.SbpError) as err:
-                _generate(m, ids, **kw)
-            refused.append(str(err.value))
-        return {k: (g.placement.flat_ranks, g.full_tensor()) for k, g in got.items()}, refused
-    got, refused = sf.launch(body, world_size=WORLD)[0]
+        with pytest.raises(sf.SbpError) as err:
+            _generate(m, ids, num_beams=2, do_sample=False)
+        return ({k: (list(g.placement.flat_ranks), g.full_tensor()) for k, g in got.items()},
+                (flat, sampled(m, ids)), str(err.value))
+    got, (flat, piped), refused = sf.launch(body, world_size=WORLD)[0]
     for k in want:
-        assert list(got[k][0]) == [0, 1] and torch.equal(got[k][1], want[k]), (family, k, got[k])
-    assert all("only greedy search" in r for r in refused), refused
+        assert got[k][0] == [0, 1] and torch.equal(got[k][1], want[k]), (family, k, got[k])
+    assert torch.equal(piped, flat), (piped, flat)
+    assert "greedy search and sampling are" in refused, refused
