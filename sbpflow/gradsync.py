@@ -231,7 +231,7 @@ class GradSync(BucketSync):
                 # views of the reduced buffer shaped as the gradients, in one call
                 pieces = _unflatten(reduced, [g for g, _ in sent])
                 for p, (g, v), piece in zip(b.params, sent, pieces):
-                    out[p] = (g, v, GlobalTensor(piece, p._shape, p._placement, p._sbp))
+                    out[p] = (g, v, GlobalTensor(piece, p._shape, p.placement, p.sbp))
             b.pending, b.sent = None, []
         self.reset()
         return out

@@ -137,7 +137,7 @@ class Compiled:
         # ([parameter, its shard, that shard's empty gradient], the last two made on first use)
         self.off_rank_params = [] if not tapes[0].backwards else [
             [t, None, None] for _, t in tapes[0].externals if isinstance(t, GlobalTensor)
-            and t._local.requires_grad and t._local.is_leaf and self.comm.rank not in t._placement]
+            and t.shard.requires_grad and t.shard.is_leaf and self.comm.rank not in t.placement]
 
     def uses_replaced(self) -> bool:
         """Whether a parameter the plan reads was replaced since it was compiled (by
@@ -222,7 +222,7 @@ class Compiled:
         state = self.comm.state
         base = state.get("seed_counter", 0)
         means: dict = {}
-        self.call = GraphCall([[a._local if isinstance(a, GlobalTensor) else None for a in args]
+        self.call = GraphCall([[a.shard if isinstance(a, GlobalTensor) else None for a in args]
                                for args in mbs.args], lowered, self.weights, {}, self._sync,
                               self._update, preloaded, base, means, lambda: upstream_scale(means))
         try:
@@ -261,7 +261,7 @@ class Compiled:
         (a ``zeros_like`` a parameter every call was a fifth of a pipeline stage's update;
         with no element, nothing written to it persists)."""
         for entry in self.off_rank_params:
-            shard = entry[0]._local
+            shard = entry[0].shard
             if shard.grad is not None:
                 continue
             if entry[1] is not shard:

@@ -86,7 +86,7 @@ class Tape(NamedTuple):
             if slot is not None:
                 vals[slot] = local
         for slot, t in self.externals:
-            vals[slot] = t._local
+            vals[slot] = t.shard
         return vals
 
     def placements(self) -> list[Placement]:
@@ -128,7 +128,7 @@ class Recorder:
     # -- slots -------------------------------------------------------------------------------
     def _new(self, t: GlobalTensor) -> int:
         slot = len(self.metas)
-        local = t._local
+        local = t.shard
         if id(local) in self.slot_of:  # a task handed back a shard it read (a boxing that
             # passes it through on a rank outside its placements, a no-op kernel): give the
             # new value its own object, or later reads of the old one would find the new slot
@@ -136,20 +136,20 @@ class Recorder:
         self.slot_of[id(local)] = slot
         self.keep.append(local)
         self.untraced.discard(id(local))
-        self.metas[slot] = Meta(t._shape, local.dtype, t._placement, t._sbp, local.requires_grad)
+        self.metas[slot] = Meta(t._shape, local.dtype, t.placement, t.sbp, local.requires_grad)
         return slot
 
     def read(self, t: GlobalTensor, by: str) -> int:
         """The slot of ``t``'s shard, read by task ``by`` (a new external when no task made
         it)."""
-        local = t._local
+        local = t.shard
         slot = self.slot_of.get(id(local))
         if slot is not None:
             return slot
         if id(local) in self.untraced or local.grad_fn is not None:
             raise GraphError(
-                f"graph: {by} reads a tensor of shape {t._shape} on {t._placement} with sbp "
-                f"{format_nd_sbp(t._sbp)} that build computed outside sbpflow's ops (from_local "
+                f"graph: {by} reads a tensor of shape {t._shape} on {t.placement} with sbp "
+                f"{format_nd_sbp(t.sbp)} that build computed outside sbpflow's ops (from_local "
                 f"on a torch result, a shard changed in torch, activation checkpointing, a "
                 f"gradient read in build); a graph cannot replay it. Compute it with sbpflow "
                 f"ops, or pass it to the graph as an input")
@@ -171,9 +171,9 @@ class Recorder:
         self.keep.append(local)
 
     def constant(self, t: GlobalTensor) -> None:
-        self.untraced.discard(id(t._local))
-        self.constants.add(id(t._local))
-        self.keep.append(t._local)   # (its id stays its own while tracing)
+        self.untraced.discard(id(t.shard))
+        self.constants.add(id(t.shard))
+        self.keep.append(t.shard)   # (its id stays its own while tracing)
 
     def op(self, entry, args: tuple, boxed: list, local_args, attrs: dict, out, pl) -> None:
         name = entry.op.name
@@ -194,17 +194,17 @@ class Recorder:
 
     def box(self, plan, src: GlobalTensor, out: GlobalTensor) -> None:
         s = self.read(src, "a boxing step")
-        self.nodes.append(BoxNode(plan.steps, s, self._new(out), out._placement,
-                                  Mode.now(out._placement.device_type)))
+        self.nodes.append(BoxNode(plan.steps, s, self._new(out), out.placement,
+                                  Mode.now(out.placement.device_type)))
 
     def detach(self, src: GlobalTensor, out: GlobalTensor) -> None:
         s = self.read(src, "detach")
-        self.nodes.append(DetachNode(s, self._new(out), out._placement,
-                                     Mode.now(out._placement.device_type)))
+        self.nodes.append(DetachNode(s, self._new(out), out.placement,
+                                     Mode.now(out.placement.device_type)))
 
     def thunk(self, t: GlobalTensor, make) -> None:
-        self.nodes.append(ThunkNode(make, self._new(t), t._placement,
-                                    Mode.now(t._placement.device_type), self.draws))
+        self.nodes.append(ThunkNode(make, self._new(t), t.placement,
+                                    Mode.now(t.placement.device_type), self.draws))
         self.draws += 1
 
     def source(self, load) -> Any:
@@ -244,23 +244,23 @@ class Recorder:
         it was when the trace ends (`restore`): the first call's replay makes the write."""
         s = self.read(src, "an in-place op")
         d = self.read(dst, "an in-place op")
-        local = dst._local
+        local = dst.shard
         if d in self.external_slots and all(w is not local for w, _ in self.written):
             self.written.append((local, local.detach().clone()))
         # a constant build made is made afresh by each eager call: a replay writes a copy
         fresh = id(local) in self.constants
-        self.nodes.append(AssignNode(s, d, dst._placement, Mode.now(dst._placement.device_type),
+        self.nodes.append(AssignNode(s, d, dst.placement, Mode.now(dst.placement.device_type),
                                      fresh))
 
     def check_taken(self, t: GlobalTensor) -> None:
         """``t`` is about to hold another shard (an in-place op on a tensor in the autograd
         graph, or on a torch view): refused for a tensor build did not make, whose shard each
         replay re-reads (the new one would be the trace's, never the call's)."""
-        slot = self.slot_of.get(id(t._local))
+        slot = self.slot_of.get(id(t.shard))
         if slot is None or slot in self.external_slots:
             raise GraphError(
                 f"graph: build changes in place a tensor of shape {t._shape} on "
-                f"{t._placement} with sbp {format_nd_sbp(t._sbp)} that it did not compute and "
+                f"{t.placement} with sbp {format_nd_sbp(t.sbp)} that it did not compute and "
                 f"whose shard is a torch view or in the autograd graph; a graph cannot replay "
                 f"that. Write it under torch.no_grad() into a tensor that owns its storage, "
                 f"or compute a new tensor")
@@ -273,14 +273,14 @@ class Recorder:
         self.written = []
 
     def guard(self, t: GlobalTensor, check) -> None:
-        self.nodes.append(GuardNode(check, self.read(t, "a value check"), t._placement,
-                                    Mode.now(t._placement.device_type)))
+        self.nodes.append(GuardNode(check, self.read(t, "a value check"), t.placement,
+                                    Mode.now(t.placement.device_type)))
 
     def backward(self, loss: GlobalTensor, seed: torch.Tensor) -> None:
         slot = self.read(loss, "backward")
         seed_slot = self.slot_of.get(id(seed))
         node = BackwardNode(slot, seed_slot, None if seed_slot is not None else seed.detach(),
-                            loss._placement, Mode.now(loss._placement.device_type))
+                            loss.placement, Mode.now(loss.placement.device_type))
         self.backwards.append(node)
 
     # -- the result ----------------------------------------------------------------------------

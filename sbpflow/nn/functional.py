@@ -239,7 +239,7 @@ def _check_replicated_ids(ids: GlobalTensor, weight: GlobalTensor) -> bool:
     skips its own check (every rank checked its ids, so a bad id stops every rank holding it
     before the op's boxing, and no kernel sees an unchecked id). Other layouts keep replicated
     ids whole (nothing gains from slicing them) and torch's lookup checks them."""
-    for i, w in zip(ids._sbp, weight._sbp):
+    for i, w in zip(ids.sbp, weight.sbp):
         if isinstance(i, Broadcast) and (isinstance(w, Partial) or
                                          (isinstance(w, Split) and w.axis == 0)):
             break
@@ -416,7 +416,7 @@ def _check_sliced_target(logits: GlobalTensor, target: GlobalTensor, ignore_inde
     True if checked: every rank checked its target, so a bad one stops every rank holding it
     before the kernels' boxing, and no kernel sees an unchecked target."""
     classes = logits.ndim - 1
-    for t, lg in zip(target._sbp, logits._sbp):
+    for t, lg in zip(target.sbp, logits.sbp):
         if isinstance(t, Broadcast) and not (isinstance(lg, Split) and lg.axis == classes):
             break
     else:
@@ -488,7 +488,7 @@ def _batch_or_head_layout(q: GlobalTensor, k: GlobalTensor, v: GlobalTensor) -> 
     qs, ks, vs = q._shape, k._shape, v._shape
     lead = len(qs) - 2
     if not (len(qs) == len(ks) == len(vs) >= 2 and qs[:-2] == ks[:-2] == vs[:-2]
-            and q._placement == k._placement == v._placement and q._sbp == k._sbp == v._sbp):
+            and q.placement == k.placement == v.placement and q.sbp == k.sbp == v.sbp):
         return False
     return all(isinstance(s, Broadcast) or (isinstance(s, Split) and s.axis < lead)
                for s in q.sbp)

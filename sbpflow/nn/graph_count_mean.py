@@ -260,7 +260,7 @@ def _correction(g: _Guessing, grads: bool, leaves: list, received: frozenset) ->
         return "a tensor retains its gradient", [], False
     params, upstream = leaves, False
     if g.cache is None:   # `_Guessing.leaves` keeps its walk only when the leaves are externals
-        known = {id(t._local) for _, t in g.externals if isinstance(t, GlobalTensor)}
+        known = {id(t.shard) for _, t in g.externals if isinstance(t, GlobalTensor)}
         params = [v for v in leaves if id(v) in known]
         others = [v for v in leaves if id(v) not in known]
         if any(id(v) not in received for v in others):
@@ -294,7 +294,7 @@ def scale_grads(params: list, scale: float) -> None:
     """An earlier stage's part of a correction: scale the gradients of ``params`` (global
     tensors; those without one are skipped) and drop the started all-reduces, as the stage
     of the mean did (`_rescale`)."""
-    leaves = [p._local for p in params if p._local.grad is not None]
+    leaves = [p.shard for p in params if p.shard.grad is not None]
     _rescale(leaves, scale)
 
 

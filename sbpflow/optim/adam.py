@@ -86,9 +86,9 @@ class Adam(Optimizer):
         fused = group.get("fused")
         ps = [p.local for p in params]
         # states are plain global tensors (never settling twins): their slot read directly
-        tensors = (ps, grads, [st["exp_avg"]._local for st in states],
-                   [st["exp_avg_sq"]._local for st in states],
-                   [st["max_exp_avg_sq"]._local for st in states] if group["amsgrad"] else [])
+        tensors = (ps, grads, [st["exp_avg"].shard for st in states],
+                   [st["exp_avg_sq"].shard for st in states],
+                   [st["max_exp_avg_sq"].shard for st in states] if group["amsgrad"] else [])
         takes = device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
         if takes and fused is not False and \
                 all(map(torch.Tensor.is_contiguous, itertools.chain(*tensors))):

@@ -50,8 +50,8 @@ def _idle(params: list, rank: int) -> set:
     own (no ZeRO split): their gradient there is the empty shard, which `boxed_grads` would
     only relabel and the update would not touch."""
     if not has_update_layouts() and not has_backfills():   # no ZeRO split anywhere
-        return {id(p) for p in params if rank not in p._placement}
-    return {id(p) for p in params if rank not in p._placement and update_layout(p) == p._sbp
+        return {id(p) for p in params if rank not in p.placement}
+    return {id(p) for p in params if rank not in p.placement and update_layout(p) == p.sbp
             and backfill(p) is None}
 
 
@@ -215,11 +215,11 @@ class Optimizer(torch.optim.Optimizer):
         ps, gs, sts, rest, rest_sts = [], [], [], [], []
         for p in group["params"]:
             if idle and id(p) in idle:
-                if p._local.grad is not None:
+                if p.shard.grad is not None:
                     rest.append(p)
                     rest_sts.append(state[p])
                     if rest_sts[-1]:
-                        conform(rest_sts[-1], p._placement, p._sbp, p._local.dtype)
+                        conform(rest_sts[-1], p.placement, p.sbp, p.shard.dtype)
                 continue
             g = next(grads)
             if g is None:
@@ -228,7 +228,7 @@ class Optimizer(torch.optim.Optimizer):
                 cache.pop(p, None)
             st = state[p]
             if st:   # state made before its layout was known (a load, then ZeRO): moved
-                conform(st, p._placement, g._sbp, p._local.dtype)
+                conform(st, p.placement, g.sbp, p.shard.dtype)
             sts.append(st)
             fill = backfill(p) if fills else None
             if fill is not None:
@@ -236,7 +236,7 @@ class Optimizer(torch.optim.Optimizer):
                 geo = _zero.geometry(tuple(p.shape), p.placement, compute, split, _comm.rank())
                 if geo is not None:
                     gather.append((p, whole, geo))
-            if g._sbp != p._sbp:   # stage 1: update the split shard in place
+            if g.sbp != p.sbp:   # stage 1: update the split shard in place
                 p = _zero.shard_view(p, g.sbp)
             ps.append(p)
             gs.append(g.local)
@@ -250,7 +250,7 @@ class Optimizer(torch.optim.Optimizer):
         shard): no element to update, only the state's bookkeeping, so that every rank keeps
         the same state entries (a state dict's collectives pair up). By default the update
         itself, on the empty shards; a subclass may do just the bookkeeping."""
-        self._update_group(params, [p._local.grad for p in params], states, group)
+        self._update_group(params, [p.shard.grad for p in params], states, group)
 
     def _refuse_replaced(self, params: list) -> None:
         """`OptimizerStateError` naming the first of ``params`` that `mark_replaced` marked."""
@@ -268,7 +268,7 @@ class Optimizer(torch.optim.Optimizer):
     def _refuse_partial(self, params: list) -> None:
         """SbpError for a parameter with a gradient laid out as partial sums (a non-linear
         update cannot run shard by shard)."""
-        if not any(map(_has_partial, [p._sbp for p in params])):
+        if not any(map(_has_partial, [p.sbp for p in params])):
             return
         for p in params:
             if _has_partial(p.sbp) and p.local.grad is not None:

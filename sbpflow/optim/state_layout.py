@@ -31,10 +31,10 @@ def _fits(v: GlobalTensor, placement: Placement, nd_sbp: tuple, dtype: torch.dty
     """Whether state tensor ``v`` is in (``placement``, ``nd_sbp``) with ``dtype`` (or an
     entry that is not floating point, which keeps its dtype). Run per parameter and step:
     torch dtypes are singletons, so ``is`` decides the usual case."""
-    have = v._local.dtype
+    have = v.shard.dtype
     if have is not dtype and have.is_floating_point and dtype.is_floating_point:
         return False
-    return v._sbp == nd_sbp and (v._placement is placement or v._placement == placement)
+    return v.sbp == nd_sbp and (v.placement is placement or v.placement == placement)
 
 
 def conform(state: dict, placement: Placement, nd_sbp: tuple, dtype: torch.dtype) -> None:

@@ -47,8 +47,8 @@ class StageView(GlobalTensor):
 
     def _get_local(self) -> torch.Tensor:
         if self._mine:
-            return self._param._local
-        e, p = self._empty, self._param._local
+            return self._param.shard
+        e, p = self._empty, self._param.shard
         if e is None or e.dtype != p.dtype or e.device != p.device:
             e = self._empty = empty_local(p.dtype, p.device)
         return e
