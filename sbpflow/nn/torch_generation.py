@@ -6,8 +6,8 @@ read tensors by their Python type or assume one device.
 * `generating`: a model whose stages sit on several placements (``sf.parallel.pipeline``) gives
   its logits on the last stage while the ids grow on the first: during ``generate`` each
   forward's outputs (not its cache, whose layers stay on their stages) move to the ids'
-  placement, the last position's logits a step. Greedy search and sampling there; beam
-  search is refused.
+  placement, the last position's logits a step, and beam search reorders each cache layer on
+  its own stage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 
 from ..sbp import B
-from ..errors import UnsupportedTorchFunction
 from ..tensor import GlobalTensor
 
 __all__ = ["expanding", "generating"]
@@ -75,7 +74,6 @@ def generating(cls: type):
         if not isinstance(ids, GlobalTensor):
             return original(self, *args, **kwargs)
         home = ids.placement
-        _check_search(self, kwargs)
         handle = self.register_forward_hook(lambda module, inputs, out: _homed(out, home))
         try:
             return original(self, *args, **kwargs)
@@ -86,22 +84,6 @@ def generating(cls: type):
     return generate
 
 
-def _check_search(model, kwargs: dict) -> None:
-    """No beam search on a model whose parameters sit on several placements: its cache
-    reordering by the beams' indices would cross the stages (not supported yet)."""
-    placements = {p.placement for p in model.parameters() if isinstance(p, GlobalTensor)}
-    if len(placements) < 2:
-        return
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-    if beams > 1:
-        raise UnsupportedTorchFunction(
-            f"generate() with num_beams={beams} on a model whose parameters sit on "
-            f"{len(placements)} placements (sf.parallel.pipeline's stages): beam search "
-            f"reorders each stage's cache by the beams' indices, which is not supported there "
-            f"yet; greedy search and sampling are, or lay the model out on one placement")
-
-
 def _homed(output, home):
     """``output`` (a transformers ModelOutput, dict-like) with its global tensors but the cache
     on ``home``; None (keep it) for any other output."""
@@ -109,7 +91,28 @@ def _homed(output, home):
         return None
     for key in list(output.keys()):
         value = output[key]
-        if key not in _CACHES and isinstance(value, GlobalTensor) and value.placement != home:
+        if key in _CACHES:
+            _reorders_on_stages(value)
+        elif isinstance(value, GlobalTensor) and value.placement != home:
             output[key] = value.to_global(placement=home, sbp=(B,) * home.ndim)
     return output
+
+
+def _reorders_on_stages(cache) -> None:
+    """Beam search reorders ``cache`` (a transformers Cache of layers) by the beams' indices,
+    given on the ids' placement: each layer takes them on its own (an instance method, so
+    transformers' checks of the class see nothing new)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or "reorder_cache" in vars(cache):
+        return
+
+    def reorder_cache(beam_idx) -> None:
+        for layer in layers:
+            keys = getattr(layer, "keys", None)
+            here = keys.placement if isinstance(keys, GlobalTensor) else None
+            moved = here is not None and isinstance(beam_idx, GlobalTensor) and \
+                here != beam_idx.placement
+            layer.reorder_cache(beam_idx.to_global(placement=here, sbp=(B,) * here.ndim)
+                                if moved else beam_idx)
+    cache.reorder_cache = reorder_cache
 

@@ -275,14 +275,14 @@ SPLIT = {"gpt2": "transformer.h.1", "llama": "model.layers.1"}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_pipeline_generates_torchs_greedy_tokens_and_samples_as_any_layout(family):
+def test_a_pipeline_generates_torchs_tokens_and_samples_as_any_layout(family):
     """A 2-stage pipeline (stages of 2 data-parallel ranks, the ids given on stage 0): each
-    forward's logits come back to the ids' stage, the cache stays on the layers' stages. Greedy
-    search (an end-of-sequence id stopping row 0) gives torch's tokens on stage 0; sampling the
-    tokens of the same seed with the weights replicated on all 4 ranks. Beam search is refused
-    there, naming what runs."""
+    forward's logits come back to the ids' stage, the cache stays on the layers' stages (beam
+    search reorders each on its stage). Greedy (an end-of-sequence id stopping row 0) and beam
+    search give torch's tokens on stage 0; sampling the tokens of the same seed with the weights
+    replicated on all 4 ranks."""
     model = build(family)
-    searches = {k: v for k, v in _searches(model).items() if k.startswith("greedy")}
+    searches = _searches(model)
     want = {k: _generate(model, PROMPT, **kw) for k, kw in searches.items()}
 
     def sampled(m, ids):
@@ -297,12 +297,11 @@ def test_a_pipeline_generates_torchs_greedy_tokens_and_samples_as_any_layout(fam
         sf.parallel.pipeline(m, stages, split=[SPLIT[family]], rules=[{"*": sf.B}] * 2)
         ids = sf.tensor(PROMPT, stages[0], sf.S(0))
         got = {k: _generate(m, ids, **kw) for k, kw in searches.items()}
-        with pytest.raises(sf.SbpError) as err:
-            _generate(m, ids, num_beams=2, do_sample=False)
         return ({k: (list(g.placement.flat_ranks), g.full_tensor()) for k, g in got.items()},
-                (flat, sampled(m, ids)), str(err.value))
-    got, (flat, piped), refused = sf.launch(body, world_size=WORLD)[0]
+                (flat, sampled(m, ids)))
+    with warnings.catch_warnings():   # beam search writes the prompt into a torch.full buffer
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        got, (flat, piped) = sf.launch(body, world_size=WORLD)[0]
     for k in want:
         assert got[k][0] == [0, 1] and torch.equal(got[k][1], want[k]), (family, k, got[k])
     assert torch.equal(piped, flat), (piped, flat)
-    assert "greedy search and sampling are" in refused, refused
