@@ -20,7 +20,6 @@ batches come from `sf.data.DataLoader`. docs/huggingface.md explains each step.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
@@ -140,18 +139,6 @@ def sample(model, where, *, data: CharData, prompt: str, n: int) -> str:
     return data.decode([i for i in out[0].tolist() if i < data.vocab])   # the padding id out
 
 
-def one_placement(model, args, where):
-    """The model to sample from and its placement: ``model`` itself, but for the pipeline
-    layout, whose stages generate() cannot cross yet (its tokens come out on the last stage,
-    the ids grow on the first), a data-parallel twin with the trained weights."""
-    if args.layout != "pp":
-        return model, where
-    twin = copy.deepcopy(args.torch_model)
-    twin.load_state_dict(model.state_dict())          # the logical values (a collective)
-    flat = sf.placement("cpu", list(range(sf.world_size())))
-    return sf.parallel.apply(twin, flat, {"*": sf.B}).eval(), flat
-
-
 def main(args):
     data, torch_model = args.data, args.torch_model
     model, where, sbp, described = lay_out(torch_model, args, data.batch(0)[0])
@@ -167,7 +154,7 @@ def main(args):
                        desc=f"{args.model} {args.layout}")
     model.eval()
     if args.sample:
-        text = sample(*one_placement(model, args, where), data=data, prompt=PROMPT, n=args.sample)
+        text = sample(model, where, data=data, prompt=PROMPT, n=args.sample)
         if common.on_rank0():
             print(f"  sample: {text!r}")
     if args.export:
@@ -189,7 +176,7 @@ def export(model, args, data: CharData) -> None:
 
 
 def arguments() -> argparse.ArgumentParser:
-    p = common.parser(__doc__.splitlines()[0], layouts=LAYOUTS, layout_default="dp", steps=60,
+    p = common.parser(__doc__.splitlines()[0], layouts=LAYOUTS, layout_default="dp", steps=200,
                       batch=16, lr=3e-3)
     p.add_argument("--model", choices=sorted(PIPELINE_SPLIT), default="gpt2",
                    help="the transformers family (default gpt2)")
