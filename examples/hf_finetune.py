@@ -148,7 +148,8 @@ def main(args):
     if common.on_rank0():
         n = sum(p.numel() for p in torch_model.parameters())
         print(f"{type(torch_model).__name__}: {n} parameters (d={args.d}, layers={args.layers}, "
-              f"vocab={torch_model.config.vocab_size}), seq {args.seq}, batch {args.batch}; {described}")
+              f"vocab={torch_model.config.vocab_size}), seq {args.seq}, batch {args.batch}; "
+              f"{described}")
     res = common.train(LabelsLoss(model), opt, lambda step: (loader(),), args,
                        per_step=args.batch * args.seq, unit="tok",
                        desc=f"{args.model} {args.layout}")

@@ -118,7 +118,7 @@ def test_a_layout_the_rank_count_cannot_take_ends_with_its_message(example):
         example("gpt", ["--layout", "2d", "-n", "3"])
 
 
-# -- examples/hf_finetune.py: a transformers model in every layout ----------------------------------
+# -- examples/hf_finetune.py: a transformers model in every layout -------------------------------
 HF_LAYOUTS = ["dp", "tp", "2d", "zero3", "pp", "auto"]
 
 
