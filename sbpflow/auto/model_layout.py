@@ -52,7 +52,7 @@ def lay_out(model, graph, strategy, *, modules: dict, placement, notes: list) ->
         for i in idx:
             placements[graph.layers[i].name] = on(strategy.layers[i].mesh)
         streams.append(_stream([strategy.layers[i] for i in idx], on, notes))
-    layouts = _layouts(graph, strategy, modules, placements)
+    layouts = _layouts(graph, strategy, modules=modules, placements=placements)
     pipe = None
     if len(groups) > 1:   # stage placements for the untraced parameters, buffers, hooks
         pipe = cut_stages(model, graph, strategy, groups=groups,
@@ -62,12 +62,13 @@ def lay_out(model, graph, strategy, *, modules: dict, placement, notes: list) ->
              ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
     if pipe is None:
         _move_buffers(model, streams[0].placement)
-    _tie_views(graph, strategy, modules, placements)
-    _zero_stages(model, graph, strategy, modules)
+    _tie_views(graph, strategy, modules=modules, placements=placements)
+    _zero_stages(model, graph, strategy, modules=modules)
     _wrap_forwards(model, graph, strategy, modules=modules, placements=placements,
                    streams=streams, groups=groups)
     stages = [st.placement for st in streams] if pipe is not None else []
-    return LaidOut(streams[0].placement, placements, stages, pipe)
+    return LaidOut(placement=streams[0].placement, placements=placements, stages=stages,
+                   pipeline=pipe)
 
 
 def _wrap_forwards(model, graph, strategy, *, modules: dict, placements: dict, streams: list,
@@ -120,7 +121,7 @@ def _stream(layers: list, on, notes: list) -> _ActivationPlacement:
     return _ActivationPlacement(on(fine), {m: _owner(m, fine) for m in mesh_counts})
 
 
-def _layouts(graph, strategy, modules, placements) -> dict:
+def _layouts(graph, strategy, *, modules: dict, placements: dict) -> dict:
     """id(parameter) -> (placement, nd-sbp, name of the layer) for every traced layer's
     parameters (a tied layer's weight is its holder's; its bias follows that weight); a
     parameter shared by layers with different layouts raises."""
@@ -157,7 +158,7 @@ def _layouts(graph, strategy, modules, placements) -> dict:
     return out
 
 
-def _tie_views(graph, strategy, modules, placements) -> None:
+def _tie_views(graph, strategy, *, modules: dict, placements: dict) -> None:
     """The users of a weight tied across stages read it through their stage's view."""
     for user, holder in graph.ties.items():
         if getattr(strategy[user], "stage", 0) != getattr(strategy[holder], "stage", 0):
@@ -182,7 +183,7 @@ def _move_buffers(model, placement) -> None:
             m._buffers[key] = moved[id(b)]
 
 
-def _zero_stages(model, graph, strategy, modules) -> None:
+def _zero_stages(model, graph, strategy, *, modules: dict) -> None:
     """Run each layer's ZeRO stage (``LayerStrategy.zero``) on its weight and bias, as
     ``sf.parallel.apply(..., zero=)`` does (`sbpflow.parallel.zero.shard`, split along their
     data-parallel dims). Stage 1 first: a later `shard` call gives the units its own
@@ -321,12 +322,15 @@ class _ActivationPlacement:
         owner = self.owners.get(tuple(mesh))
         return None if owner is None else tuple(nd[i] for i in owner)
 
-    def _same_shards(self, shape, src_pl, src_nd, dst_pl, dst_nd) -> bool:
-        key = (shape, src_pl, src_nd, dst_pl, dst_nd)
+    def _same_shards(self, shape, src: tuple, dst: tuple) -> bool:
+        """Whether every rank holds the same region of a ``shape`` tensor under layouts
+        ``src`` and ``dst`` (each ``(placement, nd-sbp)``), memoised."""
+        key = (shape, src, dst)
         hit = self._same.get(key)
         if hit is None:
             if len(self._same) > 4096:
                 self._same.clear()
+            (src_pl, src_nd), (dst_pl, dst_nd) = src, dst
             hit = self._same[key] = all(
                 shard_box(shape, src_pl.shape, src_nd, src_pl.coord_of(r)) ==
                 shard_box(shape, dst_pl.shape, dst_nd, dst_pl.coord_of(r))
@@ -342,7 +346,7 @@ class _ActivationPlacement:
             return x
         shape = tuple(x.shape)
         if sorted(x.placement.flat_ranks) == sorted(pl.flat_ranks) and \
-                self._same_shards(shape, x.placement, tuple(x.sbp), pl, tuple(nd)):
+                self._same_shards(shape, (x.placement, tuple(x.sbp)), (pl, tuple(nd))):
             return from_local(x.local, placement=pl, sbp=nd, shape=shape)
         return x.to_global(placement=pl, sbp=nd)
 

@@ -179,8 +179,8 @@ def _plan(graph, strategy, laid: LaidOut, *, breakdown, modules: dict, model, no
     pp = getattr(strategy, "pipeline", None)
     micro_batches = pp.micro_batches if pp is not None else \
         (breakdown.micro_batches if breakdown is not None else 1)
-    return ParallelPlan(graph, strategy, laid.placement, breakdown, modules, notes=notes,
-                        search_seconds=seconds, placements=laid.placements, model=model,
+    return ParallelPlan(graph=graph, strategy=strategy, placement=laid.placement,
+                        breakdown=breakdown, modules=modules, notes=notes, search_seconds=seconds, placements=laid.placements, model=model,
                         stages=laid.stages, pipeline=laid.pipeline, micro_batches=micro_batches,
                         schedule=pp.schedule if pp is not None else "1f1b")
 
@@ -193,7 +193,7 @@ def _taken(graph, strategy, *, placement, cluster, one_mesh: bool, notes: list) 
         if getattr(strategy, "pipeline", None) is not None:
             raise ParallelizeError("parallelize: one_mesh=True with a pipelined strategy; "
                                    "give one or the other")
-        strategy = _to_one_mesh(graph, strategy, cluster, notes)
+        strategy = _to_one_mesh(graph, strategy, cluster, notes=notes)
     return strategy
 
 

@@ -102,7 +102,7 @@ def snap_cuts(model, graph, strategy, notes: list):
     return restrategy(graph, layers, strategy)
 
 
-def _split_points(model, graph, strategy, groups) -> list:
+def _split_points(model, graph, strategy, *, groups: list) -> list:
     """The module where each stage after the first starts: the outermost clean module
     (`_clean`; else any module) containing the stage's first layer whose traced layers are
     all in that stage (a GPT's block)."""
@@ -121,7 +121,7 @@ def cut_stages(model, graph, strategy, *, groups: list, stage_pls: list, skip: s
     replicated on their stage's stream, buffers moved, boundary hooks), checked against the
     strategy's stages. The parameters in ``skip`` (the traced layers', laid out next on their
     layer placements) are hidden from it: moved once, a meta one materialised as a shard."""
-    split = _split_points(model, graph, strategy, groups)
+    split = _split_points(model, graph, strategy, groups=groups)
     hidden = [(m, key, t) for m in model.modules() for key, t in m._parameters.items()
               if t is not None and id(t) in skip]
     for m, key, _ in hidden:

@@ -36,8 +36,10 @@ def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) ->
         held = (sh.mesh, module_nd(graph.layers[h], sh.weight))
         if _accepts(weighted, su, held):
             continue
-        mine = _weight_options(ev, graph, layers, i, weighted, getattr(su, "stage", 0))
-        theirs = _weight_options(ev, graph, layers, h, graph.layers[h], getattr(sh, "stage", 0))
+        mine = _weight_options(ev, graph, layers, j=i, weighted=weighted,
+                               stage=getattr(su, "stage", 0))
+        theirs = _weight_options(ev, graph, layers, j=h, weighted=graph.layers[h],
+                                 stage=getattr(sh, "stage", 0))
         both = [k for k in theirs if k in mine]
         if not both:
             raise ParallelizeError(f"parallelize: layers {holder} (stage "
@@ -55,7 +57,7 @@ def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) ->
     return restrategy(graph, layers, strategy)
 
 
-def _near_cost(ev, graph, layers: list, j: int, c) -> float:
+def _near_cost(ev, graph, layers: list, *, j: int, c) -> float:
     """Layer ``j``'s node time under ``c`` plus its edges' times, the other layers fixed."""
     layer = graph.layers[j]
     t = ev.node_terms(layer, c)["time"]
@@ -66,7 +68,7 @@ def _near_cost(ev, graph, layers: list, j: int, c) -> float:
     return t
 
 
-def _weight_options(ev, graph, layers: list, j: int, weighted, stage: int) -> dict:
+def _weight_options(ev, graph, layers: list, *, j: int, weighted, stage: int) -> dict:
     """``{(mesh, module weight nd-sbp): (time near layer j, its strategy)}``, the cheapest
     strategy of layer ``j`` per weight layout; ``weighted`` is the layer with its weight (a
     tied layer's strategies are priced without it: the holder carries the weight)."""
@@ -77,7 +79,7 @@ def _weight_options(ev, graph, layers: list, j: int, weighted, stage: int) -> di
         if layer.weight_shape is None:
             s = dataclasses.replace(s, weight=None, stored=None)
         key = (c.mesh, module_nd(layer, c.weight))
-        t = _near_cost(ev, graph, layers, j, s)
+        t = _near_cost(ev, graph, layers, j=j, c=s)
         if key not in out or t < out[key][0]:
             out[key] = (t, s)
     return out
