@@ -172,10 +172,10 @@ def dispatch(func, args: tuple, kwargs: dict):
     ``cross_entropy`` with class-probability targets) hands the call to the fallback, which
     is always correct; an `sf.SbpError` it raises stands (a refusal with its reason). A plain
     torch tensor written with global tensors takes their whole values (`write_plain`)."""
-    if writes_plain(func, args):
+    if args and type(args[0]) is not GlobalTensor and writes_plain(func, args):
         return write_plain(func, args, kwargs)
-    if isinstance(func, _C_BOUND):
-        kwargs = numpy_names(kwargs)
+    if kwargs and isinstance(func, _C_BOUND):   # (the checks skipped when they cannot apply:
+        kwargs = numpy_names(kwargs)            # this is every torch function's path)
     handler = _HANDLERS.get(func) or handler_for(func)
     args, kwargs = lift_arguments(args, kwargs)
     try:
