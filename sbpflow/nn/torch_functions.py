@@ -175,7 +175,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     if args and type(args[0]) is not GlobalTensor and writes_plain(func, args):
         return write_plain(func, args, kwargs)
     if kwargs and isinstance(func, _C_BOUND):   # (the checks skipped when they cannot apply:
-        kwargs = numpy_names(kwargs)            # this is every torch function's path)
+        kwargs = _numpy_named(func, kwargs)     # this is every torch function's path)
     handler = _HANDLERS.get(func) or handler_for(func)
     args, kwargs = lift_arguments(args, kwargs)
     try:
@@ -184,6 +184,23 @@ def dispatch(func, args: tuple, kwargs: dict):
         if isinstance(exc, SbpError) or getattr(handler, "fallback", False):
             raise
         return _fallback(func)(*args, **kwargs)
+
+
+_AXIS_NATIVE: dict = {}  # func -> its aten schema takes an argument named axis
+
+
+def _numpy_named(func, kwargs: dict) -> dict:
+    """numpy's ``axis=`` / ``keepdims=`` as torch's ``dim=`` / ``keepdim=``, unless ``func``'s own
+    aten schema takes ``axis`` (``torch.segment_reduce``)."""
+    if "axis" not in kwargs and "keepdims" not in kwargs:
+        return kwargs
+    native = _AXIS_NATIVE.get(func)
+    if native is None:
+        packet = getattr(torch.ops.aten, getattr(func, "__name__", "") or "", None)
+        overloads = packet.overloads() if hasattr(packet, "overloads") else ()
+        native = _AXIS_NATIVE[func] = any(a.name == "axis" for o in overloads
+                                          for a in getattr(packet, o)._schema.arguments)
+    return kwargs if native else numpy_names(kwargs)
 
 
 def _fallback(func) -> Callable:

@@ -98,11 +98,15 @@ def test_plain_tensors_take_global_values_as_torch():
         assert all(type(g) is torch.Tensor and torch.equal(g, w) for g, w in zip(got, want))
 
 
+_LENGTHS = torch.tensor([X.shape[0] - 3, 0, 3])
+
+
 def _numpy_names(x):
     mask = x > 0
     return (torch.all(mask, axis=-1, keepdims=True), torch.any(mask, axis=0),
             torch.sum(x, axis=1), torch.amax(x, axis=0, keepdims=True), x.sum(axis=1),
-            x.mean(axis=0, keepdims=True), x.softmax(axis=1), mask.any(axis=1))
+            x.mean(axis=0, keepdims=True), x.softmax(axis=1), mask.any(axis=1),
+            torch.segment_reduce(x, "sum", lengths=_LENGTHS, axis=0))  # (its own axis=)
 
 
 def test_numpy_argument_names_and_tensor_index_as_torch():
