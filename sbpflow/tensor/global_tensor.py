@@ -14,29 +14,30 @@ tensor/views.py, the creation ops in tensor/creation.py, the hooks in tensor/hoo
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import _weakrefset
 import numbers
 import sys
 import weakref
 from operator import attrgetter
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from .. import comm as _comm
 from ..boxing import empty_local, plan_layouts, run_plan
-from ..caches import BoundedDict
 from ..errors import (DtypeMismatchError, GraphError, IndexOutOfRange, PlacementError,
                       PlacementMismatchError, SbpError, SbpParseError, ShapeError, SignatureError,
                       UnsupportedTorchFunction)
-from ..ops import Choice, KernelContext, Op, TensorMeta, choose, detaches, get_op, hashable
+from ..ops import TensorMeta, choose, detaches, get_op, hashable
 from ..ops.shape import encode_index, list_index, resolve_shape, squeeze_dims
 from ..placement import Placement
 from ..sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, parse_nd_sbp,
                    shard_box)
 from ..utils import IdentityMap, rebuild_sequence
+from .dispatch_records import (_CHOICES, _Boxed, _Entry, _autocast_dtype, _check_dtypes,
+                               _connected_empty, _describe, _intern_layout, _rank_context,
+                               _same_trace)
 from .hooks import _RESPLITS, _torch_dispatch, _tracing, _watch_resplit
 from .views import (_axis_slice, _pieces, _reshaped, _stale, _strided, _swapped, _take,
                     _version, _viewed, copy_view, is_view)
@@ -997,20 +998,6 @@ def _create(shape: tuple, placement, sbp, dtype, requires_grad: bool, make) -> G
 
 
 # -- dispatch ------------------------------------------------------------------------------------
-class _Entry(NamedTuple):
-    """What the dispatch keeps per (op, input layouts, placement, attributes)."""
-
-    choice: Choice
-    op: Op
-    detach: bool            # outputs are P(max)/P(min): no gradient
-    out_keys: tuple         # each output's layout key
-    moves: bool             # some input is boxed first
-    contexts: dict          # rank -> its KernelContext (made on first use)
-    mixed: bool             # a same-dtype op got several input dtypes: checked on each call
-
-
-_CHOICES = BoundedDict("tensor.dispatch_choices")
-
 def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     """Run registered op ``name`` on global tensors (and constants) in ``args``.
 
@@ -1048,27 +1035,6 @@ def apply_op(name: str, *args, sbp: Sequence | None = None, **attrs):
     if _tracing.recorder is not None:  # an op of another placement: kept for the logical graph
         _tracing.recorder.op(entry, args, boxed, None, attrs, out, pl)
     return out
-
-
-class _Boxed(NamedTuple):
-    """A boxed version of a tensor, valid while the tensor's shard is the same object at the
-    same version (an in-place op or an optimizer update bumps it) and the grad mode is the
-    same. ``kept`` holds the boxed shard for a value (an activation, an input); for a
-    parameter (a leaf that requires grad) only ``ref`` does, weakly: a gathered weight is
-    reused while backward keeps it anyway, never kept alive by the cache (ZeRO frees it)."""
-
-    source: "weakref.ref"
-    version: int
-    grad: bool
-    kept: torch.Tensor | None
-    ref: "weakref.ref"
-    trace: "weakref.ref | None"  # the graph recorder it was made under: a trace reuses only
-    # its own boxings (recorded), eager only eager ones
-
-
-def _same_trace(trace: "weakref.ref | None") -> bool:
-    rec = _tracing.recorder
-    return rec is None if trace is None else (rec is not None and trace() is rec)
 
 
 def _boxed_for_op(t: GlobalTensor, nd: tuple) -> GlobalTensor:
@@ -1160,20 +1126,6 @@ def _run_kernel(entry: _Entry, args: tuple, boxed: list, tensors: list, pl: Plac
     return out
 
 
-def _rank_context(entry: _Entry, tensors: list, pl: Placement, me: int) -> KernelContext:
-    """This rank's `KernelContext` for the entry (it depends only on the entry and the rank:
-    made once, kept in the entry)."""
-    choice = entry.choice
-    coord = pl.coord_of(me)
-    ctx = entry.contexts[me] = KernelContext(
-        pl, coord,
-        tuple(shard_box(t._shape, pl.shape, nd, coord) for t, nd in zip(tensors, choice.ins)),
-        tuple(shard_box(m.shape, pl.shape, nd, coord)
-              for m, nd in zip(choice.out_metas, choice.outs)),
-        choice.ins, choice.outs, tuple(t._shape for t in tensors))
-    return ctx
-
-
 def _wrap_outputs(entry: _Entry, locals_: tuple, pl: Placement, multi: bool):
     """Global tensors of the local outputs (detached where the outputs carry no gradient)."""
     choice = entry.choice
@@ -1197,13 +1149,6 @@ def _wrap(local: torch.Tensor, shape: tuple, placement: Placement, sbp: tuple,
     return t
 
 
-# (shape, dtype, nd-sbp) -> a small int, so the dispatch key hashes ints instead of nested
-# tuples of sbp values. Ids come from a counter (atomic under the GIL: rank threads may intern
-# at once); a layout may get two ids after a clear, which costs a cache miss, never a wrong hit.
-_LAYOUT_KEYS = BoundedDict("tensor.layout_keys")
-_LAYOUT_IDS = itertools.count(1)
-
-
 def _layout_key(t: GlobalTensor) -> int:
     """``t``'s layout id, kept in ``t._key``. A view keeps none, so that the dispatch, which
     reads ``_key`` first, comes here on every use of one and remakes it if its base changed
@@ -1213,12 +1158,6 @@ def _layout_key(t: GlobalTensor) -> int:
         return t._view.key or _intern_layout(t._shape, t._local.dtype, t._sbp)
     t._key = key = _intern_layout(t._shape, t._local.dtype, t._sbp)
     return key
-
-
-def _intern_layout(shape: tuple, dtype: torch.dtype, sbp: tuple) -> int:
-    key = _LAYOUT_KEYS.get((shape, dtype, sbp))
-    return key if key is not None else \
-        _LAYOUT_KEYS.setdefault((shape, dtype, sbp), next(_LAYOUT_IDS))
 
 
 def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> tuple:
@@ -1236,46 +1175,6 @@ def _choice_entry(name, args, tensors, pl, attrs_key, forced, grad, pinned) -> t
     op = get_op(name)
     mixed = op.same_dtype and len({t.dtype for t in tensors}) > 1
     return _Entry(choice, op, detaches(choice.outs), out_keys, moves, {}, mixed)
-
-
-def _check_dtypes(name: str, tensors: list, pl: Placement) -> None:
-    """Raise `DtypeMismatchError` unless the inputs of same-dtype op ``name`` have one dtype
-    once torch's autocast has cast them (it casts floating inputs other than float64 to its
-    dtype). Every rank of the placement reaches the same verdict: it reads only metadata."""
-    cast = _autocast_dtype(name, pl)
-    dtypes = [cast if cast is not None and t.dtype.is_floating_point and t.dtype != torch.float64
-              else t.dtype for t in tensors]
-    if len(set(dtypes)) > 1:
-        shown = "; ".join(f"{t.dtype} ({_describe(t)})" for t in tensors)
-        first = tensors[0].dtype
-        raise DtypeMismatchError(
-            f"{name}: inputs must have one dtype, as in torch (which does not promote here); got "
-            f"{shown}. Cast with .to({first}) (or another common dtype) first")
-
-
-# Ops that torch's autocast runs in the lower precision. Output metadata comes from meta
-# kernels, which autocast does not cast, so a rank outside the placement (which runs no kernel)
-# takes the autocast dtype from here to hold the same dtype as the ranks that ran it.
-_AUTOCAST_LOWER = frozenset({"matmul", "linear", "conv2d"})
-
-
-def _autocast_dtype(name: str, pl: Placement) -> torch.dtype | None:
-    if name in _AUTOCAST_LOWER and torch.is_autocast_enabled(pl.device_type):
-        return torch.get_autocast_dtype(pl.device_type)
-    return None
-
-
-def _describe(t: GlobalTensor) -> str:
-    return f"shape {t._shape} on {t._placement} with sbp {format_nd_sbp(t._sbp)}"
-
-
-def _connected_empty(inputs: list, dtype: torch.dtype) -> torch.Tensor:
-    """An empty shard for a rank outside the placement that still hangs off the inputs in the
-    autograd graph, so backward reaches (and runs the collectives of) earlier boxing steps."""
-    parts = [t._local.reshape(-1)[:0] for t in inputs if t._local.requires_grad]
-    if not parts or not dtype.is_floating_point:
-        return torch.empty(0, dtype=dtype, device=inputs[0]._local.device)
-    return torch.cat([p.to(dtype) for p in parts])[:0]
 
 
 def cat(tensors: Sequence[GlobalTensor], dim: int = 0) -> GlobalTensor:
