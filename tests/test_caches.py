@@ -93,7 +93,7 @@ def test_a_search_runs_with_the_collector_paused(monkeypatch):
     gives it back as it found it."""
     import gc
     import importlib
-    S = importlib.import_module("sbpflow.auto.search")
+    S = importlib.import_module("sbpflow.auto.strategy_search")
     seen = []
     cost = S.Problem.cost
 

@@ -1,4 +1,4 @@
-"""sbpflow.auto.search internals: lazily filled edge tables, the pruned min-plus product of the
+"""sbpflow.auto.strategy_search internals: lazily filled edge tables, the pruned min-plus product of the
 dynamic programme, the penalised optimum when nothing fits, joint (pair) moves of coordinate
 descent. Each result is checked against plain enumeration / dense products."""
 
