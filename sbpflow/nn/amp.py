@@ -9,8 +9,9 @@ with or without autocast, because CPU autocast does not apply to meta tensors.
 
 A rank OUTSIDE an op's placement runs no kernel and holds an empty shard; for the ops autocast
 runs in the low precision (matmul, linear, conv2d) the dispatch gives that shard the autocast
-dtype (`sbpflow.tensor.dispatch_records._AUTOCAST_LOWER`), so every rank agrees on the dtype and later boxing
-that includes it works. A new op that autocast casts must be added to that set.
+dtype (`sbpflow.tensor.dispatch_records._AUTOCAST_LOWER`), so every rank agrees on the dtype
+and later boxing that includes it works. A new op that autocast casts must be added to that
+set.
 """
 
 from __future__ import annotations
