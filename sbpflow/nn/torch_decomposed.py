@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import torch
 from torch._decomp import decomposition_table
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ops.torch_generic import call_spec
 from ..tensor import GlobalTensor
 
 __all__ = ["decomposed", "replay", "use_handlers"]
 
-_ATEN = torch.ops.aten
 _MAX_PASSES = 4  # each pass decomposes the ops the last trace left uncovered
 _TRACE_LOCK = threading.Lock()  # make_fx keeps its tracer in process-wide state: one at a time
 
@@ -113,7 +113,6 @@ def covered(node: torch.fx.Node) -> bool:
 
 
 def _trace(func: Callable, metas: tuple, pos: tuple, kw: tuple, table: dict):
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def call(*ts):
         return func(*call_spec(pos, ts), **call_spec(kw, ts))
