@@ -103,7 +103,7 @@ def _reorders_on_stages(cache) -> None:
     given on the ids' placement: each layer takes them on its own (an instance method, so
     transformers' checks of the class see nothing new)."""
     layers = getattr(cache, "layers", None)
-    if layers is None or "reorder_cache" in vars(cache):
+    if layers is None or "reorder_cache" in getattr(cache, "__dict__", {"reorder_cache": 0}):
         return
 
     def reorder_cache(beam_idx) -> None:
