@@ -39,14 +39,14 @@ def trace(graph, args: list, rec: Recorder, forms: tuple | None = None) -> Tape:
     the calls make the draws (the first call's are the ones an eager step would have made)."""
     for a in args:
         rec.add_input(a)
-    state = _comm.current().state
-    counter = state.get("seed_counter", 0)
+    state = _comm.current().rank_state
+    counter = state.seed_counter
     previous = set_recorder(rec)
     try:
         result = graph.build(*unflatten_inputs(forms, args))
     finally:
         set_recorder(previous)
-        state["seed_counter"] = counter
+        state.seed_counter = counter
         rec.restore()   # the first call's replay writes the buffers build writes
     return rec.tape(result)
 
@@ -120,13 +120,12 @@ class Compiled:
         self._check_outputs(tapes[0])
         pls = tapes[0].placements()
         self.env = Env(self.comm, pls[0].device_type if pls else "cpu")
-        state = self.comm.state
-        state["graph_plans"] = state.get("graph_plans", 0) + 1  # the same count on every rank
+        self.comm.rank_state.graph_plans += 1  # the same count on every rank
         first = self.lowered[self.keys[0]]
         self.call: GraphCall | None = None
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
-                               name=f"graph{state['graph_plans']}",
+                               name=f"graph{self.comm.rank_state.graph_plans}",
                                failures=lambda: self.runtime.failures if self.runtime else 0,
                                scale_stage=_mean_stage(first) if exchange else None)
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
@@ -219,8 +218,8 @@ class Compiled:
         lowered = [self.lowered[key] for key in self.keys]
         # the first call trains on the batches the sources gave while compiling
         preloaded, self.batches = self.batches, []
-        state = self.comm.state
-        base = state.get("seed_counter", 0)
+        state = self.comm.rank_state
+        base = state.seed_counter
         means: dict = {}
         self.call = GraphCall([[a.shard if isinstance(a, GlobalTensor) else None for a in args]
                                for args in mbs.args], lowered, self.weights, {}, self._sync,
@@ -232,7 +231,7 @@ class Compiled:
                 self._take_scale(results.get("scale<", [None])[0])
                 self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them
-            state["seed_counter"] = base + sum(low.tape.draws for low in lowered)
+            state.seed_counter = base + sum(low.tape.draws for low in lowered)
             return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
                                   iter(range(len(self.tapes[self.keys[0]].outs))))
         except BaseException:

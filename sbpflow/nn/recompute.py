@@ -36,8 +36,8 @@ def checkpoint(function, *args, preserve_rng_state: bool = True, **kwargs):
                          "drop. Call the module directly in build, or train in eager mode")
     slots = [i for i, a in enumerate(args) if isinstance(a, GlobalTensor)]
     metas = {i: (tuple(args[i].shape), args[i].placement, args[i].sbp) for i in slots}
-    state = _comm.current().state
-    rewind = (state.get("seed", 0), state.get("seed_counter", 0))
+    state = _comm.current().rank_state
+    rewind = (state.seed, state.seed_counter)
     out_meta: dict = {}
     calls = [0]
 
@@ -49,13 +49,13 @@ def checkpoint(function, *args, preserve_rng_state: bool = True, **kwargs):
         recompute = calls[0] > 0
         calls[0] += 1
         if recompute:
-            saved = (state.get("seed", 0), state.get("seed_counter", 0))
-            state["seed"], state["seed_counter"] = rewind
+            saved = (state.seed, state.seed_counter)
+            state.seed, state.seed_counter = rewind
         try:
             out = function(*full, **kwargs)
         finally:
             if recompute:
-                state["seed"], state["seed_counter"] = saved
+                state.seed, state.seed_counter = saved
         if isinstance(out, GlobalTensor):
             out_meta["kind"] = "one"
             out_meta["metas"] = [(tuple(out.shape), out.placement, out.sbp)]
