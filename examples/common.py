@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 import sbpflow as sf
-from sbpflow.models import LAYOUT_NAMES, Layout, layout
+from sbpflow.models import LAYOUT_NAMES, NamedLayout, layout
 from sbpflow.runtime import in_flight
 
 __all__ = ["parser", "run", "get_layout", "train", "accuracy", "TrainResult", "fmt_bytes",
@@ -129,7 +129,7 @@ def on_rank0() -> bool:
     return sf.rank() == 0
 
 
-def get_layout(model: str, args) -> Layout:
+def get_layout(model: str, args) -> NamedLayout:
     """The named layout ``args.layout`` of ``model`` on this world's ranks (a layout the rank
     count cannot take ends the script with its message, as the pipeline layouts do)."""
     try:

@@ -13,6 +13,7 @@ from .comm import init, launch, rank, world_size
 from . import errors
 from .errors import CheckpointError, CommError, GraphError, PlacementError, SbpError, ShapeError
 from .placement import Placement, placement
+from .layouts import Layout
 from .sbp import B, P, S, Broadcast, Partial, Split, dual, dual_nd, parse_nd_sbp, parse_sbp
 from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_seed, ones, rand,
                      randn, tensor, zeros)
@@ -36,12 +37,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "boxing", "comm", "cost", "ops", "nn", "apply_op", "sbp", "init", "launch", "rank",
-    "world_size", "Placement", "placement", "S", "B", "P", "Split", "Broadcast", "Partial", "dual",
-    "dual_nd", "parse_sbp", "parse_nd_sbp", "GlobalTensor", "cat", "tensor", "from_local", "randn",
-    "rand", "zeros", "ones", "full", "arange", "manual_seed", "clear_caches", "cache_info",
-    "errors", "SbpError", "PlacementError", "ShapeError", "CommError", "CheckpointError",
-    "GraphError", "data", "optim", "parallel", "save", "load", "export", "load_pretrained",
-    "autocast", "auto", "memory", "memory_stats",
+    "world_size", "Placement", "placement", "Layout", "S", "B", "P", "Split", "Broadcast",
+    "Partial", "dual", "dual_nd", "parse_sbp", "parse_nd_sbp", "GlobalTensor", "cat", "tensor",
+    "from_local", "randn", "rand", "zeros", "ones", "full", "arange", "manual_seed",
+    "clear_caches", "cache_info", "errors", "SbpError", "PlacementError", "ShapeError",
+    "CommError", "CheckpointError", "GraphError", "data", "optim", "parallel", "save", "load",
+    "export", "load_pretrained", "autocast", "auto", "memory", "memory_stats",
 ]
 
 _MOVED_ERRORS = frozenset(  # sf.X -> sf.errors.X; the old spelling warns once, for one release

@@ -24,9 +24,10 @@ import torch
 
 from .placement import Placement, placement as _placement
 from .sbp import B, S
+from .utils import renamed
 
 __all__ = ["gpt_class", "mlp_class", "vgg_class", "wide_deep_class", "param_count",
-           "LAYOUT_NAMES", "ZERO_STAGES", "TP_RULES", "Layout", "layout", "char_corpus",
+           "LAYOUT_NAMES", "ZERO_STAGES", "TP_RULES", "NamedLayout", "layout", "char_corpus",
            "CharData", "generate"]
 
 
@@ -199,7 +200,7 @@ TP_RULES = {
 }
 
 
-class Layout(NamedTuple):
+class NamedLayout(NamedTuple):
     """A named layout: the mesh, the nd-sbp of the inputs (batch on axis 0), the parameter
     rules and the ZeRO stage: ``sf.parallel.apply(model, lay.placement, lay.rules,
     zero=lay.zero)``."""
@@ -220,7 +221,7 @@ class Layout(NamedTuple):
         return f"layout {self.name} on a {mesh}, inputs {data}{zero}"
 
 
-def layout(model: str, name: str, world: int = 4) -> Layout:
+def layout(model: str, name: str, world: int = 4) -> NamedLayout:
     """The layout ``name`` of ``model`` (a key of `TP_RULES`) on ``world`` ranks:
 
     * ``dp``: 1-D mesh, parameters B, inputs split on the batch S(0) (gradients all-reduced);
@@ -237,20 +238,21 @@ def layout(model: str, name: str, world: int = 4) -> Layout:
         raise ValueError(f"unknown model {model!r}; one of {sorted(TP_RULES)}")
     line = _placement("cpu", list(range(world)))
     if name == "dp":
-        return Layout(name, line, (S(0),), {"*": B})
+        return NamedLayout(name, line, (S(0),), {"*": B})
     if name == "tp":
-        return Layout(name, line, (B,), dict(TP_RULES[model]))
+        return NamedLayout(name, line, (B,), dict(TP_RULES[model]))
     if name == "2d":
         if world % 2 or world < 4:
             raise ValueError(f"layout '2d' needs an even number of ranks >= 4, not {world}")
         mesh = _placement("cpu", [list(range(i, i + 2)) for i in range(0, world, 2)])
-        return Layout(name, mesh, (S(0), B), {k: (B, v) for k, v in TP_RULES[model].items()})
+        return NamedLayout(name, mesh, (S(0), B),
+                           {k: (B, v) for k, v in TP_RULES[model].items()})
     if name in ZERO_STAGES:
-        return Layout(name, line, (S(0),), {"*": B}, ZERO_STAGES[name])
+        return NamedLayout(name, line, (S(0),), {"*": B}, ZERO_STAGES[name])
     if name == "row_split":
-        return Layout(name, line, (S(0),), {"*": S(0)})
+        return NamedLayout(name, line, (S(0),), {"*": S(0)})
     if name == "replicated":
-        return Layout(name, line, (B,), {"*": B})
+        return NamedLayout(name, line, (B,), {"*": B})
     raise ValueError(f"unknown layout {name!r}; one of {LAYOUT_NAMES}")
 
 
@@ -341,3 +343,6 @@ def generate(model, data: CharData, placement: Placement, prompt: str, n: int) -
         logits = model(tensor(window[None], placement, bsbp), pos).full_tensor()
         ids.append(int(logits[0, len(ctx) - 1].argmax()))
     return data.decode(ids)
+
+
+__getattr__ = renamed(__name__, {"Layout": "NamedLayout"})  # sf.Layout is the (placement, sbp)

@@ -15,6 +15,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbpflow"
 LAYERS = [
     {"errors", "utils", "random_regions", "caches"},
     {"sbp", "placement"},
+    {"layouts"},  # Layout: a placement and an nd-sbp on it (needs both peers below)
     {"comm"},
     {"boxing"},
     {"cost"},

@@ -40,6 +40,7 @@ RENAMED = [  # (module, old name, what it is now): the deprecated aliases kept f
     ("sbpflow", "SignatureError", "sbpflow.errors.SignatureError"),
     ("sbpflow", "SearchCliError", "sbpflow.errors.SearchCliError"),
     ("sbpflow.boxing", "Step", "sbpflow.boxing.BoxingStep"),
+    ("sbpflow.models", "Layout", "sbpflow.models.NamedLayout"),
     ("sbpflow.auto", "Graph", "sbpflow.auto.LayerGraph"),
     ("sbpflow.auto", "Pipeline", "sbpflow.auto.PipelineShape"),
     ("sbpflow.auto.space", "Pipeline", "sbpflow.auto.space.PipelineShape"),

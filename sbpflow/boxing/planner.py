@@ -1,4 +1,4 @@
-"""Plan a redistribution (boxing) between two (placement, nd-sbp) layouts, least bytes first.
+"""Plan a redistribution (boxing) between two layouts (`sf.Layout`), least bytes first.
 
 Same placement: a shortest path over nd-sbp states, whose edges are the single steps of
 `sbpflow.boxing.steps` on any set of mesh dims at once (so ``(P, P) -> (B, B)`` is one
@@ -26,9 +26,9 @@ import torch
 
 from ..caches import memoize
 from ..errors import BoxingError
+from ..layouts import Layout, as_layout
 from ..placement import Placement
-from ..sbp import (B, Broadcast, Partial, Split, check_axes, format_nd_sbp, holds_value,
-                   parse_nd_sbp)
+from ..sbp import B, Broadcast, Partial, Split, check_axes, holds_value
 from .boxes import box_numel, intersect
 from .steps import BoxingStep, _with_bytes, is_valid_move, make_step, member_boxes
 
@@ -38,13 +38,13 @@ __all__ = ["BoxingPlan", "plan", "plan_layouts"]
 @dataclass(frozen=True)
 class BoxingPlan:
     """The steps that turn layout ``src`` into ``dst`` and the bytes they move (summed over
-    ranks). A layout is a ``(placement, nd-sbp)`` pair, as `plan` takes it (a `BoxingStep` names its
-    halves: ``src_placement``, ``src_sbp``)."""
+    ranks). ``src`` and ``dst`` are `Layout` values, equal to the ``(placement, nd-sbp)`` pairs
+    `plan` takes (a `BoxingStep` names their halves: ``src_placement``, ``src_sbp``)."""
 
     shape: tuple
     dtype: torch.dtype
-    src: tuple  # (Placement, nd-sbp)
-    dst: tuple  # (Placement, nd-sbp)
+    src: Layout
+    dst: Layout
     steps: tuple
 
     @property
@@ -59,16 +59,14 @@ class BoxingPlan:
     def all_reduce_group(self, rank: int) -> tuple | None:
         """When the plan is one all-reduce (``steps[0]``) on a placement holding ``rank``: the
         ranks ``rank`` reduces with (its group along the step's mesh dims); else None."""
-        pl = self.src[0]
+        pl = self.src.placement
         if len(self.steps) != 1 or self.steps[0].kind != "all_reduce" or rank not in pl:
             return None
         return pl.group(self.steps[0].dims, pl.coord_of(rank))
 
     def __str__(self) -> str:
-        (spl, ssbp), (dpl, dsbp) = self.src, self.dst
         dt = str(self.dtype).replace("torch.", "")
-        lines = [f"boxing {tuple(self.shape)} {dt}: {spl} {format_nd_sbp(ssbp)} -> "
-                 f"{dpl} {format_nd_sbp(dsbp)}"]
+        lines = [f"boxing {tuple(self.shape)} {dt}: {self.src} -> {self.dst}"]
         if not self.steps:
             lines.append("  (no step: layouts are equal)")
         for i, s in enumerate(self.steps, 1):
@@ -87,20 +85,19 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def plan(shape: Sequence[int], dtype: torch.dtype, src: tuple, dst: tuple) -> BoxingPlan:
-    """Plan boxing of a tensor of ``shape``/``dtype`` from ``src=(placement, sbp)`` to ``dst``.
+def plan(shape: Sequence[int], dtype: torch.dtype, src: Layout | tuple,
+         dst: Layout | tuple) -> BoxingPlan:
+    """Plan boxing of a tensor of ``shape``/``dtype`` from layout ``src`` to ``dst``.
 
-    Nothing runs; the plan lists its steps and the bytes each moves. Either sbp may be a
-    single sbp (1-D mesh), a tuple, or a string such as ``"S(0), B"``.
+    Each layout is a `Layout` or a ``(placement, sbp)`` pair whose sbp may be a single sbp
+    (1-D mesh), a tuple, or a string such as ``"S(0), B"``; both forms give the same plan.
+    Nothing runs; the plan lists its steps and the bytes each moves.
     """
     shape = tuple(int(s) for s in shape)
-    spl, ssbp = src
-    dpl, dsbp = dst
-    ssbp = parse_nd_sbp(ssbp, spl.ndim)
-    dsbp = parse_nd_sbp(dsbp, dpl.ndim)
-    check_axes(ssbp, len(shape), shape=shape, placement=spl)
-    check_axes(dsbp, len(shape), shape=shape, placement=dpl)
-    return plan_layouts(shape, dtype, spl, ssbp, dpl, dsbp)
+    src, dst = as_layout(src), as_layout(dst)
+    for lay in (src, dst):
+        check_axes(lay.sbp, len(shape), shape=shape, placement=lay.placement)
+    return plan_layouts(shape, dtype, *src, *dst)
 
 
 _PLAN_LOCK = threading.Lock()
@@ -123,13 +120,13 @@ def _plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
         path = _shortest_path(shape, itemsize, spl, ssbp, dsbp)
         if path is not None:
             candidates.append(path)
-    if not (spl == dpl and ssbp == dsbp):
-        candidates.extend(_via_transfer(shape, itemsize, spl, ssbp, dpl, dsbp))
+    src, dst = Layout(spl, ssbp), Layout(dpl, dsbp)
+    if src != dst:
+        candidates.extend(_via_transfer(shape, itemsize, src, dst))
     if not candidates:
-        raise BoxingError(f"no boxing from {spl} {format_nd_sbp(ssbp)} to {dpl} "
-                          f"{format_nd_sbp(dsbp)} for shape {shape}")
+        raise BoxingError(f"no boxing from {src} to {dst} for shape {shape}")
     best = min(candidates, key=_path_cost)
-    return BoxingPlan(shape, dtype, (spl, ssbp), (dpl, dsbp), tuple(best))
+    return BoxingPlan(shape, dtype, src, dst, tuple(best))
 
 
 def _path_cost(steps: Sequence[BoxingStep]) -> tuple[int, int, int]:
@@ -229,24 +226,25 @@ def _reduced_sources(ndim: int, ssbp: tuple, dsbp: tuple) -> list[tuple]:
     return [tuple(c) for c in itertools.product(*choices)]
 
 
-def _via_transfer(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl: Placement,
-                  dsbp: tuple) -> list[list[BoxingStep]]:
+def _via_transfer(shape: tuple, itemsize: int, src: Layout,
+                  dst: Layout) -> list[list[BoxingStep]]:
+    spl, ssbp = src
     out = []
-    for mid in _reduced_sources(len(shape), ssbp, dsbp):
+    for mid in _reduced_sources(len(shape), ssbp, dst.sbp):
         pre = _shortest_path(shape, itemsize, spl, ssbp, mid) if mid != ssbp else []
         if pre is None:
             continue
-        if spl == dpl and mid == dsbp:
+        if (spl, mid) == dst:
             out.append(pre)
             continue
-        out.append(pre + [_transfer_step(shape, itemsize, spl, mid, dpl, dsbp)])
+        out.append(pre + [_transfer_step(shape, itemsize, Layout(spl, mid), dst)])
     return out
 
 
-def _transfer_step(shape: tuple, itemsize: int, spl: Placement, ssbp: tuple, dpl: Placement,
-                   dsbp: tuple) -> BoxingStep:
+def _transfer_step(shape: tuple, itemsize: int, src: Layout, dst: Layout) -> BoxingStep:
     """Routes from a partial-free source: each destination region from one holder, preferring
     the destination rank itself, else the least-loaded holder."""
+    (spl, ssbp), (dpl, dsbp) = src, dst
     holders: dict[tuple, list[int]] = {}
     for r, box in member_boxes(shape, spl, ssbp).items():
         holders.setdefault(box, []).append(r)

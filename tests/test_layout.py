@@ -1,0 +1,120 @@
+"""`sf.Layout`: a placement and an nd-sbp as one frozen value (issue 37, part 5): parsing, value
+semantics (equal to its ``(placement, sbp)`` pair), the gradient layout ``dual()`` against
+docs/design.md's rule for every sbp kind, ``str`` / ``repr``, and `sf.boxing.plan` taking
+Layouts and giving the pair form's plan."""
+
+import pickle
+
+import pytest
+import torch
+
+import sbpflow as sf
+from sbpflow.errors import PlacementError, SbpParseError
+from sbpflow.layouts import Layout, as_layout
+
+MESH = sf.placement("cpu", [[0, 1], [2, 3]])
+LINE = sf.placement("cpu", [0, 1, 2, 3])
+
+
+def test_parses_every_sbp_form_to_one_value():
+    want = (sf.S(0), sf.B)
+    forms = [want, [sf.S(0), sf.B], "S(0), B", "(S(0), B)", ("S(0)", "B")]
+    lays = [sf.Layout(MESH, f) for f in forms]
+    assert all(lay.sbp == want and lay.placement is MESH for lay in lays)
+    assert len(set(lays)) == 1
+    assert sf.Layout(LINE, sf.S(1)).sbp == (sf.S(1),)   # a single sbp on a 1-D mesh
+    assert sf.Layout is Layout
+
+
+def test_value_semantics():
+    a, b = Layout(MESH, "S(0), B"), Layout(sf.placement("cpu", [[0, 1], [2, 3]]), "S(0), B")
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != Layout(MESH, "B, S(0)") and a != Layout(MESH.reshape(4, 1), "S(0), B")
+    assert a == (MESH, (sf.S(0), sf.B)) and hash(a) == hash((MESH, (sf.S(0), sf.B)))
+    pl, sbp = a                                      # unpacks and indexes as the pair
+    assert (pl, sbp) == (a[0], a[1]) == (a.placement, a.sbp)
+    with pytest.raises(AttributeError):
+        a.sbp = (sf.B, sf.B)
+    assert {a: 1}[(MESH, (sf.S(0), sf.B))] == 1      # one cache entry for both forms
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert as_layout(a) is a and as_layout((MESH, "S(0), B")) == a
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(SbpParseError, match="2 dimension"):
+        Layout(MESH, sf.S(0))                        # one sbp for a 2-D mesh
+    with pytest.raises(SbpParseError, match="unknown sbp"):
+        Layout(LINE, "Q")
+    with pytest.raises(PlacementError, match="needs a Placement"):
+        Layout([0, 1], sf.S(0))
+    with pytest.raises(SbpParseError, match="pair"):
+        as_layout(MESH)
+
+
+def _rule(s):
+    """docs/design.md: dual(S(a)) = S(a), dual(B) = P, dual(P) = B."""
+    if isinstance(s, sf.Split):
+        return sf.S(s.axis)
+    return {repr(sf.B): sf.P, repr(sf.P): sf.B}[repr(s)]
+
+
+@pytest.mark.parametrize("s", [sf.S(0), sf.S(1), sf.S(3), sf.B, sf.P])
+def test_dual_follows_the_gradient_rule(s):
+    lay = Layout(MESH, (s, sf.B))
+    d = lay.dual()
+    assert type(d) is Layout and d.placement is MESH
+    assert d.sbp == (_rule(s), sf.P)
+    assert d.dual() == lay                           # an involution
+    assert d.sbp == sf.dual_nd(lay.sbp)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_partial_max_min_have_no_dual(op):
+    with pytest.raises(SbpParseError, match="carries no gradient"):
+        Layout(LINE, sf.P(op)).dual()
+
+
+def test_dual_is_the_gradient_layout_of_a_tensor():
+    def fn():
+        x = sf.randn(4, 6, placement=MESH, sbp=(sf.S(0), sf.B), seed=0).requires_grad_()
+        (x * 2).sum().backward()
+        return Layout(x.grad.placement, x.grad.sbp), Layout(x.placement, x.sbp).dual()
+    for grad, dual in sf.launch(fn, world_size=4):
+        assert grad == dual
+
+
+def test_str_and_repr():
+    assert str(Layout(MESH, "S(0), B")) == "cpu[[0,1],[2,3]] (S(0), B)"
+    assert str(Layout(LINE, sf.P("max"))) == "cpu[0,1,2,3] (P(max),)"
+    lay = Layout(MESH, "P, S(1)")
+    assert repr(lay) == "Layout(placement('cpu', ranks=[[0, 1], [2, 3]]), (P, S(1)))"
+    assert eval(repr(lay), {"Layout": Layout, "placement": sf.placement, "P": sf.P,
+                            "S": sf.S, "B": sf.B}) == lay
+
+
+CASES = [  # (shape, src, dst): same placement, across placements, partial sources, strings
+    ((8, 6), (LINE, sf.P), (LINE, sf.B)),
+    ((8, 6), (MESH, (sf.S(0), sf.S(1))), (MESH, "S(1), S(0)")),
+    ((8, 6), (MESH, (sf.P, sf.S(1))), (sf.placement("cpu", [4, 5]), sf.S(0))),
+    ((7, 5), (LINE, "S(1)"), (MESH, (sf.B, sf.S(0)))),
+]
+
+
+@pytest.mark.parametrize("shape,src,dst", CASES)
+def test_plan_with_layouts_equals_the_pair_form(shape, src, dst):
+    sf.clear_caches()
+    by_pair = sf.boxing.plan(shape, torch.float32, src=src, dst=dst)
+    sf.clear_caches()
+    by_layout = sf.boxing.plan(shape, torch.float32, src=Layout(*src), dst=Layout(*dst))
+    mixed = sf.boxing.plan(shape, torch.float32, Layout(*src), dst)
+    assert by_layout.steps == by_pair.steps == mixed.steps and by_layout.steps
+    assert by_layout.nbytes == by_pair.nbytes
+    assert str(by_layout) == str(by_pair)
+    assert by_layout.src == Layout(*src) and by_layout.dst == Layout(*dst)
+    assert type(by_pair.src) is Layout and type(by_pair.dst) is Layout
+    assert str(by_pair).splitlines()[0].endswith(f"{Layout(*src)} -> {Layout(*dst)}")
+
+
+def test_plan_checks_split_axes_of_a_layout():
+    with pytest.raises(sf.errors.SplitAxisError, match="out of range"):
+        sf.boxing.plan((4,), torch.float32, Layout(LINE, sf.S(1)), Layout(LINE, sf.B))
