@@ -55,9 +55,9 @@ class BucketSync:
     accumulated, that bucket starts (`_start`, the subclass's collective), strictly in bucket
     order, so every rank starts the same collectives in the same order. ``no_sync()`` starts
     nothing. A later sync of the same class over a parameter takes it over (``OWNERS``: the
-    ``comm.state`` key of parameter -> the sync acting for it)."""
+    ``comm.per_rank`` field of parameter -> the sync acting for it)."""
 
-    OWNERS = "grad_sync_owner"
+    OWNERS = "grad_sync_owners"
 
     def __init__(self) -> None:
         self._comm = _comm.current()
@@ -123,7 +123,7 @@ class BucketSync:
     @classmethod
     def collect(cls, params: list) -> dict:
         """``take()`` of every sync of this class owning one of ``params`` (on this rank)."""
-        owners = _comm.current().state.get(cls.OWNERS)
+        owners = getattr(_comm.current().per_rank, cls.OWNERS)
         out: dict = {}
         if not owners:
             return out
@@ -255,7 +255,7 @@ def _reusable(flat: torch.Tensor | None, grads: list) -> torch.Tensor | None:
 
 def _owners(comm, key: str) -> IdentityMap:
     """This rank's map parameter -> the sync of class ``key`` acting for it."""
-    return comm.state.setdefault(key, IdentityMap())
+    return getattr(comm.per_rank, key)
 
 
 def collect(params: list) -> dict:

@@ -120,7 +120,7 @@ def mark_stale(p: GlobalTensor) -> None:
     before its next use (`take_stale`). Any write that bumps the shard's version is seen
     without it (`mark_filled`)."""
     if _whole(p) is not None:
-        _comm.current().state.setdefault("stale_wholes", IdentityMap())[p] = True
+        _comm.current().per_rank.stale_wholes[p] = True
 
 
 def mark_filled(p: GlobalTensor) -> None:
@@ -138,7 +138,7 @@ def take_stale(params) -> list:
     marked by `mark_stale`, or written since `mark_filled`. Every member of a group writes its
     shard alike (an in-place op on a parameter is a logical op), so they agree on which, as
     the gather needs. The caller waits for their gathers in flight first."""
-    stale = _comm.current().state.get("stale_wholes")
+    stale = _comm.current().per_rank.stale_wholes
     out = []
     for p in params:
         marked = stale is not None and stale.pop(p, None) is not None

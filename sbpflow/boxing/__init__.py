@@ -43,14 +43,14 @@ def record_steps() -> Iterator[list]:
         for phase, step in steps:
             print(phase, step.describe(), step.nbytes)
     """
-    state = current().state
-    previous = state.get("boxing_trace")
+    state = current().per_rank
+    previous = state.boxing_trace
     steps: list = []
-    state["boxing_trace"] = steps
+    state.boxing_trace = steps
     try:
         yield steps
     finally:
-        state["boxing_trace"] = previous
+        state.boxing_trace = previous
 
 
 __getattr__ = renamed(__name__, {"Step": "BoxingStep"})  # sf.boxing.Step, one release

@@ -225,7 +225,7 @@ def _transfer(step: BoxingStep, x: torch.Tensor, comm: Communicator) -> torch.Te
 def run_step(step: BoxingStep, x: torch.Tensor, comm: Communicator,
              phase: str = "forward") -> torch.Tensor:
     """This rank's local shard after ``step`` (ranks outside the step pass ``x`` through)."""
-    trace = comm.state.get("boxing_trace")
+    trace = comm.per_rank.boxing_trace
     if trace is not None:
         trace.append((phase, step))
     if step.kind == "transfer":

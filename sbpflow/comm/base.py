@@ -27,7 +27,7 @@ from .channels import tensor_bytes
 from .kinds import (broadcast_traffic, exchange_traffic, gather_traffic, ring_traffic,
                     scatter_traffic)
 from .progress import Activity, Finding
-from .rank_state import RankState
+from .per_rank import PerRankState
 
 __all__ = ["Communicator", "CommStats", "KindStats", "REDUCE_OPS", "Assemble", "reduce_tensors",
            "nbytes", "Pending", "default_timeout", "counted_as"]
@@ -187,8 +187,7 @@ class Communicator:
         self.world_size = world_size
         self._stats = CommStats(rank)
         self._stats_lock = threading.Lock()
-        self.rank_state = RankState()  # per-rank state of the layers above, by named field
-        self.state: dict = {}  # the layers' per-rank state not yet moved to `rank_state`
+        self.per_rank = PerRankState()  # per-rank state of the layers above, by named field
         # what the rank does besides collectives (its actor runs, its last op), for timeouts
         self.activity = Activity()
 

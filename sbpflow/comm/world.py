@@ -106,8 +106,8 @@ def _run_in_world(comm: Communicator, fn: Callable, world_size: int | None, args
 def _share_results(comm: ThreadCommunicator, result: Any) -> list[Any]:
     """Every rank thread's result, on every rank: posted by reference on a message channel
     (one per call; an aborted world raises while waiting)."""
-    comm.rank_state.launch_calls += 1
-    calls = comm.rank_state.launch_calls
+    comm.per_rank.launch_calls += 1
+    calls = comm.per_rank.launch_calls
     channel = f"sbpflow.launch.results.{calls}"
     n, me = comm.world_size, comm.rank
     for dst in range(n):

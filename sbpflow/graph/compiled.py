@@ -39,7 +39,7 @@ def trace(graph, args: list, rec: Recorder, forms: tuple | None = None) -> Tape:
     the calls make the draws (the first call's are the ones an eager step would have made)."""
     for a in args:
         rec.add_input(a)
-    state = _comm.current().rank_state
+    state = _comm.current().per_rank
     counter = state.seed_counter
     previous = set_recorder(rec)
     try:
@@ -120,12 +120,12 @@ class Compiled:
         self._check_outputs(tapes[0])
         pls = tapes[0].placements()
         self.env = Env(self.comm, pls[0].device_type if pls else "cpu")
-        self.comm.rank_state.graph_plans += 1  # the same count on every rank
+        self.comm.per_rank.graph_plans += 1  # the same count on every rank
         first = self.lowered[self.keys[0]]
         self.call: GraphCall | None = None
         self.plan = graph_plan(first, self.stages, self.env, lambda: self.call, self.k,
                                cfg.schedule, bool(graph._optimizers),
-                               name=f"graph{self.comm.rank_state.graph_plans}",
+                               name=f"graph{self.comm.per_rank.graph_plans}",
                                failures=lambda: self.runtime.failures if self.runtime else 0,
                                scale_stage=_mean_stage(first) if exchange else None)
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
@@ -218,7 +218,7 @@ class Compiled:
         lowered = [self.lowered[key] for key in self.keys]
         # the first call trains on the batches the sources gave while compiling
         preloaded, self.batches = self.batches, []
-        state = self.comm.rank_state
+        state = self.comm.per_rank
         base = state.seed_counter
         means: dict = {}
         self.call = GraphCall([[a.shard if isinstance(a, GlobalTensor) else None for a in args]

@@ -248,7 +248,7 @@ def _gather_events(c: Compiled) -> list[dict]:
     mine = [dict(e, start=e["start"] + offset, end=e["end"] + offset) for e in c.events()]
     c.timeline_calls += 1
     tag = (c.plan.name, c.timeline_calls)
-    early = comm.state.setdefault("graph_timeline_early", {})  # messages for a later call
+    early = comm.per_rank.graph_timeline_early  # messages for a later call
     for r in range(comm.world_size):
         if r != comm.rank:
             comm.post(r, _TIMELINE_CHANNEL, (tag, mine))

@@ -142,7 +142,7 @@ class ThunkNode(NamedTuple):
     index: int
 
     def run(self, vals: list, env: Any) -> None:
-        env.comm.rank_state.seed_counter = env.draw_base + self.index
+        env.comm.per_rank.seed_counter = env.draw_base + self.index
         vals[self.out] = self.make()
 
     @property

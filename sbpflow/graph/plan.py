@@ -128,7 +128,7 @@ class _StageActors:
         work (a fifth of a transfer's CPU). None also while boxing steps are recorded
         (`record_steps`: `run_step` records them)."""
         comm = self.env.comm
-        if comm.state.get("boxing_trace") is not None:
+        if comm.per_rank.boxing_trace is not None:
             return None
         return whole_message(step, comm.rank)
 

@@ -55,7 +55,7 @@ class _CountStream:
 
 
 def _stream(key: tuple) -> _CountStream:
-    streams = _comm.current().state.setdefault("pending_mean_streams", {})
+    streams = _comm.current().per_rank.pending_mean_streams
     if len(streams) > 1024:
         streams.clear()
     s = streams.get(key)

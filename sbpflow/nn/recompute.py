@@ -36,7 +36,7 @@ def checkpoint(function, *args, preserve_rng_state: bool = True, **kwargs):
                          "drop. Call the module directly in build, or train in eager mode")
     slots = [i for i, a in enumerate(args) if isinstance(a, GlobalTensor)]
     metas = {i: (tuple(args[i].shape), args[i].placement, args[i].sbp) for i in slots}
-    state = _comm.current().rank_state
+    state = _comm.current().per_rank
     rewind = (state.seed, state.seed_counter)
     out_meta: dict = {}
     calls = [0]

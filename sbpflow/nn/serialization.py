@@ -370,7 +370,7 @@ def _write_shards(gdir: str, save_id: int, items: list) -> dict:
 def _common(save_id: int, model: Module, optimizer) -> dict:
     comm = _comm.current()
     common = {"save_id": save_id, "optim": None,
-              "rng": [comm.rank_state.seed, comm.rank_state.seed_counter]}
+              "rng": [comm.per_rank.seed, comm.per_rank.seed_counter]}
     if optimizer is not None:
         names = _param_names(model)
         groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -631,7 +631,7 @@ def load(path_dir: str, model: Module, optimizer=None, *, strict: bool = True,
             _restore(reader, x, x.tensor)
     if restore_rng:
         seed, counter = reader.common["rng"]
-        state = _comm.current().rank_state
+        state = _comm.current().per_rank
         state.seed, state.seed_counter = int(seed), int(counter)
     if info is not None:
         info.update(extra=reader.manifest.get("extra"), world_size=reader.manifest["world_size"])

@@ -25,11 +25,7 @@ __all__ = ["boxed_grad", "boxed_grads"]
 
 def _boxed_cache() -> IdentityMap:
     """This rank's parameter -> (gradient local, its version, boxed gradient) remembered."""
-    state = _comm.current().state
-    cache = state.get("optim_boxed_grads")
-    if cache is None:
-        cache = state["optim_boxed_grads"] = IdentityMap()
-    return cache
+    return _comm.current().per_rank.optim_boxed_grads
 
 
 def boxed_grad(p: GlobalTensor, *, remember: bool = False) -> GlobalTensor | None:

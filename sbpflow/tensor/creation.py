@@ -45,7 +45,7 @@ def _norm_shape(shape) -> tuple[int, ...]:
 
 def manual_seed(seed: int) -> None:
     """Seed this rank's stream of default seeds for creation ops (call it on every rank)."""
-    state = _comm.current().rank_state
+    state = _comm.current().per_rank
     state.seed = int(seed)
     state.seed_counter = 0
 
@@ -56,7 +56,7 @@ def _next_seed(seed: int | None, generator: torch.Generator | None) -> int:
     if generator is not None:
         # Every rank's generator must be in the same state for the same logical tensor.
         return int(torch.randint(0, 1 << 62, (1,), generator=generator))
-    state = _comm.current().rank_state
+    state = _comm.current().per_rank
     k = state.seed_counter
     state.seed_counter = k + 1
     return mix_seed(state.seed, k)

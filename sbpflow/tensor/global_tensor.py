@@ -34,7 +34,7 @@ from ..ops.shape import encode_index, list_index, resolve_shape, squeeze_dims
 from ..placement import Placement
 from ..sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, parse_nd_sbp,
                    shard_box)
-from ..utils import IdentityMap, rebuild_sequence
+from ..utils import rebuild_sequence
 from .dispatch_records import (_CHOICES, _Boxed, _Entry, _autocast_dtype, _check_dtypes,
                                _connected_empty, _describe, _intern_layout, _rank_context,
                                _same_trace)
@@ -299,10 +299,9 @@ class GlobalTensor:
     def retain_grad(self) -> None:
         """Keep this non-leaf tensor's gradient in ``.grad`` after backward (torch's)."""
         self._local.retain_grad()
-        state = _comm.current().state
         # (by identity: a weak set compares torch tensors with ==, elementwise, and a second
         # call on the same tensor raised)
-        state.setdefault("retained_grads", IdentityMap())[self._local] = True
+        _comm.current().per_rank.retained_grads[self._local] = True
 
     def detach(self) -> "GlobalTensor":
         """The same values without autograd history: a view, as torch's (an in-place op on it
@@ -968,7 +967,7 @@ _bind_torch_methods(GlobalTensor)
 
 def retains_grads() -> bool:
     """Whether a tensor of this rank called `GlobalTensor.retain_grad` and is still alive."""
-    return bool(_comm.current().state.get("retained_grads"))
+    return bool(_comm.current().per_rank.retained_grads)
 
 
 # -- creation ------------------------------------------------------------------------------------

@@ -115,10 +115,10 @@ class _Prefetch(NamedTuple):
 
 
 def _state() -> dict:
-    st = _comm.current().state
-    s = st.get("zero_units")
+    st = _comm.current().per_rank
+    s = st.zero_units
     if s is None:
-        s = st["zero_units"] = {"active": [], "next": {}, "last": None, "pending": {},
+        s = st.zero_units = {"active": [], "next": {}, "last": None, "pending": {},
                                 "call": None}
     return s
 
@@ -191,7 +191,7 @@ class UnitGather(torch.autograd.Function):
             geo = geometry(tuple(p.shape), p.placement, nd, p.sbp, rank)
             if geo is not None and needs:
                 todo.append((p, g.contiguous(), geo))
-        pending = _comm.current().state.setdefault("zero_pending", [])
+        pending = _comm.current().per_rank.zero_pending
         pending.append(([p for p, _, _ in todo], submit(_reduce, todo)))
         # (one callback per call: the first to run drains them all)
         torch.autograd.Variable._execution_engine.queue_callback(_drain)
@@ -206,7 +206,8 @@ def _reduce(todo: list) -> list:
 def _drain() -> None:
     """At the end of a backward pass: wait for its reduce-scatters and add the shards to the
     parameters' gradients (as autograd would have)."""
-    pending = _comm.current().state.pop("zero_pending", [])
+    st = _comm.current().per_rank
+    pending, st.zero_pending = st.zero_pending, []
     with torch.no_grad():
         for params, fut in pending:
             for p, shard in zip(params, fut.result()):

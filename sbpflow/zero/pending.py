@@ -12,7 +12,6 @@ from __future__ import annotations
 from .. import comm as _comm
 from ..param_state import mark_filled, take_stale as _take_stale
 from ..tensor import GlobalTensor
-from ..utils import IdentityMap
 
 __all__ = ["set_pending", "settle", "take_stale"]
 
@@ -24,10 +23,7 @@ _BASES: dict = {}    # twin -> class
 def set_pending(p: GlobalTensor, future) -> None:
     """``p``'s shard is being completed in the background by ``future``: `settle` waits for
     it, and so does the next read or write of ``p``'s shard."""
-    pending = _comm.current().state.get("pending_gathers")
-    if pending is None:
-        pending = _comm.current().state["pending_gathers"] = IdentityMap()
-    pending[p] = future
+    _comm.current().per_rank.pending_gathers[p] = future
     if type(p) not in _BASES:
         p.__class__ = _settling(type(p))
 
@@ -35,7 +31,7 @@ def set_pending(p: GlobalTensor, future) -> None:
 def settle(params=None) -> None:
     """Wait for the background completions of ``params`` (default: all of this rank's)
     before their values are read or written."""
-    pending = _comm.current().state.get("pending_gathers")
+    pending = _comm.current().per_rank.pending_gathers
     if not pending:
         return
     for p in list(pending) if params is None else params:
@@ -55,7 +51,7 @@ def take_stale(params) -> list:
 
 
 def _settle_one(p: GlobalTensor) -> None:
-    pending = _comm.current().state.get("pending_gathers")
+    pending = _comm.current().per_rank.pending_gathers
     fut = pending.pop(p, None) if pending else None
     base = _BASES.get(type(p))
     if base is not None:

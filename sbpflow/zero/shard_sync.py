@@ -36,7 +36,7 @@ class ShardSync(BucketSync):
     """Overlapped reduce-scatters of the ZeRO stage-1 gradients among ``params`` (the bucket
     rule is `sbpflow.gradsync.BucketSync`'s)."""
 
-    OWNERS = "zero_sync_owner"
+    OWNERS = "zero_sync_owners"
 
     def __init__(self, params: list, bucket_bytes: int) -> None:
         super().__init__()

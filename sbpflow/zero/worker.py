@@ -73,7 +73,7 @@ def submit(fn: Callable, *args) -> Future:
     stream = STREAM if named is None else f"{named}/{STREAM}"
     fut: Future = Future()
     with _LOCK:
-        workers = comm.state.setdefault("zero_workers", {})
+        workers = comm.per_rank.zero_workers
         w = workers.get(stream)
         if w is None or w.closed:
             w = workers[stream] = _Worker()

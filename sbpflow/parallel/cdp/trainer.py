@@ -38,8 +38,8 @@ __all__ = ["CyclicDataParallel"]
 def _trainer_id(comm) -> int:
     """The trainer's number on this rank: ranks build trainers in the same order, so it
     names the same trainer on every rank (its runtime channel and transfer stream)."""
-    k = comm.state.get("cdp.trainers", 0)
-    comm.state["cdp.trainers"] = k + 1
+    k = comm.per_rank.cdp_trainers
+    comm.per_rank.cdp_trainers = k + 1
     return k
 
 
