@@ -32,7 +32,7 @@ from .evaluate import Breakdown, Evaluator
 from .model_layout import LaidOut, common_refinement, graph_refusal, lay_out
 from .space import LayerStrategy, Strategy, layer_space, meshes, zero_twin
 from .stage_cuts import restrategy, snap_cuts
-from .tied_weights import tie_weights
+from .tied_weights import near_cost, tie_weights
 from .trace import trace
 
 __all__ = ["parallelize", "ParallelPlan", "single_mesh_search", "ParallelizeError",
@@ -384,14 +384,7 @@ def _to_one_mesh(graph, strategy: Strategy, cluster, notes: list) -> Strategy:
             raise ValueError(f"layer {l.name}: no strategy on mesh {mesh}")
 
         def cost(c):
-            if ev is None:
-                return 0.0
-            t = ev.node_terms(l, c)["time"]
-            for u in graph.preds[i]:
-                t += ev.edge_terms(graph.layers[u], layers[u], l, c)["time"]
-            for w in graph.succs[i]:
-                t += ev.edge_terms(l, c, graph.layers[w], layers[w])["time"]
-            return t
+            return 0.0 if ev is None else near_cost(ev, graph, layers, j=i, c=c)
         layers[i] = zero_twin(l, min(cands, key=cost), s.zero)   # keeps the layer's stage
         moved.append(f"{l.name} {s.mesh}->{layers[i].label or layers[i]}")
     notes.append(f"layers use meshes {dict(counts)}; all moved to the majority mesh {mesh} "

@@ -18,7 +18,7 @@ from .space import Strategy, layer_space
 from .stage_cuts import restrategy
 from .trace import graph_weight_shape
 
-__all__ = ["tie_weights"]
+__all__ = ["near_cost", "tie_weights"]
 
 
 def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) -> Strategy:
@@ -57,7 +57,7 @@ def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) ->
     return restrategy(graph, layers, strategy)
 
 
-def _near_cost(ev, graph, layers: list, *, j: int, c) -> float:
+def near_cost(ev, graph, layers: list, *, j: int, c) -> float:
     """Layer ``j``'s node time under ``c`` plus its edges' times, the other layers fixed."""
     layer = graph.layers[j]
     t = ev.node_terms(layer, c)["time"]
@@ -79,7 +79,7 @@ def _weight_options(ev, graph, layers: list, *, j: int, weighted, stage: int) ->
         if layer.weight_shape is None:
             s = dataclasses.replace(s, weight=None, stored=None)
         key = (c.mesh, module_nd(layer, c.weight))
-        t = _near_cost(ev, graph, layers, j=j, c=s)
+        t = near_cost(ev, graph, layers, j=j, c=s)
         if key not in out or t < out[key][0]:
             out[key] = (t, s)
     return out
