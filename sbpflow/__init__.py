@@ -20,7 +20,7 @@ from .tensor import (GlobalTensor, apply_op, arange, from_local, full, manual_se
 from .tensor import cat
 from . import nn  # noqa: E402  (above tensor in the layers)
 from . import optim, parallel  # noqa: E402
-from . import memory  # noqa: E402  (above nn and optim)
+from . import memory  # noqa: E402  (what each rank holds; below zero, nn and optim in the layers)
 from .memory import memory_stats  # noqa: E402
 from . import runtime  # noqa: E402  (runtime, then graph: it lowers steps to runtime plans)
 from . import graph  # noqa: E402
