@@ -209,7 +209,7 @@ class GradSync(BucketSync):
 
     def drop_started(self) -> None:
         """Forget the results of the all-reduces started so far (their gradients were wrong:
-        see `sf.nn.pending_mean`); `take` then drains them and returns nothing for them. Every
+        see `sf.nn.eager_count_mean`); `take` then drains them and returns nothing for them. Every
         rank must drop the same ones, since the caller reduces those gradients again."""
         for b in self._buckets:
             if b.pending is not None:
@@ -277,7 +277,7 @@ def _hook(sync_ref: "weakref.ref", index: int, j: int):
         sync = sync_ref()
         if sync is not None:
             sync._ready(index, j)
-    # what it starts is undone when a gradient is scaled afterwards (sf.nn.pending_mean):
+    # what it starts is undone when a gradient is scaled afterwards (sf.nn.eager_count_mean):
     # `drop_started` (all-reduces), or a changed version `take` skips (reduce-scatters)
     hook.redone_when_dropped = True
     return hook

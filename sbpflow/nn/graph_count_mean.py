@@ -350,7 +350,7 @@ class _GuessedQuotient(torch.autograd.Function):
 
 def _last_callback(fn) -> None:
     """Run ``fn`` at the end of this backward pass, after the callbacks that nodes further
-    from the loss queue (ZeRO's `zero_gather._drain` adds the reduce-scattered shards to the
+    from the loss queue (ZeRO's `zero.gather._drain` adds the reduce-scattered shards to the
     gradients then: a correction before it scaled nothing). A callback may queue another,
     which runs after those queued before it."""
     queue = torch.autograd.Variable._execution_engine.queue_callback

@@ -70,7 +70,7 @@ class ShardSync(BucketSync):
     def take(self) -> dict:
         """``{param: (gradient, version, reduced shard as a global tensor)}`` for the buckets
         started with the current gradients (waiting for them); resets for the next backward.
-        (A gradient scaled after its start, `sf.nn.pending_mean`, changed version: the step
+        (A gradient scaled after its start, `sf.nn.eager_count_mean`, changed version: the step
         reduces it again.)"""
         out = {}
         for b in self._buckets:
