@@ -48,3 +48,16 @@ def token_ids(batch: int = 4, seq: int = 8, seed: int = 1) -> torch.Tensor:
     """Token ids in [3, VOCAB) (clear of the bos / eos / pad ids), from their own generator."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+def trained(loss_of, opt, steps: int) -> list[float]:
+    """``steps`` optimizer steps of the loss ``loss_of()`` gives (backward, step, zero_grad);
+    the loss of each step, as Python floats. For torch and sbpflow models alike."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from hf_zoo import CAUSAL, ZOO, build, token_ids
+from hf_zoo import CAUSAL, ZOO, build, token_ids, trained
 
 STEPS = 2
 F32_INSIDE = {"llama", "qwen2", "gpt_neox", "phi"}   # float32 norms / rotary inside the model
@@ -42,13 +42,7 @@ def _torch_train(model, batch: dict) -> dict:
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     logits = model(**batch).logits.detach()
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: model(**batch).loss, opt, STEPS)
     return dict(logits=logits, losses=losses, sd=model.state_dict())
 
 
@@ -65,13 +59,7 @@ def _sf_train(model, batch: dict, ranks, options: dict | None = None) -> dict:
     x = {k: plan.input(v) for k, v in batch.items()}
     logits = m(**x).logits.full_tensor()
     sf.comm.reset_stats()
-    losses = []
-    for _ in range(STEPS):
-        loss = m(**x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: m(**x).loss, opt, STEPS)
     return dict(logits=logits, losses=losses, notes=plan.notes, seconds=plan.search_seconds,
                 stages=len(plan.stages),
                 sd=m.state_dict(),
@@ -206,13 +194,7 @@ def _auto_falls_back(model, x, meta):
     pl = sf.placement("cpu", [0, 1, 2, 3])
     plan = sf.auto.parallelize(model, (sf.tensor(x, pl, sf.S(0)),), pl, meta=meta)
     opt = sf.optim.SGD(plan.model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(STEPS):
-        loss = plan.model(plan.input(x))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: plan.model(plan.input(x)), opt, STEPS)
     return plan.notes, [l.name for l in plan.graph.layers], losses
 
 
@@ -221,14 +203,8 @@ def test_a_forward_reading_weight_values_is_traced_by_the_real_forward(meta):
     torch.manual_seed(0)
     model = _ReadsItsWeights().double()
     x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ref, opt, want = copy.deepcopy(model), None, []
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        loss = ref(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    ref = copy.deepcopy(model)
+    want = trained(lambda: ref(x), torch.optim.SGD(ref.parameters(), lr=0.1), STEPS)
     notes, layers, losses = sf.launch(_auto_falls_back, world_size=4, args=(model, x, meta))[0]
     assert layers == ["fc", "out"]
     assert any("real forward (meta=False)" in n for n in notes) == (meta == "auto")
@@ -288,13 +264,7 @@ def _megatron_run(model, batch: dict) -> dict:
     opt = sf.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
     x = {k: plan.input(v) for k, v in batch.items()}
     logits = m(**x).logits.full_tensor()
-    losses = []
-    for _ in range(STEPS):
-        loss = m(**x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: m(**x).loss, opt, STEPS)
     roles = {l.name: l.attrs["megatron"] for l in graph.layers if l.kind == "linear"}
     return dict(logits=logits, losses=losses, notes=plan.notes, sd=m.state_dict(),
                 layers=[l.name for l in plan.graph.layers], roles=roles,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from hf_zoo import build, token_ids
+from hf_zoo import build, token_ids, trained
 from sbpflow.nn.torch_layouts import CostlyLayoutWarning
 
 FAMILIES = ["llama", "qwen2", "gpt_neox", "phi", "gpt2", "opt", "bert"]  # gpt2, opt, bert: built in
@@ -30,13 +30,7 @@ LR = 0.1
 def _torch_steps(model, ids, steps=2):
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: model(input_ids=ids, labels=ids).loss, opt, steps)
     return losses, model.state_dict()
 
 
@@ -47,13 +41,7 @@ def _sf_steps(model, ids, ranks, steps=2, zero=0):
                           zero=zero)
     opt = sf.optim.SGD(m.parameters(), lr=LR)
     x = sf.tensor(ids, pl, (sf.S(0), sf.B) if dp else sf.B)
-    losses = []
-    for _ in range(steps):
-        loss = m(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: m(input_ids=x, labels=x).loss, opt, steps)
     layouts = {n: p.sbp for n, p in m.named_parameters()}
     return losses, m.state_dict(), layouts, sf.comm.stats()
 
@@ -220,13 +208,7 @@ def _pipeline_tp_steps(model, ids, steps=2):
                              split=["transformer.h.1"], rules=[rules, rules])
     opt = sf.optim.SGD(m.parameters(), lr=LR)
     x = sf.tensor(ids, stages[0], sf.B)
-    losses = []
-    for _ in range(steps):
-        loss = m(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: m(input_ids=x, labels=x).loss, opt, steps)
     layouts = (m.transformer.h[1].mlp.c_fc.weight.sbp, m.transformer.wte.weight.sbp)
     return losses, m.state_dict(), layouts
 

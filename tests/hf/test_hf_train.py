@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import sbpflow as sf
-from hf_zoo import CAUSAL, ZOO, build, token_ids, transformers
+from hf_zoo import CAUSAL, ZOO, build, token_ids, trained, transformers
 
 STEPS = 2
 WORLD = 4
@@ -215,13 +215,8 @@ def _torch_padded(model, batch: tuple) -> tuple[list, dict]:
     ids, mask, labels = batch
     model = copy.deepcopy(model)
     opt = _optimizer(torch.optim, model.parameters(), "sgd")
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = trained(lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                     opt, STEPS)
     return losses, model.state_dict()
 
 
