@@ -13,14 +13,18 @@ queue thread, and each actor on its own), and a producer -> consumer pair across
 (two output slots: the firings overlap the messages; one slot: each firing waits for the req
 and the ack, a round trip, which is the hand-over latency a pipeline's critical path pays); a
 run's fixed cost: run(1) of one empty actor a rank (what a graph call pays), 1 and 4 ranks.
-Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T]
+``--busy N``: N processes busy-looping beside the benchmark for its whole run (a loaded machine).
+Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T] [--busy N]
        [--timeline x.png] [--trace x.json]   (the last 1F1B M = 8 step's events)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
 
 import sbpflow as sf
@@ -104,17 +108,37 @@ def hand_over(events: list[dict]) -> float:
     return statistics.median(gaps) * 1e6 if gaps else float("nan")
 
 
+@contextlib.contextmanager
+def busy_loops(n: int):
+    """``n`` processes spinning in a Python loop until the block ends (killed on any exit)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="threads", choices=["threads", "torch"])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ms", type=float, default=5.0, help="t_f = t_b, milliseconds")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside it")
     ap.add_argument("--timeline", help="write the 1F1B M=8 step's Gantt chart here (PNG)")
     ap.add_argument("--trace", help="write the 1F1B M=8 step's Chrome trace here (JSON)")
     a = ap.parse_args()
+    with busy_loops(a.busy):
+        measure(a)
+
+
+def measure(a: argparse.Namespace) -> None:
+    """Print every table of the module docstring for the options ``a``."""
     stages, t = 4, a.ms / 1e3
+    busy = f", {a.busy} busy-looping processes beside it" if a.busy else ""
     print(f"pipeline: S = {stages}, t_f = t_b = {a.ms:g} ms, {a.backend} backend, median of "
-          f"{a.runs} steps")
+          f"{a.runs} steps{busy}")
     print(f"{'schedule':>8} {'M':>3} {'ideal ms':>9} {'step ms':>8} {'efficiency':>10} "
           f"{'kernel eff.':>11} {'hand-over µs':>12}  in flight")
     for m in (8, 16):
