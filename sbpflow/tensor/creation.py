@@ -22,7 +22,8 @@ from ..errors import DtypeMismatchError, ShapeError
 from ..placement import Placement
 from ..random_regions import generate_region, mix_seed
 from ..sbp import SbpLike, format_nd_sbp, local_shape
-from .global_tensor import GlobalTensor, _create, _device, _layout, _shape_args
+from .global_tensor import GlobalTensor, _create, _device, _layout
+from .methods import _shape_args
 from .hooks import fresh
 
 __all__ = ["randn", "rand", "zeros", "ones", "full", "arange", "tensor", "from_local",

@@ -2,21 +2,19 @@
 
 The nn layer installs how torch functions run on global tensors (`set_torch_dispatch`); the
 graph sets a recorder on the thread that traces a step (`set_recorder`), which every op,
-boxing, creation and backward tells of (sbpflow.graph.recorder); the nn layer watches a fused
-projection's output for a costly re-split (`watch_resplit`). A lower layer cannot import
-those: it only calls what it was given.
+boxing, creation and backward tells of (sbpflow.graph.recorder). A lower layer cannot import
+those: it only calls what it was given. (Re-split watching: tensor/resplits.py.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 
 from ..errors import UnsupportedTorchFunction
 
 __all__ = ["set_torch_dispatch", "recording", "set_recorder", "current_recorder", "errors_as",
-           "error_rule", "source", "module_called", "guard", "fresh", "watch_resplit"]
+           "error_rule", "source", "module_called", "guard", "fresh"]
 
 
 # -- torch functions on global tensors ----------------------------------------------------------
@@ -124,19 +122,3 @@ def fresh(make) -> "GlobalTensor":
     if rec is not None:
         rec.thunk(t, lambda: make()._local)
     return t
-
-
-# -- costly re-splits (sf.nn.torch_layouts: a fused projection's output cut along its split) ---
-# id(tensor) -> (weakref to it, callback(tensor, dim)); consulted by split / chunk while not empty
-_RESPLITS: dict = {}
-
-
-def watch_resplit(t: "GlobalTensor", callback) -> None:
-    """Call ``callback(t, dim)`` if ``t`` is cut by ``split`` / ``chunk`` (once)."""
-    _RESPLITS[id(t)] = (weakref.ref(t), callback)
-
-
-def _watch_resplit(t: "GlobalTensor", dim: int) -> None:
-    entry = _RESPLITS.pop(id(t), None)
-    if entry is not None and entry[0]() is t:
-        entry[1](t, dim)
