@@ -377,6 +377,15 @@ class Communicator:
             self._count("message", 0, sum(tensor_bytes(m) for _, m in got))
         return got
 
+    def listen(self, channel: str, deliver: Callable[[list], None],
+               failed: Callable[[BaseException], None]) -> bool:
+        """Have ``deliver(messages)`` called with what arrives on ``channel`` (``(src,
+        message)`` pairs, in `inbox`'s order, counted as it counts them) by the thread that
+        receives it, instead of queueing it for `inbox`: one thread wake-up less a message.
+        ``failed(exc)`` is called once if receiving fails. Returns False where the backend
+        cannot (then nothing changed; read with `inbox`). ``deliver`` must not block."""
+        return False
+
     # -- shape exchange for callers that do not know them (counted as "meta") -----------------
     def _exchange_shapes(self, tensor: torch.Tensor, group: tuple) -> list[tuple]:
         dims = torch.tensor(list(tensor.shape), dtype=torch.int64)

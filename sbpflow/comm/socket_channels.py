@@ -155,6 +155,16 @@ class SocketChannels:
             return self._store_channels().take(rank, channel, timeout, alive)
         return self._receiver.take(channel, timeout)
 
+    def listen(self, channel: str, deliver: Callable[[list], None],
+               failed: Callable[[BaseException], None]) -> bool:
+        """Hand what arrives for ``channel`` to ``deliver(items)`` on the receiver thread, in
+        order, those already queued first (no `take` wake-up in between); ``failed(exc)``
+        once if the receiver thread fails. False (nothing done) on the store fallback or a
+        failed receiver."""
+        if self._receiver is None:
+            return False
+        return self._receiver.listen(channel, deliver, failed)
+
     def close(self) -> None:
         """Stop the receiver thread, close the listening socket and every connection."""
         with self._lock:
@@ -211,6 +221,16 @@ class _Conn:
         self.frames = FrameReader()
 
 
+class _Listener:
+    """Where a listened channel's items go (`_Receiver.listen`); ``order`` keeps them in
+    arrival order."""
+
+    def __init__(self, deliver: Callable[[list], None],
+                 failed: Callable[[BaseException], None]) -> None:
+        self.deliver, self.failed = deliver, failed
+        self.order = threading.Lock()
+
+
 class _Receiver:
     """The listening socket and the thread that reads every incoming connection into
     per-channel deques (one lock; a condition a channel, so a frame wakes only its taker).
@@ -224,6 +244,7 @@ class _Receiver:
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the select
         self._lock = threading.Lock()
         self._boxes: dict[str, tuple[deque, threading.Condition]] = {}
+        self._listeners: dict[str, _Listener] = {}  # channels handed over as they arrive
         self.error: BaseException | None = None
         self.dropped = 0  # connections dropped: unauthenticated, or a frame that did not parse
         self._pending: set[_Conn] = set()  # accepted, not yet authenticated
@@ -242,9 +263,31 @@ class _Receiver:
 
     def put(self, channel: str, item: tuple) -> None:
         with self._lock:
-            queue, cond = self._box(channel)
-            queue.append(item)
-            cond.notify()
+            listener = self._listeners.get(channel)
+            if listener is None:
+                queue, cond = self._box(channel)
+                queue.append(item)
+                cond.notify()
+                return
+        with listener.order:
+            listener.deliver([item])
+
+    def listen(self, channel: str, deliver: Callable[[list], None],
+               failed: Callable[[BaseException], None]) -> bool:
+        """`SocketChannels.listen`: the queued items go first, under the listener's order
+        lock, which a `put` after the registration waits for."""
+        listener = _Listener(deliver, failed)
+        with listener.order:
+            with self._lock:
+                if self.error is not None or not self.thread.is_alive():
+                    return False
+                queue, _ = self._box(channel)
+                pending = list(queue)
+                queue.clear()
+                self._listeners[channel] = listener
+            if pending:
+                deliver(pending)
+        return True
 
     def take(self, channel: str, timeout: float) -> list[tuple[int, Any]]:
         with self._lock:
@@ -270,11 +313,14 @@ class _Receiver:
                     else:
                         self._read(key.data)
                 self._expire()
-        except BaseException as exc:  # noqa: BLE001 - reported to every take
+        except BaseException as exc:  # noqa: BLE001 - reported to every take and listener
             with self._lock:
                 self.error = exc
                 for _, cond in self._boxes.values():
                     cond.notify_all()
+                listeners, self._listeners = list(self._listeners.values()), {}
+            for listener in listeners:
+                listener.failed(exc)
         finally:
             self._shut()
 

@@ -26,6 +26,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
+from .channels import tensor_bytes
 from .socket_channels import SocketChannels
 from .current import current_process, set_current
 from .auth import SECRET_ENV, new_secret
@@ -215,6 +216,16 @@ class TorchCommunicator(Communicator):
 
     def _inbox(self, channel, timeout):
         return self._chan().take(self.rank, channel, timeout, lambda: None)
+
+    def listen(self, channel, deliver, failed):
+        me = weakref.ref(self)  # (the receiver thread keeps the listener: not the communicator)
+
+        def counted(got: list) -> None:
+            comm = me()
+            if comm is not None:
+                comm._count("message", 0, sum(tensor_bytes(m) for _, m in got))
+            deliver(got)
+        return self._chan().listen(channel, counted, failed)
 
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":

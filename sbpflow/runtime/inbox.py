@@ -1,14 +1,16 @@
 """The reader of a plan's message channel: one daemon thread per (communicator, channel), kept
-from run to run.
+from run to run, or none where the communicator hands messages over itself.
 
 A thread started and joined per run cost each run two thread wake-ups and a message to itself
-to stop it. `ensure_reader` starts the reader once; it hands what it reads to the run that is
-active on the channel (`Router.active`), keeps the messages of a later run for it
-(`Router.early`), and drops those of an earlier one, noting on the way an earlier run's
-failure notice (the rank then takes part in the start handshake, see `Router.failed`). It ends
-when no `Runtime` of its channel is left, or the thread that started it has ended; a read that
-raises (the world aborted) fails the active run and ends the reader (the next run starts
-another). See docs/runtime.md, 'Actors and registers'.
+to stop it. `ensure_reader` has the communicator's receiving thread hand the channel's messages
+over (`Communicator.listen`: the torch backend's socket receiver; no reader thread's wake-up a
+message), else starts the reader once. Either hands what it reads to the run that is active on
+the channel (`Router.active`), keeps the messages of a later run for it (`Router.early`), and
+drops those of an earlier one, noting on the way an earlier run's failure notice (the rank then
+takes part in the start handshake, see `Router.failed`). A reader ends when no `Runtime` of its
+channel is left, or the thread that started it has ended; a read that raises (the world
+aborted) fails the active run and ends the reader (the next run starts another). See
+docs/runtime.md, 'Actors and registers'.
 """
 
 from __future__ import annotations
@@ -84,11 +86,54 @@ def _read(comm: Communicator, channel: str, router: Router, lock: threading.RLoc
         set_current(None)
 
 
+class _Listening:
+    """``Router.reader`` of a channel the communicator hands over (`Communicator.listen`)
+    until its receiving fails."""
+
+    def __init__(self) -> None:
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def _listen(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
+            early: Callable[[], list]) -> bool:
+    """Have the communicator's receiving thread route the channel's messages (lock held)."""
+    mark, me = _Listening(), weakref.ref(comm)
+
+    def deliver(msgs: list) -> None:
+        set_current(me())  # (what the reader thread's dispatch ran under)
+        with lock:
+            try:
+                route(router, early(), msgs)
+            except BaseException as exc:  # noqa: BLE001 - a runtime bug: fail the run, go on
+                if router.active is not None:
+                    router.active.fail(exc)
+
+    def failed(exc: BaseException) -> None:
+        with lock:
+            mark.alive = False
+            if router.reader is mark:
+                router.reader = None
+            if router.active is not None:
+                router.active.fail(exc)
+
+    router.reader = mark
+    if comm.listen(channel, deliver, failed):
+        return True
+    router.reader = None
+    return False
+
+
 def ensure_reader(comm: Communicator, channel: str, router: Router, lock: threading.RLock,
                   early: Callable[[], list], name: str) -> None:
-    """Start the channel's reader unless it runs (``lock``: the route lock, held or not)."""
+    """Start the channel's reader unless it runs (``lock``: the route lock, held or not), or
+    have the communicator hand the messages over (`Communicator.listen`)."""
     with lock:
         if router.reader is not None and router.reader.is_alive():
+            return
+        if _listen(comm, channel, router, lock, early):
             return
         router.reader = threading.Thread(
             target=_read, args=(comm, channel, router, lock, early, threading.current_thread()),
