@@ -29,7 +29,7 @@ class PerRankState:
     zero_sync_owners: IdentityMap = field(default_factory=IdentityMap)
     stale_wholes: IdentityMap = field(default_factory=IdentityMap)  # param_state: mark_stale
     pending_gathers: IdentityMap = field(default_factory=IdentityMap)  # zero.pending: futures
-    zero_units: dict | None = None  # zero.gather: the unit prefetch state (_state's keys)
+    zero_units: object | None = None  # zero.gather: the unit calls (_UnitCalls), made on use
     zero_pending: list = field(default_factory=list)  # zero.gather: (params, reduce future)
     zero_workers: dict = field(default_factory=dict)  # zero.worker: stream name -> _Worker
     optim_boxed_grads: IdentityMap = field(default_factory=IdentityMap)  # optim.boxed_grads

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -114,12 +115,22 @@ class _Prefetch(NamedTuple):
     future: object
 
 
-def _state() -> dict:
+@dataclass(slots=True)
+class _UnitCalls:
+    """One rank's unit calls (`begin_call` / `end_call`; `Communicator.per_rank.zero_units`)."""
+
+    active: list = field(default_factory=list)  # the units whose forward runs, innermost last
+    next: dict = field(default_factory=dict)  # id(unit) -> weakref: the unit called after it
+    last: weakref.ref | None = None  # the unit called last
+    pending: dict = field(default_factory=dict)  # id(unit) -> its `_Prefetch`, started
+    call: weakref.ref | None = None  # this outermost forward's latest `UnitCall`
+
+
+def _state() -> _UnitCalls:
     st = _comm.current().per_rank
     s = st.zero_units
     if s is None:
-        s = st.zero_units = {"active": [], "next": {}, "last": None, "pending": {},
-                                "call": None}
+        s = st.zero_units = _UnitCalls()
     return s
 
 
@@ -128,39 +139,39 @@ def begin_call(module, items: list, items_of) -> UnitCall | None:
     started now), and the next unit's started (``items_of(module)`` gives a unit's items).
     Without items (a model whose own parameters are not sharded) it only marks the call."""
     s = _state()
-    if not s["active"]:
-        s["call"] = None        # a new outermost forward
-    last = s["last"]() if s["last"] is not None else None
+    if not s.active:
+        s.call = None        # a new outermost forward
+    last = s.last() if s.last is not None else None
     if last is not None and last is not module:
-        s["next"][id(last)] = weakref.ref(module)
-    s["last"] = weakref.ref(module)
+        s.next[id(last)] = weakref.ref(module)
+    s.last = weakref.ref(module)
     if not items:
-        s["active"].append(module)
+        s.active.append(module)
         return None
-    hit = s["pending"].pop(id(module), None)
+    hit = s.pending.pop(id(module), None)
     future = hit.future if hit is not None and hit.items == items else start(items)
-    s["active"].append(module)
-    nxt = s["next"].get(id(module))
+    s.active.append(module)
+    nxt = s.next.get(id(module))
     nxt = nxt() if nxt is not None else None
-    if nxt is not None and all(m is not nxt for m in s["active"]) and \
-            id(nxt) not in s["pending"]:
+    if nxt is not None and all(m is not nxt for m in s.active) and \
+            id(nxt) not in s.pending:
         nitems = items_of(nxt)
         if nitems:
-            s["pending"][id(nxt)] = _Prefetch(nitems, start(nitems))
+            s.pending[id(nxt)] = _Prefetch(nitems, start(nitems))
     call = UnitCall(items, future)
-    prev = s["call"]
+    prev = s.call
     call.prev = prev
-    s["call"] = weakref.ref(call)
+    s.call = weakref.ref(call)
     return call
 
 
 def end_call(module) -> None:
     """``module``'s unit forward ended; the outermost one drops unused prefetches."""
     s = _state()
-    if s["active"] and s["active"][-1] is module:
-        s["active"].pop()
-    if not s["active"]:
-        s["pending"].clear()
+    if s.active and s.active[-1] is module:
+        s.active.pop()
+    if not s.active:
+        s.pending.clear()
 
 
 # -- the autograd function -----------------------------------------------------------------------
