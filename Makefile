@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: demo test bench bench-auto setup clean
+.PHONY: demo test bench bench-auto docs setup clean
 
 setup: $(STAMP)
 
@@ -34,5 +34,10 @@ bench-auto: $(STAMP)
 	$(PY) benchmarks/auto_search.py --quick
 	$(PY) benchmarks/auto_fidelity.py
 
+# the docs site (mkdocs-material + mkdocstrings, in the dev and docs extras) into site/;
+# strict: a broken link, a missing reference or a docstring warning fails the build
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build site *.egg-info
