@@ -24,7 +24,6 @@ import torch
 from . import comm as _comm
 from .boxing import plan_layouts
 from .param_state import reduced_at_step
-from .sbp import dual_nd
 from .tensor import GlobalTensor
 from .utils import IdentityMap
 
@@ -184,8 +183,8 @@ class GradSync(BucketSync):
         that group is more than this rank, else None."""
         if not p.local.requires_grad or reduced_at_step(p):
             return None
-        pl = p.placement
-        plan = plan_layouts(tuple(p.shape), p.local.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
+        lay = p.global_layout
+        plan = plan_layouts(tuple(p.shape), p.local.dtype, lay.dual(), lay)
         group = plan.all_reduce_group(rank)
         return None if group is None or len(group) == 1 else (plan.steps[0], group)
 

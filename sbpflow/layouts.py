@@ -40,6 +40,12 @@ class Layout(_Pair):
                                  f"{placement!r} with sbp {sbp!r}")
         return tuple.__new__(cls, (placement, parse_nd_sbp(sbp, placement.ndim)))
 
+    @classmethod
+    def parsed(cls, placement: Placement, nd_sbp: tuple) -> "Layout":
+        """The Layout of an nd-sbp already parsed and checked for ``placement`` (a tensor's,
+        a signature's), made without parsing again: for the paths that run per op or step."""
+        return tuple.__new__(cls, (placement, nd_sbp))
+
     def dual(self) -> "Layout":
         """The layout of this tensor's gradient: ``S(a)`` stays, ``B`` <-> ``P``; ``P(max)`` /
         ``P(min)`` carry no gradient (`SbpParseError`)."""

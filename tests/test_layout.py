@@ -118,3 +118,33 @@ def test_plan_with_layouts_equals_the_pair_form(shape, src, dst):
 def test_plan_checks_split_axes_of_a_layout():
     with pytest.raises(sf.errors.SplitAxisError, match="out of range"):
         sf.boxing.plan((4,), torch.float32, Layout(LINE, sf.S(1)), Layout(LINE, sf.B))
+
+
+def test_a_global_tensor_reads_its_layout():
+    """``x.global_layout``: the tensor's Layout (equal to its (placement, sbp) pair, .dual()
+    its gradient's), read-only; ``x.layout`` stays torch's memory layout."""
+    def run():
+        x = sf.randn(4, 6, placement=MESH, sbp=(sf.S(0), sf.B), requires_grad=True)
+        lay = x.global_layout
+        assert type(lay) is Layout and lay == (MESH, (sf.S(0), sf.B)) == Layout(MESH, "S(0), B")
+        assert str(lay) == "cpu[[0,1],[2,3]] (S(0), B)"
+        (x * x).sum().backward()
+        assert x.grad.global_layout == lay.dual() == (MESH, (sf.S(0), sf.P))
+        with pytest.raises(AttributeError):
+            x.global_layout = lay
+        y = x.to_global(sbp=(sf.B, sf.S(1)))
+        assert y.global_layout == Layout(MESH, "B, S(1)") and y.layout == torch.strided
+        return True
+    assert all(sf.launch(run, world_size=4))
+
+
+def test_plan_layouts_takes_layouts_or_pairs_alike():
+    sf.clear_caches()
+    src, dst = Layout(MESH, "P, S(1)"), Layout(LINE, sf.S(0))
+    by_layout = sf.boxing.plan_layouts((8, 6), torch.float32, src, dst)
+    by_pair = sf.boxing.plan_layouts((8, 6), torch.float32, tuple(src), tuple(dst))
+    assert by_pair is by_layout   # one cache entry
+    assert type(by_layout.src) is Layout and by_layout.dst == dst
+    sf.clear_caches()
+    first = sf.boxing.plan_layouts((8, 6), torch.float32, tuple(src), tuple(dst))
+    assert type(first.src) is Layout and type(first.dst) is Layout

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from ..errors import GraphError, ParallelizeError
+from ..layouts import Layout
 from ..nn.modules import ModuleDict, ModuleList
 from ..nn.recompute import checkpoint as _checkpoint
 from ..parallel.relayout import relayout
@@ -57,9 +58,9 @@ def lay_out(model, graph, strategy, *, modules: dict, placement, notes: list) ->
     if len(groups) > 1:   # stage placements for the untraced parameters, buffers, hooks
         pipe = cut_stages(model, graph, strategy, groups=groups,
                           stage_pls=[st.placement for st in streams], skip=set(layouts))
-    replicated = (streams[0].placement, (B,) * streams[0].placement.ndim)
+    replicated = Layout.parsed(streams[0].placement, (B,) * streams[0].placement.ndim)
     relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
-             ((p.placement, p.sbp) if pipe is not None else replicated), "parallelize")
+             (p.global_layout if pipe is not None else replicated), "parallelize")
     if pipe is None:
         _move_buffers(model, streams[0].placement)
     _tie_views(graph, strategy, modules=modules, placements=placements)

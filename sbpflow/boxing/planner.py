@@ -97,23 +97,24 @@ def plan(shape: Sequence[int], dtype: torch.dtype, src: Layout | tuple,
     src, dst = as_layout(src), as_layout(dst)
     for lay in (src, dst):
         check_axes(lay.sbp, len(shape), shape=shape, placement=lay.placement)
-    return plan_layouts(shape, dtype, *src, *dst)
+    return plan_layouts(shape, dtype, src, dst)
 
 
 _PLAN_LOCK = threading.Lock()
 
 
-def plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
-                 dpl: Placement, dsbp: tuple) -> BoxingPlan:
-    """`plan` on parsed, checked arguments (cached; rank threads asking for the same plan at
-    once wait for the first instead of each planning it)."""
+def plan_layouts(shape: tuple, dtype: torch.dtype, src: Layout, dst: Layout) -> BoxingPlan:
+    """`plan` on parsed, checked layouts: `Layout` values (``t.global_layout``,
+    ``Layout.parsed``) or the ``(placement, nd-sbp)`` pairs equal to them, which share the
+    cache (rank threads asking for the same plan at once wait for the first instead of each
+    planning it)."""
     with _PLAN_LOCK:
-        return _plan_layouts(shape, dtype, spl, ssbp, dpl, dsbp)
+        return _plan_layouts(shape, dtype, src, dst)
 
 
 @memoize(4096)
-def _plan_layouts(shape: tuple, dtype: torch.dtype, spl: Placement, ssbp: tuple,
-                  dpl: Placement, dsbp: tuple) -> BoxingPlan:
+def _plan_layouts(shape: tuple, dtype: torch.dtype, src: Layout, dst: Layout) -> BoxingPlan:
+    (spl, ssbp), (dpl, dsbp) = src, dst
     itemsize = torch.empty((), dtype=dtype).element_size()
     candidates: list[tuple] = []
     if spl == dpl:

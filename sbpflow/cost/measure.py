@@ -24,6 +24,7 @@ from ..boxing.executor import run_step
 from ..boxing.planner import plan_layouts
 from ..comm import current
 from ..comm.kinds import MEASURED_KINDS
+from ..layouts import Layout
 from ..placement import placement
 from ..sbp import B, Split
 from .formulas import CostError
@@ -183,11 +184,11 @@ def _stepper(world: int, device: torch.device):
     pl = placement(device.type, ranks=list(range(world)))
     shape = (world * 4, 4)
     x = torch.randn(*shape, device=device)
-    src, dst = (B,), (Split(0),)
+    src, dst = Layout.parsed(pl, (B,)), Layout.parsed(pl, (Split(0),))
     comm = current()
 
     def run():
-        for st in plan_layouts(shape, x.dtype, pl, src, pl, dst).steps:
+        for st in plan_layouts(shape, x.dtype, src, dst).steps:
             run_step(st, x, comm)
     return run
 

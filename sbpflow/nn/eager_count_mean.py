@@ -17,6 +17,7 @@ from .. import comm as _comm
 from ..boxing import plan_layouts
 from ..caches import memoize
 from ..gradsync import drop_started
+from ..layouts import Layout
 from ..placement import Placement
 from ..sbp import B, Partial
 from ..tensor import GlobalTensor, current_recorder, recording, retains_grads
@@ -132,7 +133,7 @@ def _route(pl: Placement, sbp: tuple, dtype: torch.dtype, rank: int,
     reduced = tuple(B if isinstance(s, Partial) else s for s in sbp)
     if reduced == sbp or sorted(pl.flat_ranks) != list(range(world)):
         return reduced, None
-    plan = plan_layouts((), dtype, pl, sbp, pl, reduced)
+    plan = plan_layouts((), dtype, Layout.parsed(pl, sbp), Layout.parsed(pl, reduced))
     group = plan.all_reduce_group(rank)
     return reduced, (group if group is not None and plan.steps[0].op == "sum" else None)
 

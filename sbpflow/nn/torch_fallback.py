@@ -27,6 +27,7 @@ from ..boxing import plan_layouts
 from ..caches import BoundedDict
 from ..comm.base import counted_as
 from ..errors import UnsupportedTorchFunction
+from ..layouts import Layout
 from ..ops.torch_generic import build_spec, call_spec
 from ..placement import Placement
 from ..sbp import B, format_nd_sbp
@@ -213,7 +214,8 @@ def _warn(func: Callable, name: str, tensors: list, pos: tuple, kw: tuple, pl: P
     if _comm.rank() != pl.flat_ranks[0] or (func, pl, layouts) in _WARNED:
         return
     _WARNED.add((func, pl, layouts))
-    moved = sum(plan_layouts(t.shape, t.dtype, pl, t.sbp, pl, replicated).nbytes
+    moved = sum(plan_layouts(t.shape, t.dtype, Layout.parsed(pl, t.sbp),
+                             Layout.parsed(pl, replicated)).nbytes
                 for t in tensors if t.sbp != replicated)
     if moved == 0:
         return

@@ -19,6 +19,7 @@ import torch
 from ..boxing import plan_layouts
 from ..caches import memoize
 from ..errors import SbpError, ShapeError, SignatureError
+from ..layouts import Layout
 from ..placement import Placement
 from ..sbp import B, Partial, Sbp, format_nd_sbp, parse_sbp, shard_box
 
@@ -242,17 +243,18 @@ def _partial_penalty(meta: TensorMeta, nd: tuple, placement: Placement) -> int:
     if not any(isinstance(s, Partial) and s.op == "sum" for s in nd):
         return 0
     reduced = tuple(B if isinstance(s, Partial) else s for s in nd)
-    return plan_layouts(meta.shape, meta.dtype, placement, nd, placement, reduced).nbytes // 2
+    return plan_layouts(meta.shape, meta.dtype, Layout.parsed(placement, nd),
+                        Layout.parsed(placement, reduced)).nbytes // 2
 
 
-def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: tuple,
+def choose(name: str, args: tuple, nd_sbps: tuple, placement: Placement, attrs: tuple,
            forced: tuple | None = None, grad: bool = False, pinned: tuple = ()) -> Choice:
     """The signature op ``name`` runs with (docs/internals.md, 'The op registry'). ``args``
-    holds a `TensorMeta` in each tensor slot; ``layouts`` their nd-sbps. ``forced``: input
-    nd-sbps the caller insists on (None entries are free); `SignatureError` if no valid
-    signature has them. ``grad``: some input requires grad, so signatures whose outputs carry
-    no gradient (P(max), P(min)) are used only when nothing else is valid — a cheap max must
-    not drop a gradient.
+    holds a `TensorMeta` in each tensor slot; ``nd_sbps`` their nd-sbps (with ``placement``,
+    the inputs' layouts). ``forced``: input nd-sbps the caller insists on (None entries are
+    free); `SignatureError` if no valid signature has them. ``grad``: some input requires
+    grad, so signatures whose outputs carry no gradient (P(max), P(min)) are used only when
+    nothing else is valid — a cheap max must not drop a gradient.
     ``pinned[i]``: tensor input i is a parameter; its layout is the user's statement of the
     strategy, so signatures that keep parameters in place come first (activations move).
 
@@ -273,10 +275,11 @@ def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: 
         if forced is not None and any(f is not None and f != nd for f, nd in zip(forced, ins_nd)):
             continue
         cost, param_cost, changed = 0, 0, 0
-        for i, (m, have, want) in enumerate(zip(metas, layouts, ins_nd)):
+        for i, (m, have, want) in enumerate(zip(metas, nd_sbps, ins_nd)):
             if have != want:
                 changed += 1
-                moved = plan_layouts(m.shape, m.dtype, placement, have, placement, want).nbytes
+                moved = plan_layouts(m.shape, m.dtype, Layout.parsed(placement, have),
+                                     Layout.parsed(placement, want)).nbytes
                 if i < len(pinned) and pinned[i]:
                     param_cost += moved
                 cost += moved
@@ -288,7 +291,7 @@ def choose(name: str, args: tuple, layouts: tuple, placement: Placement, attrs: 
             continue
         best, best_key, best_cost = (ins_nd, outs_nd), key, cost
     if best is None:
-        shown = ", ".join(f"{m.shape} {format_nd_sbp(l)}" for m, l in zip(metas, layouts))
+        shown = ", ".join(f"{m.shape} {format_nd_sbp(l)}" for m, l in zip(metas, nd_sbps))
         want = "" if forced is None else \
             f" with inputs forced to {[format_nd_sbp(f) for f in forced if f is not None]}"
         raise SignatureError(f"{name}: no valid signature{want} for inputs {shown} on "

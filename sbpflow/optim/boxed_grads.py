@@ -69,7 +69,6 @@ def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) 
     backward stay remembered (a second call sends nothing) unless ``consume`` (the optimizer's
     step, which forgets them right after)."""
     from ..boxing import plan_layouts
-    from ..sbp import dual_nd
     comm = _comm.current()
     out: list = [None] * len(params)
     buckets: dict = {}
@@ -104,7 +103,8 @@ def boxed_grads(params: list, *, remember: bool = False, consume: bool = False) 
         if pl.size == 1 or comm.rank not in pl:
             out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)
             continue
-        plan = plan_layouts(tuple(p.shape), g.dtype, pl, dual_nd(p.sbp), pl, p.sbp)
+        lay = p.global_layout
+        plan = plan_layouts(tuple(p.shape), g.dtype, lay.dual(), lay)
         group = plan.all_reduce_group(comm.rank)
         if group is not None and len(group) == 1:
             out[i] = GlobalTensor(g, tuple(p.shape), pl, p.sbp)  # a group of one: a relabel

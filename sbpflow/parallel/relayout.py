@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import SbpError
+from ..layouts import Layout
 from ..param_state import mark_replaced
 from ..nn.init import materialize
 from ..nn.modules import Module, Parameter
@@ -24,12 +25,13 @@ from ..tensor import GlobalTensor
 
 __all__ = ["relayout"]
 
-LayoutOf = Callable[[str, Parameter], "tuple[Placement, tuple]"]
+LayoutOf = Callable[[str, Parameter], "Layout | tuple[Placement, tuple]"]
 
 
 def relayout(model: Module, layout_of: LayoutOf, who: str = "sf.parallel.relayout") -> Module:
-    """Re-lay every parameter of ``model`` to ``layout_of(name, parameter)`` = (placement,
-    nd-sbp); returns ``model``. Meta parameters are materialised in that layout, others boxed.
+    """Re-lay every parameter of ``model`` to ``layout_of(name, parameter)``, an `sf.Layout`
+    or a (placement, nd-sbp) pair; returns ``model``. Meta parameters are materialised in that
+    layout, others boxed.
 
     Every rank must call it with the same layouts (the boxing is collective); parameters are
     visited once each, in registration order, the same on every rank. Each new parameter holds

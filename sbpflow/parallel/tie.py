@@ -20,6 +20,7 @@ import torch
 from ..boxing import empty_local
 from ..comm import rank as _rank
 from ..errors import ParallelizeError
+from ..layouts import Layout
 from ..param_state import reduce_at_step
 from ..nn.modules import Module, Parameter, RemovableHandle
 from ..placement import Placement
@@ -61,11 +62,11 @@ class StageView(GlobalTensor):
 
 
 def tie_placement(name: str, stage_pls: Sequence[Placement], layouts: Sequence[tuple],
-                  who: str) -> tuple[Placement, tuple]:
-    """(tie placement, nd-sbp) of a parameter whose users' stages are on ``stage_pls`` (in
-    stage order) with the nd-sbps ``layouts``: the meshes stacked along a new outer dim, ``B``
-    there. `ParallelizeError` when the stages' meshes differ in shape or device type, or the
-    layouts differ (one weight has one layout; Megatron's tie needs the same too)."""
+                  who: str) -> Layout:
+    """The `Layout` (tie placement, nd-sbp) of a parameter whose users' stages are on
+    ``stage_pls`` (in stage order) with the nd-sbps ``layouts``: the meshes stacked along a new
+    outer dim, ``B`` there. `ParallelizeError` when the stages' meshes differ in shape or device
+    type, or the layouts differ (one weight has one layout; Megatron's tie needs the same too)."""
     first, nd = stage_pls[0], tuple(layouts[0])
     for pl, lay in zip(stage_pls[1:], layouts[1:]):
         if tuple(pl.shape) != tuple(first.shape) or pl.device_type != first.device_type:
@@ -80,7 +81,7 @@ def tie_placement(name: str, stage_pls: Sequence[Placement], layouts: Sequence[t
                 f"and {pl} (sbp {format_nd_sbp(lay)}); the copies must be laid out alike: "
                 f"give the weight's names one nd-sbp in both stages' rules")
     ranks = [pl.ranks for pl in stage_pls]
-    return Placement(first.device_type, ranks), (B,) + nd
+    return Layout.parsed(Placement(first.device_type, ranks), (B,) + nd)
 
 
 def install_views(param: Parameter, users: Sequence[tuple[Module, str, Placement]]) \

@@ -25,6 +25,7 @@ from .. import comm as _comm
 from ..boxing import empty_local, plan_layouts, run_plan
 from ..errors import GraphError, PlacementError, SbpError, SbpParseError, ShapeError
 from ..errors import UnsupportedTorchFunction
+from ..layouts import Layout
 from ..placement import Placement
 from ..sbp import (B, SbpLike, check_axes, dual_nd, format_nd_sbp, holds_value, parse_nd_sbp,
                    shard_box)
@@ -148,6 +149,12 @@ class GlobalTensor:
     # tensor's layout and stored shard through these, never through the private slots
     placement = property(attrgetter("_placement"), doc="The placement (an `sf.placement`).")
     sbp = property(attrgetter("_sbp"), doc="The nd-sbp: a tuple, one sbp per mesh dim.")
+
+    @property
+    def global_layout(self) -> Layout:
+        """The layout, ``sf.Layout(placement, sbp)`` (equal to that pair; ``.dual()`` is the
+        gradient's). Not ``layout``: that is torch's memory layout (``torch.strided``)."""
+        return Layout.parsed(self._placement, self._sbp)
     shard = property(attrgetter("_local"), doc=(
         "This rank's shard as stored: what `local` returns, except that a view whose base "
         "changed since is not remade first (the framework's layers read this: a graph's "
@@ -189,7 +196,8 @@ class GlobalTensor:
         check_axes(dst_sbp, self.ndim, shape=self._shape, placement=dst_pl)
         if dst_pl == self._placement and dst_sbp == self._sbp:
             return self
-        plan = plan_layouts(self._shape, self.dtype, self._placement, self._sbp, dst_pl, dst_sbp)
+        plan = plan_layouts(self._shape, self.dtype, self.global_layout,
+                            Layout.parsed(dst_pl, dst_sbp))
         out = GlobalTensor(run_plan(plan, self._local), self._shape, dst_pl, dst_sbp)
         if _tracing.recorder is not None:
             _tracing.recorder.box(plan, self, out)
