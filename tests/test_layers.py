@@ -144,3 +144,21 @@ def test_nn_and_optim_are_peers(name):
     found = [f"{p}:{line}" for parts, p in _modules().items() if parts[0] == name
              for line, t in _imports(parts, p) if t[0] == other]
     assert not found, f"{name} imports {other}: {found}"
+
+
+# inside sbpflow/tensor/, lowest first: the class (global_tensor) imports neither its dispatch
+# nor its op methods, which import it; tensor/__init__.py wires them to it (`_bind_dispatch`,
+# `_set_methods`), so each module keeps one job without an import cycle
+TENSOR_ORDER = ["hooks", "resplits", "views", "dispatch_records", "global_tensor", "mixing",
+                "dispatch", "methods", "creation"]
+
+
+def test_tensor_modules_import_only_downward():
+    mods = {parts[1]: path for parts, path in _modules().items()
+            if parts[0] == "tensor" and len(parts) == 2 and parts[1] != "__init__"}
+    assert set(mods) == set(TENSOR_ORDER), f"place in TENSOR_ORDER: {set(mods) ^ set(TENSOR_ORDER)}"
+    rank = {name: i for i, name in enumerate(TENSOR_ORDER)}
+    bad = [f"sbpflow/tensor/{name}.py:{line} imports sbpflow.tensor.{target[1]}"
+           for name, path in mods.items() for line, target in _imports(("tensor", name), path)
+           if target[0] == "tensor" and len(target) > 1 and rank.get(target[1], -1) >= rank[name]]
+    assert not bad, "sbpflow/tensor/ imports against its order:\n" + "\n".join(bad)
