@@ -37,7 +37,7 @@ bench-auto: $(STAMP)
 # the docs site (mkdocs-material + mkdocstrings, in the dev and docs extras) into site/;
 # strict: a broken link, a missing reference or a docstring warning fails the build
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf .venv build site *.egg-info
