@@ -4,14 +4,14 @@ Each process listens on one socket (on the interface that reaches the world's st
 0: loopback in a one-host world) and publishes ``host:port`` in the store once; a post opens one
 persistent connection per destination on first use (``TCP_NODELAY``), proves to the listener
 that it holds the world's secret and checks the listener's proof (`auth`), then writes typed
-frames (`wire`: no pickle of arbitrary objects, tensors as raw bytes). One receiver thread a
-process (``selectors``) reads every connection and puts the frames in per-channel deques,
-waking the waiting `SocketChannels.take`; a connection that does not authenticate within
-`_HANDSHAKE_S` or sends a frame that does not parse is dropped with a warning naming its
-address, and the channels go on. A process whose socket cannot be set up publishes ``store``
-and falls back, saying so in a warning, to the c10d store's queues (`StoreChannels`: frames
-with an HMAC tag of the secret), which its peers then post to. See docs/runtime.md, 'Message
-channels' and 'What the transport trusts'.
+frames (`wire`: no pickle of arbitrary objects, tensors as raw bytes; to a listener of this
+host, a message's large tensors go through a shared-memory ring, `shm_ring`, the frame naming
+where). One receiver thread a process (``selectors``) reads every connection, puts the frames in
+per-channel deques for `SocketChannels.take`, or hands them to a listener (`listen`); a
+connection that does not authenticate within `_HANDSHAKE_S` or sends a frame that does not
+parse is dropped with a warning naming its address, and the channels go on. A process whose
+socket cannot be set up publishes ``store`` and falls back, with a warning, to the c10d store's
+queues (`StoreChannels`: frames with an HMAC tag of the secret). See docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ..errors import CommError, WireError
 from .auth import ServerHandshake, client_handshake, world_secret
 from .channels import StoreChannels
 from .progress import own_connection
-from .wire import FrameReader, copied, encode
+from .shm_ring import RING_MIN, Ring, ring_bytes
+from .wire import FrameReader, copied, encode, encode_body, ring_frame
 
 __all__ = ["SocketChannels", "address_key", "local_address"]
 
@@ -40,6 +41,7 @@ _LOG = logging.getLogger("sbpflow.comm")
 _STORE = b"store"  # the published address of a process that reads the store's queues
 _CHUNK = 1 << 18  # bytes a recv asks for
 _HANDSHAKE_S = 10.0  # s a new connection has to prove it belongs to the world
+_RING_OFFER = "\x00sbpflow/ring"  # the channel of a sender's ring offer (`shm_ring`)
 
 
 def address_key(rank: int) -> str:
@@ -124,10 +126,33 @@ class SocketChannels:
                 sock.close()
                 raise _error(src, dst, channel, f"authenticating with {host}:{port} (is "
                              f"SBPFLOW_SECRET the same on every rank?)", exc) from exc
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = self._peers[dst] = _Peer(sock, f"{host}:{port}")
+            ring = self._offer_ring(sock, host)
+            sock.settimeout(None)
+            peer = self._peers[dst] = _Peer(sock, f"{host}:{port}", ring)
             return peer
+
+    def _offer_ring(self, sock: socket.socket, host: str) -> Ring | None:
+        """A shared-memory ring for the large messages to a listener of this host (the
+        interface this process listens on), if it maps it (`shm_ring`); else None."""
+        capacity = ring_bytes()
+        if (capacity <= 0 or self._receiver is None or host != self._receiver.host
+                or not hasattr(os, "memfd_create")):
+            return None
+        try:
+            ring = Ring.create(capacity)
+        except OSError:
+            return None
+        try:
+            sock.sendall(b"".join(encode(self.rank, _RING_OFFER, (ring.pid, ring.fd, capacity))))
+            sock.settimeout(_HANDSHAKE_S)
+            taken = sock.recv(1) == b"\x01"
+        except OSError:
+            taken = False
+        if not taken:
+            ring.close()
+            return None
+        return ring
 
     def post(self, src: int, dst: int, channel: str, message: Any) -> None:
         """Send ``message`` to ``dst``'s ``channel``; a peer gone (connection refused, reset
@@ -141,9 +166,8 @@ class SocketChannels:
         if peer is None:
             self._store_channels().post(src, dst, channel, message)
             return
-        parts = encode(src, channel, message)
         try:
-            peer.send(parts)
+            peer.post(src, channel, message)
         except OSError as exc:
             raise _error(src, dst, channel, f"sending to {peer.address}", exc) from exc
 
@@ -185,21 +209,39 @@ def _error(src: int, dst: int, channel: str, what: str, exc: BaseException) -> C
 
 
 class _Peer:
-    """One outgoing connection; a lock keeps concurrent posts' frames whole and in order."""
+    """One outgoing connection, and its shared-memory ring when the peer is on this host; a
+    lock keeps concurrent posts' frames whole and in order (and their ring records)."""
 
-    def __init__(self, sock: socket.socket, address: str) -> None:
-        self.sock, self.address = sock, address
+    def __init__(self, sock: socket.socket, address: str, ring: Ring | None = None) -> None:
+        self.sock, self.address, self.ring = sock, address, ring
         self.lock = threading.Lock()
+
+    def post(self, src: int, channel: str, message: Any) -> None:
+        """Send ``message``: its tensors' bytes through the ring when they are `RING_MIN` or
+        more and fit its free space (the frame then names where), else inline."""
+        body = encode_body(message)
+        views = body[1]
+        if self.ring is not None and views and sum(v.nbytes for v in views) >= RING_MIN:
+            with self.lock:
+                pos = self.ring.place(views)
+                if pos is not None:
+                    self.sock.sendall(ring_frame(src, channel, body[0], views, pos))
+                else:
+                    self._write(encode(src, channel, message, body))
+            return
+        self.send(encode(src, channel, message, body))
 
     def send(self, parts: list) -> None:
         """Write a frame's parts (`wire.encode`) whole, after any frame already being sent."""
-        size = sum(memoryview(p).nbytes for p in parts)
         with self.lock:
-            if size < _CHUNK:  # one segment for a small frame (TCP_NODELAY sends each)
-                self.sock.sendall(b"".join(parts))
-            else:  # no copy of a large tensor's bytes
-                for part in parts:
-                    self.sock.sendall(part)
+            self._write(parts)
+
+    def _write(self, parts: list) -> None:
+        if sum(memoryview(p).nbytes for p in parts) < _CHUNK:  # one segment (TCP_NODELAY)
+            self.sock.sendall(b"".join(parts))
+        else:  # no copy of a large tensor's bytes
+            for part in parts:
+                self.sock.sendall(part)
 
     def close(self) -> None:
         with self.lock:
@@ -208,6 +250,9 @@ class _Peer:
             except OSError:
                 pass
             self.sock.close()
+            if self.ring is not None:
+                self.ring.close()
+                self.ring = None
 
 
 class _Conn:
@@ -367,11 +412,26 @@ class _Receiver:
                 conn.handshake = None
                 self._pending.discard(conn)
             for src, channel, message in conn.frames.feed(data):
-                self.put(channel, (src, message))
+                if channel == _RING_OFFER:
+                    self._take_ring(conn, message)
+                else:
+                    self.put(channel, (src, message))
             if conn.frames.error is not None:
                 self._drop(conn, str(conn.frames.error))
         except (WireError, OSError) as exc:
             self._drop(conn, str(exc))
+
+    def _take_ring(self, conn: _Conn, offer: Any) -> None:
+        """Map the ring a sender of this host offers (`shm_ring.Ring.open`) and say whether
+        (one byte: it waits for it); one that cannot be mapped is declined."""
+        if conn.frames.ring is not None or not isinstance(offer, tuple) or len(offer) != 3:
+            raise WireError("a second ring offer, or one of the wrong form")
+        try:
+            conn.frames.ring = Ring.open(*offer)
+        except WireError as exc:
+            _LOG.info("sbpflow rank %d: declined the ring of %s: %s", self.rank, conn.address,
+                      exc)
+        conn.sock.send(b"\x01" if conn.frames.ring is not None else b"\x00")
 
     def _drop(self, conn: _Conn, why: str) -> None:
         self.dropped += 1
@@ -383,6 +443,8 @@ class _Receiver:
         self._pending.discard(conn)
         self._sel.unregister(conn.sock)
         conn.sock.close()
+        if conn.frames.ring is not None:
+            conn.frames.ring.close()
 
     def _expire(self) -> None:
         """Drop the connections that have not proved themselves within `_HANDSHAKE_S`."""
@@ -393,6 +455,8 @@ class _Receiver:
     def _shut(self) -> None:
         for key in list(self._sel.get_map().values()):
             key.fileobj.close()
+            if isinstance(key.data, _Conn) and key.data.frames.ring is not None:
+                key.data.frames.ring.close()
         self._sel.close()
 
     def stop(self) -> None:

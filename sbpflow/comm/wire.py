@@ -2,13 +2,14 @@
 
 A frame: a prefix ``"!QIiHH"`` (bytes after it, body bytes, source rank, channel bytes, buffer
 count), a ``"!Q"`` size per buffer, the channel (utf-8), the body, then each tensor's bytes as
-they are in memory (out of band). The body is the message's structure (pickle protocol 5,
-restricted): ``None``, bools, numbers, strings, bytes, tuples, lists, dicts, sets, torch dtypes,
-``torch.Size`` / ``torch.device`` and tensors. `decode` resolves no other global — a frame that
-names one (a class whose ``__reduce__`` would run code) is a `WireError` and nothing in it is
-called — and `encode` refuses any other object at the sender (`WireError` naming the type), so
-a legitimate message never makes the receiver drop its peer. See docs/runtime.md, 'What the
-transport trusts'.
+they are in memory (out of band), or (`IN_RING` set in the count) the ``"!Q"`` position in the
+sender's shared-memory ring (`shm_ring`) where they lie, before the channel. The body is the
+message's structure (pickle protocol 5, restricted): ``None``, bools, numbers, strings, bytes,
+tuples, lists, dicts, sets, torch dtypes, ``torch.Size`` / ``torch.device`` and tensors.
+`decode` resolves no other global — a frame that names one (a class whose ``__reduce__`` would
+run code) is a `WireError` and nothing in it is called — and `encode` refuses any other object
+at the sender (`WireError` naming the type), so a legitimate message never makes the receiver
+drop its peer. See docs/runtime.md, 'What the transport trusts'.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 
 from ..errors import WireError
 
-__all__ = ["PREFIX", "encode", "decode", "FrameReader", "parse_frame", "copied"]
+__all__ = ["PREFIX", "IN_RING", "encode", "encode_body", "ring_frame", "decode", "FrameReader",
+           "parse_frame", "copied"]
 
 PREFIX = struct.Struct("!QIiHH")  # after-prefix bytes, body bytes, src, channel bytes, buffers
+IN_RING = 1 << 15  # in a frame's buffer count: the buffers lie in the sender's ring
 _SIZE = struct.Struct("!Q")
 
 # the globals a body may name; nothing else is resolved (torch.load(weights_only=True)'s idea)
@@ -134,17 +137,33 @@ class _Encoder(threading.local):
 _ENCODER = _Encoder()
 
 
-def encode(src: int, channel: str, message: Any) -> list:
+def encode_body(message: Any) -> tuple[bytes, list]:
+    """``(body, buffers)`` of ``message``: its structure and its tensors' bytes (views of their
+    memory, valid while the tensors are). `WireError` for an object that is not plain data."""
+    body, views = _ENCODER.dump(message)
+    if len(views) >= IN_RING:
+        raise WireError(f"a message of {len(views)} tensors: send at most {IN_RING - 1} in one")
+    return body, views
+
+
+def ring_frame(src: int, channel: str, body: bytes, views: list, pos: int) -> bytes:
+    """The frame of a message whose buffers ``views`` lie in the sender's ring at ``pos``."""
+    name = channel.encode()
+    sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
+    after = len(sizes) + _SIZE.size + len(name) + len(body)
+    return (PREFIX.pack(after, len(body), src, len(name), len(views) | IN_RING) + sizes
+            + _SIZE.pack(pos) + name + body)
+
+
+def encode(src: int, channel: str, message: Any, body: tuple | None = None) -> list:
     """The parts of ``message``'s frame, to be written in order: one bytes object for a message
     without tensors; else the tensors' bytes follow, as views of their memory. `WireError` for
-    an object that is not plain data (named)."""
-    body, views = _ENCODER.dump(message)
+    an object that is not plain data (named). ``body``: `encode_body`'s, if made already."""
+    body, views = encode_body(message) if body is None else body
     name = channel.encode()
     if not views:
         n = len(name) + len(body)
         return [PREFIX.pack(n, len(body), src, len(name), 0) + name + body]
-    if len(views) >= 1 << 16:
-        raise WireError(f"a message of {len(views)} tensors: send at most 65535 in one")
     sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
     after = len(sizes) + len(name) + len(body) + sum(v.nbytes for v in views)
     return [PREFIX.pack(after, len(body), src, len(name), len(views)) + sizes + name + body,
@@ -212,6 +231,7 @@ class FrameReader:
     def __init__(self) -> None:
         self.buf = bytearray()
         self.error: WireError | None = None
+        self.ring: Any = None  # the sender's `shm_ring.Ring`, once the connection has one
 
     def feed(self, data: bytes) -> list[tuple[int, str, Any]]:
         if self.error is not None:
@@ -228,6 +248,9 @@ class FrameReader:
                 if n_buf == 0 and chan_n + body_n == after:  # no tensors: the common case
                     channel = _channel(buf[lo:lo + chan_n])
                     message = decode(bytes(buf[lo + chan_n:lo + after]), [])
+                elif n_buf & IN_RING:
+                    channel, message = self._from_ring(lo, after, body_n, chan_n,
+                                                       n_buf & ~IN_RING)
                 else:
                     channel, message = self._with_buffers(lo, after, body_n, chan_n, n_buf)
                 out.append((src, channel, message))
@@ -238,6 +261,26 @@ class FrameReader:
             if start:
                 del buf[:start]
         return out
+
+    def _from_ring(self, lo: int, after: int, body_n: int, chan_n: int,
+                   n_buf: int) -> tuple[str, Any]:
+        """A frame whose buffers lie in the sender's ring: read, decoded (copied out), freed."""
+        if self.ring is None:
+            raise WireError("a frame naming a shared-memory ring, on a connection with none")
+        at = lo + n_buf * _SIZE.size
+        if after != n_buf * _SIZE.size + _SIZE.size + chan_n + body_n:
+            raise WireError("a frame whose sizes do not add up")
+        sizes = [_SIZE.unpack_from(self.buf, lo + i * _SIZE.size)[0] for i in range(n_buf)]
+        (pos,) = _SIZE.unpack_from(self.buf, at)
+        at += _SIZE.size
+        channel = _channel(self.buf[at:at + chan_n])
+        body = bytes(self.buf[at + chan_n:at + chan_n + body_n])
+        buffers = self.ring.read(pos, sizes)
+        try:
+            return channel, decode(body, buffers)
+        finally:  # (decoding copied the bytes out)
+            [b.release() for b in buffers]
+            self.ring.free()
 
     def _with_buffers(self, lo: int, after: int, body_n: int, chan_n: int,
                       n_buf: int) -> tuple[str, Any]:
