@@ -1,4 +1,4 @@
-"""What the dispatch (`apply_op` in tensor/global_tensor.py) keeps and checks: the entry of
+"""What the dispatch (`apply_op` in tensor/dispatch.py) keeps and checks: the entry of
 its cache of choices per call (`_Entry`), the boxed versions of a tensor kept for the next
 consumer (`_Boxed`), the small int naming a layout that the cache key holds
 (`_intern_layout`), a rank's kernel context, torch's autocast dtype, the same-dtype check, and

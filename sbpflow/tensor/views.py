@@ -4,7 +4,8 @@ when it last matched it), whether it is stale, and the strides torch would give 
 reshape of it is a view, whether it is contiguous).
 
 Remaking a stale view and writing an in-place op on a view through to its parent run ops:
-they are `_fresh` and `_write_back` in tensor/global_tensor.py, beside the dispatch.
+they are `_fresh` and `_write_back` in tensor/global_tensor.py, beside the class; the view
+methods (reshape, permute, indexing, ...) are in tensor/methods.py.
 """
 
 from __future__ import annotations
