@@ -6,7 +6,9 @@ the ratio sbpflow / DTensor, and the bytes sbpflow moved against its plan. Trans
 refuses are listed as sbpflow-only. Then the threads backend's all-gather of 64 MiB on 4 ranks
 against one ``torch.cat`` of the same pieces.
 
-    python benchmarks/boxing.py [--iters 10] [--sizes 4,16] [--quick]
+    python benchmarks/boxing.py [--iters 10] [--sizes 4,16] [--quick] [--cases S0:B,S1:B]
+
+sbpflow and DTensor are timed in alternation, an iteration of each in turn.
 """
 
 from __future__ import annotations
@@ -48,7 +50,23 @@ def _timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def _bench_rank(cases: list, sizes: list[int], iters: int) -> list[dict]:
+def _timed_pair(fa, fb, iters: int) -> tuple[float, float]:
+    """Medians of ``fa`` and ``fb`` timed in alternation (each iteration runs both, in turns
+    first), so that a change in the machine's load falls on both alike."""
+    for f in (fa, fb, fa, fb):  # warm-up (plans, process groups)
+        f()
+    times: tuple[list, list] = ([], [])
+    for i in range(iters):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            dist.barrier()
+            t = time.perf_counter()
+            (fa, fb)[k]()
+            dist.barrier()
+            times[k].append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _bench_rank(cases: list, sizes: list[int], iters: int, cross: bool = True) -> list[dict]:
     """Runs on every gloo rank; returns rank 0's rows (times are medians of barrier-to-barrier)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -72,7 +90,6 @@ def _bench_rank(cases: list, sizes: list[int], iters: int) -> list[dict]:
             sf.comm.reset_stats()
             x.to_global(sbp=dsbp)
             moved = sf.comm.stats().sent
-            sf_time = _timed(lambda: x.to_global(sbp=dsbp), iters)
             planned = sf.boxing.plan(shape, torch.float32, (pl, ssbp), (pl, dsbp)).nbytes
             dt_time, dt_note = None, ""
             try:
@@ -80,16 +97,21 @@ def _bench_rank(cases: list, sizes: list[int], iters: int) -> list[dict]:
                                        shape=torch.Size(shape), stride=(n, 1))
                 target = [_dt_placement(s) for s in dst_t]
                 d.redistribute(meshes[k], target).to_local()
-                dt_time = _timed(lambda: d.redistribute(meshes[k], target).to_local(), iters)
             except Exception as exc:  # DTensor refuses some transitions; say which
                 dt_note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+            if dt_note:
+                sf_time = _timed(lambda: x.to_global(sbp=dsbp), iters)
+            else:
+                sf_time, dt_time = _timed_pair(
+                    lambda: x.to_global(sbp=dsbp),
+                    lambda: d.redistribute(meshes[k], target).to_local(), iters)
             all_moved = [torch.tensor([moved])]
             gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(4)]
             dist.all_gather(gathered, all_moved[0])
             rows.append(dict(mib=mib, src=src, dst=dst, sf=sf_time, dt=dt_time, note=dt_note,
                              moved=int(sum(g.item() for g in gathered)), planned=planned))
     # across meshes: DTensor has no equivalent
-    for mib in sizes:
+    for mib in sizes if cross else ():
         n = int((mib * 2**20 // 4) ** 0.5)
         a, b = sf.placement("cpu", [0, 1]), sf.placement("cpu", [2, 3])
         for s, d in [("S0", "S0"), ("P", "B"), ("B", "S1")]:
@@ -138,12 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sizes", default="4,16", help="tensor sizes in MiB, comma separated")
     ap.add_argument("--quick", action="store_true", help="one size (4 MiB), 3 iterations")
+    ap.add_argument("--cases", default="",
+                    help="only these transitions, e.g. S0:B,S1:S0 (2x2: S0/S1:B/B), and no "
+                         "cross-mesh or threads rows")
     args = ap.parse_args(argv)
     sizes = [4] if args.quick else [int(s) for s in args.sizes.split(",")]
     iters = 3 if args.quick else args.iters
     cases = LINE_CASES + MESH_CASES
+    if args.cases:
+        cases = [tuple(tuple(side.split("/")) if "/" in side else side
+                       for side in c.split(":")) for c in args.cases.split(",")]
     print(f"boxing on 4 gloo processes, float32, median of {iters} (ms); ratio = sbpflow / DTensor")
-    rows = sf.launch(_bench_rank, world_size=4, backend="torch", args=(cases, sizes, iters))[0]
+    rows = sf.launch(_bench_rank, world_size=4, backend="torch", args=(cases, sizes, iters, not args.cases))[0]
     print(f"{'MiB':>4} {'from':>10} {'to':>10} {'sbpflow':>9} {'DTensor':>9} {'ratio':>6} "
           f"{'bytes moved':>12} {'planned':>12}  note")
     worst = 0.0
@@ -160,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'-' if ratio is None else f'{ratio:6.2f}':>6} {r['moved']:>12} {r['planned']:>12}  "
               f"{note or ('sbpflow-only' if r['dt'] is None else '')}")
     print(f"worst ratio: {worst:.2f}")
+    if args.cases:
+        return 0
     ag, cat = _threads_all_gather()
     print(f"threads backend all-gather of 64 MiB on 4 ranks: {ag:.2f} GiB/s per rank; "
           f"torch.cat of the same pieces: {cat:.2f} GiB/s; ratio {ag / cat:.2f}")

@@ -11,7 +11,7 @@ from typing import Sequence
 from ..sbp import Box
 
 __all__ = ["Box", "box_shape", "box_numel", "intersect", "relative", "contains", "full_box",
-           "tiles"]
+           "tiles", "joins", "stacked_axis"]
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -54,3 +54,55 @@ def tiles(boxes: Sequence[Box], region: Box) -> bool:
         return False
     return all(box_numel(intersect(a, b)) == 0
                for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _flat_range(box: Box, outer: Box) -> tuple[int, int] | None:
+    """The C-order element range ``box`` fills in a tensor holding ``outer`` when it is one
+    run of consecutive elements (extent 1 on the axes before some axis, all of ``outer`` on
+    the axes after it), else None. ``box`` lies inside ``outer`` and is not empty."""
+    k = next((d for d in range(len(box) - 1, -1, -1) if box[d][1] != outer[d][1]), 0)
+    if any(box[d][1] != 1 for d in range(k)):
+        return None
+    start, stride = 0, 1
+    for (s, _), (o, m) in zip(reversed(box), reversed(outer)):
+        start += (s - o) * stride
+        stride *= m
+    return start, start + box_numel(box)
+
+
+def joins(boxes: Sequence[Box], region: Box) -> bool:
+    """Whether ``boxes``, laid back to back in their order (each in C order), are ``region``
+    in C order: the non-empty ones are consecutive runs of its elements, in order, covering
+    it. Then pieces received into one buffer in that order already are the region's tensor."""
+    at = 0
+    for b in boxes:
+        if box_numel(b) == 0:
+            continue
+        if not contains(region, b):
+            return False
+        run = _flat_range(b, region)
+        if run is None or run[0] != at:
+            return False
+        at = run[1]
+    return at == box_numel(region)
+
+
+def stacked_axis(boxes: Sequence[Box], region: Box) -> int | None:
+    """The axis along which ``boxes``, in their order, are consecutive slabs of ``region``
+    (each all of it on the other axes; empty ones skipped) covering it: their tensors'
+    ``torch.cat`` on that axis is the region's tensor. None when there is no such axis."""
+    full = [b for b in boxes if box_numel(b) > 0]
+    if not full:
+        return None
+    for axis in range(len(region)):
+        at, end = region[axis][0], region[axis][0] + region[axis][1]
+        ok = True
+        for b in full:
+            if any(b[d] != region[d] for d in range(len(region)) if d != axis) or \
+                    b[axis][0] != at:
+                ok = False
+                break
+            at += b[axis][1]
+        if ok and at == end:
+            return axis
+    return None

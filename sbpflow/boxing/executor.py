@@ -3,6 +3,7 @@ backward runs the dual step (docs/design.md, gradients)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from ..caches import BoundedDict
 from ..comm import Communicator
 from ..sbp import Partial, Split, holds_value, shard_box
-from .boxes import box_numel, box_shape, contains, intersect, relative, tiles
+from .boxes import (box_numel, box_shape, contains, intersect, joins, relative, stacked_axis,
+                    tiles)
 from .steps import BoxingStep, dual_step, member_boxes
 
 __all__ = ["run_step", "apply_step", "identity_value", "empty_local", "whole_message"]
@@ -77,37 +79,68 @@ def _all_gather(step: BoxingStep, x: torch.Tensor, comm: Communicator,
                 coord: tuple) -> torch.Tensor:
     group, src, dst = _group_boxes(step, coord)
     mine = dst[comm.rank]
+    boxes = [src[r] for r in group]
 
-    def assemble(pieces):
-        out = torch.empty(box_shape(mine), dtype=x.dtype, device=x.device)
-        for r, piece in zip(group, pieces):
-            out[relative(src[r], mine)] = piece
-        return out
-
-    return comm.all_gather(x.contiguous(), group, [box_shape(src[r]) for r in group], assemble)
+    shape = _Shape.of(step, comm.rank, boxes, mine)
+    # a batch split in group order: the pieces received back to back are the result
+    joined = box_shape(mine) if shape.joined else None
+    return comm.all_gather(x.contiguous(), group, [box_shape(b) for b in boxes],
+                           partial(_assemble, shape, boxes, mine, x), joined=joined)
 
 
 def _all_to_all(step: BoxingStep, x: torch.Tensor, comm: Communicator,
                 coord: tuple) -> torch.Tensor:
+    """The pieces go as views of ``x`` (the backend packs them for the wire in one copy)."""
     group, src, dst = _group_boxes(step, coord)
     me_src, me_dst = src[comm.rank], dst[comm.rank]
-    pieces = [x[relative(intersect(me_src, dst[r]), me_src)].contiguous() for r in group]
+    pieces = [x[relative(intersect(me_src, dst[r]), me_src)] for r in group]
     incoming = [intersect(src[r], me_dst) for r in group]
 
-    def assemble(received):
-        out = torch.empty(box_shape(me_dst), dtype=x.dtype, device=x.device)
-        for box, piece in zip(incoming, received):
-            out[relative(box, me_dst)] = piece
-        return out
+    shape = _Shape.of(step, comm.rank, incoming, me_dst)
+    joined = box_shape(me_dst) if shape.joined else None
+    return comm.all_to_all(pieces, group, [box_shape(b) for b in incoming],
+                           partial(_assemble, shape, incoming, me_dst, x), joined=joined)
 
-    return comm.all_to_all(pieces, group, [box_shape(b) for b in incoming], assemble)
+
+def _assemble(shape: "_Shape", boxes: list, region, x: torch.Tensor,
+              pieces: list) -> torch.Tensor:
+    """The tensor of ``region`` from the received ``pieces`` of ``boxes`` (a new tensor of
+    ``x``'s dtype and device): one ``torch.cat`` when they are slabs along one axis."""
+    if shape.axis is not None:
+        return torch.cat([p for p, b in zip(pieces, boxes) if box_numel(b)], shape.axis)
+    out = torch.empty(box_shape(region), dtype=x.dtype, device=x.device)
+    for box, piece in zip(boxes, pieces):
+        out[relative(box, region)] = piece
+    return out
+
+
+class _Shape(NamedTuple):
+    """How the pieces a rank receives in a step make its shard: ``joined``, back to back in
+    group order (`boxes.joins`); ``axis``, as slabs along that axis (`boxes.stacked_axis`)."""
+
+    joined: bool
+    axis: int | None
+
+    @staticmethod
+    def of(step: BoxingStep, me: int, boxes: list, region) -> "_Shape":
+        """Worked out once a (step, rank)."""
+        entry = _SHAPES.get((id(step), me))
+        if entry is not None and entry[0] is step:
+            return entry[1]
+        shape = _Shape(joins(boxes, region), stacked_axis(boxes, region))
+        _SHAPES.put((id(step), me), (step, shape))
+        return shape
+
+
+# (id(step), rank) -> (step, its `_Shape` on the rank); the entry holds the step
+_SHAPES = BoundedDict("boxing.received_shapes", 1 << 14)
 
 
 def _reduce_scatter(step: BoxingStep, x: torch.Tensor, comm: Communicator,
                     coord: tuple) -> torch.Tensor:
     group, src, dst = _group_boxes(step, coord)
     me_src = src[comm.rank]
-    pieces = [x[relative(dst[r], me_src)].contiguous() for r in group]
+    pieces = [x[relative(dst[r], me_src)] for r in group]  # views: packed by the backend
     return comm.reduce_scatter(pieces, group, step.op)
 
 

@@ -233,11 +233,15 @@ class Communicator:
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, tensor: torch.Tensor, group: Sequence[int], shapes=None,
-                   assemble: Assemble | None = None, count_as: str = "all_gather"):
+                   assemble: Assemble | None = None, count_as: str = "all_gather",
+                   joined: tuple | None = None):
         """Every member gets every member's tensor. ``shapes[j]``: shape of member j's tensor.
 
         Returns ``assemble(pieces)`` (default: a list of copies, in group order). ``count_as``
         names the kind the bytes are counted under (e.g. "meta" for shape exchanges).
+        ``joined``: the result's shape when the pieces laid back to back in group order are
+        the result (a batch split); a backend that receives them so, into a buffer of its own,
+        returns that buffer in this shape, without calling ``assemble`` (no copy).
         """
         group = tuple(group)
         i = self._index(group, "all_gather")
@@ -249,7 +253,7 @@ class Communicator:
         sizes = [math.prod(s) for s in shapes]
         sizes[i] = tensor.numel()
         self._count(count_as, *gather_traffic(i, sizes), tensor.element_size())
-        return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble)
+        return self._all_gather(tensor, group, [tuple(s) for s in shapes], assemble, joined)
 
     def gather_ints(self, values: Sequence[int], group: Sequence[int]) -> list[list[int]]:
         """Every member's ``values`` (as many on each), in group order: the one all-gather of
@@ -260,10 +264,11 @@ class Communicator:
         return [r.tolist() for r in rows]
 
     def all_to_all(self, pieces: Sequence[torch.Tensor], group: Sequence[int], shapes=None,
-                   assemble: Assemble | None = None):
+                   assemble: Assemble | None = None, joined: tuple | None = None):
         """``pieces[j]`` goes to ``group[j]``; returns ``assemble(received)`` in group order.
 
-        ``shapes[j]``: shape of the piece this rank receives from ``group[j]``.
+        ``shapes[j]``: shape of the piece this rank receives from ``group[j]``. Pieces may be
+        views of any strides. ``joined``: as for `all_gather`, of the received pieces.
         """
         group = tuple(group)
         i = self._index(group, "all_to_all")
@@ -277,11 +282,12 @@ class Communicator:
         shapes = [tuple(s) for s in shapes]
         t = exchange_traffic(i, [p.numel() for p in pieces], [math.prod(s) for s in shapes])
         self._count("all_to_all", *t, pieces[0].element_size())
-        return self._all_to_all(list(pieces), group, shapes, assemble)
+        return self._all_to_all(list(pieces), group, shapes, assemble, joined)
 
     def reduce_scatter(self, pieces: Sequence[torch.Tensor], group: Sequence[int],
                        op: str = "sum") -> torch.Tensor:
-        """Member j receives the ``op``-reduction over members of their ``pieces[j]``."""
+        """Member j receives the ``op``-reduction over members of their ``pieces[j]`` (views
+        of any strides)."""
         group = tuple(group)
         i = self._index(group, "reduce_scatter")
         if op not in REDUCE_OPS:
@@ -398,10 +404,10 @@ class Communicator:
         return [tuple(int(v) for v in t) for t in out]
 
     # -- backend hooks ------------------------------------------------------------------------
-    def _all_gather(self, tensor, group, shapes, assemble):
+    def _all_gather(self, tensor, group, shapes, assemble, joined=None):
         raise NotImplementedError
 
-    def _all_to_all(self, pieces, group, shapes, assemble):
+    def _all_to_all(self, pieces, group, shapes, assemble, joined=None):
         raise NotImplementedError
 
     def _reduce_scatter(self, pieces, group, op):

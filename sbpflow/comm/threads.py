@@ -553,12 +553,14 @@ class ThreadCommunicator(Communicator):
                 w.wait(lambda: slot.done == n, lambda: what() + " (finishing)", lambda: [],
                        self.rank)
 
-    def _all_gather(self, tensor, group, shapes, assemble):
+    def _all_gather(self, tensor, group, shapes, assemble, joined=None):
+        # (``joined`` unused: the pieces are the other ranks' own tensors, copied once by
+        # ``assemble``)
         return self._collective("all_gather", group, tensor,
                                 (("all_gather", tensor.dtype, shapes), tensor.shape),
                                 lambda d: assemble([d[r] for r in group]))
 
-    def _all_to_all(self, pieces, group, shapes, assemble):
+    def _all_to_all(self, pieces, group, shapes, assemble, joined=None):
         i = group.index(self.rank)
         dtypes = {p.dtype for p in pieces}
         sig = (("all_to_all", dtypes), ([p.shape for p in pieces], shapes))

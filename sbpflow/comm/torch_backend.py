@@ -18,7 +18,7 @@ import traceback
 import weakref
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,76 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return buf.view(dtype).reshape(tuple(shape))
+
+
+class _Received(NamedTuple):
+    """What a collective received: ``pieces``, uint8 views in group order, and ``flat``, the
+    one buffer they fill back to back in that order (None when the group is not in rank
+    order, the order the buffer holds them in)."""
+
+    pieces: list
+    flat: torch.Tensor | None
+
+
+class _Scratch(threading.local):
+    """A thread's reusable wire buffers, for bytes that live only inside one collective (what
+    is packed to send; what is received, then copied out or reduced). A new buffer's pages
+    fault in on first touch, which on a loaded host costs as much as the copy into it."""
+
+    LIMIT = 64 << 20  # bytes; larger buffers are made for the call and not kept
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, slot: str, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` bytes (uint8) of this thread's buffer ``slot`` on ``device``: its contents
+        are overwritten by the next call with the same slot on this thread."""
+        if n > self.LIMIT:
+            return torch.empty(n, dtype=torch.uint8, device=device)
+        buf = self.bufs.get((slot, device))
+        if buf is None or buf.numel() < n:
+            buf = self.bufs[(slot, device)] = torch.empty(n, dtype=torch.uint8, device=device)
+        return buf[:n]
+
+
+_SCRATCH = _Scratch()
+
+
+def _receive_buffer(n: int, wire: torch.device, keep: bool) -> torch.Tensor:
+    """``n`` bytes to receive into: new when the caller keeps them, else this thread's
+    scratch."""
+    if keep:
+        return torch.empty(n, dtype=torch.uint8, device=wire)
+    return _SCRATCH.get("recv", n, wire)
+
+
+def _pack(pieces: list[torch.Tensor], wire: torch.device, into=None) -> torch.Tensor:
+    """``pieces`` (one dtype, any strides) back to back as one flat uint8 tensor on ``wire``:
+    a view of their own buffer when they already lie so in it (the pieces of a batch split,
+    on the wire's device), else one copy of each into ``into(nbytes)`` (default: a new
+    buffer)."""
+    sizes = [nbytes(p) for p in pieces]
+    full = [(p, n) for p, n in zip(pieces, sizes) if n]
+    if not full:
+        return torch.empty(0, dtype=torch.uint8, device=wire)
+    first = full[0][0]
+    if first.device == wire and all(p.is_contiguous() for p, _ in full):
+        ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+        adjacent = True
+        for p, n in full:
+            adjacent = adjacent and p.data_ptr() == ptr and \
+                p.untyped_storage().data_ptr() == storage
+            ptr += n
+        if adjacent:
+            b = _bytes(first)
+            return b.as_strided((sum(sizes),), (1,), b.storage_offset())
+    out = (into or (lambda n: torch.empty(n, dtype=torch.uint8, device=wire)))(sum(sizes))
+    at = 0
+    for p, n in zip(pieces, sizes):
+        if n:
+            out[at:at + n].view(p.dtype).view(p.shape).copy_(p.detach())
+        at += n
+    return out
 
 
 class TorchCommunicator(Communicator):
@@ -239,61 +309,75 @@ class TorchCommunicator(Communicator):
 
     # -- the byte all-to-all everything else is built on -----------------------------------
     def _a2a(self, send: list[torch.Tensor], recv_nbytes: list[int], group: tuple,
-             device: torch.device, what: str) -> list[torch.Tensor]:
-        """Send ``send[j]`` (flat uint8) to ``group[j]``; return the uint8 buffers received from
-        each ``group[j]`` (views of one buffer on ``device``), in group order."""
+             device: torch.device, what: str, keep: bool = True) -> "_Received":
+        """Send ``send[j]`` (a tensor of any strides; one dtype for all) to ``group[j]``;
+        return the uint8 buffers received from each ``group[j]`` (views of one buffer on
+        ``device``), in group order. ``keep``: the caller may keep that buffer (else it is
+        this thread's scratch, valid until its next collective)."""
         wire, cuda = self._wire(device)
         perm = [group.index(r) for r in sorted(group)]  # pg rank k is group[perm[k]]
-        inp = torch.cat([send[j].to(wire) for j in perm])
+        inp = _pack([send[j] for j in perm], wire, partial(_SCRATCH.get, "send", device=wire))
         out_splits = [recv_nbytes[j] for j in perm]
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=wire)
+        out = _receive_buffer(sum(out_splits), wire, keep)
         pg = self._pg(group, cuda)
-        self._run(what, group, cuda, lambda: pg.alltoall_base(out, inp, out_splits,
-                                                              [send[j].numel() for j in perm]))
-        views = out.to(device).split(out_splits)
+        self._run(what, group, cuda, lambda: pg.alltoall_base(
+            out, inp, out_splits, [nbytes(send[j]) for j in perm]))
+        out = out.to(device)
+        views = out.split(out_splits)
         result: list[torch.Tensor] = [views[0]] * len(group)
         for k, j in enumerate(perm):
             result[j] = views[k]
-        return result
+        return _Received(result, out if perm == sorted(perm) else None)
 
     # -- hooks -------------------------------------------------------------------------------
-    def _all_gather(self, tensor, group, shapes, assemble):
+    def _all_gather(self, tensor, group, shapes, assemble, joined=None):
         """The backend's all-gather when every member's piece has one size; else each member
-        sends its tensor to every other member (``alltoall_base``, which takes any sizes)."""
-        b = _bytes(tensor)
+        sends its tensor to every other member (``alltoall_base``, which takes any sizes).
+        ``joined``: the gathered buffer is the result when the group is in rank order."""
         sizes = [nbytes(s, tensor.dtype) for s in shapes]
+        keep = joined is not None and list(group) == sorted(group)  # the buffer is the result
         if len(set(sizes)) == 1:
-            got = self._gather_even(b, group, tensor.device)
+            got = self._gather_even(_bytes(tensor), group, tensor.device, keep)
         else:
-            got = self._a2a([b] * len(group), sizes, group, tensor.device, "all_gather")
-        return assemble([_typed(g, tensor.dtype, s) for g, s in zip(got, shapes)])
+            got = self._a2a([tensor] * len(group), sizes, group, tensor.device, "all_gather",
+                            keep)
+        if joined is not None and got.flat is not None:
+            return _typed(got.flat, tensor.dtype, joined)
+        return assemble([_typed(g, tensor.dtype, s) for g, s in zip(got.pieces, shapes)])
 
-    def _gather_even(self, b: torch.Tensor, group: tuple, device: torch.device) -> list:
+    def _gather_even(self, b: torch.Tensor, group: tuple, device: torch.device,
+                     keep: bool = True) -> "_Received":
         """``all_gather_into_tensor`` of the flat uint8 ``b`` (one size on every member): the
-        pieces in group order (views of one buffer on ``device``)."""
+        pieces in group order (views of one buffer on ``device``; ``keep`` as in `_a2a`)."""
         wire, cuda = self._wire(device)
         inp = b.to(wire)
-        out = torch.empty(inp.numel() * len(group), dtype=torch.uint8, device=wire)
+        out = _receive_buffer(inp.numel() * len(group), wire, keep)
         pg = self._pg(group, cuda)
         self._run("all_gather", group, cuda,
                   lambda: pg._allgather_base(out, inp))  # a pg of our own: not in c10d's map
-        views = out.to(device).split(inp.numel())   # in pg rank order: sorted(group)
+        out = out.to(device)
+        views = out.split(inp.numel())   # in pg rank order: sorted(group)
         order = sorted(group)
-        return [views[order.index(r)] for r in group]
+        in_order = order == list(group)
+        return _Received(views if in_order else [views[order.index(r)] for r in group],
+                         out if in_order else None)
 
-    def _all_to_all(self, pieces, group, shapes, assemble):
+    def _all_to_all(self, pieces, group, shapes, assemble, joined=None):
         """``pieces[j]`` goes to ``group[j]``; ``shapes[j]`` comes from ``group[j]``."""
         dtype = pieces[0].dtype
-        got = self._a2a([_bytes(p) for p in pieces], [nbytes(s, dtype) for s in shapes], group,
-                        pieces[0].device, "all_to_all")
-        return assemble([_typed(g, dtype, s) for g, s in zip(got, shapes)])
+        keep = joined is not None and list(group) == sorted(group)
+        got = self._a2a(pieces, [nbytes(s, dtype) for s in shapes], group,
+                        pieces[0].device, "all_to_all", keep)
+        if joined is not None and got.flat is not None:
+            return _typed(got.flat, dtype, joined)
+        return assemble([_typed(g, dtype, s) for g, s in zip(got.pieces, shapes)])
 
     def _reduce_scatter(self, pieces, group, op):
         """All-to-all of the pieces, then the ``op``-reduction in group order, locally."""
         mine = pieces[group.index(self.rank)]
-        got = self._a2a([_bytes(p) for p in pieces], [nbytes(mine)] * len(group), group,
-                        mine.device, f"reduce_scatter({op})")
-        return reduce_tensors([_typed(g, mine.dtype, mine.shape) for g in got], op)
+        got = self._a2a(pieces, [nbytes(mine)] * len(group), group,
+                        mine.device, f"reduce_scatter({op})", keep=False)
+        return reduce_tensors([_typed(g, mine.dtype, mine.shape) for g in got.pieces], op)
 
     def _all_reduce(self, tensor, group, op):
         """The backend's all-reduce on a copy (the input is left unchanged)."""

@@ -50,6 +50,34 @@ def _uneven_round_trip():
     return torch.equal(y.local, x.local), tuple(y.local.shape)
 
 
+def _permuted_and_fresh():
+    """Every 1-D transition on a placement whose ranks are out of order (the gathered buffer
+    is not in group order) and on one in order (it is the result): values bit-equal, and a
+    result never shares memory with its input (writing it leaves the input as it was)."""
+    bad = []
+    for ranks in ([2, 0, 3, 1], [0, 1, 2, 3]):
+        pl = sf.placement("cpu", ranks)
+        for shape in [(9, 6), (8, 12), (3, 5)]:
+            full = int_tensor(shape, 7)
+            for s, d in itertools.product([sf.S(0), sf.S(1), sf.B, sf.P], repeat=2):
+                x = make_global(full, pl, s)
+                before = x.local.clone()
+                y = x.to_global(sbp=d)
+                if not torch.equal(y.full_tensor(), full):
+                    bad.append((ranks, shape, s, d, "value"))
+                if s == d or s == sf.B or d == sf.P:  # no collective: a view is torch's too
+                    continue
+                y.local.add_(1)
+                if not torch.equal(x.local, before):
+                    bad.append((ranks, shape, s, d, "aliased"))
+    return bad
+
+
+def test_permuted_group_and_fresh_results_over_gloo():
+    for bad in sf.launch(_permuted_and_fresh, world_size=4, backend="torch"):
+        assert bad == [], bad[:5]
+
+
 def test_values_and_bytes_over_gloo():
     res = sf.launch(_values_and_bytes, world_size=4, backend="torch")
     assert res[0][0] == [], res[0][0][:5]

@@ -154,3 +154,26 @@ def test_tiles_needs_exact_single_cover():
     # equal volume, but one part twice and another never (a dual's routes can do this)
     assert not tiles([((0, 2), (0, 6)), ((0, 2), (0, 6))], region)
     assert not tiles([((0, 2), (0, 6)), ((2, 2), (0, 7))], region)        # outside the region
+
+
+def test_joins_and_stacked_axis():
+    """When received pieces are their region back to back (no copy needed), or slabs of one
+    axis (one cat): exact cases, including empty pieces and the wrong order."""
+    from sbpflow.boxing.boxes import joins, stacked_axis
+    region = ((0, 8), (0, 6))
+    rows = [((0, 2), (0, 6)), ((2, 2), (0, 6)), ((4, 4), (0, 6))]
+    assert joins(rows, region) and stacked_axis(rows, region) == 0
+    assert not joins(rows[::-1], region) and stacked_axis(rows[::-1], region) is None
+    assert not joins(rows[:2], region) and stacked_axis(rows[:2], region) is None  # a gap
+    cols = [((0, 8), (0, 3)), ((0, 8), (3, 3))]
+    assert not joins(cols, region) and stacked_axis(cols, region) == 1
+    # a row's halves then the other rows: consecutive runs, but no one axis
+    runs = [((0, 1), (0, 3)), ((0, 1), (3, 3)), ((1, 7), (0, 6))]
+    assert joins(runs, region) and stacked_axis(runs, region) is None
+    assert not joins([((0, 1), (0, 3)), ((0, 1), (3, 2)), ((1, 7), (0, 6))], region)
+    empty = [((0, 0), (0, 6)), ((0, 8), (0, 6)), ((8, 0), (0, 6))]
+    assert joins(empty, region) and stacked_axis(empty, region) == 0
+    inner = ((2, 4), (1, 3))  # a region not at the origin
+    assert joins([((2, 1), (1, 3)), ((3, 3), (1, 3))], inner)
+    assert not joins([((2, 4), (1, 1)), ((2, 4), (2, 2))], inner)
+    assert stacked_axis([((2, 4), (1, 1)), ((2, 4), (2, 2))], inner) == 1
