@@ -59,7 +59,7 @@ def lay_out(model, graph, strategy, *, modules: dict, placement, notes: list) ->
         pipe = cut_stages(model, graph, strategy, groups=groups,
                           stage_pls=[st.placement for st in streams], skip=set(layouts))
     replicated = Layout.parsed(streams[0].placement, (B,) * streams[0].placement.ndim)
-    relayout(model, lambda _, p: layouts[id(p)][:2] if id(p) in layouts else
+    relayout(model, lambda _, p: layouts[id(p)].layout if id(p) in layouts else
              (p.global_layout if pipe is not None else replicated), "parallelize")
     if pipe is None:
         _move_buffers(model, streams[0].placement)
@@ -122,10 +122,17 @@ def _stream(layers: list, on, notes: list) -> _ActivationPlacement:
     return _ActivationPlacement(on(fine), {m: _owner(m, fine) for m in mesh_counts})
 
 
+class _ParamLayout(NamedTuple):
+    """Where `lay_out` puts a traced layer's parameter, and the layer that says so."""
+
+    layout: Layout
+    layer: str
+
+
 def _layouts(graph, strategy, *, modules: dict, placements: dict) -> dict:
-    """id(parameter) -> (placement, nd-sbp, name of the layer) for every traced layer's
-    parameters (a tied layer's weight is its holder's; its bias follows that weight); a
-    parameter shared by layers with different layouts raises."""
+    """id(parameter) -> its `_ParamLayout` for every traced layer's parameters (a tied
+    layer's weight is its holder's; its bias follows that weight); a parameter shared by
+    layers with different layouts raises."""
     out: dict = {}
     for layer, s in zip(graph.layers, strategy.layers):
         m = modules[layer.name]
@@ -141,21 +148,22 @@ def _layouts(graph, strategy, *, modules: dict, placements: dict) -> dict:
             want.append((m.bias, _bias_of(w, out_axis)))
         for p, nd in want:
             prev = out.get(id(p))
-            if prev is not None and (prev[0] != pl or prev[1] != nd):
+            if prev is not None and prev.layout != (pl, nd):
+                ppl, pnd = prev.layout
                 raise ParallelizeError(
                     f"parallelize: a parameter of shape {tuple(p.shape)} is shared by layers "
-                    f"{prev[2]} (on {prev[0]} with sbp {format_nd_sbp(prev[1])}) and "
+                    f"{prev.layer} (on {ppl} with sbp {format_nd_sbp(pnd)}) and "
                     f"{layer.name} (on {pl} with sbp {format_nd_sbp(nd)}); give a strategy in "
                     f"which they lay it out alike")
-            out[id(p)] = (pl, nd, layer.name)
+            out[id(p)] = _ParamLayout(Layout.parsed(pl, nd), layer.name)
     for user, holder in graph.ties.items():   # across stages: one copy a stage
         su, sh = strategy[user], strategy[holder]
         if getattr(su, "stage", 0) != getattr(sh, "stage", 0):
             w = modules[holder].weight
-            pl, nd = tie_placement(f"the weight of {holder} and {user}",
-                                   [placements[holder], placements[user]],
-                                   [out[id(w)][1]] * 2, "parallelize")
-            out[id(w)] = (pl, nd, holder)
+            tied = tie_placement(f"the weight of {holder} and {user}",
+                                 [placements[holder], placements[user]],
+                                 [out[id(w)].layout.sbp] * 2, "parallelize")
+            out[id(w)] = _ParamLayout(tied, holder)
     return out
 
 
