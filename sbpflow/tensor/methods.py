@@ -35,6 +35,9 @@ def _binary(name: str, reflected: bool = False):
     def method(self, other):
         return apply_op(name, other, self) if reflected else apply_op(name, self, other)
     method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"torch's ``{name}`` of this tensor and ``other`` (a global tensor, a torch " \
+        f"tensor taken as replicated, or a number): the op {name!r}, its layout chosen by the " \
+        "dispatch (docs/design.md, 'The dispatch: signatures as data')."
     return method
 
 
@@ -81,6 +84,8 @@ def _unary(name: str):
     def method(self, *args, **kwargs):
         return apply_op(name, self, *args, **numpy_names(kwargs))
     method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"torch's ``Tensor.{name}``, with its arguments: the op {name!r} on the " \
+        "local shards, its layout chosen by the dispatch."
     return method
 
 
@@ -180,9 +185,11 @@ class _OpMethods:
     clip = clamp
 
     def clamp_min(self, min) -> "GlobalTensor":
+        """``clamp(min=min)``: the elementwise maximum with ``min``."""
         return self.clamp(min=min)
 
     def clamp_max(self, max) -> "GlobalTensor":
+        """``clamp(max=max)``: the elementwise minimum with ``max``."""
         return self.clamp(max=max)
     clone = _unary("clone")
     isnan, logical_not = _unary("isnan"), _unary("logical_not")
@@ -194,6 +201,7 @@ class _OpMethods:
                         **numpy_names(kwargs))
 
     def mean(self, *args, dtype: torch.dtype | None = None, **kwargs) -> "GlobalTensor":
+        """torch's, ``dtype`` included (the tensor is cast first, as torch computes in it)."""
         return apply_op("mean", self if dtype is None else self.to(dtype), *args,
                         **numpy_names(kwargs))
 
@@ -221,9 +229,11 @@ class _OpMethods:
     view = reshape
 
     def flatten(self, *args, **kwargs) -> "GlobalTensor":
+        """torch's ``flatten(start_dim=0, end_dim=-1)``; a view where torch's would be one."""
         return _reshaped(self, apply_op("flatten", self, *args, **kwargs))
 
     def unsqueeze(self, *args, **kwargs) -> "GlobalTensor":
+        """torch's ``unsqueeze(dim)``: a view with a new axis of size 1."""
         out = apply_op("unsqueeze", self, *args, **kwargs)
         return _viewed(out, self, "reshape", out._shape)
 
@@ -240,23 +250,29 @@ class _OpMethods:
         return apply_op("contiguous", self)
 
     def transpose(self, dim0: int, dim1: int) -> "GlobalTensor":
+        """torch's ``transpose(dim0, dim1)``: a view; a split axis moves with its sbp."""
         out = apply_op("transpose", self, dim0, dim1)
         return _viewed(out, self, "permute", _swapped(len(self._shape), dim0, dim1))
 
     def permute(self, *dims) -> "GlobalTensor":
+        """torch's ``permute(*dims)``: a view; split axes move with their sbps."""
         dims = _shape_args(dims)
         out = apply_op("permute", self, dims=dims)
         return _viewed(out, self, "permute", tuple(d % self.ndim for d in dims))
 
     def t(self) -> "GlobalTensor":
+        """torch's ``t()`` of a tensor of at most 2 axes: ``transpose(0, 1)``."""
         return self.transpose(0, 1) if self.ndim > 1 else \
             _viewed(apply_op("reshape", self, shape=self._shape), self, "reshape", self._shape)
 
     @property
     def T(self) -> "GlobalTensor":
+        """torch's ``T``: the axes in reverse order (a view)."""
         return self.permute(*reversed(range(self.ndim)))
 
     def expand(self, *shape) -> "GlobalTensor":
+        """torch's ``expand(*shape)``: a view with axes of size 1 broadcast to ``shape`` (``-1``
+        keeps an axis)."""
         out = apply_op("expand", self, shape=_shape_args(shape))
         return _viewed(out, self, "expand", out._shape)
 
@@ -290,11 +306,14 @@ class _OpMethods:
         self._assign_(_set_items(self, index, value))
 
     def split(self, split_size, dim: int = 0):
+        """torch's ``split(split_size, dim)``: a tuple of views of ``split_size`` (an int or a list
+        of sizes) along ``dim``."""
         if _RESPLITS and self._sbp:
             _watch_resplit(self, dim)
         return _pieces(self, apply_op("split", self, split_size=split_size, dim=dim), dim)
 
     def chunk(self, chunks: int, dim: int = 0):
+        """torch's ``chunk(chunks, dim)``: ``chunks`` views along ``dim``, as torch sizes them."""
         if _RESPLITS and self._sbp:
             _watch_resplit(self, dim)
         return _pieces(self, apply_op("chunk", self, chunks=chunks, dim=dim), dim)
@@ -349,9 +368,11 @@ class _OpMethods:
         return self._assign_bitwise_("bitwise_right_shift", other)
 
     def float(self, memory_format=None) -> "GlobalTensor":
+        """``to(torch.float32)``."""
         return self.to(torch.float32)
 
     def double(self, memory_format=None) -> "GlobalTensor":
+        """``to(torch.float64)``."""
         return self.to(torch.float64)
 
 def _advanced(index) -> bool:
