@@ -94,6 +94,8 @@ class Module:
             object.__setattr__(self, key, OrderedDict())
 
     def forward(self, *args, **kwargs):
+        """The module's computation on global tensors (a subclass defines it); call the module, not
+        ``forward``, so that hooks run."""
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
@@ -125,6 +127,8 @@ class Module:
                           (self._forward_hooks_always_called, always_call)])
 
     def _refuse_backward_hook(self, *args, **kwargs):
+        """Module backward hooks are not supported on global tensors (it raises, naming the
+        alternative): hook the tensors instead."""
         raise UnsupportedTorchFunction(
             f"{type(self).__name__}: backward hooks on a module are not supported by sbpflow "
             f"(its backward runs on the shards, and torch's hook would silently never be "
@@ -184,6 +188,7 @@ class Module:
             raise AttributeError(f"cannot assign {what} before Module.__init__() call")
 
     def register_parameter(self, name: str, param: Parameter | None) -> None:
+        """As torch's: register ``param`` (an `sf.nn.Parameter`, or None) under ``name``."""
         self._check_init("parameters")
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"cannot assign {type(param).__name__} object to parameter {name!r} "
@@ -192,6 +197,8 @@ class Module:
 
     def register_buffer(self, name: str, tensor: GlobalTensor | None,
                         persistent: bool = True) -> None:
+        """As torch's: register a global tensor (or None) as a buffer; ``persistent=False`` keeps
+        it out of the state dict."""
         self._check_init("buffers")
         if tensor is not None and not isinstance(tensor, GlobalTensor):
             raise TypeError(f"cannot assign {type(tensor).__name__} object to buffer {name!r} "
@@ -203,6 +210,8 @@ class Module:
             self._non_persistent.add(name)
 
     def add_module(self, name: str, module: "Module | None") -> None:
+        """As torch's: register ``module`` (or None) as the child ``name`` (also
+        `register_module`)."""
         self._check_init("child modules")
         if module is not None and not isinstance(module, Module):
             raise TypeError(f"{type(module).__name__} is not an sf.nn.Module subclass")
@@ -268,6 +277,8 @@ class Module:
     # -- traversal -----------------------------------------------------------------------------
     def named_modules(self, memo: set | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, "Module"]]:
+        """As torch's: ``(name, module)`` for this module and every descendant, depth first, each
+        once unless ``remove_duplicate=False``."""
         if memo is None:
             memo = set()
         if remove_duplicate:
@@ -282,10 +293,12 @@ class Module:
                                             remove_duplicate)
 
     def modules(self) -> Iterator["Module"]:
+        """As torch's: this module and every descendant."""
         for _, m in self.named_modules():
             yield m
 
     def named_children(self) -> Iterator[tuple[str, "Module"]]:
+        """As torch's: ``(name, module)`` of the direct children."""
         seen = set()
         for name, m in self._modules.items():
             if m is not None and id(m) not in seen:
@@ -293,6 +306,7 @@ class Module:
                 yield name, m
 
     def children(self) -> Iterator["Module"]:
+        """As torch's: the direct children."""
         for _, m in self.named_children():
             yield m
 
@@ -314,18 +328,23 @@ class Module:
         yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        """As torch's: every parameter (global tensors), each once, in registration order; give
+        them to an `sf.optim` optimizer."""
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, GlobalTensor]]:
+        """As torch's: ``(name, buffer)`` of every buffer (global tensors)."""
         yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
 
     def buffers(self, recurse: bool = True) -> Iterator[GlobalTensor]:
+        """As torch's: every buffer (global tensors)."""
         for _, b in self.named_buffers(recurse=recurse):
             yield b
 
     def get_submodule(self, target: str) -> "Module":
+        """As torch's: the descendant at the dotted path ``target`` ("" is this module)."""
         mod = self
         for item in target.split(".") if target else []:
             if item not in mod._modules or mod._modules[item] is None:
@@ -335,6 +354,7 @@ class Module:
         return mod
 
     def get_parameter(self, target: str) -> Parameter:
+        """As torch's: the parameter at the dotted path ``target``."""
         mod_path, _, name = target.rpartition(".")
         mod = self.get_submodule(mod_path)
         if name not in mod._parameters:
@@ -342,6 +362,7 @@ class Module:
         return mod._parameters[name]
 
     def apply(self, fn) -> "Module":
+        """As torch's: call ``fn`` on every descendant, then on this module; returns this module."""
         for m in self.children():
             m.apply(fn)
         fn(self)
@@ -349,6 +370,8 @@ class Module:
 
     # -- modes and grads -----------------------------------------------------------------------
     def train(self, mode: bool = True) -> "Module":
+        """As torch's: set training mode (dropout on, batch norm updates its statistics) here and
+        below."""
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         for m in self.modules():
@@ -356,9 +379,11 @@ class Module:
         return self
 
     def eval(self) -> "Module":
+        """As torch's: ``train(False)``."""
         return self.train(False)
 
     def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        """As torch's: set ``requires_grad`` of every parameter."""
         for p in self.parameters():
             p.requires_grad_(requires_grad)
         return self
@@ -389,15 +414,19 @@ class Module:
         return self
 
     def double(self) -> "Module":
+        """Cast every floating-point parameter and buffer to float64, in its layout."""
         return self.to(torch.float64)
 
     def float(self) -> "Module":
+        """Cast every floating-point parameter and buffer to float32, in its layout."""
         return self.to(torch.float32)
 
     def bfloat16(self) -> "Module":
+        """Cast every floating-point parameter and buffer to bfloat16, in its layout."""
         return self.to(torch.bfloat16)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: drop (``set_to_none=True``) or zero every parameter's gradient."""
         zero_grads(self.parameters(), set_to_none)
 
     # -- state dicts ---------------------------------------------------------------------------
@@ -469,6 +498,7 @@ class Module:
 
     # -- display -------------------------------------------------------------------------------
     def extra_repr(self) -> str:
+        """The module's own settings in its ``repr`` (a subclass overrides it), as torch's."""
         return ""
 
     def __repr__(self) -> str:
@@ -592,6 +622,10 @@ def _zero_row(w: GlobalTensor, row: int) -> None:
 
 
 class LayerNorm(Module):
+    """torch's ``nn.LayerNorm`` on global tensors: normalised over the last
+    ``len(normalized_shape)`` axes, with an affine ``weight`` and ``bias``
+    (``elementwise_affine=True``). A split normalised axis costs a reduction across its
+    ranks."""
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, placement: Placement | None = None, sbp=None, *,
                  dtype: torch.dtype | None = None) -> None:
@@ -644,6 +678,7 @@ class _Activation(Module):
 
 
 class ReLU(_Activation):
+    """torch's ``nn.ReLU``, elementwise: any layout."""
     _fn = staticmethod(F.relu)
 
     def __init__(self, inplace: bool = False) -> None:
@@ -652,18 +687,22 @@ class ReLU(_Activation):
 
 
 class Tanh(_Activation):
+    """torch's ``nn.Tanh``, elementwise: any layout."""
     _fn = staticmethod(F.tanh)
 
 
 class Sigmoid(_Activation):
+    """torch's ``nn.Sigmoid``, elementwise: any layout."""
     _fn = staticmethod(F.sigmoid)
 
 
 class SiLU(_Activation):
+    """torch's ``nn.SiLU``, elementwise: any layout."""
     _fn = staticmethod(F.silu)
 
 
 class GELU(Module):
+    """torch's ``nn.GELU`` (``approximate='none'`` or ``'tanh'``), elementwise: any layout."""
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         self.approximate = approximate
@@ -676,6 +715,8 @@ class GELU(Module):
 
 
 class Identity(Module):
+    """torch's ``nn.Identity``: returns its input (arguments of the constructor are ignored, as
+    torch's)."""
     def __init__(self, *args, **kwargs) -> None:
         super().__init__()
 
@@ -684,6 +725,8 @@ class Identity(Module):
 
 
 class Softmax(Module):
+    """torch's ``nn.Softmax(dim)``; along a split axis the max and the sum are reduced across its
+    ranks."""
     def __init__(self, dim: int = -1) -> None:
         super().__init__()
         self.dim = dim
@@ -752,6 +795,7 @@ class Conv2d(Module):
 
 
 class MaxPool2d(Module):
+    """torch's ``nn.MaxPool2d`` on global (N, C, H, W) tensors, batch or channels split."""
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
                  return_indices: bool = False, ceil_mode: bool = False) -> None:
         super().__init__()
@@ -767,6 +811,7 @@ class MaxPool2d(Module):
 
 
 class AvgPool2d(Module):
+    """torch's ``nn.AvgPool2d`` on global (N, C, H, W) tensors, batch or channels split."""
     def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
                  count_include_pad: bool = True, divisor_override: int | None = None) -> None:
         super().__init__()
@@ -783,6 +828,7 @@ class AvgPool2d(Module):
 
 
 class AdaptiveAvgPool2d(Module):
+    """torch's ``nn.AdaptiveAvgPool2d(output_size)`` on global (N, C, H, W) tensors."""
     def __init__(self, output_size) -> None:
         super().__init__()
         self.output_size = output_size
@@ -846,6 +892,7 @@ class Sequential(_ModuleSequence):
 
 
 class ModuleList(_ModuleSequence):
+    """torch's ``nn.ModuleList``: a list of modules, registered as children ``0``, ``1``, ..."""
     def __init__(self, modules: Iterable[Module] | None = None) -> None:
         super().__init__()
         for m in modules or ():
@@ -867,12 +914,14 @@ class ModuleList(_ModuleSequence):
 
 
     def extend(self, modules: Iterable[Module]) -> "ModuleList":
+        """Append every module of ``modules``; returns this list."""
         for m in modules:
             self.append(m)
         return self
 
 
 class ModuleDict(Module):
+    """torch's ``nn.ModuleDict``: modules by name, registered as children in insertion order."""
     def __init__(self, modules=None) -> None:
         super().__init__()
         if modules is not None:
@@ -897,15 +946,19 @@ class ModuleDict(Module):
         return key in self._modules
 
     def keys(self):
+        """The names, in order."""
         return self._modules.keys()
 
     def values(self):
+        """The modules, in order."""
         return self._modules.values()
 
     def items(self):
+        """``(name, module)`` pairs, in order."""
         return self._modules.items()
 
     def update(self, modules) -> None:
+        """Add (or replace) the modules of ``modules`` (a mapping or ``(name, module)`` pairs)."""
         items = modules.items() if hasattr(modules, "items") else modules
         for k, m in items:
             self.add_module(k, m)
