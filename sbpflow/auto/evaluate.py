@@ -725,10 +725,13 @@ class Breakdown:
 
     @property
     def comm_time(self) -> float:
+        """Predicted communication seconds of a step: forward + backward + gradient
+        synchronisation."""
         return self.forward_time + self.backward_time + self.grad_sync_time
 
     @property
     def bytes(self) -> float:
+        """Bytes a device sends in a step: forward + backward + gradient synchronisation."""
         return self.forward_bytes + self.backward_bytes + self.grad_sync_bytes
 
     def __str__(self) -> str:
@@ -1000,6 +1003,8 @@ class Evaluator:
         return ft, fb, bt, bb
 
     def breakdown(self, strategy) -> Breakdown:
+        """The priced `Breakdown` of ``strategy`` (a `Strategy` or a sequence of
+        `LayerStrategy`, one a layer): times, bytes and memory per device."""
         g = self.graph
         layers = strategy.layers if hasattr(strategy, "layers") else list(strategy)
         r = Breakdown(micro_batches=self.micro)
