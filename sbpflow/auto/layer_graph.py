@@ -33,6 +33,7 @@ class Layer:
 
     @property
     def params(self) -> int:
+        """Elements of the layer's weight (0 for a layer without one, or a tied one)."""
         return math.prod(self.weight_shape) if self.weight_shape else 0
 
     def __setattr__(self, name: str, value) -> None:
@@ -113,6 +114,8 @@ class LayerGraph:
 
     @property
     def is_chain(self) -> bool:
+        """Whether the layers form one chain (each feeds the next only), which the exact search
+        needs."""
         return self.edges == [(i, i + 1) for i in range(len(self.layers) - 1)]
 
     @property
@@ -139,6 +142,7 @@ class LayerGraph:
                 f"{self.params / 1e6:.1f} M params, {len(self.edges)} edges)")
 
     def summary(self) -> str:
+        """A table of the layers: kind, input, weight and output shapes, GFLOP."""
         rows = [f"{'layer':<14}{'kind':<12}{'input':<22}{'weight':<20}{'output':<22}{'GFLOP':>10}"]
         for l in self.layers:
             w = str(tuple(l.weight_shape)) if l.weight_shape else f"={l.tied}" if l.tied else "-"
