@@ -77,6 +77,7 @@ class LayerStrategy:
 
     @property
     def devices(self) -> int:
+        """Devices of the layer's mesh (the product of its sizes)."""
         return math.prod(self.mesh)
 
     @property
@@ -86,6 +87,8 @@ class LayerStrategy:
 
     @property
     def label(self) -> str:
+        """A short name of the strategy (``dp:2 x col:4``, ``+zero`` when it stores weights
+        split)."""
         if not self.names:
             return ""
         z = "" if not self.zero else " +zero" if self.zero == 3 else f" +zero{self.zero}"
@@ -146,6 +149,7 @@ class Strategy:
 
     @property
     def stages(self) -> int:
+        """Pipeline stages of the strategy (1 without a pipeline)."""
         return 1 if self.pipeline is None else self.pipeline.stages
 
     def __getitem__(self, name) -> LayerStrategy:
@@ -158,6 +162,7 @@ class Strategy:
         return len(self.layers)
 
     def items(self):
+        """``(layer name, LayerStrategy)`` pairs, in the graph's layer order."""
         return [(l.name, s) for l, s in zip(self.graph.layers, self.layers)]
 
     def __eq__(self, other) -> bool:
