@@ -42,14 +42,18 @@ class BoxingStep:
 
     @property
     def same_placement(self) -> bool:
+        """Whether source and destination share the placement (every kind but ``transfer``)."""
         return self.kind != "transfer"
 
     @property
     def differentiable(self) -> bool:
+        """Whether the step has a dual (False when it involves ``P(max)`` / ``P(min)``)."""
         return all(not (isinstance(s, Partial) and s.op != "sum")
                    for s in self.src_sbp + self.dst_sbp)
 
     def describe(self) -> str:
+        """One line for a plan's printout: the kind, the mesh dims or placements, the sbps and
+        the bytes."""
         if self.kind == "transfer":
             n = sum(1 for s, d, _ in self.routes if s != d)
             where = f"{self.src_placement} -> {self.dst_placement}, {n} message(s)"
