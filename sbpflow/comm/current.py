@@ -48,6 +48,7 @@ def rank_local() -> threading.local:
 
 
 def is_initialized() -> bool:
+    """Whether this thread is a rank of a world (a launched rank, or a process that joined one)."""
     return _local.comm is not None or _process is not None
 
 
@@ -95,4 +96,5 @@ def stats() -> CommStats:
 
 
 def reset_stats() -> None:
+    """Zero this rank's byte counters (`sf.comm.stats()`)."""
     current().reset_stats()
