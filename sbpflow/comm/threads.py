@@ -229,6 +229,8 @@ class ThreadWorld:
             self.cond.notify_all()
 
     def finish(self, rank: int) -> None:
+        """Mark ``rank``'s function as ended (a collective waiting for it then fails at once
+        instead of timing out)."""
         with self.cond:
             self.finished.add(rank)
             self.cond.notify_all()
