@@ -195,6 +195,7 @@ class Cluster:
     # -- topology -------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """Devices of the cluster: ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node
 
     def node_of(self, rank: int) -> int:
@@ -261,6 +262,7 @@ class Cluster:
 
     # -- files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The cluster as plain data (``format`` ``sbpflow-cluster/1``), for JSON."""
         return {"format": "sbpflow-cluster/1", "name": self.name, "nodes": self.nodes,
                 "devices_per_node": self.devices_per_node,
                 "intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
@@ -274,6 +276,8 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Cluster":
+        """The cluster of a dict made by `to_dict` (a JSON file's content); a bad one raises
+        `CostError`."""
         try:
             if d.get("format", "sbpflow-cluster/1") != "sbpflow-cluster/1":
                 raise CostError(f"unsupported cluster format {d.get('format')!r}")
