@@ -24,6 +24,7 @@ class Sample:
 
     @property
     def relative_residual(self) -> float:
+        """(measured - predicted) / measured."""
         return (self.seconds - self.predicted) / self.seconds
 
 
@@ -52,6 +53,7 @@ class CalibrationReport:
     step_overhead: float = 0.0  # median seconds of one local boxing step (all ranks at once)
 
     def to_dict(self) -> dict:
+        """The report as plain data, for JSON."""
         return {"backend": self.backend, "world_size": self.world_size,
                 "devices_per_node": self.devices_per_node, "repeats": self.repeats,
                 "inner": self.inner,
