@@ -33,31 +33,38 @@ def linear(x: GlobalTensor, weight: GlobalTensor, bias: GlobalTensor | None = No
 
 
 def relu(x: GlobalTensor) -> GlobalTensor:
+    """torch's ``F.relu``, elementwise: the result keeps ``x``'s layout."""
     return apply_op("relu", x)
 
 
 def gelu(x: GlobalTensor, approximate: str = "none") -> GlobalTensor:
+    """torch's ``F.gelu`` (``approximate='none'`` or ``'tanh'``), elementwise."""
     return apply_op("gelu", x, approximate=approximate) if approximate != "none" else apply_op("gelu", x)
 
 
 def tanh(x: GlobalTensor) -> GlobalTensor:
+    """torch's ``F.tanh``, elementwise."""
     return apply_op("tanh", x)
 
 
 def sigmoid(x: GlobalTensor) -> GlobalTensor:
+    """torch's ``F.sigmoid``, elementwise."""
     return apply_op("sigmoid", x)
 
 
 def silu(x: GlobalTensor) -> GlobalTensor:
+    """torch's ``F.silu``, elementwise."""
     return apply_op("silu", x)
 
 
 # -- activations, normalising and losses written as compositions of elementwise ops ----------
 def leaky_relu(x: GlobalTensor, negative_slope: float = 0.01) -> GlobalTensor:
+    """torch's ``F.leaky_relu``, elementwise."""
     return apply_op("where", x > 0, x, x * negative_slope)
 
 
 def elu(x: GlobalTensor, alpha: float = 1.0) -> GlobalTensor:
+    """torch's ``F.elu``, elementwise."""
     return apply_op("where", x > 0, x, x.clamp(max=0).expm1() * alpha)
 
 
