@@ -57,6 +57,7 @@ class Pipeline:
 
     @property
     def num_stages(self) -> int:
+        """The number of stages (placements)."""
         return len(self.placements)
 
     def stage_of(self, name: str) -> int:
