@@ -72,18 +72,22 @@ class Placement:
     # -- metadata ---------------------------------------------------------------------------
     @property
     def device_type(self) -> str:
+        """``"cpu"`` or ``"cuda"``."""
         return self._device_type
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The mesh's shape, e.g. ``(2, 2)``."""
         return self._shape
 
     @property
     def ndim(self) -> int:
+        """The number of mesh dims (entries of an nd-sbp on it)."""
         return len(self._shape)
 
     @property
     def size(self) -> int:
+        """The number of ranks."""
         return len(self._flat)
 
     @property
@@ -119,6 +123,7 @@ class Placement:
         return tuple(reversed(coord))
 
     def rank_at(self, coord: Sequence[int]) -> int:
+        """The rank at mesh coordinate ``coord``."""
         i = 0
         for c, n in zip(coord, self._shape):
             i = i * n + c
@@ -160,14 +165,17 @@ class Placement:
         return self.sub(0, index)
 
     def reshape(self, *shape: int) -> "Placement":
+        """The same ranks, row-major, as a mesh of ``shape``."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return Placement(self._device_type, list(self._flat), shape=shape)
 
     def flatten(self) -> "Placement":
+        """The same ranks as a 1-D mesh."""
         return self.reshape(self.size)
 
     def with_device_type(self, device_type: str) -> "Placement":
+        """The same mesh on ``device_type`` devices."""
         return Placement(device_type, list(self._flat), shape=self._shape)
 
     def check_world(self, world_size: int) -> None:
