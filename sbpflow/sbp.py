@@ -204,6 +204,11 @@ def dual(s: Sbp) -> Sbp:
 
 
 def dual_nd(nd_sbp: Sequence[Sbp]) -> tuple[Sbp, ...]:
+    """`dual` of each entry: the nd-sbp of the gradient of a tensor laid out as ``nd_sbp``.
+
+    >>> dual_nd((S(0), B, P))
+    (S(0), P, B)
+    """
     return tuple(dual(s) for s in nd_sbp)
 
 
