@@ -111,12 +111,26 @@ def full(shape, fill_value, *, placement: Placement | None = None, sbp: SbpLike 
 
 def zeros(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
           dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """A global tensor of zeros of ``shape`` laid out as ``sbp`` on ``placement`` (each rank
+    makes its shard only; a ``P`` layout holds the zeros on every rank).
+
+    >>> x = sf.zeros(4, 2, placement=sf.placement("cpu", ranks=[0]), sbp=sf.S(0))
+    >>> x.shape, x.sbp
+    (torch.Size([4, 2]), (S(0),))
+    """
     return full(_norm_shape(shape), 0.0, placement=placement, sbp=sbp,
                 dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
 
 
 def ones(*shape, placement: Placement | None = None, sbp: SbpLike | None = None,
          dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """A global tensor of ones of ``shape`` laid out as ``sbp`` on ``placement`` (along a ``P``
+    mesh dim the first rank holds the ones, the others zeros).
+
+    >>> x = sf.ones(3, placement=sf.placement("cpu", ranks=[0]), sbp=sf.B)
+    >>> x.full_tensor()
+    tensor([1., 1., 1.])
+    """
     return full(_norm_shape(shape), 1.0, placement=placement, sbp=sbp,
                 dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
 
