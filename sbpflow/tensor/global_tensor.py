@@ -122,27 +122,34 @@ class GlobalTensor:
     # -- metadata ----------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
+        """The logical shape (a ``torch.Size``), the same on every rank."""
         return torch.Size(self._shape)
 
     def size(self, dim: int | None = None):
+        """``shape``, or its entry ``dim``, as torch's."""
         return self.shape if dim is None else self._shape[dim]
 
     @property
     def ndim(self) -> int:
+        """The number of logical axes."""
         return len(self._shape)
 
     def dim(self) -> int:
+        """The number of logical axes, as torch's."""
         return len(self._shape)
 
     def numel(self) -> int:
+        """Elements of the logical tensor (not of the shard)."""
         return math.prod(self._shape)
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the tensor (every shard has it)."""
         return self._local.dtype
 
     @property
     def device(self) -> torch.device:
+        """This rank's device (where its shard is)."""
         return self._local.device
 
     # read-only, and as cheap as reading the slot (a getter in C): the other modules read a
@@ -168,6 +175,7 @@ class GlobalTensor:
         return self._local
 
     def to_local(self) -> torch.Tensor:
+        """This rank's shard, ``local`` (DTensor's name)."""
         return self.local
 
     @property
@@ -215,6 +223,7 @@ class GlobalTensor:
     # -- autograd ----------------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
+        """Whether autograd records ops on it (its shard's flag)."""
         if self._view is not None:
             _fresh(self)
         return self._local.requires_grad
@@ -226,11 +235,13 @@ class GlobalTensor:
         self.requires_grad_(value)
 
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
+        """As torch's: set ``requires_grad`` (on every rank alike); returns the tensor."""
         self._local.requires_grad_(requires_grad)
         return self
 
     @property
     def is_leaf(self) -> bool:
+        """As torch's: whether no recorded op made it (its shard's flag)."""
         return self._local.is_leaf
 
     @property
