@@ -134,6 +134,7 @@ class _OpMethods:
         return apply_op("add", self, other if alpha == 1 else other * alpha)
 
     def sub(self, other, *, alpha=1) -> "GlobalTensor":
+        """torch's ``sub(other, alpha=1)``: ``self - alpha * other``."""
         return apply_op("sub", self, other if alpha == 1 else other * alpha)
 
     def __abs__(self) -> "GlobalTensor":
