@@ -102,6 +102,8 @@ def _rank_count(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``sbpflow`` command: parse ``argv`` (default ``sys.argv[1:]``), run the sub-command,
+    return its exit code (see the command-line reference)."""
     parser = argparse.ArgumentParser(prog="sbpflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a script on N ranks (SPMD: every rank runs it)")
