@@ -54,6 +54,7 @@ class BoxingPlan:
 
     @property
     def differentiable(self) -> bool:
+        """Whether every step has a dual, so the plan's result keeps its gradient."""
         return all(s.differentiable for s in self.steps)
 
     def all_reduce_group(self, rank: int) -> tuple | None:

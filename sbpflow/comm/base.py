@@ -127,16 +127,19 @@ class CommStats:
 
     @property
     def sent(self) -> int:
+        """Bytes sent, all kinds together."""
         return sum(k.sent for k in self.kinds.values())
 
     @property
     def recv(self) -> int:
+        """Bytes received, all kinds together."""
         return sum(k.recv for k in self.kinds.values())
 
     def __getitem__(self, kind: str) -> KindStats:
         return self.kinds.get(kind, KindStats())
 
     def copy(self) -> "CommStats":
+        """An independent copy of the counters."""
         return CommStats(self.rank, {k: KindStats(v.sent, v.recv, v.calls)
                                      for k, v in self.kinds.items()})
 
@@ -218,10 +221,12 @@ class Communicator:
             k.calls += 1
 
     def stats(self) -> CommStats:
+        """A copy of this rank's byte counters since the last `reset_stats` (`CommStats`)."""
         with self._stats_lock:
             return self._stats.copy()
 
     def reset_stats(self) -> None:
+        """Zero this rank's byte counters."""
         with self._stats_lock:
             self._stats = CommStats(self.rank)
 
@@ -339,11 +344,13 @@ class Communicator:
         return self._broadcast(tensor, src, group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (counted as ``p2p``); returns when it is handed over."""
         self._count("p2p", nbytes(tensor), 0)
         self._exchange([(dst, tensor)], [])
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int,
              device: torch.device | str = "cpu") -> torch.Tensor:
+        """Receive a tensor of ``shape`` and ``dtype`` from rank ``src`` (counted as ``p2p``)."""
         self._count("p2p", 0, nbytes(tuple(shape), dtype))
         return self._exchange([], [(src, tuple(shape), dtype, torch.device(device))])[0]
 
@@ -360,6 +367,7 @@ class Communicator:
         return self._exchange(list(sends), recvs)
 
     def barrier(self, group: Sequence[int] | None = None) -> None:
+        """Wait until every rank of ``group`` (default the world) has called it."""
         group = tuple(group) if group is not None else tuple(range(self.world_size))
         if len(group) > 1:
             self._barrier(group)
@@ -445,4 +453,6 @@ class Communicator:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Release the backend's resources (sockets, threads); the communicator is not used
+        after."""
         pass
