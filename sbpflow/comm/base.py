@@ -400,6 +400,25 @@ class Communicator:
         cannot (then nothing changed; read with `inbox`). ``deliver`` must not block."""
         return False
 
+    @property
+    def leads(self) -> bool:
+        """Whether a thread can wait for messages on the transport itself (`lead`)."""
+        return False
+
+    def lead(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` s (None: until woken) for messages on the calling thread and
+        hand over what arrives (to `listen`'s ``deliver`` or `inbox`) before returning, so
+        the thread that waits for a message is the one the kernel wakes for it; `wake_leader`
+        ends the wait. False at once (nothing waited) where another thread leads or the
+        backend cannot."""
+        return False
+
+    def wake_leader(self) -> None:
+        """End a `lead` wait under way now (a message of this process's own for the leader)."""
+
+    def lead_end(self) -> None:
+        """The thread that led waits no more for now: receive as before `lead` at once."""
+
     # -- shape exchange for callers that do not know them (counted as "meta") -----------------
     def _exchange_shapes(self, tensor: torch.Tensor, group: tuple) -> list[tuple]:
         dims = torch.tensor(list(tensor.shape), dtype=torch.int64)

@@ -297,6 +297,19 @@ class TorchCommunicator(Communicator):
             deliver(got)
         return self._chan().listen(channel, counted, failed)
 
+    @property
+    def leads(self) -> bool:
+        return self._chan().leads
+
+    def lead(self, timeout):
+        return self._chan().lead(timeout)
+
+    def wake_leader(self):
+        self._chan().wake_leader()
+
+    def lead_end(self):
+        self._chan().lead_end()
+
     def device(self, device_type: str) -> torch.device:
         if device_type == "cpu":
             return _CPU

@@ -341,6 +341,7 @@ class _PlanRun:
         except BaseException as exc:  # noqa: BLE001 - a runtime bug: stop the run, say where
             self.watch.fail(exc, None)
         finally:
+            self.mail.ended(queue)  # (a queue that waited on the transport lets it go)
             waits_alongside(False)
             set_current(None)
 

@@ -8,7 +8,9 @@ Communicator, read by the channel's reader (`inbox`); on the threads backend a `
 failed on the communicator the start handshake gates the actors that talk to the communicator
 themselves (`GATED`): they fire once every rank of the plan started the run, so they never
 pair with an abandoned collective. The register bookkeeping of a req or ack is the run's
-(``run.on_req`` / ``run.on_ack``), the failure's its supervisor's (`supervision`).
+(``run.on_req`` / ``run.on_ack``), the failure's its supervisor's (`supervision`). Where the
+transport can (`Communicator.leads`), the queue most fed by other ranks waits on the transport
+itself (`_Leading`): the kernel wakes its thread for a message, not a receiver thread.
 """
 
 from __future__ import annotations
@@ -55,6 +57,55 @@ def register_direct(rt: Any) -> None:
                 route(rt.router, rt.shared.early.setdefault(rt.channel, []), pending)
 
 
+class _Leading(threading.Condition):
+    """A queue's condition (of the run's lock) whose waiting thread reads the transport itself
+    (`Communicator.lead`) when no other thread does: a message for the queue costs one thread
+    wake-up, the kernel's. A `notify` from another thread rings the leader's bell. Where the
+    transport cannot lead (another thread leads), the wait returns once (the caller's loop
+    checks again, as after any wake-up) and is a plain condition's from then on."""
+
+    def __init__(self, lock: threading.Lock, comm: Any) -> None:
+        super().__init__(lock)
+        self.comm = comm
+        self.leader: int | None = None  # the waiting thread's ident while it leads
+        self.can_lead = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.can_lead or self.leader is not None:
+            return super().wait(timeout)
+        self.leader = threading.get_ident()
+        self._release_save()
+        try:
+            led = self.comm.lead(timeout)
+        finally:
+            self._acquire_restore(None)
+            self.leader = None
+        self.can_lead = led
+        return True
+
+    def notify(self, n: int = 1) -> None:
+        if self.leader is not None and self.leader != threading.get_ident():
+            self.comm.wake_leader()
+        super().notify(n)
+
+    def end(self) -> None:
+        """The queue waits no more this run: the transport's receiver reads again at once."""
+        self.can_lead = False
+        self.comm.lead_end()
+
+
+def _leading_queue(run: Any) -> str | None:
+    """The queue of ``run`` whose actors have the most inputs from or consumers on other
+    ranks (None: none has any)."""
+    links: dict[str, int] = {}
+    for a in run.actors.values():
+        n = sum(1 for src in a.sources if src[0] != run.rank)
+        n += sum(1 for reg in a.outputs for c in reg.consumers if c.rank != run.rank)
+        if n:
+            links[a.spec.queue] = links.get(a.spec.queue, 0) + n
+    return max(links, key=links.get) if links else None
+
+
 class RunMessages:
     """The messaging of one run (``run``, a `_PlanRun`) on one rank. Out: `post` to one rank,
     `tell_peers` to every other rank of the plan; a post never raises, a failed one fails the
@@ -72,6 +123,9 @@ class RunMessages:
         self.unstarted = set(self.peers)
         self.careful = run.rt.shared.failed
         self.posted_start = False  # this run's start went to the peers (see `stale_failure`)
+        leading = _leading_queue(run) if self.peers and self.comm.leads else None
+        if leading is not None:  # (the run's conditions are made, not used yet)
+            run.conds[leading] = _Leading(run.lock, self.comm)
 
     def gated(self, a: Actor) -> bool:
         """Whether ``a`` may not fire yet: it talks to the communicator, a run failed on it,
@@ -100,10 +154,20 @@ class RunMessages:
             self.dispatch(shared.early.pop(self.channel, []))
 
     def deactivate(self) -> None:
-        """From now on the channel's reader keeps (a later run's) or drops this run's messages."""
+        """From now on the channel's reader keeps (a later run's) or drops this run's messages;
+        a queue that waited on the transport (`_Leading`) lets it go."""
+        for queue in self.run.conds:
+            self.ended(queue)
         with self.rt.shared.route:
             if self.rt.router.active is self:
                 self.rt.router.active = None
+
+    def ended(self, queue: str) -> None:
+        """``queue``'s thread waits no more this run: if it waited on the transport
+        (`_Leading`), the transport's receiver thread reads at once (a sender's last acks)."""
+        cond = self.run.conds.get(queue)
+        if isinstance(cond, _Leading):
+            cond.end()
 
     def fail(self, exc: BaseException) -> None:
         """Fail the run (its channel's reader could not read)."""

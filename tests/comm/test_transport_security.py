@@ -75,7 +75,7 @@ def test_a_frame_that_names_a_function_is_dropped_even_from_a_peer_with_the_secr
 
 
 def test_a_half_finished_handshake_is_dropped_after_its_deadline(store, monkeypatch):
-    monkeypatch.setattr("sbpflow.comm.socket_channels._HANDSHAKE_S", 0.2)
+    monkeypatch.setattr("sbpflow.comm.receiver.HANDSHAKE_S", 0.2)
     b = SocketChannels(1, store, 10.0, secret=b"world")
     with socket.create_connection(_address(store, 1), timeout=5) as sock:
         sock.recv(41)  # the challenge, never answered
