@@ -26,7 +26,7 @@ from ..utils import rebuild_sequence, text_digest
 from .lower import lower, reads, stages_of, writes
 from .microbatch import signature, split_inputs, unflatten_inputs
 from .nodes import Env, source_values
-from .plan import GraphCall, graph_plan
+from .plan import GraphCall, graph_plan, quiet_stages
 from .show import describe
 from .recorder import OutConst, OutSlot, Recorder, Tape
 
@@ -116,6 +116,8 @@ class Compiled:
         # count to every stage the same way): a runtime message before their update
         exchange = _correct_upstream(tapes, len(self.stages))
         self.lowered = {sig: lower(t, self.stages) for sig, t in self.tapes.items()}
+        self.lowered_list = [self.lowered[key] for key in self.keys]   # micro-batch m's
+        self.draws = sum(low.tape.draws for low in self.lowered_list)   # a call's draws
         self._check_ranks_agree(self.lowered[self.keys[0]])
         self._check_outputs(tapes[0])
         pls = tapes[0].placements()
@@ -127,7 +129,8 @@ class Compiled:
                                cfg.schedule, bool(graph._optimizers),
                                name=f"graph{self.comm.per_rank.graph_plans}",
                                failures=lambda: self.runtime.failures if self.runtime else 0,
-                               scale_stage=_mean_stage(first) if exchange else None)
+                               scale_stage=_mean_stage(first) if exchange else None,
+                               quiet=quiet_stages(list(self.lowered.values())))
         self.runtime = Runtime(self.plan, self.comm) if self.comm.rank in self.plan.actors \
             else None
         self.timeline_calls = 0
@@ -214,16 +217,19 @@ class Compiled:
 
     # -- a call ---------------------------------------------------------------------------------
     def run(self, inputs: tuple) -> Any:
-        mbs = split_inputs(inputs, self.k, self.cfg.split_inputs)
-        lowered = [self.lowered[key] for key in self.keys]
+        if self.k == 1:   # (split_inputs gives one micro-batch of the inputs themselves)
+            shards = [[a.shard if isinstance(a, GlobalTensor) else None for a in inputs]]
+        else:
+            shards = [[a.shard if isinstance(a, GlobalTensor) else None for a in args]
+                      for args in split_inputs(inputs, self.k, self.cfg.split_inputs).args]
+        lowered = self.lowered_list
         # the first call trains on the batches the sources gave while compiling
         preloaded, self.batches = self.batches, []
         state = self.comm.per_rank
         base = state.seed_counter
         means: dict = {}
-        self.call = GraphCall([[a.shard if isinstance(a, GlobalTensor) else None for a in args]
-                               for args in mbs.args], lowered, self.weights, {}, self._sync,
-                              self._update, preloaded, base, means, lambda: upstream_scale(means))
+        self.call = GraphCall(shards, lowered, self.weights, {}, self._sync, self._update,
+                              preloaded, base, means, lambda: upstream_scale(means))
         try:
             results = self.runtime.run(self.k) if self.runtime is not None else {}
             settle_means(self.call.means)   # (a graph without backward: the values only)
@@ -231,9 +237,9 @@ class Compiled:
                 self._take_scale(results.get("scale<", [None])[0])
                 self._fill_off_rank_grads()
             # every rank's stream goes on after the call's draws, whichever stage made them
-            state.seed_counter = base + sum(low.tape.draws for low in lowered)
-            return self._assemble(self.tapes[self.keys[0]].outputs, self.call,
-                                  iter(range(len(self.tapes[self.keys[0]].outs))))
+            state.seed_counter = base + self.draws
+            tape = lowered[0].tape
+            return self._assemble(tape.outputs, self.call, iter(range(len(tape.outs))))
         except BaseException:
             # the micro-batches whose backward ran left gradients: a failed call is no step
             for opt, _ in self.graph._optimizers:
@@ -301,7 +307,7 @@ class Compiled:
         return rebuild_sequence(template, [self._assemble(v, call, index) for v in template])
 
     def _output(self, slot: int, i: int, call: GraphCall) -> GlobalTensor:
-        meta = self.tapes[self.keys[0]].metas[slot]
+        meta = self.lowered_list[0].tape.metas[slot]
         parts = [call.outputs[m][i] if m in call.outputs else None for m in range(self.k)]
         if any(p is None for p in parts):  # computed on another stage
             local = empty_local(meta.dtype, self.comm.device(meta.placement.device_type))

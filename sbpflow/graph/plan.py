@@ -28,7 +28,8 @@ from ..runtime import ActorSpec, Input, Plan, activation_slots
 from ..sbp import local_shape
 from .lower import Lowered
 from .microbatch import split_inputs
-from .nodes import Env, run_nodes, source_values
+from .nodes import AssignNode, DetachNode, Env, OpNode, ThunkNode, run_nodes, source_values
+from .replay import programs_enabled, segment_program
 
 __all__ = ["GraphCall", "graph_plan"]
 
@@ -64,6 +65,19 @@ class _StageActors:
         self.grad_to = [p for p in self.sources if any(x.grad for x in first.into(s, p))]
         self.loads = bool(first.sources[s])
         self.blanks: dict = {}  # (dtype, device type) -> the empty input of a receive
+        # id(lowering) -> (the lowering, its forward segment as one program: `segment_program`)
+        self.programs: dict = {}
+
+    def program(self, low: Lowered) -> Callable:
+        """The forward segment of this stage in lowering ``low`` as one call ``run(vals, env)``
+        (made on first use; the walk `run_nodes` when programs are off)."""
+        got = self.programs.get(id(low))
+        if got is None:
+            nodes, frees = low.forward[self.s], low.frees[self.s]
+            fn = segment_program(nodes, frees, f"stage {self.s}") if programs_enabled() else \
+                (lambda vals, env: run_nodes(nodes, vals, env, frees))
+            got = self.programs[id(low)] = (low, fn)
+        return got[1]
 
     def load(self, mb: int) -> list:
         """Each data source's next batch, cut into the call's micro-batches: per source, per
@@ -99,11 +113,10 @@ class _StageActors:
             for node, pieces in zip(low.sources[self.s], inputs[len(self.sources)]):
                 for slot, local in zip(node.outs, pieces[mb]):
                     vals[slot] = local
-        env = self.env._replace(draw_base=c.draw_base + mb * low.tape.draws,
-                                weight=c.weights[mb], means=c.means,
-                                received=frozenset(received))
+        env = Env(self.env.comm, self.env.device_type, c.draw_base + mb * low.tape.draws,
+                  c.weights[mb], c.means, frozenset(received))
         try:
-            run_nodes(low.forward[self.s], vals, env, low.frees[self.s])
+            self.program(low)(vals, env)
         except BaseException:
             abandon_units()   # ZeRO's unit calls left open: their saved-tensor hooks
             raise
@@ -332,13 +345,33 @@ def scale_actors(st: _StageActors, scale_from: tuple | None) -> list[ActorSpec]:
                       inputs=[Input("scale", rank=h) for h in holders], times=1, outputs=1)]
 
 
+# the tasks that never talk to the communicator (an op with a kernel context may: ctx=)
+_QUIET = (OpNode, DetachNode, ThunkNode, AssignNode)
+
+
+def quiet_stages(lowered: Sequence[Lowered]) -> set:
+    """The stages whose actors never wait for another rank in any of the ``lowered`` tapes: no
+    backward (its gradient synchronisation), no transfer, no data source, and only kernels,
+    detaches, random draws and in-place writes (no boxing, value check or other task)."""
+    out = set()
+    for s in lowered[0].forward:
+        if all(not low.tape.backwards and not low.into(s) and not low.out_of(s)
+               and not low.sources[s] and all(isinstance(n, _QUIET) and
+                                              "ctx" not in getattr(n, "attrs", {})
+                                              for n in low.forward[s]) for low in lowered):
+            out.add(s)
+    return out
+
+
 def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
                call: Callable[[], GraphCall], micro_batches: int, schedule: str, update: bool,
-               name: str, failures: Callable[[], int], scale_stage: int | None = None) -> Plan:
+               name: str, failures: Callable[[], int], scale_stage: int | None = None,
+               quiet: set = frozenset()) -> Plan:
     """The plan of every rank (each runs its own; the others' tell it who its peers are).
     ``failures()``: the runtime's count of failed runs (the actors' collective streams);
     ``scale_stage``: the stage of a pipelined mean whose correction the others take
-    (`scale_actors`), None for none."""
+    (`scale_actors`), None for none; ``quiet``: the stages that never wait for another rank
+    (`quiet_stages`: their ranks may run inline on any communicator, `Plan.solo`)."""
     trains = bool(first.tape.backwards)
     scale_from = None if scale_stage is None or not trains else \
         (scale_stage, tuple(sorted(stages[scale_stage])))
@@ -350,4 +383,5 @@ def graph_plan(first: Lowered, stages: Sequence[frozenset], env: Env,
                                       update and trains, name, failures, scale_from)
     # the actors wait only in collectives and transfers (the runtime's interrupt or the
     # communicator's timeout ends them): a rank with nothing to overlap runs on its caller
-    return Plan(actors, name=name, inline=True)
+    solo = frozenset(r for s in quiet for r in stages[s])
+    return Plan(actors, name=name, inline=True, solo=solo)

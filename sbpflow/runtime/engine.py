@@ -157,7 +157,11 @@ class Runtime:
             # (inline only where a failure elsewhere can interrupt a waiting collective: a
             # gloo one cannot be, and only a thread of its own lets the run stop in 2 s)
             self._inline_of = self.plan
-            self.inline = self.comm.interruptible and self.plan.runs_inline(self.rank)
+            # (or where nothing can wait for another rank: a world of one, or a rank whose
+            # actors never talk to the communicator, `Plan.solo`)
+            can_stop = self.comm.interruptible or self.comm.world_size == 1 or \
+                self.rank in self.plan.solo
+            self.inline = can_stop and self.plan.runs_inline(self.rank)
         self.runs = self.shared.next_run(self.channel)
         self._run = _PlanRun(self, micro_batches)
         try:

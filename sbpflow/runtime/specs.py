@@ -91,11 +91,14 @@ class Plan:
     ``name`` names the message channel its runtimes talk on (unique among runtimes that run at
     the same time). ``inline``: the actors' functions wait only in the communicator (whose
     waits end at its timeout or at the runtime's interrupt), so a rank whose actors run on the
-    calling thread can always be stopped (`runs_inline`)."""
+    calling thread can always be stopped (`runs_inline`). ``solo``: the ranks whose actors'
+    functions never wait for another rank (no collective, no transfer: a forward-only stage
+    with no boxing), which may run inline on any communicator."""
 
     actors: Mapping[int, Sequence[ActorSpec]]
     name: str = "plan"
     inline: bool = False
+    solo: frozenset = frozenset()
     consumers: dict = field(init=False, repr=False)
     _wiring: dict = field(init=False, repr=False, compare=False)
     _rates: set = field(init=False, repr=False, compare=False)
@@ -113,7 +116,11 @@ class Plan:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(r for r, specs in self.actors.items() if specs)
+        """The ranks with actors (worked out once a plan: each run's messaging reads it)."""
+        got = self._wiring.get("ranks")
+        if got is None:
+            got = self._wiring["ranks"] = sorted(r for r, specs in self.actors.items() if specs)
+        return list(got)
 
     def spec(self, rank: int, name: str) -> ActorSpec:
         for s in self.actors.get(rank, ()):
