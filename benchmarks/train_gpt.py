@@ -280,6 +280,82 @@ def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
     return out
 
 
+def _mlp_steps(layers: int = 64, width: int = 32, batch: int = 32):
+    """A dispatch-bound model's data-parallel training step, eager and as an ``sf.nn.Graph``
+    (the same model, data and SGD update; the graph replays the traced step): ``layers``
+    Linear(width, width) + ReLU, a batch of ``batch`` rows split over the ranks, the MSE
+    loss. Returns (eager step, graph step). (Either backend: threads or gloo processes.)"""
+    pl = sf.placement("cpu", list(range(sf.world_size())))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    xs, ys = sf.tensor(x, pl, sf.S(0)), sf.tensor(y, pl, sf.S(0))
+
+    def model_opt():
+        sf.manual_seed(0)
+        layers_ = [m for _ in range(layers) for m in (sf.nn.Linear(width, width), sf.nn.ReLU())]
+        model = sf.parallel.apply(sf.nn.Sequential(*layers_), pl, {"*": sf.B})
+        return model, sf.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = model_opt()
+    eager = _as_step(lambda: sf.nn.functional.mse_loss(model(xs), ys), opt)
+    gmodel, gopt = model_opt()
+
+    class MLPStep(sf.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = gmodel
+            self.add_optimizer(gopt)
+
+        def build(self, x, y):
+            loss = sf.nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            return loss
+    graph = MLPStep()
+    return eager, lambda: graph(xs, ys)
+
+
+def _mlp_torch(layers: int = 64, width: int = 32, batch: int = 32):
+    """`_mlp_steps`'s model in plain torch on this rank's rows alone (no gradient all-reduce):
+    the step's kernels and torch's own dispatch, a bound no framework over torch goes under."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(layers)
+                                  for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rows = batch // sf.world_size()
+    x, y = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    return _as_step(lambda: torch.nn.functional.mse_loss(model(x), y), opt)
+
+
+def _mlp_on_threads(steps: int):
+    """`_mlp_steps` on rank threads (one intra-op thread: rank threads share the cores), eager
+    and graph taking turns. Returns (graph, eager, plain torch) medians (s)."""
+    torch.set_num_threads(1)
+    eager, graph = _mlp_steps()
+    plain = _mlp_torch()
+    for f in (eager, graph, plain, eager, graph, plain):
+        f()
+    comm, ranks = sf.comm.current(), tuple(range(sf.world_size()))
+    times: list = [[], [], []]
+    for _ in range(steps):
+        for k, f in enumerate((graph, eager, plain)):
+            comm.barrier(ranks)
+            t = time.perf_counter()
+            f()
+            comm.barrier(ranks)
+            times[k].append(time.perf_counter() - t)
+    return tuple(statistics.median(t) for t in times)
+
+
+def _ops_only(steps: int):
+    """The per-op table in graph mode and the dispatch-bound MLP step, eager vs graph."""
+    eager, graph = _mlp_steps()
+    t_graph, t_eager, t_torch = _timed([graph, eager, _mlp_torch()], steps)
+    graph_ops = _graph_op_overhead()
+    rows = [("mlp64 graph", "mlp64 eager", t_graph, t_eager, 0, {}),
+            ("mlp64 torch", "mlp64 eager", t_torch, t_eager, 0, {})]
+    return (rows, {}, graph_ops) if dist.get_rank() == 0 else None
+
+
 def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None,
            threads: bool = False):
     import logging
@@ -427,6 +503,10 @@ def main(argv=None) -> int:
                     help="instead: CPU and wall time of each phase of a data-parallel step")
     ap.add_argument("--graph", action="store_true",
                     help="only the graph-mode rows and the graph's per-op overhead")
+    ap.add_argument("--ops", action="store_true",
+                    help="only the per-op table in graph mode and a dispatch-bound model's "
+                         "step (an MLP of 64 layers of width 32, data parallel), eager vs "
+                         "graph")
     ap.add_argument("--threads", action="store_true",
                     help="add the graph with its actors on the runtime's queue threads (a "
                          "'dp graph/thr' row against the default graph; with --phases a "
@@ -461,6 +541,18 @@ def main(argv=None) -> int:
               "the outputs);\nproc cpu: the "
               "step's CPU time in all the process's threads (compute, gloo's, the runtime's)")
         return 0
+    if args.ops:
+        rows, ops, graph_ops = sf.launch(_ops_only, world_size=args.ranks, backend="torch",
+                                         args=(args.steps,))[0]
+        t_graph, t_eager, t_torch = sf.launch(_mlp_on_threads, world_size=args.ranks,
+                                              backend="threads", args=(args.steps,))[0]
+        rows += [("mlp64 gr/thr", "eager/thr", t_graph, t_eager, 0, {}),
+                 ("mlp64 to/thr", "eager/thr", t_torch, t_eager, 0, {})]
+        _print_bench(rows, ops, graph_ops, cfg, args.ranks)
+        print("mlp64: Linear(32, 32) + ReLU x 64, data parallel, SGD, batch 32; on gloo "
+              "processes, and (/thr) on rank threads; torch: the same step in plain torch on "
+              "a rank's rows, no all-reduce (the kernels' bound)")
+        return 0
     _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",
                             args=(cfg, args.steps, args.graph,
                                   None if args.first_bucket is None else args.first_bucket << 10,
@@ -473,8 +565,9 @@ def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) 
     print(f"{'layout':<13}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
-        print(f"{layout:<13}{ref:<12}{t_sf * 1e3:>11.1f}{t_ref * 1e3:>10.1f}{t_sf / t_ref:>7.2f}"
-              f"{moved:>14}{_min_bytes(cfg, layout, ranks):>14}  rank0: {kinds}")
+        least = "-" if layout.startswith("mlp") else _min_bytes(cfg, layout, ranks)
+        print(f"{layout:<13}{ref:<12}{t_sf * 1e3:>11.2f}{t_ref * 1e3:>10.2f}{t_sf / t_ref:>7.2f}"
+              f"{moved:>14}{least:>14}  rank0: {kinds}")
     if ops:
         print(f"\nper-op eager time on small tensors, {ranks} ranks (us per call, best of 7 x "
               "500); overhead = time - torch kernel")
