@@ -148,3 +148,13 @@ def test_plan_layouts_takes_layouts_or_pairs_alike():
     sf.clear_caches()
     first = sf.boxing.plan_layouts((8, 6), torch.float32, tuple(src), tuple(dst))
     assert type(first.src) is Layout and type(first.dst) is Layout
+
+
+def test_plan_layouts_old_quartet_form_warns_and_gives_the_same_plan():
+    src, dst = Layout(MESH, "P, S(1)"), Layout(LINE, sf.S(0))
+    new = sf.boxing.plan_layouts((8, 6), torch.float32, src, dst)
+    with pytest.warns(DeprecationWarning, match="two layouts"):
+        old = sf.boxing.plan_layouts((8, 6), torch.float32, *src, *dst)
+    assert old is new
+    with pytest.raises(TypeError):
+        sf.boxing.plan_layouts((8, 6), torch.float32, *src, MESH)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,13 +105,27 @@ def plan(shape: Sequence[int], dtype: torch.dtype, src: Layout | tuple,
 _PLAN_LOCK = threading.Lock()
 
 
-def plan_layouts(shape: tuple, dtype: torch.dtype, src: Layout, dst: Layout) -> BoxingPlan:
+def plan_layouts(shape: tuple, dtype: torch.dtype, src: Layout, dst: Layout,
+                 *quartet) -> BoxingPlan:
     """`plan` on parsed, checked layouts: `Layout` values (``t.global_layout``,
     ``Layout.parsed``) or the ``(placement, nd-sbp)`` pairs equal to them, which share the
     cache (rank threads asking for the same plan at once wait for the first instead of each
-    planning it)."""
+    planning it). The old form ``plan_layouts(shape, dtype, spl, ssbp, dpl, dsbp)`` works for
+    one release, with a DeprecationWarning."""
+    if quartet:
+        src, dst = _from_quartet(src, dst, quartet)
     with _PLAN_LOCK:
         return _plan_layouts(shape, dtype, src, dst)
+
+
+def _from_quartet(spl: Placement, ssbp: tuple, rest: tuple) -> tuple[tuple, tuple]:
+    if len(rest) != 2:
+        raise TypeError(f"plan_layouts(shape, dtype, src, dst) takes two layouts; got "
+                        f"{2 + len(rest)} after the dtype")
+    warnings.warn("plan_layouts(shape, dtype, spl, ssbp, dpl, dsbp) is deprecated: pass two "
+                  "layouts, plan_layouts(shape, dtype, sf.Layout(spl, ssbp), sf.Layout(dpl, "
+                  "dsbp))", DeprecationWarning, stacklevel=3)
+    return (spl, ssbp), tuple(rest)
 
 
 @memoize(4096)
