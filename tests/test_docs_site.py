@@ -6,6 +6,7 @@ doctest examples in sbpflow's docstrings pass. Build with `make docs`."""
 
 import doctest
 import importlib
+import inspect
 import io
 import os
 import re
@@ -121,3 +122,53 @@ def test_strict_build(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "sbpflow" / "index.html").exists()
+
+
+REFERENCE_MODULES = ["sbpflow", "sbpflow.nn", "sbpflow.nn.functional", "sbpflow.nn.init",
+                     "sbpflow.optim", "sbpflow.parallel", "sbpflow.auto", "sbpflow.data",
+                     "sbpflow.comm", "sbpflow.boxing", "sbpflow.errors", "sbpflow.cost",
+                     "sbpflow.memory", "sbpflow.cli"]
+
+
+def _public(module) -> list[str]:
+    return list(getattr(module, "__all__", None)
+                or [n for n in vars(module) if not n.startswith("_")])
+
+
+def _undocumented(obj, name: str) -> list[str]:
+    """``name`` if the class or function has no docstring, and its public methods and
+    properties that have none (a method overriding a documented one inherits its docstring,
+    as `help()` shows it)."""
+    missing = [] if (vars(obj).get("__doc__") if inspect.isclass(obj) else obj.__doc__) \
+        else [name]
+    for attr, value in (vars(obj).items() if inspect.isclass(obj) else ()):
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, property):
+            doc = value.__doc__
+        elif inspect.isfunction(getattr(value, "__func__", value)):
+            doc = inspect.getdoc(getattr(obj, attr))
+        else:
+            continue
+        if not (doc or "").strip():
+            missing.append(f"{name}.{attr}")
+    return missing
+
+
+def test_public_names_have_docstrings():
+    """Every public class and function of the reference's modules, and their public methods
+    and properties, has a docstring (the API reference shows only documented members)."""
+    missing, seen = [], set()
+    for module_name in REFERENCE_MODULES:
+        module = importlib.import_module(module_name)
+        for name in _public(module):
+            obj = getattr(module, name, None)
+            if not (inspect.isclass(obj) or inspect.isfunction(obj)) \
+                    or not getattr(obj, "__module__", "").startswith("sbpflow"):
+                continue
+            key = (obj.__module__, obj.__qualname__)
+            if key not in seen:
+                seen.add(key)
+                missing += _undocumented(obj, f"{module_name}.{name}")
+    assert len(seen) > 150
+    assert missing == [], f"{len(missing)} public names lack a docstring"

@@ -169,15 +169,19 @@ def normal_(tensor: GlobalTensor, mean: float = 0.0, std: float = 1.0, *, seed: 
 
 
 def constant_(tensor: GlobalTensor, val: float) -> GlobalTensor:
+    """Fill with ``val``, in place, in the tensor's layout (a ``P`` tensor: the rank that holds
+    the value gets ``val``, the others zeros)."""
     return fill_regions_(tensor, lambda box: torch.full(tuple(n for _, n in box), float(val),
                                                         dtype=tensor.dtype))
 
 
 def zeros_(tensor: GlobalTensor) -> GlobalTensor:
+    """``constant_(tensor, 0.0)``."""
     return constant_(tensor, 0.0)
 
 
 def ones_(tensor: GlobalTensor) -> GlobalTensor:
+    """``constant_(tensor, 1.0)``."""
     return constant_(tensor, 1.0)
 
 
@@ -204,12 +208,17 @@ def _fan(tensor: GlobalTensor, mode: str) -> int:
 
 
 def xavier_uniform_(tensor: GlobalTensor, gain: float = 1.0, **seeding) -> GlobalTensor:
+    """torch's ``xavier_uniform_``: uniform on ``[-a, a]``, ``a = gain * sqrt(6 / (fan_in +
+    fan_out))``, the same logical values in every layout (``seed=`` / ``generator=`` as
+    `uniform_`)."""
     fan_in, fan_out = fan_in_and_fan_out(tensor.shape)
     a = math.sqrt(3.0) * gain * math.sqrt(2.0 / float(fan_in + fan_out))
     return uniform_(tensor, -a, a, **seeding)
 
 
 def xavier_normal_(tensor: GlobalTensor, gain: float = 1.0, **seeding) -> GlobalTensor:
+    """torch's ``xavier_normal_``: ``N(0, std²)``, ``std = gain * sqrt(2 / (fan_in +
+    fan_out))``."""
     fan_in, fan_out = fan_in_and_fan_out(tensor.shape)
     return normal_(tensor, 0.0, gain * math.sqrt(2.0 / float(fan_in + fan_out)), **seeding)
 
@@ -224,5 +233,7 @@ def kaiming_uniform_(tensor: GlobalTensor, a: float = 0.0, mode: str = "fan_in",
 
 def kaiming_normal_(tensor: GlobalTensor, a: float = 0.0, mode: str = "fan_in",
                     nonlinearity: str = "leaky_relu", **seeding) -> GlobalTensor:
+    """torch's ``kaiming_normal_``: ``N(0, std²)``, ``std = gain / sqrt(fan)`` (``mode`` picks
+    fan_in or fan_out)."""
     std = calculate_gain(nonlinearity, a) / math.sqrt(_fan(tensor, mode))
     return normal_(tensor, 0.0, std, **seeding)
