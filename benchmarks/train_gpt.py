@@ -8,6 +8,9 @@
 * tensor parallel: sbpflow (Megatron column -> row layouts) vs DTensor ``parallelize_module``;
 * "dp torch": the same GPT written in plain torch, converted by ``sf.nn.from_torch`` and laid out
   by ``sf.parallel.apply``, against the sf.nn GPT's data-parallel step (the "torch" column);
+* "bound": DDP's kernels alone (its model, batch and fused AdamW in plain torch, no
+  communication), and those plus one gradient all-reduce after the backward, against DDP
+  fused: no data-parallel step on these processes can beat the first;
 * per-op overhead on small tensors (each minus the local torch kernel's time): sbpflow eager
   ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's, and sbpflow graph mode vs eager.
 
@@ -169,6 +172,35 @@ def _ddp_step(cfg, fused: bool | None = None):
     xl, yl = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
     pos = torch.arange(cfg["seq"])
     return _as_step(lambda: model(xl, pos, yl), opt)
+
+
+def _kernels_step(cfg, all_reduce: bool = False):
+    """The bound of a data-parallel step on these processes: DDP's model, batch and fused
+    AdamW in plain torch with no DDP (its kernels alone: no communication, no hooks);
+    ``all_reduce``: plus one all-reduce of all gradients, flattened, after the backward
+    (the communication, not overlapped). Timed beside DDP fused on the same processes."""
+    model = _torch_model(cfg)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    x, y = _data(cfg)
+    r, n = dist.get_rank(), dist.get_world_size()
+    b = cfg["batch"] // n
+    xl, yl = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+    pos = torch.arange(cfg["seq"])
+
+    def step():
+        model(xl, pos, yl).backward()
+        if all_reduce:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= n
+            at = 0
+            for p in params:
+                p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
+                at += p.numel()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def _dtensor_tp_step(cfg):
@@ -366,13 +398,18 @@ def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None
     cases = [("dp", "DDP", _ddp_step), ("dp", "DDP fused", fused), ("dp/sum", "DDP", _ddp_step),
              ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
              ("dp graph", "DDP fused", fused), ("dp/sum graph", "DDP fused", fused),
-             ("dp torch", "sf.nn dp", sf_nn_dp)]
+             ("dp torch", "sf.nn dp", sf_nn_dp),
+             ("bound: kernels", "DDP fused", fused), ("bound: +allreduce", "DDP fused", fused)]
     if first_bucket is not None:   # against the default graph, taking turns with it
         cases.insert(6, ("dp graph/1st", "dp graph", lambda c: _graph_step(c)[0]))
     if threads:   # against the default (inline) graph, taking turns with it
         cases.insert(6, ("dp graph/thr", "dp graph", lambda c: _graph_step(c)[0]))
     for layout, ref_name, ref in cases:
-        if graph_only and "graph" not in layout:
+        if graph_only and "graph" not in layout and not layout.startswith("bound"):
+            continue
+        if layout.startswith("bound"):  # torch alone: sbpflow moves nothing
+            t_sf, t_ref = _timed([_kernels_step(cfg, "allreduce" in layout), ref(cfg)], steps)
+            rows.append((layout, ref_name, t_sf, t_ref, 0, {}))
             continue
         sf_step = _graph_step(cfg)[0] if layout == "dp graph" else \
             _graph_step(cfg, first_bucket=first_bucket)[0] if layout == "dp graph/1st" else \
@@ -562,11 +599,11 @@ def main(argv=None) -> int:
 
 
 def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) -> None:
-    print(f"{'layout':<13}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
+    print(f"{'layout':<18}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
-        least = "-" if layout.startswith("mlp") else _min_bytes(cfg, layout, ranks)
-        print(f"{layout:<13}{ref:<12}{t_sf * 1e3:>11.2f}{t_ref * 1e3:>10.2f}{t_sf / t_ref:>7.2f}"
+        least = "-" if layout.startswith(("mlp", "bound")) else _min_bytes(cfg, layout, ranks)
+        print(f"{layout:<18}{ref:<12}{t_sf * 1e3:>11.2f}{t_ref * 1e3:>10.2f}{t_sf / t_ref:>7.2f}"
               f"{moved:>14}{least:>14}  rank0: {kinds}")
     if ops:
         print(f"\nper-op eager time on small tensors, {ranks} ranks (us per call, best of 7 x "
