@@ -1,25 +1,29 @@
-"""Layout: where a global tensor lives (a placement) and how it is laid out there (an nd-sbp).
+"""Layout: where a global tensor lives (a placement) and how it is laid out there (an nd-sbp);
+MeshLayout: the same on a mesh shape without ranks (the strategy search's layouts).
 
     >>> mesh = placement("cpu", ranks=[[0, 1], [2, 3]])
     >>> lay = Layout(mesh, "S(0), B")
-    >>> print(lay, "|", lay.dual())
-    cpu[[0,1],[2,3]] (S(0), B) | cpu[[0,1],[2,3]] (S(0), P)
+    >>> print(lay, "|", lay.dual(), "|", MeshLayout.of(lay))
+    cpu[[0,1],[2,3]] (S(0), B) | cpu[[0,1],[2,3]] (S(0), P) | mesh(2, 2) (S(0), B)
 
-A `Layout` is a ``(placement, sbp)`` pair: it unpacks, indexes, hashes and compares as that
-tuple, so code that passes pairs keeps working and both forms hit the same caches. ``sbp`` is
-always a parsed nd-sbp tuple with one sbp per mesh dim. ``dual()`` is the gradient's layout
-(docs/design.md, 'Gradients: the dual layout'). ``repr`` is for machines, ``str`` for people.
+A `Layout` is a ``(placement, sbp)`` pair and a `MeshLayout` a ``(mesh, sbp)`` pair: each
+unpacks, indexes, hashes and compares as that tuple, so code that passes pairs keeps working and
+both forms hit the same caches. ``sbp`` is a parsed nd-sbp tuple, one sbp per mesh dim.
+``dual()`` is the gradient's layout (`sbpflow.sbp.dual_nd`, docs/design.md, 'Gradients: the dual
+layout'). ``repr`` is for machines, ``str`` for people.
 """
 
 from __future__ import annotations
 
+import numbers
+
 from typing import NamedTuple
 
 from .errors import PlacementError, SbpParseError
-from .placement import Placement, placement  # noqa: F401 (the docstring's example)
+from .placement import Placement, placement
 from .sbp import SbpLike, dual_nd, format_nd_sbp, parse_nd_sbp
 
-__all__ = ["Layout", "as_layout"]
+__all__ = ["Layout", "MeshLayout", "as_layout"]
 
 
 class _Pair(NamedTuple):
@@ -69,3 +73,58 @@ def as_layout(value: "Layout | tuple") -> Layout:
         raise SbpParseError(f"a layout is a Layout or a (placement, sbp) pair, got {value!r}; "
                             f"e.g. sf.Layout(sf.placement('cpu', [0, 1]), sf.S(0))") from None
     return Layout(pl, sbp)
+
+
+class MeshLayout(NamedTuple):
+    """A mesh shape (no ranks: ``(8, 4)`` is 8 x 4 devices) and an nd-sbp on it, what the
+    strategy search (`sbpflow.auto`) gives a tensor; equal to and hashed as the ``(mesh,
+    sbp)`` tuple. ``MeshLayout((8, 4), (S(0), B))`` stores what it is given, unparsed (the
+    search builds many and keeps them as dict keys): ``mesh`` a tuple of ints, ``sbp`` a tuple
+    of one sbp per mesh dim; `parse` checks and parses."""
+
+    mesh: tuple
+    sbp: tuple
+
+    @classmethod
+    def parse(cls, mesh, sbp: SbpLike) -> "MeshLayout":
+        """``mesh`` (ints >= 1) and ``sbp`` (any form `Layout` takes) checked and parsed:
+        `SbpParseError` unless one sbp per mesh dim; `PlacementError` for a bad mesh."""
+        ok = isinstance(mesh, (tuple, list)) and len(mesh) > 0 and all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 1 for d in mesh)
+        if not ok:
+            raise PlacementError(f"a MeshLayout's mesh is a shape of ints >= 1 such as (8, 4), "
+                                 f"got {mesh!r} with sbp {sbp!r}")
+        return tuple.__new__(cls, (tuple(int(d) for d in mesh), parse_nd_sbp(sbp, len(mesh))))
+
+    @classmethod
+    def of(cls, layout: "Layout | tuple") -> "MeshLayout":
+        """The MeshLayout of a `Layout` (or ``(placement, sbp)`` pair): its placement's mesh
+        shape, its nd-sbp; the ranks are dropped."""
+        lay = as_layout(layout)
+        return tuple.__new__(cls, (tuple(lay.placement.shape), lay.sbp))
+
+    def on(self, ranks: "Placement | list", device_type: str = "cpu") -> Layout:
+        """The `Layout` of this layout on ``ranks``: a `Placement` of as many ranks as the mesh
+        holds (reshaped, row-major, to the mesh) or a list of ranks (a ``device_type`` one).
+        `PlacementError` when the counts differ."""
+        pl = ranks if isinstance(ranks, Placement) else placement(device_type, list(ranks))
+        n = 1
+        for d in self.mesh:
+            n *= d
+        if pl.size != n:
+            raise PlacementError(f"{self} needs {n} ranks, got {pl.size} ({pl}); give a "
+                                 f"placement of {n} ranks")
+        if tuple(pl.shape) != tuple(self.mesh):
+            pl = pl.reshape(*self.mesh)
+        return Layout(pl, self.sbp)
+
+    def dual(self) -> "MeshLayout":
+        """The layout of this tensor's gradient (`Layout.dual`'s rule, `sbpflow.sbp.dual_nd`):
+        ``S(a)`` stays, ``B`` <-> ``P``; ``P(max)`` / ``P(min)`` carry none (`SbpParseError`)."""
+        return tuple.__new__(MeshLayout, (self.mesh, dual_nd(self.sbp)))
+
+    def __repr__(self) -> str:
+        return f"MeshLayout({tuple(self.mesh)!r}, {tuple(self.sbp)!r})"
+
+    def __str__(self) -> str:
+        return f"mesh({', '.join(str(d) for d in self.mesh)}) {format_nd_sbp(self.sbp)}"

@@ -158,3 +158,68 @@ def test_plan_layouts_old_quartet_form_warns_and_gives_the_same_plan():
     assert old is new
     with pytest.raises(TypeError):
         sf.boxing.plan_layouts((8, 6), torch.float32, *src, MESH)
+
+
+# ---- MeshLayout: the strategy search's layout (a mesh shape, no ranks) -----------------------
+
+def test_mesh_layout_is_its_pair():
+    from sbpflow.layouts import MeshLayout
+    a = MeshLayout((8, 4), (sf.S(0), sf.B))
+    assert a == ((8, 4), (sf.S(0), sf.B)) and hash(a) == hash(((8, 4), (sf.S(0), sf.B)))
+    mesh, sbp = a
+    assert (mesh, sbp) == (a.mesh, a.sbp) == (a[0], a[1]) == ((8, 4), (sf.S(0), sf.B))
+    assert {a: 1}[((8, 4), (sf.S(0), sf.B))] == 1    # one memo entry for both forms
+    assert a != MeshLayout((4, 8), (sf.S(0), sf.B)) and a != MeshLayout((8, 4), (sf.B, sf.S(0)))
+    assert a != Layout(sf.placement("cpu", list(range(32)), shape=(8, 4)), (sf.S(0), sf.B))
+    assert pickle.loads(pickle.dumps(a)) == a and sf.auto.MeshLayout is MeshLayout
+    with pytest.raises(AttributeError):
+        a.mesh = (32,)
+
+
+@pytest.mark.parametrize("s", [sf.S(0), sf.S(2), sf.B, sf.P])
+def test_mesh_layout_dual_follows_the_gradient_rule(s):
+    from sbpflow.layouts import MeshLayout
+    a = MeshLayout((2, 3), (sf.P, s))
+    d = a.dual()
+    assert type(d) is MeshLayout and d.mesh == (2, 3)
+    assert d.sbp == (sf.B, _rule(s)) and d.dual() == a
+    # the same rule as the placed layout's
+    assert d == MeshLayout.of(a.on(list(range(6))).dual())
+    with pytest.raises(SbpParseError, match="carries no gradient"):
+        MeshLayout((4,), (sf.P("max"),)).dual()
+
+
+def test_mesh_layout_str_and_repr():
+    from sbpflow.layouts import MeshLayout
+    a = MeshLayout((8, 4), (sf.S(0), sf.B))
+    assert str(a) == "mesh(8, 4) (S(0), B)"
+    assert str(MeshLayout((16,), (sf.P,))) == "mesh(16) (P,)"
+    assert repr(a) == "MeshLayout((8, 4), (S(0), B))"
+    assert eval(repr(a), {"MeshLayout": MeshLayout, "S": sf.S, "B": sf.B}) == a
+    assert f"{a}" == str(a) and str(a.dual()) == "mesh(8, 4) (S(0), P)"
+
+
+def test_mesh_layout_from_and_to_a_layout():
+    from sbpflow.layouts import MeshLayout
+    lay = Layout(MESH, "S(1), P")
+    m = MeshLayout.of(lay)
+    assert m == ((2, 2), (sf.S(1), sf.P)) and type(m) is MeshLayout
+    assert MeshLayout.of((LINE, "B")) == ((4,), (sf.B,))
+    assert m.on(MESH) == lay and m.on(MESH).placement is MESH
+    assert m.on([0, 1, 2, 3]) == lay                 # ranks reshaped row-major to the mesh
+    back = m.on(sf.placement("cpu", [4, 5, 6, 7]))
+    assert back.placement.ranks == [[4, 5], [6, 7]] and back.sbp == lay.sbp
+    assert MeshLayout.of(back) == m
+    with pytest.raises(PlacementError, match="needs 4 ranks, got 2"):
+        m.on([0, 1])
+
+
+def test_mesh_layout_parse():
+    from sbpflow.layouts import MeshLayout
+    assert MeshLayout.parse([8, 4], "S(0), B") == MeshLayout((8, 4), (sf.S(0), sf.B))
+    assert type(MeshLayout.parse((4,), sf.B).mesh) is tuple
+    with pytest.raises(SbpParseError, match="2 dimension"):
+        MeshLayout.parse((8, 4), sf.S(0))
+    for bad in ((), (0, 4), "84", (True, 2), None):
+        with pytest.raises(PlacementError, match="shape of ints"):
+            MeshLayout.parse(bad, sf.B)

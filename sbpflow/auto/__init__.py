@@ -10,6 +10,7 @@ Metropolis-Hastings, random, exact dynamic programming).
     print(r.strategy); print(r.breakdown)
 """
 
+from ..layouts import MeshLayout
 from . import baselines, model_graphs
 from .checks import MemoryLimitWarning
 from .evaluate import Breakdown, Evaluator, redistribution, redistribution_steps
@@ -22,7 +23,7 @@ from .space import LayerStrategy, PipelineShape, Strategy, layer_space, meshes, 
 __all__ = ["baselines", "model_graphs", "MemoryLimitWarning", "Breakdown", "Evaluator",
            "evaluate", "redistribution", "redistribution_steps", "LayerGraph", "Layer",
            "SearchResult", "search", "LayerStrategy", "PipelineShape", "Strategy", "layer_space",
-           "meshes", "space"]
+           "meshes", "space", "MeshLayout"]
 
 from .parallelize import ParallelPlan, parallelize, single_mesh_search  # noqa: E402
 from .trace import trace  # noqa: E402
