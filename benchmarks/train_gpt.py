@@ -10,7 +10,10 @@
   by ``sf.parallel.apply``, against the sf.nn GPT's data-parallel step (the "torch" column);
 * "bound": DDP's kernels alone (its model, batch and fused AdamW in plain torch, no
   communication), and those plus one gradient all-reduce after the backward, against DDP
-  fused: no data-parallel step on these processes can beat the first;
+  fused: no data-parallel step on these processes can beat the first; "bound: cpu": the CPU
+  time of the second (every thread: compute and gloo's), summed over the processes, over the
+  cores they share, against DDP fused's wall time: no schedule of that work on these cores
+  finishes sooner, however it overlaps ("DDP fused cpu": the same for DDP fused itself);
 * per-op overhead on small tensors (each minus the local torch kernel's time): sbpflow eager
   ``x + x`` / ``x @ w`` / ``relu`` vs DTensor's, and sbpflow graph mode vs eager.
 
@@ -28,6 +31,7 @@ minimum its layouts imply.  ``--graph``: the graph rows and tables only.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -201,6 +205,21 @@ def _kernels_step(cfg, all_reduce: bool = False):
         opt.step()
         opt.zero_grad()
     return step
+
+
+def _cpu_bound(step, steps: int) -> float:
+    """Seconds per step the machine needs at least for ``step``'s CPU work: each process's
+    CPU time in all its threads (compute, gloo's), summed over the processes, over the cores
+    they can run on. A gloo wait blocks (it does not spin), so waiting is not counted."""
+    step()
+    step()
+    dist.barrier()
+    t = time.process_time()
+    for _ in range(steps):
+        step()
+    cpu = torch.tensor([(time.process_time() - t) / steps], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    return float(cpu) / len(os.sched_getaffinity(0))
 
 
 def _dtensor_tp_step(cfg):
@@ -399,13 +418,19 @@ def _bench(cfg, steps, graph_only: bool = False, first_bucket: int | None = None
              ("tp", "DTensor TP", _dtensor_tp_step), ("dp graph", "DDP", _ddp_step),
              ("dp graph", "DDP fused", fused), ("dp/sum graph", "DDP fused", fused),
              ("dp torch", "sf.nn dp", sf_nn_dp),
-             ("bound: kernels", "DDP fused", fused), ("bound: +allreduce", "DDP fused", fused)]
+             ("bound: kernels", "DDP fused", fused), ("bound: +allreduce", "DDP fused", fused),
+             ("bound: cpu", "DDP fused", fused), ("DDP fused cpu", "DDP fused", fused)]
     if first_bucket is not None:   # against the default graph, taking turns with it
         cases.insert(6, ("dp graph/1st", "dp graph", lambda c: _graph_step(c)[0]))
     if threads:   # against the default (inline) graph, taking turns with it
         cases.insert(6, ("dp graph/thr", "dp graph", lambda c: _graph_step(c)[0]))
     for layout, ref_name, ref in cases:
-        if graph_only and "graph" not in layout and not layout.startswith("bound"):
+        if graph_only and "graph" not in layout and not layout.startswith(("bound", "DDP")):
+            continue
+        if layout.endswith("cpu"):   # a CPU-time bound against the reference's wall time
+            cpu_of = ref(cfg) if layout.startswith("DDP") else _kernels_step(cfg, True)
+            t_ref = _timed([ref(cfg)], steps)[0]
+            rows.append((layout, ref_name, _cpu_bound(cpu_of, steps), t_ref, 0, {}))
             continue
         if layout.startswith("bound"):  # torch alone: sbpflow moves nothing
             t_sf, t_ref = _timed([_kernels_step(cfg, "allreduce" in layout), ref(cfg)], steps)
@@ -602,7 +627,7 @@ def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) 
     print(f"{'layout':<18}{'vs':<12}{'sbpflow ms':>11}{'torch ms':>10}{'ratio':>7}"
           f"{'bytes/step':>14}{'minimum':>14}  per kind")
     for layout, ref, t_sf, t_ref, moved, kinds in rows:
-        least = "-" if layout.startswith(("mlp", "bound")) else _min_bytes(cfg, layout, ranks)
+        least = "-" if layout.startswith(("mlp", "bound", "DDP")) else _min_bytes(cfg, layout, ranks)
         print(f"{layout:<18}{ref:<12}{t_sf * 1e3:>11.2f}{t_ref * 1e3:>10.2f}{t_sf / t_ref:>7.2f}"
               f"{moved:>14}{least:>14}  rank0: {kinds}")
     if ops:
