@@ -51,6 +51,7 @@ RENAMED = [  # (module, old name, what it is now): the deprecated aliases kept f
     ("sbpflow.utils", "mix_seed", "sbpflow.random_regions.mix_seed"),
     ("sbpflow.parallel.cdp.cycles", "Op", "sbpflow.parallel.cdp.cycles.StageOp"),
     ("sbpflow.parallel.cdp.program", "Transfer", "sbpflow.parallel.cdp.program.PeerTransfer"),
+    *[("sbpflow.nn.modules", name, f"sbpflow.nn.layers.{name}") for name in sf.nn.layers.__all__],
 ]
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ..errors import GraphError, ParallelizeError
 from ..layouts import Layout
-from ..nn.modules import ModuleDict, ModuleList
+from ..nn.layers import ModuleDict, ModuleList
 from ..nn.recompute import checkpoint as _checkpoint
 from ..parallel.relayout import relayout
 from ..parallel.tie import install_views, tie_placement

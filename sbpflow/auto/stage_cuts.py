@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ParallelizeError
-from ..nn.modules import ModuleDict, ModuleList, Sequential
+from ..nn.layers import ModuleDict, ModuleList, Sequential
 from ..parallel.pipeline import pipeline as _pipeline
 from ..placement import Placement
 from .space import Strategy

@@ -88,7 +88,7 @@ def _wrap_layers(model, records: list) -> list:
     """Give every Linear / Embedding / Conv2d of ``model`` an instance forward that appends
     ``(name, kind, input shape, output shape, module)`` to ``records`` on its first call.
     Returns ``[(module, previous instance forward or None)]`` for `_unwrap`."""
-    from ..nn.modules import Conv2d, Embedding, Linear
+    from ..nn.layers import Conv2d, Embedding, Linear
 
     seen: set = set()
     names = {id(m): n for n, m in model.named_modules()}

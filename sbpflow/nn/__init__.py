@@ -3,9 +3,10 @@
 from . import functional, functional_conv, init
 from .amp import autocast
 from .init import materialize_, meta_init
-from .modules import (GELU, CrossEntropyLoss, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding, Flatten,
-                      Identity, LayerNorm, Linear, MaxPool2d, Module, ModuleDict, ModuleList,
-                      Parameter, ReLU, Sequential, SiLU, Sigmoid, Softmax, StateDictError, Tanh)
+from .layers import (GELU, CrossEntropyLoss, AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dropout, Embedding,
+                     Flatten, Identity, LayerNorm, Linear, MaxPool2d, ModuleDict, ModuleList, ReLU,
+                     Sequential, SiLU, Sigmoid, Softmax, Tanh)
+from .modules import Module, Parameter, StateDictError
 from .norm import BatchNorm1d, BatchNorm2d, GroupNorm, RMSNorm
 from .recompute import checkpoint
 from .serialization import CheckpointError, load, save

@@ -17,7 +17,8 @@ from ..sbp import B, S, Split
 from ..tensor import GlobalTensor, ones, set_recorder, zeros
 from . import functional_norm as FN
 from . import init
-from .modules import Module, _param
+from .layers import _param
+from .modules import Module
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "RMSNorm"]
 

@@ -25,7 +25,8 @@ from .. import comm as _comm
 from ..placement import Placement
 from ..sbp import B, Split, format_nd_sbp
 from ..tensor import GlobalTensor, watch_resplit
-from .modules import Conv2d, Embedding, Linear, Module
+from .layers import Conv2d, Embedding, Linear
+from .modules import Module
 
 __all__ = ["watch_fused_splits", "warn_narrow_splits", "feature_axes", "CostlyLayoutWarning"]
 

@@ -18,7 +18,8 @@ import torch
 
 from ...comm import current
 from ...errors import PlanError
-from ...nn.modules import Conv2d, Embedding, Linear, Module, Sequential
+from ...nn.layers import Conv2d, Embedding, Linear, Sequential
+from ...nn.modules import Module
 from ...placement import placement
 from ...tensor import GlobalTensor
 from .stage_runner import StageRunner
