@@ -197,4 +197,6 @@ def window_plan(name: str, rank: int, ranks: Sequence[int], works: Sequence[Work
     specs = [s for _, s in sorted(keyed, key=lambda e: e[0])]
     actors = _stubs(rank, ranks, moves, names, fused)
     actors[rank] = specs or [ActorSpec("idle", "compute", _idle)]
-    return Plan(actors, name=name)
+    # inline: the actors wait only in the communicator, so a rank whose actors share one
+    # queue and talk to no other rank (mode single) runs them on the calling thread
+    return Plan(actors, name=name, inline=True)
