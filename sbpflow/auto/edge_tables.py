@@ -21,8 +21,8 @@ class EdgeTable:
     """Edge times between one producer's candidates and one consumer's, filled on demand.
 
     An edge is a redistribution of the producer's output into the consumer's input layout, so
-    its time depends on the two strategies only through (mesh, output layout) of the producer
-    -- a row -- and (mesh, input layout) of the consumer -- a column. The table holds the
+    its time depends on the two strategies only through the producer's output `MeshLayout`
+    -- a row -- and the consumer's input one -- a column. The table holds the
     distinct rows x distinct columns of a tensor shape; edges with the same shape, rows and
     columns share one table (`Problem`), so the 96 blocks of a GPT fill it once, and so do
     edges between different layers with equal layouts (GPT-3's proj -> fc1, fc2 -> qkv and
@@ -30,7 +30,7 @@ class EdgeTable:
 
     def __init__(self, pb, shape: tuple, rows: list, cols: list):
         self.pb, self.shape = pb, shape
-        self.rows, self.cols = rows, cols        # (mesh, output) / (mesh, clipped input)
+        self.rows, self.cols = rows, cols        # MeshLayouts: outputs / clipped inputs
         index = {k: i for i, k in enumerate(rows)}
         # the row whose output layout is this column's input layout (usually a free edge)
         self.match = np.array([index.get(k, -1) for k in cols], dtype=np.int64)

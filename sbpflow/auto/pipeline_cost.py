@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from ..cost.formulas import volume
 from ..errors import GraphError
+from ..layouts import MeshLayout
 from ..sbp import B, Partial, S, Split
 from .evaluate import Breakdown, Evaluator
 from .evaluate import evaluate as _evaluate_one
@@ -142,11 +143,12 @@ def _factors(shape, mesh, nd) -> list:
     return f
 
 
-def transfer_time(cluster, shape: tuple, itemsize: int, micro_batches: int, src: tuple,
-                  dst: tuple, ranks: tuple) -> float:
-    """Seconds to send one micro-batch of a tensor of ``shape`` from ``src = (mesh, nd-sbp)``
-    on one stage to ``dst`` on the next (``ranks``: a rank of each), point to point: each
-    receiver gets its destination shard in one message from each source shard it meets
+def transfer_time(cluster, shape: tuple, itemsize: int, micro_batches: int, src: MeshLayout,
+                  dst: MeshLayout, ranks: tuple) -> float:
+    """Seconds to send one micro-batch of a tensor of ``shape`` from layout ``src`` (a
+    `MeshLayout` or ``(mesh, nd-sbp)`` pair) on one stage to ``dst`` on the next (``ranks``:
+    a rank of each), point to point: each receiver gets its destination shard in one message
+    from each source shard it meets
     (estimate: ``prod max(1, fs / fd)`` over axes), all receivers at once over the link the
     two stages share (the per-kind ``p2p`` fit when the cluster has one)."""
     fs, fd = _factors(shape, *src), _factors(shape, *dst)
@@ -166,8 +168,8 @@ def combine(costs: list, transfers: list, pipeline, tie_time: float = 0.0) -> tu
         bubble
 
 
-def _stored_layout(layer, s) -> tuple:
-    """``(mesh, layout in the module's axes)`` of ``s``'s gradient after its stage's sync (the
+def _stored_layout(layer, s) -> MeshLayout:
+    """The `MeshLayout` (in the module's axes) of ``s``'s gradient after its stage's sync (the
     stored layout: ZeRO's shard, else the kernel's)."""
     return weight_layout(layer, dataclasses.replace(s, weight=s.weight_stored, stored=None))
 
@@ -215,8 +217,8 @@ def _boundary(graph, strategy, a: int, b: int, cluster, pipeline, k: int) -> flo
     shape = tuple(la.output_shape)
     d = pipeline.devices
     ranks = (k * d, (k + 1) * d)
-    src = (sa.mesh, _sent_layout(sa.output))
-    dst = (sb.mesh, _sent_layout(sb.input))
+    src = MeshLayout(sa.mesh, _sent_layout(sa.output))
+    dst = MeshLayout(sb.mesh, _sent_layout(sb.input))
     it, m = graph.itemsize, pipeline.micro_batches
     return transfer_time(cluster, shape, it, m, src, dst, ranks) + \
         transfer_time(cluster, shape, it, m, dst, src, ranks[::-1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layouts import MeshLayout
 from .edge_tables import EdgeTable, EdgeView, layout_index, min_plus_product
 from .evaluate import Evaluator
 from .space import Strategy, _clip_axis, layer_space, tie_agreement
@@ -106,9 +107,9 @@ class Problem:
             if key not in views:
                 shape = tuple(gl[u].output_shape)
                 nd = len(shape)
-                rows, row_of = layout_index(self.cands[u], lambda s: (s.mesh, s.output))
-                cols, col_of = layout_index(self.cands[v],
-                                             lambda s: (s.mesh, _clip_axis(s.input, nd)))
+                rows, row_of = layout_index(self.cands[u], lambda s: s.output_layout)
+                cols, col_of = layout_index(
+                    self.cands[v], lambda s: MeshLayout(s.mesh, _clip_axis(s.input, nd)))
                 content = (shape, tuple(rows), tuple(cols))
                 if content not in by_content:
                     by_content[content] = EdgeTable(self, shape, rows, cols)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..caches import BoundedDict, memoize
 from ..errors import GraphError, ParallelizeError
+from ..layouts import MeshLayout
 from ..sbp import B, P, S, Split, format_nd_sbp
 from ..utils import renamed
 
@@ -79,6 +80,16 @@ class LayerStrategy:
     def devices(self) -> int:
         """Devices of the layer's mesh (the product of its sizes)."""
         return math.prod(self.mesh)
+
+    @property
+    def input_layout(self) -> MeshLayout:
+        """The input's layout on the layer's mesh (prints as ``mesh(8, 4) (S(0), B)``)."""
+        return MeshLayout(self.mesh, self.input)
+
+    @property
+    def output_layout(self) -> MeshLayout:
+        """The output's layout on the layer's mesh."""
+        return MeshLayout(self.mesh, self.output)
 
     @property
     def weight_stored(self) -> tuple | None:
@@ -453,15 +464,16 @@ def _tied_weight(layer, s: LayerStrategy) -> tuple | None:
     return tuple(out)
 
 
-def weight_layout(layer, s: LayerStrategy) -> tuple | None:
-    """``(mesh, weight nd-sbp in the module's axes)`` of ``s`` (a linear's weight is
-    ``(d_in, d_out)`` here and ``(out, in)`` in torch, so its axes swap); None without one."""
+def weight_layout(layer, s: LayerStrategy) -> MeshLayout | None:
+    """The `MeshLayout` of the weight of ``s`` in the module's axes (a linear's weight is
+    ``(d_in, d_out)`` in the search and ``(out, in)`` in torch, so its axes swap); None
+    without one."""
     w = _tied_weight(layer, s)
     if w is None:
         return None
     if layer.kind == "linear":
         w = tuple(S(1 - x.axis) if isinstance(x, Split) and x.axis < 2 else x for x in w)
-    return (tuple(s.mesh), w)
+    return MeshLayout(tuple(s.mesh), w)
 
 
 def tie_agrees(holder, hs: LayerStrategy, tied, ts: LayerStrategy) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ParallelizeError
-from ..sbp import format_nd_sbp
+from ..layouts import MeshLayout
 from .model_layout import module_nd
 from .space import Strategy, layer_space
 from .stage_cuts import restrategy
@@ -33,7 +33,7 @@ def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) ->
         su, sh = layers[i], layers[h]
         weighted = dataclasses.replace(graph.layers[i], tied=None, weight_shape=graph_weight_shape(
             graph.layers[i].kind, modules[user]))
-        held = (sh.mesh, module_nd(graph.layers[h], sh.weight))
+        held = MeshLayout(sh.mesh, module_nd(graph.layers[h], sh.weight))
         if _accepts(weighted, su, held):
             continue
         mine = _weight_options(ev, graph, layers, j=i, weighted=weighted,
@@ -49,8 +49,8 @@ def tie_weights(graph, strategy: Strategy, *, modules: dict, ev, notes: list) ->
                                    f"give them meshes of one shape")
         key = min(both, key=lambda k: theirs[k][0] + mine[k][0])
         layers[h], layers[i] = theirs[key][1], mine[key][1]
-        notes.append(f"{user} uses the weight of {holder} (tied): both laid out with mesh "
-                     f"{key[0]}, weight {format_nd_sbp(key[1])} ({holder} "
+        notes.append(f"{user} uses the weight of {holder} (tied): the weight laid out as "
+                     f"{key} for both ({holder} "
                      f"{layers[h].label or layers[h]}, {user} {layers[i].label or layers[i]})")
     if layers == strategy.layers:
         return strategy
@@ -69,29 +69,29 @@ def near_cost(ev, graph, layers: list, *, j: int, c) -> float:
 
 
 def _weight_options(ev, graph, layers: list, *, j: int, weighted, stage: int) -> dict:
-    """``{(mesh, module weight nd-sbp): (time near layer j, its strategy)}``, the cheapest
-    strategy of layer ``j`` per weight layout; ``weighted`` is the layer with its weight (a
-    tied layer's strategies are priced without it: the holder carries the weight)."""
+    """``{MeshLayout of the weight in the module's axes: (time near layer j, its strategy)}``,
+    the cheapest strategy of layer ``j`` per weight layout; ``weighted`` is the layer with its
+    weight (a tied layer's strategies are priced without it: the holder carries the weight)."""
     layer = graph.layers[j]
     out: dict = {}
     for c in layer_space(weighted, layers[j].devices):
         s = dataclasses.replace(c, stage=stage)
         if layer.weight_shape is None:
             s = dataclasses.replace(s, weight=None, stored=None)
-        key = (c.mesh, module_nd(layer, c.weight))
+        key = MeshLayout(c.mesh, module_nd(layer, c.weight))
         t = near_cost(ev, graph, layers, j=j, c=s)
         if key not in out or t < out[key][0]:
             out[key] = (t, s)
     return out
 
 
-def _accepts(weighted, s, held: tuple) -> bool:
+def _accepts(weighted, s, held: MeshLayout) -> bool:
     """Whether tied layer strategy ``s`` (same mesh, input and output) runs with the weight
-    laid out as ``held`` = (mesh, module nd-sbp)."""
-    if s.mesh != held[0]:
+    laid out as ``held`` (its MeshLayout in the module's axes)."""
+    if s.mesh != held.mesh:
         return False
     if s.weight is not None:
-        return module_nd(weighted, s.weight) == held[1]
+        return module_nd(weighted, s.weight) == held.sbp
     return any((c.input, c.output) == (s.input, s.output) and
-               module_nd(weighted, c.weight) == held[1]
+               module_nd(weighted, c.weight) == held.sbp
                for c in layer_space(weighted, s.devices) if c.mesh == s.mesh)
