@@ -15,7 +15,9 @@ layout'). ``repr`` is for machines, ``str`` for people.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import warnings
 
 from typing import NamedTuple
 
@@ -23,7 +25,7 @@ from .errors import PlacementError, SbpParseError
 from .placement import Placement, placement
 from .sbp import SbpLike, dual_nd, format_nd_sbp, parse_nd_sbp
 
-__all__ = ["Layout", "MeshLayout", "as_layout"]
+__all__ = ["Layout", "MeshLayout", "as_layout", "takes_mesh_layouts"]
 
 
 class _Pair(NamedTuple):
@@ -128,3 +130,33 @@ class MeshLayout(NamedTuple):
 
     def __str__(self) -> str:
         return f"mesh({', '.join(str(d) for d in self.mesh)}) {format_nd_sbp(self.sbp)}"
+
+
+def _is_mesh(x) -> bool:
+    """Whether ``x`` is a mesh shape (the old form's first argument) rather than a layout."""
+    return type(x) is not MeshLayout and isinstance(x, (tuple, list)) and len(x) > 0 and \
+        isinstance(x[0], numbers.Integral)
+
+
+def takes_mesh_layouts(at: int):
+    """Decorator of a function whose arguments ``at`` and ``at + 1`` are two `MeshLayout` s
+    (source, destination): it also takes, for one release and with a DeprecationWarning, the
+    old form with four there, ``src_mesh, src_sbp, dst_mesh, dst_sbp``. A ``(mesh, sbp)`` pair
+    passes as it is (it equals its MeshLayout)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if len(args) > at and _is_mesh(args[at]):
+                if len(args) < at + 4 or not _is_mesh(args[at + 2]):
+                    raise TypeError(f"{fn.__qualname__} takes two MeshLayouts (src, dst) "
+                                    f"after its first {at} argument(s), got {args[at:]!r}")
+                warnings.warn(f"{fn.__qualname__}(..., src_mesh, src_sbp, dst_mesh, dst_sbp, "
+                              f"...) is deprecated: pass two layouts, sf.auto.MeshLayout("
+                              f"src_mesh, src_sbp) and MeshLayout(dst_mesh, dst_sbp)",
+                              DeprecationWarning, stacklevel=2)
+                m, s, dm, ds = args[at:at + 4]
+                args = args[:at] + (MeshLayout(tuple(m), tuple(s)),
+                                    MeshLayout(tuple(dm), tuple(ds))) + args[at + 4:]
+            return fn(*args, **kwargs)
+        return call
+    return decorate

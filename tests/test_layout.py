@@ -223,3 +223,19 @@ def test_mesh_layout_parse():
     for bad in ((), (0, 4), "84", (True, 2), None):
         with pytest.raises(PlacementError, match="shape of ints"):
             MeshLayout.parse(bad, sf.B)
+
+
+def test_takes_mesh_layouts_reads_the_old_quartet_form():
+    from sbpflow.layouts import MeshLayout, takes_mesh_layouts
+
+    @takes_mesh_layouts(1)
+    def f(shape, src, dst, itemsize=4):
+        return src, dst, itemsize
+    a, b = MeshLayout((2, 2), (sf.S(0), sf.B)), MeshLayout((4,), (sf.P,))
+    assert f((8,), a, b, 2) == (a, b, 2)
+    assert f((8,), tuple(a), tuple(b)) == (a, b, 4)       # pairs pass as they are
+    with pytest.warns(DeprecationWarning, match="pass two layouts"):
+        got = f((8,), [2, 2], [sf.S(0), sf.B], (4,), (sf.P,), itemsize=8)
+    assert got == (a, b, 8) and type(got[0]) is MeshLayout and type(got[0].mesh) is tuple
+    with pytest.raises(TypeError, match="two MeshLayouts"):
+        f((8,), (2, 2), (sf.S(0), sf.B), 4)
