@@ -1,5 +1,6 @@
 """What each rank receives in the boxing planner's point-to-point transfer, as fractions of the
-tensor: the analytic price's reduce-then-transfer reads these loads (`evaluate._via_transfer`).
+tensor: the analytic price's reduce-then-transfer reads these loads
+(`redistribution_price._via_transfer`).
 
 A search asks for thousands of them at a time (an edge table's entries), so they are found in
 batches: one numpy pass over ``[layout pair, axis, rank]`` arrays for every pair of the same

@@ -1,6 +1,7 @@
-"""The shape-free walk of the analytic redistribution (`evaluate._skeleton`): from one layout
-to another on a refined mesh, the fixed order's moves, or, where a move of that order is not
-a valid boxing step (nested splits of one axis), the planner's reduce-then-transfer options.
+"""The shape-free walk of the analytic redistribution (`redistribution_price.find_walk`): from
+one layout to another on a refined mesh, the fixed order's moves, or, where a move of that
+order is not a valid boxing step (nested splits of one axis), the planner's reduce-then-
+transfer options.
 
 A search walks tens of thousands of distinct layout pairs, so the walk runs on layouts coded
 as small ints (`layout_code`: ``S(a)`` is ``a``, ``B`` is -1, ``P(op)`` is -2, -3, -4),
@@ -35,7 +36,7 @@ class WalkMove(NamedTuple):
     """A move before the tensor's shape is known: its piece is ``numel / div`` (``div`` 0:
     the whole ``numel``; None: no piece, a local move), its strided copies ``copy`` terms
     ``(layout, axes, g)``: ``piece / g`` (``g`` None: ``piece``) when a rank's local shard
-    under ``layout`` is strided along one of ``axes`` (`evaluate._strided`)."""
+    under ``layout`` is strided along one of ``axes`` (`redistribution_price._strided`)."""
 
     kind: str
     mesh: tuple

@@ -1,4 +1,4 @@
-"""The edge tables' lower bounds (`sbpflow.auto.evaluate.edge_lower_bounds`) never exceed
+"""The edge tables' lower bounds (`sbpflow.auto.edge_bounds.edge_lower_bounds`) never exceed
 the price, nor the backward-only bounds the backward part: every entry of every distinct
 table filled and compared (the backward part on a sample). The dynamic programme
 and the pruned min-plus skip entries by these bounds, so a bound above its price could
@@ -11,7 +11,8 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.auto import model_graphs
-from sbpflow.auto.evaluate import Evaluator, edge_lower_bounds
+from sbpflow.auto.edge_bounds import edge_lower_bounds
+from sbpflow.auto.evaluate import Evaluator
 from sbpflow.auto.strategy_search import Problem
 
 

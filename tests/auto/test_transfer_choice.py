@@ -14,14 +14,14 @@ import pytest
 
 from sbpflow.sbp import B, P, S, shard_box
 
-E = importlib.import_module("sbpflow.auto.evaluate")
+E = importlib.import_module("sbpflow.auto.redistribution_price")
 TL = importlib.import_module("sbpflow.auto.transfer_loads")
 
 
 def _first_fewest_bytes(shape, fine, s, d) -> tuple:
     """Every option of `walk._transfer_options` priced in full; the moves of the first whose
     bytes per device are least."""
-    how, sk = E._skeleton(len(shape), fine, s, fine, d)
+    how, sk = E.find_walk(len(shape), fine, s, fine, d)
     assert how == "transfer"
     fine, s, d, ndim, options = sk.fine, sk.src, sk.dst, sk.ndim, sk.options
     numel = math.prod(shape)
@@ -51,7 +51,7 @@ def test_reduce_then_transfer_takes_the_first_fewest_bytes(fine):
     targets = list(itertools.product((S(0), S(1), B), repeat=len(fine)))
     checked = 0
     for s, d in itertools.product(sources, targets):
-        if E._skeleton(2, fine, s, fine, d).how != "transfer":
+        if E.find_walk(2, fine, s, fine, d).how != "transfer":
             continue
         assert E._plan(shape, fine, s, fine, d) == _first_fewest_bytes(shape, fine, s, d), \
             (fine, s, d)

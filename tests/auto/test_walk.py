@@ -9,6 +9,7 @@ from sbpflow.sbp import B, P, Partial, S
 
 W = importlib.import_module("sbpflow.auto.walk")
 E = importlib.import_module("sbpflow.auto.evaluate")
+RP = importlib.import_module("sbpflow.auto.redistribution_price")
 
 SBPS = (S(0), S(1), S(2), B, P, Partial("max"), Partial("min"))
 
@@ -47,7 +48,7 @@ def test_transfer_least_loads_are_the_least_of_each_reductions_options():
     # axis 0 split twice in the source: a transfer; of the reduce-scatters, the one along
     # axis 1 (not the first) lacks least
     fine, s, d = (2, 2, 4), (S(0), S(0), P), (S(0), S(1), S(1))
-    how, t = E._skeleton(3, fine, s, fine, d)
+    how, t = RP.find_walk(3, fine, s, fine, d)
     assert how == "transfer"
     by_kind: dict = {}
     for o in t.options:

@@ -340,7 +340,7 @@ def test_nested_moves_above_the_enumeration_limit_keep_their_collective():
 def test_transfer_into_partial_max_is_received_by_every_rank():
     """A non-first rank of a P(sum) destination holds zeros (receives nothing); of P(max) it
     holds a copy, so the busiest receiver is the same as for B."""
-    from sbpflow.auto.evaluate import _transfer
+    from sbpflow.auto.redistribution_price import _transfer
     fine, shape = (2, 2), (8, 8)
     as_b = _transfer(shape, fine, (S(0), S(0)), (B, S(1)))
     as_max = _transfer(shape, fine, (S(0), S(0)), (sf.P("max"), S(1)))
