@@ -3,7 +3,8 @@
 For each step ``c`` and worker ``i`` in order, the whole model runs forward and backward (one
 autograd graph) with stage ``j`` at the version the rule gives (`rules.version`); the
 gradients are summed over the workers in order and each stage's optimizer steps on their mean
-(`rules.accumulate`, `rules.average`, `StageOwner`). It runs on the calling rank alone. See
+(`rules.accumulate`, `rules.average`, `StageOwner`). It runs on the calling rank alone, every
+stage call eagerly (the trainer replays local stages: `stage_program`). See
 docs/cdp.md, 'Rules and versions'.
 """
 
@@ -34,7 +35,7 @@ def closed_form(stages, loss_fn: Callable, optimizer: Callable, rule: str,
     `CyclicDataParallel.state_dict`) and the losses ``(step, worker, value)``."""
     check_rule(rule)
     modules = stage_list(stages, split, example_input)
-    runners = [StageRunner(m, j) for j, m in enumerate(modules)]
+    runners = [StageRunner(m, j, programs=False) for j, m in enumerate(modules)]
     n = len(runners)
     check_n(n)
     pl = placement("cpu", [current().rank])

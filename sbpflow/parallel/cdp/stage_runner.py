@@ -6,12 +6,15 @@ on the rank's own placement for the call (under a lock: rank threads may share t
 the buffers as copies, runs it on the rank's input and returns what the call changed in the
 buffers (batch norm's running statistics); `backward` returns the gradients of the input and
 of the parameters (``torch.autograd.grad``: nothing accumulates into ``.grad``, so one
-version serves several micro-batches at once). `probe` gives a stage's output shape on meta
-tensors, `trace` each sub-module's. See docs/cdp.md, 'Stages'.
+version serves several micro-batches at once). A stage whose call is local kernels only runs
+them directly after one trace (`stage_program`), without the module or sbpflow's dispatch.
+`probe` gives a stage's output shape on meta tensors, `trace` each sub-module's. See
+docs/cdp.md, 'Stages'.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Callable, Sequence
@@ -23,6 +26,7 @@ from ...nn.modules import Module
 from ...placement import Placement
 from ...sbp import B
 from ...tensor import GlobalTensor
+from .stage_program import StageTape, trace
 
 __all__ = ["StageRunner"]
 
@@ -61,8 +65,12 @@ class StageRunner:
     buffers in ``named_buffers`` order (``names``, ``shapes``, ``dtypes``; the first
     ``nparams`` are parameters), and where each sits in the module tree."""
 
-    def __init__(self, module: Module, index: int) -> None:
+    def __init__(self, module: Module, index: int, programs: bool = True) -> None:
         self.module, self.index = module, index
+        # whether calls of local kernels only replay them (`forward`); the closed-form
+        # reference runs every call eagerly
+        self.programs = programs
+        self.tapes: dict = {}
         self.names, self.shapes, self.dtypes = [], [], []
         position: dict[int, int] = {}
         self.lock = _lock_of(module)
@@ -73,6 +81,7 @@ class StageRunner:
             tensors = [(m, list(m._parameters.items()), list(m._buffers.items()))
                        for m in mods]
         self.nparams = len(params)
+        self.modules = mods
         for name, p in named:
             position[id(p)] = len(self.names)
             self.names.append(name)
@@ -96,13 +105,10 @@ class StageRunner:
         return [t.requires_grad_(True) if k < self.nparams else t
                 for k, t in enumerate(tensors)]
 
-    def _call(self, tensors: Sequence[torch.Tensor], pl: Placement, fn: Callable
-              ) -> tuple[object, list[torch.Tensor]]:
-        np_ = self.nparams
-        wrapped = [_wrap(t, pl) for t in tensors[:np_]]
-        before = list(tensors[np_:])
-        copies = {k: _wrap(before[k - np_].detach().clone(), pl)
-                  for k in {k for _, _, k in self.buffer_slots}}
+    @contextlib.contextmanager
+    def _put_in(self, wrapped: list, copies: dict):
+        """The module with ``wrapped`` as its parameters and ``copies`` as its buffers (by
+        tensor index), under the stage's lock; the module's own put back after."""
         with self.lock:
             old = [m._parameters[attr] for m, attr, _ in self.slots]
             old_b = [m._buffers[attr] for m, attr, _ in self.buffer_slots]
@@ -111,34 +117,90 @@ class StageRunner:
             for m, attr, k in self.buffer_slots:
                 m._buffers[attr] = copies[k]
             try:
-                out = fn()
-                # a module may replace a buffer (batch norm moves it beside its input)
-                after = {k: m._buffers[attr] for m, attr, k in self.buffer_slots}
+                yield
             finally:
                 for (m, attr, _), p in zip(self.slots, old):
                     m._parameters[attr] = p
                 for (m, attr, _), b in zip(self.buffer_slots, old_b):
                     m._buffers[attr] = b
+
+    def _call(self, tensors: Sequence[torch.Tensor], pl: Placement, fn: Callable
+              ) -> tuple[object, list[torch.Tensor]]:
+        np_ = self.nparams
+        wrapped = [_wrap(t, pl) for t in tensors[:np_]]
+        before = list(tensors[np_:])
+        copies = {k: _wrap(before[k - np_].detach().clone(), pl)
+                  for k in {k for _, _, k in self.buffer_slots}}
+        with self._put_in(wrapped, copies):
+            out = fn()
+            # a module may replace a buffer (batch norm moves it beside its input)
+            after = {k: m._buffers[attr] for m, attr, k in self.buffer_slots}
         changes = [after[np_ + k].local.detach() - b.detach() for k, b in enumerate(before)]
         return out, changes
+
+    def _tape(self, x: torch.Tensor, pl: Placement, loss: Callable | None,
+              y: torch.Tensor | None) -> StageTape | None:
+        """The stage's recorded kernels for a call like this one (`stage_program`): traced
+        on meta tensors the first time, per input shape, dtype and grad, loss, train / eval
+        modes and grad mode; None where the stage has buffers (their changes are read from
+        the module), under autocast, or where the trace found more than local kernels."""
+        if not self.programs or len(self.names) != self.nparams or \
+                torch.is_autocast_enabled(pl.device_type):
+            return None
+        key = (tuple(x.shape), x.dtype, x.requires_grad, loss,
+               None if y is None else (tuple(y.shape), y.dtype), torch.is_grad_enabled(),
+               tuple(m.training for m in self.modules))
+        tape = self.tapes.get(key, False)
+        if tape is False:
+            def meta(shape, dtype, grad: bool) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
+            ins = [meta(x.shape, x.dtype, x.requires_grad)]
+            ins += [meta(s, d, True) for s, d in zip(self.shapes, self.dtypes)]
+            ins += [] if y is None else [meta(y.shape, y.dtype, False)]
+            wrapped = [_wrap(t, pl) for t in ins]  # (before the trace: made outside the ops)
+            with self._put_in(wrapped[1:1 + self.nparams], {}):
+                tape = trace(self._runner(wrapped[0], loss, wrapped[-1] if y is not None
+                                          else None), ins)
+            tape = self.tapes[key] = tape if tape.usable else None
+        return tape
+
+    def _runner(self, x: GlobalTensor, loss: Callable | None, y: GlobalTensor | None
+                ) -> Callable[[], GlobalTensor]:
+        """The stage's call on ``x`` (with ``loss``: ``loss(output, y)``), checked."""
+        def run() -> GlobalTensor:
+            out = self.module(x)
+            if loss is not None:
+                out = loss(out, y)
+            if not isinstance(out, GlobalTensor):
+                raise PlanError(f"CDP stage {self.index} returned {type(out).__name__}, not "
+                                f"an sf.GlobalTensor")
+            if loss is not None:
+                _check_scalar(loss, out, x.local)
+            return out
+        return run
 
     def forward(self, tensors: Sequence[torch.Tensor], x: torch.Tensor, pl: Placement,
                 loss: Callable | None = None, y: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output on input ``x`` with version ``tensors`` (local tensors); with
         ``loss`` (the last stage), ``loss(output, y)`` instead: a scalar. Also returns the
-        change the call made to each buffer (new value minus the version's)."""
-        def run():
-            out = self.module(_wrap(x, pl))
-            if loss is not None:
-                out = loss(out, _wrap(y, pl))
-            if not isinstance(out, GlobalTensor):
-                raise PlanError(f"CDP stage {self.index} returned {type(out).__name__}, not "
-                                f"an sf.GlobalTensor")
-            if loss is not None:
-                _check_scalar(loss, out, x)
-            return out.local
-        return self._call(tensors, pl, run)
+        change the call made to each buffer (new value minus the version's). A stage whose
+        call is local kernels only runs them directly (`_tape`), once its first real call's
+        eager output equalled the replay's."""
+        tape = None if x.is_meta else self._tape(x, pl, loss, y)
+        ins = [x, *tensors] + ([] if y is None else [y])
+        if tape is not None and tape.checked:
+            return tape.replay(ins), []
+        run = self._runner(_wrap(x, pl), loss, None if y is None else _wrap(y, pl))
+        out, changes = self._call(tensors, pl, run)
+        out = out.local
+        if tape is not None:  # the first real call: the replay must give the same values
+            with torch.no_grad():
+                tape.checked = torch.equal(tape.replay(ins), out.detach())
+            if not tape.checked:
+                self.tapes = {k: None for k in self.tapes}  # eager from now on
+                self.programs = False
+        return out, changes
 
     @staticmethod
     def backward(out: torch.Tensor, grad_out: torch.Tensor | None,

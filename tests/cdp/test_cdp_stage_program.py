@@ -1,0 +1,54 @@
+"""A CDP stage whose call is local kernels only replays them (`stage_program`): the values and
+gradients equal plain torch's bit for bit, and a stage that draws random numbers stays eager,
+its trace leaving the default seed stream where it was."""
+
+import torch
+
+import sbpflow as sf
+from sbpflow.parallel.cdp.stage_runner import StageRunner
+
+F64 = torch.float64
+
+
+def test_a_linear_tanh_stage_replays_torch_kernels():
+    def fn():
+        sf.manual_seed(0)
+        runner = StageRunner(sf.nn.Sequential(sf.nn.Linear(6, 4, dtype=F64), sf.nn.Tanh()), 0)
+        pl = sf.placement("cpu", [0])
+        version = runner.version([t.clone() for t in runner.initial()])
+        w, b = version
+        g = torch.Generator().manual_seed(3)
+        out = []
+        for _ in range(3):  # the trace, the checked first call, then replays
+            x = torch.randn(5, 6, dtype=F64, generator=g).requires_grad_(True)
+            got, changes = runner.forward(version, x, pl)
+            want = torch.tanh(torch.nn.functional.linear(x, w, b))
+            seed = torch.randn(5, 4, dtype=F64, generator=g)
+            grads = StageRunner.backward(got, seed, [x, w, b])
+            wants = torch.autograd.grad([want], [x, w, b], [seed])
+            out.append((torch.equal(got, want), all(map(torch.equal, grads, wants)), changes))
+        tapes = list(runner.tapes.values())
+        return out, [(t is not None and t.checked, len(t.nodes)) for t in tapes]
+    out, tapes = sf.launch(fn, world_size=1)[0]
+    assert out == [(True, True, [])] * 3
+    assert tapes == [(True, 2)]   # one key: linear and tanh
+
+
+def test_a_random_stage_stays_eager_and_keeps_the_seed_stream():
+    def fn():
+        sf.manual_seed(0)
+        runner = StageRunner(sf.nn.Sequential(sf.nn.Linear(6, 6, dtype=F64),
+                                              sf.nn.Dropout(0.5)), 0)
+        pl = sf.placement("cpu", [0])
+        version = runner.version([t.clone() for t in runner.initial()])
+        x = torch.ones(4, 6, dtype=F64)
+        state = sf.comm.current().per_rank
+        before = state.seed_counter
+        tape = runner._tape(x, pl, None, None)
+        after_trace = state.seed_counter
+        got, _ = runner.forward(version, x, pl)
+        return tape, before, after_trace, state.seed_counter, got
+    tape, before, after_trace, after_call, got = sf.launch(fn, world_size=1)[0]
+    assert tape is None
+    assert after_trace == before and after_call == before + 1   # the eager call drew one seed
+    assert got.shape == (4, 6)
