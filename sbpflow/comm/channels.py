@@ -48,12 +48,15 @@ def copy_tensors(obj: Any) -> Any:
     return obj
 
 
+_NO_TENSORS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors inside ``obj`` (tuples, lists, dicts): what a message moves."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, (tuple, list)):  # (a req / ack's ints: no call a field)
+        return sum(tensor_bytes(o) for o in obj if type(o) not in _NO_TENSORS)
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     return 0

@@ -31,7 +31,7 @@ from .channels import StoreChannels
 from .progress import own_connection
 from .receiver import HANDSHAKE_S, LEADS, RING_OFFER, Receiver
 from .shm_ring import RING_MIN, Ring, ring_bytes
-from .wire import copied, encode, encode_body, ring_frame
+from .wire import copied, encode, encode_any, ring_frame
 
 __all__ = ["SocketChannels", "address_key", "local_address"]
 
@@ -237,17 +237,22 @@ class _Peer:
     def post(self, src: int, channel: str, message: Any) -> None:
         """Send ``message``: its tensors' bytes through the ring when they are `RING_MIN` or
         more and fit its free space (the frame then names where), else inline."""
-        body = encode_body(message)
+        body = encode_any(message)
         views = body[1]
         if self.ring is not None and views and sum(v.nbytes for v in views) >= RING_MIN:
             with self.lock:
                 pos = self.ring.place(views)
                 if pos is not None:
-                    self.sock.sendall(ring_frame(src, channel, body[0], views, pos))
+                    self.sock.sendall(ring_frame(src, channel, body[0], views, pos, body[2]))
                 else:
                     self._write(encode(src, channel, message, body))
             return
-        self.send(encode(src, channel, message, body))
+        parts = encode(src, channel, message, body)
+        with self.lock:
+            if len(parts) == 1:  # (a req or an ack: one small bytes object)
+                self.sock.sendall(parts[0])
+            else:
+                self._write(parts)
 
     def send(self, parts: list) -> None:
         """Write a frame's parts (`wire.encode`) whole, after any frame already being sent."""

@@ -274,6 +274,9 @@ class TorchCommunicator(Communicator):
         return err
 
     def _chan(self) -> SocketChannels:
+        made = self._channels
+        if made is not None:  # (every post and lead asks: no lock once made)
+            return made
         with self._channels_lock:
             if self._channels is None:  # SBPFLOW_CHANNELS=store: the c10d store's queues
                 self._channels = SocketChannels(

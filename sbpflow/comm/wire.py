@@ -3,13 +3,13 @@
 A frame: a prefix ``"!QIiHH"`` (bytes after it, body bytes, source rank, channel bytes, buffer
 count), a ``"!Q"`` size per buffer, the channel (utf-8), the body, then each tensor's bytes as
 they are in memory (out of band), or (`IN_RING` set in the count) the ``"!Q"`` position in the
-sender's shared-memory ring (`shm_ring`) where they lie, before the channel. The body is the
+sender's shared-memory ring (`shm_ring`) where they lie, before the channel. The body is a
+fixed-size binary record (`records`: a ``req`` / ``ack``, `RECORD` set in the count) or the
 message's structure (pickle protocol 5, restricted): ``None``, bools, numbers, strings, bytes,
 tuples, lists, dicts, sets, torch dtypes, ``torch.Size`` / ``torch.device`` and tensors.
 `decode` resolves no other global — a frame that names one (a class whose ``__reduce__`` would
-run code) is a `WireError` and nothing in it is called — and `encode` refuses any other object
-at the sender (`WireError` naming the type), so a legitimate message never makes the receiver
-drop its peer. See docs/runtime.md, 'What the transport trusts'.
+run code) is a `WireError` and nothing in it is called; `encode` refuses any other object at
+the sender (`WireError` naming the type). See docs/runtime.md, 'What the transport trusts'.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ import numpy
 import torch
 
 from ..errors import WireError
+from . import records
 
-__all__ = ["PREFIX", "IN_RING", "encode", "encode_body", "ring_frame", "decode", "FrameReader",
-           "parse_frame", "copied"]
+__all__ = ["PREFIX", "IN_RING", "RECORD", "encode", "encode_body", "encode_any", "ring_frame",
+           "decode", "FrameReader", "parse_frame", "copied"]
 
 PREFIX = struct.Struct("!QIiHH")  # after-prefix bytes, body bytes, src, channel bytes, buffers
 IN_RING = 1 << 15  # in a frame's buffer count: the buffers lie in the sender's ring
+RECORD = 1 << 14  # in a frame's buffer count: the body is a binary record (`records`)
+_COUNT = RECORD - 1  # the buffer count's own bits
 _SIZE = struct.Struct("!Q")
 
 # the globals a body may name; nothing else is resolved (torch.load(weights_only=True)'s idea)
@@ -141,33 +144,62 @@ def encode_body(message: Any) -> tuple[bytes, list]:
     """``(body, buffers)`` of ``message``: its structure and its tensors' bytes (views of their
     memory, valid while the tensors are). `WireError` for an object that is not plain data."""
     body, views = _ENCODER.dump(message)
-    if len(views) >= IN_RING:
-        raise WireError(f"a message of {len(views)} tensors: send at most {IN_RING - 1} in one")
+    if len(views) > _COUNT:
+        raise WireError(f"a message of {len(views)} tensors: send at most {_COUNT} in one")
     return body, views
 
 
-def ring_frame(src: int, channel: str, body: bytes, views: list, pos: int) -> bytes:
-    """The frame of a message whose buffers ``views`` lie in the sender's ring at ``pos``."""
+def encode_any(message: Any) -> tuple[bytes, list, int]:
+    """``(body, buffers, flag)``: a record's (`records`; ``flag`` `RECORD`, its value's
+    tensors the buffers) when ``message`` is one, else `encode_body`'s with flag 0."""
+    rec = records.pack(message)
+    if rec is None:
+        return (*encode_body(message), 0)
+    head, kind, value = rec
+    if kind != records.PICKLED:
+        return head, [], RECORD
+    body, views = encode_body(value)
+    return head + body, views, RECORD
+
+
+def ring_frame(src: int, channel: str, body: bytes, views: list, pos: int,
+               flag: int = 0) -> bytes:
+    """The frame of a message whose buffers ``views`` lie in the sender's ring at ``pos``
+    (``flag``: `encode_any`'s)."""
     name = channel.encode()
     sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
     after = len(sizes) + _SIZE.size + len(name) + len(body)
-    return (PREFIX.pack(after, len(body), src, len(name), len(views) | IN_RING) + sizes
+    return (PREFIX.pack(after, len(body), src, len(name), len(views) | IN_RING | flag) + sizes
             + _SIZE.pack(pos) + name + body)
 
 
 def encode(src: int, channel: str, message: Any, body: tuple | None = None) -> list:
     """The parts of ``message``'s frame, to be written in order: one bytes object for a message
     without tensors; else the tensors' bytes follow, as views of their memory. `WireError` for
-    an object that is not plain data (named). ``body``: `encode_body`'s, if made already."""
-    body, views = encode_body(message) if body is None else body
+    an object that is not plain data (named). ``body``: `encode_any`'s (or `encode_body`'s),
+    if made already."""
+    body = encode_any(message) if body is None else body
+    body, views, flag = body if len(body) == 3 else (*body, 0)
     name = channel.encode()
     if not views:
         n = len(name) + len(body)
-        return [PREFIX.pack(n, len(body), src, len(name), 0) + name + body]
+        return [PREFIX.pack(n, len(body), src, len(name), flag) + name + body]
     sizes = b"".join(_SIZE.pack(v.nbytes) for v in views)
     after = len(sizes) + len(name) + len(body) + sum(v.nbytes for v in views)
-    return [PREFIX.pack(after, len(body), src, len(name), len(views)) + sizes + name + body,
-            *views]
+    return [PREFIX.pack(after, len(body), src, len(name), len(views) | flag) + sizes + name
+            + body, *views]
+
+
+def _decode(data: Any, buffers: list, record: int) -> Any:
+    """The message of the body ``data``: a record's (``record`` set) or `decode`'s."""
+    if not record:
+        return decode(data, buffers)
+    head, kind = records.unpack(data, 0, len(data))
+    if kind != records.PICKLED:
+        if buffers:
+            raise WireError("a record without a value, with tensor buffers")
+        return head
+    return head + (decode(data[records.HEAD.size:], buffers),)
 
 
 def decode(body: Any, buffers: list) -> Any:
@@ -245,14 +277,21 @@ class FrameReader:
                 lo = start + PREFIX.size
                 if end - lo < after:
                     break
-                if n_buf == 0 and chan_n + body_n == after:  # no tensors: the common case
+                if n_buf == RECORD and chan_n + body_n == after:  # a req / ack: the common case
+                    channel = _channel(buf[lo:lo + chan_n])
+                    message, kind = records.unpack(buf, lo + chan_n, body_n)
+                    if kind == records.PICKLED:
+                        message += (decode(bytes(buf[lo + chan_n + records.HEAD.size:
+                                                     lo + after]), []),)
+                elif n_buf == 0 and chan_n + body_n == after:  # no tensors
                     channel = _channel(buf[lo:lo + chan_n])
                     message = decode(bytes(buf[lo + chan_n:lo + after]), [])
                 elif n_buf & IN_RING:
                     channel, message = self._from_ring(lo, after, body_n, chan_n,
-                                                       n_buf & ~IN_RING)
+                                                       n_buf & _COUNT, n_buf & RECORD)
                 else:
-                    channel, message = self._with_buffers(lo, after, body_n, chan_n, n_buf)
+                    channel, message = self._with_buffers(lo, after, body_n, chan_n,
+                                                          n_buf & _COUNT, n_buf & RECORD)
                 out.append((src, channel, message))
                 start = lo + after
         except WireError as exc:
@@ -263,7 +302,7 @@ class FrameReader:
         return out
 
     def _from_ring(self, lo: int, after: int, body_n: int, chan_n: int,
-                   n_buf: int) -> tuple[str, Any]:
+                   n_buf: int, record: int) -> tuple[str, Any]:
         """A frame whose buffers lie in the sender's ring: read, decoded (copied out), freed."""
         if self.ring is None:
             raise WireError("a frame naming a shared-memory ring, on a connection with none")
@@ -277,17 +316,17 @@ class FrameReader:
         body = bytes(self.buf[at + chan_n:at + chan_n + body_n])
         buffers = self.ring.read(pos, sizes)
         try:
-            return channel, decode(body, buffers)
+            return channel, _decode(body, buffers, record)
         finally:  # (decoding copied the bytes out)
             [b.release() for b in buffers]
             self.ring.free()
 
     def _with_buffers(self, lo: int, after: int, body_n: int, chan_n: int,
-                      n_buf: int) -> tuple[str, Any]:
+                      n_buf: int, record: int) -> tuple[str, Any]:
         with memoryview(self.buf) as whole, whole[lo:lo + after] as frame:
             channel, body, buffers = _split(frame, after, body_n, chan_n, n_buf)
             try:
-                return channel, decode(body, buffers)
+                return channel, _decode(body, buffers, record)
             finally:  # released before buf resizes
                 body.release()
                 [b.release() for b in buffers]

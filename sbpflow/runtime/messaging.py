@@ -21,7 +21,7 @@ import weakref
 from typing import Any
 
 from ..comm.channels import copy_tensors, tensor_bytes
-from ..errors import ActorAborted, CommError
+from ..errors import ActorAborted, CommError, PlanError
 from .actors import Actor
 from .inbox import ensure_reader, failure_notice, route
 
@@ -123,6 +123,8 @@ class RunMessages:
         self.unstarted = set(self.peers)
         self.careful = run.rt.shared.failed
         self.posted_start = False  # this run's start went to the peers (see `stale_failure`)
+        # actor names as numbers in the reqs and acks to other ranks (`_compact`)
+        self.ids, self.names = run.rt.plan.actor_ids()
         leading = _leading_queue(run) if self.peers and self.comm.leads else None
         if leading is not None:  # (the run's conditions are made, not used yet)
             run.conds[leading] = _Leading(run.lock, self.comm)
@@ -192,7 +194,7 @@ class RunMessages:
                         return
                 self._deliver(target, msg)
                 return
-            self.comm.post(dst, self.channel, msg)
+            self.comm.post(dst, self.channel, self._compact(msg))
         except Exception as exc:  # noqa: BLE001 - e.g. the world aborted, the store is gone
             if msg[0] == "abort":  # already stopping: the first failure stands
                 return
@@ -202,6 +204,32 @@ class RunMessages:
                                 f"{type(exc).__name__}: {exc}")
                 err.__cause__, exc = exc, err
             self.run.watch.fail(exc, None)
+
+    def _compact(self, msg: tuple) -> tuple:
+        """A ``req`` or ``ack`` with numbers for its actor names (`Plan.actor_ids`): a message
+        of ints (and a req's value), which the transport sends as a fixed-size binary record
+        (`sbpflow.comm.records`); other messages as they are."""
+        kind, ids = msg[0], self.ids
+        if kind == "req":
+            return ("req", msg[1], ids[msg[2]]) + msg[3:]
+        if kind == "ack":
+            rank, name, i = msg[5]
+            return ("ack", msg[1], ids[msg[2]], msg[3], msg[4], rank, ids[name], i)
+        return msg
+
+    def _expand(self, msg: tuple) -> tuple:
+        """`_compact`'s message with its actor names back (`PlanError` for a number that names
+        no actor of this plan: the ranks run different plans)."""
+        names = self.names
+        try:
+            if msg[0] == "req":
+                return ("req", msg[1], names[msg[2]]) + msg[3:]
+            _, run, producer, reg, slot, rank, consumer, i = msg
+            return ("ack", run, names[producer], reg, slot, (rank, names[consumer], i))
+        except (KeyError, ValueError):
+            raise PlanError(f"rank {self.rank}: a {msg[0]!r} message {msg[:8]} names an actor "
+                            f"that plan {self.rt.plan.name!r} does not have (do all ranks run "
+                            f"the same plan?)") from None
 
     def _deliver(self, target: tuple, msg: tuple) -> None:
         """Hand ``msg`` to the run active on the receiver's channel, or keep it for a later
@@ -232,9 +260,9 @@ class RunMessages:
                     stale = stale or failure_notice(msg)
                     continue
                 elif msg[0] == "req":
-                    run.on_req(msg)
+                    run.on_req(msg if type(msg[2]) is str else self._expand(msg))
                 elif msg[0] == "ack":
-                    run.on_ack(msg)
+                    run.on_ack(msg if type(msg[2]) is str else self._expand(msg))
                 elif msg[0] == "abort":  # (text, the culprits the failure names)
                     aborts.append((msg[2], msg[3] if len(msg) > 3 else ()))
                 elif msg[0] == "start":

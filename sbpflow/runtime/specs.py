@@ -9,6 +9,7 @@ together. See docs/runtime.md, 'Actors and registers'.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -121,6 +122,27 @@ class Plan:
         if got is None:
             got = self._wiring["ranks"] = sorted(r for r, specs in self.actors.items() if specs)
         return list(got)
+
+    def actor_ids(self) -> tuple[dict[str, int], dict[int, str]]:
+        """Each actor name of the plan as a number and back: the first 63 bits of its BLAKE2b
+        digest, so the same on every rank whatever the order of the specs (how the runtime's
+        messages name actors in their fixed-size binary records, `sbpflow.comm.records`).
+        Worked out once a plan; two names with one number (never seen) are a `PlanError`."""
+        got = self._wiring.get("ids")
+        if got is None:
+            ids: dict[str, int] = {}
+            names: dict[int, str] = {}
+            for specs in self.actors.values():
+                for s in specs:
+                    if s.name not in ids:
+                        n = int.from_bytes(hashlib.blake2b(s.name.encode(), digest_size=8)
+                                           .digest(), "big") >> 1
+                        if n in names:
+                            raise PlanError(f"actors {names[n]!r} and {s.name!r} of plan "
+                                            f"{self.name!r} hash alike: rename one")
+                        ids[s.name], names[n] = n, s.name
+            got = self._wiring["ids"] = (ids, names)
+        return got
 
     def spec(self, rank: int, name: str) -> ActorSpec:
         for s in self.actors.get(rank, ()):
