@@ -2,8 +2,8 @@
 its PyTorch equivalent in the same run.
 
 1. activations (mode single, one rank): peak live (micro-batch x stage) activations of the
-   executed schedule and measured bytes saved for backward, DP vs CDP v1 / v2, against torch
-   running the N micro-batches as one batch;
+   executed schedule and measured bytes saved for backward, DP vs CDP v1 / v2, and step time
+   taking turns, against torch running the N micro-batches as one batch and one by one;
 2. dp (mode dp, N gloo processes): messages, bytes and the most gradient chunks made in one
    time step, and step time, against torch DDP (one bucketed all-reduce a step);
 3. pp (mode pp, N gloo processes): step time and bubble fraction against
@@ -72,53 +72,74 @@ def _trainer(args, rule: str, mode: str):
 
 
 # -- 1. activations --------------------------------------------------------------------------
+def _turns(fns: list, steps: int) -> list[float]:
+    """Median seconds a step of each function, taking turns step by step (A B C A B C ...)
+    after two warm-up steps each: load drifting over seconds hits them alike."""
+    for f in fns:
+        f()
+        f()
+    times = [[] for _ in fns]
+    for _ in range(steps):
+        for k, f in enumerate(fns):
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
+
+
 def _activations_rank(args) -> list:
     x, y = _data(args.n, args.micro_batch, args.width)
+    trainers = {rule: _trainer(args, rule, "single") for rule in ("dp", "v1", "v2")}
+    model = _torch_twin(_stages(args.n, args.width))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    micro = _torch_twin(_stages(args.n, args.width))
+    micro_opt = torch.optim.SGD(micro.parameters(), lr=LR, momentum=MOMENTUM)
+    xs, ys = torch.tensor_split(x, args.n), torch.tensor_split(y, args.n)
+
+    def torch_step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def micro_step():  # the same N micro-batches, one by one, gradients accumulated
+        for xi, yi in zip(xs, ys):
+            torch.nn.functional.cross_entropy(micro(xi), yi).backward()
+        micro_opt.step()
+        micro_opt.zero_grad()
+    fns = [lambda t=t: t.step(x, y) for t in trainers.values()] + [torch_step, micro_step]
+    times = _turns(fns, args.steps)
     rows = []
-    for rule in ("dp", "v1", "v2"):
-        t = _trainer(args, rule, "single")
-        t.step(x, y)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            t.step(x, y)
-        per = (time.perf_counter() - start) / args.steps
+    for (rule, t), per in zip(trainers.items(), times):
         t.flush()
         st = t.stats()
         rows.append((f"sbpflow {rule}", st["peak_live_activations"],
                      st["peak_activation_bytes"], per))
-    model = _torch_twin(_stages(args.n, args.width))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     with sf.memory.track() as mem:
-        per = _torch_steps(model, opt, x, y, args.steps)
-    rows.append(("torch, N micro-batches as one batch", None, mem.peak, per))
+        torch_step()
+    rows.append(("torch, N micro-batches as one batch", None, mem.peak, times[-2]))
+    with sf.memory.track() as mem:
+        micro_step()
+    rows.append(("torch, the N micro-batches one by one", None, mem.peak, times[-1]))
     return rows
-
-
-def _torch_steps(model, opt, x, y, steps: int) -> float:
-    for k in range(steps + 1):
-        if k == 1:
-            start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return (time.perf_counter() - start) / steps
 
 
 def activations(args) -> None:
     n = args.n
     rows = sf.launch(_activations_rank, world_size=1, args=(args,))[0]
     dp_bytes = rows[0][2]
+    t_torch = rows[-2][3]
     print(f"\n1. activations, mode single: N = {n}, micro-batch {args.micro_batch}, width "
-          f"{args.width} (balanced stages); mean of {args.steps} steps")
-    print(f"{'':<38}{'peak live':>10}{'saved bytes':>13}{'/ DP':>7}{'ms/step':>9}")
+          f"{args.width} (balanced stages); median of {args.steps} steps taking turns")
+    print(f"{'':<38}{'peak live':>10}{'saved bytes':>13}{'/ DP':>7}{'ms/step':>9}"
+          f"{'/ torch':>9}")
     for name, live, nbytes, per in rows:
         print(f"{name:<38}{'-' if live is None else live:>10}{nbytes:>13,}"
-              f"{nbytes / dp_bytes:>7.3f}{per * 1e3:>9.2f}")
+              f"{nbytes / dp_bytes:>7.3f}{per * 1e3:>9.2f}{per / t_torch:>9.2f}")
     print(f"(peak live: (micro-batch, stage) units, the spec's count from each F's step to its "
           f"B's, of the executed schedule: DP N^2 = {n * n}, CDP N(N+1)/2 = "
           f"{n * (n + 1) // 2}; (N+1)/(2N) = {(n + 1) / (2 * n):.3f}; saved bytes: "
-          f"sf.memory.track, tensors autograd saved, at the peak)")
+          f"sf.memory.track, tensors autograd saved, at the peak; / torch: over torch's step "
+          f"on the whole batch)")
 
 
 # -- 2. dp on gloo processes -----------------------------------------------------------------
