@@ -47,8 +47,8 @@ class Ring:
         self._end = 0  # receiver: the end of the record read and not yet freed
 
     @classmethod
-    def create(cls, capacity: int) -> "Ring":
-        fd = os.memfd_create("sbpflow-ring", os.MFD_CLOEXEC)
+    def create(cls, capacity: int, name: str = "sbpflow-ring") -> "Ring":
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)  # (the name shows in /proc/<pid>/maps)
         try:
             os.ftruncate(fd, _HEADER + capacity)
             mm = mmap.mmap(fd, _HEADER + capacity)

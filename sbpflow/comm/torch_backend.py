@@ -28,6 +28,7 @@ from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
 from .channels import tensor_bytes
 from .socket_channels import SocketChannels
+from .shm_collectives import SHM_MIN, ShmGroup, segment_bytes
 from .current import current_process, set_current
 from .auth import SECRET_ENV, new_secret
 from .local_world import loopback_store, rank_env
@@ -147,6 +148,8 @@ class TorchCommunicator(Communicator):
         self.world_pg = dist.group.WORLD
         self.nccl = "nccl" in str(dist.get_backend()).lower()
         self._groups: dict[tuple, Any] = {}  # never re-created: their store keys stay
+        self._shm: dict[tuple, ShmGroup | None] = {}  # as _groups; None: gloo only
+        self._shm_bytes = segment_bytes()
         self._loopback: deque[torch.Tensor] = deque()  # messages this rank sent to itself
         # which collective each rank reached, so that a timeout names the ranks it waited for
         self.progress = Progress(self.rank, c10d._get_default_store(),
@@ -209,6 +212,10 @@ class TorchCommunicator(Communicator):
         interpreter is alive. Call it when no collective is in flight: gloo waits for queued
         work (at most the collective timeout) before it lets a group go."""
         groups, self._groups = list(self._groups.values()), {}
+        for shm in self._shm.values():
+            if shm is not None:
+                shm.close()
+        self._shm = {}
         self.world_pg = None
         self.progress.close()
         if self._channels is not None:  # stop the channels' threads, close their sockets
@@ -369,8 +376,12 @@ class TorchCommunicator(Communicator):
         inp = b.to(wire)
         out = _receive_buffer(inp.numel() * len(group), wire, keep)
         pg = self._pg(group, cuda)
-        self._run("all_gather", group, cuda,
-                  lambda: pg._allgather_base(out, inp))  # a pg of our own: not in c10d's map
+        shm = None if cuda else self._shared(group, inp.numel())
+        if shm is not None:
+            shm.all_gather(inp, range(len(group)), self._barrier_of("all_gather", group), out)
+        else:
+            self._run("all_gather", group, cuda,
+                      lambda: pg._allgather_base(out, inp))  # a pg of our own: not in c10d's
         out = out.to(device)
         views = out.split(inp.numel())   # in pg rank order: sorted(group)
         order = sorted(group)
@@ -409,6 +420,14 @@ class TorchCommunicator(Communicator):
         blocks in it, and then until it ends; a `Pending` dropped unwaited closes it then (the
         rank will never wait in it)."""
         wire, cuda = self._wire(tensor.device)
+        shm = None if cuda else self._shared(group, nbytes(tensor))
+        if shm is not None:   # done now: the shared-memory path has no thread of its own
+            order = sorted(group)
+            got = shm.all_reduce(tensor.detach(), [order.index(r) for r in group], op,
+                                 self._barrier_of(f"all_reduce({op})", group))
+            if inplace and tensor.is_contiguous():
+                got = tensor.detach().copy_(got)
+            return Pending.done(got.to(tensor.device))
         if inplace and tensor.device == wire and tensor.is_contiguous():
             buf = tensor.detach()
         else:
@@ -438,6 +457,42 @@ class TorchCommunicator(Communicator):
             dropped = weakref.finalize(finish, progress.dropped, key, seq)
             dropped.atexit = False
         return Pending(finish)
+
+    # -- shared memory on one host (shm_collectives) -------------------------------------------
+    def _shared(self, group: tuple, nbytes: int) -> ShmGroup | None:
+        """The group's shared-memory segments when a collective of ``nbytes`` per member goes
+        through them (every member decides alike: the same sizes, the same environment, the
+        agreed set-up); None: through gloo."""
+        if len(group) < 2 or nbytes < SHM_MIN or not self._shm_bytes:
+            return None
+        key = (tuple(sorted(group)), collective_stream())
+        if key not in self._shm:
+            self._shm[key] = self._join_shared(group)
+        shm = self._shm[key]
+        return shm if shm is not None and shm.fits(nbytes, len(group)) else None
+
+    def _join_shared(self, group: tuple) -> ShmGroup | None:
+        """Make this member's segment, exchange the offers over gloo and map the others'; the
+        segments when every member mapped every other's, else None (on every member)."""
+        ranks = sorted(group)
+        pg = self._pg(group, False)
+        shm = ShmGroup(self._shm_bytes)
+        offers = torch.zeros(4 * len(ranks), dtype=torch.int64)
+        mine = torch.tensor(shm.offer(), dtype=torch.int64)
+        self._run("all_gather (shared-memory offers)", group, False,
+                  lambda: pg._allgather_base(offers, mine))
+        ok = torch.tensor([int(shm.join(ranks.index(self.rank), offers.view(-1, 4).tolist()))])
+        self._run("all_reduce (shared-memory set-up)", group, False,
+                  lambda: pg.allreduce([ok], dist.ReduceOp.MIN))
+        if int(ok):
+            return shm
+        shm.close()
+        return None
+
+    def _barrier_of(self, what: str, group: tuple) -> Callable[[], None]:
+        """The group's gloo barrier, recorded (and failing) as a step of collective ``what``."""
+        pg = self._pg(group, False)
+        return lambda: self._run(f"{what} (shared memory)", group, False, lambda: pg.barrier())
 
     def _broadcast(self, tensor, src, group):
         """The backend's broadcast of ``src``'s bytes; returns a new tensor on every member."""
