@@ -52,3 +52,50 @@ def test_a_random_stage_stays_eager_and_keeps_the_seed_stream():
     assert tape is None
     assert after_trace == before and after_call == before + 1   # the eager call drew one seed
     assert got.shape == (4, 6)
+
+
+class _HalfFrozen(sf.nn.Module):
+    """A stage that computes part of its output under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = sf.nn.Linear(6, 6, dtype=F64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = x * 2.0
+        return self.lin(x) + s
+
+
+def test_no_grad_inside_a_stage_and_forward_hooks():
+    """A replayed op runs in the grad mode it was traced in (x's gradient flows through the
+    Linear only, as in torch); a stage with a forward hook stays eager (the hook runs every
+    call)."""
+    def fn():
+        sf.manual_seed(0)
+        module = _HalfFrozen()
+        runner = StageRunner(module, 0)
+        pl = sf.placement("cpu", [0])
+        version = runner.version([t.clone() for t in runner.initial()])
+        w, b = version
+        g = torch.Generator().manual_seed(5)
+        same = []
+        for _ in range(3):
+            x = torch.randn(3, 6, dtype=F64, generator=g).requires_grad_(True)
+            got, _ = runner.forward(version, x, pl)
+            with torch.no_grad():
+                s = x * 2.0
+            want = torch.nn.functional.linear(x, w, b) + s
+            seed = torch.randn(3, 6, dtype=F64, generator=g)
+            grads = StageRunner.backward(got, seed, [x, w, b])
+            wants = torch.autograd.grad([want], [x, w, b], [seed])
+            same.append(torch.equal(got, want) and all(map(torch.equal, grads, wants)))
+        replayed = all(t is not None and t.checked for t in runner.tapes.values())
+        calls = []
+        module.lin.register_forward_hook(lambda *_: calls.append(1))
+        for _ in range(3):
+            runner.forward(version, torch.randn(3, 6, dtype=F64, generator=g), pl)
+        return same, replayed, len(calls)
+    same, replayed, calls = sf.launch(fn, world_size=1)[0]
+    assert same == [True] * 3 and replayed
+    assert calls == 3

@@ -65,10 +65,12 @@ class StageTape:
         consts = [None if isinstance(a, torch.Tensor) else a for a in local_args]
         if any(isinstance(v, torch.Tensor) for v in attrs.values()):
             return self._refuse(f"op {entry.op.name} with a tensor among its attributes")
+        if torch.is_autocast_enabled(pl.device_type):
+            return self._refuse(f"op {entry.op.name} under autocast")
         outs = out if isinstance(out, tuple) else (out,)
         self.nodes.append(("op", entry.op.kernel, tuple(consts), tuple(slots), dict(attrs),
                            tuple(self._new(t._local) for t in outs), isinstance(out, tuple),
-                           entry.detach, error_rule()))
+                           entry.detach, error_rule(), torch.is_grad_enabled()))
 
     def detach(self, src: GlobalTensor, out: GlobalTensor) -> None:
         s = self._slot(src._local)
@@ -95,12 +97,16 @@ class StageTape:
         for node in self.nodes:
             kind = node[0]
             if kind == "op":
-                _, kernel, consts, slots, attrs, outs, multi, detach, translate = node
+                _, kernel, consts, slots, attrs, outs, multi, detach, translate, grad = node
                 args = list(consts)
                 for pos, s in slots:
                     args[pos] = vals[s]
                 try:
-                    result = kernel(*args, **attrs)
+                    if grad == torch.is_grad_enabled():
+                        result = kernel(*args, **attrs)
+                    else:  # (the stage ran it under no_grad, or enable_grad, itself)
+                        with torch.set_grad_enabled(grad):
+                            result = kernel(*args, **attrs)
                 except Exception as exc:  # the rule the op ran under, as in eager
                     new = None if translate is None else translate(exc)
                     if new is None:

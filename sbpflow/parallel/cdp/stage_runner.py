@@ -143,9 +143,12 @@ class StageRunner:
         """The stage's recorded kernels for a call like this one (`stage_program`): traced
         on meta tensors the first time, per input shape, dtype and grad, loss, train / eval
         modes and grad mode; None where the stage has buffers (their changes are read from
-        the module), under autocast, or where the trace found more than local kernels."""
+        the module), forward hooks (a replay would skip them), under autocast, or where the
+        trace found more than local kernels."""
         if not self.programs or len(self.names) != self.nparams or \
-                torch.is_autocast_enabled(pl.device_type):
+                torch.is_autocast_enabled(pl.device_type) or any(
+                    m.__dict__.get("_forward_hooks") or m.__dict__.get("_forward_pre_hooks")
+                    for m in self.modules):
             return None
         key = (tuple(x.shape), x.dtype, x.requires_grad, loss,
                None if y is None else (tuple(y.shape), y.dtype), torch.is_grad_enabled(),
