@@ -279,8 +279,9 @@ def _rank(cfg: dict):
     step_rows = []
     for tr, ts in steps:
         _, shape, sm, snd, dm, dnd = tr
-        ev, _ = sf.auto.redistribution(shape, sm, snd, dm, dnd, 4, cluster)
-        kinds = [k for k, *_ in sf.auto.redistribution_steps(shape, sm, snd, dm, dnd)]
+        src, dst = sf.auto.MeshLayout(sm, snd), sf.auto.MeshLayout(dm, dnd)
+        ev, _ = sf.auto.redistribution(shape, src, dst, 4, cluster)
+        kinds = [k for k, *_ in sf.auto.redistribution_steps(shape, src, dst)]
         pln = sf.boxing.plan(shape, torch.float32, (_placement(sm, p), snd),
                              (_placement(dm, p), dnd))
         step_rows.append(dict(what=f"{shape} {sm} {format_nd_sbp(snd)} -> {format_nd_sbp(dnd)}",

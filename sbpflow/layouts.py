@@ -25,7 +25,7 @@ from .errors import PlacementError, SbpParseError
 from .placement import Placement, placement
 from .sbp import SbpLike, dual_nd, format_nd_sbp, parse_nd_sbp
 
-__all__ = ["Layout", "MeshLayout", "as_layout", "takes_mesh_layouts"]
+__all__ = ["Layout", "MeshLayout", "as_layout", "from_quartet", "takes_mesh_layouts"]
 
 
 class _Pair(NamedTuple):
@@ -138,25 +138,33 @@ def _is_mesh(x) -> bool:
         isinstance(x[0], numbers.Integral)
 
 
+def from_quartet(name: str, src_mesh, src_sbp, rest: tuple) -> tuple:
+    """``(src, dst, rest[2:])`` of an old-form call ``name(..., src_mesh, src_sbp, *rest)``
+    whose ``rest`` starts with ``dst_mesh, dst_sbp``: two `MeshLayout` s, with a
+    DeprecationWarning (the form works for one release); `TypeError` if it is not that form."""
+    if len(rest) < 2 or not _is_mesh(src_mesh) or not _is_mesh(rest[0]):
+        raise TypeError(f"{name} takes two MeshLayouts (src, dst), got "
+                        f"{(src_mesh, src_sbp) + tuple(rest)!r}; e.g. sf.auto.MeshLayout((8, 4), "
+                        f"(sf.S(0), sf.B))")
+    warnings.warn(f"{name}(..., src_mesh, src_sbp, dst_mesh, dst_sbp, ...) is deprecated: pass "
+                  f"two layouts, sf.auto.MeshLayout(src_mesh, src_sbp) and MeshLayout(dst_mesh, "
+                  f"dst_sbp)", DeprecationWarning, stacklevel=3)
+    return (MeshLayout(tuple(src_mesh), tuple(src_sbp)),
+            MeshLayout(tuple(rest[0]), tuple(rest[1])), tuple(rest[2:]))
+
+
 def takes_mesh_layouts(at: int):
     """Decorator of a function whose arguments ``at`` and ``at + 1`` are two `MeshLayout` s
-    (source, destination): it also takes, for one release and with a DeprecationWarning, the
-    old form with four there, ``src_mesh, src_sbp, dst_mesh, dst_sbp``. A ``(mesh, sbp)`` pair
-    passes as it is (it equals its MeshLayout)."""
+    (source, destination): it also takes the old form with four there, ``src_mesh, src_sbp,
+    dst_mesh, dst_sbp`` (`from_quartet`: one release, a DeprecationWarning). A ``(mesh,
+    sbp)`` pair passes as it is (it equals its MeshLayout)."""
     def decorate(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if len(args) > at and _is_mesh(args[at]):
-                if len(args) < at + 4 or not _is_mesh(args[at + 2]):
-                    raise TypeError(f"{fn.__qualname__} takes two MeshLayouts (src, dst) "
-                                    f"after its first {at} argument(s), got {args[at:]!r}")
-                warnings.warn(f"{fn.__qualname__}(..., src_mesh, src_sbp, dst_mesh, dst_sbp, "
-                              f"...) is deprecated: pass two layouts, sf.auto.MeshLayout("
-                              f"src_mesh, src_sbp) and MeshLayout(dst_mesh, dst_sbp)",
-                              DeprecationWarning, stacklevel=2)
-                m, s, dm, ds = args[at:at + 4]
-                args = args[:at] + (MeshLayout(tuple(m), tuple(s)),
-                                    MeshLayout(tuple(dm), tuple(ds))) + args[at + 4:]
+                src, dst, more = from_quartet(fn.__qualname__, args[at], args[at + 1]
+                                              if len(args) > at + 1 else None, args[at + 2:])
+                args = args[:at] + (src, dst) + more
             return fn(*args, **kwargs)
         return call
     return decorate

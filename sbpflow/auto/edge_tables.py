@@ -90,7 +90,7 @@ class EdgeTable:
         done[r, c] = True
         ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
         floor = ev.edge_backward_floor if backward else ev.edge_forward_floor
-        got = [floor(shape, *rows[i], *cols[j]) for i, j in zip(r.tolist(), c.tolist())]
+        got = [floor(shape, rows[i], cols[j]) for i, j in zip(r.tolist(), c.tolist())]
         secs = np.array([t for t, _ in got])
         exact = np.array([e for _, e in got], dtype=bool)
         if secs.min() < 0:
@@ -141,7 +141,7 @@ class EdgeTable:
         ev, shape, rows, cols = self.pb.ev, self.shape, self.rows, self.cols
         pairs = [(rows[i], cols[j]) for i, j in zip(r.tolist(), c.tolist())]
         ev.find_loads(shape, pairs, [True] * len(pairs), backward=False)
-        vals = np.array([ev.edge_forward(shape, *a, *b) for a, b in pairs])
+        vals = np.array([ev.edge_forward(shape, a, b) for a, b in pairs])
         self.Mf[r, c] = vals
         self.fwd_known[r, c] = True
         if vals.min() < 0:
@@ -166,8 +166,8 @@ class EdgeTable:
         ft = self.Mf[r, c].tolist()
         pairs = [(rows[i], cols[j]) for i, j in zip(r.tolist(), c.tolist())]
         ev.find_loads(shape, pairs, [not h for h in half], backward=True)
-        vals = np.array([(ft[k] if half[k] else ev.edge_forward(shape, *a, *b)) +
-                         ev.edge_backward(shape, *a, *b) for k, (a, b) in enumerate(pairs)])
+        vals = np.array([(ft[k] if half[k] else ev.edge_forward(shape, a, b)) +
+                         ev.edge_backward(shape, a, b) for k, (a, b) in enumerate(pairs)])
         self.M[r, c] = vals
         self.known[r, c] = True
         self.pb.edge_evaluations += len(vals)

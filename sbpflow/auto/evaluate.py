@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..caches import memoize
-from ..sbp import Partial, S, Split, dual_nd
+from ..layouts import MeshLayout, from_quartet
+from ..sbp import Partial, S, Split
 from .edge_bounds import edge_lower_bounds
 from .redistribution_price import (redistribution, redistribution_floor, redistribution_steps,
                                    find_walk, transfer_floor, walk_price)
@@ -114,16 +115,20 @@ def _no_backward(a_out: tuple, b_in: tuple) -> bool:
 
 
 @memoize(1 << 17)
-def _gradient_layouts(a_out: tuple, b_in: tuple) -> tuple | None:
-    """``(dual(b_in), dual(a_out))``: the layouts an edge's gradient moves from and to, or
-    None when it has no backward redistribution (`_no_backward`); asked for at every
-    backward floor, price and batch of loads."""
-    return None if _no_backward(a_out, b_in) else (dual_nd(b_in), dual_nd(a_out))
+def _gradient_layouts(src: MeshLayout, dst: MeshLayout) -> tuple | None:
+    """``(dst.dual(), src.dual())``: the layouts the gradient of an edge ``src -> dst``
+    moves from and to, or None when it has no backward redistribution (`_no_backward`);
+    asked for at every backward floor, price and batch of loads (memoised: a MeshLayout
+    built per ask would cost more than the lookup)."""
+    (am, ao), (bm, bi) = src, dst
+    if _no_backward(ao, bi):
+        return None
+    return MeshLayout(bm, bi).dual(), MeshLayout(am, ao).dual()
 
 
-def _price_key(shape, a_mesh, a, b_mesh, b, micro) -> tuple:
+def _price_key(shape, src, dst, micro) -> tuple:
     """The key of `Evaluator._redist`'s memo (`Evaluator.find_loads` reads it too)."""
-    return shape, a_mesh, a, b_mesh, b, micro
+    return shape, src, dst, micro
 
 
 # prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
@@ -153,12 +158,17 @@ class Evaluator:
         # slower: a price then finds what it reads itself)
         self._loaded: set = shared.setdefault("loaded", set())
 
-    def _redist(self, shape, a_mesh, a, b_mesh, b, micro=1):
+    def _redist(self, shape, src: MeshLayout, dst: MeshLayout, micro=1, *old):
         """`redistribution` ``(seconds, bytes)`` on this cluster, memoised: a layer's
         candidates share few weight and output layouts (GPT-3: 28,663 gradient syncs asked
         for in a default search, 9,627 distinct), and an edge direction the search bounded
-        by its walk (`edge_forward_floor`) is asked for again when the entry is priced."""
-        key = _price_key(shape, a_mesh, a, b_mesh, b, micro)
+        by its walk (`edge_forward_floor`) is asked for again when the entry is priced. The
+        old form ``(shape, a_mesh, a, b_mesh, b[, micro])`` works one release (`from_quartet`,
+        read from ``*old``: the empty tuple costs the hot path nothing)."""
+        if old:
+            src, dst, rest = from_quartet("Evaluator._redist", src, dst, (micro,) + old)
+            micro = rest[0] if rest else 1
+        key = _price_key(shape, src, dst, micro)
         hit = self._prices.get(key)
         if hit is None:
             if len(self._prices) >= _PRICES_KEPT:
@@ -166,7 +176,7 @@ class Evaluator:
                     memo.clear()
             # layout pairs whose meshes refine to one walk share its price (VGG-13: 40 % of
             # the prices a search asks for)
-            walk = find_walk(len(shape), tuple(a_mesh), tuple(a), tuple(b_mesh), tuple(b))
+            walk = find_walk(len(shape), *src, *dst)
             wkey = (walk, shape, micro)
             hit = self._walk_prices.get(wkey)
             if hit is None:
@@ -176,19 +186,18 @@ class Evaluator:
         return hit
 
     def find_loads(self, shape: tuple, pairs: list, forward: list, backward: bool) -> None:
-        """Before the edge entries ``pairs`` (``((a_mesh, a_out), (b_mesh, b_in))`` each, of a
-        tensor of ``shape``) are priced: the transfer loads their prices will read, found in
+        """Before the edge entries ``pairs`` (``(src, dst)`` MeshLayouts each, of a tensor of
+        ``shape``) are priced: the transfer loads their prices will read, found in
         one batch (`find_fractions`), a numpy pass for all instead of one each; the forward
         direction where ``forward[k]``, the backward with ``backward``, directions already
         priced left out. The prices that follow read them from the memo, unchanged."""
         walks, micro, prices, loaded = [], self.micro, self._prices, self._loaded
-        for ((am, ao), (bm, bi)), fwd in zip(pairs, forward):
-            if fwd and _price_key(shape, am, ao, bm, bi, micro) not in prices:
-                walks.append(find_walk(len(shape), am, ao, bm, bi))
-            grad = _gradient_layouts(ao, bi) if backward else None
-            if grad is not None and \
-                    _price_key(shape, bm, grad[0], am, grad[1], micro) not in prices:
-                walks.append(find_walk(len(shape), bm, grad[0], am, grad[1]))
+        for (a, b), fwd in zip(pairs, forward):
+            if fwd and _price_key(shape, a, b, micro) not in prices:
+                walks.append(find_walk(len(shape), *a, *b))
+            grad = _gradient_layouts(a, b) if backward else None
+            if grad is not None and _price_key(shape, *grad, micro) not in prices:
+                walks.append(find_walk(len(shape), *grad[0], *grad[1]))
         # a walk's loads are found once (for any shape: they are fractions of the tensor)
         walks = [w for w in dict.fromkeys(walks) if w.how == "transfer" and w not in loaded]
         find_fractions([k for w in walks for k in w.body.keys])
@@ -240,11 +249,12 @@ class Evaluator:
         if layer.weight_shape is not None and s.zero in (1, 2):
             gt, gb = self._zero12(layer, s)
         elif layer.weight_shape is not None:
-            w, st, ws = s.weight, s.weight_stored, tuple(layer.weight_shape)
-            t, b = self._redist(ws, mesh, dual_nd(w), mesh, st)   # gradient -> param layout
+            w, st = MeshLayout(mesh, s.weight), MeshLayout(mesh, s.weight_stored)
+            ws = tuple(layer.weight_shape)
+            t, b = self._redist(ws, w.dual(), st)   # gradient -> param layout
             gt, gb = gt + t, gb + b
             if st != w:  # ZeRO-3: gather the weight for forward and again for backward
-                t, b = self._redist(ws, mesh, st, mesh, w)
+                t, b = self._redist(ws, st, w)
                 gt, gb, gather = gt + 2 * m * t, gb + 2 * m * b, 2 * m * t
         ft, fb, bt, bb = self._sink_terms(layer, s) if sink else (0.0, 0.0, 0.0, 0.0)
         out = {"compute": compute, "grad_time": gt, "grad_bytes": gb, "fwd_time": ft,
@@ -259,82 +269,97 @@ class Evaluator:
         so a partial output is reduced (and its gradient sent back the dual way)."""
         if not any(isinstance(x, Partial) for x in s.output):
             return 0.0, 0.0, 0.0, 0.0
-        mesh, m = s.mesh, self.micro
-        red = tuple(S(0) if isinstance(x, Partial) else x for x in s.output)
+        m, out = self.micro, s.output_layout
+        red = MeshLayout(s.mesh, tuple(S(0) if isinstance(x, Partial) else x for x in s.output))
         shape = tuple(layer.output_shape)
-        ft, fb = self._redist(shape, mesh, s.output, mesh, red, m)
-        bt, bb = self._redist(shape, mesh, dual_nd(red), mesh, dual_nd(s.output), m)
+        ft, fb = self._redist(shape, out, red, m)
+        bt, bb = self._redist(shape, red.dual(), out.dual(), m)
         return ft, fb, bt, bb
 
     def _zero12(self, layer, s) -> tuple:
         """(grad-sync time, bytes) of a weight at ZeRO stage 1 or 2 (docs/auto.md, 'ZeRO
         stages'): the gradient reduce-scattered to ``stored`` and the updated shard
         all-gathered back, once a step (data parallelism's bytes)."""
-        w, st, ws, mesh = s.weight, s.stored, tuple(layer.weight_shape), s.mesh
-        t1, b1 = self._redist(ws, mesh, dual_nd(w), mesh, st)
-        t2, b2 = self._redist(ws, mesh, st, mesh, w)
+        w, st, ws = MeshLayout(s.mesh, s.weight), MeshLayout(s.mesh, s.stored), \
+            tuple(layer.weight_shape)
+        t1, b1 = self._redist(ws, w.dual(), st)
+        t2, b2 = self._redist(ws, st, w)
         return t1 + t2, b1 + b2
 
     def edge_terms(self, producer, a, consumer, b) -> dict:
         """Forward redistribution of the producer's output into the consumer's input layout
         and the dual redistribution of its gradient in backward."""
         shape = tuple(producer.output_shape)
-        b_in = _clip_axis(b.input, len(shape))
-        key = (shape, a.mesh, a.output, b.mesh, b_in)
+        src, dst = a.output_layout, MeshLayout(b.mesh, _clip_axis(b.input, len(shape)))
+        key = (shape, src, dst)
         hit = self._edge.get(key)
         if hit is not None:
             return hit
-        ft, fb, bt, bb = self._edge_pair(shape, a.mesh, a.output, b.mesh, b_in)
+        ft, fb, bt, bb = self._edge_pair(shape, src, dst)
         out = {"fwd_time": ft, "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb,
                "time": ft + bt}
         self._edge[key] = out
         return out
 
-    def edge_time(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                  b_in: tuple) -> float:
-        """``edge_terms(...)["time"]`` from the layouts alone (``b_in`` already clipped to the
-        tensor's axes), not cached here: the search's edge tables are the cache."""
-        ft, _, bt, _ = self._edge_pair(shape, a_mesh, a_out, b_mesh, b_in)
+    # The edge methods below take the producer's output layout ``src`` and the consumer's
+    # input layout ``dst`` (clipped to the tensor's axes), `MeshLayout` s or (mesh, nd-sbp)
+    # pairs; the old form (shape, a_mesh, a_out, b_mesh, b_in) works one release
+    # (`from_quartet`: a DeprecationWarning). The search calls them once per table entry, so
+    # the old form is read from ``*old`` (an empty tuple costs nothing), not by a decorator.
+    def edge_time(self, shape: tuple, src: MeshLayout, dst: MeshLayout, *old) -> float:
+        """``edge_terms(...)["time"]`` from the layouts alone, not cached here: the search's
+        edge tables are the cache."""
+        if old:
+            src, dst, _ = from_quartet("Evaluator.edge_time", src, dst, old)
+        ft, _, bt, _ = self._edge_pair(shape, src, dst)
         return ft + bt
 
-    def edge_forward(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                     b_in: tuple) -> float:
+    def edge_forward(self, shape: tuple, src: MeshLayout, dst: MeshLayout, *old) -> float:
         """The forward part of `edge_time` (its first term)."""
-        return self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)[0]
+        if old:
+            src, dst, _ = from_quartet("Evaluator.edge_forward", src, dst, old)
+        return self._redist(shape, src, dst, self.micro)[0]
 
-    def edge_backward(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                      b_in: tuple) -> float:
+    def edge_backward(self, shape: tuple, src: MeshLayout, dst: MeshLayout, *old) -> float:
         """The backward part of `edge_time` (its second term)."""
-        return self._edge_backward(shape, a_mesh, a_out, b_mesh, b_in)[0]
+        if old:
+            src, dst, _ = from_quartet("Evaluator.edge_backward", src, dst, old)
+        return self._edge_backward(shape, src, dst)[0]
 
-    def _edge_backward(self, shape, a_mesh, a_out, b_mesh, b_in):
+    def _edge_backward(self, shape, src, dst):
         """(seconds, bytes) of the gradient's dual redistribution (`_no_backward`: none)."""
-        grad = _gradient_layouts(a_out, b_in)
+        grad = _gradient_layouts(src, dst)
         if grad is None:
             return 0.0, 0.0
-        return self._redist(shape, b_mesh, grad[0], a_mesh, grad[1], self.micro)
+        return self._redist(shape, grad[0], grad[1], self.micro)
 
-    def edge_forward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                           b_in: tuple) -> tuple[float, bool]:
+    def edge_forward_floor(self, shape: tuple, src: MeshLayout, dst: MeshLayout,
+                           *old) -> tuple[float, bool]:
         """``(seconds, exact)``: `edge_forward` when its walk is the fixed order's moves (cheap
         to price once the walk is known), else `redistribution_floor`'s lower bound of it
         (a transfer's loads not found)."""
-        return self._floor(shape, a_mesh, a_out, b_mesh, b_in)
+        if old:
+            src, dst, _ = from_quartet("Evaluator.edge_forward_floor", src, dst, old)
+        return self._floor(shape, src, dst)
 
-    def edge_backward_floor(self, shape: tuple, a_mesh: tuple, a_out: tuple, b_mesh: tuple,
-                            b_in: tuple) -> tuple[float, bool]:
+    def edge_backward_floor(self, shape: tuple, src: MeshLayout, dst: MeshLayout,
+                            *old) -> tuple[float, bool]:
         """`edge_backward` or a lower bound of it, as `edge_forward_floor`."""
-        grad = _gradient_layouts(a_out, b_in)
+        if old:
+            src, dst, _ = from_quartet("Evaluator.edge_backward_floor", src, dst, old)
+        grad = _gradient_layouts(src, dst)
         if grad is None:
             return 0.0, True
-        return self._floor(shape, b_mesh, grad[0], a_mesh, grad[1])
+        return self._floor(shape, grad[0], grad[1])
 
-    def _floor(self, shape, a_mesh, a, b_mesh, b) -> tuple[float, bool]:
+    def _floor(self, shape, src: MeshLayout, dst: MeshLayout, *old) -> tuple[float, bool]:
         """`redistribution_floor`, kept by walk and shape (`Walk`), or the price when the
-        walk is the fixed order's moves (exact: True)."""
-        walk = find_walk(len(shape), tuple(a_mesh), tuple(a), tuple(b_mesh), tuple(b))
+        walk is the fixed order's moves (exact: True). The old form as `_redist`'s."""
+        if old:
+            src, dst, _ = from_quartet("Evaluator._floor", src, dst, old)
+        walk = find_walk(len(shape), *src, *dst)
         if walk.how != "transfer":
-            return self._redist(shape, a_mesh, a, b_mesh, b, self.micro)[0], True
+            return self._redist(shape, src, dst, self.micro)[0], True
         key = (walk, shape)
         floor = self._floors.get(key)
         if floor is None:
@@ -344,9 +369,9 @@ class Evaluator:
                                                        self.cluster, self.micro)
         return floor, False
 
-    def _edge_pair(self, shape, a_mesh, a_out, b_mesh, b_in):
-        ft, fb = self._redist(shape, a_mesh, a_out, b_mesh, b_in, self.micro)
-        bt, bb = self._edge_backward(shape, a_mesh, a_out, b_mesh, b_in)
+    def _edge_pair(self, shape, src, dst):
+        ft, fb = self._redist(shape, src, dst, self.micro)
+        bt, bb = self._edge_backward(shape, src, dst)
         return ft, fb, bt, bb
 
     def breakdown(self, strategy) -> Breakdown:

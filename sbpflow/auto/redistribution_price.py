@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from ..caches import BoundedDict, memoize
 from ..cost.formulas import linear_time, volume
+from ..layouts import MeshLayout, takes_mesh_layouts
 from ..sbp import Partial, Split
 from .transfer_loads import transfer_fraction
 from .walk import TransferWalk, Walk, WalkMove, divisor, fine_walk, layout_code
@@ -54,14 +55,17 @@ def common_refinement(mesh_a: tuple, mesh_b: tuple):
     return fine, owner(mesh_a), owner(mesh_b)
 
 
+@takes_mesh_layouts(1)
 @memoize(1 << 20)
-def redistribution_steps(shape: tuple, src_mesh: tuple, src: tuple, dst_mesh: tuple,
-                         dst: tuple) -> tuple:
-    """The collectives of the analytic redistribution: `Collective` records ``(kind,
-    fine_mesh, dims, numel)`` where ``numel`` is the size of the piece each collective is about
-    (for a ``"transfer"``: the elements the busiest rank receives)."""
-    return tuple(Collective(*m[:4]) for m in _plan(tuple(shape), tuple(src_mesh), tuple(src),
-                                                   tuple(dst_mesh), tuple(dst))
+def redistribution_steps(shape: tuple, src: MeshLayout, dst: MeshLayout) -> tuple:
+    """The collectives of the analytic redistribution of a tensor of ``shape`` from ``src``
+    to ``dst`` (`MeshLayout` s or ``(mesh, nd-sbp)`` pairs; the old form ``(shape, src_mesh,
+    src, dst_mesh, dst)`` works one release): `Collective` records ``(kind, fine_mesh, dims,
+    numel)`` where ``numel`` is the size of the piece each collective is about (for a
+    ``"transfer"``: the elements the busiest rank receives)."""
+    (sm, s), (dm, d) = src, dst
+    return tuple(Collective(*m[:4]) for m in _plan(tuple(shape), tuple(sm), tuple(s),
+                                                   tuple(dm), tuple(d))
                  if m.kind != "local")
 
 
@@ -251,11 +255,14 @@ def _per_device(kind: str, piece: float, g: int) -> float:
     return volume(kind, _about(kind, piece, g), g)
 
 
-def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, cluster=None,
+@takes_mesh_layouts(1)
+def redistribution(shape, src: MeshLayout, dst: MeshLayout, itemsize: int = 4, cluster=None,
                    micro_batches: int = 1) -> tuple[float, float]:
-    """(seconds, bytes sent per device) of redistributing a tensor of ``shape`` from
-    ``(src_mesh, src)`` to ``(dst_mesh, dst)``; seconds need a ``cluster``. With micro-batches
-    the activation moves in ``micro_batches`` pieces (same bytes, more latency).
+    """(seconds, bytes sent per device) of redistributing a tensor of ``shape`` from layout
+    ``src`` to ``dst`` (`MeshLayout` s or ``(mesh, nd-sbp)`` pairs; the old form ``(shape,
+    src_mesh, src, dst_mesh, dst, ...)`` works one release, with a DeprecationWarning);
+    seconds need a ``cluster``. With micro-batches the activation moves in ``micro_batches``
+    pieces (same bytes, more latency).
 
     Seconds, summed over the steps of `redistribution_steps` plus the local (slice) steps:
 
@@ -269,8 +276,9 @@ def redistribution(shape, src_mesh, src, dst_mesh, dst, itemsize: int = 4, clust
       receiver, ``n`` the bytes and ``m`` the messages it receives, plus ``copy_beta·n`` for
       writing them into its output shard.
     """
-    return walk_price(find_walk(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh),
-                                tuple(dst)), tuple(shape), itemsize, cluster, micro_batches)
+    (sm, s), (dm, d) = src, dst
+    return walk_price(find_walk(len(shape), tuple(sm), tuple(s), tuple(dm), tuple(d)),
+                      tuple(shape), itemsize, cluster, micro_batches)
 
 
 def walk_price(walk: Walk, shape: tuple, itemsize: int, cluster,
@@ -302,7 +310,8 @@ def walk_price(walk: Walk, shape: tuple, itemsize: int, cluster,
     return t, b
 
 
-def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, cluster,
+@takes_mesh_layouts(1)
+def redistribution_floor(shape, src: MeshLayout, dst: MeshLayout, itemsize: int, cluster,
                          micro_batches: int = 1) -> float | None:
     """None when the redistribution is the fixed order's moves, whose price is cheap once
     the walk is known (price it instead); else a lower bound of ``redistribution(...)[0]``
@@ -312,8 +321,9 @@ def redistribution_floor(shape, src_mesh, src, dst_mesh, dst, itemsize: int, clu
     than the busiest receiver, and at least one message), at the mesh's p2p fit, the one
     the price uses (inter-node for a mesh across nodes, so this is far above
     `edge_lower_bounds`' least link). The price's terms, added in its order, each at most
-    the price's; scaled by ``1 - 1e-9`` like the dense bounds."""
-    walk = find_walk(len(shape), tuple(src_mesh), tuple(src), tuple(dst_mesh), tuple(dst))
+    the price's; scaled by ``1 - 1e-9`` like the dense bounds. Layouts as `redistribution`."""
+    (sm, s), (dm, d) = src, dst
+    walk = find_walk(len(shape), tuple(sm), tuple(s), tuple(dm), tuple(d))
     if walk.how != "transfer":
         return None
     return transfer_floor(walk.body, shape, itemsize, cluster, micro_batches)
