@@ -33,6 +33,12 @@ class Register:
         self.waiting[slot] = {(c.rank, c.actor, c.index) for c in self.consumers}
         self.micro_batch[slot] = index
 
+    def reset(self) -> None:
+        """Every slot free, as before a run's first firing."""
+        self.free = deque(range(self.slots))
+        self.waiting.clear()
+        self.micro_batch.clear()
+
     def ack(self, slot: int, consumer: tuple) -> bool:
         """Record ``consumer``'s ack of ``slot``; True when that frees the slot."""
         left = self.waiting[slot]
@@ -66,6 +72,16 @@ class Actor:
         # (rank, actor, register, the register's index) an input
         self.sources, outputs = plan.wiring(rank, spec)
         self.outputs = [Register(reg, n, consumers) for reg, n, consumers in outputs]
+
+    def reset(self, now: float) -> None:
+        """The state before a run's first firing (the run's objects are reused: `_next_run`)."""
+        self.fired, self.busy, self.since = 0, False, now
+        self.fn = self.spec.fn  # (a spec's function may be replaced between runs: a wrapper)
+        for q in self.inputs:
+            q.clear()
+        self.received = [0] * len(self.inputs)
+        for reg in self.outputs:
+            reg.reset()
 
     def emits_now(self) -> bool:
         return (self.fired + 1) % self.every == 0

@@ -16,6 +16,7 @@ See docs/runtime.md, 'Actors and registers'.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,7 @@ __all__ = ["Runtime"]
 # core at once instead of waiting for this one's next kernels; on 2 shared cores the send's
 # start after a forward went from 0.39 to 0.28 ms, 1F1B's step 4-5% down (docs/runtime.md)
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_NO_BLOCK = contextlib.nullcontext()
 
 
 class _CommState:
@@ -163,13 +165,25 @@ class Runtime:
                 self.rank in self.plan.solo
             self.inline = can_stop and self.plan.runs_inline(self.rank)
         self.runs = self.shared.next_run(self.channel)
-        self._run = _PlanRun(self, micro_batches)
+        self._run = self._next_run(micro_batches)
         try:
             return self._run.execute_inline() if self.inline else self._run.execute()
         except BaseException:
             with self.shared.lock:
                 self.shared.failures += 1
             raise
+
+    def _next_run(self, micro_batches: int) -> "_PlanRun":
+        """The state of the run about to start: the last run's actors, registers, queues and
+        conditions reset for it when that run ended well on the same plan and micro-batch count
+        (built once, not every call: most of a small graph call's cost), else new ones (a
+        failed run's threads may still hold its objects)."""
+        kept = self._run
+        if kept is not None and kept.clean and kept.plan is self.plan and \
+                kept.micro_batches == micro_batches:
+            kept.reset(self.runs)
+            return kept
+        return _PlanRun(self, micro_batches)
 
     @property
     def failures(self) -> int:
@@ -202,9 +216,10 @@ class _PlanRun:
     `supervision.RunSupervisor`)."""
 
     def __init__(self, rt: Runtime, micro_batches: int) -> None:
-        self.rt, self.comm, self.rank, self.run_id = rt, rt.comm, rt.rank, rt.runs
+        self.rt, self.comm, self.rank = rt, rt.comm, rt.rank
+        self.plan, self.micro_batches = rt.plan, micro_batches  # what the objects are built for
         self.lock = threading.Lock()
-        now = self.began = time.perf_counter()
+        now = time.perf_counter()
         specs = rt.plan.actors.get(self.rank, [])
         self.actors = {s.name: Actor(s, self.rank, rt.plan, micro_batches, now) for s in specs}
         self.queues: dict[str, list[Actor]] = {}
@@ -212,8 +227,16 @@ class _PlanRun:
             self.queues.setdefault(a.spec.queue, []).append(a)
         self.conds = {q: threading.Condition(self.lock) for q in self.queues}
         self.main = threading.Condition(self.lock)
-        self.left = sum(a.times for a in self.actors.values())  # firings + slots in flight
+        self.firings = sum(a.times for a in self.actors.values())
+        self.inline_actors = [a for q in self.queues.values() for a in q]  # (`execute_inline`)
+        self._begin(rt.runs, now)
+
+    def _begin(self, run_id: int, now: float) -> None:
+        """The state of run ``run_id`` besides its actors' (a run's own, reset every run)."""
+        self.run_id, self.began = run_id, now
+        self.left = self.firings  # firings + slots in flight
         self.over = False
+        self.clean = False  # the run ended well: `Runtime._next_run` may reuse its objects
         self.events: list[dict] = []
         self.results: dict[str, list] = {}
         self.woke: set = set()
@@ -221,6 +244,13 @@ class _PlanRun:
         self.threads: dict[str, threading.Thread] = {}  # queue -> the thread running it
         self.mail = RunMessages(self)
         self.watch = RunSupervisor(self)
+
+    def reset(self, run_id: int) -> None:
+        """Make this (ended well, no thread left in it) run's objects those of run ``run_id``."""
+        now = time.perf_counter()
+        for a in self.actors.values():
+            a.reset(now)
+        self._begin(run_id, now)
 
     def doing(self) -> tuple[str, float, list, list[int]]:
         """What this run is doing, for the rank's `Activity` (read by another thread, without
@@ -269,6 +299,7 @@ class _PlanRun:
         if watch.failure is not None:
             workers.close()  # the next run starts on fresh threads
             raise watch.failure
+        self.clean = True
         return self.results
 
     def execute_inline(self) -> dict[str, list]:
@@ -288,8 +319,10 @@ class _PlanRun:
             self.mail.activate()
             set_current(self.comm)
             waits_alongside(True)  # as on a queue thread: the reader waits beside it
-            with memory.attach(self.trackers), torch.enable_grad(), self.lock:
-                exc = self._inline_loop([a for q in self.queues.values() for a in q])
+            # (no `memory.attach` block without a tracker: a generator's context a call)
+            with memory.attach(self.trackers) if self.trackers else _NO_BLOCK, \
+                    torch.enable_grad(), self.lock:
+                exc = self._inline_loop(self.inline_actors)
         except BaseException as err:  # e.g. KeyboardInterrupt: stop every rank
             watch.fail(err, None)
             raise
@@ -302,6 +335,7 @@ class _PlanRun:
             watch.fail(watch.explained(exc), None)
         if watch.failure is not None:
             raise watch.failure
+        self.clean = True
         return self.results
 
     def _inline_loop(self, actors: list[Actor]) -> ActorTimeout | None:

@@ -183,3 +183,55 @@ def test_one_reader_a_channel_from_run_to_run_ended_with_its_runtimes():
     assert got[0][0] == [[], "ValueError", [], []]
     assert got[1][0] == [[0.0, 1.0, 2.0], "ActorAborted", [20.0, 21.0, 22.0], [30.0, 31.0, 32.0]]
     assert [g[1:] for g in got] == [(1, 0), (1, 0)]
+
+
+def test_runs_reuse_their_objects_and_each_run_starts_as_a_first():
+    """A run that ended well leaves its actors and registers to the next run on the same plan
+    and micro-batch count, reset: every run fires each actor its times in order, gives its own
+    values and timeline, takes a function replaced in a spec between runs, and a failed run's
+    objects are never reused (the run after it still gives the right values); a new
+    micro-batch count gets new objects. Two ranks: the reqs and acks cross ranks."""
+    fail = {"on": False}
+
+    def make(mb):
+        return torch.tensor([10.0 * sf.comm.rank() + mb])
+
+    def add(mb, x):
+        if fail["on"] and sf.comm.rank() == 1:
+            raise ValueError("consumer failed")
+        return x + 1
+
+    plan = Plan({0: [ActorSpec("x", "load", make)],
+                 1: [ActorSpec("y", "compute", add, inputs=[Input("x", rank=0)], outputs=1)]})
+
+    def body():
+        rt = Runtime(plan, timeout=HANG)
+        out = []
+        for k in (3, 3, 2, 2):
+            got = rt.run(k)
+            out.append(([float(v) for v in got.get("y", [])], sorted(rt.counters().items()),
+                        [e["micro_batch"] for e in rt.timeline()]))
+        kept = rt._run
+        spec = plan.spec(sf.comm.rank(), "y" if sf.comm.rank() else "x")
+        old = spec.fn
+        spec.fn = (lambda mb, *a: old(mb, *a) * 2)  # read again by the next run
+        out.append([float(v) for v in rt.run(2).get("y", [])])
+        spec.fn = old
+        out.append(rt._run is kept)
+        fail["on"] = True
+        out.append(_outcome(lambda: rt.run(2))[0])
+        failed = rt._run
+        time.sleep(1.0)  # (both ranks' failed runs are over)
+        fail["on"] = False
+        out.append([float(v) for v in rt.run(2).get("y", [])])
+        out.append(rt._run is not failed)
+        return out
+
+    r0, r1 = sf.launch(body, world_size=2, timeout=HANG)
+    assert r1[0] == ([1.0, 2.0, 3.0], [("y", 3)], [0, 1, 2])
+    assert r1[1] == r1[0] and r0[1] == r0[0] == ([], [("x", 3)], [0, 1, 2])
+    assert r1[2] == r1[3] == ([1.0, 2.0], [("y", 2)], [0, 1])
+    assert r1[4] == [2.0, 6.0]  # (2 mb + 1) x 2: both functions doubled
+    assert r0[5] is True and r1[5] is True
+    assert r1[6] == "ValueError" and r0[6] == "ActorAborted"
+    assert r1[7] == [1.0, 2.0] and r0[8] is True and r1[8] is True
