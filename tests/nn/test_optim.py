@@ -399,3 +399,41 @@ def test_bucketed_all_reduce_moves_the_same_bytes_as_one_per_parameter():
         return sf.comm.stats()["all_reduce"].sent, planned
     res = sf.launch(body, world_size=4)
     assert sum(r[0] for r in res) == res[0][1]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.1), dict(momentum=0.9),
+                                dict(momentum=0.9, dampening=0.3, weight_decay=0.05),
+                                dict(momentum=0.9, nesterov=True, maximize=True)])
+def test_sgd_multi_tensor_equals_single_tensor_and_torch(kw):
+    """SGD's default multi-tensor update gives the single-tensor form's values bit for bit, and
+    torch's single-tensor SGD's, over steps (the momentum buffers made, then updated), with
+    parameters of two dtypes in one group; the gradients are left as backward wrote them."""
+    g = torch.Generator().manual_seed(0)
+    inits = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g),
+             torch.randn(4, 2, generator=g).double()]
+    grads = [[torch.randn(t.shape, generator=g, dtype=t.dtype) for t in inits] for _ in range(3)]
+
+    def body():
+        pl = sf.placement("cpu", [0])
+        out = []
+        for foreach in (True, False):
+            ps = [sf.tensor(t.clone(), pl, sf.B).requires_grad_() for t in inits]
+            opt = sf.optim.SGD(ps, lr=0.1, foreach=foreach, **kw)
+            for step in grads:
+                for p, gr in zip(ps, step):
+                    p.local.grad = gr.clone()
+                opt.step()
+                assert all(torch.equal(p.local.grad, gr) for p, gr in zip(ps, step))
+            out.append([p.local.detach().clone() for p in ps])
+        return out
+
+    multi, single = sf.launch(body, world_size=1)[0]
+    tps = [t.clone().requires_grad_() for t in inits]
+    topt = torch.optim.SGD(tps, lr=0.1, foreach=False, **kw)
+    for step in grads:
+        for p, gr in zip(tps, step):
+            p.grad = gr.clone()
+        topt.step()
+    for m, s, t in zip(multi, single, tps):
+        assert m.dtype == t.dtype
+        assert torch.equal(m, s) and torch.equal(m, t.detach())
