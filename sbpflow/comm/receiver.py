@@ -50,6 +50,7 @@ class _Conn:
         self.handshake: ServerHandshake | None = ServerHandshake(secret)
         self.since = time.monotonic()
         self.frames = FrameReader()
+        self.src: int | None = None  # the rank its frames come from (once one came)
 
 
 class _Listener:
@@ -81,6 +82,7 @@ class Receiver:
         self._listeners: dict[str, _Listener] = {}  # channels handed over as they arrive
         self.error: BaseException | None = None
         self.dropped = 0  # connections dropped: unauthenticated, or a frame that did not parse
+        self.closed_from: set[int] = set()  # ranks whose last connection closed (`_close`)
         self._pending: set[_Conn] = set()  # accepted, not yet authenticated
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
@@ -287,6 +289,9 @@ class Receiver:
                 conn.handshake = None
                 self._authenticated(conn)
             for src, channel, message in conn.frames.feed(data):
+                if conn.src != src:  # (a new connection of a rank: it is back)
+                    conn.src = src
+                    self.closed_from.discard(src)
                 if channel == RING_OFFER:
                     self._take_ring(conn, message)
                 else:
@@ -315,6 +320,11 @@ class Receiver:
         self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
+        if conn.src is not None:
+            with self._lock:  # (a receive from that rank waits no more: `connected_from`)
+                self.closed_from.add(conn.src)
+                for _, cond in self._boxes.values():
+                    cond.notify_all()
         self._pending.discard(conn)
         if self._conns.pop(conn.sock.fileno(), None) is not None:
             self._ready.unregister(conn.sock.fileno())

@@ -167,6 +167,23 @@ class SocketChannels:
         except OSError as exc:
             raise _error(src, dst, channel, f"sending to {peer.address}", exc) from exc
 
+    def same_host(self, peer: int) -> bool:
+        """Whether ``peer`` listens for channels on this process's host, as this process does
+        (its published address; waited for as a post waits): both ends answer alike."""
+        if self._receiver is None:
+            return False
+        try:
+            address = self._store.get(address_key(peer))
+        except (RuntimeError, OSError) as exc:
+            raise _error(self.rank, peer, "(point-to-point)", f"its address was not published "
+                         f"in the store within {self.timeout:g} s", exc) from exc
+        return address != _STORE and address.decode().rsplit(":", 1)[0] == self._receiver.host
+
+    def connected_from(self, src: int) -> bool:
+        """False once the last connection from rank ``src`` closed (its process ended or closed
+        its channels) and none reopened."""
+        return self._receiver is None or src not in self._receiver.closed_from
+
     def take(self, rank: int, channel: str, timeout: float,
              alive: Callable[[], None]) -> list[tuple[int, Any]]:
         """Everything that arrived for ``channel``, waiting up to ``timeout`` s for the first;

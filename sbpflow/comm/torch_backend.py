@@ -28,6 +28,7 @@ from ..errors import CommError, CommTimeout, SbpError
 from .base import Communicator, Pending, collective_stream, nbytes, reduce_tensors
 from .channels import tensor_bytes
 from .socket_channels import SocketChannels
+from .ring_p2p import RingP2P
 from .shm_collectives import SHM_MIN, ShmGroup, segment_bytes
 from .current import current_process, set_current
 from .auth import SECRET_ENV, new_secret
@@ -159,6 +160,8 @@ class TorchCommunicator(Communicator):
         self._channels: SocketChannels | None = None
         self._channels_lock = threading.Lock()  # the runtime posts and reads from threads
         self._chan()
+        # same-host send / recv through the channels and their rings (`_ringed`)
+        self._p2p = RingP2P(self.rank, self._chan, self.timeout.total_seconds())
 
     def wait_timeout(self) -> float:
         return self.timeout.total_seconds()   # (the process groups' own)
@@ -513,7 +516,12 @@ class TorchCommunicator(Communicator):
     def _exchange(self, sends, recvs):
         """Point-to-point on the default group, all posted at once (``batch_isend_irecv``).
         Messages travel through host memory (gloo), or all through the GPU (NCCL) when the
-        default group has NCCL, whatever device each side's tensor is on."""
+        default group has NCCL, whatever device each side's tensor is on. Same-host messages
+        that fit a ring go through the message channels instead (`_ringed`)."""
+        if not self.nccl:
+            ringed = self._ringed(sends, recvs)
+            if ringed is not None:
+                return ringed
         if len(sends) + len(recvs) == 1 and not self.nccl and self.world_pg is not None:
             one = self._one_message(sends, recvs)
             if one is not None:
@@ -549,6 +557,32 @@ class TorchCommunicator(Communicator):
             self._run(f"exchange with ranks {peers}", peers, None,
                       lambda: dist.batch_isend_irecv(ops))
         return [o[0].to(o[1]) if isinstance(o, tuple) else o for o in out]
+
+    def _ringed(self, sends, recvs) -> list[torch.Tensor] | None:
+        """`_exchange` with the messages `RingP2P.takes` (both ends decide alike) through the
+        message channels: those sends posted first (they do not wait), the rest through gloo,
+        then each such receive waited for inside `_run` (progress record, timeout, peers
+        named), as gloo's. None when no message of the exchange goes that way."""
+        takes = self._p2p.takes
+        mine = [takes(dst, nbytes(t)) for dst, t in sends]
+        theirs = [takes(rv[0], nbytes(rv[1], rv[2])) for rv in recvs]
+        if not any(mine) and not any(theirs):
+            return None
+        for (dst, t), ringed in zip(sends, mine):
+            if ringed:
+                self._p2p.send(dst, t)
+        rest_s = [s for s, ringed in zip(sends, mine) if not ringed]
+        rest_r = [rv for rv, ringed in zip(recvs, theirs) if not ringed]
+        rest = iter(self._exchange(rest_s, rest_r) if rest_s or rest_r else [])
+        out = []
+        for rv, ringed in zip(recvs, theirs):
+            if not ringed:
+                out.append(next(rest))
+                continue
+            work = self._p2p.receive(*rv)
+            self._run(f"exchange with ranks [{rv[0]}]", (rv[0],), None, lambda: work)
+            out.append(work.result)
+        return out
 
     def _one_message(self, sends, recvs) -> list[torch.Tensor] | None:
         """The exchange of one gloo message between host tensors and another rank (a
