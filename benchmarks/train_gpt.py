@@ -291,14 +291,17 @@ def _op_graph(op, n: int):
     return Ops()
 
 
-def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
+def _graph_op_overhead(n: int = 2000, repeats: int = 7, warm: int = 200) -> dict:
     """Per op: (graph, eager, kernel) seconds per op on small tensors, and the graph's fixed
     cost per call. A graph whose build does ``n`` ops against one that does 1: the difference
     over ``n - 1`` ops is the replayed op's time, the one-op graph's time less one kernel the
-    cost of a call (the runtime's start, firing, the inputs and outputs). Eager: ``n`` ops in
-    a loop; kernel: the same loop on the local tensors. Interleaved, best of ``repeats``, each
-    rank on its own (the layouts need no boxing; the graph's runtime only posts its start to
-    the other ranks)."""
+    cost of a call (the runtime's start, firing, the inputs and outputs), each timed as one
+    call after a barrier (every rank starts at once: on fewer cores than ranks it waits for
+    one, and its caches are cold). "warm": the one-op graph called ``warm`` times in a row,
+    the mean call less one kernel (the figure of a training loop's back-to-back calls).
+    Eager: ``n`` ops in a loop; kernel: the same loop on the local tensors. Interleaved, best
+    of ``repeats``, each rank on its own (the layouts need no boxing; the graph's runtime only
+    posts its start to the other ranks)."""
     pl = sf.placement("cpu", list(range(dist.get_world_size())))
     xs = sf.randn(16, 8, placement=pl, sbp=sf.S(0), seed=0)
     ws = sf.tensor(torch.eye(8), pl, sf.B)  # x @ w keeps x's values (no overflow in the chain)
@@ -315,7 +318,10 @@ def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
         def kernel(x=xl, op=op):
             for _ in range(n):
                 x = op(x, wl)
-        fns = [lambda: big(xs, ws), lambda: one(xs, ws), eager, kernel]
+        def warm_calls(one=one):
+            for _ in range(warm):
+                one(xs, ws)
+        fns = [lambda: big(xs, ws), lambda: one(xs, ws), eager, kernel, warm_calls]
         best = [float("inf")] * len(fns)
         for f in fns:  # the graphs compile on their first call
             for _ in range(3):
@@ -327,7 +333,8 @@ def _graph_op_overhead(n: int = 2000, repeats: int = 7) -> dict:
                 f()
                 best[i] = min(best[i], time.perf_counter() - t)
         k = best[3] / n
-        out[name] = ((best[0] - best[1]) / (n - 1), best[2] / n, k, best[1] - k)
+        out[name] = ((best[0] - best[1]) / (n - 1), best[2] / n, k, best[1] - k,
+                     best[4] / warm - k)
     return out
 
 
@@ -364,9 +371,11 @@ def _mlp_steps(layers: int = 64, width: int = 32, batch: int = 32):
     return eager, lambda: graph(xs, ys)
 
 
-def _mlp_torch(layers: int = 64, width: int = 32, batch: int = 32):
+def _mlp_torch(layers: int = 64, width: int = 32, batch: int = 32, all_reduce: bool = False):
     """`_mlp_steps`'s model in plain torch on this rank's rows alone (no gradient all-reduce):
-    the step's kernels and torch's own dispatch, a bound no framework over torch goes under."""
+    the step's kernels and torch's own dispatch, a bound no framework over torch goes under.
+    ``all_reduce``: with one all-reduce of all the gradients (flattened) after the backward
+    (gloo processes: the communication a data-parallel step cannot avoid)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(layers)
                                   for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
@@ -374,7 +383,20 @@ def _mlp_torch(layers: int = 64, width: int = 32, batch: int = 32):
     g = torch.Generator().manual_seed(0)
     rows = batch // sf.world_size()
     x, y = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
-    return _as_step(lambda: torch.nn.functional.mse_loss(model(x), y), opt)
+    if not all_reduce:
+        return _as_step(lambda: torch.nn.functional.mse_loss(model(x), y), opt)
+    params = list(model.parameters())
+
+    def step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        torch._foreach_copy_([p.grad for p in params],
+                             [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]),
+                                                            params)])
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def _mlp_on_threads(steps: int):
@@ -400,10 +422,12 @@ def _mlp_on_threads(steps: int):
 def _ops_only(steps: int):
     """The per-op table in graph mode and the dispatch-bound MLP step, eager vs graph."""
     eager, graph = _mlp_steps()
-    t_graph, t_eager, t_torch = _timed([graph, eager, _mlp_torch()], steps)
+    t_graph, t_eager, t_torch, t_ar = _timed([graph, eager, _mlp_torch(),
+                                              _mlp_torch(all_reduce=True)], steps)
     graph_ops = _graph_op_overhead()
     rows = [("mlp64 graph", "mlp64 eager", t_graph, t_eager, 0, {}),
-            ("mlp64 torch", "mlp64 eager", t_torch, t_eager, 0, {})]
+            ("mlp64 torch", "mlp64 eager", t_torch, t_eager, 0, {}),
+            ("mlp64 torch+ar", "mlp64 eager", t_ar, t_eager, 0, {})]
     return (rows, {}, graph_ops) if dist.get_rank() == 0 else None
 
 
@@ -613,7 +637,8 @@ def main(argv=None) -> int:
         _print_bench(rows, ops, graph_ops, cfg, args.ranks)
         print("mlp64: Linear(32, 32) + ReLU x 64, data parallel, SGD, batch 32; on gloo "
               "processes, and (/thr) on rank threads; torch: the same step in plain torch on "
-              "a rank's rows, no all-reduce (the kernels' bound)")
+              "a rank's rows, no all-reduce (the kernels' bound); torch+ar: that and one "
+              "all-reduce of the flattened gradients")
         return 0
     _print_bench(*sf.launch(_bench, world_size=args.ranks, backend="torch",
                             args=(cfg, args.steps, args.graph,
@@ -640,12 +665,14 @@ def _print_bench(rows: list, ops: dict, graph_ops: dict, cfg: dict, ranks: int) 
                   f"{(a - k) * 1e6:>8.1f}{(b - k) * 1e6:>8.1f}{(a - k) / (b - k):>7.2f}")
     print(f"\nper-op time in graph mode vs eager on small tensors, {ranks} ranks (us per "
           "op, best of 7; graph: a build of 2000 ops less one of 1 op, over 1999); overhead = "
-          "time - torch kernel; call: a one-op graph's call less its kernel")
+          "time - torch kernel; call: a one-op graph's call less its kernel, one call after "
+          "a barrier (cold); warm: the mean of 200 calls in a row")
     print(f"  {'op':<8}{'graph':>8}{'eager':>8}{'kernel':>8}{'gr ovh':>8}{'eg ovh':>8}"
-          f"{'ratio':>7}{'call':>9}")
-    for name, (g, e, k, call) in graph_ops.items():
+          f"{'ratio':>7}{'call':>9}{'warm':>8}")
+    for name, (g, e, k, call, warm) in graph_ops.items():
         print(f"  {name:<8}{g * 1e6:>8.1f}{e * 1e6:>8.1f}{k * 1e6:>8.1f}{(g - k) * 1e6:>8.1f}"
-              f"{(e - k) * 1e6:>8.1f}{(g - k) / (e - k):>7.2f}{call * 1e6:>9.1f}")
+              f"{(e - k) * 1e6:>8.1f}{(g - k) / (e - k):>7.2f}{call * 1e6:>9.1f}"
+              f"{warm * 1e6:>8.1f}")
 
 
 if __name__ == "__main__":
