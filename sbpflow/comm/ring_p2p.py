@@ -3,10 +3,11 @@
 the torch backend's `send` / `recv` (a pipeline stage's activations and gradients) without
 gloo's own transfer.
 
-A message takes this path when both ends decide alike, from what both know (`RingP2P.takes`):
-no NCCL, rings on (``SBPFLOW_SHM_RING_MB``) and ``SBPFLOW_P2P_RING`` not ``0``, its bytes
-nonzero and at most half a ring, and both processes listening for channels on the same host;
-else gloo as before. A receive waits as a gloo one does, inside the backend's `_run` (its
+Off unless ``SBPFLOW_P2P_RING=1`` (measured slower than gloo in graph pipelines on 2 cores:
+the receiving thread needs the GIL, which a stage's Python holds; docs/performance.md). A
+message takes this path when both ends decide alike, from what both know (`RingP2P.takes`):
+no NCCL, rings on (``SBPFLOW_SHM_RING_MB``), its bytes nonzero and at most half a ring, and
+both processes listening for channels on the same host; else gloo as before. A receive waits as a gloo one does, inside the backend's `_run` (its
 progress record, its timeout: `CommTimeout` naming the culprits); a sender's connection that
 closes (its process ended) fails the wait at once. See docs/runtime.md, 'Message channels'.
 """
@@ -36,7 +37,7 @@ class RingP2P:
 
     def __init__(self, rank: int, chan: Callable[[], Any], timeout: float) -> None:
         self.rank, self._chan, self.timeout = rank, chan, timeout
-        self._cap = ring_bytes() // 2 if os.environ.get("SBPFLOW_P2P_RING", "1") != "0" else 0
+        self._cap = ring_bytes() // 2 if os.environ.get("SBPFLOW_P2P_RING") == "1" else 0
         self._near: dict[int, bool] = {}  # peer -> on this host, listening (`takes`)
         self._pending: dict[int, deque] = {}  # src -> messages taken from its channel, unread
         self._lock = threading.Lock()

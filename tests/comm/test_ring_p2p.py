@@ -1,7 +1,7 @@
 """Same-host send / recv through the message channels and their shared-memory ring
-(sbpflow/comm/ring_p2p.py): values equal what was sent, the byte counters as gloo's, a
-message too large for the ring goes through gloo in the same exchange, and a silent or departed
-sender ends a receive with the backend's errors."""
+(sbpflow/comm/ring_p2p.py; SBPFLOW_P2P_RING=1, else gloo): values equal what was sent, the byte
+counters as gloo's, a message too large for the ring goes through gloo in the same exchange,
+and a silent or departed sender ends a receive with the backend's errors."""
 
 import time
 
@@ -18,10 +18,13 @@ SIZES = [1, 5000, 300_000]  # float32s: inline frame, ring, over half of a 1 MiB
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("on", ["1", "0"])
+@pytest.mark.parametrize("on", ["1", "0", None])
 def test_send_recv_and_exchange_move_the_values_by_ring_or_gloo(monkeypatch, on):
     monkeypatch.setenv("SBPFLOW_SHM_RING_MB", "1")
-    monkeypatch.setenv("SBPFLOW_P2P_RING", on)
+    if on is None:  # the default: gloo
+        monkeypatch.delenv("SBPFLOW_P2P_RING", raising=False)
+    else:
+        monkeypatch.setenv("SBPFLOW_P2P_RING", on)
     r0, r1 = launch(ping_pong, 2, backend="torch", args=(SIZES,))
     want = [True, True, False] if on == "1" else [False] * 3
     assert r0[0] == r1[0] == want
@@ -30,7 +33,9 @@ def test_send_recv_and_exchange_move_the_values_by_ring_or_gloo(monkeypatch, on)
     assert r0[2] is (on == "1")
 
 
-def test_a_receive_ends_when_its_senders_connection_closes_and_checks_its_shape(store):
+def test_a_receive_ends_when_its_senders_connection_closes_and_checks_its_shape(store,
+                                                                               monkeypatch):
+    monkeypatch.setenv("SBPFLOW_P2P_RING", "1")
     a, b = SocketChannels(0, store, 10.0), SocketChannels(1, store, 10.0)
     pa, pb = RingP2P(0, lambda: a, 30.0), RingP2P(1, lambda: b, 30.0)
     assert pa.takes(1, 4000) and pb.takes(0, 4000) and not pa.takes(0, 4000)
@@ -54,6 +59,7 @@ def test_a_receive_ends_when_its_senders_connection_closes_and_checks_its_shape(
 @pytest.mark.gloo
 def test_a_receive_from_a_silent_sender_times_out_naming_it(monkeypatch):
     monkeypatch.setenv("SBPFLOW_TIMEOUT", "3")
+    monkeypatch.setenv("SBPFLOW_P2P_RING", "1")
     r0, r1 = launch(silent_peer, 2, backend="torch", args=(5000,), timeout=3.0)
     kind, text, culprits = r1.split("|")
     assert r0 == "slept" and kind == "CommTimeout", r1
