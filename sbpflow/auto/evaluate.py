@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..caches import memoize
 from ..layouts import MeshLayout, from_quartet
-from ..sbp import Partial, S, Split
+from ..sbp import Partial, S, Split, dual_nd
 from .edge_bounds import edge_lower_bounds
 from .redistribution_price import (redistribution, redistribution_floor, redistribution_steps,
                                    find_walk, transfer_floor, walk_price)
@@ -115,20 +115,29 @@ def _no_backward(a_out: tuple, b_in: tuple) -> bool:
 
 
 @memoize(1 << 17)
-def _gradient_layouts(src: MeshLayout, dst: MeshLayout) -> tuple | None:
+def _gradient_sbps(a_out: tuple, b_in: tuple) -> tuple | None:
+    """``(dual(b_in), dual(a_out))`` (`MeshLayout.dual`'s rule, `sbpflow.sbp.dual_nd`), or
+    None when the edge has no backward redistribution (`_no_backward`)."""
+    return None if _no_backward(a_out, b_in) else (dual_nd(b_in), dual_nd(a_out))
+
+
+def _gradient_layouts(src, dst) -> tuple | None:
     """``(dst.dual(), src.dual())``: the layouts the gradient of an edge ``src -> dst``
-    moves from and to, or None when it has no backward redistribution (`_no_backward`);
-    asked for at every backward floor, price and batch of loads (memoised: a MeshLayout
-    built per ask would cost more than the lookup)."""
-    (am, ao), (bm, bi) = src, dst
-    if _no_backward(ao, bi):
-        return None
-    return MeshLayout(bm, bi).dual(), MeshLayout(am, ao).dual()
+    moves from and to, or None (`_gradient_sbps`); asked for at every backward floor, price
+    and batch of loads. They are ``(mesh, nd-sbp)`` tuples, equal to those MeshLayouts: a
+    MeshLayout takes ~0.5 us to build, a tuple 0.06; and a memo keyed by the layouts (not by
+    their nd-sbps alone) held 68k entries instead of 1.9k after GPT-3's exhaustive search,
+    400k more objects (2.33M) for each garbage collection to walk: +8 % CPU in
+    benchmarks/auto_search.py --quick."""
+    grad = _gradient_sbps(src[1], dst[1])
+    return None if grad is None else ((dst[0], grad[0]), (src[0], grad[1]))
 
 
 def _price_key(shape, src, dst, micro) -> tuple:
-    """The key of `Evaluator._redist`'s memo (`Evaluator.find_loads` reads it too)."""
-    return shape, src, dst, micro
+    """The key of `Evaluator._redist`'s memo (`Evaluator.find_loads` reads it too): flat,
+    ``(shape, src mesh, src nd-sbp, dst mesh, dst nd-sbp, micro)``, so an entry keeps no
+    layout object alive that its asker built (the node terms build theirs per candidate)."""
+    return (shape, *src, *dst, micro)
 
 
 # prices an evaluator keeps (`Evaluator._redist`): a GPT-3 stage's exhaustive search asks
@@ -290,12 +299,12 @@ class Evaluator:
         """Forward redistribution of the producer's output into the consumer's input layout
         and the dual redistribution of its gradient in backward."""
         shape = tuple(producer.output_shape)
-        src, dst = a.output_layout, MeshLayout(b.mesh, _clip_axis(b.input, len(shape)))
-        key = (shape, src, dst)
+        b_in = _clip_axis(b.input, len(shape))
+        key = (shape, a.mesh, a.output, b.mesh, b_in)   # flat: as `_price_key`
         hit = self._edge.get(key)
         if hit is not None:
             return hit
-        ft, fb, bt, bb = self._edge_pair(shape, src, dst)
+        ft, fb, bt, bb = self._edge_pair(shape, a.output_layout, MeshLayout(b.mesh, b_in))
         out = {"fwd_time": ft, "fwd_bytes": fb, "bwd_time": bt, "bwd_bytes": bb,
                "time": ft + bt}
         self._edge[key] = out
