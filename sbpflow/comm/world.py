@@ -18,7 +18,8 @@ from ..errors import CommAborted, CommError, CommTimeout, SbpError, WireError
 from .base import Communicator
 from .current import _local, current, current_process, set_current
 from .threads import ExitHooks, ThreadCommunicator, ThreadWorld
-from .torch_backend import init_from_env, launch_processes
+from .torch_backend import init_from_env
+from .torch_launch import launch_processes
 from .wire import encode, parse_frame
 
 __all__ = ["launch", "init"]
