@@ -1,8 +1,11 @@
 """All-gather and all-reduce through shared memory (comm/shm_collectives.py) on real gloo
 processes: exact values (the threads backend's order of reduction), the path taken, the fall
-back to gloo, a rank dying in the middle."""
+back to gloo, a rank dying in the middle (nothing left in /dev/shm)."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
@@ -30,6 +33,12 @@ def test_switched_off_and_too_big_go_through_gloo(monkeypatch):
 
 
 @pytest.mark.gloo
-def test_a_rank_dying_in_the_middle_fails_the_run():
+def test_a_rank_dying_in_the_middle_fails_the_run_and_leaves_nothing():
+    before = set(os.listdir("/dev/shm"))
     with pytest.raises(CommError, match="rank 1 of 3 died with exit code 3"):
         launch(dies_in_collective, 3, backend="torch", timeout=60)
+    left = set(os.listdir("/dev/shm")) - before
+    if left:
+        time.sleep(1.0)  # (another process's short-lived entry is gone by then)
+        left &= set(os.listdir("/dev/shm"))
+    assert not left, left
