@@ -81,7 +81,7 @@ class ShmGroup:
                     ring = Ring.open(int(pid), int(fd), int(capacity))
                 self.rings[k] = ring
                 self.bufs[k] = torch.frombuffer(ring.data, dtype=torch.uint8)
-        except WireError:
+        except (WireError, OSError):  # (OSError: a mapping refused, e.g. out of memory)
             self.close(keep_own=True)
             return False
         self.me = me
