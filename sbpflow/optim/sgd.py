@@ -52,9 +52,7 @@ class SGD(Optimizer):
         if momentum != 0:
             buf = state.get("momentum_buffer")
             if buf is None:
-                from ..tensor import GlobalTensor
-                buf = GlobalTensor(torch.clone(d_p).detach(), tuple(p.shape), p.placement, p.sbp)
-                state["momentum_buffer"] = buf
+                buf = _new_momentum_buffer(p, d_p, state)
             else:
                 buf.local.mul_(momentum).add_(d_p, alpha=1 - group["dampening"])
             d_p = d_p.add(buf.local, alpha=momentum) if group["nesterov"] else buf.local
@@ -73,13 +71,11 @@ def _foreach_sgd(items: list, group: dict) -> None:
     if wd != 0:
         d_p = torch._foreach_add(d_p, params, alpha=wd)
     if momentum != 0:
-        from ..tensor import GlobalTensor
         old, old_d, bufs = [], [], []
         for (p, _, st), d in zip(items, d_p):
             buf = st.get("momentum_buffer")
             if buf is None:
-                buf = GlobalTensor(torch.clone(d).detach(), tuple(p.shape), p.placement, p.sbp)
-                st["momentum_buffer"] = buf
+                buf = _new_momentum_buffer(p, d, st)
             else:
                 old.append(buf.local)
                 old_d.append(d)
@@ -89,3 +85,12 @@ def _foreach_sgd(items: list, group: dict) -> None:
             torch._foreach_add_(old, old_d, alpha=1 - group["dampening"])
         d_p = torch._foreach_add(d_p, bufs, alpha=momentum) if group["nesterov"] else bufs
     torch._foreach_add_(params, d_p, alpha=-group["lr"])
+
+
+def _new_momentum_buffer(p, d_p: torch.Tensor, state: dict):
+    """A parameter's first momentum buffer, torch's: a copy of its first step's direction
+    ``d_p`` (local), laid out as the parameter; kept in ``state``."""
+    from ..tensor import GlobalTensor
+    buf = GlobalTensor(torch.clone(d_p).detach(), tuple(p.shape), p.placement, p.sbp)
+    state["momentum_buffer"] = buf
+    return buf

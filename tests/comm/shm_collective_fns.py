@@ -5,25 +5,15 @@ from __future__ import annotations
 import torch
 
 import sbpflow as sf
+from gloo_fns import _REDUCE, _t
 from sbpflow.comm.shm_collectives import SHM_MIN
 
 BIG = SHM_MIN // 4 * 3  # float32 elements: 3 x the bytes from which the shared-memory path runs
 
 
-def _t(seed: int, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=dtype)
-    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
-
-
 def _in_order(ts: list, op: str) -> torch.Tensor:
-    """The threads backend's reduction: in group order, one tensor after another."""
-    out = ts[0].clone()
-    for t in ts[1:]:
-        out = out + t if op == "sum" else torch.maximum(out, t) if op == "max" \
-            else torch.minimum(out, t)
-    return out
+    """The threads backend's reduction: in group order (a sum one tensor after another)."""
+    return _REDUCE[op](ts)
 
 
 def _mapped() -> bool:
