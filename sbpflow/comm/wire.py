@@ -176,10 +176,8 @@ def ring_frame(src: int, channel: str, body: bytes, views: list, pos: int,
 def encode(src: int, channel: str, message: Any, body: tuple | None = None) -> list:
     """The parts of ``message``'s frame, to be written in order: one bytes object for a message
     without tensors; else the tensors' bytes follow, as views of their memory. `WireError` for
-    an object that is not plain data (named). ``body``: `encode_any`'s (or `encode_body`'s),
-    if made already."""
-    body = encode_any(message) if body is None else body
-    body, views, flag = body if len(body) == 3 else (*body, 0)
+    an object that is not plain data (named). ``body``: `encode_any`'s, if made already."""
+    body, views, flag = encode_any(message) if body is None else body
     name = channel.encode()
     if not views:
         n = len(name) + len(body)
