@@ -27,6 +27,7 @@ from typing import Any, Callable
 from ..errors import CommError, WireError
 from .auth import ServerHandshake
 from .shm_ring import Ring
+from .spin import spin_budget, spin_poll
 from .wire import FrameReader
 
 __all__ = ["Receiver", "RING_OFFER", "HANDSHAKE_S", "LEADS"]
@@ -91,6 +92,7 @@ class Receiver:
         self._read_lock = threading.Lock()  # one reader of the connections at a time
         self._conns: dict[int, _Conn] = {}  # authenticated connections by fd (in ``_ready``)
         self._lead_lock = threading.Lock()  # one leading thread at a time
+        self._spin = spin_budget()  # s a leader polls before it blocks (`spin`)
         if LEADS:
             self._ready = select.epoll()
             self._sel.register(self._ready, selectors.EVENT_READ, _READY)
@@ -229,7 +231,11 @@ class Receiver:
                     os.eventfd_write(self._nudge, 1)
                 self._leading = True
             try:
-                events = self._lead_ep.poll(-1 if timeout is None else timeout)
+                # (a spin first: a message that comes soon costs no wake-up, `spin`)
+                spin = self._spin if timeout is None else min(self._spin, timeout)
+                events = spin_poll(self._poll_now, spin)
+                if not events:
+                    events = self._lead_ep.poll(-1 if timeout is None else timeout)
                 for fd, _ in events:
                     if fd == self._bell:
                         os.eventfd_read(self._bell)
@@ -240,6 +246,9 @@ class Receiver:
         finally:
             self._lead_lock.release()
         return True
+
+    def _poll_now(self) -> list:
+        return self._lead_ep.poll(0)
 
     def take_back(self, now: bool = False) -> None:
         """The receiver thread watches the connections again if no leader waits and (unless

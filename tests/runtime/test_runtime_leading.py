@@ -1,7 +1,8 @@
 """On the torch backend, the queue thread that waits for other ranks' messages reads them off
 the sockets itself (messaging._Leading, receiver.Receiver.lead): one thread wake-up a
 message instead of the receiver thread's and then the queue thread's; the values are the
-same (docs/runtime.md 'Message channels')."""
+same, whether the waiting thread spins first (the default) or blocks at once
+(SBPFLOW_SPIN_US=0) (docs/runtime.md 'Message channels')."""
 
 import pytest
 
@@ -12,7 +13,10 @@ N = 200
 
 
 @pytest.mark.gloo
-def test_the_waiting_queue_thread_reads_its_messages_itself():
+@pytest.mark.parametrize("spin_us", [None, "0"])
+def test_the_waiting_queue_thread_reads_its_messages_itself(monkeypatch, spin_us):
+    if spin_us is not None:
+        monkeypatch.setenv("SBPFLOW_SPIN_US", spin_us)
     res = launch(who_reads_fn, 2, backend="torch", args=(N,))
     assert res[1]["values"] == [[10 * i + 1 for i in range(N)]] * 2
     assert res[0]["values"] == [None, None]
