@@ -11,7 +11,9 @@ next stage (forward) or previous one (backward) that waited for it, idle.
 Firing cost: a chain of K actors with empty functions, M firings each, on one rank (all on one
 queue thread, and each actor on its own), and a producer -> consumer pair across two ranks
 (two output slots: the firings overlap the messages; one slot: each firing waits for the req
-and the ack, a round trip, which is the hand-over latency a pipeline's critical path pays); a
+and the ack, a round trip, which is the hand-over latency a pipeline's critical path pays), and
+the hand-over of that pair after the producer's fn slept 0, 1 or 5 ms (what a pipeline's
+producer comes back from: on a virtual machine an idle core is slow to come back); a
 run's fixed cost: run(1) of one empty actor a rank (what a graph call pays), 1 and 4 ranks.
 ``--busy N``: N processes busy-looping beside the benchmark for its whole run (a loaded machine).
 Usage: python benchmarks/runtime.py [--backend threads|torch] [--runs N] [--ms T] [--busy N]
@@ -74,6 +76,28 @@ def firing_rank(k: int, m: int, one_queue: bool, cross: bool, slots: int = 2) ->
         rt.run(m)
         best = min(best, time.perf_counter() - t0)
     return best / n * 1e6
+
+
+def sleep_hand_over_rank(sleep: float, m: int) -> list[dict]:
+    """The events of a producer on rank 0 whose fn sleeps ``sleep`` s, one output slot, and an
+    empty consumer on rank 1 (the second of two runs)."""
+    def produce(mb):
+        time.sleep(sleep)
+        return mb
+    plan = Plan({0: [ActorSpec("p", "load", produce, outputs=1)],
+                 1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
+                name="after-sleep")
+    rt = Runtime(plan)
+    rt.run(m)
+    rt.run(m)
+    return rt.timeline()
+
+
+def after_sleep(backend: str, sleep: float, m: int) -> float:
+    """Median µs from the producer's end to the consumer's start (`sleep_hand_over_rank`)."""
+    res = sf.launch(sleep_hand_over_rank, 2, backend=backend, args=(sleep, m))
+    ends = {e["micro_batch"]: e["end"] for e in res[0]}
+    return statistics.median(e["start"] - ends[e["micro_batch"]] for e in res[1]) * 1e6
 
 
 def run_cost_rank(runs: int = 500) -> tuple:
@@ -170,6 +194,10 @@ def measure(a: argparse.Namespace) -> None:
     print(f"  chain of {k} actors, a queue thread each:     {own:7.1f}")
     print(f"  producer -> consumer across two ranks:      {cross[0]:7.1f}")
     print(f"  the same, one slot (a round trip a firing): {trip[0]:7.1f}")
+    sleeps = (0.0, 0.001, 0.005)
+    gaps = [after_sleep(a.backend, t, 200 if t < 0.004 else 60) for t in sleeps]
+    print("  hand-over to the consumer after the producer's fn slept 0 / 1 / 5 ms (one slot): "
+          + " / ".join(f"{g:.0f}" for g in gaps))
     print("\nfixed cost of a run (µs; run(1), one empty actor a rank; median / 90th percentile):")
     for n in (1, 4):
         costs = sf.launch(run_cost_rank, n, backend=a.backend)
