@@ -59,9 +59,7 @@ def firing_rank(k: int, m: int, one_queue: bool, cross: bool, slots: int = 2) ->
     """µs a firing: a chain of ``k`` empty actors (or, ``cross``, one producer on rank 0 with
     ``slots`` output slots and one consumer on rank 1), ``m`` firings each, best of 3 runs."""
     if cross:
-        plan = Plan({0: [ActorSpec("p", "load", lambda mb: mb, outputs=slots)],
-                     1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
-                    name="cross")
+        plan = _cross_plan(lambda mb: mb, slots, "cross")
         n = m
     else:
         specs = [ActorSpec("a0", "compute", lambda mb: mb, queue="q" if one_queue else "q0")]
@@ -78,16 +76,18 @@ def firing_rank(k: int, m: int, one_queue: bool, cross: bool, slots: int = 2) ->
     return best / n * 1e6
 
 
+def _cross_plan(produce, slots: int, name: str) -> Plan:
+    """Producer ``p`` (fn ``produce``, ``slots`` output slots) on rank 0, an empty consumer
+    ``c`` on rank 1."""
+    return Plan({0: [ActorSpec("p", "load", produce, outputs=slots)],
+                 1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
+                name=name)
+
+
 def sleep_hand_over_rank(sleep: float, m: int) -> list[dict]:
     """The events of a producer on rank 0 whose fn sleeps ``sleep`` s, one output slot, and an
     empty consumer on rank 1 (the second of two runs)."""
-    def produce(mb):
-        time.sleep(sleep)
-        return mb
-    plan = Plan({0: [ActorSpec("p", "load", produce, outputs=1)],
-                 1: [ActorSpec("c", "compute", lambda mb, x: x, inputs=[Input("p", rank=0)])]},
-                name="after-sleep")
-    rt = Runtime(plan)
+    rt = Runtime(_cross_plan(_sleeper(sleep), 1, "after-sleep"))
     rt.run(m)
     rt.run(m)
     return rt.timeline()
