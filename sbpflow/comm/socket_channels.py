@@ -103,11 +103,7 @@ class SocketChannels:
         with self._lock:
             if dst in self._peers:
                 return self._peers[dst]
-            try:
-                address = self._store.get(address_key(dst))
-            except (RuntimeError, OSError) as exc:
-                raise _error(src, dst, channel, f"its address was not published in the "
-                             f"store within {self.timeout:g} s", exc) from exc
+            address = self._published(src, dst, channel)
             if address == _STORE:
                 self._peers[dst] = None
                 return None
@@ -167,16 +163,21 @@ class SocketChannels:
         except OSError as exc:
             raise _error(src, dst, channel, f"sending to {peer.address}", exc) from exc
 
+    def _published(self, src: int, dst: int, channel: str) -> bytes:
+        """``dst``'s published address (`CommError` naming ``src``, ``dst`` and ``channel``
+        when the store has none within its timeout)."""
+        try:
+            return self._store.get(address_key(dst))
+        except (RuntimeError, OSError) as exc:
+            raise _error(src, dst, channel, f"its address was not published in the store "
+                         f"within {self.timeout:g} s", exc) from exc
+
     def same_host(self, peer: int) -> bool:
         """Whether ``peer`` listens for channels on this process's host, as this process does
         (its published address; waited for as a post waits): both ends answer alike."""
         if self._receiver is None:
             return False
-        try:
-            address = self._store.get(address_key(peer))
-        except (RuntimeError, OSError) as exc:
-            raise _error(self.rank, peer, "(point-to-point)", f"its address was not published "
-                         f"in the store within {self.timeout:g} s", exc) from exc
+        address = self._published(self.rank, peer, "(point-to-point)")
         return address != _STORE and address.decode().rsplit(":", 1)[0] == self._receiver.host
 
     def connected_from(self, src: int) -> bool:
