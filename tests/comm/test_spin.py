@@ -24,7 +24,24 @@ def _polls(answers):
     return poll, calls
 
 
-def test_the_first_non_empty_poll_is_returned():
+class _Clock:
+    """A perf_counter that moves only when told: a loaded machine (CI under xdist) can delay
+    a real yield past LATE_S, which would pause the spin this test watches."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sched_yield(self):
+        self.now += 1e-6
+
+
+def test_the_first_non_empty_poll_is_returned(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(spin, "time", clock)
+    monkeypatch.setattr(spin.os, "sched_yield", clock.sched_yield)
     poll, calls = _polls([[], [], [(3, 1)]])
     assert spin.spin_poll(poll, 1.0) == [(3, 1)]
     assert len(calls) == 3
