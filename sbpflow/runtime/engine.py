@@ -242,7 +242,11 @@ class _PlanRun:
         self.woke: set = set()
         self.trackers = memory.active_trackers()  # the caller's `sf.memory.track()` blocks
         self.threads: dict[str, threading.Thread] = {}  # queue -> the thread running it
-        self.mail = RunMessages(self)
+        mail = getattr(self, "mail", None)  # (a reused run's: same plan, same actors)
+        if mail is None:
+            self.mail = RunMessages(self)
+        else:
+            mail.restart()
         self.watch = RunSupervisor(self)
 
     def reset(self, run_id: int) -> None:

@@ -116,18 +116,26 @@ class RunMessages:
 
     def __init__(self, run: Any) -> None:
         self.run, self.rt, self.comm = run, run.rt, run.comm
-        self.rank, self.run_id, self.channel = run.rank, run.run_id, run.rt.channel
+        self.rank, self.channel = run.rank, run.rt.channel
         self.peers = [r for r in run.rt.plan.ranks if r != self.rank]
+        # actor names as numbers in the reqs and acks to other ranks (`_compact`)
+        self.ids, self.names = run.rt.plan.actor_ids()
+        self.leading = _leading_queue(run) if self.peers and self.comm.leads else None
+        self.routed = False  # the channel's reader hands this run its messages (`activate`)
+        self.restart()
+
+    def restart(self) -> None:
+        """The messaging of the run's new id (``run.run_id``): the run's objects are reused
+        for its next run (`_PlanRun.reset`: the same plan and actors)."""
+        run = self.run
+        self.run_id = run.run_id
         # the ranks whose "start" has not arrived: until then gated actors (GATED) wait, once a
         # run has failed on this communicator (`_CommState.failed`)
         self.unstarted = set(self.peers)
         self.careful = run.rt.shared.failed
         self.posted_start = False  # this run's start went to the peers (see `stale_failure`)
-        # actor names as numbers in the reqs and acks to other ranks (`_compact`)
-        self.ids, self.names = run.rt.plan.actor_ids()
-        leading = _leading_queue(run) if self.peers and self.comm.leads else None
-        if leading is not None:  # (the run's conditions are made, not used yet)
-            run.conds[leading] = _Leading(run.lock, self.comm)
+        if self.leading is not None:  # (the run's conditions are made, not used yet)
+            run.conds[self.leading] = _Leading(run.lock, self.comm)
 
     def gated(self, a: Actor) -> bool:
         """Whether ``a`` may not fire yet: it talks to the communicator, a run failed on it,
@@ -141,6 +149,12 @@ class RunMessages:
         started. Until a run fails no rank waits for a start: posting it would cost every run
         a message to each peer (a store round trip each on the torch backend)."""
         shared, router = self.rt.shared, self.rt.router
+        if not self.peers and not shared.early.get(self.channel):
+            # no other rank in the plan: nothing arrives for this run (a one-rank graph call
+            # skips the route lock and the reader's bookkeeping)
+            router.last = self.run_id
+            return
+        self.routed = True
         if self.peers:
             ensure_reader(self.comm, self.channel, router, shared.route,
                           lambda: shared.early.setdefault(self.channel, []),
@@ -158,6 +172,9 @@ class RunMessages:
     def deactivate(self) -> None:
         """From now on the channel's reader keeps (a later run's) or drops this run's messages;
         a queue that waited on the transport (`_Leading`) lets it go."""
+        if not self.routed:  # (`activate`: no other rank; no queue waited on the transport)
+            return
+        self.routed = False
         for queue in self.run.conds:
             self.ended(queue)
         with self.rt.shared.route:
