@@ -184,10 +184,12 @@ def _reuse_and_hold(steps: int = 8) -> tuple[bool, int]:
 @pytest.mark.parametrize("backend", ["threads", pytest.param("torch", marks=pytest.mark.gloo)])
 def test_bucket_buffers_are_reused_unless_a_reduced_gradient_is_held(backend):
     # threads: one buffer a bucket; gloo's worker thread may still hold a finished
-    # all-reduce's tensor for a moment, so a bucket may alternate two, never more
+    # all-reduce's tensor for a moment, so a bucket alternates two, and on a loaded machine
+    # (CI under xdist) that moment can outlast a step: a third is made (the bucket keeps two).
+    # A fresh buffer every step would be 8.
     for intact, buffers in sf.launch(_reuse_and_hold, world_size=2, backend=backend):
         assert intact
-        assert buffers <= (1 if backend == "threads" else 2), buffers
+        assert buffers <= (1 if backend == "threads" else 3), buffers
 
 
 def test_cpu_gradients_get_no_small_first_bucket():
