@@ -308,13 +308,14 @@ class Compiled:
 
     def _output(self, slot: int, i: int, call: GraphCall) -> GlobalTensor:
         meta = self.lowered_list[0].tape.metas[slot]
-        parts = [call.outputs[m][i] if m in call.outputs else None for m in range(self.k)]
-        if any(p is None for p in parts):  # computed on another stage
-            local = empty_local(meta.dtype, self.comm.device(meta.placement.device_type))
-        elif self.k == 1:
-            local = parts[0]
+        if self.k == 1:
+            local = call.outputs[0][i] if 0 in call.outputs else None
         else:
-            local = sum(p * w for p, w in zip(parts, call.weights))
+            parts = [call.outputs[m][i] if m in call.outputs else None for m in range(self.k)]
+            local = None if any(p is None for p in parts) else \
+                sum(p * w for p, w in zip(parts, call.weights))
+        if local is None:  # computed on another stage
+            local = empty_local(meta.dtype, self.comm.device(meta.placement.device_type))
         return GlobalTensor(local, meta.shape, meta.placement, meta.sbp)
 
     # -- what the graph shows -----------------------------------------------------------------

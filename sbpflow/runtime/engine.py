@@ -81,6 +81,8 @@ class _CommState:
 
     def alive(self) -> list[str]:
         """The left-behind threads still running, as "name (inside actors)"."""
+        if not self.left_behind:  # (no run failed with a thread inside an actor: most calls)
+            return []
         with self.lock:
             self.left_behind = [(t, a) for t, a in self.left_behind if t.is_alive()]
             return [f"{t.name} (inside {a})" for t, a in self.left_behind]
@@ -324,8 +326,9 @@ class _PlanRun:
             set_current(self.comm)
             waits_alongside(True)  # as on a queue thread: the reader waits beside it
             # (no `memory.attach` block without a tracker: a generator's context a call)
+            # (grad mode entered only where it is off: torch's context costs 4 Python calls)
             with memory.attach(self.trackers) if self.trackers else _NO_BLOCK, \
-                    torch.enable_grad(), self.lock:
+                    _NO_BLOCK if torch.is_grad_enabled() else torch.enable_grad(), self.lock:
                 exc = self._inline_loop(self.inline_actors)
         except BaseException as err:  # e.g. KeyboardInterrupt: stop every rank
             watch.fail(err, None)
