@@ -154,6 +154,11 @@ def flatten_inputs(inputs: Sequence[Any]) -> tuple[tuple, tuple | None]:
     """A call's inputs as leaves and their form (None: every input is a leaf): a tuple, list,
     namedtuple or dict holding global tensors is its leaves, so its tensors are inputs of the
     plan (split into micro-batches, replaced at each call) and not constants of it."""
+    for v in inputs:
+        if isinstance(v, (tuple, list, dict)):
+            break
+    else:  # (no container: the inputs are the leaves, as most calls' are)
+        return tuple(inputs), None
     flat: list = []
     forms = tuple(_flatten(v, flat) for v in inputs)
     return tuple(flat), None if all(f is None for f in forms) else forms

@@ -204,8 +204,9 @@ class Graph:
 
 def _autocast_state() -> tuple:
     """The autocast dtype of the cpu and cuda device types (None where autocast is off)."""
-    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
-                 for d in ("cpu", "cuda"))
+    cpu = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    cuda = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return cpu, cuda
 
 
 def _check_scheduler(lr_sch: Any) -> None:

@@ -90,7 +90,7 @@ class GlobalTensor:
     def __init__(self, local: torch.Tensor, shape: Sequence[int], placement: Placement,
                  sbp: tuple) -> None:
         self._local = local
-        self._shape = tuple(int(s) for s in shape)
+        self._shape = tuple(map(int, shape))
         self._placement = placement
         self._sbp = tuple(sbp)
         self._key = None
