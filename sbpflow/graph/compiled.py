@@ -246,7 +246,10 @@ class Compiled:
                 opt.zero_grad()
             raise
         finally:
-            self.call = self.call._replace(inputs=[], outputs={})  # free the batch
+            # free the batch (the call's own containers: a thread a failed run left behind
+            # may still read the call)
+            self.call.inputs.clear()
+            self.call.outputs.clear()
 
     def _sync(self, mb: int):
         """No gradient all-reduce but in the last micro-batch's backward."""

@@ -462,7 +462,7 @@ class _PlanRun:
                 self.on_ack(msg)
             else:
                 remote.append((rank, msg))
-        if self.left == 0:
+        if self.left == 0 and not self.rt.inline:  # (inline: no supervisor waits on main)
             self.main.notify()
         return remote
 
