@@ -215,7 +215,9 @@ class Communicator:
         kind = _COUNTED_AS.kind or kind
         sent, recv = sent * itemsize, recv * itemsize
         with self._stats_lock:
-            k = self._stats.kinds.setdefault(kind, KindStats())
+            k = self._stats.kinds.get(kind)
+            if k is None:  # (not setdefault: that builds a KindStats every call)
+                k = self._stats.kinds[kind] = KindStats()
             k.sent += sent
             k.recv += recv
             k.calls += 1
