@@ -325,11 +325,7 @@ class _PlanRun:
             self.mail.activate()
             set_current(self.comm)
             waits_alongside(True)  # as on a queue thread: the reader waits beside it
-            # (no `memory.attach` block without a tracker: a generator's context a call)
-            # (grad mode entered only where it is off: torch's context costs 4 Python calls)
-            with memory.attach(self.trackers) if self.trackers else _NO_BLOCK, \
-                    _NO_BLOCK if torch.is_grad_enabled() else torch.enable_grad(), self.lock:
-                exc = self._inline_loop(self.inline_actors)
+            exc = self._inline_in_context()
         except BaseException as err:  # e.g. KeyboardInterrupt: stop every rank
             watch.fail(err, None)
             raise
@@ -344,6 +340,17 @@ class _PlanRun:
             raise watch.failure
         self.clean = True
         return self.results
+
+    def _inline_in_context(self) -> ActorTimeout | None:
+        """`_inline_loop` under the lock, in grad mode and in the caller's `memory.track()`
+        blocks, as a queue thread runs; a context only where it changes something (most
+        calls: neither a tracker nor grad mode off, and each context is Python calls)."""
+        if self.trackers or not torch.is_grad_enabled():
+            with memory.attach(self.trackers) if self.trackers else _NO_BLOCK, \
+                    torch.enable_grad(), self.lock:
+                return self._inline_loop(self.inline_actors)
+        with self.lock:
+            return self._inline_loop(self.inline_actors)
 
     def _inline_loop(self, actors: list[Actor]) -> ActorTimeout | None:
         """Fire the actors, first ready first, until all fired (or the run failed); waiting,
