@@ -122,6 +122,14 @@ class RunMessages:
         self.ids, self.names = run.rt.plan.actor_ids()
         self.leading = _leading_queue(run) if self.peers and self.comm.leads else None
         self.routed = False  # the channel's reader hands this run its messages (`activate`)
+        # (weakly: the communicator's shared state outlives the run, and a strong reference
+        # kept the run, its runtime, and so the communicator itself and all that a graph
+        # holds, its data loader's processes too, alive as long as the process)
+        self._stale = weakref.WeakMethod(self.stale_failure)
+        # (what the channel's reader keeps for a later run: no reference to this object, which
+        # a listening reader would keep alive as long as the communicator)
+        shared, channel = run.rt.shared, self.channel
+        self._early = lambda: shared.early.setdefault(channel, [])
         self.restart()
 
     def restart(self) -> None:
@@ -156,15 +164,11 @@ class RunMessages:
             return
         self.routed = True
         if self.peers:
-            ensure_reader(self.comm, self.channel, router, shared.route,
-                          lambda: shared.early.setdefault(self.channel, []),
+            ensure_reader(self.comm, self.channel, router, shared.route, self._early,
                           f"sbpflow-rank{self.rank}-inbox")
         with shared.route:
             router.active, router.last = self, self.run_id
-            # (weakly: the communicator's shared state outlives the run, and a strong reference
-            # kept the run, its runtime, and so the communicator itself and all that a graph
-            # holds, its data loader's processes too, alive as long as the process)
-            router.on_stale_failure = weakref.WeakMethod(self.stale_failure)
+            router.on_stale_failure = self._stale
             if self.careful:
                 self.post_start()
             self.dispatch(shared.early.pop(self.channel, []))
