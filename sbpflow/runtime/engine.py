@@ -232,6 +232,7 @@ class _PlanRun:
         self.firings = sum(a.times for a in self.actors.values())
         self.inline_actors = [a for q in self.queues.values() for a in q]  # (`execute_inline`)
         self._begin(rt.runs, now)
+        self.mail = RunMessages(self)  # (kept for the reused runs: `reset`)
 
     def _begin(self, run_id: int, now: float) -> None:
         """The state of run ``run_id`` besides its actors' (a run's own, reset every run)."""
@@ -244,11 +245,6 @@ class _PlanRun:
         self.woke: set = set()
         self.trackers = memory.active_trackers()  # the caller's `sf.memory.track()` blocks
         self.threads: dict[str, threading.Thread] = {}  # queue -> the thread running it
-        mail = getattr(self, "mail", None)  # (a reused run's: same plan, same actors)
-        if mail is None:
-            self.mail = RunMessages(self)
-        else:
-            mail.restart()
         self.watch = RunSupervisor(self)
 
     def reset(self, run_id: int) -> None:
@@ -257,6 +253,7 @@ class _PlanRun:
         for a in self.actors.values():
             a.reset(now)
         self._begin(run_id, now)
+        self.mail.restart()
 
     def doing(self) -> tuple[str, float, list, list[int]]:
         """What this run is doing, for the rank's `Activity` (read by another thread, without

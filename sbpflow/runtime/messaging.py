@@ -130,6 +130,7 @@ class RunMessages:
         # a listening reader would keep alive as long as the communicator)
         shared, channel = run.rt.shared, self.channel
         self._early = lambda: shared.early.setdefault(channel, [])
+        self._reader_name = f"sbpflow-rank{self.rank}-inbox"
         self.restart()
 
     def restart(self) -> None:
@@ -165,7 +166,7 @@ class RunMessages:
         self.routed = True
         if self.peers:
             ensure_reader(self.comm, self.channel, router, shared.route, self._early,
-                          f"sbpflow-rank{self.rank}-inbox")
+                          self._reader_name)
         with shared.route:
             router.active, router.last = self, self.run_id
             router.on_stale_failure = self._stale
