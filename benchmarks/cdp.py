@@ -106,7 +106,9 @@ def _activations_rank(args) -> list:
             torch.nn.functional.cross_entropy(micro(xi), yi).backward()
         micro_opt.step()
         micro_opt.zero_grad()
-    fns = [lambda t=t: t.step(x, y) for t in trainers.values()] + [torch_step, micro_step]
+    staged = _torch_twin(_stages(args.n, args.width))
+    fns = [lambda t=t: t.step(x, y) for t in trainers.values()]
+    fns += [torch_step, micro_step, _stage_by_stage(staged, xs, ys)]
     times = _turns(fns, args.steps)
     rows = []
     for (rule, t), per in zip(trainers.items(), times):
@@ -116,25 +118,55 @@ def _activations_rank(args) -> list:
                      st["peak_activation_bytes"], per))
     with sf.memory.track() as mem:
         torch_step()
-    rows.append(("torch, N micro-batches as one batch", None, mem.peak, times[-2]))
+    rows.append(("torch, N micro-batches as one batch", None, mem.peak, times[-3]))
     with sf.memory.track() as mem:
         micro_step()
-    rows.append(("torch, the N micro-batches one by one", None, mem.peak, times[-1]))
+    rows.append(("torch, the N micro-batches one by one", None, mem.peak, times[-2]))
+    rows.append(("torch, stage by stage (CDP's work)", None, None, times[-1]))
     return rows
+
+
+def _stage_by_stage(model: torch.nn.Sequential, xs: list, ys: list):
+    """A plain-torch step doing the work a `single` step does, without the runtime: each
+    (micro-batch, stage) a forward on a detached input and one `torch.autograd.grad`, the
+    stage gradients summed, then SGD. The bound of a schedule that runs stages one by one."""
+    stages = [model[k:k + 2] for k in range(0, len(model), 2)]
+    params = [list(s.parameters()) for s in stages]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step():
+        for xi, yi in zip(xs, ys):
+            ins, outs, h = [], [], xi
+            for s in stages:
+                ins.append(h.detach().requires_grad_())
+                h = s(ins[-1])
+                outs.append(h)
+            grad = None
+            for j in reversed(range(len(stages))):
+                seed = torch.nn.functional.cross_entropy(outs[j], yi) / len(xs) if grad is None \
+                    else outs[j]
+                got = torch.autograd.grad(seed, [ins[j], *params[j]], grad)
+                grad = got[0]
+                for p, g in zip(params[j], got[1:]):
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def activations(args) -> None:
     n = args.n
     rows = sf.launch(_activations_rank, world_size=1, args=(args,))[0]
     dp_bytes = rows[0][2]
-    t_torch = rows[-2][3]
+    t_torch = rows[-3][3]
     print(f"\n1. activations, mode single: N = {n}, micro-batch {args.micro_batch}, width "
           f"{args.width} (balanced stages); median of {args.steps} steps taking turns")
     print(f"{'':<38}{'peak live':>10}{'saved bytes':>13}{'/ DP':>7}{'ms/step':>9}"
           f"{'/ torch':>9}")
     for name, live, nbytes, per in rows:
-        print(f"{name:<38}{'-' if live is None else live:>10}{nbytes:>13,}"
-              f"{nbytes / dp_bytes:>7.3f}{per * 1e3:>9.2f}{per / t_torch:>9.2f}")
+        saved = ("-", "-") if nbytes is None else (f"{nbytes:,}", f"{nbytes / dp_bytes:.3f}")
+        print(f"{name:<38}{'-' if live is None else live:>10}{saved[0]:>13}{saved[1]:>7}"
+              f"{per * 1e3:>9.2f}{per / t_torch:>9.2f}")
     print(f"(peak live: (micro-batch, stage) units, the spec's count from each F's step to its "
           f"B's, of the executed schedule: DP N^2 = {n * n}, CDP N(N+1)/2 = "
           f"{n * (n + 1) // 2}; (N+1)/(2N) = {(n + 1) / (2 * n):.3f}; saved bytes: "

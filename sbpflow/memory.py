@@ -19,6 +19,7 @@ import threading
 from typing import Iterable, Iterator
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from . import comm as _comm
 from .boxing.executor import _StepFunction
@@ -33,7 +34,7 @@ KINDS = ("saved", "gathered")  # the kinds `track` counts
 def _storage_key(t: torch.Tensor) -> tuple | None:
     """(device, storage address) and the storage's bytes; None for a tensor holding no memory
     (a meta tensor, an empty shard)."""
-    if t.device.type == "meta":
+    if t.is_meta:
         return None
     try:
         s = t.untyped_storage()
@@ -154,10 +155,12 @@ class Tracker:
                 entry[0] += 1
                 return
             self._held[key] = [1, nbytes, kind]
-            self.current += nbytes
-            self.current_by_kind[kind] += nbytes
-            self.peak = max(self.peak, self.current)
-            self.peak_by_kind[kind] = max(self.peak_by_kind[kind], self.current_by_kind[kind])
+            now = self.current = self.current + nbytes
+            if now > self.peak:
+                self.peak = now
+            now = self.current_by_kind[kind] = self.current_by_kind[kind] + nbytes
+            if now > self.peak_by_kind[kind]:
+                self.peak_by_kind[kind] = now
 
     def release(self, key: tuple) -> None:
         """One `hold` of storage ``key`` ends (unknown keys are ignored)."""
@@ -204,7 +207,9 @@ def _parameter_of(base: torch.Tensor) -> torch.Tensor | None:
     """The parameter shard ``base`` was boxed from, if it is the output of a chain of boxing
     steps starting at a leaf that requires grad (the gradient flows back to its AccumulateGrad)."""
     node = base.grad_fn
-    while node is not None and getattr(node, "_forward_cls", None) is _StepFunction:
+    # (a custom Function's node is a BackwardCFunction; asking torch's own nodes for
+    # ``_forward_cls`` would raise and catch an AttributeError for every saved tensor)
+    while isinstance(node, BackwardCFunction) and node._forward_cls is _StepFunction:
         node = node.next_functions[0][0]
     return getattr(node, "variable", None) if node is not None else None
 
@@ -212,7 +217,9 @@ def _parameter_of(base: torch.Tensor) -> torch.Tensor | None:
 def _classify(t: torch.Tensor) -> str | None:
     """``"saved"``, ``"gathered"``, or None for a parameter's own storage (counted by
     `memory_stats`, not held for backward)."""
-    base = t._base if t._base is not None else t
+    base = t._base
+    if base is None:
+        base = t
     if base.is_leaf:
         return None if base.requires_grad else "saved"
     param = _parameter_of(base)
@@ -224,7 +231,8 @@ def _classify(t: torch.Tensor) -> str | None:
 
 
 def _pack(t: torch.Tensor):
-    trackers = list(_active.trackers)
+    # the hooks run for every tensor autograd saves while a tracker is attached: kept short
+    trackers = _active.trackers  # (replaced by `attach`, never changed in place: kept as is)
     kind = _classify(t) if trackers else None
     found = _storage_key(t) if kind is not None else None
     if found is None:

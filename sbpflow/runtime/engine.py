@@ -353,10 +353,10 @@ class _PlanRun:
         """Fire the actors, first ready first, until all fired (or the run failed); waiting,
         check for timeouts as the supervisor does. Returns the timeout (lock held)."""
         cond = self.conds[actors[0].spec.queue] if actors else self.main
-        gated, wait = self.mail.gated, self.watch.wait
+        wait, ready = self.watch.wait, _FirstReady(actors, self.mail.gated)
         try:
             while not self.over:
-                a = next((a for a in actors if a.can_fire() and not gated(a)), None)
+                a = ready()
                 if a is not None:
                     self._fire(a)
                 elif not self.left:
@@ -375,12 +375,13 @@ class _PlanRun:
         set_current(self.comm)  # actors' collectives use this rank's communicator
         waits_alongside(True)  # a rank's queue threads may wait at once (a recv, a compute)
         self.threads[queue] = threading.current_thread()
-        actors, cond, gated = self.queues[queue], self.conds[queue], self.mail.gated
+        actors, cond = self.queues[queue], self.conds[queue]
+        ready = _FirstReady(actors, self.mail.gated)
         try:
             # tensors the actors save for backward count in the caller's `sf.memory.track()`
             with memory.attach(self.trackers), self.lock:
                 while not self.over:
-                    a = next((a for a in actors if a.can_fire() and not gated(a)), None)
+                    a = ready()
                     if a is not None:
                         self._fire(a)
                     elif all(a.fired >= a.times for a in actors):
@@ -493,6 +494,31 @@ class _PlanRun:
             a.since = time.perf_counter()
             self.conds[a.spec.queue].notify()
             self.woke.add(a.spec.queue)
+
+
+class _FirstReady:
+    """The first actor of a queue's list that may fire now (None if none), as a scan of the
+    whole list from its start would find it: actors before the first one with firings left
+    can never fire again in the run, so the scan starts past them (a CDP window's actors fire
+    once each, mostly in list order: 27 readiness checks a firing became about 2)."""
+
+    __slots__ = ("actors", "gated", "lo")
+
+    def __init__(self, actors: list[Actor], gated) -> None:
+        self.actors, self.gated, self.lo = actors, gated, 0
+
+    def __call__(self) -> Actor | None:
+        actors, lo = self.actors, self.lo
+        n = len(actors)
+        while lo < n and actors[lo].fired >= actors[lo].times:
+            lo += 1
+        self.lo = lo
+        gated = self.gated
+        for k in range(lo, n):
+            a = actors[k]
+            if a.can_fire() and not gated(a):
+                return a
+        return None
 
 
 def _split(a: Actor, out: Any) -> tuple:
