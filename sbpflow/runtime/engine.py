@@ -34,6 +34,7 @@ from ..errors import ActorTimeout, PlanError
 from .actors import Actor
 from .inbox import Router
 from .messaging import RunMessages, register_direct
+from .replay import Replay
 from .specs import Plan
 from .supervision import RunSupervisor
 from .workers import Job, Workers
@@ -233,6 +234,10 @@ class _PlanRun:
         self.inline_actors = [a for q in self.queues.values() for a in q]  # (`execute_inline`)
         self._begin(rt.runs, now)
         self.mail = RunMessages(self)  # (kept for the reused runs: `reset`)
+        # the order of this run's firings, once an inline run with no peer ended well: the
+        # next runs fire it again without the firing rule (`replay`)
+        self.replay: Replay | None = None
+        self.quiet = False  # this run has no peer and no early message (`execute_inline`)
 
     def _begin(self, run_id: int, now: float) -> None:
         """The state of run ``run_id`` besides its actors' (a run's own, reset every run)."""
@@ -320,6 +325,7 @@ class _PlanRun:
         activity.started(self)
         try:
             self.mail.activate()
+            self.quiet = not self.mail.routed  # (nothing can arrive: `replay` applies)
             set_current(self.comm)
             waits_alongside(True)  # as on a queue thread: the reader waits beside it
             exc = self._inline_in_context()
@@ -335,6 +341,8 @@ class _PlanRun:
             watch.fail(watch.explained(exc), None)
         if watch.failure is not None:
             raise watch.failure
+        if self.quiet and self.replay is None:
+            self.replay = Replay(self.actors, self.events)
         self.clean = True
         return self.results
 
@@ -355,6 +363,9 @@ class _PlanRun:
         cond = self.conds[actors[0].spec.queue] if actors else self.main
         wait, ready = self.watch.wait, _FirstReady(actors, self.mail.gated)
         try:
+            if self.replay is not None and self.quiet:
+                self.replay.run(self, _split)
+                return None
             while not self.over:
                 a = ready()
                 if a is not None:

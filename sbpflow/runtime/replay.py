@@ -1,0 +1,110 @@
+"""A quiet run fired again in the order the last one fired: no firing rule, no registers.
+
+A run that talks to no other rank (no peer in its plan, no message waiting on its channel) and
+runs inline on the calling thread depends on nothing but its plan: which actor the firing rule
+picks next is a function of the counts alone, never of the values. So the next run of the same
+plan and micro-batch count fires the same actors in the same order, each reading the same
+producers' values; `Replay` is that order, taken from the last run's timeline, with each
+firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
+``f // repeat`` of its producer's register, published by the producer's firing
+``(value + 1) * emit_every - 1``). Running it costs a call and a few list operations a firing
+instead of the firing rule's scan, the registers' req / ack bookkeeping and its conditions.
+Everything the caller sees stays the same: the actors' functions get the same arguments, the
+timeline the same events, the sinks the same values; a value is dropped when its last reader
+has read it, as its register slot would be freed; an actor's exception fails the run as a
+firing's does (its rank and actor named), and the run after a failed one fires by the rule
+again. See docs/runtime.md, 'Actors and registers'.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from .actors import Actor
+
+__all__ = ["Replay", "Firing"]
+
+
+class Firing(NamedTuple):
+    """One firing of a replay: ``actor`` fires its ``index``-th time, reading ``reads`` (per
+    input: the value's key, and whether this is its last read by this input) and, when it
+    ``emits``, publishing value ``value`` of each output register (``sinks``: the register's
+    key among the run's results, or None for one with ``readers`` consumers)."""
+
+    actor: Actor
+    index: int
+    reads: tuple
+    emits: bool
+    value: int
+    sinks: tuple
+    readers: tuple
+
+
+def _firing(a: Actor, index: int) -> Firing:
+    reads = tuple(((producer, reg, index // k), (index + 1) % k == 0)
+                  for (_, producer, _, reg), k in zip(a.sources, a.repeats))
+    one = len(a.outputs) == 1
+    sinks = tuple(None if reg.consumers else (a.name if one else f"{a.name}.{reg.name}")
+                  for reg in a.outputs)
+    return Firing(a, index, reads, (index + 1) % a.every == 0, index // a.every, sinks,
+                  tuple(len(reg.consumers) for reg in a.outputs))
+
+
+class Replay:
+    """The firings of a run that ended well, in its order (``events``: its timeline; every
+    input's producer on the same rank, which a run with no peer ensures)."""
+
+    __slots__ = ("firings",)
+
+    def __init__(self, actors: dict[str, Actor], events: list[dict]) -> None:
+        self.firings = [_firing(actors[e["actor"]], e["micro_batch"]) for e in events]
+
+    def run(self, run: Any, split) -> None:
+        """Fire ``run``'s actors in this order (``run``: a `_PlanRun` just reset, its lock held
+        by the caller and released here while the actors run, as a firing releases it;
+        ``split``: the engine's reading of a function's result into register values). On an
+        actor's exception the run fails as a firing's failure fails it."""
+        events, results, rank = run.events, run.results, run.rank
+        held: dict = {}  # (actor, register, value index) -> [value, reads left]
+        clock = time.perf_counter
+        cell = None
+        run.lock.release()
+        try:
+            for f in self.firings:
+                a = f.actor
+                args = []
+                for key, last in f.reads:
+                    cell = held[key]
+                    args.append(cell[0])
+                    if last:
+                        cell[1] -= 1
+                        if not cell[1]:
+                            del held[key]
+                a.busy = True
+                start = a.since = clock()
+                try:
+                    out = a.fn(f.index, *args)
+                    values = split(a, out) if f.emits else ()
+                except BaseException as exc:  # noqa: BLE001 - fails the run, as a firing's
+                    run.watch.fail(exc, a, f.index)
+                    return
+                end = a.since = clock()
+                a.busy = False
+                a.fired += 1
+                spec = a.spec
+                events.append({"rank": rank, "actor": a.name, "kind": spec.kind,
+                               "stage": spec.stage, "micro_batch": f.index, "start": start,
+                               "end": end})
+                for k, value in enumerate(values):
+                    sink = f.sinks[k]
+                    if sink is not None:
+                        results.setdefault(sink, []).append(value)
+                    else:
+                        held[(a.name, k, f.value)] = [value, f.readers[k]]
+                # (a firing's locals would keep its values alive into the next firing, where
+                # the rule's `_fire` has returned: a value goes with its last read)
+                args = cell = out = values = value = None
+            run.left = 0
+        finally:
+            run.lock.acquire()
