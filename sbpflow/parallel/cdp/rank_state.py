@@ -69,7 +69,8 @@ class RankState:
         self.ctx = (0, 0)  # the run's (first cycle, first step)
         self.messages = self.nbytes = 0
         self.count_lock = threading.Lock()  # each peer's send runs on a thread of its own
-        self.log: dict[str, tuple] = {}  # actor name -> (absolute task, version) of this run
+        self.log: dict[str, tuple] = {}  # actor name -> (its task, version) of this run
+        # (the task as the plan holds it, relative to ``ctx``: `program.shift` moves it)
         self.failed: Work | PeerTransfer | None = None  # the run's first task that raised here
 
     def task(self, rel: Work | PeerTransfer) -> Work | PeerTransfer:
@@ -102,8 +103,7 @@ class RankState:
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:
-        t = self.task(rel)
-        i, j, c = t.worker, t.stage, t.cycle
+        i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         v = version(self.rule, c, i, j, self.n)
         relay = (("param", j, v), c) if self._relayed(j) else None
         if relay:
@@ -129,11 +129,10 @@ class RankState:
             self.losses.append((c, i, float(out.detach())))
         else:
             self.values[("act", i, c, j)] = out.detach()
-        self.log[name] = (t, v)
+        self.log[name] = (rel, v)
 
     def backward(self, rel: Work, name: str) -> None:
-        t = self.task(rel)
-        i, j, c = t.worker, t.stage, t.cycle
+        i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         x_in, params, out, v, changes = self.stash.pop((i, c, j))
         refetch = refetched(self.roles, self.n, self.rank, j)
         if refetch:  # ZeRO: the copy relayed again for this backward fills the stashed tensors
@@ -151,24 +150,22 @@ class RankState:
         if j:
             self.values[("gact", i, c, j)] = grads[0]
         self.values[("g", i, c, j)] = grads[1:] if j else grads
-        self.log[name] = (t, v)
+        self.log[name] = (rel, v)
 
     def accumulate(self, rel: Work, name: str) -> None:
-        t = self.task(rel)
-        i, j, c = t.worker, t.stage, t.cycle
+        i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         g = self.values.pop(("g", i, c, j))
         partial = self.values.pop(("gsum", i - 1, c, j)) if i else None
         self.values[("gsum", i, c, j)] = accumulate(partial, g)
-        self.log[name] = (t, -1)
+        self.log[name] = (rel, -1)
 
     def update(self, rel: Work, name: str) -> None:
-        t = self.task(rel)
-        j, c = t.stage, t.cycle
+        j, c = rel.stage, rel.cycle + self.ctx[0]
         total = self.values.pop(("gsum", self.n - 1, c, j))
         latest = self.store.take(j, c)
         self.store.put(j, c + 1, self.owners[j].step(latest, total))
         self.sample()
-        self.log[name] = (t, c + 1)
+        self.log[name] = (rel, c + 1)
 
     # -- transfers ------------------------------------------------------------------------------
     def _tensors(self, t: PeerTransfer) -> list[torch.Tensor]:
@@ -200,7 +197,7 @@ class RankState:
         del tensors
         if t.payload[0] in PARAMS and self._relayed(t.payload[1]):
             self.store.done_relay((t.payload, t.cycle))
-        self.log[name] = (t, -1)
+        self.log[name] = (rel, -1)
 
     def _count(self, tensors) -> None:
         """One message of ``tensors`` sent by this rank (``stats()``'s messages and bytes)."""
@@ -231,13 +228,13 @@ class RankState:
             self.values[t.payload] = got if kind == "gsum" else got[0]
         if kind in PARAMS:
             self.sample()
-        self.log[name] = (t, -1)
+        self.log[name] = (rel, -1)
 
     def deliver(self, rel: PeerTransfer, name: str, value: torch.Tensor) -> None:
         """A direct transfer's receive: ``value`` came in the send's message."""
         t = self.task(rel)
         self.values[t.payload] = value
-        self.log[name] = (t, -1)
+        self.log[name] = (rel, -1)
 
     def fused_op(self, fn: Callable, t_in: PeerTransfer | None, t_out: PeerTransfer | None,
                  rel: Work, name: str, *values) -> torch.Tensor | None:

@@ -191,10 +191,11 @@ class CyclicDataParallel:
                            f"leaving its cycles half done")
             raise
         for e in self.runtime.timeline():
-            task, v = st.log.get(e["actor"], (None, -1))
+            task, v = st.log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
             if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
-                self.records.append(Record(task.kind, task.worker, task.stage, task.cycle,
-                                           task.step, v, self.rank, e["start"], e["end"]))
+                self.records.append(Record(task.kind, task.worker, task.stage,
+                                           task.cycle + c_ref, task.step + lo, v, self.rank,
+                                           e["start"], e["end"]))
         self.window += 1
         hi = lo + 2 * self.n
         for c in [c for c, base in active if base + self.span <= hi]:
