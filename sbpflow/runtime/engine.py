@@ -34,7 +34,7 @@ from ..errors import ActorTimeout, PlanError
 from .actors import Actor
 from .inbox import Router
 from .messaging import RunMessages, register_direct
-from .replay import Replay
+from .firing_order import FiringOrder
 from .specs import Plan
 from .supervision import RunSupervisor
 from .workers import Job, Workers
@@ -235,8 +235,8 @@ class _PlanRun:
         self._begin(rt.runs, now)
         self.mail = RunMessages(self)  # (kept for the reused runs: `reset`)
         # the order of this run's firings, once an inline run with no peer ended well: the
-        # next runs fire it again without the firing rule (`replay`)
-        self.replay: Replay | None = None
+        # next runs fire it again without the firing rule (`firing_order`)
+        self.order: FiringOrder | None = None
         self.quiet = False  # this run has no peer and no early message (`execute_inline`)
 
     def _begin(self, run_id: int, now: float) -> None:
@@ -325,7 +325,7 @@ class _PlanRun:
         activity.started(self)
         try:
             self.mail.activate()
-            self.quiet = not self.mail.routed  # (nothing can arrive: `replay` applies)
+            self.quiet = not self.mail.routed  # (nothing can arrive: `firing_order` applies)
             set_current(self.comm)
             waits_alongside(True)  # as on a queue thread: the reader waits beside it
             exc = self._inline_in_context()
@@ -341,8 +341,8 @@ class _PlanRun:
             watch.fail(watch.explained(exc), None)
         if watch.failure is not None:
             raise watch.failure
-        if self.quiet and self.replay is None:
-            self.replay = Replay(self.actors, self.events)
+        if self.quiet and self.order is None:
+            self.order = FiringOrder(self.actors, self.events)
         self.clean = True
         return self.results
 
@@ -363,8 +363,8 @@ class _PlanRun:
         cond = self.conds[actors[0].spec.queue] if actors else self.main
         wait, ready = self.watch.wait, _FirstReady(actors, self.mail.gated)
         try:
-            if self.replay is not None and self.quiet:
-                self.replay.run(self, _split)
+            if self.order is not None and self.quiet:
+                self.order.run(self, _split)
                 return None
             while not self.over:
                 a = ready()

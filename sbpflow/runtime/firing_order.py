@@ -4,7 +4,7 @@ A run that talks to no other rank (no peer in its plan, no message waiting on it
 runs inline on the calling thread depends on nothing but its plan: which actor the firing rule
 picks next is a function of the counts alone, never of the values. So the next run of the same
 plan and micro-batch count fires the same actors in the same order, each reading the same
-producers' values; `Replay` is that order, taken from the last run's timeline, with each
+producers' values; `FiringOrder` is that order, taken from the last run's timeline, with each
 firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
 ``f // repeat`` of its producer's register, published by the producer's firing
 ``(value + 1) * emit_every - 1``). Running it costs a call and a few list operations a firing
@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 
 from .actors import Actor
 
-__all__ = ["Replay", "Firing"]
+__all__ = ["FiringOrder", "Firing"]
 
 
 class Firing(NamedTuple):
-    """One firing of a replay: ``actor`` fires its ``index``-th time, reading ``reads`` (per
+    """One firing of a `FiringOrder`: ``actor`` fires its ``index``-th time, reading ``reads`` (per
     input: the value's key, and whether this is its last read by this input) and, when it
     ``emits``, publishing value ``value`` of each output register (``sinks``: the register's
     key among the run's results, or None for one with ``readers`` consumers)."""
@@ -51,7 +51,7 @@ def _firing(a: Actor, index: int) -> Firing:
                   tuple(len(reg.consumers) for reg in a.outputs))
 
 
-class Replay:
+class FiringOrder:
     """The firings of a run that ended well, in its order (``events``: its timeline; every
     input's producer on the same rank, which a run with no peer ensures)."""
 

@@ -1,11 +1,10 @@
 """A run that talks to no other rank and runs inline fires, from its second run on, in the
-order its last run fired (`sbpflow.runtime.replay`): the same values, timeline, counters and
+order its last run fired (`sbpflow.runtime.firing_order`): the same values, timeline, counters and
 sinks as the firing rule gives, each value dropped once its last reader read it, an actor's
 failure raised as the rule's run raises it, and the run after a failure back on the rule.
 A rank whose actors talk to another rank's never replays (docs/runtime.md, 'Actors and
 registers')."""
 
-import gc
 import weakref
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 import sbpflow as sf
 from sbpflow.runtime import ActorSpec, Input, Plan, Runtime
-from sbpflow.runtime import replay as replay_module
+from sbpflow.runtime import firing_order
 
 M = 8  # micro-batches a run
 SLOTS = 2  # slots of the loader's registers: at most this many of its values are held
@@ -32,7 +31,6 @@ def _plan(live: list, fail: dict) -> Plan:
         return torch.tensor([2.0, 3.0])
 
     def load(mb):
-        gc.collect()
         live.append(sum(r() is not None for r in made))
         a = torch.full((2,), float(mb + 1))
         made.append(weakref.ref(a))
@@ -65,12 +63,12 @@ def _plan(live: list, fail: dict) -> Plan:
 
 def _count_replays(monkeypatch) -> list:
     calls: list = []
-    real = replay_module.Replay.run
+    real = firing_order.FiringOrder.run
 
     def counted(self, run, split):
         calls.append(len(self.firings))
         return real(self, run, split)
-    monkeypatch.setattr(replay_module.Replay, "run", counted)
+    monkeypatch.setattr(firing_order.FiringOrder, "run", counted)
     return calls
 
 
