@@ -1,19 +1,15 @@
 """A quiet run fired again in the order the last one fired: no firing rule, no registers.
 
 A run that talks to no other rank (no peer in its plan, no message waiting on its channel) and
-runs inline on the calling thread depends on nothing but its plan: which actor the firing rule
-picks next is a function of the counts alone, never of the values. So the next run of the same
-plan and micro-batch count fires the same actors in the same order, each reading the same
-producers' values; `FiringOrder` is that order, taken from the last run's timeline, with each
-firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
-``f // repeat`` of its producer's register, published by the producer's firing
-``(value + 1) * emit_every - 1``). Running it costs a call and a few list operations a firing
-instead of the firing rule's scan, the registers' req / ack bookkeeping and its conditions.
-Everything the caller sees stays the same: the actors' functions get the same arguments, the
-timeline the same events, the sinks the same values; a value is dropped when its last reader
-has read it, as its register slot would be freed; an actor's exception fails the run as a
-firing's does (its rank and actor named), and the run after a failed one fires by the rule
-again. See docs/runtime.md, 'Actors and registers'.
+runs inline depends on nothing but its plan: which actor the rule picks next is a function of
+the counts, never of the values. So the next run of the same plan and micro-batch count fires
+the same actors in the same order; `FiringOrder` is that order, from the last run's timeline,
+each firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
+``f // repeat`` of its producer's register). Running it costs a call and a few list operations
+a firing instead of the rule's scan, the req / ack bookkeeping and its conditions. The actors
+get the same arguments, the timeline the same events, the sinks the same values; a value is
+dropped after its last read, as its slot would be freed; an actor's exception fails the run as
+a firing's does, and the run after a failed one goes by the rule. See docs/runtime.md.
 """
 
 from __future__ import annotations
