@@ -25,15 +25,16 @@ from . import comm as _comm
 from .boxing.executor import _StepFunction
 from .tensor import GlobalTensor
 
-__all__ = ["memory_stats", "track", "Tracker", "KINDS", "active_trackers", "attach"]
+__all__ = ["memory_stats", "track", "Tracker", "KINDS", "active_trackers", "attach",
+           "storage_key"]
 
 KINDS = ("saved", "gathered")  # the kinds `track` counts
 
 
 # -- what a rank holds between steps -----------------------------------------------------------
-def _storage_key(t: torch.Tensor) -> tuple | None:
+def storage_key(t: torch.Tensor) -> tuple | None:
     """(device, storage address) and the storage's bytes; None for a tensor holding no memory
-    (a meta tensor, an empty shard)."""
+    (a meta tensor, an empty shard): how a `Tracker` names what it holds."""
     if t.is_meta:
         return None
     try:
@@ -55,7 +56,7 @@ class _Bytes:
     def add(self, category: str, t: torch.Tensor | None) -> None:
         if t is None:
             return
-        found = _storage_key(t)
+        found = storage_key(t)
         if found is None or found[0] in self.seen:
             return
         self.seen.add(found[0])
@@ -225,8 +226,8 @@ def _classify(t: torch.Tensor) -> str | None:
     param = _parameter_of(base)
     if param is None:
         return "saved"
-    own = _storage_key(param)
-    mine = _storage_key(t)
+    own = storage_key(param)
+    mine = storage_key(t)
     return None if own is not None and mine is not None and own[0] == mine[0] else "gathered"
 
 
@@ -234,7 +235,7 @@ def _pack(t: torch.Tensor):
     # the hooks run for every tensor autograd saves while a tracker is attached: kept short
     trackers = _active.trackers  # (replaced by `attach`, never changed in place: kept as is)
     kind = _classify(t) if trackers else None
-    found = _storage_key(t) if kind is not None else None
+    found = storage_key(t) if kind is not None else None
     if found is None:
         return t.detach()
     key, nbytes = found

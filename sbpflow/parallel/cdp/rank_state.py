@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ... import memory
 from ...comm import current, set_collective_stream
 from ...placement import Placement
 from .program import PARAMS, PeerTransfer, Work, refetched, relay_reads, shift
@@ -43,6 +44,25 @@ class _StageEntry(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors autograd saved for the backward of ``out``'s graph (a stage's: its inputs
+    are detached, so the walk ends at the stage's leaves), read from each node's ``_saved_*``
+    attributes."""
+    found, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                items = value if isinstance(value, (list, tuple)) else (value,)
+                found += [v for v in items if isinstance(v, torch.Tensor)]
+        todo += [nxt for nxt, _ in node.next_functions]
+    return found
 
 
 class RankState:
@@ -72,6 +92,12 @@ class RankState:
         self.log: dict[str, tuple] = {}  # actor name -> (its task, version) of this run
         # (the task as the plan holds it, relative to ``ctx``: `program.shift` moves it)
         self.failed: Work | PeerTransfer | None = None  # the run's first task that raised here
+        # whether this run measures what the rank holds, and whether each of its forwards
+        # replayed fixed kernels (`window_measure`); the trainer's tracker
+        self.measure, self.replayed_all = True, True
+        self.tracker: memory.Tracker | None = None
+        # stash key -> the storages `adopt_live` counted in the tracker for it
+        self.adopted: dict[tuple, list] = {}
 
     def task(self, rel: Work | PeerTransfer) -> Work | PeerTransfer:
         return shift(rel, *self.ctx)
@@ -96,10 +122,35 @@ class RankState:
 
     def sample(self) -> None:
         """Measure `param_bytes` into ``param_peak``: after each task that adds parameter
-        bytes (a version received or made, a copy refilled; others only free them)."""
+        bytes (a version received or made, a copy refilled; others only free them), in a
+        run that measures (``measure``, `window_measure`)."""
+        if not self.measure:
+            return
         held = self.param_bytes()
         with self.count_lock:
             self.param_peak = max(self.param_peak, held)
+
+    def _eager(self):
+        """The block a forward that does not replay fixed kernels runs in, in a run that
+        does not measure: measured on its own, and every run measured again after
+        (`WindowMeasure.ended`)."""
+        self.replayed_all = False
+        return memory.attach([self.tracker])
+
+    def adopt_live(self) -> None:
+        """Count in the tracker what autograd keeps of the forwards in flight that ran in a
+        run that did not measure (their graphs' saved tensors, each storage once, the
+        parameters' own not), until their backward: a measured run after it then starts
+        from what a run measured throughout would hold."""
+        for key, (x_in, params, out, _, _) in list(self.stash.items()):
+            if key in self.adopted:
+                continue
+            own = {memory.storage_key(p) for p in params} - {None}
+            held = [found for found in map(memory.storage_key, saved_tensors(out))
+                    if found is not None and found not in own]
+            for k, nbytes in set(held):
+                self.tracker.hold(k, nbytes, "saved")
+            self.adopted[key] = [k for k, _ in set(held)]
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:
@@ -116,12 +167,15 @@ class RankState:
         xs, ys = self.batches[c]
         if j == 0:
             x_in = xs[i]
-        else:
+        elif self.measure:
             x_in = _StageEntry.apply(self.values.pop(("act", i, c, j - 1)), _ANCHOR)
+        else:  # (a leaf: nothing counts it; the same values and gradients)
+            x_in = self.values.pop(("act", i, c, j - 1)).requires_grad_()
         last = j == self.n - 1
         out, changes = self.runners[j].forward(params, x_in, self.pl,
                                                self.loss_fn if last else None,
-                                               ys[i] if last else None)
+                                               ys[i] if last else None,
+                                               eager=None if self.measure else self._eager)
         self.stash[(i, c, j)] = (x_in if j else None, params, out, v, changes)
         if relay:
             self.store.done_relay(relay)  # a refetched copy's storage goes now
@@ -142,6 +196,8 @@ class RankState:
         inputs = ([x_in] if j else []) + list(params[:self.runners[j].nparams])
         grads = StageRunner.backward(out, grad, inputs) + changes
         del out, x_in, params  # the micro-batch's activations of this stage go now
+        for k in self.adopted.pop((i, c, j), ()):
+            self.tracker.release(k)
         if refetch:
             self.store.done_relay(relay)
             self.sample()

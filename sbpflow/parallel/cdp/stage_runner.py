@@ -138,6 +138,14 @@ class StageRunner:
         changes = [after[np_ + k].local.detach() - b.detach() for k, b in enumerate(before)]
         return out, changes
 
+    def modes(self, device_type: str) -> tuple:
+        """What besides the input decides whether a call replays its kernels (`_tape`): the
+        sub-modules' train / eval modes and forward hooks, grad mode and autocast."""
+        return (tuple(m.training for m in self.modules),
+                any(m.__dict__.get("_forward_hooks") or m.__dict__.get("_forward_pre_hooks")
+                    for m in self.modules),
+                torch.is_grad_enabled(), torch.is_autocast_enabled(device_type))
+
     def _tape(self, x: torch.Tensor, pl: Placement, loss: Callable | None,
               y: torch.Tensor | None) -> StageTape | None:
         """The stage's recorded kernels for a call like this one (`stage_program`): traced
@@ -183,19 +191,22 @@ class StageRunner:
         return run
 
     def forward(self, tensors: Sequence[torch.Tensor], x: torch.Tensor, pl: Placement,
-                loss: Callable | None = None, y: torch.Tensor | None = None
+                loss: Callable | None = None, y: torch.Tensor | None = None,
+                eager: Callable[[], contextlib.AbstractContextManager] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output on input ``x`` with version ``tensors`` (local tensors); with
         ``loss`` (the last stage), ``loss(output, y)`` instead: a scalar. Also returns the
         change the call made to each buffer (new value minus the version's). A stage whose
         call is local kernels only runs them directly (`_tape`), once its first real call's
-        eager output equalled the replay's."""
+        eager output equalled the replay's. ``eager()``: the block a call that does not
+        replay runs in."""
         tape = None if x.is_meta else self._tape(x, pl, loss, y)
         ins = [x, *tensors] + ([] if y is None else [y])
         if tape is not None and tape.checked:
             return tape.replay(ins), []
         run = self._runner(_wrap(x, pl), loss, None if y is None else _wrap(y, pl))
-        out, changes = self._call(tensors, pl, run)
+        with eager() if eager is not None else contextlib.nullcontext():
+            out, changes = self._call(tensors, pl, run)
         out = out.local
         if tape is not None:  # the first real call: the replay must give the same values
             with torch.no_grad():

@@ -10,6 +10,7 @@ ops and the previous cycle's last ones. See docs/cdp.md.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from .rules import check_rule, timeline_of
 from .stage_runner import StageRunner
 from .stage_split import stage_list
 from .version_store import StageOwner, VersionStore
+from .window_measure import WindowMeasure
 
 __all__ = ["CyclicDataParallel"]
 
@@ -135,7 +137,8 @@ class CyclicDataParallel:
                 self.state.owners[j] = StageOwner(tensors, pl, n, optimizer,
                                                   self.runners[j].nparams)
         self.state.sample()
-        self.tracker = memory.Tracker(me)
+        self.tracker = self.state.tracker = memory.Tracker(me)
+        self.measuring = WindowMeasure()
         self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))
         works, moves = cycle_tasks(0, 0, n, self.rule, roles)
@@ -179,8 +182,13 @@ class CyclicDataParallel:
         plan, c_ref = self._plan(active, lo)
         st = self.state
         st.ctx, st.log, st.failed = (c_ref, lo), {}, None
+        modes = tuple(r.modes(self.device.type) for r in self.runners)
+        st.measure = self.measuring.starts(plan, active, st.batches, modes)
+        st.replayed_all = True
+        if st.measure and not self.measuring.before:  # (after a run that did not measure)
+            st.adopt_live()
         try:
-            with memory.attach([self.tracker]):
+            with memory.attach([self.tracker]) if st.measure else contextlib.nullcontext():
                 self.runtime.run(1, plan=plan)
         except BaseException as exc:
             where = _where(st.failed, isinstance(exc, CommAborted), active, lo, 2 * self.n,
@@ -190,6 +198,7 @@ class CyclicDataParallel:
             self.broken = (f"a run failed mid-schedule ({type(exc).__name__}: {exc}; {where}), "
                            f"leaving its cycles half done")
             raise
+        self.measuring.ended(st.measure, st.replayed_all)
         for e in self.runtime.timeline():
             task, v = st.log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
             if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):

@@ -1,0 +1,54 @@
+"""Which of a trainer's runs measure what the rank holds: the saved-tensor hooks of
+`sf.memory.track` (``peak_activation_bytes``) and the parameter-bytes samples
+(``peak_param_bytes``).
+
+A run whose forwards all replay a stage's fixed kernels (`stage_program`: traced on meta
+tensors, so every shape follows from the inputs' shapes) saves the same tensors and holds the
+same parameters as an earlier run of the same plan, batch shapes and stage modes (train /
+eval, hooks, grad mode, autocast). So a run is measured
+until one of its plan and shapes has been measured from a measured start (the run before it
+measured too: the activations alive when it starts were counted); after that such runs are
+not. A forward that does not replay fixed kernels in a run that is not measured is measured on
+its own, and then every run is measured again until the same holds. With a `sf.memory.track`
+block of the caller around the step every run is measured. See docs/cdp.md, 'Statistics'.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ... import memory
+
+__all__ = ["WindowMeasure"]
+
+
+def _shapes(tensors: Sequence) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
+class WindowMeasure:
+    """The measured (plan, batch shapes) of one trainer on one rank. ``always``: measure every
+    run (the reference the tests compare with)."""
+
+    def __init__(self, always: bool = False) -> None:
+        self.always = always
+        self.done: set = set()
+        self.key: tuple | None = None
+        self.before = False  # the last run was measured
+
+    def starts(self, plan: object, active: Sequence[tuple[int, int]], batches: dict,
+               modes: tuple) -> bool:
+        """Whether the run of ``plan`` over the cycles ``active`` (``batches``: cycle ->
+        (xs, ys)) measures; ``modes``: the stages' `StageRunner.modes`."""
+        self.key = (id(plan), modes, tuple(_shapes(batches[c][0]) + _shapes(batches[c][1])
+                                           for c, _ in active))
+        return self.always or self.key not in self.done or bool(memory.active_trackers())
+
+    def ended(self, measured: bool, replayed_all: bool) -> None:
+        """The run ended: it ``measured``, and every forward replayed fixed kernels
+        (``replayed_all``)."""
+        if not replayed_all:
+            self.done.clear()  # a stage ran its module: its saved bytes may follow the data
+        elif measured and self.before:
+            self.done.add(self.key)
+        self.before = measured
