@@ -142,7 +142,7 @@ class RankState:
         run that did not measure (their graphs' saved tensors, each storage once, the
         parameters' own not), until their backward: a measured run after it then starts
         from what a run measured throughout would hold."""
-        for key, (x_in, params, out, _, _) in list(self.stash.items()):
+        for key, (_, params, out, _, _) in list(self.stash.items()):
             if key in self.adopted:
                 continue
             own = {memory.storage_key(p) for p in params} - {None}

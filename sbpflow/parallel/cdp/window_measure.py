@@ -10,7 +10,7 @@ until one of its plan and shapes has been measured from a measured start (the ru
 measured too: the activations alive when it starts were counted); after that such runs are
 not. A forward that does not replay fixed kernels in a run that is not measured is measured on
 its own, and then every run is measured again until the same holds. With a `sf.memory.track`
-block of the caller around the step every run is measured. See docs/cdp.md, 'Statistics'.
+block of the caller around the step every run is measured. See docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
