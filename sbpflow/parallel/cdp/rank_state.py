@@ -4,9 +4,9 @@ The values of the schedule (activations, their gradients, gradient sums) live in
 until their one reader takes them; versions and ZeRO's relayed copies in the `VersionStore`;
 each in-flight micro-batch's autograd state in ``stash`` (F_j to B_j). After each task that
 adds parameter bytes, in a run that measures (`window_measure`), the bytes the rank holds are
-measured (``param_peak``). An actor's task
-is stored relative to its run (`program.shift`), so one plan serves every run of the same
-shape; ``ctx`` is the current run's (first cycle, first step). An activation or its gradient
+measured (``param_peak``). An actor's task is stored relative to its run (`program.shift`),
+so one plan serves every run of the same shape; ``ctx`` is the current run's (first cycle,
+first step). An activation or its gradient
 travels in the runtime's message (`fused_op`, `deliver`); parameters and gradient sums over the
 Communicator's point-to-point in a stream of the trainer's own (`send`, `recv`). See
 docs/cdp.md, 'How it runs'.
