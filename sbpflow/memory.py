@@ -26,7 +26,7 @@ from .boxing.executor import _StepFunction
 from .tensor import GlobalTensor
 
 __all__ = ["memory_stats", "track", "Tracker", "KINDS", "active_trackers", "attach",
-           "storage_key"]
+           "storage_key", "saved_tensors"]
 
 KINDS = ("saved", "gathered")  # the kinds `track` counts
 
@@ -246,6 +246,25 @@ def _pack(t: torch.Tensor):
 
 def _unpack(packed):
     return packed.tensor if isinstance(packed, _Held) else packed
+
+
+def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors autograd saved for the backward of ``out``'s graph, read from each node's
+    ``_saved_*`` attributes, down to its leaves (the graph's saves, as the pack hook sees them
+    as they are made: for a graph made without a tracker attached)."""
+    found, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                items = value if isinstance(value, (list, tuple)) else (value,)
+                found += [v for v in items if isinstance(v, torch.Tensor)]
+        todo += [nxt for nxt, _ in node.next_functions]
+    return found
 
 
 @contextlib.contextmanager

@@ -395,7 +395,7 @@ class _PlanRun:
                     a = ready()
                     if a is not None:
                         self._fire(a)
-                    elif all(a.fired >= a.times for a in actors):
+                    elif ready.lo == len(actors):  # (`ready` skipped them: all fired)
                         return
                     else:
                         cond.wait()

@@ -47,25 +47,6 @@ class _StageEntry(torch.autograd.Function):
         return grad, None
 
 
-def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors autograd saved for the backward of ``out``'s graph (a stage's: its inputs
-    are detached, so the walk ends at the stage's leaves), read from each node's ``_saved_*``
-    attributes."""
-    found, seen, todo = [], set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                items = value if isinstance(value, (list, tuple)) else (value,)
-                found += [v for v in items if isinstance(v, torch.Tensor)]
-        todo += [nxt for nxt, _ in node.next_functions]
-    return found
-
-
 class RankState:
     """Rank ``rank``'s part of a trainer of ``n`` stages (``runners``) under ``rule``.
     ``shapes(cycle, worker, stage)`` gives an activation's shape and dtype; ``stream()`` the
@@ -146,12 +127,12 @@ class RankState:
         for key, (_, params, out, _, _) in list(self.stash.items()):
             if key in self.adopted:
                 continue
-            own = {memory.storage_key(p) for p in params} - {None}
-            held = [found for found in map(memory.storage_key, saved_tensors(out))
-                    if found is not None and found not in own]
-            for k, nbytes in set(held):
+            own = {memory.storage_key(p) for p in params}
+            held = {found for found in map(memory.storage_key, memory.saved_tensors(out))
+                    if found is not None and found not in own}
+            for k, nbytes in held:
                 self.tracker.hold(k, nbytes, "saved")
-            self.adopted[key] = [k for k, _ in set(held)]
+            self.adopted[key] = [k for k, _ in held]
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:

@@ -153,14 +153,13 @@ class StageRunner:
         modes and grad mode; None where the stage has buffers (their changes are read from
         the module), forward hooks (a replay would skip them), under autocast, or where the
         trace found more than local kernels."""
-        if not self.programs or len(self.names) != self.nparams or \
-                torch.is_autocast_enabled(pl.device_type) or any(
-                    m.__dict__.get("_forward_hooks") or m.__dict__.get("_forward_pre_hooks")
-                    for m in self.modules):
+        if not self.programs or len(self.names) != self.nparams:
+            return None
+        training, hooked, grad, autocast = self.modes(pl.device_type)
+        if hooked or autocast:
             return None
         key = (tuple(x.shape), x.dtype, x.requires_grad, loss,
-               None if y is None else (tuple(y.shape), y.dtype), torch.is_grad_enabled(),
-               tuple(m.training for m in self.modules))
+               None if y is None else (tuple(y.shape), y.dtype), grad, training)
         tape = self.tapes.get(key, False)
         if tape is False:
             def meta(shape, dtype, grad: bool) -> torch.Tensor:
