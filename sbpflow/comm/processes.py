@@ -94,11 +94,14 @@ def likelihood(report: Report) -> float:
     progress records) comes before the other communication failures, which are often a
     consequence (a connection a peer's exit closed) or could not tell who held them up; and
     among those naming culprits, the rank's own failure before an abort relayed from another
-    rank (`CommAborted`, which repeats that rank's failure)."""
+    rank (`CommAborted`, which repeats that rank's failure); and a rank's own timeout before
+    a connection another rank's timeout closed (which names the same culprits, and may be
+    reported first)."""
     level = PRIORITY[report.kind]
     if level >= PRIORITY["comm_timeout"] and getattr(report.payload, "culprits", ()):
-        relayed = isinstance(report.payload, CommAborted)
-        return PRIORITY["comm_timeout"] - (0.25 if relayed else 0.5)
+        if isinstance(report.payload, CommAborted):
+            return PRIORITY["comm_timeout"] - 0.25
+        return PRIORITY["comm_timeout"] - (0.5 if report.kind == "comm_timeout" else 0.4)
     return level
 
 

@@ -197,3 +197,9 @@ def test_a_failure_that_names_its_culprits_beats_the_consequences():
     assert _run(relayed_only, grace=0.3)[0].root == 1
     own_error = [Scripted(named, 0.0), Scripted(ERR, 0.05), Scripted(at=None)]
     assert _run(own_error, grace=0.3)[0].root == 1
+    # a connection rank 1's timeout closed names the same culprit, reported first: the
+    # timeout is the root cause
+    closed_named = Report("comm_error", _naming(CommError("Connection closed by peer"), 4))
+    first_closed = [Scripted(closed_named, 0.0), Scripted(named, 0.05), Scripted(at=None)]
+    out, _ = _run(first_closed, grace=0.3)
+    assert out.failed == [0, 1] and out.root == 1
