@@ -1,6 +1,7 @@
 """A trainer measures what a rank holds (`sf.memory.track`'s saved-tensor hooks for
 ``peak_activation_bytes``, the parameter-bytes samples for ``peak_param_bytes``) only in the
-runs whose plan and batch shapes it has not measured yet (`parallel/cdp/window_measure.py`):
+runs with no peer whose plan and batch shapes it has not measured yet
+(`parallel/cdp/window_measure.py`), every run of a trainer over several ranks:
 the same parameters, losses and stats as measuring every run, no hook in the steady state,
 measuring again for new batch shapes, after a stage ran its module, for stages that never
 replay fixed kernels and inside a caller's `sf.memory.track` block (docs/cdp.md, 'Stats')."""
@@ -41,8 +42,8 @@ def _train(mode: str, rule: str, sizes: list[int], always: bool, packs: dict,
     """Steps over batches of ``sizes``; the hooks' calls of this rank during each step;
     ``between(trainer, step)`` runs before each step."""
     t = CyclicDataParallel(stages or make_stages(N), loss_fn, sgd, rule=rule, mode=mode)
-    if t.state is not None:
-        t.measuring = WindowMeasure(always=always)
+    if t.state is not None and always:
+        t.measuring = WindowMeasure(always=True)
     r = sf.rank()
     losses, per_step = [], []
     for k, (x, y) in enumerate(_batches(sizes)):
@@ -56,29 +57,45 @@ def _train(mode: str, rule: str, sizes: list[int], always: bool, packs: dict,
             "packs": per_step}
 
 
+# what a rank of ZeRO holds depends on when the relayed versions arrive: its parameter
+# bytes differ between two runs measured throughout
+_TIMED = {"zero": ("peak_param_bytes", "param_bytes_by_rank")}
+
+
 def _both(monkeypatch, mode: str, rule: str, sizes: list[int], **kw) -> tuple[list, list]:
     packs = _counting_hooks(monkeypatch)
     world = ranks_needed(mode, N, rules.timeline_of(rule))
     runs = [sf.launch(lambda a=a: _train(mode, rule, sizes, a, packs, **kw), world_size=world)
             for a in (False, True)]
+    timed = _TIMED.get(mode, ())
     for got, want in zip(*runs):
         assert set(got["state"]) == set(want["state"])
         for k in want["state"]:
             assert torch.equal(got["state"][k], want["state"][k]), k
         assert got["losses"] == want["losses"]
-        assert got["stats"] == want["stats"]
+        assert {k: v for k, v in got["stats"].items() if k not in timed} == \
+            {k: v for k, v in want["stats"].items() if k not in timed}
     return runs
 
 
-@pytest.mark.parametrize("mode,rule", [("single", "v2"), ("single", "dp"), ("dp", "v2"),
-                                       ("pp", "v1"), ("zero", "v2")])
-def test_steady_runs_are_not_measured_and_the_stats_are_the_same(monkeypatch, mode, rule):
+@pytest.mark.parametrize("rule", ["v2", "dp"])
+def test_steady_runs_are_not_measured_and_the_stats_are_the_same(monkeypatch, rule):
+    (got,), (want,) = _both(monkeypatch, "single", rule, [2 * N] * 8)
+    assert got["packs"][-3:] == [0, 0, 0]
+    assert min(want["packs"][-3:]) > 0
+    assert got["stats"]["peak_activation_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode,rule", [("dp", "v2"), ("pp", "v1"), ("zero", "v2")])
+def test_a_trainer_over_several_ranks_measures_every_run(monkeypatch, mode, rule):
+    """Its ranks fire in an order, and receive versions at times, that vary from run to run."""
     default, every = _both(monkeypatch, mode, rule, [2 * N] * 8)
     for got, want in zip(default, every):
+        assert got["packs"] == want["packs"]
         if got["state"] and sum(want["packs"]):  # (a rank that saves tensors)
-            assert got["packs"][-3:] == [0, 0, 0]
-            assert min(want["packs"][-3:]) > 0
+            assert min(got["packs"][-3:]) > 0
     assert default[0]["stats"]["peak_activation_bytes"] > 0
+    assert default[0]["stats"]["peak_param_bytes"] > 0
 
 
 def test_new_batch_shapes_are_measured_again(monkeypatch):

@@ -196,7 +196,8 @@ def test_pp_mode_has_no_bubble_between_warm_up_and_flush(rule):
     n, steps = 4, 6
 
     def fn():
-        t = CyclicDataParallel(make_stages(n), loss_fn, sgd, rule=rule, mode="pp")
+        t = CyclicDataParallel(make_stages(n), loss_fn, sgd, rule=rule, mode="pp",
+                               timeline_windows=None)
         for x, y in batches(n, steps):
             t.step(x, y)
         t.flush()

@@ -1,24 +1,27 @@
 """What a CDP trainer measured, read from the executed schedule of every rank.
 
-Each rank keeps a `Record` of every F, B and U task its runtime fired (its time step, the
-version it used, its wall-clock start and end); `gather_records` collects every rank's records
-and counters (an all-gather over the world); `summary` computes the stats: live activations
-per time step (the spec's convention: from F's step to B's, both included), gradient chunks
-per step (B tasks), the idle fraction of the ranks' op slots (the bubble: a rank runs a
-step's ops one after another), messages and bytes sent, the measured activation bytes and the
-most parameter versions held, the parameter bytes held (after each task). See
+Each rank's `ScheduleLog` takes every F, B and U task its runtime fired (its time step, the
+version it used, its wall-clock start and end) and keeps, in memory that does not grow with
+the tasks, what the stats read: per time step the rank's F / B ops and its B ops, and the
+activations' live intervals as a difference array; the full `Record` of each task only for
+the first ``keep`` time steps (the ones a timeline draws). `gather_schedule` collects every
+rank's log and counters (all-gathers over the world); `summary` computes the stats: live
+activations per time step (the spec's convention: from F's step to B's, both included),
+gradient chunks per step (B tasks), the idle fraction of the ranks' op slots (the bubble: a
+rank runs a step's ops one after another), messages and bytes sent, the measured activation
+bytes and the most parameter versions held, the parameter bytes held (after each task). See
 docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
 
+from array import array
+from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 import torch
 
-from .cycles import live_profile
-
-__all__ = ["Record", "gather_records", "summary"]
+__all__ = ["Record", "ScheduleLog", "Schedule", "gather_schedule", "summary"]
 
 _KINDS = "FBU"
 
@@ -37,59 +40,137 @@ class Record(NamedTuple):
     end: float
 
 
-def gather_records(comm, records: Sequence[Record], counters: Sequence[float]
-                   ) -> tuple[list[Record], list[list[float]]]:
-    """Every rank's records, and its ``counters`` (one list a rank, in rank order)."""
+class ScheduleLog:
+    """One rank's executed tasks: the `Record`s of the time steps before ``keep`` (None: all),
+    and for every step the counts the stats read (module docstring)."""
+
+    def __init__(self, keep: int | None) -> None:
+        self.keep = keep
+        self.records: list[Record] = []
+        # (4 bytes a step each: a long run's steps are many)
+        self.ops = array("i")    # per time step: the F and B ops this rank ran
+        self.grads = array("i")  # per time step: its B ops (gradient chunks)
+        self.delta = array("i")  # live intervals closed on this rank, as differences
+        self.open: dict[tuple, int] = {}  # (worker, stage, cycle) -> its F's step, B to come
+        self.last = -1   # the latest step of any task
+        self.span = 0    # 1 + the latest step a closed interval covers
+
+    def add(self, kind: str, worker: int, stage: int, cycle: int, step: int, version: int,
+            rank: int, start: float, end: float) -> None:
+        if self.keep is None or step < self.keep:
+            self.records.append(Record(kind, worker, stage, cycle, step, version, rank, start,
+                                       end))
+        if step > self.last:
+            self.last = step
+        if kind == "U":
+            return
+        if len(self.delta) < step + 2:
+            grow = [0] * (step + 2 - len(self.delta))
+            self.ops.extend(grow)
+            self.grads.extend(grow)
+            self.delta.extend(grow)
+        self.ops[step] += 1
+        if kind == "F":
+            self.open[(worker, stage, cycle)] = step
+            return
+        self.grads[step] += 1
+        first = self.open.pop((worker, stage, cycle), None)
+        if first is not None:  # (F and B of a micro-batch's stage run on one rank)
+            self.delta[first] += 1
+            self.delta[step + 1] -= 1
+            self.span = max(self.span, step + 1)
+
+    def packed(self) -> torch.Tensor:
+        """The counts as one int64 vector: last, span, the number of steps S, ops (S),
+        grads (S), delta (S), then the open intervals' first steps."""
+        s = len(self.ops)
+        return torch.tensor([self.last, self.span, s, *self.ops, *self.grads, *self.delta,
+                             *self.open.values()], dtype=torch.int64)
+
+
+class Schedule(NamedTuple):
+    """Every rank's log, gathered: the kept records, and per rank its counts."""
+
+    records: list[Record]
+    ops: list[list[int]]      # per rank, per time step
+    grads: list[int]          # per time step, all ranks
+    live: list[int]           # per time step, all ranks (open intervals up to the last step)
+
+
+class _Part(NamedTuple):
+    """One rank's `ScheduleLog.packed`, read back."""
+
+    last: int
+    span: int
+    ops: list[int]
+    grads: list[int]
+    delta: list[int]
+    open: list[int]
+
+
+def _part(v: list[int]) -> _Part:
+    last, span, s = v[:3]
+    body = v[3:]
+    return _Part(last, span, body[:s], body[s:2 * s], body[2 * s:3 * s], body[3 * s:])
+
+
+def _merge(rows: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int], list[int]]:
+    """Per rank its ops a step; per step the B ops and the live activations of all ranks."""
+    parts = [_part(v) for v in (r.tolist() for r in rows) if v]
+    last = max((p.last for p in parts), default=-1)
+    delta, grads = [0] * (last + 2), [0] * (last + 2)
+    span = 0
+    for p in parts:
+        for k, x in enumerate(p.delta):
+            delta[k] += x
+        for k, x in enumerate(p.grads):
+            grads[k] += x
+        for first in p.open:  # an F whose B has not run: live up to the last step of any task
+            delta[first] += 1
+            delta[last + 1] -= 1
+            span = last + 1
+        span = max(span, p.span)
+    return [p.ops for p in parts], grads[:last + 1], list(accumulate(delta[:span]))
+
+
+def gather_schedule(comm, log: ScheduleLog | None, counters: Sequence[float]
+                    ) -> tuple[Schedule, list[list[float]]]:
+    """Every rank's log (None: a rank outside the trainer) and its ``counters`` (one list a
+    rank, in rank order)."""
     group = list(range(comm.world_size))
+    records = log.records if log is not None else []
     rows = torch.tensor([[_KINDS.index(r.kind), *r[1:]] for r in records],
                         dtype=torch.float64).reshape(-1, 9)
-    mine = torch.tensor(list(counters), dtype=torch.float64)
+    packed = log.packed() if log is not None else torch.zeros(0, dtype=torch.int64)
     all_rows = comm.all_gather(rows, group, count_as="meta")
-    all_counters = comm.all_gather(mine, group, count_as="meta")
+    all_packed = comm.all_gather(packed, group, count_as="meta")
+    all_counters = comm.all_gather(torch.tensor(list(counters), dtype=torch.float64), group,
+                                   count_as="meta")
     out = [Record(_KINDS[int(r[0])], *(int(v) for v in r[1:7].tolist()), float(r[7]),
                   float(r[8])) for rows_ in all_rows for r in rows_]
-    return out, [c.tolist() for c in all_counters]
+    ops, grads, live = _merge(all_packed)
+    return Schedule(out, ops, grads, live), [c.tolist() for c in all_counters]
 
 
-def _live(records: Sequence[Record]) -> list[int]:
-    first: dict[tuple, int] = {}
-    last: dict[tuple, int] = {}
-    end = max((r.step for r in records), default=0)
-    for r in records:
-        key = (r.worker, r.stage, r.cycle)
-        if r.kind == "F":
-            first[key] = r.step
-        elif r.kind == "B":
-            last[key] = r.step
-    return live_profile((k, last.get(key, end)) for key, k in first.items())
-
-
-def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: int,
+def summary(schedule: Schedule, counters: Sequence[Sequence[float]], n: int,
             ranks: Sequence[int]) -> dict:
     """The stats of a trainer of ``n`` stages on ``ranks``. ``counters[r]``: rank r's [in
     the trainer, messages, bytes, peak activation bytes, steps fed, peak parameter bytes,
     max versions of each stage]."""
-    live = _live(records)
-    chunks: dict[int, int] = {}
-    cells: dict[tuple, int] = {}   # (rank, step) -> ops the rank runs in that step
-    for r in records:
-        if r.kind == "B":
-            chunks[r.step] = chunks.get(r.step, 0) + 1
-        if r.kind in "FB":
-            cells[(r.rank, r.step)] = cells.get((r.rank, r.step), 0) + 1
     # a rank runs a step's ops one after another: the step lasts its busiest rank's count
-    longest: dict[int, int] = {}
-    for (_, k), c in cells.items():
-        longest[k] = max(longest.get(k, 0), c)
-    slots = sum(longest.values()) * len(ranks)
+    steps_ = max((len(o) for o in schedule.ops), default=0)
+    longest = [max((o[k] for o in schedule.ops if k < len(o)), default=0)
+               for k in range(steps_)]
+    slots = sum(longest) * len(ranks)
+    done = sum(sum(o) for o in schedule.ops)
     mine = [c for c in counters if c and c[0]]
     steps = int(max((c[4] for c in mine), default=0))
     messages = sum(c[1] for c in mine)
     nbytes = sum(c[2] for c in mine)
     return {
         "steps": steps,
-        "peak_live_activations": max(live, default=0),
-        "live_activations": live,
+        "peak_live_activations": max(schedule.live, default=0),
+        "live_activations": schedule.live,
         "peak_activation_bytes": int(max((c[3] for c in mine), default=0)),
         "activation_bytes_by_rank": {int(r): int(c[3]) for r, c in enumerate(counters)
                                      if c and c[0]},
@@ -99,6 +180,6 @@ def summary(records: Sequence[Record], counters: Sequence[Sequence[float]], n: i
         "max_versions": [int(max(c[6 + j] for c in mine)) for j in range(n)] if mine else [],
         "messages_per_step": messages / steps if steps else 0.0,
         "bytes_per_step": nbytes / steps if steps else 0.0,
-        "max_grad_chunks_per_step": max(chunks.values(), default=0),
-        "bubble_fraction": 1 - sum(cells.values()) / slots if slots else 0.0,
+        "max_grad_chunks_per_step": max(schedule.grads, default=0),
+        "bubble_fraction": 1 - done / slots if slots else 0.0,
     }

@@ -23,7 +23,7 @@ from ...runtime import Runtime
 from ...tensor import GlobalTensor
 from .schedule_figure import Drawn, draw_timeline
 from .window_plan import window_plan
-from .schedule_stats import Record, gather_records, summary
+from .schedule_stats import Record, ScheduleLog, gather_schedule, summary
 from .cycles import check_n
 from .program import PeerTransfer, Work, cycle_tasks, shift, version_uses, window
 from .rank_state import RankState
@@ -82,12 +82,19 @@ class CyclicDataParallel:
     "zero" on the ranks of ``placement`` (default the first ranks of the world the mode
     needs). ``loss_fn(out, y)`` gives a micro-batch's mean loss (global tensors);
     ``optimizer(params)`` builds one stage's optimizer. ``split=(N, "flops")`` reads the
-    shape and dtype of ``example_input`` (a batch such as ``step``'s ``x``)."""
+    shape and dtype of ``example_input`` (a batch such as ``step``'s ``x``).
+    ``timeline_windows``: how many of the first windows keep every task's record for
+    `save_timeline` (None: all, memory growing with the steps); `stats` reads counts kept
+    for every step."""
 
     def __init__(self, stages, loss_fn: Callable, optimizer: Callable, rule: str = "v2",
                  mode: str = "single", placement: Placement | Sequence[int] | None = None,
-                 split=None, example_input=None) -> None:
+                 split=None, example_input=None, timeline_windows: int | None = 5) -> None:
         check_rule(rule)
+        if timeline_windows is not None and (not isinstance(timeline_windows, int)
+                                             or timeline_windows < 0):
+            raise PlanError(f"CyclicDataParallel: timeline_windows is a number of windows "
+                            f">= 0 or None (keep all), got {timeline_windows!r}")
         self.comm = comm = current()
         modules = stage_list(stages, split, example_input)
         self.n = n = len(modules)
@@ -109,7 +116,8 @@ class CyclicDataParallel:
         self.uid = _trainer_id(comm)
         self.name = f"cdp{self.uid}"
         self.fed, self.window, self.pending = 0, 0, {}   # pending: cycle -> its first step
-        self.records: list[Record] = []
+        self.schedule = ScheduleLog(None if timeline_windows is None
+                                    else timeline_windows * 2 * n)
         self.plans: dict = {}
         self.broken: str | None = None
         self.rank = comm.rank
@@ -138,7 +146,9 @@ class CyclicDataParallel:
                                                   self.runners[j].nparams)
         self.state.sample()
         self.tracker = self.state.tracker = memory.Tracker(me)
-        self.measuring = WindowMeasure()
+        # (a run with peers fires in an order, and receives versions at times, that vary:
+        # what it holds can differ from an earlier run of the same plan, so each is measured)
+        self.measuring = WindowMeasure(always=len(self.roles.ranks) > 1)
         self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))
         works, moves = cycle_tasks(0, 0, n, self.rule, roles)
@@ -199,12 +209,12 @@ class CyclicDataParallel:
                            f"leaving its cycles half done")
             raise
         self.measuring.ended(st.measure, st.replayed_all)
+        add, log = self.schedule.add, st.log
         for e in self.runtime.timeline():
-            task, v = st.log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
+            task, v = log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
             if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
-                self.records.append(Record(task.kind, task.worker, task.stage,
-                                           task.cycle + c_ref, task.step + lo, v, self.rank,
-                                           e["start"], e["end"]))
+                add(task.kind, task.worker, task.stage, task.cycle + c_ref, task.step + lo, v,
+                    self.rank, e["start"], e["end"])
         self.window += 1
         hi = lo + 2 * self.n
         for c in [c for c, base in active if base + self.span <= hi]:
@@ -249,9 +259,17 @@ class CyclicDataParallel:
         return self._finish(drain)
 
     def _finish(self, run: Callable) -> list:
-        before = len(self.state.losses)
+        losses = self.state.losses
+        losses.clear()  # (a failed run's are not returned)
         run()
-        return sorted(self.state.losses[before:])
+        out = sorted(losses)
+        losses.clear()
+        return out
+
+    @property
+    def records(self) -> list[Record]:
+        """This rank's record of every task of the first ``timeline_windows`` windows."""
+        return self.schedule.records
 
     # -- collectives: every rank of the world calls them ----------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -277,7 +295,7 @@ class CyclicDataParallel:
         else:
             counters = [1.0, st.messages, st.nbytes, self.tracker.peak, self.fed,
                         st.param_peak, *st.store.max_versions]
-        return gather_records(self.comm, self.records if st else [], counters)
+        return gather_schedule(self.comm, self.schedule if st else None, counters)
 
     def stats(self) -> dict:
         """Peak live activations (micro-batch x stage units, from the executed time steps),
@@ -286,17 +304,25 @@ class CyclicDataParallel:
         once, messages and bytes sent per step, the most
         gradient chunks made in one time step, the idle fraction of the ranks' op slots.
         A collective: every rank of the world calls it."""
-        records, counters = self._gather()
-        return summary(records, counters, self.n, self.roles.ranks)
+        schedule, counters = self._gather()
+        return summary(schedule, counters, self.n, self.roles.ranks)
 
     def save_timeline(self, path: str, steps: tuple[int, int] | None = None) -> Drawn | None:
         """Draw the executed schedule to ``path`` (rank 0 writes it; a collective): time
-        steps ``steps`` (default the first five windows of ``2N`` steps). Rank 0 gets what
-        the figure holds (`Drawn`), other ranks None."""
-        records, _ = self._gather()
+        steps ``steps``, ``(first, end)`` (default the ``timeline_windows`` windows of ``2N``
+        steps whose records are kept, or five with all kept). Rank 0 gets what the figure
+        holds (`Drawn`), other ranks None."""
+        keep = self.schedule.keep
+        steps = steps or (0, 2 * self.n * 5 if keep is None else keep)
+        if keep is not None and steps[1] > keep:
+            raise PlanError(f"CyclicDataParallel.save_timeline: steps {tuple(steps)} reach "
+                            f"past the {keep} time steps whose records the trainer keeps (its "
+                            f"first {keep // (2 * self.n)} windows of 2N = {2 * self.n}); "
+                            f"build it with a larger timeline_windows, or None to keep all")
+        schedule, _ = self._gather()
+        records = schedule.records
         if self.rank != 0:
             return None
-        steps = steps or (0, 2 * self.n * 5)
         rows_by = "worker" if self.mode == "single" else "rank"
         return draw_timeline(records, path, rows_by, f"CDP rule {self.rule}, mode "
                              f"{self.mode}, N = {self.n} (ranks {list(self.roles.ranks)})",

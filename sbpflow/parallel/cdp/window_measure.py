@@ -2,15 +2,16 @@
 `sf.memory.track` (``peak_activation_bytes``) and the parameter-bytes samples
 (``peak_param_bytes``).
 
-A run whose forwards all replay a stage's fixed kernels (`stage_program`: traced on meta
-tensors, so every shape follows from the inputs' shapes) saves the same tensors and holds the
-same parameters as an earlier run of the same plan, batch shapes and stage modes (train /
-eval, hooks, grad mode, autocast). So a run is measured
-until one of its plan and shapes has been measured from a measured start (the run before it
-measured too: the activations alive when it starts were counted); after that such runs are
-not. A forward that does not replay fixed kernels in a run that is not measured is measured on
-its own, and then every run is measured again until the same holds. With a `sf.memory.track`
-block of the caller around the step every run is measured. See docs/cdp.md, 'Stats'.
+A run with no peer fires in its plan's order (`runtime.firing_order`); when its forwards all
+replay a stage's fixed kernels (`stage_program`: traced on meta tensors, shapes following from
+the inputs'), it saves and holds what an earlier run of the same plan, batch shapes and stage
+modes (train / eval, hooks, grad mode, autocast) did. So such a run is measured until one of
+its key has been measured from a measured start (the run before it measured too); later ones
+are not. A forward that does not replay fixed kernels in a run that is not measured is
+measured on its own, and every run is measured again until the same holds. Inside a caller's
+`sf.memory.track` block, and on a trainer over several ranks (the order its ranks fire in and
+the times versions arrive vary, so what a rank holds does), every run is measured. See
+docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _shapes(tensors: Sequence) -> tuple:
 
 class WindowMeasure:
     """The measured (plan, batch shapes) of one trainer on one rank. ``always``: measure every
-    run (the reference the tests compare with)."""
+    run (a trainer over several ranks; the reference the tests compare with)."""
 
     def __init__(self, always: bool = False) -> None:
         self.always = always
