@@ -73,10 +73,15 @@ class Actor:
         self.sources, outputs = plan.wiring(rank, spec)
         self.outputs = [Register(reg, n, consumers) for reg, n, consumers in outputs]
 
-    def reset(self, now: float) -> None:
-        """The state before a run's first firing (the run's objects are reused: `_next_run`)."""
+    def restart(self, now: float) -> None:
+        """The state before a run's first firing, after a run that fired in a `FiringOrder`
+        (which reads no input queue and publishes into no register: they are as reset)."""
         self.fired, self.busy, self.since = 0, False, now
         self.fn = self.spec.fn  # (a spec's function may be replaced between runs: a wrapper)
+
+    def reset(self, now: float) -> None:
+        """The state before a run's first firing (the run's objects are reused: `_next_run`)."""
+        self.restart(now)
         for q in self.inputs:
             q.clear()
         self.received = [0] * len(self.inputs)

@@ -238,6 +238,7 @@ class _PlanRun:
         # next runs fire it again without the firing rule (`firing_order`)
         self.order: FiringOrder | None = None
         self.quiet = False  # this run has no peer and no early message (`execute_inline`)
+        self.replayed = False  # it fired by `order`: its queues and registers are untouched
 
     def _begin(self, run_id: int, now: float) -> None:
         """The state of run ``run_id`` besides its actors' (a run's own, reset every run)."""
@@ -256,7 +257,11 @@ class _PlanRun:
         """Make this (ended well, no thread left in it) run's objects those of run ``run_id``."""
         now = time.perf_counter()
         for a in self.actors.values():
-            a.reset(now)
+            if self.replayed:
+                a.restart(now)
+            else:
+                a.reset(now)
+        self.replayed = False
         self._begin(run_id, now)
         self.mail.restart()
 
@@ -364,6 +369,7 @@ class _PlanRun:
         wait, ready = self.watch.wait, _FirstReady(actors, self.mail.gated)
         try:
             if self.order is not None and self.quiet:
+                self.replayed = True
                 self.order.run(self, _split)
                 return None
             while not self.over:

@@ -194,7 +194,8 @@ class RankState:
         i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         g = self.values.pop(("g", i, c, j))
         partial = self.values.pop(("gsum", i - 1, c, j)) if i else None
-        self.values[("gsum", i, c, j)] = accumulate(partial, g)
+        # (from worker 2 on, the partial sum is one this rank or a peer made with ``+``)
+        self.values[("gsum", i, c, j)] = accumulate(partial, g, into=i >= 2)
         self.log[name] = (rel, -1)
 
     def update(self, rel: Work, name: str) -> None:

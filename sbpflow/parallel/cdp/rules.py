@@ -57,11 +57,16 @@ def version_table(rule: str, n: int) -> list[list[str]]:
     return [["F" if fresh(rule, i, j, n) else "S" for j in range(n)] for i in range(n)]
 
 
-def accumulate(partial: Sequence[torch.Tensor] | None,
-               grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The running sum of a stage's gradients: ``partial + grads`` (``grads`` when first)."""
+def accumulate(partial: Sequence[torch.Tensor] | None, grads: Sequence[torch.Tensor],
+               into: bool = False) -> list[torch.Tensor]:
+    """The running sum of a stage's gradients: ``partial + grads`` (``grads`` when first);
+    ``into``: ``partial`` is a sum this function made, which nothing else reads: added to in
+    place (the same values)."""
     if partial is None:
         return list(grads)
+    if into:
+        torch._foreach_add_(list(partial), list(grads))
+        return list(partial)
     return [a + b for a, b in zip(partial, grads)]
 
 

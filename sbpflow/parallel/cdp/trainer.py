@@ -192,6 +192,29 @@ class CyclicDataParallel:
         plan, c_ref = self._plan(active, lo)
         st = self.state
         st.ctx, st.log, st.failed = (c_ref, lo), {}, None
+        for r in self.runners:
+            r.cache_modes(True)  # (read anew: the caller may have changed them)
+        try:
+            self._execute(plan, active, lo, c_ref)
+        finally:
+            for r in self.runners:
+                r.cache_modes(False)
+        add, log = self.schedule.add, st.log
+        for e in self.runtime.timeline():
+            task, v = log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
+            if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
+                add(task.kind, task.worker, task.stage, task.cycle + c_ref, task.step + lo, v,
+                    self.rank, e["start"], e["end"])
+        self.window += 1
+        hi = lo + 2 * self.n
+        for c in [c for c, base in active if base + self.span <= hi]:
+            del self.pending[c]
+            st.batches.pop(c, None)
+
+    def _execute(self, plan, active: list[tuple[int, int]], lo: int, c_ref: int) -> None:
+        """Run ``plan``: the window of cycles ``active`` from time step ``lo``, measured or not
+        (`window_measure`); a failure leaves the trainer broken."""
+        st = self.state
         modes = tuple(r.modes(self.device.type) for r in self.runners)
         st.measure = self.measuring.starts(plan, active, st.batches, modes)
         st.replayed_all = True
@@ -209,17 +232,6 @@ class CyclicDataParallel:
                            f"leaving its cycles half done")
             raise
         self.measuring.ended(st.measure, st.replayed_all)
-        add, log = self.schedule.add, st.log
-        for e in self.runtime.timeline():
-            task, v = log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
-            if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
-                add(task.kind, task.worker, task.stage, task.cycle + c_ref, task.step + lo, v,
-                    self.rank, e["start"], e["end"])
-        self.window += 1
-        hi = lo + 2 * self.n
-        for c in [c for c, base in active if base + self.span <= hi]:
-            del self.pending[c]
-            st.batches.pop(c, None)
 
     def step(self, x, y) -> list[tuple[int, int, float]]:
         """Feed one global batch (``x``, ``y``: axis 0 cut into N micro-batches, worker ``i``
