@@ -1,8 +1,8 @@
 """A trainer measures what a rank holds (`sf.memory.track`'s saved-tensor hooks for
 ``peak_activation_bytes``, the parameter-bytes samples for ``peak_param_bytes``) only in the
-runs with no peer whose plan and batch shapes it has not measured yet
-(`parallel/cdp/window_measure.py`), every run of a trainer over several ranks:
-the same parameters, losses and stats as measuring every run, no hook in the steady state,
+runs whose plan and batch shapes it has not measured yet (`parallel/cdp/window_measure.py`;
+with peers, the parameter bytes in every run): the same parameters, losses and stats as
+measuring every run (with peers, but the parameter bytes), no hook in the steady state,
 measuring again for new batch shapes, after a stage ran its module, for stages that never
 replay fixed kernels and inside a caller's `sf.memory.track` block (docs/cdp.md, 'Stats')."""
 
@@ -13,6 +13,7 @@ import sbpflow as sf
 import sbpflow.memory as memory
 from cdp_fns import F64, WIDTH, CLASSES, loss_fn, make_stages, sgd
 from sbpflow.parallel.cdp import CyclicDataParallel, ranks_needed, rules
+from sbpflow.parallel.cdp.rank_state import RankState
 from sbpflow.parallel.cdp.window_measure import WindowMeasure
 
 N = 3
@@ -57,9 +58,21 @@ def _train(mode: str, rule: str, sizes: list[int], always: bool, packs: dict,
             "packs": per_step}
 
 
-# what a rank of ZeRO holds depends on when the relayed versions arrive: its parameter
-# bytes differ between two runs measured throughout
-_TIMED = {"zero": ("peak_param_bytes", "param_bytes_by_rank")}
+# with peers, what a rank holds of parameters depends on when versions arrive: it differs
+# between two runs measured throughout, and every run samples it
+_TIMED = ("peak_param_bytes", "param_bytes_by_rank")
+
+
+def _counting_samples(monkeypatch) -> dict:
+    """Counts the parameter-bytes samples, per rank."""
+    samples: dict = {}
+    real = RankState.param_bytes
+
+    def counted(self):
+        samples[self.rank] = samples.get(self.rank, 0) + 1
+        return real(self)
+    monkeypatch.setattr(RankState, "param_bytes", counted)
+    return samples
 
 
 def _both(monkeypatch, mode: str, rule: str, sizes: list[int], **kw) -> tuple[list, list]:
@@ -67,7 +80,7 @@ def _both(monkeypatch, mode: str, rule: str, sizes: list[int], **kw) -> tuple[li
     world = ranks_needed(mode, N, rules.timeline_of(rule))
     runs = [sf.launch(lambda a=a: _train(mode, rule, sizes, a, packs, **kw), world_size=world)
             for a in (False, True)]
-    timed = _TIMED.get(mode, ())
+    timed = _TIMED if world > 1 else ()
     for got, want in zip(*runs):
         assert set(got["state"]) == set(want["state"])
         for k in want["state"]:
@@ -78,24 +91,31 @@ def _both(monkeypatch, mode: str, rule: str, sizes: list[int], **kw) -> tuple[li
     return runs
 
 
-@pytest.mark.parametrize("rule", ["v2", "dp"])
-def test_steady_runs_are_not_measured_and_the_stats_are_the_same(monkeypatch, rule):
-    (got,), (want,) = _both(monkeypatch, "single", rule, [2 * N] * 8)
-    assert got["packs"][-3:] == [0, 0, 0]
-    assert min(want["packs"][-3:]) > 0
-    assert got["stats"]["peak_activation_bytes"] > 0
-
-
-@pytest.mark.parametrize("mode,rule", [("dp", "v2"), ("pp", "v1"), ("zero", "v2")])
-def test_a_trainer_over_several_ranks_measures_every_run(monkeypatch, mode, rule):
-    """Its ranks fire in an order, and receive versions at times, that vary from run to run."""
+@pytest.mark.parametrize("mode,rule", [("single", "v2"), ("single", "dp"), ("dp", "v2"),
+                                       ("pp", "v1"), ("zero", "v2")])
+def test_steady_runs_are_not_measured_and_the_stats_are_the_same(monkeypatch, mode, rule):
     default, every = _both(monkeypatch, mode, rule, [2 * N] * 8)
     for got, want in zip(default, every):
-        assert got["packs"] == want["packs"]
         if got["state"] and sum(want["packs"]):  # (a rank that saves tensors)
-            assert min(got["packs"][-3:]) > 0
+            assert got["packs"][-3:] == [0, 0, 0]
+            assert min(want["packs"][-3:]) > 0
     assert default[0]["stats"]["peak_activation_bytes"] > 0
-    assert default[0]["stats"]["peak_param_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode,rule", [("single", "v2"), ("dp", "v2"), ("zero", "v2")])
+def test_parameter_bytes_are_sampled_every_run_with_peers(monkeypatch, mode, rule):
+    samples = _counting_samples(monkeypatch)
+    world = ranks_needed(mode, N, rules.timeline_of(rule))
+    counts = []
+    for always in (False, True):
+        samples.clear()
+        res = sf.launch(lambda: _train(mode, rule, [2 * N] * 8, always, {}), world_size=world)
+        counts.append(dict(samples))
+        assert res[0]["stats"]["peak_param_bytes"] > 0
+    if world > 1:
+        assert counts[0] == counts[1]   # every run sampled, as when measuring throughout
+    else:
+        assert 0 < counts[0][0] < counts[1][0]   # the steady runs did not
 
 
 def test_new_batch_shapes_are_measured_again(monkeypatch):

@@ -77,6 +77,9 @@ class RankState:
         # whether this run measures what the rank holds, and whether each of its forwards
         # replayed fixed kernels (`window_measure`); the trainer's tracker
         self.measure, self.replayed_all = True, True
+        # with peers, the times versions and relayed copies arrive vary from run to run, and so
+        # the parameter bytes held: sampled in every run (the F / B order is the plan's)
+        self.sample_always = len(roles.ranks) > 1
         self.tracker: memory.Tracker | None = None
         # stash key -> the storages `adopt_live` counted in the tracker for it
         self.adopted: dict[tuple, list] = {}
@@ -105,8 +108,8 @@ class RankState:
     def sample(self) -> None:
         """Measure `param_bytes` into ``param_peak``: after each task that adds parameter
         bytes (a version received or made, a copy refilled; others only free them), in a
-        run that measures (``measure``, `window_measure`)."""
-        if not self.measure:
+        run that measures (``measure``, `window_measure`), or in every run with peers."""
+        if not (self.measure or self.sample_always):
             return
         held = self.param_bytes()
         with self.count_lock:

@@ -146,9 +146,7 @@ class CyclicDataParallel:
                                                   self.runners[j].nparams)
         self.state.sample()
         self.tracker = self.state.tracker = memory.Tracker(me)
-        # (a run with peers fires in an order, and receives versions at times, that vary:
-        # what it holds can differ from an earlier run of the same plan, so each is measured)
-        self.measuring = WindowMeasure(always=len(self.roles.ranks) > 1)
+        self.measuring = WindowMeasure()
         self.runtime = Runtime(window_plan(self.name, me, roles.ranks, [], [],
                                                  self.state))
         works, moves = cycle_tasks(0, 0, n, self.rule, roles)

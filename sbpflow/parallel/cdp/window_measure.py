@@ -1,17 +1,16 @@
 """Which of a trainer's runs measure what the rank holds: the saved-tensor hooks of
 `sf.memory.track` (``peak_activation_bytes``) and the parameter-bytes samples
-(``peak_param_bytes``).
+(``peak_param_bytes``; with peers, every run samples: `RankState.sample_always`).
 
-A run with no peer fires in its plan's order (`runtime.firing_order`); when its forwards all
-replay a stage's fixed kernels (`stage_program`: traced on meta tensors, shapes following from
-the inputs'), it saves and holds what an earlier run of the same plan, batch shapes and stage
-modes (train / eval, hooks, grad mode, autocast) did. So such a run is measured until one of
-its key has been measured from a measured start (the run before it measured too); later ones
-are not. A forward that does not replay fixed kernels in a run that is not measured is
-measured on its own, and every run is measured again until the same holds. Inside a caller's
-`sf.memory.track` block, and on a trainer over several ranks (the order its ranks fire in and
-the times versions arrive vary, so what a rank holds does), every run is measured. See
-docs/cdp.md, 'Stats'.
+A rank runs its forwards and backwards in the plan's order; when they all replay a stage's
+fixed kernels (`stage_program`: traced on meta tensors, shapes following from the inputs'),
+a run saves what an earlier run of the same plan, batch shapes and stage modes (train /
+eval, hooks, grad mode, autocast) did, and on one rank holds the same parameters (with peers,
+versions arrive at times that vary). So a run is measured until one of its key has been
+measured from a measured start (the run before it measured too); later ones are not. A
+forward that does not replay fixed kernels in a run that is not measured is measured on its
+own, and every run is measured again until the same holds. Inside a caller's
+`sf.memory.track` block every run is measured. See docs/cdp.md, 'Stats'.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ def _shapes(tensors: Sequence) -> tuple:
 
 class WindowMeasure:
     """The measured (plan, batch shapes) of one trainer on one rank. ``always``: measure every
-    run (a trainer over several ranks; the reference the tests compare with)."""
+    run (the reference the tests compare with)."""
 
     def __init__(self, always: bool = False) -> None:
         self.always = always
