@@ -70,8 +70,12 @@ def accumulate(partial: Sequence[torch.Tensor] | None, grads: Sequence[torch.Ten
     return [a + b for a, b in zip(partial, grads)]
 
 
-def average(total: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The averaged gradient the optimizer steps with: the worker-ordered sum over N."""
+def average(total: Sequence[torch.Tensor], n: int, into: bool = False) -> list[torch.Tensor]:
+    """The averaged gradient the optimizer steps with: the worker-ordered sum over N;
+    ``into``: ``total`` is a sum nothing else reads, divided in place (the same values)."""
+    if into:
+        torch._foreach_div_(list(total), n)
+        return list(total)
     return [t / n for t in total]
 
 

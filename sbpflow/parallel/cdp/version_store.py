@@ -183,9 +183,9 @@ class StageOwner:
     def step(self, latest: Sequence[torch.Tensor], total: Sequence[torch.Tensor]
              ) -> list[torch.Tensor]:
         """The next version from the ``latest`` one and the workers' sum of gradients (then
-        of buffer changes)."""
+        of buffer changes; a sum the caller made and reads no more: averaged in place)."""
         k = self.nparams
-        for p, t, g in zip(self.params, latest[:k], average(total[:k], self.n)):
+        for p, t, g in zip(self.params, latest[:k], average(total[:k], self.n, into=True)):
             local = t.detach().clone().requires_grad_(True)
             local.grad = g
             p._local = local  # a fresh copy: micro-batches in flight keep the old one
