@@ -19,7 +19,7 @@ from ..placement import Placement
 from .nodes import BackwardNode, BoxNode, DetachNode, GuardNode, OpNode, SourceNode, ThunkNode
 from .recorder import Meta, Tape
 
-__all__ = ["StageTransfer", "Lowered", "stages_of", "lower"]
+__all__ = ["StageTransfer", "Lowered", "stages_of", "lower", "frees_after"]
 
 
 class StageTransfer(NamedTuple):
@@ -153,7 +153,7 @@ def lower(tape: Tape, stages: list[frozenset]) -> Lowered:
     backwards: dict[int, list[BackwardNode]] = {i: [] for i in range(len(stages))}
     for b in tape.backwards:
         backwards[stage(b.placement)].append(b)
-    frees = {s: _frees(forward[s], _kept(s, tape, transfers, backwards[s]))
+    frees = {s: frees_after(forward[s], _kept(s, tape, transfers, backwards[s]))
              for s in forward}
     return Lowered(tape, forward, frees, sources, transfers, backwards, nslots)
 
@@ -210,7 +210,7 @@ def _kept(stage: int, tape: Tape, transfers: list, backwards: list) -> set:
     return kept
 
 
-def _frees(nodes: list, kept: set) -> list[tuple]:
+def frees_after(nodes: list, kept: set) -> list[tuple]:
     """Per task, the slots whose last reader it is (and that nothing after the forward
     reads): dropping them frees what autograd does not keep, as eager's locals going out of
     scope do."""

@@ -99,3 +99,38 @@ def test_no_grad_inside_a_stage_and_forward_hooks():
     same, replayed, calls = sf.launch(fn, world_size=1)[0]
     assert same == [True] * 3 and replayed
     assert calls == 3
+
+
+def test_a_replayed_loss_raises_eagers_error_and_runs_as_one_program():
+    """A last stage (Linear, then the loss) replays as one generated function; a target out
+    of range raises in the replay the error the eager call raises (the rule the op was traced
+    under turns torch's error into sbpflow's)."""
+    def loss(out, y):
+        return sf.nn.functional.cross_entropy(out, y)
+
+    def fn():
+        sf.manual_seed(0)
+        runners = [StageRunner(sf.nn.Linear(6, 3, dtype=F64), 0, programs=p)
+                   for p in (True, False)]
+        pl = sf.placement("cpu", [0])
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(5, 6, dtype=F64, generator=g).requires_grad_(True)
+        y = torch.randint(0, 3, (5,), generator=g)
+        version = runners[0].version([t.clone() for t in runners[0].initial()])
+        for _ in range(3):
+            got, _ = runners[0].forward(version, x, pl, loss, y)
+        want, _ = runners[1].forward(version, x, pl, loss, y)
+        bad = y.clone()
+        bad[2] = 7
+        errors = []
+        for r in runners:
+            try:
+                r.forward(version, x, pl, loss, bad)
+            except Exception as exc:  # noqa: BLE001 - the two errors are compared
+                errors.append((type(exc), str(exc)))
+        tape = next(iter(runners[0].tapes.values()))
+        return torch.equal(got, want), errors, tape.checked, "def run(" in tape.program.source
+    same, errors, checked, program = sf.launch(fn, world_size=1)[0]
+    assert same and checked and program
+    assert len(errors) == 2 and errors[0] == errors[1], errors
+    assert issubclass(errors[0][0], sf.SbpError) and "7" in errors[0][1]

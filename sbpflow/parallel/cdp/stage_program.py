@@ -5,10 +5,11 @@ ops are purely local, so once the kernels a call runs are known the call is thos
 plain torch tensors, in order (the same kernels on the same tensors as the eager call, so the
 same values and the same autograd graph). `trace` runs the stage once on meta tensors with a
 `StageTape` as the thread's recorder (the sbpflow.tensor hooks): it keeps each op's kernel,
-constants and attributes, detaches and value checks. Anything else the call does (a boxing
-step, a random draw, a tensor made outside the ops, a constant, a custom autograd Function)
-makes the tape unusable and the stage stays eager. The default seed stream is put back after
-the trace. `StageTape.replay` runs the kept kernels. See docs/cdp.md, 'Stages'.
+constants and attributes, detaches and value checks, as a graph's records (`graph.nodes`).
+Anything else the call does (a boxing step, a random draw, a tensor made outside the ops, a
+constant, a custom autograd Function) makes the tape unusable and the stage stays eager. The
+default seed stream is put back after the trace. `StageTape.replay` runs the kept kernels as
+one generated function (`graph.replay.segment_program`). See docs/cdp.md, 'Stages'.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Callable, Sequence
 import torch
 
 from ...comm import current
+from ...graph.lower import frees_after
+from ...graph.nodes import DetachNode, Env, GuardNode, Mode, OpNode
+from ...graph.replay import segment_program
 from ...tensor import GlobalTensor, error_rule, set_recorder
 
 __all__ = ["StageTape", "trace"]
@@ -30,12 +34,14 @@ class StageTape:
 
     weighs_means = False  # read by means over counted targets: no micro-batch weighting here
 
-    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, inputs: Sequence[torch.Tensor], env: Env) -> None:
         self.slot_of = {id(t): k for k, t in enumerate(inputs)}
         self.keep = list(inputs)  # the traced tensors stay alive: their ids stay theirs
-        self.nodes: list[tuple] = []
+        self.nodes: list = []  # OpNode, DetachNode, GuardNode
         self.out: int | None = None
         self.nslots = 0
+        self.env = env  # the rank's communicator and device type, as a graph's replay has
+        self.program: Callable | None = None  # the nodes as one function (first replay)
         self.usable, self.why = True, ""
         self.checked = False  # a real call's eager output matched the replay's (`StageRunner`)
 
@@ -68,16 +74,17 @@ class StageTape:
         if torch.is_autocast_enabled(pl.device_type):
             return self._refuse(f"op {entry.op.name} under autocast")
         outs = out if isinstance(out, tuple) else (out,)
-        self.nodes.append(("op", entry.op.kernel, tuple(consts), tuple(slots), dict(attrs),
-                           tuple(self._new(t._local) for t in outs), isinstance(out, tuple),
-                           entry.detach, error_rule(), torch.is_grad_enabled()))
+        self.nodes.append(OpNode(entry.op.name, entry.op.kernel, tuple(consts), tuple(slots),
+                                 dict(attrs), tuple(self._new(t._local) for t in outs),
+                                 isinstance(out, tuple), entry.detach, pl, _mode(), (), (),
+                                 error_rule()))
 
     def detach(self, src: GlobalTensor, out: GlobalTensor) -> None:
         s = self._slot(src._local)
-        self.nodes.append(("detach", s, self._new(out._local)))
+        self.nodes.append(DetachNode(s, self._new(out._local), src.placement, _mode()))
 
     def guard(self, t: GlobalTensor, check: Callable) -> None:
-        self.nodes.append(("guard", self._slot(t._local), check))
+        self.nodes.append(GuardNode(check, self._slot(t._local), t.placement, _mode()))
 
     def module(self, module) -> None:
         return None  # (train / eval modes are part of the trace's key)
@@ -92,42 +99,30 @@ class StageTape:
 
     # -- replay ---------------------------------------------------------------------------------
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The traced call's output on ``inputs`` (plain torch tensors, in the traced order)."""
+        """The traced call's output on ``inputs`` (plain torch tensors, in the traced order):
+        the nodes' kernels in their grad modes, each slot dropped after its last read."""
+        if self.program is None:
+            self.program = segment_program(self.nodes, frees_after(self.nodes, {self.out}),
+                                           "CDP stage")
         vals = list(inputs) + [None] * (self.nslots - len(inputs))
-        for node in self.nodes:
-            kind = node[0]
-            if kind == "op":
-                _, kernel, consts, slots, attrs, outs, multi, detach, translate, grad = node
-                args = list(consts)
-                for pos, s in slots:
-                    args[pos] = vals[s]
-                try:
-                    if grad == torch.is_grad_enabled():
-                        result = kernel(*args, **attrs)
-                    else:  # (the stage ran it under no_grad, or enable_grad, itself)
-                        with torch.set_grad_enabled(grad):
-                            result = kernel(*args, **attrs)
-                except Exception as exc:  # the rule the op ran under, as in eager
-                    new = None if translate is None else translate(exc)
-                    if new is None:
-                        raise
-                    raise new from None
-                results = tuple(result) if multi else (result,)
-                for s, r in zip(outs, results):
-                    vals[s] = r.detach() if detach else r
-            elif kind == "detach":
-                vals[node[2]] = vals[node[1]].detach()
-            else:
-                node[2](vals[node[1]])
+        self.program(vals, self.env)
         return vals[self.out]
 
 
-def trace(run: Callable[[], GlobalTensor], inputs: Sequence[torch.Tensor]) -> StageTape:
+def _mode() -> Mode:
+    """The grad mode an op was traced in (a tape under autocast is refused: `StageTape.op`)."""
+    return Mode(torch.is_grad_enabled(), None)
+
+
+def trace(run: Callable[[], GlobalTensor], inputs: Sequence[torch.Tensor], device_type: str
+          ) -> StageTape:
     """The tape of ``run()`` (a stage's call on ``inputs``, meta tensors, already wrapped and
-    put into its module by the caller), with this rank's default seed stream left as it was.
-    The tape is unusable when the call raised or did anything but local kernels."""
-    tape = StageTape(inputs)
-    state = current().per_rank
+    put into its module by the caller, on ``device_type``), with this rank's default seed
+    stream left as it was. The tape is unusable when the call raised or did anything but local
+    kernels."""
+    comm = current()
+    tape = StageTape(inputs, Env(comm, device_type))
+    state = comm.per_rank
     counter = getattr(state, "seed_counter", None)
     previous = set_recorder(tape)
     try:

@@ -184,7 +184,7 @@ class StageRunner:
             wrapped = [_wrap(t, pl) for t in ins]  # (before the trace: made outside the ops)
             with self._put_in(wrapped[1:1 + self.nparams], {}):
                 tape = trace(self._runner(wrapped[0], loss, wrapped[-1] if y is not None
-                                          else None), ins)
+                                          else None), ins, pl.device_type)
             tape = self.tapes[key] = tape if tape.usable else None
         return tape
 
