@@ -20,8 +20,8 @@ import torch
 
 from ...comm import current
 from ...graph.lower import frees_after
-from ...graph.nodes import DetachNode, Env, GuardNode, Mode, OpNode
-from ...graph.replay import segment_program
+from ...graph.nodes import DetachNode, Env, GuardNode, Mode, OpNode, run_nodes
+from ...graph.replay import programs_enabled, segment_program
 from ...tensor import GlobalTensor, error_rule, set_recorder
 
 __all__ = ["StageTape", "trace"]
@@ -102,8 +102,9 @@ class StageTape:
         """The traced call's output on ``inputs`` (plain torch tensors, in the traced order):
         the nodes' kernels in their grad modes, each slot dropped after its last read."""
         if self.program is None:
-            self.program = segment_program(self.nodes, frees_after(self.nodes, {self.out}),
-                                           "CDP stage")
+            nodes, frees = self.nodes, frees_after(self.nodes, {self.out})
+            self.program = segment_program(nodes, frees, "CDP stage") if programs_enabled() \
+                else (lambda vals, env: run_nodes(nodes, vals, env, frees))
         vals = list(inputs) + [None] * (self.nslots - len(inputs))
         self.program(vals, self.env)
         return vals[self.out]
