@@ -139,3 +139,20 @@ def test_a_replayed_loss_raises_eagers_error_and_runs_as_one_program(monkeypatch
     assert same and checked and generated == (program == "1")
     assert len(errors) == 2 and errors[0] == errors[1], errors
     assert issubclass(errors[0][0], sf.SbpError) and "7" in errors[0][1]
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_a_backward_seeded_by_a_gradient_equals_autograd_grad(monkeypatch, engine):
+    """`StageRunner.backward` calls torch's engine directly (or, where torch lacks that entry,
+    autograd.grad): the gradients equal autograd.grad's, zeros for an unused input."""
+    from sbpflow.parallel.cdp import stage_runner
+    if not engine:
+        monkeypatch.setattr(stage_runner, "_engine_run_backward", None)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 3, dtype=F64, generator=g).requires_grad_(True)
+    w = torch.randn(3, 3, dtype=F64, generator=g).requires_grad_(True)
+    unused = torch.randn(2, dtype=F64, generator=g).requires_grad_(True)
+    seed = torch.randn(4, 3, dtype=F64, generator=g)
+    got = StageRunner.backward(torch.tanh(x @ w), seed, [x, w, unused])
+    want = torch.autograd.grad([torch.tanh(x @ w)], [x, w], [seed])
+    assert all(map(torch.equal, got[:2], want)) and torch.equal(got[2], torch.zeros(2, dtype=F64))

@@ -20,7 +20,11 @@ import weakref
 from typing import Callable, Sequence
 
 import torch
-from torch.autograd.graph import _engine_run_backward
+
+try:  # what torch.autograd.grad calls after checking its arguments (torch 2.x)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - another torch: autograd.grad itself
+    _engine_run_backward = None
 
 from ...errors import PlanError, ShapeError
 from ...nn.modules import Module
@@ -236,8 +240,11 @@ class StageRunner:
         """Gradients of ``inputs`` (the stage's input, then its parameters) from ``out`` seeded
         with ``grad_out`` (None: a scalar loss, seeded with 1). An input the output does not
         depend on gets zeros."""
-        if grad_out is None:  # (torch checks the loss is a scalar and seeds it)
-            grads = torch.autograd.grad([out], list(inputs), allow_unused=True)
+        if grad_out is None or _engine_run_backward is None:  # (the loss: torch checks it
+            # is a scalar and seeds it)
+            grads = torch.autograd.grad([out], list(inputs),
+                                        None if grad_out is None else [grad_out],
+                                        allow_unused=True)
         else:  # what autograd.grad calls, without its checks of the arguments' shapes and
             # tensor subclasses (the gradient of this stage's own output): 5 µs less a call
             grads = _engine_run_backward((out,), (grad_out,), False, False, tuple(inputs),
