@@ -67,7 +67,9 @@ class RankState:
         self.values: dict[tuple, object] = {}
         self.stash: dict[tuple, tuple] = {}
         self.batches: dict[int, tuple[list, list]] = {}   # cycle -> (xs, ys) micro-batches
-        self.losses: list[tuple[int, int, float]] = []
+        # (cycle, worker, the loss as a 0-d tensor): read as floats once the call's runs ended
+        # (on cuda a read waits for the device: not once a micro-batch)
+        self.losses: list[tuple[int, int, torch.Tensor]] = []
         self.ctx = (0, 0)  # the run's (first cycle, first step)
         self.messages = self.nbytes = 0
         self.count_lock = threading.Lock()  # each peer's send runs on a thread of its own
@@ -165,7 +167,7 @@ class RankState:
         if relay:
             self.store.done_relay(relay)  # a refetched copy's storage goes now
         if last:
-            self.losses.append((c, i, float(out.detach())))
+            self.losses.append((c, i, out.detach()))
         else:
             self.values[("act", i, c, j)] = out.detach()
         self.log[name] = (rel, v)

@@ -272,7 +272,7 @@ class CyclicDataParallel:
         losses = self.state.losses
         losses.clear()  # (a failed run's are not returned)
         run()
-        out = sorted(losses)
+        out = sorted((c, i, float(v)) for c, i, v in losses)
         losses.clear()
         return out
 
