@@ -16,7 +16,6 @@ docs/cdp.md, 'Stats'.
 from __future__ import annotations
 
 from array import array
-from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 import torch
@@ -24,6 +23,7 @@ import torch
 __all__ = ["Record", "ScheduleLog", "Schedule", "gather_schedule", "summary"]
 
 _KINDS = "FBU"
+_ITEM = {4: torch.int32, 8: torch.int64}[array("i").itemsize]  # a C int, read as a tensor
 
 
 class Record(NamedTuple):
@@ -83,54 +83,55 @@ class ScheduleLog:
     def packed(self) -> torch.Tensor:
         """The counts as one int64 vector: last, span, the number of steps S, ops (S),
         grads (S), delta (S), then the open intervals' first steps."""
-        s = len(self.ops)
-        return torch.tensor([self.last, self.span, s, *self.ops, *self.grads, *self.delta,
-                             *self.open.values()], dtype=torch.int64)
+        head = torch.tensor([self.last, self.span, len(self.ops)], dtype=torch.int64)
+        counts = [torch.frombuffer(a, dtype=_ITEM).to(torch.int64) if len(a) else
+                  torch.zeros(0, dtype=torch.int64) for a in (self.ops, self.grads, self.delta)]
+        return torch.cat([head, *counts, torch.tensor(list(self.open.values()),
+                                                      dtype=torch.int64)])
 
 
 class Schedule(NamedTuple):
     """Every rank's log, gathered: the kept records, and per rank its counts."""
 
     records: list[Record]
-    ops: list[list[int]]      # per rank, per time step
-    grads: list[int]          # per time step, all ranks
+    ops: list[torch.Tensor]   # per rank, per time step
+    grads: torch.Tensor       # per time step, all ranks
     live: list[int]           # per time step, all ranks (open intervals up to the last step)
 
 
 class _Part(NamedTuple):
-    """One rank's `ScheduleLog.packed`, read back."""
+    """One rank's `ScheduleLog.packed`, read back (int64 tensors)."""
 
     last: int
     span: int
-    ops: list[int]
-    grads: list[int]
-    delta: list[int]
-    open: list[int]
+    ops: torch.Tensor
+    grads: torch.Tensor
+    delta: torch.Tensor
+    open: torch.Tensor
 
 
-def _part(v: list[int]) -> _Part:
-    last, span, s = v[:3]
+def _part(v: torch.Tensor) -> _Part:
+    last, span, s = (int(x) for x in v[:3])
     body = v[3:]
     return _Part(last, span, body[:s], body[s:2 * s], body[2 * s:3 * s], body[3 * s:])
 
 
-def _merge(rows: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int], list[int]]:
+def _merge(rows: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     """Per rank its ops a step; per step the B ops and the live activations of all ranks."""
-    parts = [_part(v) for v in (r.tolist() for r in rows) if v]
+    parts = [_part(r) for r in rows if r.numel()]
     last = max((p.last for p in parts), default=-1)
-    delta, grads = [0] * (last + 2), [0] * (last + 2)
+    delta = torch.zeros(last + 2, dtype=torch.int64)
+    grads = torch.zeros(last + 2, dtype=torch.int64)
     span = 0
     for p in parts:
-        for k, x in enumerate(p.delta):
-            delta[k] += x
-        for k, x in enumerate(p.grads):
-            grads[k] += x
-        for first in p.open:  # an F whose B has not run: live up to the last step of any task
-            delta[first] += 1
-            delta[last + 1] -= 1
+        delta[:len(p.delta)] += p.delta
+        grads[:len(p.grads)] += p.grads
+        if len(p.open):  # an F whose B has not run: live up to the last step of any task
+            delta.index_add_(0, p.open, torch.ones_like(p.open))
+            delta[last + 1] -= len(p.open)
             span = last + 1
         span = max(span, p.span)
-    return [p.ops for p in parts], grads[:last + 1], list(accumulate(delta[:span]))
+    return [p.ops for p in parts], grads[:last + 1], torch.cumsum(delta[:span], 0).tolist()
 
 
 def gather_schedule(comm, log: ScheduleLog | None, counters: Sequence[float]
@@ -158,11 +159,11 @@ def summary(schedule: Schedule, counters: Sequence[Sequence[float]], n: int,
     the trainer, messages, bytes, peak activation bytes, steps fed, peak parameter bytes,
     max versions of each stage]."""
     # a rank runs a step's ops one after another: the step lasts its busiest rank's count
-    steps_ = max((len(o) for o in schedule.ops), default=0)
-    longest = [max((o[k] for o in schedule.ops if k < len(o)), default=0)
-               for k in range(steps_)]
-    slots = sum(longest) * len(ranks)
-    done = sum(sum(o) for o in schedule.ops)
+    longest = torch.zeros(max((len(o) for o in schedule.ops), default=0), dtype=torch.int64)
+    for o in schedule.ops:
+        longest[:len(o)] = torch.maximum(longest[:len(o)], o)
+    slots = int(longest.sum()) * len(ranks)
+    done = sum(int(o.sum()) for o in schedule.ops)
     mine = [c for c in counters if c and c[0]]
     steps = int(max((c[4] for c in mine), default=0))
     messages = sum(c[1] for c in mine)
@@ -180,6 +181,6 @@ def summary(schedule: Schedule, counters: Sequence[Sequence[float]], n: int,
         "max_versions": [int(max(c[6 + j] for c in mine)) for j in range(n)] if mine else [],
         "messages_per_step": messages / steps if steps else 0.0,
         "bytes_per_step": nbytes / steps if steps else 0.0,
-        "max_grad_chunks_per_step": max(schedule.grads, default=0),
+        "max_grad_chunks_per_step": int(schedule.grads.max()) if len(schedule.grads) else 0,
         "bubble_fraction": 1 - done / slots if slots else 0.0,
     }
