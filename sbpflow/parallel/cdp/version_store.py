@@ -137,8 +137,10 @@ class VersionStore:
         """A micro-batch's forward keeps ``version`` until its backward."""
         with self.lock:
             h = self.held[stage]
-            h[version] = h.get(version, 0) + 1
-            self._note(stage)
+            before = h.get(version, 0)
+            h[version] = before + 1
+            if not before and (stage, version) not in self.entries:  # (else already live)
+                self._note(stage)
 
     def drop(self, stage: int, version: int) -> None:
         with self.lock:
