@@ -84,7 +84,8 @@ def test_a_long_run_keeps_the_first_windows_records_only(tmp_path):
 
 def test_timeline_windows_is_checked():
     def fn():
-        with pytest.raises(sf.errors.PlanError, match="timeline_windows is a number of "
-                                                       "windows >= 0 or None"):
-            CyclicDataParallel(make_stages(N), loss_fn, sgd, timeline_windows=-1)
+        for bad in (-1, True, 2.0):
+            with pytest.raises(sf.errors.PlanError, match="timeline_windows is a number of "
+                                                           "windows >= 0 or None"):
+                CyclicDataParallel(make_stages(N), loss_fn, sgd, timeline_windows=bad)
     sf.launch(fn, world_size=1)

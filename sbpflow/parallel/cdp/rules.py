@@ -73,9 +73,9 @@ def accumulate(partial: Sequence[torch.Tensor] | None, grads: Sequence[torch.Ten
 def average(total: Sequence[torch.Tensor], n: int, into: bool = False) -> list[torch.Tensor]:
     """The averaged gradient the optimizer steps with: the worker-ordered sum over N;
     ``into``: ``total`` is a sum nothing else reads, divided in place (the same values)."""
-    if into:
-        torch._foreach_div_(list(total), n)
-        return list(total)
+    if into:  # (Tensor.div_, not a foreach division: on cuda that one divides where
+        # ``t / n`` multiplies by 1 / n, and the last bit could differ)
+        return [t.div_(n) for t in total]
     return [t / n for t in total]
 
 

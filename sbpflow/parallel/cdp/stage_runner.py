@@ -147,7 +147,7 @@ class StageRunner:
 
     def modes(self, device_type: str) -> tuple:
         """What besides the input decides whether a call replays its kernels (`_tape`): the
-        sub-modules' train / eval modes and forward hooks (read again after `forget_modes`),
+        sub-modules' train / eval modes and forward hooks (kept during a run: `cache_modes`),
         grad mode and autocast."""
         tree = self.tree
         if tree is None:

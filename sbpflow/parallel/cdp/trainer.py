@@ -92,6 +92,7 @@ class CyclicDataParallel:
                  split=None, example_input=None, timeline_windows: int | None = 5) -> None:
         check_rule(rule)
         if timeline_windows is not None and (not isinstance(timeline_windows, int)
+                                             or isinstance(timeline_windows, bool)
                                              or timeline_windows < 0):
             raise PlanError(f"CyclicDataParallel: timeline_windows is a number of windows "
                             f">= 0 or None (keep all), got {timeline_windows!r}")
