@@ -55,6 +55,19 @@ def _idle(params: list, rank: int) -> set:
             and backfill(p) is None}
 
 
+def _held_here(params: list, rank: int) -> bool:
+    """Whether every parameter lives on ``rank`` alone (a placement of one device holding it)
+    and no parameter anywhere has a ZeRO layout: then each gradient is already in its update
+    layout, with nothing to box, bucket or collect (`Optimizer._step_group_here`)."""
+    if has_update_layouts() or has_backfills():
+        return False
+    for p in params:
+        pl = p.placement
+        if pl.size != 1 or rank not in pl:
+            return False
+    return True
+
+
 def state_like(p: GlobalTensor, fill: float = 0.0) -> GlobalTensor:
     """A state tensor for ``p``: same shape, dtype and layout, filled with ``fill`` on every
     shard (meant for elementwise state; no communication). The update sees a ZeRO stage-1
@@ -188,6 +201,19 @@ class Optimizer(torch.optim.Optimizer):
             self._sync = GradSync(params, self.grad_bucket_bytes, self.first_grad_bucket_bytes)
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
+        if _held_here(params, _comm.rank()):
+            for group in self.param_groups:
+                self._step_group_here(group)
+        else:
+            self._step_boxed(params)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def _step_boxed(self, params: list) -> None:
+        """The update of ``params`` (every group's) from their gradients boxed to their update
+        layouts (`boxed_grads`: the all-reduces, ZeRO's reduce-scatters), then ZeRO's
+        all-gathers started in the background."""
         # parameters of other ranks (a pipeline's other stages): only their state's bookkeeping
         idle = _idle(params, _comm.rank())
         grads = iter(boxed_grads([p for p in params if id(p) not in idle] if idle else params,
@@ -200,9 +226,6 @@ class Optimizer(torch.optim.Optimizer):
                 fut = _zero_worker.submit(_zero.all_gather_into, [it[1:] for it in chunk])
                 for it in chunk:
                     set_pending(it[0], fut)
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
-        return loss
 
     def _step_group(self, group: dict, grads: Iterator, idle: set, gather: list) -> None:
         """Update ``group``'s parameters from their boxed gradients ``grads`` (an iterator
@@ -244,6 +267,28 @@ class Optimizer(torch.optim.Optimizer):
             self._update_group(ps, gs, sts, group)
         if rest:
             self._idle_group(rest, rest_sts, group)
+
+    def _step_group_here(self, group: dict) -> None:
+        """`_step_group` where every parameter lives on this rank alone (`_held_here`): each
+        local gradient is already the boxed one (a partial sum of one rank is the value), and
+        no ZeRO layout, idle parameter or started reduction exists to handle."""
+        cache = _boxed_cache()
+        state = self.state
+        ps, gs, sts = [], [], []
+        for p in group["params"]:
+            g = p.local.grad
+            if g is None:
+                continue
+            if cache:
+                cache.pop(p, None)
+            st = state[p]
+            if st:
+                conform(st, p.placement, p.sbp, p.shard.dtype)
+            ps.append(p)
+            gs.append(g)
+            sts.append(st)
+        if ps:
+            self._update_group(ps, gs, sts, group)
 
     def _idle_group(self, params: list, states: list, group: dict) -> None:
         """A step of parameters this rank holds no shard of (their gradient is the empty

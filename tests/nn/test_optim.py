@@ -437,3 +437,44 @@ def test_sgd_multi_tensor_equals_single_tensor_and_torch(kw):
     for m, s, t in zip(multi, single, tps):
         assert m.dtype == t.dtype
         assert torch.equal(m, s) and torch.equal(m, t.detach())
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_one_device_step_needs_no_boxing_and_equals_torch(opt_name, monkeypatch):
+    """Parameters on one device take the step without boxed gradients (`boxed_grads` is never
+    called): gradients clipped first (the clip's remembered results then dropped), the state
+    saved and loaded into a new optimizer midway, the same values as torch's."""
+    make_sf, make_torch = OPTIMIZERS[opt_name]
+    g = torch.Generator().manual_seed(3)
+    inits = [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in inits] for _ in range(4)]
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a one-device step boxed its gradients")
+    monkeypatch.setattr(sf.optim.optimizer, "boxed_grads", refuse)
+
+    def body():
+        pl = sf.placement("cpu", [0])
+        ps = [sf.tensor(t.clone(), pl, sf.B).requires_grad_() for t in inits]
+        opt = make_sf(ps)
+        for k, step in enumerate(grads):
+            if k == 2:
+                sd = opt.state_dict()
+                opt = make_sf(ps)
+                opt.load_state_dict(sd)
+            for p, gr in zip(ps, step):
+                p.local.grad = gr.clone()
+            sf.optim.clip_grad_norm_(ps, 1.0)
+            opt.step()
+        return [p.local.detach().clone() for p in ps]
+
+    got = sf.launch(body, world_size=1)[0]
+    tps = [t.clone().requires_grad_() for t in inits]
+    topt = make_torch(tps)
+    for step in grads:
+        for p, gr in zip(tps, step):
+            p.grad = gr.clone()
+        torch.nn.utils.clip_grad_norm_(tps, 1.0)
+        topt.step()
+    for mine, theirs in zip(got, tps):
+        torch.testing.assert_close(mine, theirs.detach())  # (float32: the default tolerance)

@@ -207,7 +207,8 @@ class RankState:
         j, c = rel.stage, rel.cycle + self.ctx[0]
         total = self.values.pop(("gsum", self.n - 1, c, j))
         latest = self.store.take(j, c)
-        self.store.put(j, c + 1, self.owners[j].step(latest, total))
+        self.store.put(j, c + 1, self.owners[j].step(latest, total,
+                                                     in_place=self.store.unused(j, c)))
         self.sample()
         self.log[name] = (rel, c + 1)
 

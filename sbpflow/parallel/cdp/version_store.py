@@ -8,8 +8,8 @@ share it) and refilled by `refill`. In-flight micro-batches keep their version a
 through autograd (the stash from F_j to B_j); `hold` / `drop` count them, so `max_versions`
 is the most distinct versions of a stage alive at once on the rank. `StageOwner` runs a
 stage's optimizer: each update starts from a copy of the latest version (in-flight
-micro-batches keep theirs) and its result is the next version. See docs/cdp.md, 'Rules and
-versions'.
+micro-batches keep theirs; none left to read it: the version itself) and its result is the
+next version. See docs/cdp.md, 'Rules and versions'.
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ class VersionStore:
                 del self.entries[(stage, version)]
             return entry[0]
 
+    def unused(self, stage: int, version: int) -> bool:
+        """Whether no read of ``version`` is left on this rank and no micro-batch holds it:
+        its tensors are nobody's but the caller's (a send reads a copy)."""
+        with self.lock:
+            return (stage, version) not in self.entries and not self.held[stage].get(version)
+
     def latest(self, stage: int) -> int | None:
         with self.lock:
             have = [v for (s, v) in self.entries if s == stage]
@@ -182,13 +188,15 @@ class StageOwner:
                     out.append(v)
         return out
 
-    def step(self, latest: Sequence[torch.Tensor], total: Sequence[torch.Tensor]
-             ) -> list[torch.Tensor]:
+    def step(self, latest: Sequence[torch.Tensor], total: Sequence[torch.Tensor],
+             in_place: bool = False) -> list[torch.Tensor]:
         """The next version from the ``latest`` one and the workers' sum of gradients (then
-        of buffer changes; a sum the caller made and reads no more: averaged in place)."""
+        of buffer changes; a sum the caller made and reads no more: averaged in place).
+        ``in_place``: nothing reads ``latest`` any more (`VersionStore.unused`), so the update
+        writes into it instead of a copy."""
         k = self.nparams
         for p, t, g in zip(self.params, latest[:k], average(total[:k], self.n, into=True)):
-            local = t.detach().clone().requires_grad_(True)
+            local = (t.detach() if in_place else t.detach().clone()).requires_grad_(True)
             local.grad = g
             p._local = local  # a fresh copy: micro-batches in flight keep the old one
         self.optimizer.step()
