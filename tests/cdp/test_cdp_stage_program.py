@@ -144,7 +144,8 @@ def test_a_replayed_loss_raises_eagers_error_and_runs_as_one_program(monkeypatch
 @pytest.mark.parametrize("engine", [True, False])
 def test_a_backward_seeded_by_a_gradient_equals_autograd_grad(monkeypatch, engine):
     """`StageRunner.backward` calls torch's engine directly (or, where torch lacks that entry,
-    autograd.grad): the gradients equal autograd.grad's, zeros for an unused input."""
+    autograd.grad): the gradients equal autograd.grad's, zeros for an unused input; a loss
+    is seeded with 1, a non-scalar without a seed refused as torch refuses it."""
     from sbpflow.parallel.cdp import stage_runner
     if not engine:
         monkeypatch.setattr(stage_runner, "_engine_run_backward", None)
@@ -156,3 +157,9 @@ def test_a_backward_seeded_by_a_gradient_equals_autograd_grad(monkeypatch, engin
     got = StageRunner.backward(torch.tanh(x @ w), seed, [x, w, unused])
     want = torch.autograd.grad([torch.tanh(x @ w)], [x, w], [seed])
     assert all(map(torch.equal, got[:2], want)) and torch.equal(got[2], torch.zeros(2, dtype=F64))
+    # a scalar loss, seeded with 1 as autograd.grad seeds it
+    got = StageRunner.backward(torch.tanh(x @ w).sum(), None, [x, w])
+    want = torch.autograd.grad([torch.tanh(x @ w).sum()], [x, w])
+    assert all(map(torch.equal, got, want))
+    with pytest.raises(RuntimeError, match="scalar outputs"):  # torch's own words
+        StageRunner.backward(torch.tanh(x @ w), None, [x, w])

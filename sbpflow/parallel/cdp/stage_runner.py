@@ -240,8 +240,9 @@ class StageRunner:
         """Gradients of ``inputs`` (the stage's input, then its parameters) from ``out`` seeded
         with ``grad_out`` (None: a scalar loss, seeded with 1). An input the output does not
         depend on gets zeros."""
-        if grad_out is None or _engine_run_backward is None:  # (the loss: torch checks it
-            # is a scalar and seeds it)
+        if grad_out is None and out.requires_grad and out.numel() == 1:
+            grad_out = torch.ones_like(out)  # (a loss: autograd.grad's seed of a scalar)
+        if grad_out is None or _engine_run_backward is None:  # (torch says what is wrong)
             grads = torch.autograd.grad([out], list(inputs),
                                         None if grad_out is None else [grad_out],
                                         allow_unused=True)
