@@ -452,6 +452,10 @@ def test_one_device_step_needs_no_boxing_and_equals_torch(opt_name, monkeypatch)
     def refuse(*_a, **_k):
         raise AssertionError("a one-device step boxed its gradients")
     monkeypatch.setattr(sf.optim.optimizer, "boxed_grads", refuse)
+    # (an earlier test's ZeRO layouts set these for the process; this world has none)
+    from sbpflow import param_state
+    monkeypatch.setitem(param_state._EVER, "update_layout", False)
+    monkeypatch.setitem(param_state._EVER, "backfill", False)
 
     def body():
         pl = sf.placement("cpu", [0])
