@@ -126,7 +126,7 @@ class VersionStore:
 
     def unused(self, stage: int, version: int) -> bool:
         """Whether no read of ``version`` is left on this rank and no micro-batch holds it:
-        its tensors are nobody's but the caller's (a send reads a copy)."""
+        its tensors are nobody's but the caller's (a send of it was over when it returned)."""
         with self.lock:
             return (stage, version) not in self.entries and not self.held[stage].get(version)
 
