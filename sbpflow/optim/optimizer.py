@@ -58,7 +58,7 @@ def _idle(params: list, rank: int) -> set:
 def _held_here(params: list, rank: int) -> bool:
     """Whether every parameter lives on ``rank`` alone (a placement of one device holding it)
     and no parameter anywhere has a ZeRO layout: then each gradient is already in its update
-    layout, with nothing to box, bucket or collect (`Optimizer._step_group_here`)."""
+    layout, with nothing to box, bucket or collect."""
     if has_update_layouts() or has_backfills():
         return False
     for p in params:
@@ -202,8 +202,13 @@ class Optimizer(torch.optim.Optimizer):
             self._shard_sync = ShardSync(params, min(self.grad_bucket_bytes, _SHARD_BUCKET))
             self._sync_params = params
         if _held_here(params, _comm.rank()):
+            # each local gradient is already the boxed one (a partial sum of one rank is the
+            # value): nothing to reduce, collect or bucket
+            grads = iter([None if p.local.grad is None else
+                          GlobalTensor(p.local.grad, tuple(p.shape), p.placement, p.sbp)
+                          for p in params])
             for group in self.param_groups:
-                self._step_group_here(group)
+                self._step_group(group, grads, (), [])
         else:
             self._step_boxed(params)
         for hook in list(self._optimizer_step_post_hooks.values()):
@@ -267,28 +272,6 @@ class Optimizer(torch.optim.Optimizer):
             self._update_group(ps, gs, sts, group)
         if rest:
             self._idle_group(rest, rest_sts, group)
-
-    def _step_group_here(self, group: dict) -> None:
-        """`_step_group` where every parameter lives on this rank alone (`_held_here`): each
-        local gradient is already the boxed one (a partial sum of one rank is the value), and
-        no ZeRO layout, idle parameter or started reduction exists to handle."""
-        cache = _boxed_cache()
-        state = self.state
-        ps, gs, sts = [], [], []
-        for p in group["params"]:
-            g = p.local.grad
-            if g is None:
-                continue
-            if cache:
-                cache.pop(p, None)
-            st = state[p]
-            if st:
-                conform(st, p.placement, p.sbp, p.shard.dtype)
-            ps.append(p)
-            gs.append(g)
-            sts.append(st)
-        if ps:
-            self._update_group(ps, gs, sts, group)
 
     def _idle_group(self, params: list, states: list, group: dict) -> None:
         """A step of parameters this rank holds no shard of (their gradient is the empty

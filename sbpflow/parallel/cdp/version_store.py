@@ -198,7 +198,7 @@ class StageOwner:
         for p, t, g in zip(self.params, latest[:k], average(total[:k], self.n, into=True)):
             local = (t.detach() if in_place else t.detach().clone()).requires_grad_(True)
             local.grad = g
-            p._local = local  # a fresh copy: micro-batches in flight keep the old one
+            p._local = local  # (a copy unless unused: micro-batches in flight keep theirs)
         self.optimizer.step()
         out = []
         for p in self.params:
