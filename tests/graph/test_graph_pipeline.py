@@ -2,8 +2,10 @@
 `sf.parallel.pipeline` into 2, 3 and 4 single-rank stages, GPipe and 1F1B, 1 to 16 micro-batches
 (uneven ones too), and 2 stages of 2 data-parallel, 2 tensor-parallel and 2x2 ranks, trained 3
 AdamW steps as a graph, give the torch twin's losses and weights. The timeline of the last step
-keeps the schedule's bound on each rank: 1F1B S - s micro-batches in flight on stage s (exactly
-that once M >= S - s), GPipe all M."""
+keeps the schedule's bound on each rank: 1F1B S - s micro-batches in flight on stage s, GPipe
+all M. Stage 0, whose inputs are all there from the start, reaches the bound exactly; a later
+stage reaches it only when its producer keeps ahead of the backward coming back, which is a
+matter of thread timing (one run in many saw a middle stage hold 1 where 1F1B allows 2)."""
 
 import pytest
 import torch
@@ -45,12 +47,16 @@ def _bound(schedule: str, s: int, stages: int, m: int) -> int:
 
 
 def _check_in_flight(results: list, stage_ranks: list, m: int, schedule: str) -> None:
-    """Per rank (``in_flight`` counts every event it is given: one rank's at a time)."""
+    """Per rank (``in_flight`` counts every event it is given: one rank's at a time): at most
+    the bound, and the bound itself on stage 0."""
     events = results[0]["events"]
     for s, ranks in enumerate(stage_ranks):
+        bound = _bound(schedule, s, len(stage_ranks), m)
         for r in torch.tensor(ranks).flatten().tolist():
             mine = [e for e in events if e["rank"] == r]
-            assert in_flight(mine) == {s: _bound(schedule, s, len(stage_ranks), m)}, (r, s)
+            (stage, peak), = in_flight(mine).items()
+            assert stage == s and 1 <= peak <= bound, (r, s, peak, bound)
+            assert s > 0 or peak == bound, (r, peak, bound)
 
 
 # (stages, micro-batches, schedule, batch): 10 rows in 8 or 5 micro-batches are uneven (2 or 1
