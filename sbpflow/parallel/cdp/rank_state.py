@@ -24,7 +24,7 @@ from ...comm import current, set_collective_stream
 from ...placement import Placement
 from .program import PARAMS, PeerTransfer, Work, refetched, relay_reads, shift
 from .roles import Roles
-from .rules import accumulate, version
+from .rules import accumulate, fresh, version_read
 from .stage_runner import StageRunner
 from .version_store import StageOwner, VersionStore, owns_storage
 
@@ -61,6 +61,11 @@ class RankState:
         # ZeRO: the stages whose versions this rank gets relayed a use (not its own)
         self.relayed_stages = {j for j in range(n) if roles.mode == "zero"
                                and rank != roles.owner(j)}
+        # per stage: whether its relayed copy is freed after F and relayed again for B
+        self.refetch = [refetched(roles, n, rank, j) for j in range(n)]
+        # per (worker, stage): whether it reads its own cycle's version (`rules.fresh`, read
+        # at every forward)
+        self.fresh = [[fresh(rule, i, j, n) for j in range(n)] for i in range(n)]
         self.loss_fn, self.pl, self.store = loss_fn, pl, store
         self.shapes, self.stream = shapes, stream
         self.owners: dict[int, StageOwner] = {}
@@ -142,14 +147,13 @@ class RankState:
     # -- compute --------------------------------------------------------------------------------
     def forward(self, rel: Work, name: str) -> None:
         i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
-        v = version(self.rule, c, i, j, self.n)
-        relay = (("param", j, v), c) if self._relayed(j) else None
+        v = version_read(self.fresh[i][j], c)
+        relay = (("param", j, v), c) if j in self.relayed_stages else None
         if relay:
             params = self.store.relay(relay)
         else:
             params = self.store.take(j, v)
-        refetch = refetched(self.roles, self.n, self.rank, j)
-        if not refetch:
+        if not self.refetch[j]:
             self.store.hold(j, v)
         xs, ys = self.batches[c]
         if j == 0:
@@ -175,7 +179,7 @@ class RankState:
     def backward(self, rel: Work, name: str) -> None:
         i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         x_in, params, out, v, changes = self.stash.pop((i, c, j))
-        refetch = refetched(self.roles, self.n, self.rank, j)
+        refetch = self.refetch[j]
         if refetch:  # ZeRO: the copy relayed again for this backward fills the stashed tensors
             relay = (("paramb", j, v), c)
             self.store.refill(relay, params)
@@ -263,7 +267,7 @@ class RankState:
         if kind in PARAMS and self._relayed(t.payload[1]):
             j = t.payload[1]
             reads = relay_reads(self.n, self.rule, self.roles, self.rank, kind, j, t.cycle)
-            free = kind == "param" and refetched(self.roles, self.n, self.rank, j)
+            free = kind == "param" and self.refetch[j]
             got = self.runners[j].version(got) if kind == "param" else got
             self.store.put_relay((t.payload, t.cycle), got, reads, free)
         elif kind == "param":

@@ -20,8 +20,8 @@ import torch
 
 from ...errors import PlanError
 
-__all__ = ["RULES", "timeline_of", "version", "fresh", "version_table", "accumulate",
-           "average", "advance", "check_rule"]
+__all__ = ["RULES", "timeline_of", "version", "version_read", "fresh", "version_table",
+           "accumulate", "average", "advance", "check_rule"]
 
 RULES = ("dp", "v1", "v2")
 
@@ -49,7 +49,13 @@ def fresh(rule: str, worker: int, stage: int, n: int) -> bool:
 
 def version(rule: str, cycle: int, worker: int, stage: int, n: int) -> int:
     """The version (number of updates) cycle ``cycle`` of ``worker`` uses on ``stage``."""
-    return cycle if fresh(rule, worker, stage, n) else max(cycle - 1, 0)
+    return version_read(fresh(rule, worker, stage, n), cycle)
+
+
+def version_read(own: bool, cycle: int) -> int:
+    """The version a task of cycle ``cycle`` reads: its own cycle's (``own``: `fresh`, θ_c)
+    or the one before (θ_{c-1}; θ_0 in cycle 0)."""
+    return cycle if own else max(cycle - 1, 0)
 
 
 def version_table(rule: str, n: int) -> list[list[str]]:

@@ -4,8 +4,9 @@ Each rank's `ScheduleLog` takes every F, B and U task its runtime fired (its tim
 version it used, its wall-clock start and end) and keeps, in memory that does not grow with
 the tasks, what the stats read: per time step the rank's F / B ops and its B ops, and the
 activations' live intervals as a difference array; the full `Record` of each task only for
-the first ``keep`` time steps (the ones a timeline draws). `gather_schedule` collects every
-rank's log and counters (all-gathers over the world); `summary` computes the stats: live
+the first ``keep`` time steps (the ones a timeline draws); past them, a plan's tasks are
+summed once and added run after run (`RunTasks`). `gather_schedule` collects every rank's
+log and counters (all-gathers over the world); `summary` computes the stats: live
 activations per time step (the spec's convention: from F's step to B's, both included),
 gradient chunks per step (B tasks), the idle fraction of the ranks' op slots (the bubble: a
 rank runs a step's ops one after another), messages and bytes sent, the measured activation
@@ -16,11 +17,12 @@ docs/cdp.md, 'Stats'.
 from __future__ import annotations
 
 from array import array
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Record", "ScheduleLog", "Schedule", "gather_schedule", "summary"]
+__all__ = ["Record", "RunTasks", "run_tasks", "ScheduleLog", "Schedule", "gather_schedule",
+           "summary"]
 
 _KINDS = "FBU"
 _ITEM = {4: torch.int32, 8: torch.int64}[array("i").itemsize]  # a C int, read as a tensor
@@ -38,6 +40,47 @@ class Record(NamedTuple):
     rank: int
     start: float
     end: float
+
+
+class RunTasks(NamedTuple):
+    """A run's F / B / U tasks on one rank as `ScheduleLog.add_run` adds them (steps and
+    cycles relative to the run's): what ``add`` would count, summed once for a plan that
+    runs again and again."""
+
+    last: int       # the latest step of any task (-1: none)
+    top: int        # the latest step of an F or B (-1: none)
+    ops: tuple      # (step, its F and B ops)
+    grads: tuple    # (step, its B ops)
+    closed: tuple   # (F's step, B's step): a micro-batch's stage whose F and B both ran
+    opens: tuple    # ((worker, stage, cycle), F's step): its B runs in a later run
+    closes: tuple   # ((worker, stage, cycle), B's step): its F ran in an earlier run
+
+
+def run_tasks(tasks: Iterable[tuple[str, int, int, int, int]]) -> RunTasks:
+    """The `RunTasks` of ``tasks``: (kind, worker, stage, cycle, step) each, an F before the
+    B of its micro-batch's stage."""
+    last = top = -1
+    ops: dict[int, int] = {}
+    grads: dict[int, int] = {}
+    first: dict[tuple, int] = {}
+    closed, closes = [], []
+    for kind, worker, stage, cycle, step in tasks:
+        last = max(last, step)
+        if kind == "U":
+            continue
+        top = max(top, step)
+        ops[step] = ops.get(step, 0) + 1
+        key = (worker, stage, cycle)
+        if kind == "F":
+            first[key] = step
+            continue
+        grads[step] = grads.get(step, 0) + 1
+        if key in first:
+            closed.append((first.pop(key), step))
+        else:
+            closes.append((key, step))
+    return RunTasks(last, top, tuple(ops.items()), tuple(grads.items()), tuple(closed),
+                    tuple(first.items()), tuple(closes))
 
 
 class ScheduleLog:
@@ -64,17 +107,51 @@ class ScheduleLog:
             self.last = step
         if kind == "U":
             return
-        if len(self.delta) < step + 2:
-            grow = [0] * (step + 2 - len(self.delta))
-            self.ops.extend(grow)
-            self.grads.extend(grow)
-            self.delta.extend(grow)
+        self._reach(step)
         self.ops[step] += 1
         if kind == "F":
             self.open[(worker, stage, cycle)] = step
             return
         self.grads[step] += 1
-        first = self.open.pop((worker, stage, cycle), None)
+        self._close((worker, stage, cycle), step)
+
+    def keeps(self, step: int) -> bool:
+        """Whether a task at time step ``step`` keeps its `Record`."""
+        return self.keep is None or step < self.keep
+
+    def add_run(self, tasks: RunTasks, cycle: int, step: int) -> None:
+        """A run's tasks, its cycles from ``cycle`` and time steps from ``step``, none of
+        them kept as a record (`keeps`): the counts ``add`` would make, task by task."""
+        self.last = max(self.last, tasks.last + step if tasks.last >= 0 else -1)
+        if tasks.top < 0:
+            return
+        self._reach(tasks.top + step)
+        ops, grads, delta = self.ops, self.grads, self.delta
+        for k, count in tasks.ops:
+            ops[k + step] += count
+        for k, count in tasks.grads:
+            grads[k + step] += count
+        for k, end in tasks.closed:
+            delta[k + step] += 1
+            delta[end + step + 1] -= 1
+        if tasks.closed:
+            self.span = max(self.span, max(end for _, end in tasks.closed) + step + 1)
+        for (w, j, c), k in tasks.opens:
+            self.open[(w, j, c + cycle)] = k + step
+        for (w, j, c), k in tasks.closes:
+            self._close((w, j, c + cycle), k + step)
+
+    def _reach(self, step: int) -> None:
+        """The count arrays reach past ``step``."""
+        if len(self.delta) < step + 2:
+            grow = [0] * (step + 2 - len(self.delta))
+            self.ops.extend(grow)
+            self.grads.extend(grow)
+            self.delta.extend(grow)
+
+    def _close(self, key: tuple, step: int) -> None:
+        """The B of ``key`` at ``step`` closes the live interval its F opened."""
+        first = self.open.pop(key, None)
         if first is not None:  # (F and B of a micro-batch's stage run on one rank)
             self.delta[first] += 1
             self.delta[step + 1] -= 1

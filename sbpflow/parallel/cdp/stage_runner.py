@@ -149,14 +149,20 @@ class StageRunner:
         """What besides the input decides whether a call replays its kernels (`_tape`): the
         sub-modules' train / eval modes and forward hooks (kept during a run: `cache_modes`),
         grad mode and autocast."""
+        return (*self._tree(), torch.is_grad_enabled(), torch.is_autocast_enabled(device_type))
+
+    def _tree(self) -> tuple[tuple[bool, ...], bool]:
+        """The module tree's part of `modes`: each sub-module's train mode, and whether any
+        has a forward hook."""
         tree = self.tree
         if tree is None:
-            tree = (tuple(m.training for m in self.modules),
-                    any(m.__dict__.get("_forward_hooks") or m.__dict__.get("_forward_pre_hooks")
-                        for m in self.modules))
+            mods = self.modules
+            tree = (tuple([m.training for m in mods]),
+                    any([m.__dict__.get("_forward_hooks") or m.__dict__.get("_forward_pre_hooks")
+                         for m in mods]))
             if self.caching:
                 self.tree = tree
-        return (*tree, torch.is_grad_enabled(), torch.is_autocast_enabled(device_type))
+        return tree
 
     def cache_modes(self, on: bool) -> None:
         """Keep the module tree's modes and hooks from their first reading (``on``: a run of
@@ -173,11 +179,12 @@ class StageRunner:
         trace found more than local kernels."""
         if not self.programs or len(self.names) != self.nparams:
             return None
-        training, hooked, grad, autocast = self.modes(pl.device_type)
-        if hooked or autocast:
+        training, hooked = self._tree()
+        if hooked or torch.is_autocast_enabled(pl.device_type):
             return None
-        key = (tuple(x.shape), x.dtype, x.requires_grad, loss,
-               None if y is None else (tuple(y.shape), y.dtype), grad, training)
+        # (a torch.Size hashes and compares as the tuple of its sizes)
+        key = (x.shape, x.dtype, x.requires_grad, loss,
+               None if y is None else (y.shape, y.dtype), torch.is_grad_enabled(), training)
         tape = self.tapes.get(key, False)
         if tape is False:
             def meta(shape, dtype, grad: bool) -> torch.Tensor:

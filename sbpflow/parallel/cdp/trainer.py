@@ -23,7 +23,7 @@ from ...runtime import Runtime
 from ...tensor import GlobalTensor
 from .schedule_figure import Drawn, draw_timeline
 from .window_plan import window_plan
-from .schedule_stats import Record, ScheduleLog, gather_schedule, summary
+from .schedule_stats import Record, ScheduleLog, gather_schedule, run_tasks, summary
 from .cycles import check_n
 from .program import PeerTransfer, Work, cycle_tasks, shift, version_uses, window
 from .rank_state import RankState
@@ -120,6 +120,7 @@ class CyclicDataParallel:
         self.schedule = ScheduleLog(None if timeline_windows is None
                                     else timeline_windows * 2 * n)
         self.plans: dict = {}
+        self.plan_tasks: dict = {}  # id of a plan in ``plans`` -> its tasks (`_log_run`)
         self.broken: str | None = None
         self.rank = comm.rank
         self.state = None
@@ -198,24 +199,39 @@ class CyclicDataParallel:
         finally:
             for r in self.runners:
                 r.cache_modes(False)
-        add, log = self.schedule.add, st.log
-        for e in self.runtime.timeline():
-            task, v = log.get(e["actor"], (None, -1))  # (relative to the run: c_ref, lo)
-            if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
-                add(task.kind, task.worker, task.stage, task.cycle + c_ref, task.step + lo, v,
-                    self.rank, e["start"], e["end"])
+        self._log_run(plan, c_ref, lo)
         self.window += 1
         hi = lo + 2 * self.n
         for c in [c for c, base in active if base + self.span <= hi]:
             del self.pending[c]
             st.batches.pop(c, None)
+            self.measuring.retire(c)
+
+    def _log_run(self, plan, c_ref: int, lo: int) -> None:
+        """Add the run's F, B and U tasks to the schedule log: from the timeline while the log
+        keeps records, else the plan's tasks summed once (`run_tasks`: the same counts)."""
+        log = self.state.log  # (tasks relative to the run: c_ref, lo)
+        if not self.schedule.keeps(lo):
+            tasks = self.plan_tasks.get(id(plan))
+            if tasks is None:
+                tasks = self.plan_tasks[id(plan)] = run_tasks(
+                    (t.kind, t.worker, t.stage, t.cycle, t.step) for t, _ in log.values()
+                    if getattr(t, "kind", None) in ("F", "B", "U"))
+            self.schedule.add_run(tasks, c_ref, lo)
+            return
+        add = self.schedule.add
+        for e in self.runtime.timeline():
+            task, v = log.get(e["actor"], (None, -1))
+            if task is not None and getattr(task, "kind", None) in ("F", "B", "U"):
+                add(task.kind, task.worker, task.stage, task.cycle + c_ref, task.step + lo, v,
+                    self.rank, e["start"], e["end"])
 
     def _execute(self, plan, active: list[tuple[int, int]], lo: int, c_ref: int) -> None:
         """Run ``plan``: the window of cycles ``active`` from time step ``lo``, measured or not
         (`window_measure`); a failure leaves the trainer broken."""
         st = self.state
         modes = tuple(r.modes(self.device.type) for r in self.runners)
-        st.measure = self.measuring.starts(plan, active, st.batches, modes)
+        st.measure = self.measuring.starts(plan, active, modes)
         st.replayed_all = True
         if st.measure and not self.measuring.before:  # (after a run that did not measure)
             st.adopt_live()
@@ -255,6 +271,7 @@ class CyclicDataParallel:
         ys = [t.to(self.device) for t in _split_batch(y, self.n, "y")]
         c = self.fed
         self.state.batches[c] = (xs, ys)
+        self.measuring.fed(c, xs + ys)
         self.pending[c] = 2 * self.n * self.window
         self.fed += 1
         return self._finish(lambda: self._run(sorted(self.pending.items())))

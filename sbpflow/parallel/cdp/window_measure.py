@@ -35,13 +35,21 @@ class WindowMeasure:
         self.done: set = set()
         self.key: tuple | None = None
         self.before = False  # the last run was measured
+        self.shapes: dict[int, tuple] = {}  # cycle -> its micro-batches' shapes and dtypes
 
-    def starts(self, plan: object, active: Sequence[tuple[int, int]], batches: dict,
-               modes: tuple) -> bool:
-        """Whether the run of ``plan`` over the cycles ``active`` (``batches``: cycle ->
-        (xs, ys)) measures; ``modes``: the stages' `StageRunner.modes`."""
-        self.key = (id(plan), modes, tuple(_shapes(batches[c][0]) + _shapes(batches[c][1])
-                                           for c, _ in active))
+    def fed(self, cycle: int, tensors: Sequence) -> None:
+        """Cycle ``cycle``'s micro-batches (its xs, then its ys) were fed."""
+        self.shapes[cycle] = _shapes(tensors)
+
+    def retire(self, cycle: int) -> None:
+        """Cycle ``cycle`` is done: no later run reads its micro-batches."""
+        self.shapes.pop(cycle, None)
+
+    def starts(self, plan: object, active: Sequence[tuple[int, int]], modes: tuple) -> bool:
+        """Whether the run of ``plan`` over the cycles ``active`` (each `fed`) measures;
+        ``modes``: the stages' `StageRunner.modes`."""
+        shapes = self.shapes
+        self.key = (id(plan), modes, tuple([shapes[c] for c, _ in active]))
         return self.always or self.key not in self.done or bool(memory.active_trackers())
 
     def ended(self, measured: bool, replayed_all: bool) -> None:
