@@ -25,26 +25,31 @@ __all__ = ["FiringOrder", "Firing"]
 class Firing(NamedTuple):
     """One firing of a `FiringOrder`: ``actor`` fires its ``index``-th time, reading ``reads`` (per
     input: the value's key, and whether this is its last read by this input) and, when it
-    ``emits``, publishing value ``value`` of each output register (``sinks``: the register's
-    key among the run's results, or None for one with ``readers`` consumers)."""
+    ``emits``, publishing a value into each output register (``outs``, a register each: the
+    key of the run's result it goes to, or None; the key it is held under for its readers,
+    and their number). ``one``: the actor has one output register; ``name``, ``kind`` and
+    ``stage`` are its event's."""
 
     actor: Actor
     index: int
     reads: tuple
     emits: bool
-    value: int
-    sinks: tuple
-    readers: tuple
+    outs: tuple
+    one: bool
+    name: str
+    kind: str
+    stage: int
 
 
 def _firing(a: Actor, index: int) -> Firing:
     reads = tuple(((producer, reg, index // k), (index + 1) % k == 0)
                   for (_, producer, _, reg), k in zip(a.sources, a.repeats))
     one = len(a.outputs) == 1
-    sinks = tuple(None if reg.consumers else (a.name if one else f"{a.name}.{reg.name}")
-                  for reg in a.outputs)
-    return Firing(a, index, reads, (index + 1) % a.every == 0, index // a.every, sinks,
-                  tuple(len(reg.consumers) for reg in a.outputs))
+    outs = tuple((None if reg.consumers else (a.name if one else f"{a.name}.{reg.name}"),
+                  (a.name, k, index // a.every), len(reg.consumers))
+                 for k, reg in enumerate(a.outputs))
+    return Firing(a, index, reads, (index + 1) % a.every == 0, outs, one, a.name, a.spec.kind,
+                  a.spec.stage)
 
 
 class FiringOrder:
@@ -81,23 +86,21 @@ class FiringOrder:
                 start = a.since = clock()
                 try:
                     out = a.fn(f.index, *args)
-                    values = split(a, out) if f.emits else ()
+                    values = ((out,) if f.one else split(a, out)) if f.emits else ()
                 except BaseException as exc:  # noqa: BLE001 - fails the run, as a firing's
                     run.watch.fail(exc, a, f.index)
                     return
                 end = a.since = clock()
                 a.busy = False
                 a.fired += 1
-                spec = a.spec
-                events.append({"rank": rank, "actor": a.name, "kind": spec.kind,
-                               "stage": spec.stage, "micro_batch": f.index, "start": start,
+                events.append({"rank": rank, "actor": f.name, "kind": f.kind,
+                               "stage": f.stage, "micro_batch": f.index, "start": start,
                                "end": end})
-                for k, value in enumerate(values):
-                    sink = f.sinks[k]
+                for (sink, key, readers), value in zip(f.outs, values):
                     if sink is not None:
                         results.setdefault(sink, []).append(value)
                     else:
-                        held[(a.name, k, f.value)] = [value, f.readers[k]]
+                        held[key] = [value, readers]
                 # (a firing's locals would keep its values alive into the next firing, where
                 # the rule's `_fire` has returned: a value goes with its last read)
                 args = cell = out = values = value = None
