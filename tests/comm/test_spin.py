@@ -47,12 +47,15 @@ def test_the_first_non_empty_poll_is_returned(monkeypatch):
     assert len(calls) == 3
 
 
-def test_a_zero_budget_does_not_poll_and_a_spent_one_gives_nothing():
+def test_a_zero_budget_does_not_poll_and_a_spent_one_gives_nothing(monkeypatch):
     poll, calls = _polls([])
     assert spin.spin_poll(poll, 0.0) == [] and not calls
-    t0 = time.perf_counter()
+    clock = _Clock()  # (a real yield delayed past LATE_S under load would end the spin early)
+    monkeypatch.setattr(spin, "time", clock)
+    monkeypatch.setattr(spin.os, "sched_yield", clock.sched_yield)
     assert spin.spin_poll(poll, 0.002) == []
-    assert 0.002 <= time.perf_counter() - t0 < 0.5 and len(calls) >= 2
+    # a poll a yield of 1 µs: polled until the 2 ms were spent, then one look more at most
+    assert 0.002 <= clock.now - 100.0 < 0.00201 and 2000 <= len(calls) <= 2002
 
 
 def test_a_late_yield_pauses_spinning_for_the_process(monkeypatch):
