@@ -23,7 +23,7 @@ from ..sbp import B, Partial
 from ..tensor import GlobalTensor, current_recorder, recording, retains_grads
 from .graph_count_mean import _correctable, _leaves, _rescale, record_mean
 
-__all__ = ["PendingMean", "mean_over_count", "guess_counts"]
+__all__ = ["PendingMean", "mean_over_count", "guess_counts", "weighs_means"]
 
 # Set to False (on every rank) to make every mean wait for its count before backward.
 guess_counts = True

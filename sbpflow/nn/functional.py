@@ -17,7 +17,7 @@ from ..ops.nn_ops import (check_index_range, count_dtype, id_out_of_range,
 from ..sbp import B, Broadcast, Partial, Split, format_nd_sbp
 from ..tensor import (GlobalTensor, _next_seed, apply_op, current_recorder, errors_as, fresh,
                       full, guard, lifting_plain_tensors)
-from .eager_count_mean import mean_over_count
+from .eager_count_mean import mean_over_count, weighs_means
 from .functional_norm import batch_norm, group_norm, rms_norm
 
 __all__ = ["linear", "relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "log_softmax",
@@ -287,6 +287,11 @@ def cross_entropy(input: GlobalTensor, target: GlobalTensor, weight: GlobalTenso
     # classes whole on every rank, plain loss: torch's fused kernels on the rows
     plain_rows = weight is None and not label_smoothing and not _split_on(input, (c,))
     if plain_rows and reduction != "none" and target.sbp == input.sbp:
+        if reduction == "mean" and all(isinstance(s, Broadcast) for s in input.sbp) and \
+                not weighs_means():
+            # every rank holds every row (one device included): torch's mean, one kernel. (A
+            # graph weighting micro-batches by their rows needs the count: below)
+            return _row_op("cross_entropy_mean", input, target, ignore_index)
         # rows laid out alike: one kernel gives the summed row losses and the valid-target
         # count. A replicated target with split logits goes the way below: its count is then
         # replicated, where the fused count would be partial (an all-reduce)

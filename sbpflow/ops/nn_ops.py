@@ -305,6 +305,26 @@ register("cross_entropy_sum", _cross_entropy_sum, cross_entropy_sum_signatures,
              "the last axis, not split): one kernel for the common mean / sum loss")
 
 
+def cross_entropy_mean_signatures(logits: TensorMeta, target: TensorMeta,
+                                  ignore_index: int = -100) -> list[Signature]:
+    # replicated rows only: split rows leave partial sums whose count is summed over ranks
+    # (`cross_entropy_sum`, then the mean)
+    return [Signature(["B", "B"], ["B"])]
+
+
+def _cross_entropy_mean(logits, target, ignore_index=-100):
+    """torch's mean cross-entropy of the rows (classes on the last axis): the summed row
+    losses over the number of targets not equal to ``ignore_index``, in one kernel (on CPU
+    the same bits, value and gradient, as `_cross_entropy_sum`'s quotient)."""
+    c = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, c), target.reshape(-1), ignore_index=ignore_index)
+
+
+register("cross_entropy_mean", _cross_entropy_mean, cross_entropy_mean_signatures,
+         doc="torch's mean cross-entropy of replicated rows (classes on the last axis): one "
+             "kernel where every rank holds every row")
+
+
 # -- the target class of cross-entropy -------------------------------------------------------------
 def pick_class_signatures(logits: TensorMeta, target: TensorMeta, ignore_index: int = -100,
                           checked: bool = False) -> list[Signature]:

@@ -70,6 +70,8 @@ def test_registered_ops_every_signature(ranks):
         ("cross_entropy_sum", lambda lg, t: apply_op("cross_entropy_sum", lg, t),
          lambda lg, t: (F.cross_entropy(lg.reshape(-1, 7), t.reshape(-1), reduction="sum"),
                         (t != -100).sum().to(lg.dtype)), (_t(5, 3, 7), tgt)),
+        ("cross_entropy_mean", lambda lg, t: apply_op("cross_entropy_mean", lg, t),
+         lambda lg, t: F.cross_entropy(lg.reshape(-1, 7), t.reshape(-1)), (_t(5, 3, 7), tgt)),
         ("attention", lambda a, b, c: apply_op("attention", a, b, c, is_causal=True),
          lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
          (_t(3, 5, 4, 2), _t(3, 5, 4, 2, seed=1), _t(3, 5, 4, 2, seed=2))),
