@@ -5,21 +5,27 @@ runs inline depends on nothing but its plan: which actor the rule picks next is 
 the counts, never of the values. So the next run of the same plan and micro-batch count fires
 the same actors in the same order; `FiringOrder` is that order, from the last run's timeline,
 each firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
-``f // repeat`` of its producer's register). Running it costs a call and a few list operations
-a firing instead of the rule's scan, the req / ack bookkeeping and its conditions. The actors
-get the same arguments, the timeline the same events, the sinks the same values; a value is
-dropped after its last read, as its slot would be freed; an actor's exception fails the run as
-a firing's does, and the run after a failed one goes by the rule. See docs/runtime.md.
+``f // repeat`` of its producer's register), run as one generated function of straight-line
+code (`_program`, made at its first run: a value a local variable) instead of the rule's
+scan, the req / ack bookkeeping and its conditions. The actors get the same arguments, the
+timeline the same events, the sinks the same values; a value is dropped after its last read,
+as its slot would be freed; an actor's exception fails the run as a firing's does, and the
+run after a failed one goes by the rule. See docs/runtime.md.
 """
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import time
+import weakref
 from typing import Any, NamedTuple
 
 from .actors import Actor
 
 __all__ = ["FiringOrder", "Firing"]
+
+_names = itertools.count()  # one name a generated program (its source in linecache)
 
 
 class Firing(NamedTuple):
@@ -56,54 +62,73 @@ class FiringOrder:
     """The firings of a run that ended well, in its order (``events``: its timeline; every
     input's producer on the same rank, which a run with no peer ensures)."""
 
-    __slots__ = ("firings",)
+    __slots__ = ("firings", "program")
 
     def __init__(self, actors: dict[str, Actor], events: list[dict]) -> None:
         self.firings = [_firing(actors[e["actor"]], e["micro_batch"]) for e in events]
+        self.program: Any = None  # the firings as one generated function (`_program`)
 
     def run(self, run: Any, split) -> None:
         """Fire ``run``'s actors in this order (``run``: a `_PlanRun` just reset, its lock held
         by the caller and released here while the actors run, as a firing releases it;
         ``split``: the engine's reading of a function's result into register values). On an
         actor's exception the run fails as a firing's failure fails it."""
-        events, results, rank = run.events, run.results, run.rank
-        held: dict = {}  # (actor, register, value index) -> [value, reads left]
-        clock = time.perf_counter
-        cell = None
+        if self.program is None:
+            self.program = _program(self.firings)
         run.lock.release()
         try:
-            for f in self.firings:
-                a = f.actor
-                args = []
-                for key, last in f.reads:
-                    cell = held[key]
-                    args.append(cell[0])
-                    if last:
-                        cell[1] -= 1
-                        if not cell[1]:
-                            del held[key]
-                a.busy = True
-                start = a.since = clock()
-                try:
-                    out = a.fn(f.index, *args)
-                    values = ((out,) if f.one else split(a, out)) if f.emits else ()
-                except BaseException as exc:  # noqa: BLE001 - fails the run, as a firing's
-                    run.watch.fail(exc, a, f.index)
-                    return
-                end = a.since = clock()
-                a.busy = False
-                a.fired += 1
-                events.append({"rank": rank, "actor": f.name, "kind": f.kind,
-                               "stage": f.stage, "micro_batch": f.index, "start": start,
-                               "end": end})
-                for (sink, key, readers), value in zip(f.outs, values):
-                    if sink is not None:
-                        results.setdefault(sink, []).append(value)
-                    else:
-                        held[key] = [value, readers]
-                # (a firing's locals would keep its values alive into the next firing, where
-                # the rule's `_fire` has returned: a value goes with its last read)
-                args = cell = out = values = value = None
-            run.left = 0
+            if self.program(run.events, run.results, time.perf_counter, run.watch.fail, split,
+                            run.rank):
+                run.left = 0
         finally:
             run.lock.acquire()
+
+
+def _program(firings: list[Firing]) -> Any:
+    """``run(events, results, clock, fail, split, rank)``: ``firings`` as straight-line code,
+    True once all fired (False: one raised, and ``fail`` was told). Each value the firings
+    hand on is a local variable, set to None after its last read (as its slot would be
+    freed); a firing's own result is dropped before the next firing."""
+    ns: dict[str, Any] = {}
+    out = ["def run(events, results, clock, fail, split, rank):"]
+    held: dict[tuple, list] = {}  # value key -> [its variable, reads left]
+    for k, f in enumerate(firings):
+        ns[f"A{k}"], ns[f"N{k}"], ns[f"K{k}"], ns[f"S{k}"] = f.actor, f.name, f.kind, f.stage
+        args, dropped = [f"{f.index}"], []
+        for key, last in f.reads:
+            var = held[key]  # (a run's order reads only what an earlier firing made)
+            args.append(var[0])
+            if last:
+                var[1] -= 1
+                if not var[1]:
+                    dropped.append(var[0])
+                    del held[key]
+        body = [f"a = A{k}", "a.busy = True", "start = a.since = clock()", "try:",
+                f"    out = a.fn({', '.join(args)})"]
+        after = []
+        if f.emits:
+            values = "(out,)" if f.one else "split(a, out)"
+            body.append(f"    vals = {values}")
+            for j, (sink, key, readers) in enumerate(f.outs):
+                if sink is not None:
+                    ns[f"R{k}_{j}"] = sink
+                    after.append(f"results.setdefault(R{k}_{j}, []).append(vals[{j}])")
+                else:
+                    held[key] = [f"v{k}_{j}", readers]
+                    after.append(f"v{k}_{j} = vals[{j}]")
+        body += ["except BaseException as exc:  # fails the run, as a firing's",
+                 f"    fail(exc, a, {f.index})", "    return False",
+                 "end = a.since = clock()", "a.busy = False", "a.fired += 1",
+                 f"events.append({{'rank': rank, 'actor': N{k}, 'kind': K{k}, 'stage': S{k}, "
+                 f"'micro_batch': {f.index}, 'start': start, 'end': end}})"]
+        body += after + [f"{v} = None" for v in dropped] + ["out = vals = None"]
+        out += ["    " + line for line in body]
+    out.append("    return True")
+    src = "\n".join(out) + "\n"
+    name = f"<sbpflow firing order {next(_names)}>"
+    exec(compile(src, name, "exec"), ns)
+    run = ns["run"]
+    # its source for tracebacks while it lives (a run rebuilt often makes many programs)
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    weakref.finalize(run, linecache.cache.pop, name, None)
+    return run
