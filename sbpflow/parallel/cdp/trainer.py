@@ -20,7 +20,6 @@ from ...comm import current
 from ...errors import CommAborted, PlanError, ShapeError
 from ...placement import Placement, placement as make_placement
 from ...runtime import Runtime
-from ...sbp import part
 from ...tensor import GlobalTensor
 from .schedule_figure import Drawn, draw_timeline
 from .window_plan import window_plan
@@ -51,10 +50,7 @@ def _split_batch(t: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
         raise PlanError(f"CyclicDataParallel.step: {what} must be a tensor whose axis 0 holds "
                         f"at least N = {n} samples (one micro-batch a worker), got "
                         f"shape {tuple(t.shape)}")
-    # (copies, each its own storage: a later in-place change of ``t`` cannot reach them, and
-    # `sf.memory.track` counts what a micro-batch's forward saves of its own piece only)
-    sizes = [part(t.shape[0], n, i)[1] for i in range(n)]
-    return list(torch.split_with_sizes_copy(t.detach(), sizes))
+    return [p.clone() for p in torch.tensor_split(t.detach(), n)]
 
 
 def _where(task: Work | PeerTransfer | None, aborted: bool, active: list, lo: int, span: int,
