@@ -6,11 +6,12 @@ the counts, never of the values. So the next run of the same plan and micro-batc
 the same actors in the same order; `FiringOrder` is that order, from the last run's timeline,
 each firing's inputs worked out from the wiring (input ``i`` of firing ``f`` reads value
 ``f // repeat`` of its producer's register), run as one generated function of straight-line
-code (`_program`, made at its first run: a value a local variable) instead of the rule's
-scan, the req / ack bookkeeping and its conditions. The actors get the same arguments, the
-timeline the same events, the sinks the same values; a value is dropped after its last read,
-as its slot would be freed; an actor's exception fails the run as a firing's does, and the
-run after a failed one goes by the rule. See docs/runtime.md.
+code (`_program`: a value a local variable; made at its first replay, or for a long order
+after `COMPILE_AFTER` replays by a loop) instead of the rule's scan, the req / ack
+bookkeeping and its conditions. The actors get the same arguments, the timeline the same
+events, the sinks the same values; a value is dropped after its last read, as its slot would
+be freed; an actor's exception fails the run as a firing's does, and the run after a failed
+one goes by the rule. See docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import linecache
 import time
 import weakref
+from functools import partial
 from typing import Any, NamedTuple
 
 from .actors import Actor
@@ -26,6 +28,12 @@ from .actors import Actor
 __all__ = ["FiringOrder", "Firing"]
 
 _names = itertools.count()  # one name a generated program (its source in linecache)
+# Generating costs about 0.25 ms a firing here, as much as 60-170 of the loop's replays save:
+# an order of at most COMPILE_NOW firings is generated at its first replay (0.25 s at most);
+# a longer one replays by the loop until COMPILE_AFTER replays, so no one-off pause is paid
+# by an order that replays a few times only
+COMPILE_NOW = 1024
+COMPILE_AFTER = 64
 
 
 class Firing(NamedTuple):
@@ -62,26 +70,69 @@ class FiringOrder:
     """The firings of a run that ended well, in its order (``events``: its timeline; every
     input's producer on the same rank, which a run with no peer ensures)."""
 
-    __slots__ = ("firings", "program")
+    __slots__ = ("firings", "program", "replays")
 
     def __init__(self, actors: dict[str, Actor], events: list[dict]) -> None:
         self.firings = [_firing(actors[e["actor"]], e["micro_batch"]) for e in events]
         self.program: Any = None  # the firings as one generated function (`_program`)
+        self.replays = 0
 
     def run(self, run: Any, split) -> None:
         """Fire ``run``'s actors in this order (``run``: a `_PlanRun` just reset, its lock held
         by the caller and released here while the actors run, as a firing releases it;
         ``split``: the engine's reading of a function's result into register values). On an
         actor's exception the run fails as a firing's failure fails it."""
-        if self.program is None:
+        if self.program is None and (len(self.firings) <= COMPILE_NOW
+                                     or self.replays >= COMPILE_AFTER):
             self.program = _program(self.firings)
+        self.replays += 1
+        fire = self.program or partial(_loop, self.firings)
         run.lock.release()
         try:
-            if self.program(run.events, run.results, time.perf_counter, run.watch.fail, split,
-                            run.rank):
+            if fire(run.events, run.results, time.perf_counter, run.watch.fail, split,
+                    run.rank):
                 run.left = 0
         finally:
             run.lock.acquire()
+
+
+def _loop(firings: list[Firing], events: list, results: dict, clock, fail, split,
+          rank: int) -> bool:
+    """`_program`'s function for ``firings``, as a loop over them (values held in a dict)."""
+    held: dict = {}  # (actor, register, value index) -> [value, reads left]
+    cell = None
+    for f in firings:
+        a = f.actor
+        args = []
+        for key, last in f.reads:
+            cell = held[key]
+            args.append(cell[0])
+            if last:
+                cell[1] -= 1
+                if not cell[1]:
+                    del held[key]
+        a.busy = True
+        start = a.since = clock()
+        try:
+            out = a.fn(f.index, *args)
+            values = ((out,) if f.one else split(a, out)) if f.emits else ()
+        except BaseException as exc:  # noqa: BLE001 - fails the run, as a firing's
+            fail(exc, a, f.index)
+            return False
+        end = a.since = clock()
+        a.busy = False
+        a.fired += 1
+        events.append({"rank": rank, "actor": f.name, "kind": f.kind, "stage": f.stage,
+                       "micro_batch": f.index, "start": start, "end": end})
+        for (sink, key, readers), value in zip(f.outs, values):
+            if sink is not None:
+                results.setdefault(sink, []).append(value)
+            else:
+                held[key] = [value, readers]
+        # (a firing's locals would keep its values alive into the next firing, where the
+        # rule's `_fire` has returned: a value goes with its last read)
+        args = cell = out = values = value = None
+    return True
 
 
 def _program(firings: list[Firing]) -> Any:

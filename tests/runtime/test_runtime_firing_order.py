@@ -14,6 +14,7 @@ import sbpflow as sf
 from sbpflow.runtime import ActorSpec, Input, Plan, Runtime
 from sbpflow.runtime import firing_order
 
+_GENERATE = firing_order._program  # (the fixture below replaces it on the loop's side)
 M = 8  # micro-batches a run
 SLOTS = 2  # slots of the loader's registers: at most this many of its values are held
 
@@ -59,6 +60,16 @@ def _plan(live: list, fail: dict) -> Plan:
              ActorSpec("side", "compute", side, inputs=[Input("load", "b")]),
              ActorSpec("acc", "compute", acc, inputs=["mul", "neg"], emit_every=M)]
     return Plan({0: specs}, name="replay", inline=True)
+
+
+@pytest.fixture(autouse=True, params=["program", "loop"])
+def _replay_by(request, monkeypatch):
+    """Every test with the order generated at its first replay, and with the loop it runs
+    by before that for a long order (`COMPILE_NOW`, `COMPILE_AFTER`)."""
+    if request.param == "loop":
+        monkeypatch.setattr(firing_order, "COMPILE_NOW", 0)
+        monkeypatch.setattr(firing_order, "COMPILE_AFTER", 10 ** 9)
+        monkeypatch.setattr(firing_order, "_program", None)  # (never called)
 
 
 def _count_replays(monkeypatch) -> list:
@@ -167,3 +178,31 @@ def test_a_rank_talking_to_another_never_replays(monkeypatch):
     res = sf.launch(body, world_size=2)
     assert [float(v) for v in res[1][-1]["double"]] == [0.0, 2.0, 4.0, 6.0]
     assert replays == []
+
+
+def test_a_long_order_is_generated_after_its_first_replays(monkeypatch):
+    """An order longer than COMPILE_NOW firings replays by the loop COMPILE_AFTER times, then
+    by its generated function, with the same results."""
+    monkeypatch.setattr(firing_order, "COMPILE_NOW", 0)
+    monkeypatch.setattr(firing_order, "COMPILE_AFTER", 2)
+    made: list = []
+
+    def counted(firings):
+        made.append(len(firings))
+        return _GENERATE(firings)
+    monkeypatch.setattr(firing_order, "_program", counted)
+
+    def body():
+        rt = Runtime(_plan([], {}))
+        out = []
+        for _ in range(5):
+            out.append((rt.run(M)["acc"][0], _order(rt)))
+            out[-1] += (len(made),)
+        return out
+
+    runs = sf.launch(body, world_size=1)[0]
+    # run 1 by the rule, 2 and 3 by the loop, 4 and 5 by the function made before run 4
+    assert [n for _, _, n in runs] == [0, 0, 0, 1, 1]
+    assert made == [len(runs[0][1])]
+    for acc, order, _ in runs[1:]:
+        assert torch.equal(acc, runs[0][0]) and order == runs[0][1]
