@@ -1,19 +1,25 @@
 """Small helpers with no sbpflow dependencies: `IdentityMap`, a weak map keyed by identity
 (per-parameter registries); `text_digest`; rebuilding a sequence of the same kind; `renamed`, a
-module ``__getattr__`` that keeps a renamed name working for one release.
+module ``__getattr__`` that keeps a renamed name working for one release; `generated_function`,
+a function compiled from generated source that tracebacks can show.
 (Layout-independent random numbers are `sbpflow.random_regions`.)
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import linecache
 import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
 
-__all__ = ["IdentityMap", "text_digest", "sequence_of", "rebuild_sequence", "renamed"]
+__all__ = ["IdentityMap", "text_digest", "sequence_of", "rebuild_sequence", "renamed",
+           "generated_function"]
+
+_generated = itertools.count()  # one file name a generated function
 
 
 class IdentityMap:
@@ -130,3 +136,17 @@ def renamed(module: str, old_to_new: dict[str, str]) -> Callable[[str], Any]:
 
 __getattr__ = renamed(__name__, {name: f"sbpflow.random_regions:{name}" for name in
                                  ("BLOCK", "mix_seed", "generate_region", "row_major_strides")})
+
+
+def generated_function(src: str, label: str, ns: dict, fn: str = "run") -> Callable:
+    """Function ``fn`` of the module source ``src`` (generated code), run in namespace
+    ``ns``; its file is named after ``label``, and its source stays in `linecache` while the
+    function lives, so that tracebacks show the generated lines (a plan rebuilt often makes
+    many such functions: none is kept after it goes). ``.source`` holds ``src``."""
+    name = f"<sbpflow {label} {next(_generated)}>"
+    exec(compile(src, name, "exec"), ns)
+    out = ns[fn]
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    weakref.finalize(out, linecache.cache.pop, name, None)
+    out.source = src
+    return out

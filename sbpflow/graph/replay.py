@@ -16,18 +16,15 @@ fallback: a mean over counted targets, ZeRO's unit gathers and releases, `Record
 from __future__ import annotations
 
 import keyword
-import linecache
 import os
-from itertools import count
 from typing import Callable
 
 from ..boxing import apply_step
+from ..utils import generated_function
 from .lower import reads, writes
 from .nodes import AssignNode, BoxNode, DetachNode, GuardNode, Mode, OpNode, ThunkNode
 
 __all__ = ["segment_program", "programs_enabled"]
-
-_names = count()
 
 
 def programs_enabled() -> bool:
@@ -171,10 +168,5 @@ def segment_program(nodes: list, frees: list, label: str = "segment") -> Callabl
 
 
 def _compile(w: _Writer, label: str) -> Callable:
-    name = f"<sbpflow graph program {next(_names)}: {label}>"
     src = "def run(vals, _env):\n" + "\n".join(w.lines) + "\n"
-    linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # (tracebacks)
-    exec(compile(src, name, "exec"), w.ns)
-    run = w.ns["run"]
-    run.source = src
-    return run
+    return generated_function(src, f"graph program: {label}", w.ns)

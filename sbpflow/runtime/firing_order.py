@@ -16,18 +16,15 @@ one goes by the rule. See docs/runtime.md.
 
 from __future__ import annotations
 
-import itertools
-import linecache
 import time
-import weakref
 from functools import partial
 from typing import Any, NamedTuple
 
+from ..utils import generated_function
 from .actors import Actor
 
 __all__ = ["FiringOrder", "Firing"]
 
-_names = itertools.count()  # one name a generated program (its source in linecache)
 # Generating costs about 0.25 ms a firing here, as much as 60-170 of the loop's replays save:
 # an order of at most COMPILE_NOW firings is generated at its first replay (0.25 s at most);
 # a longer one replays by the loop until COMPILE_AFTER replays, so no one-off pause is paid
@@ -175,11 +172,4 @@ def _program(firings: list[Firing]) -> Any:
         body += after + [f"{v} = None" for v in dropped] + ["out = vals = None"]
         out += ["    " + line for line in body]
     out.append("    return True")
-    src = "\n".join(out) + "\n"
-    name = f"<sbpflow firing order {next(_names)}>"
-    exec(compile(src, name, "exec"), ns)
-    run = ns["run"]
-    # its source for tracebacks while it lives (a run rebuilt often makes many programs)
-    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-    weakref.finalize(run, linecache.cache.pop, name, None)
-    return run
+    return generated_function("\n".join(out) + "\n", "firing order", ns)
