@@ -4,6 +4,8 @@ its copy after F_j). Checked: bit-for-bit the closed-form rule, the messages and
 step against their formula, and the parameter bytes each rank held against the bound the
 relays imply (docs/cdp.md, 'Settings')."""
 
+import time
+
 import pytest
 import torch
 
@@ -79,3 +81,28 @@ def test_zero_relays_at_forward_and_backward(rule):
         owned = (versions[r] + 1) * STAGE_BYTES
         least = max(owned, 3 * STAGE_BYTES)
         assert least <= held <= owned + 3 * STAGE_BYTES, (r, held / STAGE_BYTES)
+
+
+
+
+def test_a_send_still_copying_a_version_sends_it_as_it_was(monkeypatch):
+    """The owner's update writes into a version whose last read was taken (`unused`); a
+    send of the version (on a thread of its own) takes its read only once its copy is made,
+    or the receiver gets the updated tensors. Here each of the owners' sends for a backward
+    waits 20 ms between reading the version and the copy: under v2, a stale version's
+    sends then overlap the update that follows it (it failed so every time)."""
+    from sbpflow.parallel.cdp import rank_state
+    tensors = rank_state.RankState._tensors
+
+    def slow(self, t):
+        out = tensors(self, t)
+        if t.payload[0] == "paramb" and not self._relayed(t.payload[1]):
+            time.sleep(0.02)
+        return out
+
+    monkeypatch.setattr(rank_state.RankState, "_tensors", slow)
+    want, _ = sf.launch(lambda: closed_form(_stages(), _loss, _sgd, "v2", _batches()),
+                        world_size=1)[0]
+    got = sf.launch(lambda: _train("v2"), world_size=N)[0]["state"]
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

@@ -221,8 +221,8 @@ class RankState:
         kind = t.payload[0]
         if kind in PARAMS and self._relayed(t.payload[1]):
             return [p.detach() for p in self.store.relay((t.payload, t.cycle))]
-        if kind in PARAMS:
-            return [p.detach() for p in self.store.take(t.payload[1], t.payload[2])]
+        if kind in PARAMS:  # (the read is taken once the send's copy is made: `_sent`)
+            return [p.detach() for p in self.store.peek(t.payload[1], t.payload[2])]
         value = self.values.pop(t.payload)
         return list(value) if kind == "gsum" else [value]
 
@@ -244,9 +244,18 @@ class RankState:
             set_collective_stream(previous)
         self._count(tensors)
         del tensors
-        if t.payload[0] in PARAMS and self._relayed(t.payload[1]):
-            self.store.done_relay((t.payload, t.cycle))
+        self._sent(t)
         self.log[name] = (rel, -1)
+
+    def _sent(self, t: PeerTransfer) -> None:
+        """A send's read of a version or relayed copy is over. Only now: an update on the
+        compute thread writes into a version whose last read was taken (`VersionStore.unused`),
+        and the receiver must get the version as it was."""
+        kind = t.payload[0]
+        if kind in PARAMS and self._relayed(t.payload[1]):
+            self.store.done_relay((t.payload, t.cycle))
+        elif kind in PARAMS:
+            self.store.take(t.payload[1], t.payload[2])
 
     def _count(self, tensors) -> None:
         """One message of ``tensors`` sent by this rank (``stats()``'s messages and bytes)."""

@@ -111,14 +111,20 @@ class VersionStore:
                 self.entries[key] = [list(tensors), reads]
             self._note(stage)
 
+    def _entry(self, stage: int, version: int) -> list:
+        entry = self.entries.get((stage, version))
+        if entry is None:
+            have = sorted(v for (s, v) in self.entries if s == stage)
+            raise PlanError(f"CDP: version {version} of stage {stage} is not on this rank "
+                            f"(it holds versions {have}): a schedule bug")
+        return entry
+
     def take(self, stage: int, version: int) -> list[torch.Tensor]:
-        """One read of a version (freed after its last)."""
+        """One read of a version (freed after its last). A read that goes on after this
+        call (a send copying the tensors) `peek`s, and takes once it is over: the last read
+        lets the owner update the tensors in place (`unused`)."""
         with self.lock:
-            entry = self.entries.get((stage, version))
-            if entry is None:
-                have = sorted(v for (s, v) in self.entries if s == stage)
-                raise PlanError(f"CDP: version {version} of stage {stage} is not on this rank "
-                                f"(it holds versions {have}): a schedule bug")
+            entry = self._entry(stage, version)
             entry[1] -= 1
             if entry[1] == 0:
                 del self.entries[(stage, version)]
@@ -126,7 +132,7 @@ class VersionStore:
 
     def unused(self, stage: int, version: int) -> bool:
         """Whether no read of ``version`` is left on this rank and no micro-batch holds it:
-        its tensors are nobody's but the caller's (a send of it was over when it returned)."""
+        its tensors are nobody's but the caller's (a send takes its read once its copy is made)."""
         with self.lock:
             return (stage, version) not in self.entries and not self.held[stage].get(version)
 
@@ -137,7 +143,8 @@ class VersionStore:
 
     def peek(self, stage: int, version: int) -> list[torch.Tensor]:
         """A version's tensors, without counting a read."""
-        return self.entries[(stage, version)][0]
+        with self.lock:
+            return self._entry(stage, version)[0]
 
     def hold(self, stage: int, version: int) -> None:
         """A micro-batch's forward keeps ``version`` until its backward."""
