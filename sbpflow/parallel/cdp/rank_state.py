@@ -221,8 +221,9 @@ class RankState:
         kind = t.payload[0]
         if kind in PARAMS and self._relayed(t.payload[1]):
             return [p.detach() for p in self.store.relay((t.payload, t.cycle))]
-        if kind in PARAMS:  # (the read is taken once the send's copy is made: `_sent`)
-            return [p.detach() for p in self.store.peek(t.payload[1], t.payload[2])]
+        if kind in PARAMS:  # (a send's read: over at `_sent`)
+            return [p.detach() for p in self.store.take(t.payload[1], t.payload[2],
+                                                          sending=True)]
         value = self.values.pop(t.payload)
         return list(value) if kind == "gsum" else [value]
 
@@ -248,14 +249,14 @@ class RankState:
         self.log[name] = (rel, -1)
 
     def _sent(self, t: PeerTransfer) -> None:
-        """A send's read of a version or relayed copy is over. Only now: an update on the
-        compute thread writes into a version whose last read was taken (`VersionStore.unused`),
-        and the receiver must get the version as it was."""
+        """A send's read of a version or relayed copy is over: the exchange copied it. Not
+        before: an update on the compute thread writes into a version none reads any more
+        (`VersionStore.unused`), and the receiver must get the version as it was."""
         kind = t.payload[0]
         if kind in PARAMS and self._relayed(t.payload[1]):
             self.store.done_relay((t.payload, t.cycle))
         elif kind in PARAMS:
-            self.store.take(t.payload[1], t.payload[2])
+            self.store.sent(t.payload[1], t.payload[2])
 
     def _count(self, tensors) -> None:
         """One message of ``tensors`` sent by this rank (``stats()``'s messages and bytes)."""

@@ -40,6 +40,7 @@ class VersionStore:
         self.relays: dict[tuple, list] = {}  # ((label, stage, version), cycle) -> [tensors,
         #                                       reads left, free the storage after the last]
         self.max_versions = [0] * n
+        self.sending: dict[tuple[int, int], int] = {}  # (stage, version) -> sends copying it
 
     def _note(self, stage: int) -> None:
         live = {v for (s, v) in self.entries if s == stage} | set(self.held[stage])
@@ -119,22 +120,38 @@ class VersionStore:
                             f"(it holds versions {have}): a schedule bug")
         return entry
 
-    def take(self, stage: int, version: int) -> list[torch.Tensor]:
-        """One read of a version (freed after its last). A read that goes on after this
-        call (a send copying the tensors) `peek`s, and takes once it is over: the last read
-        lets the owner update the tensors in place (`unused`)."""
+    def take(self, stage: int, version: int, sending: bool = False) -> list[torch.Tensor]:
+        """One read of a version (freed after its last). ``sending``: the read of a send,
+        which goes on after this call (the exchange copies the tensors) until `sent`; until
+        then the version is not `unused` (else the owner's update could write into the
+        tensors the send copies), though no longer counted live."""
+        key = (stage, version)
         with self.lock:
             entry = self._entry(stage, version)
             entry[1] -= 1
             if entry[1] == 0:
-                del self.entries[(stage, version)]
+                del self.entries[key]
+            if sending:
+                self.sending[key] = self.sending.get(key, 0) + 1
             return entry[0]
+
+    def sent(self, stage: int, version: int) -> None:
+        """A send's read (`take` with ``sending``) is over: its copy was made."""
+        key = (stage, version)
+        with self.lock:
+            left = self.sending[key] - 1
+            if left:
+                self.sending[key] = left
+            else:
+                del self.sending[key]
 
     def unused(self, stage: int, version: int) -> bool:
         """Whether no read of ``version`` is left on this rank and no micro-batch holds it:
-        its tensors are nobody's but the caller's (a send takes its read once its copy is made)."""
+        its tensors are nobody's but the caller's (nor is a send still copying them)."""
+        key = (stage, version)
         with self.lock:
-            return (stage, version) not in self.entries and not self.held[stage].get(version)
+            return (key not in self.entries and key not in self.sending
+                    and not self.held[stage].get(version))
 
     def latest(self, stage: int) -> int | None:
         with self.lock:
