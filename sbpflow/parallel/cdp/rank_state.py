@@ -148,7 +148,7 @@ class RankState:
     def forward(self, rel: Work, name: str) -> None:
         i, j, c = rel.worker, rel.stage, rel.cycle + self.ctx[0]
         v = version_read(self.fresh[i][j], c)
-        relay = (("param", j, v), c) if j in self.relayed_stages else None
+        relay = (("param", j, v), c) if self._relayed(j) else None
         if relay:
             params = self.store.relay(relay)
         else:
